@@ -1,0 +1,59 @@
+"""The native engine: our patched llama.cpp, loaded through llama-cpp-python's ctypes bindings.
+
+`load_llama_cpp()` must run before anything imports `llama_cpp`: it points
+LLAMA_CPP_LIB_PATH at our build (kvcli/native/lib/default, or $KVCLI_LIB_DIR) so that the
+bindings load the patched library, never a stock one.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvcli.errors import KvcliError
+
+LIB_ROOT = Path(__file__).resolve().parent / "lib"
+
+
+def lib_dir() -> Path:
+    env = os.environ.get("KVCLI_LIB_DIR")
+    return Path(env) if env else LIB_ROOT / "default"
+
+
+def build_info() -> dict:
+    p = lib_dir() / "build_info.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _log_sink(level, text, user_data):
+    # llama.cpp's own log goes nowhere unless KVCLI_DEBUG is set: stderr is for kvcli's messages
+    if os.environ.get("KVCLI_DEBUG"):
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_log_sink)
+_llama_cpp = None
+
+
+def load_llama_cpp():
+    """Import llama_cpp bound to our patched library; a clear error if it is not built."""
+    global _llama_cpp
+    if _llama_cpp is not None:
+        return _llama_cpp
+    d = lib_dir()
+    if not (d / "libllama.so").exists():
+        raise KvcliError(f"the kvcli native library is not built ({d / 'libllama.so'} is missing): "
+                         "run ./setup.sh, or python -m kvcli.native.build")
+    if "llama_cpp" in sys.modules and os.environ.get("LLAMA_CPP_LIB_PATH") != str(d):
+        raise KvcliError("llama_cpp was imported before kvcli could point it at the patched library")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
+    try:
+        import llama_cpp  # noqa: PLC0415 (must come after the environment variable)
+    except ImportError as e:
+        raise KvcliError(f"llama-cpp-python is not installed ({e}): run ./setup.sh") from e
+    llama_cpp.llama_log_set(_LOG_CALLBACK, None)
+    llama_cpp.llama_backend_init()
+    _llama_cpp = llama_cpp
+    return llama_cpp

@@ -1,0 +1,233 @@
+"""Build the patched llama.cpp library that the native engine loads.
+
+    python -m kvcli.native.build [--cuda] [--sanitize] [--force] [--jobs N]
+
+Steps (each cached under $KVCLI_CACHE, default ~/.cache/kvcli):
+1. the llama-cpp-python 0.3.36 source distribution (pinned), fetched once with pip;
+2. its vendored llama.cpp tree, extracted once per llama.cpp commit;
+3. a copy with every patch in native/patches/ applied in order (a patch that does not apply
+   stops the build with its name);
+4. a CMake build of native/CMakeLists.txt (the `llama` target + ggml, shared, with our
+   native/src/*.cpp compiled in), keyed by the commit, the patches, our sources and the flags,
+   so a second install does not rebuild.
+The libraries are then copied into kvcli/native/lib/<variant>/ with a build_info.json.
+Environment: KVCLI_CUDA=1 is the same as --cuda; KVCLI_CMAKE_ARGS adds CMake arguments;
+KVCLI_CACHE moves the cache; KVCLI_LIB_DIR installs (and kvcli loads) the default variant elsewhere.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from kvcli import __version__
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+REPO_NATIVE = Path(__file__).resolve().parents[2] / "native"
+LIB_ROOT = Path(__file__).resolve().parent / "lib"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("KVCLI_CACHE", Path.home() / ".cache" / "kvcli"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def log(msg: str) -> None:
+    print(f"[kvcli build] {msg}", file=sys.stderr, flush=True)
+
+
+def fetch_sdist() -> Path:
+    dest = cache_dir() / "sdist"
+    path = dest / SDIST_NAME
+    if path.exists():
+        return path
+    dest.mkdir(parents=True, exist_ok=True)
+    log(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} source distribution")
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--no-build-isolation", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
+        # --no-build-isolation: pip would otherwise build an isolated environment just to read metadata
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / SDIST_NAME
+        if not got.exists():
+            # metadata preparation may need scikit-build-core; retry the plain way
+            cmd.remove("--no-build-isolation")
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        if not got.exists():
+            raise BuildError(f"could not download {SDIST_NAME}: {r.stderr.strip()[-500:]}")
+        os.replace(got, path)
+    return path
+
+
+def extract_llama_cpp(sdist: Path) -> tuple[Path, str]:
+    """Extract vendor/llama.cpp once; return (tree, commit)."""
+    root = cache_dir() / "src"
+    pristine = root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    stamp = pristine / ".kvcli-commit"
+    if not stamp.exists():
+        log("extracting vendor/llama.cpp from the source distribution")
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+        tmp = Path(tempfile.mkdtemp(dir=root.parent if root.exists() else cache_dir()))
+        head = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/.git/modules/vendor/llama.cpp/HEAD"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            tar.extractall(tmp, members=members, filter="data")
+            commit = tar.extractfile(head).read().decode().strip()
+        if len(commit) != 40:
+            raise BuildError("the source distribution does not name its llama.cpp commit")
+        tree = tmp / prefix
+        (tree / ".git").unlink(missing_ok=True)  # a submodule pointer into the sdist's .git: useless here
+        root.mkdir(parents=True, exist_ok=True)
+        if pristine.exists():
+            shutil.rmtree(pristine)
+        shutil.move(str(tree), pristine)
+        shutil.rmtree(tmp, ignore_errors=True)
+        stamp.write_text(commit)
+    return pristine, stamp.read_text().strip()
+
+
+def patches() -> list[Path]:
+    return sorted((REPO_NATIVE / "patches").glob("*.patch"))
+
+
+def source_hash(extra: list[str]) -> str:
+    h = hashlib.sha256()
+    files = patches() + sorted((REPO_NATIVE / "src").rglob("*")) + sorted((REPO_NATIVE / "include").rglob("*"))
+    files.append(REPO_NATIVE / "CMakeLists.txt")
+    for f in files:
+        if f.is_file():
+            h.update(str(f.relative_to(REPO_NATIVE)).encode())
+            h.update(f.read_bytes())
+    for e in extra:
+        h.update(e.encode())
+    h.update(__version__.encode())
+    return h.hexdigest()[:16]
+
+
+def patched_tree(pristine: Path, commit: str) -> Path:
+    h = hashlib.sha256(commit.encode())
+    for p in patches():
+        h.update(p.read_bytes())
+    tree = cache_dir() / "src" / f"llama.cpp-{commit[:9]}-patched-{h.hexdigest()[:12]}"
+    if (tree / ".kvcli-patched").exists():
+        return tree
+    log(f"applying {len(patches())} patch(es) from native/patches/")
+    tmp = tree.with_name(tree.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(pristine, tmp, symlinks=True)
+    for p in patches():
+        r = subprocess.run(["git", "apply", "--whitespace=nowarn", str(p)], cwd=tmp, capture_output=True, text=True)
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BuildError(f"patch {p.name} does not apply to llama.cpp {commit[:9]}:\n{r.stderr.strip()}")
+    (tmp / ".kvcli-patched").write_text("\n".join(p.name for p in patches()))
+    if tree.exists():
+        shutil.rmtree(tree)
+    os.replace(tmp, tree)
+    return tree
+
+
+def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs: int | None = None) -> Path:
+    """Build (or reuse) the library; return the directory holding libllama.so."""
+    variant = "sanitize" if sanitize else "default"
+    flags = {
+        "GGML_NATIVE": "ON",
+        "GGML_CUDA": "ON" if cuda else "OFF",
+        "KVCLI_SANITIZE": "ON" if sanitize else "OFF",
+        "CMAKE_BUILD_TYPE": "RelWithDebInfo" if sanitize else "Release",
+    }
+    extra_args = os.environ.get("KVCLI_CMAKE_ARGS", "").split()
+    sdist = fetch_sdist()
+    pristine, commit = extract_llama_cpp(sdist)
+    tree = patched_tree(pristine, commit)
+    # The build folder is keyed by what forces a full rebuild (llama.cpp tree + flags); our own
+    # sources are built incrementally in it, and the stamp holds the hash of everything.
+    tree_key = hashlib.sha256(f"{tree.name}{json.dumps(flags, sort_keys=True)}{extra_args}".encode()).hexdigest()[:12]
+    key = source_hash([commit, json.dumps(flags, sort_keys=True), *extra_args])
+    build_dir = cache_dir() / "build" / f"{variant}-{tree_key}"
+    bin_dir = build_dir / "bin"
+    done = build_dir / ".kvcli-built"
+    flag_text = " ".join(f"{k}={v}" for k, v in flags.items() if k != "CMAKE_BUILD_TYPE")
+    if force or not done.exists() or done.read_text() != key:
+        log(f"building llama.cpp {commit[:9]} + kvcli ({flag_text}); this takes a few minutes")
+        args = ["cmake", "-S", str(REPO_NATIVE), "-B", str(build_dir),
+                f"-DKVCLI_LLAMA_SRC={tree}", f"-DKVCLI_LLAMA_COMMIT={commit}",
+                f"-DKVCLI_VERSION={__version__}", f"-DKVCLI_BUILD_FLAGS={flag_text}",
+                "-DCMAKE_BUILD_RPATH=$ORIGIN", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+                *[f"-D{k}={v}" for k, v in flags.items()], *extra_args]
+        run(args)
+        run(["cmake", "--build", str(build_dir), "--target", "llama", "-j", str(jobs or os.cpu_count() or 2)])
+        done.write_text(key)
+    else:
+        log(f"reusing the cached build {build_dir.name}")
+    return install(bin_dir, variant, {"commit": commit, "flags": flag_text, "key": key,
+                                       "kvcli_version": __version__, "build_dir": str(build_dir)})
+
+
+def install(bin_dir: Path, variant: str, info: dict) -> Path:
+    """Copy the libraries to where kvcli loads them (KVCLI_LIB_DIR overrides, for side-by-side builds)."""
+    dest = Path(os.environ["KVCLI_LIB_DIR"]) if os.environ.get("KVCLI_LIB_DIR") and variant == "default" \
+        else LIB_ROOT / variant
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    libs = [p for p in bin_dir.iterdir() if p.name.startswith(("libllama.so", "libggml")) and ".so" in p.name]
+    if not any(p.name == "libllama.so" for p in libs):
+        raise BuildError(f"the build produced no libllama.so in {bin_dir}")
+    for p in libs:  # keep the soname symlinks as links
+        if p.is_symlink():
+            os.symlink(os.readlink(p), tmp / p.name)
+        else:
+            shutil.copy2(p, tmp / p.name)
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    log(f"installed into {dest}")
+    return dest
+
+
+def run(args: list[str]) -> None:
+    r = subprocess.run(args)
+    if r.returncode != 0:
+        raise BuildError(f"command failed ({r.returncode}): {' '.join(args[:4])} ...")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcli.native.build", description=__doc__.split("\n")[0])
+    ap.add_argument("--cuda", action="store_true", default=os.environ.get("KVCLI_CUDA") == "1",
+                    help="build with -DGGML_CUDA=ON (also KVCLI_CUDA=1)")
+    ap.add_argument("--sanitize", action="store_true", help="address + undefined-behaviour sanitizer build")
+    ap.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    ap.add_argument("--jobs", "-j", type=int, default=None)
+    ap.add_argument("--fetch-sdist", action="store_true", help="only fetch the pinned sdist and print its path")
+    a = ap.parse_args(argv)
+    try:
+        if a.fetch_sdist:
+            print(fetch_sdist())
+            return 0
+        build(cuda=a.cuda, sanitize=a.sanitize, force=a.force, jobs=a.jobs)
+    except BuildError as e:
+        print(f"kvcli build: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""ctypes bindings of native/include/kvcli.h, with numpy conversions to kvcli.plan formats.
+
+Functions are bound lazily: a library built without one of them gives a clear error when
+that function is used, not at import.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_char, c_char_p, c_float, c_int32, c_int64, c_void_p
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.native import load_llama_cpp
+from kvcli.plan import Observation, Plan
+
+F32P = POINTER(c_float)
+I32P = POINTER(c_int32)
+
+
+class PlanView(ctypes.Structure):
+    _fields_ = [
+        ("n_layer", c_int32), ("n_head_kv", c_int32), ("head_dim", c_int32),
+        ("n_kept", I32P), ("slots", I32P), ("log_mult", F32P),
+        ("n_replace", c_int32), ("replace_entry", I32P), ("replace_k", F32P), ("replace_v", F32P),
+    ]
+
+
+class ObsView(ctypes.Structure):
+    _fields_ = [
+        ("n_layer", c_int32), ("n_head", c_int32), ("n_head_kv", c_int32), ("head_dim", c_int32),
+        ("n_slots", c_int32), ("n_window", c_int32),
+        ("window", F32P), ("colsum", F32P), ("keys", F32P), ("values", F32P),
+    ]
+
+
+class StateHeader(ctypes.Structure):
+    _fields_ = [("policy", c_char * 32), ("budget", c_int32), ("original_tokens", c_int32),
+                ("kvcli_version", c_char * 16)]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [("n_cells", c_int32), ("k_bytes", c_int64), ("v_bytes", c_int64),
+                ("bias_bytes", c_int64), ("live_entries", c_int64)]
+
+
+# name -> (restype, argtypes)
+_SIGNATURES = {
+    "kvcli_version": (c_char_p, []),
+    "kvcli_llama_commit": (c_char_p, []),
+    "kvcli_build_flags": (c_char_p, []),
+    "kvcli_state_format": (c_int32, []),
+    "kvcli_last_error": (c_char_p, []),
+    "kvcli_observe_begin": (c_int32, [c_void_p, c_int32, c_int32, c_int32]),
+    "kvcli_observe_end": (c_int32, [c_void_p]),
+    "kvcli_observe_n_slots": (c_int32, [c_void_p]),
+    "kvcli_observe_n_window": (c_int32, [c_void_p]),
+    "kvcli_observe_read_window": (c_int32, [c_void_p, c_int32, F32P]),
+    "kvcli_observe_read_colsum": (c_int32, [c_void_p, c_int32, F32P]),
+    "kvcli_seq_n_slots": (c_int32, [c_void_p, c_int32]),
+    "kvcli_seq_read_kv": (c_int32, [c_void_p, c_int32, c_int32, c_int32, F32P]),
+    "kvcli_seq_positions": (c_int32, [c_void_p, c_int32, I32P]),
+    "kvcli_apply_plan": (c_int32, [c_void_p, c_int32, POINTER(PlanView)]),
+    "kvcli_seq_is_compressed": (c_int32, [c_void_p, c_int32]),
+    "kvcli_seq_set_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
+    "kvcli_seq_get_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
+    "kvcli_stats_get": (c_int32, [c_void_p, c_int32, POINTER(Stats), I32P, I32P]),
+    "kvcli_plan_make": (c_void_p, [c_char_p, c_char_p, c_int32, POINTER(ObsView)]),
+    "kvcli_plan_free": (None, [c_void_p]),
+    "kvcli_plan_get": (c_int32, [c_void_p, POINTER(PlanView)]),
+}
+
+
+class _Lib:
+    def __init__(self):
+        self._cdll = load_llama_cpp().llama_cpp._lib
+        self._bound: dict = {}
+
+    def __getattr__(self, name):
+        if name not in _SIGNATURES:
+            raise AttributeError(name)
+        fn = self._bound.get(name)
+        if fn is None:
+            try:
+                fn = getattr(self._cdll, name)
+            except AttributeError:
+                raise KvcliError(f"the native library has no {name}(): rebuild it (python -m kvcli.native.build)") \
+                    from None
+            fn.restype, fn.argtypes = _SIGNATURES[name]
+            self._bound[name] = fn
+        return fn
+
+    def last_error(self) -> str:
+        return (self.kvcli_last_error() or b"").decode("utf-8", "replace")
+
+    def check(self, rc: int, what: str) -> int:
+        if rc is None or rc < 0:
+            raise KvcliError(f"{what} failed: {self.last_error() or 'unknown native error'}")
+        return rc
+
+
+_LIB: _Lib | None = None
+
+
+def lib() -> _Lib:
+    global _LIB
+    if _LIB is None:
+        _LIB = _Lib()
+    return _LIB
+
+
+def identity() -> dict:
+    L = lib()
+    return {"version": L.kvcli_version().decode(), "llama_commit": L.kvcli_llama_commit().decode(),
+            "build_flags": L.kvcli_build_flags().decode(), "state_format": int(L.kvcli_state_format())}
+
+
+def _f32(a: np.ndarray | None):
+    return None if a is None else a.ctypes.data_as(F32P)
+
+
+def _i32(a: np.ndarray | None):
+    return None if a is None else a.ctypes.data_as(I32P)
+
+
+def plan_view(plan: Plan, head_dim: int) -> tuple[PlanView, list]:
+    """A PlanView over the plan's arrays; the returned list keeps them alive."""
+    keep = [np.ascontiguousarray(plan.n_kept, np.int32), np.ascontiguousarray(plan.slots, np.int32)]
+    lm = None if plan.log_mult is None else np.ascontiguousarray(plan.log_mult, np.float32)
+    re = np.ascontiguousarray(plan.replace_entry, np.int32)
+    rk = None if plan.replace_k is None else np.ascontiguousarray(plan.replace_k, np.float32)
+    rv = None if plan.replace_v is None else np.ascontiguousarray(plan.replace_v, np.float32)
+    keep += [lm, re, rk, rv]
+    v = PlanView(plan.n_layer, plan.n_head_kv, head_dim, _i32(keep[0]), _i32(keep[1]), _f32(lm),
+                 int(re.size), _i32(re), _f32(rk), _f32(rv))
+    return v, keep
+
+
+def plan_from_view(v: PlanView) -> Plan:
+    n_kept = np.ctypeslib.as_array(v.n_kept, (v.n_layer * v.n_head_kv,)).reshape(v.n_layer, v.n_head_kv).copy()
+    total = int(n_kept.sum())
+    slots = np.ctypeslib.as_array(v.slots, (total,)).copy() if total else np.zeros(0, np.int32)
+    log_mult = np.ctypeslib.as_array(v.log_mult, (total,)).copy() if (v.log_mult and total) else None
+    r = int(v.n_replace)
+    if r:
+        rep = np.ctypeslib.as_array(v.replace_entry, (r,)).copy()
+        rk = np.ctypeslib.as_array(v.replace_k, (r * v.head_dim,)).reshape(r, v.head_dim).copy()
+        rv = np.ctypeslib.as_array(v.replace_v, (r * v.head_dim,)).reshape(r, v.head_dim).copy()
+    else:
+        rep, rk, rv = np.zeros(0, np.int32), None, None
+    return Plan(n_kept=n_kept.astype(np.int32), slots=slots.astype(np.int32), log_mult=log_mult,
+                replace_entry=rep.astype(np.int32), replace_k=rk, replace_v=rv)
+
+
+def obs_view(obs: Observation) -> tuple[ObsView, list]:
+    arrs = [None if a is None else np.ascontiguousarray(a, np.float32)
+            for a in (obs.window, obs.colsum, obs.keys, obs.values)]
+    v = ObsView(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, obs.w, *[_f32(a) for a in arrs])
+    return v, arrs
+
+
+def native_plan(policy: str, params: str, budget: int, obs: Observation) -> Plan:
+    """Run the C++ planner of `policy` on `obs` (kvcli_plan_make)."""
+    L = lib()
+    ov, _keep = obs_view(obs)
+    handle = L.kvcli_plan_make(policy.encode(), params.encode(), int(budget), ctypes.byref(ov))
+    if not handle:
+        raise KvcliError(f"native planner '{policy}' failed: {L.last_error() or 'unknown error'}")
+    try:
+        pv = PlanView()
+        L.check(L.kvcli_plan_get(handle, ctypes.byref(pv)), "kvcli_plan_get")
+        return plan_from_view(pv)
+    finally:
+        L.kvcli_plan_free(handle)

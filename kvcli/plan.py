@@ -1,0 +1,135 @@
+"""The two data formats every part of kvcli shares: what a policy observes, what it decides.
+
+See docs/internals.md for the full contract. Both engines produce an `Observation` and
+consume a `Plan`; both planners (C++ and torch) map the first to the second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Observation:
+    """Attention statistics and cache rows of one prefilled sequence (float32, C order)."""
+
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n: int                                  # slots in the sequence
+    window: np.ndarray | None = None        # [n_layer, n_head, w, n]
+    colsum: np.ndarray | None = None        # [n_layer, n_head, n]
+    keys: np.ndarray | None = None          # [n_layer, n_head_kv, n, head_dim]
+    values: np.ndarray | None = None        # [n_layer, n_head_kv, n, head_dim]
+    positions: np.ndarray | None = None     # [n] int32
+
+    @property
+    def w(self) -> int:
+        return 0 if self.window is None else int(self.window.shape[2])
+
+    def validate(self) -> None:
+        shapes = {
+            "window": (self.n_layer, self.n_head, None, self.n),
+            "colsum": (self.n_layer, self.n_head, self.n),
+            "keys": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
+            "values": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
+            "positions": (self.n,),
+        }
+        for name, want in shapes.items():
+            arr = getattr(self, name)
+            if arr is None:
+                continue
+            if arr.ndim != len(want) or any(w is not None and w != s for w, s in zip(want, arr.shape)):
+                raise ValueError(f"observation.{name} has shape {arr.shape}, expected {want}")
+
+
+@dataclass
+class Plan:
+    """Per (layer, KV head): the kept slots, optional merged rows and log-multiplicity bias."""
+
+    n_kept: np.ndarray                              # int32 [n_layer, n_head_kv]
+    slots: np.ndarray                               # int32 [sum(n_kept)], ascending per (l, h)
+    log_mult: np.ndarray | None = None              # float32 [sum(n_kept)]
+    replace_entry: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    replace_k: np.ndarray | None = None             # float32 [R, head_dim]
+    replace_v: np.ndarray | None = None             # float32 [R, head_dim]
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.n_kept.shape[0])
+
+    @property
+    def n_head_kv(self) -> int:
+        return int(self.n_kept.shape[1])
+
+    @property
+    def max_kept(self) -> int:
+        return int(self.n_kept.max()) if self.n_kept.size else 0
+
+    def offsets(self) -> np.ndarray:
+        """Start of each (l, h) in `slots`, shape [n_layer, n_head_kv]."""
+        flat = np.concatenate([[0], np.cumsum(self.n_kept.reshape(-1))[:-1]])
+        return flat.reshape(self.n_kept.shape).astype(np.int64)
+
+    def kept(self, layer: int, head: int) -> np.ndarray:
+        off = self.offsets()[layer, head]
+        return self.slots[off: off + self.n_kept[layer, head]]
+
+    def kept_lists(self) -> list[list[np.ndarray]]:
+        return [[self.kept(l, h) for h in range(self.n_head_kv)] for l in range(self.n_layer)]
+
+    @classmethod
+    def from_lists(cls, kept: list[list[np.ndarray]], log_mult: list[list[np.ndarray]] | None = None) -> "Plan":
+        n_kept = np.array([[len(k) for k in layer] for layer in kept], dtype=np.int32)
+        slots = np.concatenate([np.asarray(k, dtype=np.int32) for layer in kept for k in layer]) \
+            if n_kept.sum() else np.zeros(0, np.int32)
+        lm = None
+        if log_mult is not None:
+            lm = np.concatenate([np.asarray(b, dtype=np.float32) for layer in log_mult for b in layer])
+        return cls(n_kept=n_kept, slots=slots.astype(np.int32), log_mult=lm)
+
+    @classmethod
+    def keep_all(cls, n_layer: int, n_head_kv: int, n: int) -> "Plan":
+        return cls.from_lists([[np.arange(n, dtype=np.int32)] * n_head_kv for _ in range(n_layer)])
+
+    def validate(self, n_slots: int, head_dim: int | None = None) -> None:
+        if self.n_kept.ndim != 2 or self.slots.ndim != 1 or int(self.n_kept.sum()) != self.slots.size:
+            raise ValueError("plan: n_kept and slots disagree")
+        if self.n_kept.min(initial=0) < 0:
+            raise ValueError("plan: negative n_kept")
+        for l in range(self.n_layer):
+            for h in range(self.n_head_kv):
+                k = self.kept(l, h)
+                if k.size and (k.min() < 0 or k.max() >= n_slots):
+                    raise ValueError(f"plan: layer {l} head {h} keeps a slot outside [0, {n_slots})")
+                if k.size > 1 and np.any(np.diff(k) <= 0):
+                    raise ValueError(f"plan: layer {l} head {h} slots are not strictly ascending")
+        if self.log_mult is not None and self.log_mult.shape != self.slots.shape:
+            raise ValueError("plan: log_mult must have one value per kept entry")
+        r = self.replace_entry.size
+        if r:
+            for name in ("replace_k", "replace_v"):
+                arr = getattr(self, name)
+                if arr is None or arr.shape[0] != r or (head_dim is not None and arr.shape[1] != head_dim):
+                    raise ValueError(f"plan: {name} must be [{r}, head_dim]")
+            if self.replace_entry.min() < 0 or self.replace_entry.max() >= self.slots.size:
+                raise ValueError("plan: replace_entry out of range")
+
+    def cells_per_layer(self) -> list[int]:
+        """Cells each layer occupies after compaction (its widest head)."""
+        return [int(x) for x in self.n_kept.max(axis=1)]
+
+    def entries(self) -> int:
+        return int(self.n_kept.sum())
+
+
+def topk_lower_first(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores, ties broken by the lower index, returned ascending.
+
+    The tie rule both engines follow (docs/internals.md): a stable sort on -score.
+    """
+    k = max(0, min(int(k), scores.shape[-1]))
+    order = np.argsort(-scores, kind="stable")[:k]
+    return np.sort(order).astype(np.int32)

