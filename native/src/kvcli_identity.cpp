@@ -1,5 +1,7 @@
-// Identity of the kvcli native library: what kvcli info reports to prove the patched build is loaded.
+// Identity of the kvcli native library (what `kvcli info` reports to prove that the patched
+// build is loaded) and the per-thread error message every kvcli_* call sets on failure.
 #include "kvcli.h"
+#include "kvcli_internal.h"
 
 #include <string>
 
@@ -8,6 +10,7 @@ thread_local std::string g_last_error;
 }
 
 void kvcli_set_error(const std::string & msg) { g_last_error = msg; }
+void kvcli_clear_error() { g_last_error.clear(); }
 
 extern "C" {
 
