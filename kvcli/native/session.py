@@ -1,0 +1,327 @@
+"""NativeSession: one model + one llama.cpp context, driven token by token.
+
+kvcli drives `llama_decode` itself with its own batches and its own position counter per
+sequence, because after a compaction a sequence holds fewer cells than its next position
+(llama-cpp-python's high-level `Llama` class assumes they are equal). The session API is
+the one of docs/internals.md, shared with the reference engine.
+"""
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.models import ModelInfo, read_model_info
+from kvcli.native import load_llama_cpp
+
+CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+class ContextFull(KvcliError):
+    """The context has no room for the next tokens."""
+
+
+@dataclass
+class SeqState:
+    next_pos: int = 0           # position the next token of this sequence gets
+    cells: int = 0              # cells the sequence occupies (fewer than next_pos once compressed)
+    logits_index: int = -1      # row of llama_get_logits_ith holding this sequence's last logits
+    prompt_tokens: int = 0
+    kept_positions: list | None = None   # per (layer, kv head) original positions, once compressed
+    timings: dict = field(default_factory=dict)
+
+
+class NativeSession:
+    engine = "native"
+
+    def __init__(self, model_path, *, n_ctx: int | None = None, n_seq: int = 1, flash_attn: bool = True,
+                 cache_type: str = "f16", n_batch: int = 512, n_threads: int | None = None):
+        self.L = load_llama_cpp()
+        L = self.L
+        self.model_path = str(model_path)
+        self.info: ModelInfo = read_model_info(model_path)
+        if cache_type not in CACHE_TYPES:
+            raise KvcliError(f"unknown cache type '{cache_type}': choose from {', '.join(CACHE_TYPES)}")
+        if cache_type.startswith("q") and not flash_attn:
+            raise KvcliError("a quantised V cache needs flash attention (llama.cpp's rule)")
+        self.cache_type = cache_type
+        self.flash_attn = flash_attn
+        mparams = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
+        if not self.model:
+            raise KvcliError(f"llama.cpp could not load {self.model_path} (set KVCLI_DEBUG=1 to see its log)")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
+        self.ctx = None
+        self._batch = None
+        self.seqs: dict[int, SeqState] = {}
+        self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
+        if n_ctx != 0:  # 0: the caller tokenises first, then calls create_context with the size it needs
+            self.create_context(n_ctx)
+
+    def create_context(self, n_ctx: int | None = None) -> None:
+        """Allocate the llama.cpp context (and its KV cache of n_ctx cells; default: the training context)."""
+        L = self.L
+        n_seq, n_batch, n_threads = (self._ctx_opts[k] for k in ("n_seq", "n_batch", "n_threads"))
+        flash_attn, cache_type = self.flash_attn, self.cache_type
+        n_ctx = int(n_ctx or self.n_ctx_train)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = True  # one cell pool for all sequences: compressed ones free cells for others
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.type_k = CACHE_TYPES[cache_type]
+        cparams.type_v = CACHE_TYPES[cache_type]
+        threads = n_threads or int(os.environ.get("KVCLI_THREADS", 0)) or (os.cpu_count() or 2)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            self.model = None
+            raise KvcliError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self.n_ctx = L.llama_n_ctx(self.ctx)
+        self.n_batch = n_batch
+        self.n_seq = n_seq
+        self.mem = L.llama_get_memory(self.ctx)
+        self._batch = L.llama_batch_init(max(n_batch, n_seq), 0, n_seq)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        L = self.L
+        if getattr(self, "_batch", None) is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "ctx", None):
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            L.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ text
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ctypes.c_int32 * cap)()
+        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            buf = (ctypes.c_int32 * cap)()
+            n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, True)
+        if n < 0:
+            raise KvcliError("tokenisation failed")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self.L.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.L.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.L.llama_vocab_is_eog(self.vocab, token))
+
+    def chat_template(self) -> str | None:
+        t = self.L.llama_model_chat_template(self.model, None)
+        return t.decode("utf-8") if t else None
+
+    def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
+        """The model's own chat template, as llama.cpp applies it (jinja as a fallback)."""
+        tmpl = self.chat_template()
+        if tmpl is None:
+            raise KvcliError(f"{os.path.basename(self.model_path)} has no chat template")
+        L = self.L
+        arr = (L.llama_chat_message * len(messages))()
+        keep = []
+        for i, m in enumerate(messages):
+            role, content = m["role"].encode(), m["content"].encode("utf-8")
+            keep += [role, content]
+            arr[i].role, arr[i].content = role, content
+        size = sum(len(m["content"].encode("utf-8")) for m in messages) * 2 + 1024
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n + 1)
+            n = L.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n + 1)
+        if n >= 0:
+            return buf.raw[:n].decode("utf-8")
+        # a template llama.cpp does not recognise: render the jinja source as llama-cpp-python does
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+        bos = self.detokenize([self.L.llama_vocab_bos(self.vocab)])
+        eos = self.detokenize([self.L.llama_vocab_eos(self.vocab)])
+        fmt = Jinja2ChatFormatter(template=tmpl, bos_token=bos, eos_token=eos, add_generation_prompt=add_assistant)
+        return fmt(messages=messages).prompt
+
+    # ------------------------------------------------------------------ decoding
+    def seq(self, seq: int = 0) -> SeqState:
+        if not 0 <= seq < self.n_seq:
+            raise KvcliError(f"sequence {seq} out of range (this context holds {self.n_seq})")
+        return self.seqs.setdefault(seq, SeqState())
+
+    def cells_used(self) -> int:
+        return sum(s.cells for s in self.seqs.values())
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> dict[int, int]:
+        """Decode one batch of (token, pos, seq, want_logits); return seq -> logits row."""
+        b = self._batch
+        rows = {}
+        for i, (tok, pos, seq, logits) in enumerate(entries):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+            if logits:
+                rows[seq] = i
+        b.n_tokens = len(entries)
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc == 1:
+            raise ContextFull(f"the context is full ({self.n_ctx} cells)")
+        if rc != 0:
+            raise KvcliError(f"llama_decode failed with code {rc}")
+        return rows
+
+    def prefill(self, tokens: list[int], seq: int = 0, observe=(), window: int = 0, progress=None):
+        """Append tokens to `seq`. With `observe`, capture the Observation (see docs/internals.md)."""
+        st = self.seq(seq)
+        if not tokens:
+            return None
+        if self.cells_used() + len(tokens) > self.n_ctx:
+            raise ContextFull(f"{len(tokens)} more tokens do not fit: {self.cells_used()} of {self.n_ctx} "
+                              "cells are in use")
+        observe = tuple(observe)
+        t0 = time.perf_counter()
+        cuts = _batch_cuts(len(tokens), self.n_batch, window if "window" in observe else 0)
+        armed = bool(set(observe) & {"window", "colsum"})
+        if armed:
+            from kvcli.native import cache  # noqa: PLC0415
+            cache.observe_begin(self.ctx, seq, observe, window_pos0=st.next_pos + len(tokens) - window)
+        try:
+            start = 0
+            for end in cuts:
+                entries = [(tokens[i], st.next_pos + (i - start), seq, i == len(tokens) - 1)
+                           for i in range(start, end)]
+                rows = self._decode(entries)
+                st.next_pos += end - start
+                st.cells += end - start
+                if seq in rows:
+                    st.logits_index = rows[seq]
+                if progress is not None:
+                    progress(end - start)
+                start = end
+        finally:
+            if armed:
+                cache.observe_end(self.ctx)
+        st.prompt_tokens += len(tokens)
+        st.timings["prefill_s"] = st.timings.get("prefill_s", 0.0) + time.perf_counter() - t0
+        if not observe:
+            return None
+        from kvcli.native import cache  # noqa: PLC0415
+        return cache.read_observation(self.ctx, seq, self.info, observe)
+
+    def step(self, tokens: dict[int, int]) -> None:
+        """Decode one token for each listed sequence, all in one batch."""
+        if self.cells_used() + len(tokens) > self.n_ctx:
+            raise ContextFull(f"the context is full ({self.n_ctx} cells)")
+        entries = [(tok, self.seq(s).next_pos, s, True) for s, tok in tokens.items()]
+        rows = self._decode(entries)
+        for s in tokens:
+            st = self.seqs[s]
+            st.next_pos += 1
+            st.cells += 1
+            st.logits_index = rows[s]
+
+    def logits(self, seq: int = 0) -> np.ndarray:
+        st = self.seq(seq)
+        if st.logits_index < 0:
+            raise KvcliError("no logits yet: decode something first")
+        ptr = self.L.llama_get_logits_ith(self.ctx, st.logits_index)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def clear(self, seq: int | None = None) -> None:
+        """Forget one sequence (or all) and free its cells."""
+        if seq is None:
+            self.L.llama_memory_clear(self.mem, True)
+            self.seqs.clear()
+            return
+        self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.seqs.pop(seq, None)
+
+    # ------------------------------------------------------------------ compression
+    def apply_plan(self, plan, seq: int = 0) -> None:
+        from kvcli.native import cache  # noqa: PLC0415
+        st = self.seq(seq)
+        cache.apply_plan(self.ctx, seq, plan, self.info.head_dim)
+        prev = st.kept_positions
+        kept = plan.kept_lists()
+        if prev is None:
+            base = np.arange(st.cells, dtype=np.int32)  # slots of an uncompressed sequence are its positions
+            st.kept_positions = [[base[k] for k in layer] for layer in kept]
+        else:
+            st.kept_positions = [[prev[l][h][k] for h, k in enumerate(layer)] for l, layer in enumerate(kept)]
+        st.cells = plan.max_kept
+
+    def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:
+        st = self.seq(seq)
+        if st.kept_positions is None:
+            full = np.arange(st.cells, dtype=np.int32)
+            return [[full] * self.info.n_head_kv for _ in range(self.info.n_layer)]
+        return st.kept_positions
+
+    # ------------------------------------------------------------------ stats
+    def bytes_per_cell(self) -> int:
+        """K + V bytes one uncompressed cell takes over all layers at this cache type."""
+        import gguf  # noqa: PLC0415
+        qt = gguf.GGMLQuantizationType[self.cache_type.upper()]
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        row = self.info.n_head_kv * self.info.head_dim // block * size
+        return 2 * row * self.info.n_layer
+
+    def stats(self, seq: int = 0) -> dict:
+        """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
+        from kvcli.native import cache  # noqa: PLC0415
+        st = self.seq(seq)
+        live = cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)
+        return {
+            "kv_cells": live["n_cells"],
+            "kv_bytes": live["k_bytes"] + live["v_bytes"] + live["bias_bytes"],
+            "kv_bytes_full": self.bytes_per_cell() * st.next_pos,
+            "per_layer_cells": live["per_layer_cells"],
+            **{k: round(v, 4) for k, v in st.timings.items()},
+        }
+
+
+def _batch_cuts(n: int, n_batch: int, window: int) -> list[int]:
+    """End offsets of the llama_decode calls for n tokens: at most n_batch each, and the last
+    `window` tokens (the observation window) in a call of their own."""
+    window = max(0, min(window, n))
+    head = n - window
+    cuts = list(range(n_batch, head, n_batch)) + ([head] if head else [])
+    cuts += list(range(head + n_batch, n, n_batch)) + [n] if window else []
+    return cuts if cuts else [n]
