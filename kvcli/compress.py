@@ -35,18 +35,17 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
         return CompressReport(policy, budget, len(tokens), time.perf_counter() - t0)
     from kvcli import policies  # noqa: PLC0415
 
-    spec = policies.get(policy)
-    params = spec.resolve_params(policy_args)
+    policies.get(policy)  # an unknown name is the first thing to report
     if budget is None:
         raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
-    if budget < 1:
-        raise KvcliError(f"--budget must be a positive number of entries, got {budget}")
-    observe, window = spec.observation(params)
+    spec, params, _ = policies.prepare(policy, policy_args, budget)
+    if not spec.compresses(len(tokens), budget):
+        session.prefill(tokens, seq=seq, progress=progress)
+        return CompressReport(policy, budget, len(tokens), time.perf_counter() - t0,
+                              note=f"no compression: the prompt ({len(tokens)} tokens) fits the budget ({budget})")
+    observe, window = spec.observe(params)
     obs = session.prefill(tokens, seq=seq, observe=observe, window=window, progress=progress)
     prefill_s = time.perf_counter() - t0
-    if len(tokens) <= budget:
-        return CompressReport(policy, budget, len(tokens), prefill_s,
-                              note=f"no compression: the prompt ({len(tokens)} tokens) fits the budget ({budget})")
     t1 = time.perf_counter()
     plan = make_plan(spec, params, budget, obs, planner or session.engine)
     session.apply_plan(plan, seq=seq)
@@ -57,7 +56,7 @@ def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     """Run the planner of one engine: "native" (C++) or "reference" (torch)."""
     if planner == "native":
         from kvcli.native.lib import native_plan  # noqa: PLC0415
-        plan = native_plan(spec.name, spec.render_params(params), budget, obs)
+        plan = native_plan(spec.name, spec.render(params), budget, obs)
     elif planner == "reference":
         from kvcli.reference.policies import reference_plan  # noqa: PLC0415
         plan = reference_plan(spec.name, params, budget, obs)
