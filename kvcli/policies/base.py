@@ -1,0 +1,258 @@
+"""What a registry entry is: a policy's name, paper, parameters, needs and documented deviations.
+
+Both engines read these entries: the Python side validates `--policy-arg key=value` against
+`PolicySpec.params` and renders the result as the `key=value;key=value` string that the C++
+planner parses (native/src/plan/); the torch planner in kvcli/reference/policies/ takes the
+validated dict. Defaults live here AND in the C++ file of each policy; a test checks they agree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvcli.errors import KvcliError
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a policy."""
+
+    name: str
+    type: str                       # "int" | "float" | "choice"
+    default: Any
+    doc: str
+    paper_default: Any = None       # the value (or a short phrase) the paper / authors' code uses
+    min: float | None = None        # inclusive bounds for int/float
+    max: float | None = None
+    choices: tuple[str, ...] = ()   # for "choice"
+    odd: bool = False               # ints that must be odd (pooling kernels)
+
+    def parse(self, policy: str, raw: Any) -> Any:
+        """The typed value of `raw` (a str from the command line, or already typed), or a clear error."""
+        where = f"policy '{policy}': parameter {self.name}"
+        if self.type == "choice":
+            val = str(raw).strip().lower()
+            if val not in self.choices:
+                raise KvcliError(f"{where} must be one of {', '.join(self.choices)} (got '{raw}')")
+            return val
+        if self.type == "int":
+            try:
+                if isinstance(raw, bool):
+                    raise ValueError
+                if isinstance(raw, float):
+                    if not raw.is_integer():
+                        raise ValueError
+                    val = int(raw)
+                else:
+                    val = int(str(raw).strip(), 10)
+            except ValueError:
+                raise KvcliError(f"{where} must be an integer (got '{raw}')") from None
+        elif self.type == "float":
+            try:
+                val = float(str(raw).strip())
+            except ValueError:
+                raise KvcliError(f"{where} must be a number (got '{raw}')") from None
+            if not math.isfinite(val):
+                raise KvcliError(f"{where} must be finite (got '{raw}')")
+        else:  # pragma: no cover - registry bug
+            raise AssertionError(f"unknown parameter type {self.type}")
+        if self.min is not None and val < self.min:
+            raise KvcliError(f"{where} must be >= {_num(self.min)} (got {raw})")
+        if self.max is not None and val > self.max:
+            raise KvcliError(f"{where} must be <= {_num(self.max)} (got {raw})")
+        if self.odd and val % 2 == 0:
+            raise KvcliError(f"{where} must be odd (got {raw}): the pooling is centred on each slot")
+        return val
+
+    def render(self, val: Any) -> str:
+        return repr(float(val)) if self.type == "float" else str(val)
+
+    def range_text(self) -> str:
+        if self.type == "choice":
+            return "|".join(self.choices)
+        lo = "-inf" if self.min is None else _num(self.min)
+        hi = "inf" if self.max is None else _num(self.max)
+        return f"{self.type} in [{lo}, {hi}]" + (", odd" if self.odd else "")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class Paper:
+    title: str
+    arxiv: str = ""
+    venue: str = ""
+    code: str = ""
+
+    def cite(self) -> str:
+        bits = [self.title]
+        if self.venue:
+            bits.append(self.venue)
+        if self.arxiv:
+            bits.append(f"arXiv:{self.arxiv}")
+        return ", ".join(bits)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registry entry. `observe(params)` tells the engines what to capture before planning."""
+
+    name: str
+    summary: str                                    # one line for `kvcli policies`
+    keeps: str                                      # what the policy keeps, for --explain
+    paper: Paper | None
+    params: tuple[Param, ...] = ()
+    needs: tuple[str, ...] = ()                     # subset of ("window", "colsum", "kv")
+    window_param: str | None = None                 # which parameter is the observation window w
+    deviations: tuple[str, ...] = ()                # every documented difference from the paper/code
+    budget_note: str = ("per-layer budgets sum to budget x n_layer; the observation window counts "
+                        "inside the budget")
+    native: bool = True                             # implemented in C++ (native/src/policies/)
+    reference: bool = True                          # implemented in torch (kvcli/reference/policies/)
+    resolve: Callable[[dict], dict] | None = None   # fills values that depend on other params
+    check: Callable[[dict, int], None] | None = None  # budget-dependent checks (budget, params)
+
+    # -- parameters ---------------------------------------------------------------
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def defaults(self) -> dict:
+        return self.validate({})
+
+    def validate(self, args: dict | list | tuple | None = None) -> dict:
+        """Typed, complete parameters from user input.
+
+        `args` is a dict {key: value} or a list of "key=value" strings (repeatable
+        --policy-arg). Unknown keys, malformed items and out-of-range values raise KvcliError
+        with the list of valid keys.
+        """
+        given = parse_policy_args(args) if not isinstance(args, dict) else dict(args)
+        known = {p.name: p for p in self.params}
+        unknown = [k for k in given if k not in known]
+        if unknown:
+            valid = ", ".join(known) if known else "none (this policy takes no parameters)"
+            raise KvcliError(f"policy '{self.name}' has no parameter '{unknown[0]}'; valid keys: {valid}")
+        out = {p.name: p.parse(self.name, given[p.name]) if p.name in given else p.default for p in self.params}
+        if self.resolve is not None:
+            out = self.resolve(out)
+        return out
+
+    def render(self, params: dict) -> str:
+        """The `key=value;key=value` string the C++ planner parses (kvcli_plan_make)."""
+        return ";".join(f"{p.name}={p.render(params[p.name])}" for p in self.params if p.name in params)
+
+    def check_budget(self, budget: int, params: dict) -> None:
+        """Budget-dependent validation (e.g. budget must exceed the window); KvcliError if not."""
+        if int(budget) < 1:
+            raise KvcliError(f"policy '{self.name}': budget must be >= 1 (got {budget})")
+        if self.check is not None:
+            self.check(params, int(budget))
+
+    # -- what to observe ------------------------------------------------------------
+    def observe(self, params: dict) -> tuple[tuple[str, ...], int]:
+        """(kinds, window) for Session.prefill(observe=kinds, window=window)."""
+        w = int(params[self.window_param]) if self.window_param and "window" in self.needs else 0
+        return self.needs, w
+
+    def compresses(self, n: int, budget: int) -> bool:
+        """False when the prompt fits the budget: every policy then keeps everything."""
+        return self.name != "full" and n > budget
+
+    # -- text ---------------------------------------------------------------------
+    def line(self) -> str:
+        return f"{self.name:<13} {self.summary}"
+
+    def explain(self) -> str:
+        out = [f"{self.name}: {self.summary}", ""]
+        if self.paper is not None:
+            out.append(f"Paper: {self.paper.cite()}")
+            if self.paper.code:
+                out.append(f"Authors' code: {self.paper.code}")
+        else:
+            out.append("Paper: none (baseline)")
+        out.append(f"Keeps: {self.keeps}")
+        needs = ", ".join(self.needs) if self.needs else "nothing (positions only)"
+        out.append(f"Observes: {needs}")
+        out.append(f"Budget: {self.budget_note}")
+        engines = [e for e, ok in (("native", self.native), ("reference", self.reference)) if ok]
+        out.append(f"Engines: {', '.join(engines)}")
+        out.append("")
+        if self.params:
+            out.append("Parameters (--policy-arg key=value):")
+            for p in self.params:
+                paper = "" if p.paper_default is None else f"; paper: {p.paper_default}"
+                out.append(f"  {p.name} = {p.default}  ({p.range_text()}{paper})")
+                out.append(f"      {p.doc}")
+        else:
+            out.append("Parameters: none")
+        if self.deviations:
+            out.append("")
+            out.append("Deviations from the paper / authors' code:")
+            for d in self.deviations:
+                out.append(f"  - {d}")
+        return "\n".join(out)
+
+
+def parse_policy_args(items: list | tuple | None) -> dict:
+    """["k=v", ...] -> {k: v}; a clear error for an item without '=' or a repeated key."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        if not isinstance(item, str) or "=" not in item:
+            raise KvcliError(f"--policy-arg expects key=value (got '{item}')")
+        k, v = item.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise KvcliError(f"--policy-arg expects key=value (got '{item}')")
+        if ";" in v or ";" in k:
+            raise KvcliError(f"--policy-arg values may not contain ';' (got '{item}')")
+        if k in out:
+            raise KvcliError(f"--policy-arg {k} given twice")
+        out[k] = v.strip()
+    return out
+
+
+# Parameters several policies share, so their docs and bounds read the same everywhere.
+def window_param(default: int, paper: Any, doc: str | None = None) -> Param:
+    return Param("window", "int", default, doc or "observation window: the last `window` prompt tokens score the "
+                 "others and are always kept", paper_default=paper, min=1, max=4096)
+
+
+def kernel_param(default: int, paper: Any) -> Param:
+    return Param("kernel", "int", default, "1-D pooling kernel over the window scores (stride 1, centred; "
+                 "1 = no pooling)", paper_default=paper, min=1, max=255, odd=True)
+
+
+def pool_param(default: str, paper: Any) -> Param:
+    return Param("pool", "choice", default, "pooling: max (pads with -inf) or avg (pads with 0 and divides by "
+                 "the kernel, PyTorch's count_include_pad)", paper_default=paper, choices=("max", "avg"))
+
+
+def gqa_param(default: str = "mean") -> Param:
+    return Param("gqa", "choice", default, "how the scores of the query heads that share a KV head are combined "
+                 "into that KV head's score (selection is per KV head)",
+                 paper_default="per query head (cache repeated to query heads)", choices=("mean", "max", "sum"))
+
+
+def needs_window_budget(policy: str, param: str = "window") -> Callable[[dict, int], None]:
+    def check(params: dict, budget: int) -> None:
+        w = int(params[param])
+        if budget <= w:
+            raise KvcliError(f"policy '{policy}': budget {budget} must be larger than {param}={w} "
+                             f"(the window is kept inside the budget); lower it with --policy-arg {param}=N")
+    return check
+
+
+@dataclass
+class Registry:
+    specs: dict[str, PolicySpec] = field(default_factory=dict)
+
+    def add(self, spec: PolicySpec) -> None:
+        if spec.name in self.specs:  # pragma: no cover - registry bug
+            raise AssertionError(f"policy {spec.name} registered twice")
+        self.specs[spec.name] = spec

@@ -1,0 +1,120 @@
+"""Torch helpers the reference policies share: plain torch, float64, fixed order of summation.
+
+The C++ planners (native/src/plan/scores.cpp) add the same numbers in the same order, so both
+engines compute bit-identical scores and, with ties broken by the lower index, identical plans.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvcli.errors import KvcliError
+from kvcli.plan import Observation, Plan
+
+
+def keep_all(obs: Observation) -> Plan:
+    return Plan.keep_all(obs.n_layer, obs.n_head_kv, obs.n)
+
+
+def plan_from_kept(kept: list[list[torch.Tensor]]) -> Plan:
+    """kept[l][h]: 1-D int tensor of ascending slots."""
+    return Plan.from_lists([[k.to(torch.int64).numpy().astype(np.int32) for k in layer] for layer in kept])
+
+
+def require_window(obs: Observation, policy: str, w: int) -> torch.Tensor:
+    if obs.window is None:
+        raise KvcliError(f"policy '{policy}' needs the window observation (observe \"window\")")
+    if obs.w < w:
+        raise KvcliError(f"policy '{policy}' needs {w} window rows, the observation has {obs.w}")
+    return torch.from_numpy(np.ascontiguousarray(obs.window, dtype=np.float32))
+
+
+def require_colsum(obs: Observation, policy: str) -> torch.Tensor:
+    if obs.colsum is None:
+        raise KvcliError(f"policy '{policy}' needs the colsum observation (observe \"colsum\")")
+    return torch.from_numpy(np.ascontiguousarray(obs.colsum, dtype=np.float32))
+
+
+def require_budget_above(policy: str, budget: int, what: str, value: int) -> None:
+    if budget <= value:
+        raise KvcliError(f"policy '{policy}': budget {budget} must be larger than {what}={value} "
+                         "(it is kept inside the budget)")
+
+
+def window_sum(window: torch.Tensor, w: int, length: int) -> torch.Tensor:
+    """Attention each of the first `length` slots receives from the last `w` window queries.
+
+    window: [..., w_obs, n] float32 -> [..., length] float64, rows added one by one from 0.0.
+    """
+    rows = window[..., window.shape[-2] - w:, :length].to(torch.float64)
+    acc = torch.zeros(rows.shape[:-2] + (length,), dtype=torch.float64)
+    for r in range(w):
+        acc = acc + rows[..., r, :]
+    check_nan(acc)  # before pooling, as the C++ side
+    return acc
+
+
+def check_nan(s: torch.Tensor) -> None:
+    if torch.isnan(s).any():
+        raise KvcliError("the observation contains NaN")
+
+
+def pool1d(s: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+    """Centred 1-D pooling along the last axis, stride 1 (as F.max_pool1d / F.avg_pool1d with
+    padding=kernel//2 and count_include_pad), written as a sum of shifted slices so that the
+    order of the additions is fixed."""
+    if kernel <= 1:
+        return s
+    h = kernel // 2
+    n = s.shape[-1]
+    if pool == "max":
+        padded = F.pad(s, (h, h), value=float("-inf"))
+        out = padded[..., 0:n]
+        for i in range(1, kernel):
+            out = torch.maximum(out, padded[..., i:i + n])
+        return out
+    padded = F.pad(s, (h, h), value=0.0)
+    acc = torch.zeros_like(s)
+    for i in range(kernel):
+        acc = acc + padded[..., i:i + n]
+    return acc / kernel
+
+
+def gqa_combine(per_q: torch.Tensor, n_head_kv: int, mode: str) -> torch.Tensor:
+    """[n_head, ...] scores per query head -> [n_head_kv, ...] per KV head.
+
+    Query head q belongs to KV head q // G. mean: heads of a group added in order, then / G.
+    """
+    G = per_q.shape[0] // n_head_kv
+    grouped = per_q.reshape((n_head_kv, G) + tuple(per_q.shape[1:]))
+    out = grouped[:, 0]
+    for g in range(1, G):
+        out = torch.maximum(out, grouped[:, g]) if mode == "max" else out + grouped[:, g]
+    if mode == "mean" and G > 1:
+        out = out / G
+    return out
+
+
+def snap_scores(window_l: torch.Tensor, n_head_kv: int, w: int, length: int, kernel: int, pool: str,
+                gqa: str) -> torch.Tensor:
+    """SnapKV's score for one layer: window attention summed over the last w queries, pooled per
+    query head, combined per KV head. window_l: [n_head, w_obs, n] -> [n_head_kv, length] float64."""
+    return gqa_combine(pool1d(window_sum(window_l, w, length), kernel, pool), n_head_kv, gqa)
+
+
+def check_finite(s: torch.Tensor, policy: str) -> None:
+    if torch.isnan(s).any():
+        raise KvcliError(f"policy '{policy}': the observation contains NaN")
+
+
+def rank_desc(s: torch.Tensor, policy: str) -> torch.Tensor:
+    """Indices by descending score along the last axis, ties to the lower index (stable sort)."""
+    check_finite(s, policy)
+    return torch.sort(-s, dim=-1, stable=True).indices
+
+
+def topk_ascending(s: torch.Tensor, k: int, policy: str) -> torch.Tensor:
+    """The k best indices along the last axis (ties: lower index), returned ascending."""
+    k = max(0, min(int(k), s.shape[-1]))
+    return torch.sort(rank_desc(s, policy)[..., :k], dim=-1).values

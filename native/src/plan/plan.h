@@ -1,0 +1,120 @@
+// kvcli planning framework: a policy is a pure function (observation, params, budget) -> plan.
+//
+// Each policy is one file in native/src/policies/ that defines a function with the PolicyFn
+// signature and registers it with KVCLI_REGISTER_POLICY. kvcli_plan_make (plan.cpp) parses the
+// "key=value;key=value" string, validates the observation, calls the policy and checks the plan.
+// The torch twin of every policy lives in kvcli/reference/policies/ and must give IDENTICAL plans
+// on the same observation (docs/internals.md): scores are computed in double, summed in the order
+// the helpers below document, and every top-k breaks ties by the lower index.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvcli {
+
+// A user-facing planning error (bad params, budget, observation); becomes kvcli_last_error().
+struct PlanError : std::runtime_error {
+    explicit PlanError(const std::string & msg) : std::runtime_error(msg) {}
+};
+
+struct Obs {
+    int n_layer = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n = 0, w = 0;
+    const float * window = nullptr;   // [n_layer][n_head][w][n]
+    const float * colsum = nullptr;   // [n_layer][n_head][n]
+    const float * keys   = nullptr;   // [n_layer][n_head_kv][n][head_dim]
+    const float * values = nullptr;
+
+    int group() const { return n_head / n_head_kv; }
+    const float * window_row(int l, int q, int r) const {
+        return window + ((static_cast<size_t>(l) * n_head + q) * w + r) * static_cast<size_t>(n);
+    }
+    const float * colsum_row(int l, int q) const {
+        return colsum + (static_cast<size_t>(l) * n_head + q) * static_cast<size_t>(n);
+    }
+    const float * key_row(int l, int h, int j) const {
+        return keys + ((static_cast<size_t>(l) * n_head_kv + h) * n + j) * static_cast<size_t>(head_dim);
+    }
+    const float * value_row(int l, int h, int j) const {
+        return values + ((static_cast<size_t>(l) * n_head_kv + h) * n + j) * static_cast<size_t>(head_dim);
+    }
+};
+
+// Parsed "key=value;..." of one policy. A policy reads every parameter it knows (with its
+// default and bounds) and then calls finish(), which rejects keys it did not read.
+class Params {
+public:
+    Params(const std::string & policy, const char * text);
+    int64_t     get_int(const std::string & key, int64_t def, int64_t lo, int64_t hi, bool odd = false);
+    double      get_float(const std::string & key, double def, double lo, double hi);
+    std::string get_choice(const std::string & key, const std::string & def, const std::vector<std::string> & choices);
+    void        finish() const;
+    const std::string & policy() const { return policy_; }
+private:
+    std::string policy_;
+    std::map<std::string, std::string> kv_;
+    std::vector<std::string> known_;
+};
+
+// The plan being built: kept slots per (layer, kv head), ascending; optional log_mult and
+// replacement rows (merging policies).
+struct PlanOut {
+    int n_layer = 0, n_head_kv = 0, head_dim = 0;
+    std::vector<std::vector<int32_t>> kept;      // [n_layer * n_head_kv]
+    std::vector<std::vector<float>>   log_mult;  // empty, or one list per (l, h) matching kept
+    std::vector<int32_t> replace_entry;          // indices into the flattened slots
+    std::vector<float>   replace_k, replace_v;   // [n_replace * head_dim]
+
+    std::vector<int32_t> & at(int l, int h) { return kept[static_cast<size_t>(l) * n_head_kv + h]; }
+};
+
+using PolicyFn = void (*)(const Obs & obs, Params & params, int budget, PlanOut & out);
+
+struct PolicyRegistrar {
+    PolicyRegistrar(const char * name, PolicyFn fn);
+};
+const std::map<std::string, PolicyFn> & policy_registry();
+
+#define KVCLI_REGISTER_POLICY(NAME, FN) \
+    static const ::kvcli::PolicyRegistrar kvcli_registrar_##FN(NAME, FN)
+
+// ---------------------------------------------------------------------------------------------
+// Helpers shared by the policies (plan/scores.cpp). Orders of summation are part of the contract
+// with the torch twins (kvcli/reference/policies/_common.py).
+// ---------------------------------------------------------------------------------------------
+
+// Every (l, h) keeps slots [0, n).
+void keep_all(const Obs & obs, PlanOut & out);
+// The slots [a, b) appended to v (v must end below a).
+void append_range(std::vector<int32_t> & v, int a, int b);
+
+// Requirements, with clear errors naming the policy.
+void require_window(const Obs & obs, const std::string & policy, int w);
+void require_colsum(const Obs & obs, const std::string & policy);
+void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value);
+
+// s[j] = sum over the last w window rows r (ascending) of window[l][q][r][j], j < len; acc starts at 0.0.
+std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len);
+// s[j] = (double) colsum[l][q][j], j < len.
+std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len);
+// 1-D pooling, stride 1, centred (kernel odd). avg: zero padding, terms added left to right from
+// 0.0, divided by kernel (count_include_pad). max: -inf padding.
+std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_max);
+// Combine the scores of the query heads of one KV head: mean (sum in head order, then / G),
+// max, or sum.
+enum class Gqa { mean, max, sum };
+Gqa parse_gqa(const std::string & s);
+std::vector<double> gqa_combine(const std::vector<std::vector<double>> & per_q, Gqa mode);
+// The pooled, combined window score of KV head h in layer l over the first len slots.
+std::vector<double> snap_scores(const Obs & obs, int l, int h, int w, int len, int kernel, bool is_max, Gqa gqa);
+// Indices of the k largest scores (ties: lower index), ascending. Throws on NaN.
+std::vector<int32_t> topk_ascending(const std::vector<double> & s, int64_t k, const std::string & policy);
+// All indices by descending score, ties by lower index (a stable sort on -score). Throws on NaN.
+std::vector<int32_t> rank_desc(const std::vector<double> & s, const std::string & policy);
+void check_finite(const std::vector<double> & s, const std::string & policy);
+
+} // namespace kvcli

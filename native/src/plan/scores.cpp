@@ -1,0 +1,154 @@
+// Score helpers shared by the policies. The order of every floating-point sum here is mirrored
+// by kvcli/reference/policies/_common.py, so the two engines compute bit-identical doubles and
+// therefore identical kept sets. Only additions, comparisons and one division per value: no
+// multiply-add that a compiler could contract differently.
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace kvcli {
+
+namespace {
+void check_nan(const std::vector<double> & s, int l) {
+    for (double x : s) {
+        if (std::isnan(x)) throw PlanError("the observation contains NaN (layer " + std::to_string(l) + ")");
+    }
+}
+} // namespace
+
+void keep_all(const Obs & obs, PlanOut & out) {
+    for (auto & k : out.kept) {
+        k.clear();
+        append_range(k, 0, obs.n);
+    }
+}
+
+void append_range(std::vector<int32_t> & v, int a, int b) {
+    for (int j = a; j < b; j++) v.push_back(j);
+}
+
+void require_window(const Obs & obs, const std::string & policy, int w) {
+    if (!obs.window) {
+        throw PlanError("policy '" + policy + "' needs the window observation (observe \"window\")");
+    }
+    if (obs.w < w) {
+        throw PlanError("policy '" + policy + "' needs " + std::to_string(w) + " window rows, the observation has " +
+                        std::to_string(obs.w));
+    }
+}
+
+void require_colsum(const Obs & obs, const std::string & policy) {
+    if (!obs.colsum) throw PlanError("policy '" + policy + "' needs the colsum observation (observe \"colsum\")");
+}
+
+void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value) {
+    if (budget <= value) {
+        throw PlanError("policy '" + policy + "': budget " + std::to_string(budget) + " must be larger than " + what +
+                        "=" + std::to_string(value) + " (it is kept inside the budget)");
+    }
+}
+
+std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len) {
+    std::vector<double> s(static_cast<size_t>(len), 0.0);
+    for (int r = obs.w - w; r < obs.w; r++) {
+        const float * row = obs.window_row(l, q, r);
+        for (int j = 0; j < len; j++) s[j] += static_cast<double>(row[j]);
+    }
+    check_nan(s, l);  // before pooling: max pooling would hide a NaN
+    return s;
+}
+
+std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len) {
+    const float * row = obs.colsum_row(l, q);
+    std::vector<double> s(static_cast<size_t>(len));
+    for (int j = 0; j < len; j++) s[j] = static_cast<double>(row[j]);
+    check_nan(s, l);
+    return s;
+}
+
+std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_max) {
+    if (kernel <= 1) return s;
+    const int n = static_cast<int>(s.size()), h = kernel / 2;
+    std::vector<double> out(s.size());
+    for (int j = 0; j < n; j++) {
+        if (is_max) {
+            double m = -std::numeric_limits<double>::infinity();
+            for (int i = j - h; i <= j + h; i++) {
+                if (i >= 0 && i < n && s[i] > m) m = s[i];
+            }
+            out[j] = m;
+        } else {
+            double acc = 0.0;  // padding adds 0.0, which changes nothing: skip it
+            for (int i = j - h; i <= j + h; i++) {
+                if (i >= 0 && i < n) acc += s[i];
+            }
+            out[j] = acc / static_cast<double>(kernel);
+        }
+    }
+    return out;
+}
+
+Gqa parse_gqa(const std::string & s) {
+    if (s == "mean") return Gqa::mean;
+    if (s == "max") return Gqa::max;
+    return Gqa::sum;
+}
+
+std::vector<double> gqa_combine(const std::vector<std::vector<double>> & per_q, Gqa mode) {
+    std::vector<double> out = per_q.at(0);
+    for (size_t g = 1; g < per_q.size(); g++) {
+        const auto & s = per_q[g];
+        for (size_t j = 0; j < out.size(); j++) {
+            if (mode == Gqa::max) {
+                if (s[j] > out[j]) out[j] = s[j];
+            } else {
+                out[j] += s[j];
+            }
+        }
+    }
+    if (mode == Gqa::mean && per_q.size() > 1) {
+        const double g = static_cast<double>(per_q.size());
+        for (auto & x : out) x /= g;
+    }
+    return out;
+}
+
+std::vector<double> snap_scores(const Obs & obs, int l, int h, int w, int len, int kernel, bool is_max, Gqa gqa) {
+    const int G = obs.group();
+    std::vector<std::vector<double>> per_q;
+    per_q.reserve(G);
+    for (int g = 0; g < G; g++) per_q.push_back(pool1d(window_sum(obs, l, h * G + g, w, len), kernel, is_max));
+    return gqa_combine(per_q, gqa);
+}
+
+void check_finite(const std::vector<double> & s, const std::string & policy) {
+    for (double x : s) {
+        if (std::isnan(x)) throw PlanError("policy '" + policy + "': the observation contains NaN");
+    }
+}
+
+std::vector<int32_t> topk_ascending(const std::vector<double> & s, int64_t k, const std::string & policy) {
+    check_finite(s, policy);
+    const int64_t n = static_cast<int64_t>(s.size());
+    k = std::max<int64_t>(0, std::min(k, n));
+    std::vector<int32_t> idx(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), 0);
+    auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+    if (k < n) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+    idx.resize(static_cast<size_t>(k));
+    std::sort(idx.begin(), idx.end());
+    return idx;
+}
+
+std::vector<int32_t> rank_desc(const std::vector<double> & s, const std::string & policy) {
+    check_finite(s, policy);
+    std::vector<int32_t> idx(s.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+    return idx;
+}
+
+} // namespace kvcli

@@ -1,0 +1,41 @@
+"""Random observations for the planner cross-checks (no model needed)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvcli.plan import Observation
+
+
+def random_obs(seed: int, n_layer: int = 4, n_head: int = 6, n_head_kv: int = 2, n: int = 200, w: int = 32,
+               ties: bool = False, head_dim: int = 8, kv: bool = False) -> Observation:
+    """Causal window attention of the last w queries and column sums of every query, per query head.
+
+    ties=True draws small integer weights (many exact ties and zeros) instead of softmaxed logits.
+    """
+    rng = np.random.default_rng(seed)
+    w = min(w, n)
+
+    def rows(q_slots: np.ndarray) -> np.ndarray:
+        m = len(q_slots)
+        if ties:
+            x = rng.integers(0, 4, size=(n_layer, n_head, m, n)).astype(np.float32)
+        else:
+            x = np.exp(rng.normal(0, 2.0, size=(n_layer, n_head, m, n))).astype(np.float32)
+        causal = np.arange(n)[None, :] <= q_slots[:, None]
+        x = np.where(causal[None, None], x, 0).astype(np.float32)
+        x[..., np.arange(m), q_slots] += np.float32(1.0)   # every query sees itself: rows never sum to 0
+        return (x / x.sum(-1, keepdims=True)).astype(np.float32)
+
+    window = rows(np.arange(n - w, n))
+    colsum = np.zeros((n_layer, n_head, n), np.float32)
+    for start in range(0, n, 64):                        # all queries, in chunks
+        colsum += rows(np.arange(start, min(n, start + 64))).sum(axis=2, dtype=np.float32)
+    if ties:
+        colsum = np.round(colsum * 4) / 4
+    obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n=n,
+                      window=np.ascontiguousarray(window), colsum=np.ascontiguousarray(colsum, np.float32),
+                      positions=np.arange(n, dtype=np.int32))
+    if kv:
+        obs.keys = rng.normal(size=(n_layer, n_head_kv, n, head_dim)).astype(np.float32)
+        obs.values = rng.normal(size=(n_layer, n_head_kv, n, head_dim)).astype(np.float32)
+    return obs
