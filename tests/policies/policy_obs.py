@@ -27,11 +27,11 @@ def random_obs(seed: int, n_layer: int = 4, n_head: int = 6, n_head_kv: int = 2,
         return (x / x.sum(-1, keepdims=True)).astype(np.float32)
 
     window = rows(np.arange(n - w, n))
-    colsum = np.zeros((n_layer, n_head, n), np.float32)
-    for start in range(0, n, 64):                        # all queries, in chunks
-        colsum += rows(np.arange(start, min(n, start + 64))).sum(axis=2, dtype=np.float32)
+    # column sums of a causal attention: slot j is seen by n - j queries; a random share of that mass
+    seen = (n - np.arange(n)).astype(np.float32)
+    colsum = (rng.exponential(1.0, size=(n_layer, n_head, n)) * seen / n * 4).astype(np.float32)
     if ties:
-        colsum = np.round(colsum * 4) / 4
+        colsum = np.round(colsum * 2) / 2
     obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n=n,
                       window=np.ascontiguousarray(window), colsum=np.ascontiguousarray(colsum, np.float32),
                       positions=np.arange(n, dtype=np.int32))

@@ -1,0 +1,144 @@
+"""L1 on random observations: the C++ planner (native library) and the torch planner give IDENTICAL plans.
+
+Needs the native library built with native/src/policies (python -m kvcli.native.build; KVCLI_LIB_DIR
+for a side-by-side build). No model is loaded.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from policy_obs import random_obs
+
+import kvcli.policies as P
+from kvcli.errors import KvcliError
+from kvcli.native.lib import native_plan
+from kvcli.plan import Observation
+from kvcli.reference.policies import make_plan
+
+PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv"]
+
+# (n_layer, n_head, n_head_kv, n): GQA 3:1 like SmolLM2, 4:1, MHA, one KV head, one layer
+SHAPES = [(5, 9, 3, 260), (4, 8, 2, 301), (3, 4, 4, 170), (6, 4, 1, 333), (1, 6, 2, 150)]
+
+# non-default parameters exercised for each policy, on top of the defaults
+VARIANTS = {
+    "full": [[]],
+    "streamingllm": [[], ["sinks=0"], ["sinks=9"]],
+    "snapkv": [[], ["window=16", "kernel=5", "pool=avg"], ["window=8", "kernel=1", "gqa=max"], ["gqa=sum"]],
+    "h2o": [[], ["recent=8", "gqa=max"], ["gqa=sum"]],
+    "pyramidkv": [[], ["schedule=exact", "beta=5"], ["pool=avg", "kernel=3", "window=16"]],
+    "windowkv": [[], ["task=aggregation", "window=16"], ["review_window=7", "score=topp", "top_p=3"],
+                 ["shared_layers=2", "beta=3"], ["review_window=5", "shared_layers=1", "window=4"]],
+    "dynamickv": [[], ["pool=max", "interval=3"], ["r_max=1.5", "interval=1", "gqa=max"], ["interval=2", "window=16"]],
+}
+
+
+def assert_same(a, b):
+    assert np.array_equal(a.n_kept, b.n_kept), f"n_kept differ:\n{a.n_kept}\n{b.n_kept}"
+    assert np.array_equal(a.slots, b.slots), "kept slots differ"
+    assert (a.log_mult is None) == (b.log_mult is None)
+    if a.log_mult is not None:
+        np.testing.assert_allclose(a.log_mult, b.log_mult, atol=1e-5)
+    assert np.array_equal(a.replace_entry, b.replace_entry)
+    for x, y in ((a.replace_k, b.replace_k), (a.replace_v, b.replace_v)):
+        assert (x is None) == (y is None)
+        if x is not None:
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def both(name, args, budget, obs):
+    spec, params, text = P.prepare(name, args, budget)
+    nat = native_plan(name, text, budget, obs)
+    ref = make_plan(name, obs, params, budget)
+    nat.validate(obs.n, obs.head_dim)
+    ref.validate(obs.n, obs.head_dim)
+    return nat, ref
+
+
+@pytest.mark.parametrize("name", PART1)
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+def test_identical_plans(name, ties):
+    for si, (n_layer, n_head, n_head_kv, n) in enumerate(SHAPES):
+        for vi, args in enumerate(VARIANTS[name]):
+            for seed in range(2):
+                obs = random_obs(100 * si + 10 * vi + seed, n_layer, n_head, n_head_kv, n, w=32, ties=ties)
+                for budget in (40, 97):
+                    nat, ref = both(name, args, budget, obs)
+                    assert_same(nat, ref)
+                    if name != "full":
+                        assert nat.entries() < n_layer * n_head_kv * n, "nothing was evicted"
+
+
+@pytest.mark.parametrize("name", PART1)
+def test_registry_defaults_match_cpp_defaults(name):
+    """The C++ planner called with no params gives the plan of the registry's rendered defaults."""
+    obs = random_obs(7, 4, 6, 2, 240, w=32)
+    spec, params, text = P.prepare(name, [], 64)
+    assert_same(native_plan(name, "", 64, obs), native_plan(name, text, 64, obs))
+
+
+@pytest.mark.parametrize("name", PART1)
+def test_short_prompts_keep_everything(name):
+    for n in (5, 40, 64):            # shorter than the windows, and exactly the budget
+        obs = random_obs(n, 3, 6, 2, n, w=32)
+        nat, ref = both(name, [], 64, obs)
+        assert_same(nat, ref)
+        assert (nat.n_kept == n).all() and nat.entries() == 3 * 2 * n
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv"])
+def test_both_engines_refuse_a_nan_observation(name):
+    obs = random_obs(3, 2, 4, 2, 150, w=32)
+    obs.window[1, 2, -1, 10] = np.nan
+    obs.colsum[1, 2, 10] = np.nan
+    spec, params, text = P.prepare(name, [], 64)
+    with pytest.raises(KvcliError, match="NaN"):
+        native_plan(name, text, 64, obs)
+    with pytest.raises(KvcliError, match="NaN"):
+        make_plan(name, obs, params, 64)
+
+
+def test_missing_observation_is_a_clear_error():
+    obs = random_obs(3, 2, 4, 2, 150, w=32)
+    obs.window = None
+    with pytest.raises(KvcliError, match="needs the window observation"):
+        native_plan("snapkv", "", 64, obs)
+    with pytest.raises(KvcliError, match="needs the window observation"):
+        make_plan("snapkv", obs, [], 64)
+    obs = random_obs(3, 2, 4, 2, 150, w=8)
+    with pytest.raises(KvcliError, match="needs 32 window rows, the observation has 8"):
+        native_plan("snapkv", "", 64, obs)
+    with pytest.raises(KvcliError, match="needs 32 window rows, the observation has 8"):
+        make_plan("snapkv", obs, [], 64)
+    obs.colsum = None
+    with pytest.raises(KvcliError, match="needs the colsum observation"):
+        native_plan("h2o", "", 64, obs)
+
+
+@pytest.mark.parametrize("params,budget,match", [
+    ("windw=3", 64, r"native planner 'snapkv' failed: policy 'snapkv' has no parameter 'windw'; valid keys: "
+                    r"window, kernel, pool, gqa"),
+    ("window=x", 64, r"parameter window must be an integer"),
+    ("kernel=4", 64, r"parameter kernel must be odd"),
+    ("pool=median", 64, r"must be one of max, avg"),
+    ("window", 64, r"malformed parameter 'window'"),
+    ("window=3;window=4", 64, r"given twice"),
+    ("window=99999", 64, r"must be in \[1, 4096\]"),
+    ("", 32, r"budget 32 must be larger than window=32"),
+    ("", 0, r"budget must be >= 1"),
+])
+def test_native_param_errors(params, budget, match):
+    obs = random_obs(1, 2, 4, 2, 150)
+    with pytest.raises(KvcliError, match=match):
+        native_plan("snapkv", params, budget, obs)
+
+
+def test_native_rejects_bad_shapes_and_names():
+    obs = random_obs(1, 2, 4, 2, 150)
+    with pytest.raises(KvcliError, match=r"unknown policy 'nope'; the native planner has: .*snapkv"):
+        native_plan("nope", "", 64, obs)
+    bad = Observation(n_layer=2, n_head=5, n_head_kv=2, head_dim=8, n=150, window=obs.window[:, :4])
+    with pytest.raises(KvcliError, match="not a multiple of n_head_kv"):
+        native_plan("snapkv", "", 64, bad)
+    for name in PART1:   # every policy of the registry exists in the native planner
+        native_plan(name, "", 64, obs)
