@@ -1,0 +1,157 @@
+"""The reference engine's attention: plain softmax attention over a compressible cache.
+
+transformers lets a model use a registered attention function (`AttentionInterface`); ours is
+registered as "kvcli" and does, for one layer, exactly what llama.cpp's patched `build_attn`
+does:
+
+    logits[q, j] = (Q[q] . K[j]) / sqrt(head_dim) + bias[kv(q), j]    (-inf where pos[j] > pos[q])
+    P = softmax(logits)            output = P @ V
+
+where `bias` is the slot bias of docs/internals.md (0 for a live entry, -inf for a slot this KV
+head does not use, log(m) for an entry standing for m merged tokens) and `pos` the original
+position of each (KV head, slot). Q and K arrive post-RoPE (LlamaAttention rotates them before it
+calls us), so what we see is what the native engine observes.
+
+While an `Observer` is armed (prefill only, see `capture`), the same P is also recorded: the rows
+of the window queries (`Observation.window`) and the column sums over every query
+(`Observation.colsum`). Nothing is recomputed for the observation: it is the attention itself.
+
+The function reads its per-call state from `_ACTIVE`, set by the session around each forward
+pass (`active(...)`), so the model object itself stays a stock transformers model.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+ATTN_NAME = "kvcli"
+QUERY_CHUNK = 256   # queries per block: bounds the [n_head, chunk, n] probability matrix in memory
+
+
+@dataclass
+class LayerSlots:
+    """What the attention of one layer needs beyond K/V: per (KV head, slot) position and bias."""
+
+    key_pos: torch.Tensor    # int64 [n_head_kv, L]: original position of each entry
+    bias: torch.Tensor       # float32 [n_head_kv, L]: 0, -inf or log(m)
+
+    @classmethod
+    def empty(cls, n_head_kv: int) -> "LayerSlots":
+        return cls(torch.zeros(n_head_kv, 0, dtype=torch.int64), torch.zeros(n_head_kv, 0, dtype=torch.float32))
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.key_pos.shape[1])
+
+    def append(self, q_pos: torch.Tensor) -> None:
+        """New tokens enter every KV head as live entries at their own positions."""
+        h = self.key_pos.shape[0]
+        self.key_pos = torch.cat([self.key_pos, q_pos.expand(h, -1)], dim=1)
+        self.bias = torch.cat([self.bias, torch.zeros(h, q_pos.numel(), dtype=torch.float32)], dim=1)
+
+
+@dataclass
+class Observer:
+    """Records window rows and column sums of the attention probabilities of one prefill."""
+
+    n_layer: int
+    kinds: frozenset
+    window_pos0: int                                   # queries at positions >= this are window queries
+    window: list = field(default_factory=list)         # per layer: [n_head, w, L] float32
+    colsum: list = field(default_factory=list)         # per layer: [n_head, L] float64
+
+    def __post_init__(self):
+        self.window = [[] for _ in range(self.n_layer)]
+        self.colsum = [None] * self.n_layer
+
+    def record(self, layer: int, probs: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """probs: [n_head, rows, L] for queries at positions q_pos [rows]."""
+        if "window" in self.kinds:
+            rows = q_pos >= self.window_pos0
+            if rows.any():
+                self.window[layer].append(probs[:, rows, :].clone())
+        if "colsum" in self.kinds:
+            s = probs.to(torch.float64).sum(dim=1)       # float64: the reference should not add rounding
+            self.colsum[layer] = s if self.colsum[layer] is None else self.colsum[layer] + s
+
+    def window_array(self, layer: int) -> torch.Tensor:
+        return torch.cat(self.window[layer], dim=1)
+
+
+@dataclass
+class ForwardState:
+    """What one forward pass of one sequence needs: its slots per layer, query positions, observer."""
+
+    layers: list                       # LayerSlots per layer
+    q_pos: torch.Tensor                # int64 [q_len]
+    observer: Observer | None = None
+
+
+_ACTIVE: ForwardState | None = None
+
+
+@contextlib.contextmanager
+def active(state: ForwardState):
+    """Make `state` the one the attention layers read during this forward pass."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("nested reference forward passes are not supported")
+    _ACTIVE = state
+    try:
+        yield state
+    finally:
+        _ACTIVE = None
+
+
+def kvcli_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """transformers attention interface: query [1, n_head, q, d], key/value [1, n_head_kv, L, d]
+    (the whole cache of this layer, new tokens included). Returns ([1, q, n_head, d], None).
+    `attention_mask` is ignored: causality comes from the slot positions, which stay right after
+    a compaction when slot index and position no longer agree."""
+    st = _ACTIVE
+    if st is None:
+        raise RuntimeError("the kvcli attention runs only inside a ReferenceSession forward pass")
+    if query.shape[0] != 1:
+        raise RuntimeError("the reference engine runs one sequence at a time")
+    layer = module.layer_idx
+    slots: LayerSlots = st.layers[layer]
+    slots.append(st.q_pos)
+    if slots.n_slots != key.shape[2]:
+        raise RuntimeError(f"layer {layer}: cache holds {key.shape[2]} entries but {slots.n_slots} slots are tracked")
+
+    n_head, n_head_kv = query.shape[1], key.shape[1]
+    group = n_head // n_head_kv                     # query head q reads KV head q // group
+    q = query[0]
+    k = key[0].repeat_interleave(group, dim=0)      # [n_head, L, d]
+    v = value[0].repeat_interleave(group, dim=0)
+    bias = slots.bias.repeat_interleave(group, dim=0)[:, None, :]        # [n_head, 1, L]
+    key_pos = slots.key_pos.repeat_interleave(group, dim=0)[:, None, :]  # [n_head, 1, L]
+
+    out = torch.empty_like(q)
+    for r0 in range(0, q.shape[1], QUERY_CHUNK):
+        r1 = min(r0 + QUERY_CHUNK, q.shape[1])
+        pos = st.q_pos[r0:r1]
+        logits = torch.matmul(q[:, r0:r1], k.transpose(1, 2)) * scaling + bias
+        logits = logits.masked_fill(key_pos > pos[None, :, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        out[:, r0:r1] = torch.matmul(probs, v)
+        if st.observer is not None:
+            st.observer.record(layer, probs, pos)
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def no_mask(*args, **kwargs):
+    """The mask builder paired with kvcli_attention: it builds its own mask from slot positions."""
+    return None
+
+
+def register() -> str:
+    """Register the attention function and its (empty) mask builder with transformers, once."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+    from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415
+
+    AttentionInterface.register(ATTN_NAME, kvcli_attention)
+    AttentionMaskInterface.register(ATTN_NAME, no_mask)
+    return ATTN_NAME

@@ -1,0 +1,248 @@
+"""ReferenceSession: the session API of docs/internals.md on a transformers model (float32, CPU).
+
+It loads the very GGUF file the native engine loads, prefills with the kvcli attention
+(kvcli/reference/attention.py), captures the same Observation the native engine captures,
+applies plans to its cache (kvcli/reference/compact.py) and decodes at the original positions:
+after a compaction the next token still gets position n (the uncompressed length), exactly as
+in the native engine. One sequence is processed at a time; clarity beats speed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcli.errors import KvcliError
+from kvcli.models import ModelInfo, read_model_info
+from kvcli.plan import Observation, Plan
+from kvcli.reference import compact
+from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active
+from kvcli.reference.model import load
+
+OBSERVE_KINDS = ("window", "colsum", "kv")
+
+
+@dataclass
+class RefSeq:
+    cache: object                     # transformers DynamicCache
+    slots: list                       # LayerSlots per layer
+    next_pos: int = 0                 # position of the next token (the uncompressed length)
+    last_logits: np.ndarray | None = None
+    compressed: bool = False
+    prompt_tokens: int = 0
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def cells(self) -> int:
+        """Widest layer: the cells a shared-cell cache (llama.cpp's) would need for this sequence."""
+        return max((s.n_slots for s in self.slots), default=0)
+
+
+class ReferenceSession:
+    engine = "reference"
+
+    def __init__(self, model_path, *, n_ctx: int | None = None, n_seq: int = 1, n_threads: int | None = None,
+                 **_ignored):
+        self.model_path = str(model_path)
+        self.info: ModelInfo = read_model_info(model_path)
+        loaded = load(model_path)
+        self.model, self.tokenizer, self.eog_ids = loaded.model, loaded.tokenizer, loaded.eog_ids
+        cfg = self.model.config
+        if (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) != \
+                (self.info.n_layer, self.info.n_head, self.info.n_head_kv):
+            raise KvcliError(f"transformers read other shapes from {self.model_path} than its GGUF header")
+        self.n_vocab = int(cfg.vocab_size)
+        self.n_ctx_train = self.info.n_ctx_train
+        self.n_batch = 512          # only used for progress display by callers: prefill is one forward pass
+        self.n_seq = n_seq
+        if n_threads:
+            torch.set_num_threads(int(n_threads))
+        self.ctx = None
+        self.n_ctx = 0
+        self.seqs: dict[int, RefSeq] = {}
+        if n_ctx != 0:
+            self.create_context(n_ctx)
+
+    def create_context(self, n_ctx: int | None = None) -> None:
+        """Fix the number of cells all sequences may hold together (default: the training context).
+        The reference cache grows on demand; the limit only mirrors the native engine's."""
+        self.n_ctx = int(n_ctx or self.n_ctx_train)
+        self.ctx = self     # not None: "a context exists", as callers of the native session check
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self.seqs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ text
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token, control tokens rendered as nothing (llama.cpp's special=false)."""
+        if token in self.tokenizer.all_special_ids:
+            return b""
+        return _piece_bytes(self.tokenizer.convert_ids_to_tokens(int(token)))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return int(token) in self.eog_ids
+
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
+        if not self.chat_template():
+            raise KvcliError(f"{self.model_path} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_assistant)
+
+    # ------------------------------------------------------------------ sequences
+    def seq(self, seq: int = 0) -> RefSeq:
+        if not 0 <= seq < self.n_seq:
+            raise KvcliError(f"sequence {seq} out of range (this session holds {self.n_seq})")
+        if seq not in self.seqs:
+            from transformers import DynamicCache  # noqa: PLC0415
+            self.seqs[seq] = RefSeq(cache=DynamicCache(config=self.model.config),
+                                    slots=[LayerSlots.empty(self.info.n_head_kv) for _ in range(self.info.n_layer)])
+        return self.seqs[seq]
+
+    def cells_used(self) -> int:
+        return sum(s.cells for s in self.seqs.values())
+
+    def clear(self, seq: int | None = None) -> None:
+        if seq is None:
+            self.seqs.clear()
+        else:
+            self.seqs.pop(seq, None)
+
+    def _check_room(self, n_new: int) -> None:
+        from kvcli.native.session import ContextFull  # noqa: PLC0415 (the class generate() catches)
+        if self.ctx is None:
+            self.create_context(None)
+        if self.cells_used() + n_new > self.n_ctx:
+            raise ContextFull(f"{n_new} more tokens do not fit: {self.cells_used()} of {self.n_ctx} cells are in use")
+
+    def _forward(self, st: RefSeq, tokens: list[int], observer: Observer | None = None) -> None:
+        """One forward pass of `tokens` at positions next_pos.. through the whole model."""
+        pos = torch.arange(st.next_pos, st.next_pos + len(tokens), dtype=torch.int64)
+        ids = torch.tensor([tokens], dtype=torch.int64)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.n_vocab):
+            raise KvcliError(f"token id out of range [0, {self.n_vocab})")
+        with torch.no_grad(), active(ForwardState(layers=st.slots, q_pos=pos, observer=observer)):
+            out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=st.cache, use_cache=True,
+                             logits_to_keep=1)
+        st.last_logits = out.logits[0, -1].to(torch.float32).numpy().copy()
+        st.next_pos += len(tokens)
+
+    def prefill(self, tokens: list[int], seq: int = 0, observe=(), window: int = 0, progress=None):
+        """Append tokens to `seq`; with `observe`, return the Observation of the whole sequence."""
+        st = self.seq(seq)
+        observe = tuple(observe)
+        bad = [k for k in observe if k not in OBSERVE_KINDS]
+        if bad:
+            raise KvcliError(f"unknown observation kind '{bad[0]}' (choose from {', '.join(OBSERVE_KINDS)})")
+        if not tokens:
+            return None
+        if "window" in observe and not 0 < window <= len(tokens):
+            raise KvcliError(f"observation window {window} must be in [1, {len(tokens)}] (the prefilled tokens)")
+        if observe and st.compressed:
+            raise KvcliError("the reference engine observes only uncompressed sequences")
+        self._check_room(len(tokens))
+        kinds = frozenset(observe) & {"window", "colsum"}
+        observer = Observer(self.info.n_layer, kinds, st.next_pos + len(tokens) - window) if kinds else None
+        t0 = time.perf_counter()
+        self._forward(st, tokens, observer)
+        st.prompt_tokens += len(tokens)
+        st.timings["prefill_s"] = st.timings.get("prefill_s", 0.0) + time.perf_counter() - t0
+        if progress is not None:
+            progress(len(tokens))
+        return self._observation(st, observe, observer) if observe else None
+
+    def _observation(self, st: RefSeq, observe: tuple, observer: Observer | None) -> Observation:
+        i = self.info
+        n = st.cells
+        obs = Observation(n_layer=i.n_layer, n_head=i.n_head, n_head_kv=i.n_head_kv, head_dim=i.head_dim, n=n,
+                          positions=st.slots[0].key_pos[0].to(torch.int32).numpy().copy())
+        if "window" in observe:
+            obs.window = torch.stack([observer.window_array(l) for l in range(i.n_layer)]).numpy().astype(np.float32)
+        if "colsum" in observe:
+            obs.colsum = torch.stack(observer.colsum).numpy().astype(np.float32)
+        if "kv" in observe:
+            obs.keys = torch.stack([layer.keys[0] for layer in st.cache.layers]).numpy().astype(np.float32)
+            obs.values = torch.stack([layer.values[0] for layer in st.cache.layers]).numpy().astype(np.float32)
+        obs.validate()
+        return obs
+
+    def step(self, tokens: dict[int, int]) -> None:
+        """Decode one token for each listed sequence (one after the other: clarity over speed)."""
+        self._check_room(len(tokens))
+        for s, tok in tokens.items():
+            self._forward(self.seq(s), [int(tok)])
+
+    def logits(self, seq: int = 0) -> np.ndarray:
+        st = self.seq(seq)
+        if st.last_logits is None:
+            raise KvcliError("no logits yet: decode something first")
+        return st.last_logits.copy()
+
+    # ------------------------------------------------------------------ compression
+    def apply_plan(self, plan: Plan, seq: int = 0) -> None:
+        st = self.seq(seq)
+        if st.compressed:
+            raise KvcliError("the reference engine compresses a sequence once (it is already compressed)")
+        if (plan.n_layer, plan.n_head_kv) != (self.info.n_layer, self.info.n_head_kv):
+            raise KvcliError(f"plan is for {plan.n_layer} layers x {plan.n_head_kv} KV heads, the model has "
+                             f"{self.info.n_layer} x {self.info.n_head_kv}")
+        try:
+            plan.validate(st.cells, self.info.head_dim)
+        except ValueError as e:
+            raise KvcliError(str(e)) from None
+        t0 = time.perf_counter()
+        compact.apply_plan(st.cache, st.slots, plan)
+        st.compressed = True
+        st.timings["apply_s"] = time.perf_counter() - t0
+
+    def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:
+        """Original positions live in each (layer, KV head), in slot order (decoded tokens included)."""
+        st = self.seq(seq)
+        return [[s.key_pos[h][torch.isfinite(s.bias[h])].to(torch.int32).numpy() for h in range(s.key_pos.shape[0])]
+                for s in st.slots]
+
+    # ------------------------------------------------------------------ stats
+    def stats(self, seq: int = 0) -> dict:
+        """Sizes measured from the tensors the cache holds (float32 K and V, float32 bias)."""
+        st = self.seq(seq)
+        kv = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                 for layer in st.cache.layers if layer.keys is not None)
+        bias = sum(s.bias.numel() * s.bias.element_size() for s in st.slots) if st.compressed else 0
+        i = self.info
+        full = st.next_pos * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
+        return {"kv_cells": st.cells, "kv_bytes": int(kv + bias), "kv_bytes_full": int(full),
+                "per_layer_cells": [s.n_slots for s in st.slots],
+                **{k: round(v, 4) for k, v in st.timings.items()}}
+
+
+_BYTE_DECODER: dict | None = None
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """Bytes of a token string: byte-level BPE (GPT-2 style: every byte mapped to a printable
+    character) or SentencePiece ('▁' for space, '<0xNN>' byte tokens)."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: PLC0415
+        _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
+    if all(ch in _BYTE_DECODER for ch in piece):
+        return bytes(_BYTE_DECODER[ch] for ch in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
