@@ -1,0 +1,426 @@
+"""`kvcli bench`: speed, memory and quality of every policy x budget x cache type, measured.
+
+For each document and configuration, in a fresh native session sized for that document:
+
+1. prefill + compress through `kvcli.compress.prefill_and_compress` (the one compression path):
+   prefill tok/s, compression time and its share of prefill + compression;
+2. KV cells and bytes read from the live cache (`session.stats`), never computed from the budget;
+3. decode of exactly `gen` tokens, teacher-forced on the full-cache (f16) greedy continuation, so
+   every configuration decodes the same tokens: decode tok/s (median of `repeat` runs, min-max; the
+   generated tokens are removed from the cache between runs), greedy agreement (share of steps whose
+   argmax equals the full cache's token) and mean next-token KL(full || this) over those steps;
+4. peak RSS of the process over the whole measurement (VmHWM, reset before each configuration).
+
+Decoding continues past an end-of-generation token, so every configuration decodes exactly `gen`.
+
+Batch throughput at equal memory: a context of `ctx` cells and up to `batch` sequences; the
+compressed (or full) state of each document, saved after step 1, is loaded into sequence after
+sequence while it fits (its measured cells + `gen` cells to decode into, for every held sequence);
+then all held sequences decode `gen` tokens together, one `llama_decode` per step. Loading saved
+states is how `kvcli compress -o` + `kvcli chat --cache` work; it also spares re-prefilling.
+
+The full f16 cache is always measured first: it is the baseline every quality figure refers to.
+A policy or cache type that cannot run is reported with the reason, never left out.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import kl, log_softmax, machine, peak_rss_bytes, reset_peak_rss, restore, rollback, \
+    spread
+
+BENCH_INSTRUCTION = "Summarise the document above in three sentences."
+DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
+CTX_PAD = 256
+
+
+@dataclass(frozen=True)
+class Config:
+    policy: str
+    budget: int | None
+    cache_type: str
+
+    @property
+    def label(self) -> str:
+        b = "" if self.budget is None else f"@{self.budget}"
+        return f"{self.policy}{b}/{self.cache_type}"
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.policy == "full" and self.cache_type == "f16"
+
+
+@dataclass
+class Doc:
+    name: str
+    text: str
+    tokens: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Reference:
+    """The full f16 cache's greedy continuation of a document and its log-probabilities."""
+    tokens: list[int]
+    logp: list[np.ndarray]          # log-softmax before each generated token (len == len(tokens))
+
+
+def load_docs(paths) -> list[Doc]:
+    """Files, or directories (their *.txt/*.md files, sorted), read with kvcli's document checks."""
+    from kvcli.documents import read_document  # noqa: PLC0415
+    out = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if path.is_dir():
+            files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in DOC_SUFFIXES)
+            if not files:
+                raise KvcliError(f"{p} holds no document (*{', *'.join(DOC_SUFFIXES)})")
+            out += [Doc(f.name, read_document(str(f))) for f in files]
+        else:
+            out.append(Doc(path.name, read_document(str(path))))
+    if not out:
+        raise KvcliError("no document: pass --docs FILE[,FILE...] or a directory")
+    return out
+
+
+def configs(policies: list[str], budgets: list[int], cache_types: list[str]) -> list[Config]:
+    """The baseline (full f16) first, then every cache type x policy x budget."""
+    out = [Config("full", None, "f16")]
+    for ct in cache_types:
+        for p in policies:
+            for b in ([None] if p == "full" else budgets):
+                c = Config(p, b, ct)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+def availability(policy: str) -> str | None:
+    """None when the native engine can run `policy`, else why not (reported in the results)."""
+    if policy == "full":
+        return None
+    from kvcli import policies  # noqa: PLC0415
+    try:
+        spec = policies.get(policy)
+    except KvcliError:
+        return f"not available: no policy '{policy}' in this kvcli (kvcli policies lists them)"
+    if not spec.native:
+        return f"not available: '{policy}' has no native (llama.cpp) implementation yet"
+    return None
+
+
+def context_cells(n_prompt: int, gen: int, n_ctx_train: int) -> int:
+    need = n_prompt + gen + 1
+    return min(-(-need // CTX_PAD) * CTX_PAD, max(n_ctx_train, need))
+
+
+class Bench:
+    """One benchmark run; `run()` returns the JSON-ready result dict."""
+
+    def __init__(self, model_path, docs: list[Doc], policies: list[str], budgets: list[int],
+                 cache_types: list[str], *, gen: int = 32, repeat: int = 3, batch: int = 0, ctx: int | None = None,
+                 policy_args: dict | None = None, instruction: str = BENCH_INSTRUCTION, threads: int | None = None,
+                 log=None):
+        if gen < 1:
+            raise KvcliError("--gen must be >= 1")
+        if repeat < 1:
+            raise KvcliError("--repeat must be >= 1")
+        if batch < 0:
+            raise KvcliError("--batch must be >= 0")
+        self.model_path = str(model_path)
+        self.docs = docs
+        self.policies = policies
+        self.budgets = budgets
+        self.cache_types = cache_types
+        self.gen, self.repeat, self.batch = gen, repeat, batch
+        self.ctx = ctx
+        self.policy_args = policy_args or {}
+        self.instruction = instruction
+        self.threads = threads
+        self.log = log or (lambda msg: None)
+        self.refs: dict[str, Reference] = {}
+        self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state + what restoring it needs
+        for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
+            if p != "full" and availability(p) is None:
+                from kvcli import policies as reg  # noqa: PLC0415
+                for b in budgets:
+                    reg.prepare(p, self.policy_args.get(p, {}), b)
+
+    # -------------------------------------------------------------------------- sessions
+    def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
+        from kvcli.native.session import NativeSession  # noqa: PLC0415
+        return NativeSession(self.model_path, n_ctx=n_ctx, n_seq=n_seq, cache_type=cache_type, flash_attn=True,
+                             n_threads=self.threads)
+
+    def _tokenize(self) -> int:
+        """Template and tokenise every document once; returns the model's training context."""
+        s = self._session("f16", n_ctx=0)
+        try:
+            for d in self.docs:
+                prompt = s.apply_chat_template([{"role": "user",
+                                                 "content": f"{d.text.strip()}\n\n{self.instruction}"}])
+                d.tokens = s.tokenize(prompt)
+                if len(d.tokens) + self.gen >= s.n_ctx_train:
+                    raise KvcliError(f"{d.name}: {len(d.tokens)} prompt tokens + {self.gen} generated exceed the "
+                                     f"model's context ({s.n_ctx_train})")
+            return s.n_ctx_train
+        finally:
+            s.close()
+
+    # -------------------------------------------------------------------------- one configuration
+    def measure(self, cfg: Config, doc: Doc, n_ctx_train: int) -> dict:
+        from kvcli.compress import prefill_and_compress  # noqa: PLC0415
+        from kvcli.native import cache  # noqa: PLC0415
+
+        row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
+               "config": cfg.label, "prompt_tokens": len(doc.tokens), "gen_tokens": self.gen}
+        why = availability(cfg.policy)
+        if why:
+            row["status"] = why
+            return row
+        rss_reset = reset_peak_rss()
+        n = len(doc.tokens)
+        try:
+            session = self._session(cfg.cache_type, context_cells(n, self.gen, n_ctx_train))
+        except KvcliError as e:
+            row["status"] = f"error: {e}"
+            return row
+        try:
+            rep = prefill_and_compress(session, doc.tokens, cfg.policy, cfg.budget,
+                                       dict(self.policy_args.get(cfg.policy, {})), seq=0)
+            first = session.logits(0)
+            st = session.stats(0)
+            row.update({
+                "prefill_s": rep.prefill_s, "prefill_tok_s": n / rep.prefill_s if rep.prefill_s > 0 else None,
+                "compress_s": rep.compress_s,
+                "compress_share": rep.compress_s / (rep.prefill_s + rep.compress_s),
+                "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"], "kv_bytes_full": st["kv_bytes_full"],
+                "per_layer_cells": st["per_layer_cells"],
+            })
+            if rep.note:
+                row["note"] = rep.note
+            if self.batch:
+                self.states[(cfg, doc.name)] = {"state": cache.get_state(session.ctx, 0), "next_pos": n,
+                                                "first": int(np.argmax(first)), "prompt_tokens": n}
+            ref = self.refs.get(doc.name)
+            tok_s, logps = [], None
+            for r in range(self.repeat):
+                forced = None if ref is None else ref.tokens
+                toks, lp, dt = _decode(session, first, self.gen, forced)
+                tok_s.append(self.gen / dt)
+                if r == 0:
+                    logps, gen_tokens = lp, toks
+                rollback(session, 0, self.gen)
+            if ref is None:  # this is the baseline: its greedy continuation is the reference
+                ref = self.refs[doc.name] = Reference(gen_tokens, logps)
+            d = spread(tok_s)
+            row.update({"decode_tok_s": d["median"], "decode_tok_s_min": d["min"], "decode_tok_s_max": d["max"],
+                        "decode_repeats": d["n"]})
+            agree = [int(np.argmax(lp)) == t for lp, t in zip(logps, ref.tokens)]
+            row["agreement"] = float(np.mean(agree))
+            row["kl_mean"] = float(np.mean([kl(a, b) for a, b in zip(ref.logp, logps)]))
+            row["peak_rss_bytes"] = peak_rss_bytes()
+            row["peak_rss_scope"] = "configuration" if rss_reset else "process"
+            row["status"] = "ok"
+        except KvcliError as e:
+            row["status"] = f"error: {e}"
+        finally:
+            session.close()
+        return row
+
+    # -------------------------------------------------------------------------- equal-memory batch
+    def measure_batch(self, cfg: Config, rows: list[dict]) -> dict:
+        out = {"policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type, "config": cfg.label,
+               "ctx": self.ctx, "batch": self.batch, "gen_tokens": self.gen}
+        mine = [r for r in rows if r["config"] == cfg.label]
+        bad = [r for r in mine if r.get("status") != "ok"]
+        if bad or not mine:
+            out["status"] = bad[0]["status"] if bad else "not measured"
+            return out
+        states = [self.states[(cfg, d.name)] for d in self.docs]
+        session = self._session(cfg.cache_type, self.ctx, n_seq=self.batch)
+        try:
+            held, cells = [], 0
+            for i in range(self.batch):
+                s = states[i % len(states)]
+                need = [r for r in mine if r["doc"] == self.docs[i % len(states)].name][0]["kv_cells"]
+                # every held sequence needs room for its own `gen` decoded tokens
+                if cells + need + self.gen * (len(held) + 1) > session.n_ctx:
+                    break
+                cells += restore(session, i, s["state"], s["next_pos"], s["prompt_tokens"])
+                held.append((i, s["first"]))
+            out["docs_held"] = len(held)
+            out["cells_held"] = cells
+            out["kv_bytes_held"] = int(sum(session.stats(i)["kv_bytes"] for i, _ in held))
+            if not held:
+                out["status"] = f"no document fits a {session.n_ctx}-cell context"
+                return out
+            toks = {i: t for i, t in held}
+            t0 = time.perf_counter()
+            for _ in range(self.gen):
+                session.step(toks)
+                toks = {i: int(np.argmax(session.logits(i))) for i, _ in held}
+            dt = time.perf_counter() - t0
+            out["decode_s"] = dt
+            out["aggregate_tok_s"] = len(held) * self.gen / dt
+            out["per_seq_tok_s"] = self.gen / dt
+            out["status"] = "ok" if len(held) == self.batch else f"ok (only {len(held)} of {self.batch} fit)"
+        except KvcliError as e:
+            out["status"] = f"error: {e}"
+        finally:
+            session.close()
+        return out
+
+    # -------------------------------------------------------------------------- all
+    def run(self) -> dict:
+        n_ctx_train = self._tokenize()
+        cfgs = configs(self.policies, self.budgets, self.cache_types)
+        if self.batch:
+            longest = max(len(d.tokens) for d in self.docs)
+            self.ctx = self.ctx or context_cells(longest, self.gen, n_ctx_train)
+        rows = []
+        for doc in self.docs:
+            for cfg in cfgs:
+                self.log(f"{doc.name} ({len(doc.tokens)} tokens): {cfg.label}")
+                row = self.measure(cfg, doc, n_ctx_train)
+                rows.append(row)
+                self.log("  " + short_line(row))
+        base = {r["doc"]: r for r in rows if r["config"] == Config("full", None, "f16").label}
+        for r in rows:
+            b = base.get(r["doc"])
+            if r.get("status") == "ok" and b and b.get("status") == "ok":
+                r["kv_bytes_vs_full"] = r["kv_bytes"] / b["kv_bytes"]
+                r["decode_speedup_vs_full"] = r["decode_tok_s"] / b["decode_tok_s"]
+        batch = []
+        if self.batch:
+            for cfg in cfgs:
+                self.log(f"batch at {self.ctx} cells: {cfg.label}")
+                batch.append(self.measure_batch(cfg, rows))
+                self.log("  " + batch_line(batch[-1]))
+            bfull = [b for b in batch if b["config"] == Config("full", None, "f16").label and "aggregate_tok_s" in b]
+            for b in batch:
+                if bfull and "aggregate_tok_s" in b:
+                    b["throughput_vs_full"] = b["aggregate_tok_s"] / bfull[0]["aggregate_tok_s"]
+        self.states.clear()
+        return {"kind": "bench", "model": self.model_path, "machine": machine(),
+                "settings": {"policies": self.policies, "budgets": self.budgets, "cache_types": self.cache_types,
+                             "gen": self.gen, "repeat": self.repeat, "batch": self.batch, "ctx": self.ctx,
+                             "instruction": self.instruction, "policy_args": self.policy_args,
+                             "docs": [{"name": d.name, "tokens": len(d.tokens)} for d in self.docs]},
+                "rows": rows, "batch": batch}
+
+
+def _decode(session, first_logits: np.ndarray, gen: int, forced: list[int] | None):
+    """Decode `gen` tokens into sequence 0: greedy, or the `forced` tokens when given. Returns the tokens,
+    the log-probabilities before each of them, and the seconds spent in decode + logits reads."""
+    logits, toks, logps, dt = first_logits, [], [], 0.0
+    for i in range(gen):
+        logps.append(log_softmax(logits))
+        tok = int(np.argmax(logits)) if forced is None else forced[i]
+        toks.append(tok)
+        t0 = time.perf_counter()
+        session.step({0: tok})
+        logits = session.logits(0)
+        dt += time.perf_counter() - t0
+    return toks, logps, dt
+
+
+# ------------------------------------------------------------------------------ text output
+def _f(v, fmt="{:.1f}", none="-"):
+    return none if v is None else fmt.format(v)
+
+
+def short_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return r.get("status", "?")
+    return (f"prefill {_f(r['prefill_tok_s'])} tok/s, compress {r['compress_s']:.3f}s, "
+            f"{r['kv_cells']} cells {r['kv_bytes'] / 1e6:.2f} MB, decode {_f(r['decode_tok_s'])} tok/s, "
+            f"agree {r['agreement']:.0%}, KL {r['kl_mean']:.3f}")
+
+
+def batch_line(b: dict) -> str:
+    if "aggregate_tok_s" not in b:
+        return b.get("status", "?")
+    return f"{b['docs_held']} docs held ({b['cells_held']} cells), {b['aggregate_tok_s']:.1f} tok/s together"
+
+
+def table(result: dict) -> str:
+    """The terminal table: one line per document x configuration, then the batch table."""
+    head = (f"{'doc':<18} {'config':<22} {'prefill':>8} {'comp%':>6} {'decode tok/s (min-max)':>24} "
+            f"{'cells':>6} {'KV MB':>7} {'xfull':>6} {'RSS MB':>7} {'agree':>6} {'KL':>7}")
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        doc = f"{r['doc'][:12]}({r['prompt_tokens']})"
+        if r.get("status") != "ok":
+            lines.append(f"{doc:<18} {r['config']:<22} {r.get('status')}")
+            continue
+        dec = f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
+        lines.append(f"{doc:<18} {r['config']:<22} {r['prefill_tok_s']:>8.1f} {100 * r['compress_share']:>6.1f} "
+                     f"{dec:>24} {r['kv_cells']:>6} {r['kv_bytes'] / 1e6:>7.2f} "
+                     f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}'):>6} {_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}'):>7} "
+                     f"{100 * r['agreement']:>5.0f}% {r['kl_mean']:>7.3f}")
+    if result.get("batch"):
+        s = result["settings"]
+        lines += ["", f"batch at equal memory: {s['ctx']} cells, up to {s['batch']} sequences, "
+                      f"{s['gen']} tokens each, decoded together"]
+        bh = f"{'config':<22} {'held':>5} {'cells':>7} {'KV MB':>7} {'tok/s total':>12} {'xfull':>6}  status"
+        lines += [bh, "-" * len(bh)]
+        for b in result["batch"]:
+            if "aggregate_tok_s" not in b:
+                lines.append(f"{b['config']:<22} {'':>5} {'':>7} {'':>7} {'':>12} {'':>6}  {b.get('status')}")
+                continue
+            lines.append(f"{b['config']:<22} {b['docs_held']:>5} {b['cells_held']:>7} {b['kv_bytes_held'] / 1e6:>7.2f} "
+                         f"{b['aggregate_tok_s']:>12.1f} {_f(b.get('throughput_vs_full'), '{:.2f}'):>6}  {b['status']}")
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ["doc", "prompt_tokens", "policy", "budget", "cache_type", "status", "prefill_tok_s", "prefill_s",
+              "compress_s", "compress_share", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max",
+              "decode_repeats", "kv_cells", "kv_bytes", "kv_bytes_full", "kv_bytes_vs_full",
+              "decode_speedup_vs_full", "peak_rss_bytes", "agreement", "kl_mean", "note"]
+
+
+def write_csv(result: dict, path: str) -> None:
+    import csv  # noqa: PLC0415
+    from kvcli.evaluation.report import write_text  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for r in result["rows"]:
+        w.writerow(r)
+    if result.get("batch"):
+        buf.write("\n")
+        bf = ["policy", "budget", "cache_type", "status", "ctx", "batch", "docs_held", "cells_held", "kv_bytes_held",
+              "aggregate_tok_s", "per_seq_tok_s", "throughput_vs_full"]
+        w = csv.DictWriter(buf, fieldnames=bf, extrasaction="ignore")
+        w.writeheader()
+        for b in result["batch"]:
+            w.writerow(b)
+    write_text(path, buf.getvalue())
+
+
+def write_json(result: dict, path: str) -> None:
+    from kvcli.evaluation.report import write_text  # noqa: PLC0415
+    write_text(path, json.dumps(result, indent=1, default=_jsonable))
+
+
+def _jsonable(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+__all__ = ["Bench", "Config", "Doc", "asdict", "configs", "load_docs", "table", "write_csv", "write_json"]

@@ -1,0 +1,271 @@
+"""`kvcli eval`: NIAH, RULER-style tasks and fidelity, per policy x budget x length.
+
+Every sample is scored with the full cache first and then with each policy x budget on the very same
+prompt, so each score can also be given as a fraction of the full cache's score on the same samples
+(the papers' headline form). Compression always goes through `kvcli.compress.prefill_and_compress`.
+Decoding is greedy.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import kl, log_softmax, machine
+from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
+
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def eval_configs(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
+    out = [("full", None)]
+    for p in policies:
+        for b in ([None] if p == "full" else budgets):
+            if (p, b) not in out:
+                out.append((p, b))
+    return out
+
+
+def _check_policies(policies, budgets, policy_args) -> dict:
+    """Unavailable policies are reported per result; bad arguments stop the run before it starts."""
+    from kvcli import policies as reg  # noqa: PLC0415
+    from kvcli.bench import availability  # noqa: PLC0415
+    why = {}
+    for p in policies:
+        w = availability(p)
+        if w:
+            why[p] = w
+        elif p != "full":
+            for b in budgets:
+                reg.prepare(p, policy_args.get(p, {}), b)
+    return why
+
+
+def _session(model_path, n_ctx, cache_type, threads):
+    from kvcli.native.session import NativeSession  # noqa: PLC0415
+    return NativeSession(model_path, n_ctx=n_ctx, cache_type=cache_type, flash_attn=True, n_threads=threads)
+
+
+def _answer(session, sample, policy, budget, args) -> tuple[str, dict]:
+    from kvcli.compress import prefill_and_compress  # noqa: PLC0415
+    from kvcli.generate import Sampler, generate  # noqa: PLC0415
+    session.clear()
+    toks = session.tokenize(sample.prompt)
+    rep = prefill_and_compress(session, toks, policy, budget, dict(args), seq=0)
+    gen = generate(session, sample.max_tokens, Sampler(), seq=0)
+    return gen.text, {"prefill_s": rep.prefill_s, "compress_s": rep.compress_s,
+                      "note": rep.note}
+
+
+def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[str], budgets: list[int],
+                        lengths: list[int], depths: list[float], samples: int, *, cache_type: str = "f16",
+                        policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None) -> dict:
+    """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths)."""
+    log = log or (lambda m: None)
+    policy_args = policy_args or {}
+    for t in tasks:
+        if t not in TASKS:
+            raise KvcliError(f"unknown task '{t}': choose from {', '.join(RULER_TASKS)}")
+    if samples < 1:
+        raise KvcliError("--samples must be >= 1")
+    unavailable = _check_policies(policies, budgets, policy_args)
+    cfgs = eval_configs(policies, budgets)
+    tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
+    n_ctx_train = tok.n_ctx_train
+    for L in lengths:
+        if L + 64 > n_ctx_train:
+            raise KvcliError(f"length {L} does not fit the model's context ({n_ctx_train} tokens)")
+    records, t_start = [], time.perf_counter()
+    try:
+        for L in lengths:
+            plan = []
+            for task in tasks:
+                for d in (depths if task in ("niah", "niah_single", "niah_multikey") else [None]):
+                    for i in range(samples):
+                        plan.append((task, d, i))
+            built = []
+            for task, d, i in plan:
+                s = niah_sample(tok, L, d, i, seed) if task == "niah" else ruler_sample(tok, task, L, d, i, seed)
+                built.append(s)
+            n_ctx = max(s.n_tokens + s.max_tokens for s in built) + 16
+            session = _session(model_path, n_ctx, cache_type, threads)
+            try:
+                for s in built:
+                    for pol, bud in cfgs:
+                        rec = {"task": s.task, "length": L, "tokens": s.n_tokens, "depth": s.depth, "sample": s.index,
+                               "policy": pol, "budget": bud, "answers": s.answers}
+                        if pol in unavailable:
+                            rec.update(status=unavailable[pol], score=None)
+                        else:
+                            try:
+                                pred, info = _answer(session, s, pol, bud, policy_args.get(pol, {}))
+                                rec.update(status="ok", prediction=pred, score=100 * string_match_all(pred, s.answers),
+                                           **info)
+                            except KvcliError as e:
+                                rec.update(status=f"error: {e}", score=None)
+                        records.append(rec)
+                    row = [r for r in records[-len(cfgs):]]
+                    log(f"{s.task} {L} tok depth={s.depth if s.depth is None else round(s.depth, 2)} #{s.index}: " +
+                        ", ".join(f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])}="
+                                  f"{'-' if r['score'] is None else round(r['score'])}" for r in row))
+            finally:
+                session.close()
+    finally:
+        tok.close()
+    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": machine(),
+            "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
+                         "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
+                         "policy_args": policy_args, "metric": "RULER string_match_all, percent"},
+            "elapsed_s": time.perf_counter() - t_start, "records": records,
+            "cells": aggregate(records, ("task", "policy", "budget", "length", "depth")),
+            "summary": aggregate(records, ("task", "policy", "budget", "length"))}
+
+
+def aggregate(records: list[dict], keys: tuple[str, ...], metric: str = "score", higher_better: bool = True) -> list:
+    """Mean `metric` per group, and the same as a fraction of the full cache on the same samples."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    full = {}
+    for r in records:
+        if r["policy"] == "full" and r.get(metric) is not None:
+            full[(r["task"], r["length"], r.get("depth"), r.get("sample"), r.get("doc"))] = r[metric]
+    out = []
+    for k, rs in groups.items():
+        item = dict(zip(keys, k))
+        bad = [r for r in rs if r.get(metric) is None]
+        if bad:
+            item.update({metric: None, "status": bad[0]["status"], "n": len(rs)})
+            out.append(item)
+            continue
+        item[metric] = float(np.mean([r[metric] for r in rs]))
+        item["n"] = len(rs)
+        same = [full.get((r["task"], r["length"], r.get("depth"), r.get("sample"), r.get("doc"))) for r in rs]
+        if all(v is not None for v in same):
+            base = float(np.mean(same))
+            item[f"full_{metric}"] = base
+            if higher_better:
+                item["frac_of_full"] = item[metric] / base if base > 0 else None
+            else:
+                item["ratio_to_full"] = item[metric] / base if base > 0 else None
+        for extra in ("kl_mean", "kv_cells"):
+            vals = [r[extra] for r in rs if r.get(extra) is not None]
+            if vals:
+                item[extra] = float(np.mean(vals))
+        item["status"] = "ok"
+        out.append(item)
+    return out
+
+
+# ------------------------------------------------------------------------------ fidelity
+def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], lengths: list[int], cont: int = 64, *,
+                 cache_type: str = "f16", policy_args: dict | None = None, threads: int | None = None,
+                 log=None) -> dict:
+    """Perplexity of each document's next `cont` tokens given its first L tokens (compressed), and the
+    mean KL(full || compressed) of the next-token distributions over those tokens (teacher-forced)."""
+    from kvcli.compress import prefill_and_compress  # noqa: PLC0415
+    log = log or (lambda m: None)
+    policy_args = policy_args or {}
+    if cont < 1:
+        raise KvcliError("--cont must be >= 1")
+    unavailable = _check_policies(policies, budgets, policy_args)
+    cfgs = eval_configs(policies, budgets)
+    tok = _session(model_path, 0, cache_type, threads)
+    try:
+        doc_tokens = [(d.name, tok.tokenize(d.text)) for d in docs]
+        n_ctx_train = tok.n_ctx_train
+    finally:
+        tok.close()
+    records, t_start = [], time.perf_counter()
+    for L in lengths:
+        if L + cont > n_ctx_train:
+            raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})")
+        session = _session(model_path, L + cont + 16, cache_type, threads)
+        try:
+            for name, toks in doc_tokens:
+                base = {"task": "fidelity", "doc": name, "length": L, "depth": None, "sample": 0}
+                if len(toks) < L + cont:
+                    for pol, bud in cfgs:
+                        records.append({**base, "policy": pol, "budget": bud, "ppl": None, "kl_mean": None,
+                                        "status": f"document too short: {len(toks)} tokens < {L} + {cont}"})
+                    continue
+                prefix, target = toks[:L], toks[L:L + cont]
+                ref_logp = None
+                for pol, bud in cfgs:
+                    rec = {**base, "policy": pol, "budget": bud}
+                    if pol in unavailable:
+                        records.append({**rec, "ppl": None, "kl_mean": None, "status": unavailable[pol]})
+                        continue
+                    try:
+                        session.clear()
+                        rep = prefill_and_compress(session, prefix, pol, bud, dict(policy_args.get(pol, {})), seq=0)
+                        logps = []
+                        for i, t in enumerate(target):
+                            logps.append(log_softmax(session.logits(0)))
+                            if i + 1 < len(target):
+                                session.step({0: t})
+                        nll = -float(np.mean([lp[t] for lp, t in zip(logps, target)]))
+                        if pol == "full":
+                            ref_logp = logps
+                        kls = [kl(a, b) for a, b in zip(ref_logp, logps)] if ref_logp is not None else None
+                        rec.update(status="ok", nll=nll, ppl=math.exp(nll),
+                                   kl_mean=float(np.mean(kls)) if kls else None, note=rep.note)
+                    except KvcliError as e:
+                        rec.update(status=f"error: {e}", ppl=None, kl_mean=None)
+                    records.append(rec)
+                row = records[-len(cfgs):]
+                log(f"fidelity {name} {L}+{cont}: " + ", ".join(
+                    f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])} ppl="
+                    f"{'-' if r.get('ppl') is None else round(r['ppl'], 2)}" for r in row))
+        finally:
+            session.close()
+    return {"kind": "eval", "task": "fidelity", "model": str(model_path), "machine": machine(),
+            "settings": {"policies": policies, "budgets": budgets, "lengths": lengths, "cont": cont,
+                         "cache_type": cache_type, "docs": [n for n, _ in doc_tokens], "policy_args": policy_args},
+            "elapsed_s": time.perf_counter() - t_start, "records": records,
+            "summary": aggregate(records, ("task", "policy", "budget", "length"), metric="ppl", higher_better=False)}
+
+
+def summary_table(result: dict) -> str:
+    """Score (or perplexity) per policy x budget x length, and relative to the full cache."""
+    fid = result["task"] == "fidelity"
+    metric = "ppl" if fid else "score"
+    rows = result["summary"]
+    lengths = sorted({r["length"] for r in rows})
+    tasks = sorted({r["task"] for r in rows})
+    lines = []
+    for task in tasks:
+        lines.append(f"{task}: {'perplexity (ratio to full) [mean KL to full]' if fid else 'score % (fraction of full)'}")
+        head = f"{'policy':<22}" + "".join(f"{L:>24}" for L in lengths)
+        lines += [head, "-" * len(head)]
+        keys = []
+        for r in rows:
+            if r["task"] == task and (r["policy"], r["budget"]) not in keys:
+                keys.append((r["policy"], r["budget"]))
+        for pol, bud in keys:
+            cells = []
+            for L in lengths:
+                m = [r for r in rows if (r["task"], r["policy"], r["budget"], r["length"]) == (task, pol, bud, L)]
+                if not m:
+                    cells.append("")
+                    continue
+                r = m[0]
+                if r.get(metric) is None:
+                    cells.append(str(r.get("status", "-"))[:22])
+                elif fid:
+                    ratio = r.get("ratio_to_full")
+                    kls = r.get("kl_mean")
+                    cells.append(f"{r['ppl']:.2f} ({'-' if ratio is None else f'{ratio:.3f}'})"
+                                 f" [{'-' if kls is None else f'{kls:.3f}'}]")
+                else:
+                    fr = r.get("frac_of_full")
+                    cells.append(f"{r['score']:.0f} ({'n/a' if fr is None else f'{fr:.2f}'})")
+            name = pol if bud is None else f"{pol}@{bud}"
+            lines.append(f"{name:<22}" + "".join(f"{c:>24}" for c in cells))
+        lines.append("")
+    if not fid:
+        lines.append("fraction of full = policy score / full-cache score on the same samples; n/a where the full "
+                     "cache scores 0")
+    return "\n".join(lines).rstrip()
