@@ -19,7 +19,7 @@ class Param:
     """One parameter of a policy."""
 
     name: str
-    type: str                       # "int" | "float" | "choice"
+    type: str                       # "int" | "float" | "choice" | "ints" | "floats" (comma-separated lists)
     default: Any
     doc: str
     paper_default: Any = None       # the value (or a short phrase) the paper / authors' code uses
@@ -36,6 +36,8 @@ class Param:
             if val not in self.choices:
                 raise KvcliError(f"{where} must be one of {', '.join(self.choices)} (got '{raw}')")
             return val
+        if self.type in ("ints", "floats"):
+            return self._parse_list(where, raw)
         if self.type == "int":
             try:
                 if isinstance(raw, bool):
@@ -65,12 +67,45 @@ class Param:
             raise KvcliError(f"{where} must be odd (got {raw}): the pooling is centred on each slot")
         return val
 
+    def _parse_list(self, where: str, raw: Any) -> tuple:
+        items = [x.strip() for x in raw.split(",")] if isinstance(raw, str) else list(raw)
+        items = [x for x in items if not (isinstance(x, str) and x == "")]
+        out = []
+        for x in items:
+            try:
+                if self.type == "ints":
+                    if isinstance(x, float) and not x.is_integer():
+                        raise ValueError
+                    v = int(x) if not isinstance(x, str) else int(x, 10)
+                else:
+                    v = float(x)
+                    if not math.isfinite(v):
+                        raise ValueError
+            except (TypeError, ValueError):
+                kind = "integers" if self.type == "ints" else "finite numbers"
+                raise KvcliError(f"{where} must be a comma-separated list of {kind} (bad item '{x}')") from None
+            if (self.min is not None and v < self.min) or (self.max is not None and v > self.max):
+                raise KvcliError(f"{where}: item {x} outside [{_num(self.min)}, {_num(self.max)}]")
+            out.append(v)
+        return tuple(out)
+
     def render(self, val: Any) -> str:
+        if self.type == "ints":
+            return ",".join(str(int(v)) for v in val)
+        if self.type == "floats":
+            return ",".join(repr(float(v)) for v in val)    # repr round-trips exactly through strtod
         return repr(float(val)) if self.type == "float" else str(val)
+
+    def shown_default(self) -> str:
+        if self.type in ("ints", "floats"):
+            return self.render(self.default) or "(empty)"
+        return str(self.default)
 
     def range_text(self) -> str:
         if self.type == "choice":
             return "|".join(self.choices)
+        if self.type in ("ints", "floats"):
+            return f"comma-separated {'integers' if self.type == 'ints' else 'numbers'}"
         lo = "-inf" if self.min is None else _num(self.min)
         hi = "inf" if self.max is None else _num(self.max)
         return f"{self.type} in [{lo}, {hi}]" + (", odd" if self.odd else "")
@@ -187,7 +222,7 @@ class PolicySpec:
             out.append("Parameters (--policy-arg key=value):")
             for p in self.params:
                 paper = "" if p.paper_default is None else f"; paper: {p.paper_default}"
-                out.append(f"  {p.name} = {p.default}  ({p.range_text()}{paper})")
+                out.append(f"  {p.name} = {p.shown_default()}  ({p.range_text()}{paper})")
                 out.append(f"      {p.doc}")
         else:
             out.append("Parameters: none")

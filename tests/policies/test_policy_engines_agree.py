@@ -15,7 +15,7 @@ from kvcli.native.lib import native_plan
 from kvcli.plan import Observation
 from kvcli.reference.policies import make_plan
 
-PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv"]
+PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv", "compresskv"]
 
 # (n_layer, n_head, n_head_kv, n): GQA 3:1 like SmolLM2, 4:1, MHA, one KV head, one layer
 SHAPES = [(5, 9, 3, 260), (4, 8, 2, 301), (3, 4, 4, 170), (6, 4, 1, 333), (1, 6, 2, 150)]
@@ -30,7 +30,19 @@ VARIANTS = {
     "windowkv": [[], ["task=aggregation", "window=16"], ["review_window=7", "score=topp", "top_p=3"],
                  ["shared_layers=2", "beta=3"], ["review_window=5", "shared_layers=1", "window=4"]],
     "dynamickv": [[], ["pool=max", "interval=3"], ["r_max=1.5", "interval=1", "gqa=max"], ["interval=2", "window=16"]],
+    "compresskv": [[], ["pool=max", "kernel=3", "window=16"], "calibrated", "calibrated_rr"],
 }
+
+
+def compresskv_calibration(obs, seed, allocator="paper"):
+    """Random SRH lists and a random normalised layer profile of the observation's shape."""
+    rng = np.random.default_rng(seed)
+    k = min(4, obs.n_head)
+    srh = [int(q) for _ in range(obs.n_layer) for q in rng.permutation(obs.n_head)[:k]]
+    e = rng.random(obs.n_layer) + 0.05
+    e = (e / e.sum()).tolist()
+    return [f"srh_k={k}", "srh=" + ",".join(map(str, srh)), "layer_scores=" + ",".join(map(repr, e)),
+            f"allocator={allocator}", "min_budget=16"]
 
 
 def assert_same(a, b):
@@ -62,6 +74,8 @@ def test_identical_plans(name, ties):
         for vi, args in enumerate(VARIANTS[name]):
             for seed in range(2):
                 obs = random_obs(100 * si + 10 * vi + seed, n_layer, n_head, n_head_kv, n, w=32, ties=ties)
+                if isinstance(args, str):
+                    args = compresskv_calibration(obs, seed, "round_robin" if args.endswith("_rr") else "paper")
                 for budget in (40, 97):
                     nat, ref = both(name, args, budget, obs)
                     assert_same(nat, ref)

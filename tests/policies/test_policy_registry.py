@@ -7,7 +7,7 @@ import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.policies.base import parse_policy_args
 
-PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv"]
+PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv", "compresskv"]
 
 
 def test_available_and_get():
@@ -30,7 +30,7 @@ def test_explain_lists_every_parameter_and_deviation(name):
     text = P.explain_text(name)
     assert text.startswith(f"{name}: {spec.summary}")
     for p in spec.params:
-        assert f"  {p.name} = {p.default}" in text
+        assert f"  {p.name} = {p.shown_default()}" in text
         assert p.doc in text
     for d in spec.deviations:
         assert d in text
@@ -88,6 +88,9 @@ def test_observe():
     ("snapkv", ["=3"], r"--policy-arg expects key=value"),
     ("snapkv", ["window=3", "window=4"], r"--policy-arg window given twice"),
     ("snapkv", ["window=3;kernel=5"], r"may not contain ';'"),
+    ("compresskv", ["srh=1,x"], r"parameter srh must be a comma-separated list of integers \(bad item 'x'\)"),
+    ("compresskv", ["layer_scores=0.5,inf"], r"comma-separated list of finite numbers"),
+    ("compresskv", ["layer_scores=0.5,0.2"], r"layer_scores must sum to 1"),
 ])
 def test_param_errors(name, args, match):
     with pytest.raises(KvcliError, match=match):
@@ -106,6 +109,14 @@ def test_param_errors(name, args, match):
 def test_budget_errors(name, budget, match):
     with pytest.raises(KvcliError, match=match):
         P.prepare(name, [], budget)
+
+
+def test_list_params_round_trip():
+    _, p, text = P.prepare("compresskv", ["srh=3, 1,2", "layer_scores=0.25,0.75"], 64)
+    assert p["srh"] == (3, 1, 2) and p["layer_scores"] == (0.25, 0.75)
+    assert "srh=3,1,2;layer_scores=0.25,0.75" in text
+    _, p2, _ = P.prepare("compresskv", {"srh": p["srh"], "layer_scores": p["layer_scores"]}, 64)
+    assert p2 == p
 
 
 def test_parse_policy_args():

@@ -4,13 +4,18 @@ Every hand-made case runs through BOTH planners (C++ and torch).
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from policy_obs import random_obs
 
 import kvcli.policies as P
+from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
 from kvcli.plan import Observation
+from kvcli.policies.compresskv import allocate
 from kvcli.policies.pyramidkv import layer_budgets as pyramid_budgets
 from kvcli.policies.windowkv import group_budgets, group_size
 from kvcli.reference.policies import make_plan
@@ -196,3 +201,52 @@ def test_dynamickv_total_never_exceeds_the_budget():
         assert (plan.n_kept == per_layer[:, None]).all()           # same count for every head of a layer
         assert per_layer.sum() <= 64 * 7 and per_layer.min() >= 8  # the window is always kept
         assert len(set(per_layer.tolist())) > 1                    # budgets really differ per layer
+
+
+# ---------------------------------------------------------------------------------------------
+# CompressKV: the allocator against the digest's test vectors (authors' released profiles)
+# ---------------------------------------------------------------------------------------------
+# The design digest's vectors (methods/compresskv_allocator_vectors.json), copied next to this test:
+# the authors' released per-layer profiles and the budgets their allocator gives at 256 tokens/layer.
+_V = json.loads(Path(__file__).with_name("compresskv_allocator_vectors.json").read_text())["models"]
+
+
+@pytest.mark.parametrize("model", sorted(_V))
+@pytest.mark.parametrize("mode", ["paper", "round_robin"])
+def test_compresskv_allocator_vectors(model, mode):
+    mv = _V[model]
+    got = allocate(mv["avg_score"], mv["budget_per_layer"], mv["min"], mv["max"] // mv["budget_per_layer"], mode)
+    expected = list(mv["expected"]["round_robin"])
+    if mode == "paper" and model.startswith("Mistral"):
+        expected[1], expected[3] = 125, 152      # "same list except layer 1 = 125 and layer 3 = 152"
+    assert got == expected and sum(got) == 256 * len(got)
+
+
+@pytest.mark.parametrize("mode", ["paper", "round_robin"])
+def test_compresskv_native_layers_follow_the_allocator(mode):
+    mv = _V["Mistral-7B-Instruct-v0.3"]
+    obs = random_obs(4, n_layer=32, n_head=2, n_head_kv=1, n=900, w=8)
+    scores = "layer_scores=" + ",".join(map(repr, mv["avg_score"]))
+    plan = plans("compresskv", [scores, f"allocator={mode}"], 256, obs)
+    expected = allocate(mv["avg_score"], 256, 32, 3, mode)
+    assert plan.n_kept[:, 0].tolist() == expected and plan.entries() == 256 * 32
+
+
+def test_compresskv_handmade_srh_vote():
+    # 1 layer, 4 query heads over 2 KV heads, n = 8, window 2, kernel 1, budget 3: one prefix slot kept,
+    # the same for both KV heads. Heads 1 and 2 (the SRH) look at slot 4; the others at slot 0.
+    rows = np.zeros((1, 4, 2, 8), np.float32)
+    rows[0, :, :, 6:] = 0.25
+    for q, slot in ((0, 0), (1, 4), (2, 4), (3, 0)):
+        rows[0, q, :, slot] = 0.5
+    obs = obs_from_rows(rows, n_head_kv=2)
+    base = ["window=2", "kernel=1"]
+    assert kept(plans("compresskv", base + ["srh_k=2", "srh=1,2"], 3, obs)) == [4, 6, 7]
+    plan = plans("compresskv", base, 3, obs)        # no calibration: every head votes, tie -> lower slot
+    assert kept(plan, 0, 0) == kept(plan, 0, 1) == [0, 6, 7]
+    with pytest.raises(KvcliError, match=r"srh names query head 9, the model has 4"):
+        native_plan("compresskv", "window=2;srh_k=2;srh=1,9", 3, obs)
+    with pytest.raises(KvcliError, match=r"srh has 3 head ids, expected 1 layers x srh_k 2"):
+        native_plan("compresskv", "window=2;srh_k=2;srh=1,2,3", 3, obs)
+    with pytest.raises(KvcliError, match=r"srh has 3 head ids"):
+        make_plan("compresskv", obs, ["window=2", "srh_k=2", "srh=1,2,3"], 3)

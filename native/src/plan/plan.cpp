@@ -123,6 +123,56 @@ std::string Params::get_choice(const std::string & key, const std::string & def,
     return v;
 }
 
+namespace {
+std::vector<std::string> split_list(const std::string & v) {
+    std::vector<std::string> out;
+    size_t pos = 0;
+    while (pos <= v.size()) {
+        size_t end = v.find(',', pos);
+        if (end == std::string::npos) end = v.size();
+        std::string item = trim(v.substr(pos, end - pos));
+        if (!item.empty()) out.push_back(item);
+        pos = end + 1;
+    }
+    return out;
+}
+} // namespace
+
+std::vector<int64_t> Params::get_int_list(const std::string & key, int64_t lo, int64_t hi) {
+    known_.push_back(key);
+    std::vector<int64_t> out;
+    auto it = kv_.find(key);
+    if (it == kv_.end()) return out;
+    for (const auto & item : split_list(it->second)) {
+        errno = 0;
+        char * end = nullptr;
+        long long x = std::strtoll(item.c_str(), &end, 10);
+        if (*end != '\0' || errno == ERANGE || x < lo || x > hi) {
+            throw PlanError("policy '" + policy_ + "': parameter " + key + " must be a comma-separated list of "
+                            "integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "] (bad item '" + item + "')");
+        }
+        out.push_back(x);
+    }
+    return out;
+}
+
+std::vector<double> Params::get_float_list(const std::string & key, double lo, double hi) {
+    known_.push_back(key);
+    std::vector<double> out;
+    auto it = kv_.find(key);
+    if (it == kv_.end()) return out;
+    for (const auto & item : split_list(it->second)) {
+        char * end = nullptr;
+        double x = std::strtod(item.c_str(), &end);
+        if (*end != '\0' || !std::isfinite(x) || x < lo || x > hi) {
+            throw PlanError("policy '" + policy_ + "': parameter " + key + " must be a comma-separated list of "
+                            "numbers in range (bad item '" + item + "')");
+        }
+        out.push_back(x);
+    }
+    return out;
+}
+
 void Params::finish() const {
     for (const auto & kv : kv_) {
         if (std::find(known_.begin(), known_.end(), kv.first) == known_.end()) {

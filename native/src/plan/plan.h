@@ -52,6 +52,9 @@ public:
     int64_t     get_int(const std::string & key, int64_t def, int64_t lo, int64_t hi, bool odd = false);
     double      get_float(const std::string & key, double def, double lo, double hi);
     std::string get_choice(const std::string & key, const std::string & def, const std::vector<std::string> & choices);
+    // Comma-separated lists; absent or empty = empty list. Items checked against [lo, hi].
+    std::vector<int64_t> get_int_list(const std::string & key, int64_t lo, int64_t hi);
+    std::vector<double>  get_float_list(const std::string & key, double lo, double hi);
     void        finish() const;
     const std::string & policy() const { return policy_; }
 private:
