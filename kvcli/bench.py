@@ -115,6 +115,18 @@ def availability(policy: str) -> str | None:
     return None
 
 
+def cache_type_problem(cache_type: str, model_path) -> str | None:
+    """llama.cpp quantises K/V rows per head in blocks: a head_dim that is not a multiple of the block
+    cannot use that cache type (llama.cpp would refuse the context)."""
+    import gguf  # noqa: PLC0415
+    from kvcli.models import read_model_info  # noqa: PLC0415
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cache_type.upper()]][0]
+    hd = read_model_info(model_path).head_dim
+    if hd % block:
+        return f"not available: cache type {cache_type} needs head_dim a multiple of {block} (this model: {hd})"
+    return None
+
+
 def context_cells(n_prompt: int, gen: int, n_ctx_train: int) -> int:
     need = n_prompt + gen + 1
     return min(-(-need // CTX_PAD) * CTX_PAD, max(n_ctx_train, need))
@@ -180,7 +192,7 @@ class Bench:
 
         row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
                "config": cfg.label, "prompt_tokens": len(doc.tokens), "gen_tokens": self.gen}
-        why = availability(cfg.policy)
+        why = availability(cfg.policy) or cache_type_problem(cfg.cache_type, self.model_path)
         if why:
             row["status"] = why
             return row
@@ -240,7 +252,7 @@ class Bench:
                "ctx": self.ctx, "batch": self.batch, "gen_tokens": self.gen}
         mine = [r for r in rows if r["config"] == cfg.label]
         bad = [r for r in mine if r.get("status") != "ok"]
-        if bad or not mine:
+        if bad or not mine:  # the same reason as the per-document rows
             out["status"] = bad[0]["status"] if bad else "not measured"
             return out
         states = [self.states[(cfg, d.name)] for d in self.docs]
