@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Markdown tables for docs/results.md from the JSON that kvcli bench / kvcli eval wrote.
+
+    python benchmarks/tables.py benchmarks/results/bench.json [more.json ...]
+
+Prints the tables; numbers are copied from the measurements, only rounded.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _f(v, fmt):
+    return "–" if v is None else fmt.format(v)
+
+
+def bench_tables(res: dict) -> str:
+    out = [f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, "
+           f"{res['machine']['threads']} threads; load average at start {res['machine'].get('load_avg_1m_at_start')}.",
+           f"Settings: {res['settings']['gen']} tokens decoded per configuration, {res['settings']['repeat']} repeats.", ""]
+    for doc in dict.fromkeys(r["doc"] for r in res["rows"]):
+        rows = [r for r in res["rows"] if r["doc"] == doc]
+        out.append(f"**{doc}** ({rows[0]['prompt_tokens']} prompt tokens)\n")
+        out.append("| config | prefill tok/s | compress s (share) | decode tok/s median (min–max) | x full | cells | KV MB "
+                   "| KV vs full | peak RSS MB | agreement | KL |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.get("status") != "ok":
+                out.append(f"| {r['config']} | {r.get('status')} |||||||||")
+                continue
+            out.append(
+                f"| {r['config']} | {r['prefill_tok_s']:.0f} | {r['compress_s']:.3f} ({100 * r['compress_share']:.1f}%) | "
+                f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_min']:.1f}–{r['decode_tok_s_max']:.1f}) | "
+                f"{_f(r.get('decode_speedup_vs_full'), '{:.2f}')} | {r['kv_cells']} | {r['kv_bytes'] / 1e6:.2f} | "
+                f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}')} | {_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}')} | "
+                f"{100 * r['agreement']:.0f}% | {r['kl_mean']:.3f} |")
+        out.append("")
+    if res.get("batch"):
+        s = res["settings"]
+        out.append(f"**Batch at equal memory**: {s['ctx']} cells, up to {s['batch']} documents, {s['gen']} tokens each, "
+                   "all decoded together\n")
+        out.append("| config | documents held | cells | KV MB | aggregate tok/s | x full | status |")
+        out.append("|---|---|---|---|---|---|---|")
+        for b in res["batch"]:
+            if "aggregate_tok_s" not in b:
+                out.append(f"| {b['config']} ||||||{b.get('status')} |")
+                continue
+            out.append(f"| {b['config']} | {b['docs_held']} | {b['cells_held']} | {b['kv_bytes_held'] / 1e6:.2f} | "
+                       f"{b['aggregate_tok_s']:.1f} | {_f(b.get('throughput_vs_full'), '{:.2f}')} | {b['status']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def eval_tables(res: dict) -> str:
+    fid = res["task"] == "fidelity"
+    metric = "ppl" if fid else "score"
+    lengths = sorted({s["length"] for s in res["summary"]})
+    out = []
+    for task in sorted({s["task"] for s in res["summary"]}):
+        out.append(f"**{task}** — " + ("perplexity of the continuation (ratio to full) [mean KL to full]" if fid else
+                                       "score % (fraction of the full cache's score on the same samples)") + "\n")
+        out.append("| policy | " + " | ".join(f"{L} tokens" for L in lengths) + " |")
+        out.append("|---|" + "---|" * len(lengths))
+        keys = list(dict.fromkeys((s["policy"], s["budget"]) for s in res["summary"] if s["task"] == task))
+        for pol, bud in keys:
+            cells = []
+            for L in lengths:
+                m = [s for s in res["summary"] if (s["task"], s["policy"], s["budget"], s["length"]) == (task, pol, bud, L)]
+                if not m:
+                    cells.append("")
+                elif m[0].get(metric) is None:
+                    cells.append(str(m[0].get("status")))
+                elif fid:
+                    cells.append(f"{m[0]['ppl']:.2f} ({_f(m[0].get('ratio_to_full'), '{:.3f}')}) "
+                                 f"[{_f(m[0].get('kl_mean'), '{:.3f}')}]")
+                else:
+                    cells.append(f"{m[0]['score']:.0f} ({_f(m[0].get('frac_of_full'), '{:.2f}')})")
+            out.append(f"| {pol if bud is None else f'{pol} @ {bud}'} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    for path in sys.argv[1:]:
+        res = json.load(open(path))
+        print(f"<!-- {path} -->")
+        print(bench_tables(res) if res["kind"] == "bench" else eval_tables(res))
+
+
+if __name__ == "__main__":
+    main()
