@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,7 +158,8 @@ class Bench:
         self.threads = threads
         self.log = log or (lambda msg: None)
         self.refs: dict[str, Reference] = {}
-        self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state + what restoring it needs
+        self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state file + what restoring it needs
+        self._state_dir = None
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
             if p != "full" and availability(p) is None:
                 from kvcli import policies as reg  # noqa: PLC0415
@@ -188,7 +190,6 @@ class Bench:
     # -------------------------------------------------------------------------- one configuration
     def measure(self, cfg: Config, doc: Doc, n_ctx_train: int) -> dict:
         from kvcli.compress import prefill_and_compress  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
 
         row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
                "config": cfg.label, "prompt_tokens": len(doc.tokens), "gen_tokens": self.gen}
@@ -217,9 +218,6 @@ class Bench:
             })
             if rep.note:
                 row["note"] = rep.note
-            if self.batch:
-                self.states[(cfg, doc.name)] = {"state": cache.get_state(session.ctx, 0), "next_pos": n,
-                                                "first": int(np.argmax(first)), "prompt_tokens": n}
             ref = self.refs.get(doc.name)
             tok_s, logps = [], None
             for r in range(self.repeat):
@@ -239,12 +237,23 @@ class Bench:
             row["kl_mean"] = float(np.mean([kl(a, b) for a, b in zip(ref.logp, logps)]))
             row["peak_rss_bytes"] = peak_rss_bytes()
             row["peak_rss_scope"] = "configuration" if rss_reset else "process"
+            if self.batch:  # saved after the RSS reading, to a file: the copy must not count in any peak
+                self.states[(cfg, doc.name)] = {"path": self._save_state(session, cfg, doc), "next_pos": n,
+                                                "first": int(np.argmax(first)), "prompt_tokens": n}
             row["status"] = "ok"
         except KvcliError as e:
             row["status"] = f"error: {e}"
         finally:
             session.close()
         return row
+
+    def _save_state(self, session, cfg: Config, doc: Doc) -> Path:
+        from kvcli.native import cache  # noqa: PLC0415
+        if self._state_dir is None:
+            self._state_dir = tempfile.TemporaryDirectory(prefix="kvcli-bench-")
+        path = Path(self._state_dir.name) / f"{len(self.states)}.state"
+        path.write_bytes(cache.get_state(session.ctx, 0))
+        return path
 
     # -------------------------------------------------------------------------- equal-memory batch
     def measure_batch(self, cfg: Config, rows: list[dict]) -> dict:
@@ -265,7 +274,7 @@ class Bench:
                 # every held sequence needs room for its own `gen` decoded tokens
                 if cells + need + self.gen * (len(held) + 1) > session.n_ctx:
                     break
-                cells += restore(session, i, s["state"], s["next_pos"], s["prompt_tokens"])
+                cells += restore(session, i, s["path"].read_bytes(), s["next_pos"], s["prompt_tokens"])
                 held.append((i, s["first"]))
             out["docs_held"] = len(held)
             out["cells_held"] = cells
@@ -291,6 +300,16 @@ class Bench:
 
     # -------------------------------------------------------------------------- all
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:  # the saved states go, whatever happened
+            self.states.clear()
+            if self._state_dir is not None:
+                self._state_dir.cleanup()
+                self._state_dir = None
+
+    def _run(self) -> dict:
+        where = machine()  # before measuring: it records the load the run started under
         n_ctx_train = self._tokenize()
         cfgs = configs(self.policies, self.budgets, self.cache_types)
         if self.batch:
@@ -319,8 +338,7 @@ class Bench:
             for b in batch:
                 if bfull and "aggregate_tok_s" in b:
                     b["throughput_vs_full"] = b["aggregate_tok_s"] / bfull[0]["aggregate_tok_s"]
-        self.states.clear()
-        return {"kind": "bench", "model": self.model_path, "machine": machine(),
+        return {"kind": "bench", "model": self.model_path, "machine": where,
                 "settings": {"policies": self.policies, "budgets": self.budgets, "cache_types": self.cache_types,
                              "gen": self.gen, "repeat": self.repeat, "batch": self.batch, "ctx": self.ctx,
                              "instruction": self.instruction, "policy_args": self.policy_args,

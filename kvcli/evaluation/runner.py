@@ -77,7 +77,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     for L in lengths:
         if L + 64 > n_ctx_train:
             raise KvcliError(f"length {L} does not fit the model's context ({n_ctx_train} tokens)")
-    records, t_start = [], time.perf_counter()
+    records, t_start, where = [], time.perf_counter(), machine()
     try:
         for L in lengths:
             plan = []
@@ -114,7 +114,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                 session.close()
     finally:
         tok.close()
-    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": machine(),
+    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where,
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent"},
@@ -178,7 +178,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
         n_ctx_train = tok.n_ctx_train
     finally:
         tok.close()
-    records, t_start = [], time.perf_counter()
+    records, t_start, where = [], time.perf_counter(), machine()
     for L in lengths:
         if L + cont > n_ctx_train:
             raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})")
@@ -221,7 +221,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
                     f"{'-' if r.get('ppl') is None else round(r['ppl'], 2)}" for r in row))
         finally:
             session.close()
-    return {"kind": "eval", "task": "fidelity", "model": str(model_path), "machine": machine(),
+    return {"kind": "eval", "task": "fidelity", "model": str(model_path), "machine": where,
             "settings": {"policies": policies, "budgets": budgets, "lengths": lengths, "cont": cont,
                          "cache_type": cache_type, "docs": [n for n, _ in doc_tokens], "policy_args": policy_args},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
