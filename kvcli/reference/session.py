@@ -8,6 +8,7 @@ in the native engine. One sequence is processed at a time; clarity beats speed.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -123,6 +124,14 @@ class ReferenceSession:
             self.seqs.clear()
         else:
             self.seqs.pop(seq, None)
+
+    def copy_seq(self, src: int, dst: int) -> None:
+        """Make `dst` an independent copy of `src` (cache, slots, position, logits): llama.cpp's
+        seq_cp, except that nothing is shared, so either copy can be compressed on its own."""
+        if src == dst:
+            raise KvcliError("copy_seq: source and destination are the same sequence")
+        self.seq(dst)
+        self.seqs[dst] = copy.deepcopy(self.seq(src))
 
     def _check_room(self, n_new: int) -> None:
         from kvcli.native.session import ContextFull  # noqa: PLC0415 (the class generate() catches)

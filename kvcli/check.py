@@ -1,0 +1,421 @@
+"""`kvcli check`: prove the native engine right against the reference engine, at three levels.
+
+L1 policy       the SAME observation arrays (taken from the native engine) go to the native (C++)
+                planner and to the torch planner: kept sets and budgets must be identical (ties go
+                to the lower slot in both), merged rows and log-multiplicities equal to `l1_merge_atol`.
+L2 observation  each engine computes the observation from the same GGUF and tokens: window
+                attention, column sums, K and V rows. Reported: max abs and relative error
+                (relative = max abs error / max abs value of the reference array).
+L3 end to end   each engine observes, plans with its own planner and compresses its own cache;
+                then: Jaccard of the kept positions per layer (mean over KV heads), next-token
+                logits (max abs error, KL(native || reference)), and greedy agreement over N tokens
+                (teacher-forced: both engines are fed the native engine's greedy tokens, and each
+                step counts when the reference's argmax is the same token).
+
+Both engines get the very same token ids (tokenised once, by the native engine). Thresholds are
+parameters (`Thresholds`, `kvcli check --threshold key=value`); their defaults are for the
+default model (SmolLM2-135M Q4_1) with the native engine as users run it (f16 cache, flash
+attention): the native engine then multiplies quantised weights by 8-bit-quantised activations
+while the reference works in float32 on dequantised weights, so L2/L3 can only be close, never
+equal. On float32 GGUFs with an f32 cache and flash attention off the engines agree to ~1e-5
+and much tighter thresholds hold (the tests use them).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.plan import Observation, Plan
+
+# --------------------------------------------------------------------------------- thresholds
+
+
+@dataclass
+class Thresholds:
+    """Pass/fail limits of each level; the defaults suit the default model in product settings."""
+
+    l1_merge_atol: float = 1e-5     # L1: max abs difference of merged K/V rows and of log_mult
+    l2_window_atol: float = 0.05    # L2: max abs difference of window attention probabilities
+    l2_colsum_rtol: float = 0.05    # L2: max abs difference of column sums / max column sum
+    l2_kv_rtol: float = 0.05        # L2: max abs difference of K (and of V) rows / max abs K (V) value
+    l3_jaccard_min: float = 0.7     # L3: lowest per-layer Jaccard of kept positions (mean over KV heads)
+    l3_kl_max: float = 0.05         # L3: KL(native || reference) of the next-token distribution, nats
+    l3_logits_atol: float = 2.0     # L3: max abs difference of the next-token logits
+    l3_greedy_min: float = 0.75     # L3: fraction of greedy steps where both engines pick the same token
+
+    DOCS = {
+        "l1_merge_atol": "L1: merged K/V rows and log_mult, native vs torch planner (max abs)",
+        "l2_window_atol": "L2: window attention probabilities (max abs)",
+        "l2_colsum_rtol": "L2: column sums (max abs / max column sum)",
+        "l2_kv_rtol": "L2: K and V rows (max abs / max abs value)",
+        "l3_jaccard_min": "L3: lowest per-layer Jaccard of kept positions (minimum)",
+        "l3_kl_max": "L3: KL(native || reference) of the next-token distribution (maximum)",
+        "l3_logits_atol": "L3: next-token logits (max abs)",
+        "l3_greedy_min": "L3: teacher-forced greedy agreement over N tokens (minimum fraction)",
+    }
+
+    @classmethod
+    def tight(cls) -> "Thresholds":
+        """For float32 GGUFs checked with an f32 cache and flash attention off (the tests' tiny models)."""
+        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_kv_rtol=1e-4, l3_jaccard_min=0.95,
+                   l3_kl_max=1e-5, l3_logits_atol=1e-2, l3_greedy_min=1.0)
+
+    def with_overrides(self, items) -> "Thresholds":
+        """Apply "key=value" strings (or a dict); a clear error for an unknown key or a bad number."""
+        pairs = items.items() if isinstance(items, dict) else [_split_kv(s) for s in items]
+        names = {f.name for f in fields(self)}
+        out = copy.copy(self)
+        for key, value in pairs:
+            if key not in names:
+                raise KvcliError(f"unknown threshold '{key}'; valid: {', '.join(sorted(names))}")
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                raise KvcliError(f"threshold {key} must be a number (got '{value}')") from None
+            if not math.isfinite(v) or v < 0:
+                raise KvcliError(f"threshold {key} must be a finite number >= 0 (got '{value}')")
+            setattr(out, key, v)
+        return out
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _split_kv(item: str) -> tuple[str, str]:
+    key, sep, value = str(item).partition("=")
+    if not sep or not key.strip():
+        raise KvcliError(f"--threshold expects key=value, got '{item}'")
+    return key.strip(), value.strip()
+
+
+# --------------------------------------------------------------------------------- L1: plans
+
+
+def compare_plans(native: Plan, torch_plan: Plan, atol: float) -> dict:
+    """L1: the two planners' answers on the same observation."""
+    out = {"identical_budgets": False, "heads_differing": 0, "first_difference": None, "merge_max_abs": 0.0,
+           "log_mult_max_abs": 0.0, "entries": native.entries()}
+    if native.n_kept.shape != torch_plan.n_kept.shape:
+        out["first_difference"] = f"plan shapes {native.n_kept.shape} vs {torch_plan.n_kept.shape}"
+        out["pass"] = False
+        return out
+    out["identical_budgets"] = bool(np.array_equal(native.n_kept, torch_plan.n_kept))
+    for l in range(native.n_layer):
+        for h in range(native.n_head_kv):
+            a, b = native.kept(l, h), torch_plan.kept(l, h)
+            if not np.array_equal(a, b):
+                out["heads_differing"] += 1
+                if out["first_difference"] is None:
+                    only_a = np.setdiff1d(a, b)[:5].tolist()
+                    only_b = np.setdiff1d(b, a)[:5].tolist()
+                    out["first_difference"] = (f"layer {l} head {h}: native keeps {len(a)} (only native: {only_a}), "
+                                               f"torch keeps {len(b)} (only torch: {only_b})")
+    same_sets = out["identical_budgets"] and out["heads_differing"] == 0
+    merge_ok = True
+    if same_sets:
+        lm_a = native.log_mult if native.log_mult is not None else np.zeros(native.entries(), np.float32)
+        lm_b = torch_plan.log_mult if torch_plan.log_mult is not None else np.zeros(native.entries(), np.float32)
+        out["log_mult_max_abs"] = _max_abs(lm_a, lm_b)
+        ra, rb = np.sort(native.replace_entry), np.sort(torch_plan.replace_entry)
+        if not np.array_equal(ra, rb):
+            merge_ok = False
+            out["first_difference"] = (f"merged entries differ: native replaces {native.replace_entry.size} rows, "
+                                       f"torch {torch_plan.replace_entry.size}")
+        elif ra.size:
+            ia, ib = np.argsort(native.replace_entry), np.argsort(torch_plan.replace_entry)
+            out["merge_max_abs"] = max(_max_abs(native.replace_k[ia], torch_plan.replace_k[ib]),
+                                       _max_abs(native.replace_v[ia], torch_plan.replace_v[ib]))
+    out["merged_rows"] = int(native.replace_entry.size)
+    out["pass"] = bool(same_sets and merge_ok and out["merge_max_abs"] <= atol and out["log_mult_max_abs"] <= atol)
+    return out
+
+
+def _max_abs(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size == 0:
+        return 0.0
+    both_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    d = np.where(both_inf, 0.0, np.abs(a - b))
+    return float(np.nan_to_num(d, nan=np.inf).max())
+
+
+# --------------------------------------------------------------------------------- L2: observations
+
+
+def compare_arrays(native: np.ndarray, reference: np.ndarray) -> dict:
+    if native.shape != reference.shape:
+        raise KvcliError(f"observation shapes differ: native {native.shape}, reference {reference.shape}")
+    err = _max_abs(native, reference)
+    scale = float(np.abs(reference).max()) if reference.size else 0.0
+    mean = float(np.abs(native.astype(np.float64) - reference).mean()) if reference.size else 0.0
+    return {"max_abs": err, "rel": err / scale if scale > 0 else err, "mean_abs": mean, "scale": scale}
+
+
+def compare_observations(native: Observation, reference: Observation, th: Thresholds) -> dict:
+    """L2: every field both observations hold."""
+    out: dict = {}
+    if native.n != reference.n:
+        raise KvcliError(f"the engines hold different numbers of slots: native {native.n}, reference {reference.n}")
+    if native.window is not None and reference.window is not None:
+        r = compare_arrays(native.window, reference.window)
+        r["pass"] = r["max_abs"] <= th.l2_window_atol
+        out["window"] = r
+    if native.colsum is not None and reference.colsum is not None:
+        r = compare_arrays(native.colsum, reference.colsum)
+        r["pass"] = r["rel"] <= th.l2_colsum_rtol
+        out["colsum"] = r
+    for name in ("keys", "values"):
+        a, b = getattr(native, name), getattr(reference, name)
+        if a is not None and b is not None:
+            r = compare_arrays(a, b)
+            r["pass"] = r["rel"] <= th.l2_kv_rtol
+            out[name] = r
+    if native.positions is not None and reference.positions is not None:
+        out["positions_equal"] = bool(np.array_equal(native.positions, reference.positions))
+    out["pass"] = bool(out.get("positions_equal", True)) and all(
+        v["pass"] for k, v in out.items() if isinstance(v, dict))
+    return out
+
+
+def restrict(obs: Observation, kinds, window: int) -> Observation:
+    """The observation a prefill with `observe=kinds, window=window` would have produced, cut out of
+    a richer one (window rows are the last queries, so the last `window` rows are the same)."""
+    kinds = set(kinds)
+    out = Observation(n_layer=obs.n_layer, n_head=obs.n_head, n_head_kv=obs.n_head_kv, head_dim=obs.head_dim,
+                      n=obs.n, positions=obs.positions)
+    if "window" in kinds:
+        if obs.window is None or obs.w < window:
+            raise KvcliError(f"the base observation has {obs.w} window rows, {window} are needed")
+        out.window = np.ascontiguousarray(obs.window[:, :, obs.w - window:, :])
+    if "colsum" in kinds:
+        out.colsum = obs.colsum
+    if "kv" in kinds:
+        out.keys, out.values = obs.keys, obs.values
+    return out
+
+
+def shapes_only(session, n: int) -> Observation:
+    """An observation with nothing observed (for policies that need nothing, e.g. full)."""
+    i = session.info
+    return Observation(n_layer=i.n_layer, n_head=i.n_head, n_head_kv=i.n_head_kv, head_dim=i.head_dim, n=n,
+                       positions=np.arange(n, dtype=np.int32))
+
+
+# --------------------------------------------------------------------------------- L3: end to end
+
+
+def jaccard_per_layer(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> list[float]:
+    out = []
+    for la, lb in zip(a, b):
+        js = []
+        for ha, hb in zip(la, lb):
+            sa, sb = set(np.asarray(ha).tolist()), set(np.asarray(hb).tolist())
+            union = len(sa | sb)
+            js.append(len(sa & sb) / union if union else 1.0)
+        out.append(float(np.mean(js)))
+    return out
+
+
+def logits_distance(native: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(max abs difference, KL(native || reference) in nats) of two logit vectors."""
+    a, b = native.astype(np.float64), reference.astype(np.float64)
+    la = a - a.max() - np.log(np.exp(a - a.max()).sum())
+    lb = b - b.max() - np.log(np.exp(b - b.max()).sum())
+    kl = float(np.sum(np.exp(la) * (la - lb)))
+    return float(np.abs(a - b).max()), max(kl, 0.0)
+
+
+def greedy_compare(native, reference, n_tokens: int, seq_n: int = 0, seq_r: int = 0) -> dict:
+    """Decode n_tokens greedily in the native engine and feed the same tokens to the reference."""
+    agree, prefix, kls, diverged = 0, 0, [], False
+    first = None
+    tokens = []
+    for step in range(n_tokens + 1):
+        ln, lr = native.logits(seq_n), reference.logits(seq_r)
+        err, kl = logits_distance(ln, lr)
+        if first is None:
+            first = {"logits_max_abs": err, "kl": kl}
+        if step == n_tokens:
+            break
+        kls.append(kl)
+        tok = int(np.argmax(ln))
+        same = int(np.argmax(lr)) == tok
+        agree += same
+        if not same:
+            diverged = True
+        elif not diverged:
+            prefix += 1
+        tokens.append(tok)
+        native.step({seq_n: tok})
+        reference.step({seq_r: tok})
+    return {**first, "kl_mean": float(np.mean(kls)) if kls else 0.0, "greedy_agree": agree / max(1, n_tokens),
+            "greedy_prefix": prefix, "greedy_tokens": n_tokens, "native_tokens": tokens}
+
+
+# --------------------------------------------------------------------------------- the check
+
+
+@dataclass
+class CheckSettings:
+    budget: int = 256
+    n_tokens: int = 16              # greedy tokens of L3
+    cache_type: str = "f16"         # native KV cache type
+    flash_attn: bool = True         # native flash attention
+    l2_window: int = 32             # window queries of the L2 observation (at least every policy's window)
+    levels: tuple = (1, 2, 3)
+    instruction: str = "Summarise the document above in three sentences."
+    doc_tokens: int | None = None   # cut the document to this many tokens before templating
+
+
+def policies_to_check(names) -> list[str]:
+    from kvcli import policies  # noqa: PLC0415
+    if not names:
+        return policies.available()
+    out = []
+    for n in names:
+        for part in str(n).split(","):
+            if part.strip():
+                spec = policies.get(part.strip())
+                if spec.name not in out:
+                    out.append(spec.name)
+    return out
+
+
+def build_tokens(native, document: str, settings: CheckSettings) -> list[int]:
+    """The prompt both engines get: the document (optionally cut) and the instruction, templated
+    and tokenised once by the native engine."""
+    from kvcli.pipeline import build_prompt  # noqa: PLC0415
+    if settings.doc_tokens is not None:
+        doc_toks = native.tokenize(document)
+        if len(doc_toks) > settings.doc_tokens:
+            document = native.detokenize(doc_toks[: settings.doc_tokens])
+    return native.tokenize(build_prompt(native, document, settings.instruction))
+
+
+def run_check(model_path, document: str, policy_names=None, settings: CheckSettings | None = None,
+              thresholds: Thresholds | None = None, log=None) -> dict:
+    """Run the levels of `settings.levels` for each policy; returns the JSON-ready report."""
+    from kvcli import compress, policies  # noqa: PLC0415
+    from kvcli.native.session import NativeSession  # noqa: PLC0415
+    from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
+
+    settings = settings or CheckSettings()
+    th = thresholds or Thresholds()
+    log = log or (lambda msg: None)
+    names = policies_to_check(policy_names)
+    levels = set(settings.levels)
+    if not levels or not levels <= {1, 2, 3}:
+        raise KvcliError("levels must be a subset of 1,2,3")
+    if settings.budget < 1:
+        raise KvcliError(f"budget must be >= 1 (got {settings.budget})")
+    if settings.n_tokens < 1:
+        raise KvcliError("the number of greedy tokens must be >= 1")
+    if not document or not document.strip():
+        raise KvcliError("the document is empty")
+    specs = {}
+    for name in names:   # every bad policy parameter / budget is reported before any model is loaded
+        spec, params, _ = policies.prepare(name, {}, settings.budget)
+        specs[name] = (spec, params)
+
+    t0 = time.perf_counter()
+    native = NativeSession(model_path, n_ctx=0, cache_type=settings.cache_type, flash_attn=settings.flash_attn)
+    tokens = build_tokens(native, document, settings)
+    n = len(tokens)
+    if n >= native.n_ctx_train:
+        raise KvcliError(f"the prompt is {n} tokens, the model's context is {native.n_ctx_train}: use --doc-tokens")
+    need_window = max([settings.l2_window] + [specs[p][0].observe(specs[p][1])[1] for p in names])
+    window = min(need_window, n)
+    n_ctx = -(-(n + settings.n_tokens + 8) // 256) * 256
+    native.create_context(min(n_ctx, native.n_ctx_train))
+    log(f"{n} prompt tokens; loading the reference engine")
+    reference = ReferenceSession(model_path, n_ctx=2 * native.n_ctx, n_seq=2)  # base + one working copy
+
+    report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget,
+              "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+              "thresholds": th.as_dict(), "policies": []}
+
+    # the reference prefills once, observing everything; each policy works on a copy of that sequence
+    log("reference prefill")
+    base_obs = reference.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
+
+    if 2 in levels:
+        log("L2: native prefill with observation")
+        try:
+            native.clear(0)
+            nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
+            report["l2"] = compare_observations(nat_obs, base_obs, th)
+        except KvcliError as e:
+            report["l2"] = {"pass": False, "error": str(e)}
+
+    for name in names:
+        spec, params = specs[name]
+        entry = {"policy": name, "note": ""}
+        report["policies"].append(entry)
+        if not (spec.native and spec.reference):
+            missing = "native" if not spec.native else "reference"
+            entry["skipped"] = f"no {missing} implementation"
+            log(f"{name}: skipped ({entry['skipped']})")
+            continue
+        log(f"{name}: native prefill, L1 and L3")
+        kinds, w = spec.observe(params)
+        compresses = spec.compresses(n, settings.budget)
+        if not compresses:
+            entry["note"] = f"no compression: the prompt ({n} tokens) fits the budget ({settings.budget})"
+        try:
+            native.clear(0)
+            if kinds:
+                obs_n = native.prefill(tokens, seq=0, observe=kinds, window=w)
+            else:
+                native.prefill(tokens, seq=0)
+                obs_n = shapes_only(native, n)
+            # planned even when nothing is compressed: both planners must then keep everything
+            plan_n = compress.make_plan(spec, params, settings.budget, obs_n, "native")
+            if 1 in levels:
+                plan_t = compress.make_plan(spec, params, settings.budget, obs_n, "reference")
+                entry["l1"] = compare_plans(plan_n, plan_t, th.l1_merge_atol)
+            if 3 in levels:
+                entry["l3"] = _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses)
+        except KvcliError as e:
+            entry["error"] = str(e)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    report["passed"] = _passed(report)
+    native.close()
+    return report
+
+
+def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses) -> dict:
+    from kvcli import compress  # noqa: PLC0415
+
+    # native: the plan its own planner made on its own observation
+    if compresses:  # (never for full: it keeps the cache as it is)
+        native.apply_plan(plan_n, seq=0)
+    # reference: a copy of the prefilled sequence, its own observation, its own planner
+    reference.copy_seq(0, 1)
+    kinds, w = spec.observe(params)
+    if compresses:
+        obs_r = restrict(base_obs, kinds, w)
+        plan_r = compress.make_plan(spec, params, settings.budget, obs_r, "reference")
+        reference.apply_plan(plan_r, seq=1)
+    jac = jaccard_per_layer(native.kept_positions(0), reference.kept_positions(1))
+    out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac}
+    out.update(greedy_compare(native, reference, settings.n_tokens, 0, 1))
+    out["pass"] = bool(out["jaccard_min"] >= th.l3_jaccard_min and out["kl"] <= th.l3_kl_max
+                       and out["logits_max_abs"] <= th.l3_logits_atol and out["greedy_agree"] >= th.l3_greedy_min)
+    reference.clear(1)
+    return out
+
+
+def _passed(report: dict) -> bool:
+    ok = report.get("l2", {"pass": True})["pass"]
+    for e in report["policies"]:
+        if "error" in e:
+            ok = False
+        for lvl in ("l1", "l3"):
+            if lvl in e and not e[lvl]["pass"]:
+                ok = False
+    return bool(ok)

@@ -1,0 +1,132 @@
+"""kvcli check: native engine vs reference engine, levels L1 (planners), L2 (observation), L3 (end to end)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from kvcli.commands.options import json_option, model_option
+from kvcli.errors import KvcliError
+
+EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "solar-garden.txt"
+
+
+def _epilog() -> str:
+    from kvcli.check import Thresholds  # noqa: PLC0415
+    d = Thresholds()
+    lines = ["Thresholds (--threshold KEY=VALUE; defaults suit the default model in product settings):"]
+    for key, doc in Thresholds.DOCS.items():
+        lines.append(f"  {key} = {getattr(d, key)}: {doc}")
+    lines.append("Exit code: 0 when every level passes, 1 when one fails (or errors), 2 on bad input.")
+    return "\n\n".join(["\b\n" + "\n".join(lines)])
+
+
+def _levels(text: str) -> tuple:
+    try:
+        levels = tuple(sorted({int(x.strip().upper().lstrip("L")) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise KvcliError(f"--levels expects a list like 1,2,3 (got '{text}')") from None
+    if not levels or not set(levels) <= {1, 2, 3}:
+        raise KvcliError(f"--levels expects levels among 1,2,3 (got '{text}')")
+    return levels
+
+
+def format_report(r: dict) -> str:
+    """A readable table of the report of kvcli.check.run_check."""
+    ok = lambda b: "pass" if b else "FAIL"  # noqa: E731
+    out = [f"model {r['model']}  |  {r['prompt_tokens']} prompt tokens  |  budget {r['budget']}  |  "
+           f"native cache {r['settings']['cache_type']}, flash attention "
+           f"{'on' if r['settings']['flash_attn'] else 'off'}  |  {r['seconds']} s"]
+    if "l2" in r:
+        l2 = r["l2"]
+        if "error" in l2:
+            out.append(f"L2 observation: FAIL ({l2['error']})")
+        else:
+            parts = [f"{k} max abs {v['max_abs']:.2e} rel {v['rel']:.2e} {ok(v['pass'])}"
+                     for k, v in l2.items() if isinstance(v, dict)]
+            out.append(f"L2 observation: {ok(l2['pass'])}")
+            out += [f"  {p}" for p in parts]
+    head = f"{'policy':<13} {'L1 plans':<22} {'L3 jaccard':<17} {'logits':<9} {'KL':<9} {'greedy':<12} L3"
+    out += ["", head, "-" * len(head)]
+    for e in r["policies"]:
+        name = e["policy"]
+        if "skipped" in e:
+            out.append(f"{name:<13} skipped: {e['skipped']}")
+            continue
+        if "error" in e:
+            out.append(f"{name:<13} ERROR: {e['error']}")
+            continue
+        l1 = e.get("l1")
+        l1s = "-" if l1 is None else (f"identical {ok(True)}" if l1["pass"] else
+                                      f"{l1['heads_differing']} heads differ FAIL")
+        if l1 is not None and l1["pass"] and l1.get("merged_rows"):
+            l1s = f"same, merged {l1['merge_max_abs']:.0e} pass"
+        l3 = e.get("l3")
+        if l3 is None:
+            out.append(f"{name:<13} {l1s:<22}")
+        else:
+            out.append(f"{name:<13} {l1s:<22} {l3['jaccard_min']:.3f}/{l3['jaccard_mean']:.3f}      "
+                       f"{l3['logits_max_abs']:<9.3g} {l3['kl']:<9.2e} "
+                       f"{l3['greedy_agree'] * 100:>5.1f}% ({l3['greedy_prefix']:>2}) {ok(l3['pass'])}")
+        if l1 is not None and not l1["pass"] and l1.get("first_difference"):
+            out.append(f"{'':<13} L1: {l1['first_difference']}")
+        if e.get("note"):
+            out.append(f"{'':<13} {e['note']}")
+    out += ["", "L3 jaccard: min/mean over layers; logits: max abs; greedy: teacher-forced agreement "
+            "(tokens before the first difference)", f"RESULT: {'pass' if r['passed'] else 'FAIL'}"]
+    return "\n".join(out)
+
+
+@click.command("check", epilog=_epilog())
+@click.option("--policy", "-p", "policy_names", multiple=True, metavar="NAME[,NAME]",
+              help="Policy to check (repeatable, or comma-separated). Default: every policy.")
+@click.option("--budget", "-b", type=int, default=256, show_default=True,
+              help="Entries kept per layer and KV head, observation window included.")
+@click.option("--doc", "doc", default=None, metavar="FILE",
+              help="Document to compress ('-' for stdin). Default: examples/solar-garden.txt.")
+@click.option("--doc-tokens", type=click.IntRange(16, None), default=None, metavar="N",
+              help="Cut the document to its first N tokens.")
+@model_option
+@click.option("--tokens", "-n", "n_tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="Greedy tokens compared in L3.")
+@click.option("--levels", default="1,2,3", show_default=True, help="Levels to run.")
+@click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
+              help="Native KV cache type (f32 with --no-flash-attn gives the tightest agreement).")
+@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True, help="Native flash attention.")
+@click.option("--threshold", "thresholds", multiple=True, metavar="KEY=VALUE", help="Override a threshold.")
+@click.option("--tight", is_flag=True, help="Thresholds for float32 GGUFs checked with --cache-type f32 "
+                                              "--no-flash-attn (engines agree to ~1e-5).")
+@json_option
+def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn, thresholds,
+              tight, as_json):
+    """Check the native engine against the PyTorch reference engine on one document.
+
+    L1 feeds the same observation to the C++ and torch planners (identical plans required); L2
+    compares the observations both engines compute; L3 compresses in both engines and compares kept
+    positions, next-token logits and greedy continuations."""
+    from kvcli.check import CheckSettings, Thresholds, run_check  # noqa: PLC0415
+    from kvcli.documents import read_document  # noqa: PLC0415
+    from kvcli.models import resolve_model  # noqa: PLC0415
+
+    th = (Thresholds.tight() if tight else Thresholds()).with_overrides(thresholds)
+    if doc is None:
+        if not EXAMPLE_DOC.exists():
+            raise KvcliError("no --doc given and the example document is not installed: pass --doc FILE")
+        doc = str(EXAMPLE_DOC)
+    document = read_document(doc)
+    path = resolve_model(model)
+    settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
+                             levels=_levels(levels), doc_tokens=doc_tokens)
+    log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
+    report = run_check(path, document, policy_names, settings, th, log=log)
+    if as_json:
+        click.echo(json.dumps(report, default=float))
+    else:
+        click.echo(format_report(report))
+    if not report["passed"]:
+        click.get_current_context().exit(1)
+
+
+COMMANDS = [check_cmd]
