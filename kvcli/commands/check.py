@@ -110,7 +110,15 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     from kvcli.documents import read_document  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
 
+    from kvcli import policies  # noqa: PLC0415
+    from kvcli.check import policies_to_check  # noqa: PLC0415
+
+    # every input error is reported before a model is loaded
     th = (Thresholds.tight() if tight else Thresholds()).with_overrides(thresholds)
+    level_set = _levels(levels)
+    names = policies_to_check(policy_names)
+    for name in names:
+        policies.prepare(name, {}, budget)
     if doc is None:
         if not EXAMPLE_DOC.exists():
             raise KvcliError("no --doc given and the example document is not installed: pass --doc FILE")
@@ -118,9 +126,9 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     document = read_document(doc)
     path = resolve_model(model)
     settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
-                             levels=_levels(levels), doc_tokens=doc_tokens)
+                             levels=level_set, doc_tokens=doc_tokens)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
-    report = run_check(path, document, policy_names, settings, th, log=log)
+    report = run_check(path, document, names, settings, th, log=log)
     if as_json:
         click.echo(json.dumps(report, default=float))
     else:

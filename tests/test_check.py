@@ -1,0 +1,135 @@
+"""kvcli check: the comparison functions of each level and the command's input errors (no model needed
+for most of them)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvcli.check import Thresholds, compare_observations, compare_plans, jaccard_per_layer, logits_distance, \
+    restrict
+from kvcli.errors import KvcliError
+from kvcli.plan import Observation, Plan
+
+
+def _plan(kept, log_mult=None):
+    return Plan.from_lists([[np.asarray(h, np.int32) for h in layer] for layer in kept], log_mult=log_mult)
+
+
+def test_l1_identical_plans_pass():
+    p = _plan([[[0, 3, 5], [1, 2, 5]], [[0, 1, 5], [4, 5]]])
+    r = compare_plans(p, _plan([[[0, 3, 5], [1, 2, 5]], [[0, 1, 5], [4, 5]]]), 1e-5)
+    assert r["pass"] and r["identical_budgets"] and r["heads_differing"] == 0
+
+
+def test_l1_one_different_slot_fails_and_says_where():
+    a = _plan([[[0, 3, 5], [1, 2, 5]]])
+    b = _plan([[[0, 3, 5], [1, 4, 5]]])
+    r = compare_plans(a, b, 1e-5)
+    assert not r["pass"] and r["heads_differing"] == 1
+    assert "layer 0 head 1" in r["first_difference"] and "[2]" in r["first_difference"]
+
+
+def test_l1_budgets_must_match():
+    r = compare_plans(_plan([[[0, 3, 5]]]), _plan([[[0, 3]]]), 1e-5)
+    assert not r["pass"] and not r["identical_budgets"]
+
+
+def test_l1_merged_rows_within_atol():
+    def merged(delta):
+        p = _plan([[[0, 2, 4]]], log_mult=[[np.array([0, math.log(2), 0], np.float32)]])
+        p.replace_entry = np.array([1], np.int32)
+        p.replace_k = np.full((1, 4), 0.5 + delta, np.float32)
+        p.replace_v = np.full((1, 4), -0.5, np.float32)
+        return p
+    assert compare_plans(merged(0.0), merged(5e-6), 1e-5)["pass"]
+    r = compare_plans(merged(0.0), merged(1e-3), 1e-5)
+    assert not r["pass"] and r["merge_max_abs"] == pytest.approx(1e-3, rel=1e-3)
+    # a merge on one side only is a difference even if the kept sets agree
+    plain = _plan([[[0, 2, 4]]], log_mult=[[np.array([0, math.log(2), 0], np.float32)]])
+    assert not compare_plans(merged(0.0), plain, 1e-5)["pass"]
+
+
+def test_l1_missing_log_mult_equals_zeros():
+    a = _plan([[[0, 1]]])
+    b = _plan([[[0, 1]]], log_mult=[[np.zeros(2, np.float32)]])
+    assert compare_plans(a, b, 1e-5)["pass"]
+    c = _plan([[[0, 1]]], log_mult=[[np.array([0, 0.1], np.float32)]])
+    assert not compare_plans(a, c, 1e-5)["pass"]
+
+
+def _obs(seed=0, n=12, w=3):
+    rng = np.random.default_rng(seed)
+    win = rng.random((2, 4, w, n)).astype(np.float32)
+    return Observation(n_layer=2, n_head=4, n_head_kv=2, head_dim=8, n=n, window=win,
+                       colsum=rng.random((2, 4, n)).astype(np.float32),
+                       keys=rng.standard_normal((2, 2, n, 8)).astype(np.float32),
+                       values=rng.standard_normal((2, 2, n, 8)).astype(np.float32),
+                       positions=np.arange(n, dtype=np.int32))
+
+
+def test_l2_reports_errors_and_thresholds():
+    a, b = _obs(), _obs()
+    r = compare_observations(a, b, Thresholds.tight())
+    assert r["pass"] and r["window"]["max_abs"] == 0 and r["positions_equal"]
+    b.window = b.window.copy()
+    b.window[1, 2, 0, 5] += 0.01
+    r = compare_observations(a, b, Thresholds.tight())
+    assert not r["pass"] and not r["window"]["pass"] and r["colsum"]["pass"]
+    assert r["window"]["max_abs"] == pytest.approx(0.01, rel=1e-3)
+    assert compare_observations(a, b, Thresholds())["pass"]  # within the default (realistic) tolerance
+    c = _obs(n=11)
+    with pytest.raises(KvcliError, match="slots"):
+        compare_observations(a, c, Thresholds())
+
+
+def test_restrict_takes_the_last_window_rows():
+    o = _obs(w=5)
+    r = restrict(o, ("window",), 2)
+    assert r.window.shape == (2, 4, 2, 12) and np.array_equal(r.window, o.window[:, :, 3:, :])
+    assert r.colsum is None and r.keys is None
+    with pytest.raises(KvcliError, match="window rows"):
+        restrict(o, ("window",), 6)
+
+
+def test_l3_metrics():
+    a = [[np.array([0, 1, 2, 3]), np.array([0, 5])]]
+    b = [[np.array([0, 1, 2, 4]), np.array([0, 5])]]
+    assert jaccard_per_layer(a, b) == [pytest.approx((3 / 5 + 1.0) / 2)]
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    err, kl = logits_distance(x, x + 7.0)          # a constant shift is the same distribution
+    assert err == pytest.approx(7.0) and kl == pytest.approx(0.0, abs=1e-12)
+    p = np.array([0.0, 0.0]), np.array([0.0, math.log(3.0)])
+    _, kl = logits_distance(*p)                    # KL([.5,.5] || [.25,.75])
+    assert kl == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3))
+
+
+def test_threshold_overrides():
+    t = Thresholds().with_overrides(["l3_kl_max=0.5", "l1_merge_atol=1e-6"])
+    assert t.l3_kl_max == 0.5 and t.l1_merge_atol == 1e-6 and Thresholds().l3_kl_max != 0.5
+    for bad, msg in (["nope=1"], "unknown threshold"), (["l3_kl_max=x"], "number"), (["l3_kl_max"], "key=value"), \
+            (["l3_kl_max=-1"], ">= 0"):
+        with pytest.raises(KvcliError, match=msg):
+            Thresholds().with_overrides(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("check") / "m.gguf", n_layer=1)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--threshold", "bogus=1"], "unknown threshold"),
+    (["--levels", "4"], "--levels"),
+    (["--policy", "nosuch"], "unknown policy"),
+    (["--budget", "0", "--policy", "snapkv"], "budget"),
+    (["--doc", "/nonexistent/doc.txt"], "document not found"),
+])
+def test_check_command_bad_input_is_one_line(cli_runner, args, msg, tiny_model):
+    from kvcli.cli import cli
+    r = cli_runner.invoke(cli, ["check", "--model", str(tiny_model), *args])
+    assert r.exit_code == 2, r.output
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    assert msg in err and len(err.strip().splitlines()) == 1
