@@ -2,8 +2,8 @@
 
 Every sample is scored with the full cache first and then with each policy x budget on the very same
 prompt, so each score can also be given as a fraction of the full cache's score on the same samples
-(the papers' headline form). Compression always goes through `kvcli.compress.prefill_and_compress`.
-Decoding is greedy.
+(the papers' headline form). One prefill per sample serves all configurations (see
+`compressed_variants`); planning and compaction are those of `kvcli.compress`. Decoding is greedy.
 """
 from __future__ import annotations
 
@@ -48,15 +48,96 @@ def _session(model_path, n_ctx, cache_type, threads):
     return NativeSession(model_path, n_ctx=n_ctx, cache_type=cache_type, flash_attn=True, n_threads=threads)
 
 
-def _answer(session, sample, policy, budget, args) -> tuple[str, dict]:
-    from kvcli.compress import prefill_and_compress  # noqa: PLC0415
-    from kvcli.generate import Sampler, generate  # noqa: PLC0415
+def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict):
+    """For each (policy, budget) of `cfgs`, leave sequence 0 of `session` holding `tokens` compressed by it,
+    and yield (policy, budget, status, first_logits, note); decode from seq 0 before the next item.
+
+    One prefill serves every configuration of a sample: the observation is captured once with the
+    union of what the policies need (the window with the largest w: a policy with window w plans
+    from its last w rows, which are the same queries over the same keys), the uncompressed state is
+    saved, and each configuration restores it, plans with the native planner and applies its plan,
+    as `kvcli.compress.prefill_and_compress` does after its own prefill. `kvcli bench` does not
+    share prefills: it times each configuration's own.
+    """
+    from kvcli import policies  # noqa: PLC0415
+    from kvcli.compress import make_plan  # noqa: PLC0415
+    from kvcli.evaluation.measure import restore  # noqa: PLC0415
+    from kvcli.native import cache  # noqa: PLC0415
+    n = len(tokens)
+    prepared, kinds, wmax = {}, set(), 0
+    for pol, bud in cfgs:
+        if pol == "full" or pol in unavailable:
+            continue
+        spec, params, _ = policies.prepare(pol, dict(policy_args.get(pol, {})), bud)
+        k, w = spec.observe(params)
+        prepared[(pol, bud)] = (spec, params, tuple(k), w)
+        if spec.compresses(n, bud):
+            kinds |= set(k)
+            wmax = max(wmax, w)
     session.clear()
-    toks = session.tokenize(sample.prompt)
-    rep = prefill_and_compress(session, toks, policy, budget, dict(args), seq=0)
-    gen = generate(session, sample.max_tokens, Sampler(), seq=0)
-    return gen.text, {"prefill_s": rep.prefill_s, "compress_s": rep.compress_s,
-                      "note": rep.note}
+    obs_error = None
+    try:
+        obs = session.prefill(tokens, seq=0, observe=tuple(sorted(kinds)), window=wmax)
+    except KvcliError as e:  # reported for each configuration that needed the observation
+        if not kinds:
+            raise
+        obs_error, obs = f"error: {e}", None
+        session.clear()
+        session.prefill(tokens, seq=0)
+    first = session.logits(0)
+    state = cache.get_state(session.ctx, 0) if prepared else None
+    dirty = False
+    for pol, bud in cfgs:
+        if pol in unavailable:
+            yield pol, bud, unavailable[pol], None, ""
+            continue
+        try:
+            if dirty:
+                restore(session, 0, state, n, n)
+            dirty = True
+            if pol == "full":
+                yield pol, bud, "ok", first, ""
+                continue
+            spec, params, k, w = prepared[(pol, bud)]
+            if not spec.compresses(n, bud):
+                yield pol, bud, "ok", first, f"no compression: the prompt ({n} tokens) fits the budget ({bud})"
+                continue
+            if obs_error and k:
+                yield pol, bud, obs_error, None, ""
+                continue
+            plan = make_plan(spec, params, bud, _sub_observation(obs, k, w), "native")
+            session.apply_plan(plan, seq=0)
+        except KvcliError as e:
+            yield pol, bud, f"error: {e}", None, ""
+            continue
+        yield pol, bud, "ok", first, ""
+
+
+def _sub_observation(obs, kinds, w):
+    """What a policy that asked for `kinds` with window `w` would have observed."""
+    from dataclasses import replace  # noqa: PLC0415
+    return replace(obs, window=obs.window[:, :, obs.window.shape[2] - w:, :].copy() if "window" in kinds else None,
+                   colsum=obs.colsum if "colsum" in kinds else None,
+                   keys=obs.keys if "kv" in kinds else None, values=obs.values if "kv" in kinds else None)
+
+
+def _greedy(session, first_logits, max_tokens: int) -> str:
+    """Greedy decode of sequence 0 from the prompt's last logits, stopping at end of generation."""
+    import codecs  # noqa: PLC0415
+    from kvcli.native.session import ContextFull  # noqa: PLC0415
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    text, logits = "", first_logits
+    for _ in range(max_tokens):
+        tok = int(np.argmax(logits))
+        if session.is_eog(tok):
+            break
+        text += dec.decode(session.token_bytes(tok))
+        try:
+            session.step({0: tok})
+        except ContextFull:
+            break
+        logits = session.logits(0)
+    return text + dec.decode(b"", final=True)
 
 
 def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[str], budgets: list[int],
@@ -93,18 +174,19 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             session = _session(model_path, n_ctx, cache_type, threads)
             try:
                 for s in built:
-                    for pol, bud in cfgs:
+                    toks = tok.tokenize(s.prompt)
+                    for pol, bud, status, first, note in compressed_variants(session, toks, cfgs, policy_args,
+                                                                             unavailable):
                         rec = {"task": s.task, "length": L, "tokens": s.n_tokens, "depth": s.depth, "sample": s.index,
-                               "policy": pol, "budget": bud, "answers": s.answers}
-                        if pol in unavailable:
-                            rec.update(status=unavailable[pol], score=None)
-                        else:
+                               "policy": pol, "budget": bud, "answers": s.answers, "status": status, "score": None}
+                        if status == "ok":
                             try:
-                                pred, info = _answer(session, s, pol, bud, policy_args.get(pol, {}))
-                                rec.update(status="ok", prediction=pred, score=100 * string_match_all(pred, s.answers),
-                                           **info)
+                                pred = _greedy(session, first, s.max_tokens)
+                                rec.update(prediction=pred, score=100 * string_match_all(pred, s.answers))
                             except KvcliError as e:
-                                rec.update(status=f"error: {e}", score=None)
+                                rec.update(status=f"error: {e}")
+                        if note:
+                            rec["note"] = note
                         records.append(rec)
                     row = [r for r in records[-len(cfgs):]]
                     log(f"{s.task} {L} tok depth={s.depth if s.depth is None else round(s.depth, 2)} #{s.index}: " +
@@ -165,7 +247,6 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
                  log=None) -> dict:
     """Perplexity of each document's next `cont` tokens given its first L tokens (compressed), and the
     mean KL(full || compressed) of the next-token distributions over those tokens (teacher-forced)."""
-    from kvcli.compress import prefill_and_compress  # noqa: PLC0415
     log = log or (lambda m: None)
     policy_args = policy_args or {}
     if cont < 1:
@@ -193,27 +274,26 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
                     continue
                 prefix, target = toks[:L], toks[L:L + cont]
                 ref_logp = None
-                for pol, bud in cfgs:
-                    rec = {**base, "policy": pol, "budget": bud}
-                    if pol in unavailable:
-                        records.append({**rec, "ppl": None, "kl_mean": None, "status": unavailable[pol]})
-                        continue
-                    try:
-                        session.clear()
-                        rep = prefill_and_compress(session, prefix, pol, bud, dict(policy_args.get(pol, {})), seq=0)
-                        logps = []
-                        for i, t in enumerate(target):
-                            logps.append(log_softmax(session.logits(0)))
-                            if i + 1 < len(target):
-                                session.step({0: t})
-                        nll = -float(np.mean([lp[t] for lp, t in zip(logps, target)]))
-                        if pol == "full":
-                            ref_logp = logps
-                        kls = [kl(a, b) for a, b in zip(ref_logp, logps)] if ref_logp is not None else None
-                        rec.update(status="ok", nll=nll, ppl=math.exp(nll),
-                                   kl_mean=float(np.mean(kls)) if kls else None, note=rep.note)
-                    except KvcliError as e:
-                        rec.update(status=f"error: {e}", ppl=None, kl_mean=None)
+                for pol, bud, status, first, note in compressed_variants(session, prefix, cfgs, policy_args,
+                                                                         unavailable):
+                    rec = {**base, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None}
+                    if note:
+                        rec["note"] = note
+                    if status == "ok":
+                        try:
+                            logps, logits = [], first
+                            for i, t in enumerate(target):
+                                logps.append(log_softmax(logits))
+                                if i + 1 < len(target):
+                                    session.step({0: t})
+                                    logits = session.logits(0)
+                            nll = -float(np.mean([lp[t] for lp, t in zip(logps, target)]))
+                            if pol == "full":
+                                ref_logp = logps
+                            kls = [kl(a, b) for a, b in zip(ref_logp, logps)] if ref_logp is not None else None
+                            rec.update(nll=nll, ppl=math.exp(nll), kl_mean=float(np.mean(kls)) if kls else None)
+                        except KvcliError as e:
+                            rec.update(status=f"error: {e}")
                     records.append(rec)
                 row = records[-len(cfgs):]
                 log(f"fidelity {name} {L}+{cont}: " + ", ".join(
