@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from kvcli import config
+from kvcli.commands.chat import policy_option
 from kvcli.commands.options import json_option, model_option
 from kvcli.errors import KvcliError
 
@@ -46,40 +48,56 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--doc", "docs", multiple=True, metavar="FILE",
               help="Document(s) to read ('-' for stdin; several are joined with their names). Default: stdin.")
 @model_option
-@click.option("--policy", "-p", default=lambda: os.environ.get("KVCLI_POLICY", "full"), show_default="full",
-              help="KV-cache policy (kvcli policies lists them).")
-@click.option("--budget", "-b", type=int, default=lambda: int(os.environ["KVCLI_BUDGET"])
-              if os.environ.get("KVCLI_BUDGET") else None,
-              help="Entries kept per layer and KV head, observation window included.")
+@click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
+              help="Answer from a compressed document written by kvcli compress (instead of --doc / stdin).")
+@policy_option
+@click.option("--budget", "-b", type=int, default=config.default("budget"),
+              help="Entries kept per layer and KV head, observation window included. Default: $KVCLI_BUDGET.")
 @click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE", help="Policy parameter (repeatable).")
-@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=256, show_default=True)
-@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=0.0, show_default=True,
-              help="0 = greedy.")
+@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=config.default("max_tokens", 256),
+              show_default="256")
+@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=config.default("temperature", 0.0),
+              show_default="0", help="0 = greedy.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--system", default=None, help="System message.")
+@click.option("--system", default=config.default("system"), help="System message.")
 @click.option("--engine", type=click.Choice(["native", "reference"]), default="native", show_default=True)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
               help="llama.cpp KV cache type (native engine).")
 @click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
-def run_cmd(instruction, docs, model, policy, budget, policy_args, max_tokens, temperature, seed, system, engine,
-            cache_type, out_path, quiet, as_json):
-    """Answer INSTRUCTION about a document, with the KV cache compressed by --policy."""
+@click.pass_context
+def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_args, max_tokens, temperature, seed,
+            system, engine, cache_type, out_path, quiet, as_json):
+    """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
+
+    The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
+    given, or from a compressed --cache FILE.kvc. Only the answer goes to stdout.
+    """
     from kvcli.documents import read_documents  # noqa: PLC0415
     from kvcli.generate import Sampler  # noqa: PLC0415
     from kvcli.pipeline import run_document  # noqa: PLC0415
 
     if not instruction.strip():
         raise KvcliError("the instruction is empty")
-    document = read_documents(list(docs))
-    args = parse_policy_args(policy_args)
-    session = open_session(engine, model, n_ctx=0, cache_type=cache_type) if engine == "native" \
-        else open_session(engine, model)
+    model = model or config.get("model")
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-    result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
-                          max_tokens=max_tokens, sampler=Sampler(temperature=temperature, seed=seed), system=system,
-                          on_text=stream, show_progress=not quiet and sys.stderr.isatty())
+    sampler = Sampler(temperature=temperature, seed=seed)
+    if cache_path:
+        from kvcli.commands.chat import FLAGS, explicit  # noqa: PLC0415
+        clash = explicit(ctx, *FLAGS, "engine")
+        if clash:
+            raise KvcliError(f"--cache brings its own document and compression: drop "
+                             f"{FLAGS.get(clash[0], '--' + clash[0])}")
+        result = run_cached(cache_path, instruction, model, max_tokens, sampler, stream)
+    else:
+        document = read_documents(list(docs))
+        args = parse_policy_args(policy_args)
+        session = open_session(engine, model, n_ctx=0, cache_type=cache_type) if engine == "native" \
+            else open_session(engine, model)
+        result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
+                              max_tokens=max_tokens, sampler=sampler, system=system,
+                              on_text=stream, show_progress=not quiet and sys.stderr.isatty())
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:
@@ -90,7 +108,8 @@ def run_cmd(instruction, docs, model, policy, budget, policy_args, max_tokens, t
     if not quiet and not as_json:
         s = result.stats
         kept = f"{s['kv_cells']} cells, {s['kv_bytes'] / 1e6:.2f} MB of {s['kv_bytes_full'] / 1e6:.2f} MB"
-        click.echo(f"[{result.policy}{'' if result.budget is None else f' @ {result.budget}'}] "
+        where = f", from {cache_path}, loaded in {s['load_s']:.2f}s" if cache_path else ""
+        click.echo(f"[{result.policy}{'' if result.budget is None else f' @ {result.budget}'}{where}] "
                    f"{s['prompt_tokens']} prompt tokens -> {kept}; prefill {s['prefill_s']:.2f}s, "
                    f"compress {s['compress_s']:.2f}s, {s['generated_tokens']} tokens at "
                    f"{s['decode_tok_s'] or 0:.1f} tok/s" + (f"; {s['note']}" if s.get("note") else ""), err=True)
@@ -98,6 +117,25 @@ def run_cmd(instruction, docs, model, policy, budget, policy_args, max_tokens, t
         raise KeyboardInterrupt
     if result.stopped == "context_full":
         click.echo("kvcli: the context filled up before the answer ended", err=True)
+
+
+def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
+    """Load a .kvc file and answer one question after its compressed document (and conversation)."""
+    from kvcli.chat import Conversation  # noqa: PLC0415
+    from kvcli.pipeline import RunResult  # noqa: PLC0415
+    conv = Conversation.from_kvc(cache_path, model=model)
+    pos0 = conv.session.seq(conv.seq).next_pos
+    gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
+    s = conv.session.stats(conv.seq)
+    stats = {"prompt_tokens": pos0 + conv.turns[-1].tokens_in,
+             "generated_tokens": len(gen.tokens),
+             "kv_cells": s["kv_cells"], "kv_bytes": s["kv_bytes"], "kv_bytes_full": s["kv_bytes_full"],
+             "per_layer_cells": s["per_layer_cells"], "prefill_s": round(s.get("prefill_s", 0.0), 4),
+             "compress_s": 0.0, "decode_s": round(gen.decode_s, 4),
+             "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
+             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode, "original_tokens": len(conv.prefix_tokens)}
+    return RunResult(answer=gen.text, model=str(conv.session.model_path), policy=conv.policy, budget=conv.budget,
+                     stats=stats, stopped=gen.stopped)
 
 
 COMMANDS = [run_cmd]

@@ -1,0 +1,138 @@
+"""kvcli chat: compress a document once, then a multi-turn conversation on the compressed cache."""
+from __future__ import annotations
+
+import sys
+
+import click
+from click.core import ParameterSource
+
+from kvcli import config
+from kvcli.commands.options import model_option
+from kvcli.errors import KvcliError
+
+
+def explicit(ctx: click.Context, *names: str) -> list[str]:
+    """The options among `names` that were given on the command line (not from a default)."""
+    return [n for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+
+
+# what a --cache file fixes, with the flag that would contradict it
+FLAGS = {"docs": "--doc", "policy": "--policy", "budget": "--budget", "policy_args": "--policy-arg",
+         "system": "--system", "cache_type": "--cache-type"}
+
+
+def complete_policy(ctx, param, incomplete):
+    """Shell completion of --policy values (click's _KVCLI_COMPLETE)."""
+    from kvcli import policies  # noqa: PLC0415
+    return [n for n in policies.available() if n.startswith(incomplete.lower())]
+
+
+policy_option = click.option("--policy", "-p", default=config.default("policy", "full"), shell_complete=complete_policy,
+                             help="KV-cache policy (kvcli policies lists them). Default: $KVCLI_POLICY, else the "
+                                  "config file, else full.")
+
+
+def progress_factory(enabled: bool, desc: str = "prefill"):
+    from kvcli.pipeline import progress_bar  # noqa: PLC0415
+    return lambda total: progress_bar(total, enabled, desc)
+
+
+def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, system, question, cache_type,
+                      show_progress: bool, quiet: bool):
+    """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
+    from kvcli.chat import Conversation  # noqa: PLC0415
+    from kvcli.models import resolve_model  # noqa: PLC0415
+    from kvcli.native.session import NativeSession  # noqa: PLC0415
+
+    if cache_path:
+        conv = Conversation.from_kvc(cache_path, model=model)
+    else:
+        from kvcli.documents import read_documents  # noqa: PLC0415
+        document = read_documents(list(docs))
+        if policy != "full":
+            from kvcli import policies  # noqa: PLC0415
+            policies.get(policy)
+            if budget is None:
+                raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
+            policies.prepare(policy, policy_args, budget)
+        session = NativeSession(resolve_model(model), n_ctx=0, cache_type=cache_type)
+        conv = Conversation(session, document, policy=policy, budget=budget, policy_args=policy_args, system=system,
+                            question=question)
+        update, close = progress_factory(show_progress)(len(conv.prefix_tokens))
+        try:
+            conv.compress(progress=update)
+        finally:
+            close()
+    if not quiet:
+        click.echo(conv.summary_line(), err=True)
+    return conv
+
+
+@click.command("chat")
+@click.argument("question", required=False)
+@click.option("--doc", "docs", multiple=True, metavar="FILE",
+              help="Document(s) to talk about (several are joined with their names).")
+@click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
+              help="A compressed document written by kvcli compress or /save (instead of --doc).")
+@model_option
+@policy_option
+@click.option("--budget", "-b", type=click.IntRange(1), default=config.default("budget"),
+              help="Entries kept per layer and KV head, observation window included. Default: $KVCLI_BUDGET.")
+@click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE", help="Policy parameter (repeatable).")
+@click.option("--question", "question_opt", metavar="TEXT",
+              help="Compress for this question (question-aware); the same as giving QUESTION.")
+@click.option("--system", default=config.default("system"), help="System message (before the document).")
+@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=config.default("max_tokens", 512),
+              show_default="512", help="Longest answer, in tokens.")
+@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=config.default("temperature", 0.0),
+              show_default="0", help="0 = greedy.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
+              help="llama.cpp KV cache type (a --cache file brings its own).")
+@click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
+              "(/reset before each one) instead of keeping the conversation.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
+@click.pass_context
+def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args, question_opt, system, max_tokens,
+             temperature, seed, cache_type, fresh, quiet):
+    """Chat about a document whose KV cache is compressed once by --policy.
+
+    On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
+    interrupts an answer, Ctrl-D leaves). With standard input piped: one question per line, one
+    answer block per question on stdout (blank line between blocks), so it scripts.
+
+    QUESTION (or --question) is asked first and placed after the document before compressing
+    (question-aware); without one the document is compressed with a generic instruction
+    (question-agnostic). The summary line says which.
+    """
+    from kvcli.chat import Repl  # noqa: PLC0415
+    from kvcli.generate import Sampler  # noqa: PLC0415
+    from kvcli.policies import parse_policy_args  # noqa: PLC0415
+
+    if question and question_opt and question.strip() != question_opt.strip():
+        raise KvcliError("give the question either as QUESTION or as --question, not two different ones")
+    question = (question or question_opt or "").strip() or None
+    if cache_path:
+        clash = explicit(ctx, *FLAGS)
+        if clash:
+            raise KvcliError(f"--cache brings its own document and compression: drop {FLAGS[clash[0]]}")
+    elif not docs:
+        raise KvcliError("kvcli chat needs a document: --doc FILE, or --cache FILE.kvc")
+    elif "-" in docs:
+        raise KvcliError("kvcli chat reads questions from standard input: pass the document as a file (--doc FILE)")
+    policy = (policy or "full").lower()
+    args = parse_policy_args(list(policy_args))
+    interactive = sys.stdin.isatty()
+    conv = open_conversation(docs=docs, cache_path=cache_path, model=model, policy=policy,
+                             budget=None if policy == "full" else budget, policy_args=args, system=system,
+                             question=question, cache_type=cache_type,
+                             show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
+    if cache_path and conv.pending and not question and not quiet:
+        click.echo(f"[compressed for the question: {conv.question}]", err=True)
+    repl = Repl(conv, max_tokens=max_tokens, sampler=Sampler(temperature=temperature, seed=seed),
+                interactive=interactive, quiet=quiet, fresh=fresh,
+                progress_factory=progress_factory(not quiet and sys.stderr.isatty(), "recompress"))
+    repl.run(first=question)
+
+
+COMMANDS = [chat_cmd]
