@@ -11,10 +11,11 @@ native/src/policies/ and one torch file in kvcli/reference/policies/.
 from __future__ import annotations
 
 from kvcli.errors import KvcliError
-from kvcli.policies import compresskv, dynamickv, full, h2o, pyramidkv, snapkv, streamingllm, windowkv
+from kvcli.policies import compresskv, d2o, dynamickv, full, h2o, pyramidkv, snapkv, spindlekv, streamingllm, \
+    windowkv
 from kvcli.policies.base import Param, PolicySpec, parse_policy_args
 
-_ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compresskv)
+_ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compresskv, d2o, spindlekv)
 REGISTRY: dict[str, PolicySpec] = {m.SPEC.name: m.SPEC for m in _ORDER}
 
 __all__ = ["REGISTRY", "Param", "PolicySpec", "available", "explain_text", "get", "list_text",

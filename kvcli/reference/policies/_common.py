@@ -118,3 +118,14 @@ def topk_ascending(s: torch.Tensor, k: int, policy: str) -> torch.Tensor:
     """The k best indices along the last axis (ties: lower index), returned ascending."""
     k = max(0, min(int(k), s.shape[-1]))
     return torch.sort(rank_desc(s, policy)[..., :k], dim=-1).values
+
+
+def require_kv(obs: Observation, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows ([n_layer, n_head_kv, n, head_dim] float32) of a merging policy."""
+    if obs.keys is None or obs.values is None:
+        raise KvcliError(f"policy '{policy}' needs the kv observation (observe \"kv\")")
+    keys = torch.from_numpy(np.ascontiguousarray(obs.keys, dtype=np.float32))
+    values = torch.from_numpy(np.ascontiguousarray(obs.values, dtype=np.float32))
+    if torch.isnan(keys).any() or torch.isnan(values).any():
+        raise KvcliError(f"policy '{policy}': the observation contains NaN (keys/values)")
+    return keys, values

@@ -98,6 +98,8 @@ void append_range(std::vector<int32_t> & v, int a, int b);
 // Requirements, with clear errors naming the policy.
 void require_window(const Obs & obs, const std::string & policy, int w);
 void require_colsum(const Obs & obs, const std::string & policy);
+// keys and values present and free of NaN (merging policies).
+void require_kv(const Obs & obs, const std::string & policy);
 void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value);
 
 // s[j] = sum over the last w window rows r (ascending) of window[l][q][r][j], j < len; acc starts at 0.0.

@@ -44,6 +44,16 @@ void require_colsum(const Obs & obs, const std::string & policy) {
     if (!obs.colsum) throw PlanError("policy '" + policy + "' needs the colsum observation (observe \"colsum\")");
 }
 
+void require_kv(const Obs & obs, const std::string & policy) {
+    if (!obs.keys || !obs.values) throw PlanError("policy '" + policy + "' needs the kv observation (observe \"kv\")");
+    const size_t total = static_cast<size_t>(obs.n_layer) * obs.n_head_kv * obs.n * obs.head_dim;
+    for (size_t i = 0; i < total; i++) {
+        if (std::isnan(obs.keys[i]) || std::isnan(obs.values[i])) {
+            throw PlanError("policy '" + policy + "': the observation contains NaN (keys/values)");
+        }
+    }
+}
+
 void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value) {
     if (budget <= value) {
         throw PlanError("policy '" + policy + "': budget " + std::to_string(budget) + " must be larger than " + what +

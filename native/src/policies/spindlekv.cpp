@@ -1,0 +1,192 @@
+// spindlekv (prefill): window-attention eviction with the linear depth schedule (Eq. 5-7), then a
+// greedy similarity codebook per (layer, KV head) (Algorithm 1) whose key groups become single
+// cells with bias log(count): K = unit(exemplar key) x mean magnitude, V = mean of the members'
+// values rebuilt from the value codebook. Twins: kvcli/policies/spindlekv.py (parameters,
+// layer_keep) and kvcli/reference/policies/spindlekv.py. Digest: methods/spindlekv.md.
+// Float steps are the same IEEE operations, in the same order, as the Python twins.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "plan/plan.h"
+#include "plan/similarity.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+std::vector<int64_t> layer_keep(int L, int64_t n, int64_t budget, int64_t window, double beta, bool shrink) {
+    const int64_t lc = n - window;
+    const double rc = static_cast<double>(budget - window) / static_cast<double>(lc);
+    const double alpha = (1.0 + beta) / 2.0;
+    double r0, rm;
+    if (rc > alpha) {
+        r0 = 1.0; rm = 2.0 * rc - 1.0;
+    } else if (rc > beta) {
+        r0 = 2.0 * rc - beta; rm = beta;
+    } else if (shrink) {
+        const double b = rc / 2.0;
+        r0 = 2.0 * rc - b; rm = b;
+    } else {
+        r0 = rc; rm = rc;
+    }
+    std::vector<int64_t> out(L);
+    for (int l = 0; l < L; l++) {
+        const double r = L == 1 ? rc : r0 + ((rm - r0) * static_cast<double>(l)) / static_cast<double>(L - 1);
+        const int64_t k = static_cast<int64_t>(std::floor(r * static_cast<double>(lc)));
+        out[l] = std::min<int64_t>(lc, std::max<int64_t>(0, k));
+    }
+    return out;
+}
+
+// Algorithm 1 with incremental degrees over the rows x[i] (float32, d wide): the exemplars in pick
+// order and each row's group. theta >= 1: no codebook, every row its own exemplar.
+void greedy_cover(const std::vector<const float *> & x, int d, double theta, std::vector<int> & exemplars,
+                  std::vector<int> & ref) {
+    const int N = static_cast<int>(x.size());
+    exemplars.clear();
+    ref.assign(N, -1);
+    if (theta >= 1.0) {
+        for (int i = 0; i < N; i++) { exemplars.push_back(i); ref[i] = i; }
+        return;
+    }
+    std::vector<double> norm(N);
+    for (int i = 0; i < N; i++) norm[i] = std::sqrt(kvcli::sq_norm(x[i], d));
+    std::vector<char> adj(static_cast<size_t>(N) * N, 0);
+    std::vector<int64_t> deg(N, 0);
+    for (int i = 0; i < N; i++) {
+        for (int j = 0; j < N; j++) {
+            const bool e = i == j || kvcli::cosine(kvcli::dot(x[i], x[j], d), norm[i], norm[j]) > theta;
+            adj[static_cast<size_t>(i) * N + j] = e;
+            deg[i] += e;
+        }
+    }
+    std::vector<char> alive(N, 1);
+    int n_alive = N;
+    while (n_alive > 0) {
+        int best = -1;
+        for (int i = 0; i < N; i++) {
+            if (alive[i] && (best < 0 || deg[i] > deg[best])) best = i;   // first maximum: lower slot
+        }
+        std::vector<int> members;
+        for (int j = 0; j < N; j++) {
+            if (alive[j] && adj[static_cast<size_t>(best) * N + j]) members.push_back(j);
+        }
+        for (int j : members) {
+            ref[j] = static_cast<int>(exemplars.size());
+            alive[j] = 0;
+            n_alive--;
+        }
+        exemplars.push_back(best);
+        for (int i = 0; i < N; i++) {
+            for (int j : members) deg[i] -= adj[static_cast<size_t>(i) * N + j];
+        }
+    }
+}
+
+void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
+    const int w = static_cast<int>(params.get_int("window", 8, 1, 4096));
+    const int kernel = static_cast<int>(params.get_int("kernel", 1, 1, 255, true));
+    const bool is_max = params.get_choice("pool", "max", {"max", "avg"}) == "max";
+    const bool causal_count = params.get_choice("score_norm", "window", {"window", "causal_count"}) == "causal_count";
+    const double beta = params.get_float("beta", 0.05, 0.0, 0.5);
+    const bool shrink = params.get_choice("low_budget", "uniform", {"uniform", "shrink"}) == "shrink";
+    const double theta_k = params.get_float("theta_k", 0.98, -1.0, 1.0);
+    const double theta_v = params.get_float("theta_v", 0.95, -1.0, 1.0);
+    const bool scale_exemplar = params.get_choice("k_scale", "mean", {"mean", "exemplar"}) == "exemplar";
+    const int64_t cb_param = params.get_int("codebook_layers", 0, 0, 65536);
+    const auto gqa = kvcli::parse_gqa(params.get_choice("gqa", "mean", {"mean", "max", "sum"}));
+    params.finish();
+    kvcli::require_budget_above("spindlekv", budget, "window", w);
+    if (obs.n <= budget) return kvcli::keep_all(obs, out);
+    kvcli::require_window(obs, "spindlekv", w);
+    kvcli::require_kv(obs, "spindlekv");
+
+    const int L = obs.n_layer, H = obs.n_head_kv, G = obs.group(), n = obs.n, D = obs.head_dim;
+    const int prefix = n - w;
+    const auto keep = layer_keep(L, n, budget, w, beta, shrink);
+    const int64_t cb_layers = cb_param == 0 ? L : cb_param;
+    out.log_mult.assign(static_cast<size_t>(L) * H, {});
+    int64_t offset = 0;
+    for (int l = 0; l < L; l++) {
+        for (int h = 0; h < H; h++) {
+            std::vector<std::vector<double>> per_q;
+            for (int g = 0; g < G; g++) {
+                auto s = kvcli::window_sum(obs, l, h * G + g, w, prefix);
+                if (causal_count) {
+                    for (int j = 0; j < prefix; j++) s[j] = s[j] / static_cast<double>(n - j);
+                }
+                per_q.push_back(kvcli::pool1d(s, kernel, is_max));
+            }
+            auto slots = kvcli::topk_ascending(kvcli::gqa_combine(per_q, gqa), keep[l], "spindlekv");
+            kvcli::append_range(slots, prefix, n);
+            auto & kept = out.at(l, h);
+            auto & lm = out.log_mult[static_cast<size_t>(l) * H + h];
+            if (l >= cb_layers) {
+                kept = slots;
+                lm.assign(slots.size(), 0.0f);
+                offset += static_cast<int64_t>(slots.size());
+                continue;
+            }
+            const int N = static_cast<int>(slots.size());
+            std::vector<const float *> K(N), V(N);
+            std::vector<double> k_norm(N), v_norm(N);
+            for (int i = 0; i < N; i++) {
+                K[i] = obs.key_row(l, h, slots[i]);
+                V[i] = obs.value_row(l, h, slots[i]);
+                k_norm[i] = std::sqrt(kvcli::sq_norm(K[i], D));
+                v_norm[i] = std::sqrt(kvcli::sq_norm(V[i], D));
+            }
+            std::vector<int> k_ex, k_ref, v_ex, v_ref;
+            greedy_cover(K, D, theta_k, k_ex, k_ref);
+            greedy_cover(V, D, theta_v, v_ex, v_ref);
+            // v_hat_i added to acc: the value rebuilt from the value codebook (exact for an exemplar)
+            auto add_v_hat = [&](int i, std::vector<double> & acc) {
+                const int e = v_ex[v_ref[i]];
+                for (int d = 0; d < D; d++) {
+                    const double x = e == i ? static_cast<double>(V[i][d])
+                                            : (static_cast<double>(V[e][d]) / v_norm[e]) * v_norm[i];
+                    acc[d] = acc[d] + x;
+                }
+            };
+            std::vector<int> cells = k_ex;
+            std::sort(cells.begin(), cells.end());
+            std::vector<std::vector<int>> members(k_ex.size());
+            for (int i = 0; i < N; i++) members[k_ref[i]].push_back(i);   // ascending
+            for (size_t ci = 0; ci < cells.size(); ci++) {
+                const int e = cells[ci];
+                const auto & mem = members[k_ref[e]];
+                kept.push_back(slots[e]);
+                lm.push_back(static_cast<float>(std::log(static_cast<double>(mem.size()))));
+                std::vector<double> k(D), v(D, 0.0);
+                if (mem.size() == 1) {
+                    if (v_ex[v_ref[e]] == e) continue;   // the cell is the entry itself
+                    for (int d = 0; d < D; d++) k[d] = K[e][d];
+                    add_v_hat(e, v);
+                } else {
+                    if (scale_exemplar) {
+                        for (int d = 0; d < D; d++) k[d] = K[e][d];
+                    } else {
+                        double acc = 0.0;
+                        for (int i : mem) acc = acc + k_norm[i];
+                        const double scale = acc / static_cast<double>(mem.size());
+                        for (int d = 0; d < D; d++) k[d] = (static_cast<double>(K[e][d]) / k_norm[e]) * scale;
+                    }
+                    for (int i : mem) add_v_hat(i, v);
+                    for (int d = 0; d < D; d++) v[d] = v[d] / static_cast<double>(mem.size());
+                }
+                out.replace_entry.push_back(static_cast<int32_t>(offset + static_cast<int64_t>(ci)));
+                for (int d = 0; d < D; d++) out.replace_k.push_back(static_cast<float>(k[d]));
+                for (int d = 0; d < D; d++) out.replace_v.push_back(static_cast<float>(v[d]));
+            }
+            offset += static_cast<int64_t>(cells.size());
+        }
+    }
+}
+
+} // namespace
+
+KVCLI_REGISTER_POLICY("spindlekv", plan_spindlekv);
