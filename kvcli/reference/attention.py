@@ -142,6 +142,24 @@ def kvcli_attention(module, query, key, value, attention_mask, scaling: float, d
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
+def hf_to_gguf_dims(k: torch.Tensor) -> torch.Tensor:
+    """K rows from transformers' dimension order to llama.cpp's (the GGUF layout), last axis head_dim.
+
+    llama.cpp's converter permutes the Q/K weight rows so that its "normal" RoPE rotates adjacent
+    pairs (2j, 2j+1); transformers un-permutes them on load and rotates (j, j + d/2) instead. Scores
+    are the same (Q and K are permuted alike), but K rows are not: llama.cpp's dimension 2j+i is
+    transformers' dimension i*d/2 + j. Observations and plans use llama.cpp's order, the native cache's.
+    """
+    d = k.shape[-1]
+    return k.reshape(*k.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(k.shape)
+
+
+def gguf_to_hf_dims(k: torch.Tensor) -> torch.Tensor:
+    """Inverse of hf_to_gguf_dims."""
+    d = k.shape[-1]
+    return k.reshape(*k.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(k.shape)
+
+
 def no_mask(*args, **kwargs):
     """The mask builder paired with kvcli_attention: it builds its own mask from slot positions."""
     return None

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvcli.plan import Plan
-from kvcli.reference.attention import LayerSlots
+from kvcli.reference.attention import LayerSlots, gguf_to_hf_dims
 
 
 def entry_locations(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -53,7 +53,8 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan) -> None:
         values = layer.values[0].gather(1, rows)
         for r in np.nonzero(rep_layer == l)[0]:           # merged entries: their K/V rows are replaced
             h, j = int(rep_head[r]), int(rep_j[r])
-            keys[h, j] = torch.from_numpy(plan.replace_k[r].astype(np.float32))
+            # plans carry K rows in llama.cpp's dimension order (Observation.keys): back to ours
+            keys[h, j] = gguf_to_hf_dims(torch.from_numpy(plan.replace_k[r].astype(np.float32)))
             values[h, j] = torch.from_numpy(plan.replace_v[r].astype(np.float32))
         layer.keys = keys.unsqueeze(0).contiguous()
         layer.values = values.unsqueeze(0).contiguous()

@@ -19,7 +19,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.plan import Observation, Plan
 from kvcli.reference import compact
-from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active
+from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
 from kvcli.reference.model import load
 
 OBSERVE_KINDS = ("window", "colsum", "kv")
@@ -186,7 +186,9 @@ class ReferenceSession:
         if "colsum" in observe:
             obs.colsum = torch.stack(observer.colsum).numpy().astype(np.float32)
         if "kv" in observe:
-            obs.keys = torch.stack([layer.keys[0] for layer in st.cache.layers]).numpy().astype(np.float32)
+            # K in llama.cpp's dimension order, as the native engine reports it (see hf_to_gguf_dims)
+            keys = torch.stack([layer.keys[0] for layer in st.cache.layers])
+            obs.keys = hf_to_gguf_dims(keys).numpy().astype(np.float32)
             obs.values = torch.stack([layer.values[0] for layer in st.cache.layers]).numpy().astype(np.float32)
         obs.validate()
         return obs

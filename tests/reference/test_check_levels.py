@@ -1,0 +1,112 @@
+"""kvcli check's three levels on real attention: a tiny random GGUF (tight thresholds) and the default
+SmolLM2 model (realistic thresholds), plus the reference `full` path against the native one.
+
+L2/L3 need the native engine's observation and compaction (kvcli_observe_*, kvcli_apply_plan);
+on a library built without them those tests are skipped and say so.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcli import compress, policies
+from kvcli.check import CheckSettings, Thresholds, compare_plans, restrict, run_check
+from kvcli.errors import KvcliError
+from kvcli.reference.session import ReferenceSession
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "examples" / "solar-garden.txt").read_text()
+BOTH = [name for name, spec in policies.REGISTRY.items() if spec.native and spec.reference]
+
+
+def native_has(*names) -> bool:
+    from kvcli.native.lib import lib
+    try:
+        for n in names:
+            getattr(lib(), n)
+    except KvcliError:
+        return False
+    return True
+
+
+def needs_native_cache():
+    if not native_has("kvcli_observe_begin", "kvcli_apply_plan", "kvcli_seq_n_slots", "kvcli_stats_get"):
+        pytest.skip("the native library has no observation/compaction yet (kvcli_observe_*, kvcli_apply_plan)")
+
+
+@pytest.fixture(scope="module")
+def tiny_prefilled(tiny_gguf):
+    """The reference engine's observation of ~300 tokens of the example document on the tiny model."""
+    ref = ReferenceSession(tiny_gguf)
+    doc = ref.detokenize(ref.tokenize(DOC)[:300])
+    toks = ref.tokenize(ref.apply_chat_template([{"role": "user", "content": doc + "\n\nSummarise."}]))
+    obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=32)
+    return obs
+
+
+@pytest.mark.parametrize("name", BOTH)
+def test_l1_planners_agree_on_real_attention(tiny_prefilled, name):
+    """The C++ and torch planners make the same plan from one observation of a real forward pass."""
+    if not native_has("kvcli_plan_make"):
+        pytest.skip("the native library has no planner (kvcli_plan_make)")
+    obs = tiny_prefilled
+    for budget in (48, 100):
+        spec, params, _ = policies.prepare(name, {}, budget)
+        kinds, w = spec.observe(params)
+        o = restrict(obs, kinds, w)
+        nat = compress.make_plan(spec, params, budget, o, "native")
+        ref = compress.make_plan(spec, params, budget, o, "reference")
+        r = compare_plans(nat, ref, 1e-5)
+        assert r["pass"], f"{name} @ {budget}: {r['first_difference']}"
+        if name != "full":
+            assert nat.entries() < obs.n_layer * obs.n_head_kv * obs.n  # it did compress
+
+
+def test_check_all_levels_on_tiny_model_tight(tiny_gguf):
+    """Float32 model, f32 native cache, no flash attention: the engines agree to float32 accuracy."""
+    needs_native_cache()
+    settings = CheckSettings(budget=96, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=300)
+    r = run_check(tiny_gguf, DOC, BOTH, settings, Thresholds.tight())
+    bad = [(e["policy"], e.get("error") or e.get("l1", {}).get("first_difference") or e.get("l3"))
+           for e in r["policies"] if e.get("error") or not e.get("l1", {"pass": 1})["pass"]
+           or not e.get("l3", {"pass": 1})["pass"]]
+    assert r["l2"]["pass"], r["l2"]
+    assert not bad, bad
+    assert r["passed"]
+    assert r["l2"]["window"]["max_abs"] < 1e-4 and r["l2"]["keys"]["rel"] < 1e-5
+    for e in r["policies"]:
+        assert e["l3"]["greedy_agree"] == 1.0 and e["l3"]["jaccard_min"] >= 0.95
+
+
+def test_reference_full_reproduces_native_full_greedy(default_model):
+    """On the default model (Q4_1, native f16 cache and flash attention as users run it), the reference
+    `full` path gives the same greedy tokens as the native one for the first tokens of a short prompt."""
+    from kvcli.native.session import NativeSession
+    nat = NativeSession(default_model, n_ctx=256)
+    ref = ReferenceSession(default_model)
+    prompt = nat.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea and the wind."}])
+    toks = nat.tokenize(prompt)
+    assert ref.tokenize(prompt) == toks
+    nat.prefill(toks)
+    ref.prefill(toks)
+    gn, gr = [], []
+    for _ in range(8):
+        gn.append(int(np.argmax(nat.logits())))
+        gr.append(int(np.argmax(ref.logits())))
+        nat.step({0: gn[-1]})
+        ref.step({0: gr[-1]})
+    nat.close()
+    assert gn == gr, (nat.detokenize(gn), ref.detokenize(gr))
+
+
+def test_check_default_model_realistic(default_model):
+    """`kvcli check` on the default model with its documented default thresholds."""
+    needs_native_cache()
+    settings = CheckSettings(budget=128, n_tokens=8, doc_tokens=600)
+    r = run_check(default_model, DOC, ["full", "streamingllm", "snapkv", "h2o"], settings, Thresholds())
+    for e in r["policies"]:
+        assert "error" not in e, e
+        assert e["l1"]["pass"], e["l1"]
+    assert r["passed"], r
