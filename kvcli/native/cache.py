@@ -1,0 +1,278 @@
+"""The compressed KV cache of a llama.cpp context, from Python: observation, compaction, stats,
+headers and compressed state files. Functions over a raw `llama_context` pointer (what
+`llama_init_from_model` returned) and the model's shapes; `NativeSession` calls them.
+
+Order of calls for one compressed prompt (one sequence `seq`, next position `p` before it):
+
+1. `observe_begin(ctx, seq, kinds, window_pos0=p + len(tokens) - w)` before the first
+   `llama_decode` of the prompt (kinds: "window" and/or "colsum"; "kv" needs no arming). The
+   last `w` prompt tokens must be decoded in a `llama_decode` of their own, so that all window
+   queries are in one ubatch (n_ubatch >= w).
+2. the prompt's `llama_decode` calls, then `observe_end(ctx)`.
+3. `read_observation(ctx, seq, info, kinds)` -> `kvcli.plan.Observation`.
+4. a plan (`kvcli.native.lib.native_plan` or a torch policy), then `apply_plan(ctx, seq, plan, head_dim)`:
+   the sequence now holds `plan.max_kept` cells; keep decoding it at position `p + len(tokens)`.
+5. `set_header(...)` to label it, `save_state`/`load_state` to write it to / read it from a file.
+
+The context must have a unified KV cache (`kv_unified=True`) when it holds several sequences.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.native.lib import F32P, I32P, StateHeader, Stats, lib, plan_view
+from kvcli.plan import Observation, Plan
+
+OBS_WINDOW = 1
+OBS_COLSUM = 2
+_KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "kv": 0}
+
+FILE_MAGIC = b"KVCLIKV\x00"
+FILE_FORMAT = 1
+_FILE_HEAD = struct.Struct("<8sII")   # magic, file format, meta length
+_PAYLOAD_LEN = struct.Struct("<Q")
+
+
+def _kinds_bits(kinds) -> int:
+    bits = 0
+    for k in kinds:
+        if k not in _KIND_BITS:
+            raise KvcliError(f"unknown observation kind '{k}' (choose from window, colsum, kv)")
+        bits |= _KIND_BITS[k]
+    return bits
+
+
+def _ctx(ctx):
+    if not ctx:
+        raise KvcliError("no llama.cpp context")
+    return ctx
+
+
+# ------------------------------------------------------------------------------ observation
+def observe_begin(ctx, seq: int, kinds, window_pos0: int = 0) -> None:
+    """Arm observation of `seq` for the following llama_decode calls (clears earlier captures).
+    Queries at positions >= window_pos0 are window queries."""
+    bits = _kinds_bits(kinds)
+    if not bits:
+        return
+    L = lib()
+    L.check(L.kvcli_observe_begin(_ctx(ctx), int(seq), bits, int(window_pos0)), "observe")
+
+
+def observe_end(ctx) -> None:
+    L = lib()
+    L.check(L.kvcli_observe_end(_ctx(ctx)), "observe_end")
+
+
+def read_observation(ctx, seq: int, shapes, kinds) -> Observation:
+    """The Observation of `seq` (docs/internals.md) for the kinds asked: window / colsum from the
+    armed decodes, kv (keys, values) read from the cache now, positions always."""
+    kinds = set(kinds)
+    _kinds_bits(kinds)
+    L = lib()
+    n_layer, n_head = int(shapes.n_layer), int(shapes.n_head)
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
+    obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=int(shapes.n_head_kv),
+                      head_dim=int(shapes.head_dim), n=n, positions=seq_positions(ctx, seq))
+    if kinds & {"window", "colsum"}:
+        n_obs = L.check(L.kvcli_observe_n_slots(ctx), "observation")
+        if n_obs != n:
+            raise KvcliError(f"the observation covers {n_obs} slots but sequence {seq} has {n}: "
+                             "was another sequence observed?")
+    if "window" in kinds:
+        w = L.check(L.kvcli_observe_n_window(ctx), "observation")
+        if w == 0:
+            raise KvcliError("no window queries were observed: window_pos0 lies after the last decoded token")
+        win = np.empty((n_layer, n_head, w, n), np.float32)
+        for il in range(n_layer):
+            L.check(L.kvcli_observe_read_window(ctx, il, win[il].ctypes.data_as(F32P)), "reading window attention")
+        obs.window = win
+    if "colsum" in kinds:
+        cs = np.empty((n_layer, n_head, n), np.float32)
+        for il in range(n_layer):
+            L.check(L.kvcli_observe_read_colsum(ctx, il, cs[il].ctypes.data_as(F32P)), "reading column sums")
+        obs.colsum = cs
+    if "kv" in kinds:
+        obs.keys, obs.values = read_kv(ctx, seq, shapes)
+    obs.validate()
+    return obs
+
+
+def read_kv(ctx, seq: int, shapes) -> tuple[np.ndarray, np.ndarray]:
+    """K and V rows of `seq`, float32 [n_layer, n_head_kv, n_slots, head_dim], dequantised and in
+    the model's space (any Hadamard rotation of a quantised cache undone); K is post-RoPE."""
+    L = lib()
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
+    out = []
+    for which in (0, 1):
+        a = np.empty((int(shapes.n_layer), int(shapes.n_head_kv), n, int(shapes.head_dim)), np.float32)
+        for il in range(int(shapes.n_layer)):
+            L.check(L.kvcli_seq_read_kv(ctx, int(seq), il, which, a[il].ctypes.data_as(F32P)), "reading K/V rows")
+        out.append(a)
+    return out[0], out[1]
+
+
+def seq_positions(ctx, seq: int) -> np.ndarray:
+    """Position of each slot (cell, in cell order) of `seq`."""
+    L = lib()
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
+    pos = np.empty(n, np.int32)
+    L.check(L.kvcli_seq_positions(ctx, int(seq), pos.ctypes.data_as(I32P)), "reading positions")
+    return pos
+
+
+# ------------------------------------------------------------------------------ compaction
+def apply_plan(ctx, seq: int, plan: Plan, head_dim: int) -> int:
+    """Compact `seq` as the plan says; returns the cells it holds now (plan.max_kept)."""
+    L = lib()
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
+    try:
+        plan.validate(n, head_dim)
+    except ValueError as e:
+        raise KvcliError(str(e)) from None
+    view, _keep = plan_view(plan, head_dim)
+    return L.check(L.kvcli_apply_plan(ctx, int(seq), ctypes.byref(view)), "applying the plan")
+
+
+def is_compressed(ctx, seq: int) -> bool:
+    L = lib()
+    return bool(L.check(L.kvcli_seq_is_compressed(_ctx(ctx), int(seq)), "kvcli_seq_is_compressed"))
+
+
+def shift_positions(ctx, seq: int, p0: int, p1: int, delta: int) -> None:
+    """llama_memory_seq_add, refused with a clear error on a compressed sequence (its entries
+    carry per-head positions that a shift would corrupt)."""
+    if is_compressed(ctx, seq):
+        raise KvcliError(f"sequence {seq} is compressed: shifting its positions (context shift) is not possible")
+    from kvcli.native import load_llama_cpp  # noqa: PLC0415
+    llama = load_llama_cpp()
+    llama.llama_memory_seq_add(llama.llama_get_memory(ctx), int(seq), int(p0), int(p1), int(delta))
+
+
+# ------------------------------------------------------------------------------ stats
+def stats(ctx, seq: int, n_layer: int, n_head_kv: int) -> dict:
+    """Measured from the live cache (seq = -1: the whole cache): cells, K/V/bias bytes held,
+    live (layer, kv head, cell) entries, cells per layer and entries per (layer, kv head)."""
+    L = lib()
+    s = Stats()
+    plc = np.zeros(int(n_layer), np.int32)
+    phe = np.zeros((int(n_layer), int(n_head_kv)), np.int32)
+    L.check(L.kvcli_stats_get(_ctx(ctx), int(seq), ctypes.byref(s), plc.ctypes.data_as(I32P),
+                              phe.ctypes.data_as(I32P)), "reading cache stats")
+    return {"n_cells": int(s.n_cells), "k_bytes": int(s.k_bytes), "v_bytes": int(s.v_bytes),
+            "bias_bytes": int(s.bias_bytes), "live_entries": int(s.live_entries),
+            "per_layer_cells": plc.tolist(), "per_head_entries": phe.tolist()}
+
+
+# ------------------------------------------------------------------------------ headers
+def set_header(ctx, seq: int, policy: str, budget: int, original_tokens: int) -> None:
+    """Label a compressed sequence (saved with its state); kvcli's version is filled in."""
+    pol = policy.encode()
+    if len(pol) >= 32:
+        raise KvcliError(f"policy name '{policy}' is too long for the state header (31 bytes)")
+    h = StateHeader(pol, int(budget), int(original_tokens), b"")
+    L = lib()
+    L.check(L.kvcli_seq_set_header(_ctx(ctx), int(seq), ctypes.byref(h)), "setting the header")
+
+
+def get_header(ctx, seq: int) -> dict | None:
+    """The header of a compressed sequence, None for an uncompressed one."""
+    h = StateHeader()
+    L = lib()
+    if not L.check(L.kvcli_seq_get_header(_ctx(ctx), int(seq), ctypes.byref(h)), "reading the header"):
+        return None
+    return {"policy": h.policy.decode(errors="replace"), "budget": int(h.budget),
+            "original_tokens": int(h.original_tokens), "kvcli_version": h.kvcli_version.decode(errors="replace")}
+
+
+# ------------------------------------------------------------------------------ state files
+def get_state(ctx, seq: int) -> bytes:
+    """llama_state_seq_get_data of `seq`: cells, K/V rows, and (our patch) slot bias + header."""
+    from kvcli.native import load_llama_cpp  # noqa: PLC0415
+    llama = load_llama_cpp()
+    size = llama.llama_state_seq_get_size(_ctx(ctx), int(seq))
+    if size == 0:
+        raise KvcliError(f"could not size the state of sequence {seq}: {lib().last_error() or 'llama.cpp error'}")
+    buf = (ctypes.c_uint8 * size)()
+    got = llama.llama_state_seq_get_data(ctx, buf, size, int(seq))
+    if got == 0:
+        raise KvcliError(f"could not save the state of sequence {seq}: {lib().last_error() or 'llama.cpp error'}")
+    return bytes(buf[:got])
+
+
+def set_state(ctx, seq: int, data: bytes) -> None:
+    """llama_state_seq_set_data into `seq` (which is cleared first); a clear error when llama.cpp
+    or kvcli refuses it (another model, another kvcli state format, cache too small, corrupted)."""
+    from kvcli.native import load_llama_cpp  # noqa: PLC0415
+    llama = load_llama_cpp()
+    L = lib()
+    L.kvcli_seq_n_slots(_ctx(ctx), int(seq))  # any kvcli call clears kvcli_last_error
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    got = llama.llama_state_seq_set_data(ctx, buf, len(data), int(seq))
+    if got == 0:
+        why = L.last_error() or ("llama.cpp refused it: the context's cache type, flash-attention setting or "
+                                 "size differs from the one it was saved with (KVCLI_DEBUG=1 shows its log)")
+        raise KvcliError(f"cannot load the cache state: {why}")
+
+
+def save_state(ctx, seq: int, path, meta: dict | None = None) -> int:
+    """Write `seq`'s state to `path` with `meta` (JSON) and a SHA-256; returns the file size."""
+    payload = get_state(ctx, seq)
+    meta_b = json.dumps(meta or {}, sort_keys=True).encode()
+    digest = hashlib.sha256(meta_b + payload).digest()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_FILE_HEAD.pack(FILE_MAGIC, FILE_FORMAT, len(meta_b)))
+        f.write(meta_b)
+        f.write(_PAYLOAD_LEN.pack(len(payload)))
+        f.write(payload)
+        f.write(digest)
+    tmp.replace(path)
+    return path.stat().st_size
+
+
+def read_state_file(path) -> tuple[dict, bytes]:
+    """(meta, payload) of a kvcli cache file, checked: magic, format, length and SHA-256."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise KvcliError(f"cannot read {path}: {e.strerror}") from None
+    if len(raw) < _FILE_HEAD.size or raw[:8] != FILE_MAGIC:
+        raise KvcliError(f"{path} is not a kvcli cache file")
+    _, fmt, meta_len = _FILE_HEAD.unpack_from(raw)
+    if fmt != FILE_FORMAT:
+        raise KvcliError(f"{path} has kvcli cache file format {fmt}; this kvcli reads format {FILE_FORMAT}")
+    p = _FILE_HEAD.size
+    if len(raw) < p + meta_len + _PAYLOAD_LEN.size:
+        raise KvcliError(f"{path} is truncated")
+    meta_b = raw[p:p + meta_len]
+    (n,) = _PAYLOAD_LEN.unpack_from(raw, p + meta_len)
+    p += meta_len + _PAYLOAD_LEN.size
+    if len(raw) < p + n + 32:
+        raise KvcliError(f"{path} is truncated ({len(raw)} bytes, expected {p + n + 32})")
+    if len(raw) > p + n + 32:
+        raise KvcliError(f"{path} is corrupted (trailing bytes)")
+    payload = raw[p:p + n]
+    if hashlib.sha256(meta_b + payload).digest() != raw[p + n:]:
+        raise KvcliError(f"{path} is corrupted (checksum mismatch)")
+    try:
+        meta = json.loads(meta_b)
+    except ValueError:
+        raise KvcliError(f"{path} is corrupted (bad metadata)") from None
+    return meta, payload
+
+
+def load_state(ctx, seq: int, path) -> dict:
+    """Load a file written by save_state into `seq`; returns its meta."""
+    meta, payload = read_state_file(path)
+    set_state(ctx, seq, payload)
+    return meta

@@ -1,0 +1,107 @@
+// kvcli cache internals (native/src/kvcli_cache.cpp, kvcli_graph.cpp): the per-cache extension state (slot bias,
+// per-sequence flags, observation captures) and the accessor our patch befriends.
+#pragma once
+
+#include "kvcli.h"
+
+#include "llama-context.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvcli_internal.h"
+
+// an error for the caller: becomes kvcli_last_error() and a negative return code
+struct kvcli_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+struct kvcli_seq_info {
+    bool               compressed = false;
+    kvcli_state_header header     = {};
+};
+
+// one llama_decode ubatch's window rows, for every layer
+struct kvcli_window_block {
+    int32_t                         n_kv = 0;  // columns = cells 0..n_kv-1
+    std::vector<llama_pos>          pos;       // position of each row
+    std::vector<std::vector<float>> data;      // per model layer: [n_head][rows][n_kv]
+};
+
+// graph outputs of the ubatch being computed, per model layer
+struct kvcli_pending {
+    ggml_tensor *          win = nullptr;     // F32 [n_kv, n_win, n_head]
+    ggml_tensor *          col = nullptr;     // F32 [1, n_kv, n_head]
+    std::vector<llama_pos> win_pos;
+};
+
+struct kvcli_kv_ext {
+    // slot bias: per KV-cache layer, F32 [kv_size, n_head_kv], allocated at the first compaction
+    std::vector<ggml_context_ptr>        bias_ctxs;
+    std::vector<ggml_backend_buffer_ptr> bias_bufs;
+    std::vector<ggml_tensor *>           bias;       // indexed like the cache's layers
+    std::vector<std::vector<float>>      bias_host;  // mirror of bias, [n_head_kv][kv_size]
+    std::vector<uint8_t>                 biased;     // per cell: carries a bias row that is not all zero
+
+    std::array<kvcli_seq_info, LLAMA_MAX_SEQ> seqs;
+
+    bool any_compressed() const {
+        for (const auto & s : seqs) {
+            if (s.compressed) {
+                return true;
+            }
+        }
+        return false;
+    }
+
+    // observation
+    bool         armed     = false;
+    llama_seq_id obs_seq   = 0;
+    int32_t      obs_kinds = 0;
+    llama_pos    obs_pos0  = 0;
+    uint64_t     key_counter = 0;
+    std::string  obs_error;                          // set when an armed graph could not observe
+
+    std::vector<kvcli_pending>      pending;         // per model layer
+    std::vector<kvcli_window_block> window;          // captured ubatches with window rows
+    std::vector<std::vector<float>> colsum;          // per model layer: [n_head][kv_size]
+    bool                            have_colsum = false;
+};
+
+// reaches the private parts of llama_kv_cache (our patch declares it a friend)
+struct kvcli_access {
+    static llama_kv_cache * kv(const llama_kv_cache_context * mctx) { return mctx->kv; }
+
+    static auto & layers(const llama_kv_cache & kv)        { return kv.layers; }
+    static auto & map_layer_ids(const llama_kv_cache & kv) { return kv.map_layer_ids; }
+    static auto & cells(llama_kv_cache & kv)               { return kv.v_cells; }
+    static const auto & cells(const llama_kv_cache & kv)   { return kv.v_cells; }
+    static auto & heads(llama_kv_cache & kv)               { return kv.v_heads; }
+    static auto & seq_to_stream(const llama_kv_cache & kv) { return kv.seq_to_stream; }
+    static bool   v_trans(const llama_kv_cache & kv)       { return kv.v_trans; }
+    static uint32_t n_stream(const llama_kv_cache & kv)    { return kv.n_stream; }
+    static uint32_t n_swa(const llama_kv_cache & kv)       { return kv.n_swa; }
+    static bool   rot_k(const llama_kv_cache & kv)         { return kv.attn_rot_k; }
+    static bool   rot_v(const llama_kv_cache & kv)         { return kv.attn_rot_v; }
+    static int32_t head_k_all(const llama_kv_cache & kv)   { return kv.n_embd_head_k_all; }
+    static const llama_model & model(const llama_kv_cache & kv)     { return kv.model; }
+    static const llama_hparams & hparams(const llama_kv_cache & kv) { return kv.hparams; }
+    static bool   shared(const llama_kv_cache & kv)        { return kv.other != nullptr; }
+};
+
+// the llama_kv_cache of a context, or an error naming why kvcli cannot use it
+llama_kv_cache * kvcli_cache_of(llama_context * ctx);
+// the cache checks that compaction, bias and observation need (one stream, no SWA, plain attention)
+void kvcli_require_supported(llama_kv_cache * kv);
+kvcli_kv_ext & kvcli_ext_of(llama_kv_cache * kv);
+// cells of seq_id in cell order (stream of seq_id)
+std::vector<uint32_t> kvcli_seq_cells(const llama_kv_cache & kv, llama_seq_id seq_id);
+void kvcli_check_seq(const llama_kv_cache & kv, llama_seq_id seq_id);

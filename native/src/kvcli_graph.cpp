@@ -1,0 +1,398 @@
+// kvcli in the attention graph: the slot bias added to the KQ mask of a compacted cache, and
+// observation of the attention (window rows and column sums) from exactly the Q, K, mask and
+// scale that attention uses, computed with plain ggml ops so it runs on any backend.
+//
+// Shapes (one stream, kvcli_require_supported): q [head_dim, n_head, n_tokens] (rotated like K
+// when the cache rotates), k view [head_dim, n_head_kv, n_kv, 1], kq_mask [n_kv, n_tokens, 1, 1]
+// (F16 with flash attention, else F32), bias[l] [kv_size, n_head_kv] F32.
+#include "kvcli_cache.h"
+#include "kvcli_hooks.h"
+
+#include "llama-graph.h"
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace kvcli_graph_detail {
+
+// the row selections of one layer's observation nodes, filled for each ubatch
+class obs_input : public llm_graph_input_i {
+public:
+    ggml_tensor *        win_idx = nullptr; // I32 [n_win]: ubatch rows that are window queries
+    std::vector<int32_t> win_rows;
+    ggml_tensor *        col_sel = nullptr; // F32 [n_tokens]: 1 for rows of the observed sequence
+    std::vector<float>   col_w;
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_UNUSED(ubatch);
+        if (win_idx && win_idx->buffer) {
+            ggml_backend_tensor_set(win_idx, win_rows.data(), 0, win_rows.size() * sizeof(int32_t));
+        }
+        if (col_sel && col_sel->buffer) {
+            ggml_backend_tensor_set(col_sel, col_w.data(), 0, col_w.size() * sizeof(float));
+        }
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        GGML_UNUSED(params);
+        return false; // rows differ per ubatch
+    }
+};
+
+bool row_in_seq(const llama_ubatch & ub, uint32_t i, llama_seq_id s) {
+    for (int32_t j = 0; j < ub.n_seq_id[i]; ++j) {
+        if (ub.seq_id[i][j] == s) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// bias of layer il as [n_kv, 1, n_head, 1]: query head q uses KV head q / (n_head/n_head_kv)
+ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64_t n_kv, int64_t n_head) {
+    const int64_t n_head_kv = bias->ne[1];
+    const int64_t g = n_head / n_head_kv;
+    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, n_head_kv, 1, bias->nb[1], bias->nb[1], bias->nb[1] * n_head_kv, 0);
+    if (g > 1) {
+        b = ggml_repeat_4d(ctx0, b, n_kv, g, n_head_kv, 1);      // [n_kv, g, n_head_kv]: element (j, r, h) = bias[j, h]
+        b = ggml_reshape_4d(ctx0, b, n_kv, 1, n_head, 1);        // head q = r + g*h
+    }
+    return b;
+}
+
+} // namespace kvcli_graph_detail
+using namespace kvcli_graph_detail;
+
+uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
+    if (!mctx) {
+        return 0;
+    }
+    llama_kv_cache * kv = kvcli_access::kv(mctx);
+    if (!kv || !kv->kvcli_ext) {
+        return 0;
+    }
+    auto & ext = *kv->kvcli_ext;
+    const uint64_t bias = (!ext.bias.empty() && ext.any_compressed()) ? 1 : 0;
+    if (ext.armed) {
+        return (++ext.key_counter << 1) | bias; // never equal to an earlier key: no graph reuse while observing
+    }
+    return bias;
+}
+
+ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_result * res,
+                              const llama_kv_cache_context * mctx, const llama_ubatch & ubatch,
+                              ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_b, ggml_tensor * kq_mask,
+                              float kq_scale, int il) {
+    llama_kv_cache * kv = kvcli_access::kv(mctx);
+    if (!kv || !kv->kvcli_ext) {
+        return kq_mask;
+    }
+    auto & ext = *kv->kvcli_ext;
+    const auto & map_ids = kvcli_access::map_layer_ids(*kv);
+    auto it = map_ids.find(il);
+    if (it == map_ids.end() || k->ne[3] != 1 || kq_mask->ne[3] != 1) {
+        return kq_mask; // one stream only (kvcli_require_supported)
+    }
+    const int64_t n_kv = k->ne[2], n_head = q->ne[1], n_tps = kq_mask->ne[1];
+    ggml_tensor * bias = nullptr;
+    ggml_tensor * mask = kq_mask;
+    if (!ext.bias.empty() && ext.any_compressed()) {
+        bias = bias_per_query_head(ctx0, ext.bias[it->second], n_kv, n_head);
+        mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, n_tps, n_head, 1), bias);
+    }
+    if (!ext.armed) {
+        return mask;
+    }
+    if (ext.pending.size() <= (size_t) il) {
+        ext.pending.resize(il + 1);
+    }
+    ext.pending[il] = kvcli_pending{};
+    if (kq_b) {
+        ext.obs_error = "this model adds a KQ bias in attention; kvcli observation does not support it";
+        return mask;
+    }
+    if (q->ne[2] != (int64_t) ubatch.n_tokens || n_tps != (int64_t) ubatch.n_tokens) {
+        return mask; // not a plain decode graph
+    }
+
+    auto inp = std::make_unique<obs_input>();
+    kvcli_pending pend;
+    ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3); // [hd, n_kv, n_head_kv]
+
+    if (ext.obs_kinds & KVCLI_OBS_WINDOW) {
+        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+            if (row_in_seq(ubatch, i, ext.obs_seq) && ubatch.pos[i] >= ext.obs_pos0) {
+                inp->win_rows.push_back((int32_t) i);
+                pend.win_pos.push_back(ubatch.pos[i]);
+            }
+        }
+        if (!inp->win_rows.empty()) {
+            const int64_t n_win = inp->win_rows.size(), hd = q->ne[0];
+            inp->win_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, n_win);
+            ggml_set_input(inp->win_idx);
+            ggml_tensor * q2 = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
+            q2 = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, q2, hd * n_head, q->ne[2]), inp->win_idx);
+            q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, hd, n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
+            ggml_tensor * kq = ggml_mul_mat(ctx0, kk, q2);                                    // [n_kv, n_win, n_head]
+            ggml_prec_set_acc(kq, GGML_PREC_F32);
+            ggml_tensor * mw = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, kq_mask, n_kv, n_tps), inp->win_idx); // F32
+            if (bias) {
+                mw = ggml_add(ctx0, ggml_repeat_4d(ctx0, mw, n_kv, n_win, n_head, 1), bias);
+            }
+            ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
+            ggml_format_name(p, "kvcli_obs_window-%d", il);
+            ggml_set_output(p);
+            ggml_build_forward_expand(gf, p);
+            pend.win = p;
+        }
+    }
+    if (ext.obs_kinds & KVCLI_OBS_COLSUM) {
+        inp->col_w.assign(ubatch.n_tokens, 0.0f);
+        bool any = false;
+        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+            if (row_in_seq(ubatch, i, ext.obs_seq)) {
+                inp->col_w[i] = 1.0f;
+                any = true;
+            }
+        }
+        if (any) {
+            inp->col_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, ubatch.n_tokens, 1);
+            ggml_set_input(inp->col_sel);
+            ggml_tensor * qq = ggml_permute(ctx0, q, 0, 2, 1, 3);       // [hd, n_tps, n_head]
+            ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);             // [n_kv, n_tps, n_head]
+            ggml_prec_set_acc(kq, GGML_PREC_F32);
+            ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, 0.0f);
+            ggml_tensor * pt = ggml_cont(ctx0, ggml_transpose(ctx0, p)); // [n_tps, n_kv, n_head]
+            ggml_tensor * cs = ggml_mul_mat(ctx0, inp->col_sel, pt);   // [1, n_kv, n_head]
+            ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
+            ggml_set_output(cs);
+            ggml_build_forward_expand(gf, cs);
+            pend.col = cs;
+        }
+    } else {
+        inp->col_w.clear();
+    }
+    ext.pending[il] = std::move(pend);
+    res->add_input(std::move(inp));
+    return mask;
+}
+
+void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
+    GGML_UNUSED(ubatch);
+    llama_memory_t mem = lctx->get_memory();
+    auto * kv = mem ? dynamic_cast<llama_kv_cache *>(mem) : nullptr;
+    if (!kv || !kv->kvcli_ext || !kv->kvcli_ext->armed) {
+        return;
+    }
+    auto & ext = *kv->kvcli_ext;
+    bool any = false;
+    for (const auto & p : ext.pending) {
+        any = any || p.win || p.col;
+    }
+    if (!any) {
+        return;
+    }
+    ggml_backend_sched_synchronize(lctx->get_sched());
+    const uint32_t n_layer = kvcli_access::hparams(*kv).n_layer();
+    const uint32_t kv_size = kv->get_size();
+
+    kvcli_window_block blk;
+    for (uint32_t il = 0; il < ext.pending.size() && il < n_layer; ++il) {
+        auto & p = ext.pending[il];
+        if (p.win) {
+            if (blk.data.empty()) {
+                blk.n_kv = (int32_t) p.win->ne[0];
+                blk.pos  = p.win_pos;
+                blk.data.resize(n_layer);
+            }
+            auto & d = blk.data[il];
+            d.resize(ggml_nelements(p.win));
+            ggml_backend_tensor_get(p.win, d.data(), 0, ggml_nbytes(p.win));
+        }
+        if (p.col) {
+            const int64_t n_kv = p.col->ne[1], n_head = p.col->ne[2];
+            std::vector<float> tmp(ggml_nelements(p.col));
+            ggml_backend_tensor_get(p.col, tmp.data(), 0, ggml_nbytes(p.col));
+            if (ext.colsum.size() != n_layer) {
+                ext.colsum.assign(n_layer, {});
+            }
+            auto & acc = ext.colsum[il];
+            if (acc.empty()) {
+                acc.assign((size_t) n_head * kv_size, 0.0f);
+            }
+            for (int64_t h = 0; h < n_head; ++h) {
+                for (int64_t c = 0; c < n_kv; ++c) {
+                    acc[(size_t) h * kv_size + c] += tmp[(size_t) h * n_kv + c];
+                }
+            }
+            ext.have_colsum = true;
+        }
+        p = kvcli_pending{};
+    }
+    if (!blk.data.empty()) {
+        ext.window.push_back(std::move(blk));
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// C API: observation
+// ---------------------------------------------------------------------------------
+
+namespace kvcli_graph_detail {
+
+template <typename F>
+int32_t guarded_obs(F && f) {
+    try {
+        kvcli_clear_error();
+        return f();
+    } catch (const std::exception & e) {
+        kvcli_set_error(e.what());
+        return -1;
+    }
+}
+
+kvcli_kv_ext & observed(llama_context * ctx, llama_kv_cache ** kv_out = nullptr) {
+    llama_kv_cache * kv = kvcli_cache_of(ctx);
+    if (!kv->kvcli_ext) {
+        throw kvcli_error("nothing was observed on this context (call kvcli_observe_begin first)");
+    }
+    if (!kv->kvcli_ext->obs_error.empty()) {
+        throw kvcli_error(kv->kvcli_ext->obs_error);
+    }
+    if (kv_out) {
+        *kv_out = kv;
+    }
+    return *kv->kvcli_ext;
+}
+
+int32_t n_window_rows(const kvcli_kv_ext & ext) {
+    int32_t n = 0;
+    for (const auto & b : ext.window) {
+        n += (int32_t) b.pos.size();
+    }
+    return n;
+}
+
+} // namespace kvcli_graph_detail
+using namespace kvcli_graph_detail;
+
+extern "C" {
+
+int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds, int32_t window_pos0) {
+    return guarded_obs([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        kvcli_require_supported(kv);
+        kvcli_check_seq(*kv, seq_id);
+        if (kinds <= 0 || (kinds & ~(KVCLI_OBS_WINDOW | KVCLI_OBS_COLSUM)) != 0) {
+            throw kvcli_error("observation kinds must be a non-empty combination of KVCLI_OBS_WINDOW and KVCLI_OBS_COLSUM");
+        }
+        if (window_pos0 < 0) {
+            throw kvcli_error("window_pos0 must be >= 0");
+        }
+        llama_synchronize(ctx);
+        auto & ext = kvcli_ext_of(kv);
+        ext.armed     = true;
+        ext.obs_seq   = seq_id;
+        ext.obs_kinds = kinds;
+        ext.obs_pos0  = window_pos0;
+        ext.obs_error.clear();
+        ext.pending.clear();
+        ext.window.clear();
+        ext.colsum.clear();
+        ext.have_colsum = false;
+        return 0;
+    });
+}
+
+int32_t kvcli_observe_end(struct llama_context * ctx) {
+    return guarded_obs([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        llama_synchronize(ctx);
+        if (kv->kvcli_ext) {
+            kv->kvcli_ext->armed = false;
+            kv->kvcli_ext->pending.clear();
+        }
+        return 0;
+    });
+}
+
+int32_t kvcli_observe_n_slots(struct llama_context * ctx) {
+    return guarded_obs([&] {
+        llama_kv_cache * kv = nullptr;
+        auto & ext = observed(ctx, &kv);
+        return (int32_t) kvcli_seq_cells(*kv, ext.obs_seq).size();
+    });
+}
+
+int32_t kvcli_observe_n_window(struct llama_context * ctx) {
+    return guarded_obs([&] { return n_window_rows(observed(ctx)); });
+}
+
+int32_t kvcli_observe_read_window(struct llama_context * ctx, int32_t il, float * dst) {
+    return guarded_obs([&] {
+        llama_kv_cache * kv = nullptr;
+        auto & ext = observed(ctx, &kv);
+        const auto & hp = kvcli_access::hparams(*kv);
+        if (il < 0 || (uint32_t) il >= hp.n_layer() || !dst) {
+            throw kvcli_error("kvcli_observe_read_window: bad layer or dst");
+        }
+        if (!(ext.obs_kinds & KVCLI_OBS_WINDOW)) {
+            throw kvcli_error("window attention was not observed (kinds did not include KVCLI_OBS_WINDOW)");
+        }
+        const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
+        const int64_t n = cells.size(), n_head = hp.n_head(il), n_win = n_window_rows(ext);
+        // rows in position order, whatever ubatch captured them
+        std::vector<std::pair<llama_pos, std::pair<size_t, size_t>>> rows;
+        for (size_t b = 0; b < ext.window.size(); ++b) {
+            for (size_t r = 0; r < ext.window[b].pos.size(); ++r) {
+                rows.push_back({ ext.window[b].pos[r], { b, r } });
+            }
+        }
+        std::stable_sort(rows.begin(), rows.end(), [](const auto & a, const auto & b) { return a.first < b.first; });
+        for (int64_t w = 0; w < n_win; ++w) {
+            const auto & blk = ext.window[rows[w].second.first];
+            const size_t r = rows[w].second.second, nr = blk.pos.size();
+            const auto & d = blk.data[il];
+            if (d.empty()) {
+                throw kvcli_error("layer " + std::to_string(il) + " was not observed");
+            }
+            for (int64_t h = 0; h < n_head; ++h) {
+                float * out = dst + ((size_t) h * n_win + w) * n;
+                const float * src = d.data() + ((size_t) h * nr + r) * blk.n_kv;
+                for (int64_t i = 0; i < n; ++i) {
+                    out[i] = cells[i] < (uint32_t) blk.n_kv ? src[cells[i]] : 0.0f;
+                }
+            }
+        }
+        return (int32_t) n_win;
+    });
+}
+
+int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst) {
+    return guarded_obs([&] {
+        llama_kv_cache * kv = nullptr;
+        auto & ext = observed(ctx, &kv);
+        const auto & hp = kvcli_access::hparams(*kv);
+        if (il < 0 || (uint32_t) il >= hp.n_layer() || !dst) {
+            throw kvcli_error("kvcli_observe_read_colsum: bad layer or dst");
+        }
+        if (!(ext.obs_kinds & KVCLI_OBS_COLSUM)) {
+            throw kvcli_error("column sums were not observed (kinds did not include KVCLI_OBS_COLSUM)");
+        }
+        if (!ext.have_colsum || ext.colsum.size() <= (size_t) il || ext.colsum[il].empty()) {
+            throw kvcli_error("no column sums were captured (no armed llama_decode held tokens of the observed sequence)");
+        }
+        const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
+        const int64_t n = cells.size(), n_head = hp.n_head(il);
+        const uint32_t kv_size = kv->get_size();
+        for (int64_t h = 0; h < n_head; ++h) {
+            for (int64_t i = 0; i < n; ++i) {
+                dst[(size_t) h * n + i] = ext.colsum[il][(size_t) h * kv_size + cells[i]];
+            }
+        }
+        return (int32_t) n;
+    });
+}
+
+} // extern "C"
