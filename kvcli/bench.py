@@ -139,7 +139,7 @@ class Bench:
     def __init__(self, model_path, docs: list[Doc], policies: list[str], budgets: list[int],
                  cache_types: list[str], *, gen: int = 32, repeat: int = 3, batch: int = 0, ctx: int | None = None,
                  policy_args: dict | None = None, instruction: str = BENCH_INSTRUCTION, threads: int | None = None,
-                 log=None):
+                 share_prefill: bool = True, log=None):
         if gen < 1:
             raise KvcliError("--gen must be >= 1")
         if repeat < 1:
@@ -156,6 +156,7 @@ class Bench:
         self.policy_args = policy_args or {}
         self.instruction = instruction
         self.threads = threads
+        self.share_prefill = share_prefill
         self.log = log or (lambda msg: None)
         self.refs: dict[str, Reference] = {}
         self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state file + what restoring it needs
@@ -218,34 +219,130 @@ class Bench:
             })
             if rep.note:
                 row["note"] = rep.note
-            ref = self.refs.get(doc.name)
-            tok_s, logps = [], None
-            for r in range(self.repeat):
-                forced = None if ref is None else ref.tokens
-                toks, lp, dt = _decode(session, first, self.gen, forced)
-                tok_s.append(self.gen / dt)
-                if r == 0:
-                    logps, gen_tokens = lp, toks
-                rollback(session, 0, self.gen)
-            if ref is None:  # this is the baseline: its greedy continuation is the reference
-                ref = self.refs[doc.name] = Reference(gen_tokens, logps)
-            d = spread(tok_s)
-            row.update({"decode_tok_s": d["median"], "decode_tok_s_min": d["min"], "decode_tok_s_max": d["max"],
-                        "decode_repeats": d["n"]})
-            agree = [int(np.argmax(lp)) == t for lp, t in zip(logps, ref.tokens)]
-            row["agreement"] = float(np.mean(agree))
-            row["kl_mean"] = float(np.mean([kl(a, b) for a, b in zip(ref.logp, logps)]))
-            row["peak_rss_bytes"] = peak_rss_bytes()
-            row["peak_rss_scope"] = "configuration" if rss_reset else "process"
-            if self.batch:  # saved after the RSS reading, to a file: the copy must not count in any peak
-                self.states[(cfg, doc.name)] = {"path": self._save_state(session, cfg, doc), "next_pos": n,
-                                                "first": int(np.argmax(first)), "prompt_tokens": n}
+            self._decode_and_score(session, row, cfg, doc, first, rss_reset)
             row["status"] = "ok"
         except KvcliError as e:
             row["status"] = f"error: {e}"
+        except Exception as e:  # a bug below kvcli bench: reported on its row, the other rows still run
+            row["status"] = f"internal error: {type(e).__name__}: {e}"
         finally:
             session.close()
         return row
+
+    def _decode_and_score(self, session, row: dict, cfg: Config, doc: Doc, first, rss_reset: bool,
+                          peak_floor: int | None = None) -> None:
+        """Decode repeats, quality against the baseline, peak RSS, and (for --batch) the saved state."""
+        n = len(doc.tokens)
+        ref = self.refs.get(doc.name)
+        tok_s, logps = [], None
+        for r in range(self.repeat):
+            forced = None if ref is None else ref.tokens
+            toks, lp, dt = _decode(session, first, self.gen, forced)
+            tok_s.append(self.gen / dt)
+            if r == 0:
+                logps, gen_tokens = lp, toks
+            rollback(session, 0, self.gen)
+        if ref is None:  # this is the baseline: its greedy continuation is the reference
+            ref = self.refs[doc.name] = Reference(gen_tokens, logps)
+        d = spread(tok_s)
+        row.update({"decode_tok_s": d["median"], "decode_tok_s_min": d["min"], "decode_tok_s_max": d["max"],
+                    "decode_repeats": d["n"]})
+        agree = [int(np.argmax(lp)) == t for lp, t in zip(logps, ref.tokens)]
+        row["agreement"] = float(np.mean(agree))
+        row["kl_mean"] = float(np.mean([kl(a, b) for a, b in zip(ref.logp, logps)]))
+        peak = peak_rss_bytes()
+        row["peak_rss_bytes"] = max(peak, peak_floor) if (peak and peak_floor) else peak
+        row["peak_rss_scope"] = "configuration" if rss_reset else "process"
+        if self.batch:  # saved after the RSS reading, to a file: the copy must not count in any peak
+            self.states[(cfg, doc.name)] = {"path": self._save_state(session, cfg, doc), "next_pos": n,
+                                            "first": int(np.argmax(first)), "prompt_tokens": n}
+
+    def measure_shared(self, cfgs: list[Config], doc: Doc, n_ctx_train: int) -> list[dict]:
+        """Configurations of one cache type that observe the same way share one prefill, timed once:
+        budgets never change the prefill. Each then restores the prefilled state, plans, applies its
+        plan (timed as its compression), decodes and is scored exactly as in `measure`."""
+        from kvcli import policies  # noqa: PLC0415
+        from kvcli.compress import make_plan  # noqa: PLC0415
+        from kvcli.native import cache  # noqa: PLC0415
+        n = len(doc.tokens)
+        rows, groups = {}, {}
+        for cfg in cfgs:
+            row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
+                   "config": cfg.label, "prompt_tokens": n, "gen_tokens": self.gen}
+            rows[cfg] = row
+            why = availability(cfg.policy) or cache_type_problem(cfg.cache_type, self.model_path)
+            if why:
+                row["status"] = why
+                continue
+            prep = None
+            if cfg.policy != "full":
+                spec, params, _ = policies.prepare(cfg.policy, dict(self.policy_args.get(cfg.policy, {})), cfg.budget)
+                if spec.compresses(n, cfg.budget):
+                    kinds, w = spec.observe(params)
+                    prep = (spec, params, tuple(sorted(kinds)), w)
+                else:
+                    row["note"] = f"no compression: the prompt ({n} tokens) fits the budget ({cfg.budget})"
+            key = (cfg.cache_type, prep[2] if prep else None, prep[3] if prep else 0)
+            groups.setdefault(key, []).append((cfg, prep))
+        for (ct, kinds, w), members in groups.items():
+            self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds) or 'positions'}"
+                                                                   f"{f' (window {w})' if w else ''}" if kinds is not None else "")
+                     + f" for {', '.join(c.label for c, _ in members)}")
+            self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache)
+        return [rows[c] for c in cfgs]
+
+    def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache) -> None:
+        n = len(doc.tokens)
+        rss_reset = reset_peak_rss()
+        try:
+            session = self._session(ct, context_cells(n, self.gen, n_ctx_train))
+        except KvcliError as e:
+            for cfg, _ in members:
+                rows[cfg]["status"] = f"error: {e}"
+            return
+        state = None
+        try:
+            try:
+                t0 = time.perf_counter()
+                obs = session.prefill(doc.tokens, seq=0, observe=kinds or (), window=w)
+                prefill_s = time.perf_counter() - t0
+                if kinds is not None and obs is None:  # nothing armed: the positions are all a plan needs
+                    obs = cache.read_observation(session.ctx, 0, session.info, ())
+                first = session.logits(0)
+                prefill_peak = peak_rss_bytes()
+                if len(members) > 1:
+                    state = cache.get_state(session.ctx, 0)
+            except Exception as e:
+                for cfg, _ in members:
+                    rows[cfg]["status"] = f"error: {e}" if isinstance(e, KvcliError) else \
+                        f"internal error: {type(e).__name__}: {e}"
+                return
+            for i, (cfg, prep) in enumerate(members):
+                row = rows[cfg]
+                try:
+                    if i:
+                        restore(session, 0, state, n, n)
+                    rss_reset = reset_peak_rss()
+                    t1 = time.perf_counter()
+                    if prep is not None:
+                        spec, params, k, wi = prep
+                        sub = _sub_observation(obs, k, wi)
+                        session.apply_plan(make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
+                    compress_s = time.perf_counter() - t1
+                    st = session.stats(0)
+                    row.update({"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "prefill_shared_by": len(members),
+                                "compress_s": compress_s, "compress_share": compress_s / (prefill_s + compress_s),
+                                "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
+                                "kv_bytes_full": st["kv_bytes_full"], "per_layer_cells": st["per_layer_cells"]})
+                    self._decode_and_score(session, row, cfg, doc, first, rss_reset, peak_floor=prefill_peak)
+                    row["status"] = "ok"
+                except KvcliError as e:
+                    row["status"] = f"error: {e}"
+                except Exception as e:  # a bug below kvcli bench: reported on its row
+                    row["status"] = f"internal error: {type(e).__name__}: {e}"
+                self.log("  " + cfg.label + ": " + short_line(row))
+        finally:
+            session.close()
 
     def _save_state(self, session, cfg: Config, doc: Doc) -> Path:
         from kvcli.native import cache  # noqa: PLC0415
@@ -276,6 +373,7 @@ class Bench:
                     break
                 cells += restore(session, i, s["path"].read_bytes(), s["next_pos"], s["prompt_tokens"])
                 held.append((i, s["first"]))
+            out["ctx"] = session.n_ctx  # llama.cpp may round the requested size up
             out["docs_held"] = len(held)
             out["cells_held"] = cells
             out["kv_bytes_held"] = int(sum(session.stats(i)["kv_bytes"] for i, _ in held))
@@ -317,6 +415,9 @@ class Bench:
             self.ctx = self.ctx or context_cells(longest, self.gen, n_ctx_train)
         rows = []
         for doc in self.docs:
+            if self.share_prefill:
+                rows += self.measure_shared(cfgs, doc, n_ctx_train)
+                continue
             for cfg in cfgs:
                 self.log(f"{doc.name} ({len(doc.tokens)} tokens): {cfg.label}")
                 row = self.measure(cfg, doc, n_ctx_train)
@@ -341,9 +442,19 @@ class Bench:
         return {"kind": "bench", "model": self.model_path, "machine": where,
                 "settings": {"policies": self.policies, "budgets": self.budgets, "cache_types": self.cache_types,
                              "gen": self.gen, "repeat": self.repeat, "batch": self.batch, "ctx": self.ctx,
+                             "share_prefill": self.share_prefill,
                              "instruction": self.instruction, "policy_args": self.policy_args,
                              "docs": [{"name": d.name, "tokens": len(d.tokens)} for d in self.docs]},
                 "rows": rows, "batch": batch}
+
+
+def _sub_observation(obs, kinds, w):
+    """What a policy that asked for `kinds` with window `w` would have observed (the last w window rows
+    are the same queries over the same keys, whatever larger window was captured)."""
+    from dataclasses import replace  # noqa: PLC0415
+    return replace(obs, window=obs.window[:, :, obs.window.shape[2] - w:, :].copy() if "window" in kinds else None,
+                   colsum=obs.colsum if "colsum" in kinds else None,
+                   keys=obs.keys if "kv" in kinds else None, values=obs.values if "kv" in kinds else None)
 
 
 def _decode(session, first_logits: np.ndarray, gen: int, forced: list[int] | None):

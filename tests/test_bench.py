@@ -55,7 +55,7 @@ def result(tiny, docs, tmp_path_factory):
     r = CliRunner().invoke(cli, ["bench", "--docs", str(docs), "--model", str(tiny), "--policies",
                                  "full,streamingllm,snapkv,nosuchpolicy", "--budgets", "32,64,128",
                                  "--cache-type", "f16,q8_0", "--gen", "6", "--repeat", "2", "--batch", "4",
-                                 "--ctx", "640", "--policy-arg", "snapkv.window=8", "--json", "--quiet", "--csv", str(out / "b.csv"),
+                                 "--ctx", "512", "--policy-arg", "snapkv.window=8", "--json", "--quiet", "--csv", str(out / "b.csv"),
                                  "--plot", str(out / "b.png")])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout), out
@@ -111,10 +111,11 @@ def test_bench_reports_unavailable_policy(result):
 def test_bench_equal_memory_batch(result):
     batch = {b["config"]: b for b in result[0]["batch"]}
     full = batch["full/f16"]
-    assert full["docs_held"] == 1  # 640 cells: one uncompressed document (+ its generated tokens) fits
+    assert full["ctx"] == 512
+    assert full["docs_held"] == 1  # 512 cells: one uncompressed document (+ its generated tokens) fits
     snap = batch["snapkv@32/f16"]
     assert snap["docs_held"] == 4 and snap["aggregate_tok_s"] > 0
-    assert snap["cells_held"] <= 640 - 4 * 6
+    assert snap["cells_held"] == 4 * 32
 
 
 def test_bench_files(result):
@@ -145,3 +146,22 @@ def test_bench_missing_docs(cli_runner, tiny, tmp_path):
     assert r.exit_code == 2 and "not found" in r.output
     r = cli_runner.invoke(cli, ["bench", "--docs", str(tmp_path), "--model", str(tiny)])
     assert r.exit_code == 2 and "holds no document" in r.output
+
+
+def test_shared_prefill_measures_the_same_caches(result, tiny, docs, cli_runner):
+    """Each configuration prefilled on its own (prefill_and_compress) holds the very same cache as when
+    its prefill is shared: same cells and bytes, same agreement and KL."""
+    r = cli_runner.invoke(cli, ["bench", "--no-share-prefill", "--docs", str(docs / "doc1.txt"), "--model", str(tiny),
+                                "--policies", "full,snapkv", "--budgets", "64",
+                                "--policy-arg", "snapkv.window=8", "--gen", "6", "--repeat", "1",
+                                "--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.stdout)
+    assert alone["settings"]["share_prefill"] is False
+    shared = result[0]["rows"]
+    for x in alone["rows"]:
+        y = _row(shared, "doc1.txt", x["policy"], x["budget"], x["cache_type"])
+        assert x["status"] == y["status"] == "ok", (x["status"], y["status"])
+        assert (x["kv_cells"], x["kv_bytes"]) == (y["kv_cells"], y["kv_bytes"])
+        assert x["agreement"] == y["agreement"]
+        assert x["kl_mean"] == pytest.approx(y["kl_mean"], abs=1e-4)

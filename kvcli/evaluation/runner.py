@@ -61,6 +61,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     """
     from kvcli import policies  # noqa: PLC0415
     from kvcli.compress import make_plan  # noqa: PLC0415
+    from kvcli.bench import _sub_observation  # noqa: PLC0415
     from kvcli.evaluation.measure import restore  # noqa: PLC0415
     from kvcli.native import cache  # noqa: PLC0415
     n = len(tokens)
@@ -84,6 +85,8 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
         obs_error, obs = f"error: {e}", None
         session.clear()
         session.prefill(tokens, seq=0)
+    if obs is None and obs_error is None:  # nothing armed: positions only (e.g. streamingllm)
+        obs = cache.read_observation(session.ctx, 0, session.info, ())
     first = session.logits(0)
     state = cache.get_state(session.ctx, 0) if prepared else None
     dirty = False
@@ -111,14 +114,6 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             yield pol, bud, f"error: {e}", None, ""
             continue
         yield pol, bud, "ok", first, ""
-
-
-def _sub_observation(obs, kinds, w):
-    """What a policy that asked for `kinds` with window `w` would have observed."""
-    from dataclasses import replace  # noqa: PLC0415
-    return replace(obs, window=obs.window[:, :, obs.window.shape[2] - w:, :].copy() if "window" in kinds else None,
-                   colsum=obs.colsum if "colsum" in kinds else None,
-                   keys=obs.keys if "kv" in kinds else None, values=obs.values if "kv" in kinds else None)
 
 
 def _greedy(session, first_logits, max_tokens: int) -> str:
