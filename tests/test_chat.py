@@ -1,0 +1,238 @@
+"""kvcli chat: the REPL through a real pseudo-terminal, the piped mode, and the Conversation API."""
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import time
+
+import pytest
+
+from tests.conftest import EXAMPLES, KVCLI, ROOT
+
+DOC = (EXAMPLES / "station-log.txt").read_text(encoding="utf-8")[:1600]
+
+
+class Pty:
+    """A child process on a pseudo-terminal (stdin, stdout and stderr), driven like a person would."""
+
+    def __init__(self, argv, env, timeout=120):
+        self.timeout = timeout
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: the pty is its controlling terminal, so ^C sends it SIGINT
+            try:
+                os.chdir(ROOT)
+                os.execvpe(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd, self.buf, self.pos = pid, fd, b"", 0
+
+    def _read(self, deadline):
+        r, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            return False
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            data = b""
+        if not data:
+            raise EOFError(self.tail())
+        self.buf += data
+        return True
+
+    def expect(self, pattern: str, timeout=None) -> re.Match:
+        """Wait for `pattern` in the output that follows the last match."""
+        rx = re.compile(pattern.encode())
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            m = rx.search(self.buf, self.pos)
+            if m:
+                self.pos = m.end()
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {pattern!r}; output so far:\n{self.tail()}")
+            try:
+                self._read(deadline)
+            except EOFError:
+                raise AssertionError(f"the process ended before {pattern!r}; output:\n{self.tail()}") from None
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def tail(self, n=3000) -> str:
+        return self.buf[-n:].decode("utf-8", "replace")
+
+    def wait(self, timeout=60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:
+                self._read(min(deadline, time.monotonic() + 0.2))
+            except EOFError:
+                pass
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError(f"the process did not exit; output:\n{self.tail()}")
+
+    def close(self):
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(self.fd)
+
+
+@pytest.fixture()
+def chat_env(tmp_path):
+    env = dict(os.environ, TERM="dumb", XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "cfg"))
+    for k in ("KVCLI_POLICY", "KVCLI_BUDGET", "KVCLI_MODEL", "KVCLI_CONFIG", "KVCLI_HISTORY"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture()
+def doc(tmp_path):
+    p = tmp_path / "log.txt"
+    p.write_text(DOC, encoding="utf-8")
+    return p
+
+
+PROMPT = r"\n> "
+
+
+def test_repl_through_a_terminal(tmp_path, chat_env, doc):
+    """Two turns, /stats, /save, Ctrl-C during an answer (the chat goes on), /quit; then the saved
+    conversation reopens with --cache and Ctrl-D leaves."""
+    saved = tmp_path / "talk.kvc"
+    p = Pty([*KVCLI, "chat", "--doc", str(doc), "--policy", "snapkv", "--budget", "128", "-n", "40"], chat_env)
+    try:
+        p.expect(r"\[snapkv @ 128, question-agnostic\] \d+ tokens -> \d+ cells")
+        p.expect(PROMPT)
+        p.send("Who wrote this log?\r")
+        p.expect(r"\[\d+ tokens, [\d.]+ tok/s; \d+/\d+ cells in use\]")
+        p.expect(PROMPT)
+        p.send("What happened next?\r")
+        p.expect(r"\[\d+ tokens")
+        p.expect(PROMPT)
+        p.send("/stats\r")
+        p.expect(r"2 turn\(s\) since the document")
+        m = p.expect(r"\s+29\s+(\d+)\s+(\d+) (\d+) (\d+)\s+[\d,]+(?=\r?\n)")
+        assert 0 < int(m.group(1)) <= 128 + 200
+        p.expect(PROMPT)
+        p.send(f"/save {saved}\r")
+        p.expect(r"saved .*talk\.kvc \([\d.]+ MB, 2 turn\(s\)\)")
+        p.expect(PROMPT)
+        p.send("Copy the whole log, word for word, line by line.\r")
+        p.expect(r"word for word, line by line\.\r?\n.{3}", timeout=60)  # the answer has started streaming
+        p.send("\x03")
+        p.expect(r"\[interrupted: the partial answer stays in the conversation\]")
+        p.expect(PROMPT)
+        p.send("\x03")  # at the prompt: stays
+        p.expect(r"Ctrl-D or /quit leaves")
+        p.send("/nonsense\r")
+        p.expect(r"error: unknown command /nonsense")
+        p.expect(PROMPT)
+        p.send("/quit\r")
+        assert p.wait() == 0
+    finally:
+        p.close()
+    history = (tmp_path / "state" / "kvcli" / "chat_history").read_text()
+    assert "Who wrote this log?" in history and "/stats" in history
+
+    p = Pty([*KVCLI, "chat", "--cache", str(saved), "-n", "8"], chat_env)
+    try:
+        p.expect(r"\[snapkv @ 128, question-agnostic\].*loaded in [\d.]+s")
+        p.expect(PROMPT)
+        p.send("/stats\r")
+        p.expect(r"2 turn\(s\) since the document")
+        p.send("/reset\r")
+        p.expect(r"back to the compressed document")
+        p.send("/stats\r")
+        p.expect(r"0 turn\(s\) since the document")
+        p.expect(PROMPT)
+        p.send("\x04")  # Ctrl-D
+        assert p.wait() == 0
+    finally:
+        p.close()
+
+
+def test_piped_mode_scripts(run_kvcli, doc, chat_env):
+    q = "Who wrote this log?"
+    r = run_kvcli("chat", "--doc", doc, "--fresh", "-n", "10", input=f"{q}\n\n/stats\n{q}\n", env=chat_env)
+    assert r.returncode == 0, r.stderr
+    blocks = r.stdout.strip("\n").split("\n\n")
+    assert len(blocks) == 2 and blocks[0].strip() and blocks[0] == blocks[1]  # --fresh: same start, same answer
+    assert "layer" in r.stderr and "live cells" in r.stderr and "layer" not in r.stdout
+    assert "[full, question-agnostic]" in r.stderr
+    # the first message on the command line makes the compression question-aware and is answered first
+    r2 = run_kvcli("chat", "--doc", doc, q, "-n", "10", input="", env=chat_env)
+    assert r2.returncode == 0, r2.stderr
+    assert "[full, question-aware]" in r2.stderr
+    run = run_kvcli("run", "--doc", doc, q, "-n", "10", env=chat_env)
+    assert r2.stdout.strip() == run.stdout.strip()
+
+
+def test_chat_bad_input(run_kvcli, doc, chat_env):
+    def bad(*args, input=""):
+        r = run_kvcli(*args, input=input, env=chat_env)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvcli: error:"), r.stderr
+        return lines[0]
+
+    assert "needs a document" in bad("chat")
+    assert "as a file" in bad("chat", "--doc", "-")
+    assert "needs --budget" in bad("chat", "--doc", doc, "--policy", "snapkv")
+    assert "unknown policy 'nope'" in bad("chat", "--doc", doc, "--policy", "nope")
+    assert "not found" in bad("chat", "--cache", doc.with_suffix(".kvc"))
+    assert "not a kvcli .kvc file" in bad("chat", "--cache", doc)
+
+
+# ------------------------------------------------------------------------------ the Conversation API
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=16, n_ctx_train=384)
+
+
+def test_context_full_offers_reset_and_reset_restores(tiny):
+    from kvcli.chat import ContextFullError, Conversation
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny, n_ctx=0)
+    conv = Conversation(s, "alpha beta gamma delta. " * 20)
+    conv.compress()
+    n0, cells0 = conv.reset_mark
+    assert conv.tail == "user" and not conv.pending
+    first = conv.ask("Say something.", 12)
+    full = None
+    for _ in range(100):  # the tiny model's context is 384 positions: it fills up
+        try:
+            g = conv.ask("Say something long.", 200)
+        except ContextFullError as e:
+            full = str(e)
+            break
+        if g.stopped == "context_full":
+            full = conv._full_message()
+            break
+    assert full and "/reset" in full
+    conv.reset()
+    assert s.seq(0).next_pos == n0 and s.seq(0).cells == cells0 and not conv.turns
+    again = conv.ask("Say something.", 12)
+    assert again.tokens == first.tokens  # greedy, same cache after /reset: same answer
+    s.close()
+
+
+def test_turn_format_matches_the_template(tiny):
+    from kvcli.chat import TurnFormat
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny, n_ctx=0)
+    f = TurnFormat.probe(s, "Be brief.")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "D"},
+            {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q"}]
+    assert f.head + "D" + f.after_user + "A" + f.assistant_to_user + "Q" + f.after_user == \
+        s.apply_chat_template(msgs, add_assistant=True)
+    s.close()
