@@ -41,14 +41,17 @@ def explain_text(name: str) -> str:
     return get(name).explain()
 
 
-def prepare(name: str, policy_args=None, budget: int | None = None) -> tuple[PolicySpec, dict, str]:
+def prepare(name: str, policy_args=None, budget: int | None = None,
+            instruction: str | None = None) -> tuple[PolicySpec, dict, str]:
     """Validate a policy choice from the command line: (spec, typed params, C params string).
 
     `policy_args` is the list of --policy-arg "key=value" strings (or a dict). With `budget`, the
-    budget-dependent checks run too (e.g. budget must exceed the window).
+    budget-dependent checks run too (e.g. budget must exceed the window). `instruction` (the user's
+    question/instruction, without the document) resolves parameters that depend on it: windowkv's
+    task=auto runs kvcli's task classifier on it (kvcli/taskclass); without it task=auto is an error.
     """
     spec = get(name)
-    params = spec.validate(policy_args)
+    params = spec.validate(policy_args, instruction=instruction)
     if budget is not None:
         spec.check_budget(budget, params)
     return spec, params, spec.render(params)

@@ -148,6 +148,9 @@ class PolicySpec:
     native: bool = True                             # implemented in C++ (native/src/policies/)
     reference: bool = True                          # implemented in torch (kvcli/reference/policies/)
     resolve: Callable[[dict], dict] | None = None   # fills values that depend on other params
+    # fills values that depend on the instruction text (windowkv's task=auto), before `resolve`; gets
+    # (params, instruction or None) and must raise KvcliError when it needs an instruction that is None
+    resolve_instruction: Callable[[dict, str | None], dict] | None = None
     check: Callable[[dict, int], None] | None = None  # budget-dependent checks (budget, params)
 
     # -- parameters ---------------------------------------------------------------
@@ -160,12 +163,14 @@ class PolicySpec:
     def defaults(self) -> dict:
         return self.validate({})
 
-    def validate(self, args: dict | list | tuple | None = None) -> dict:
+    def validate(self, args: dict | list | tuple | None = None, instruction: str | None = None) -> dict:
         """Typed, complete parameters from user input.
 
         `args` is a dict {key: value} or a list of "key=value" strings (repeatable
         --policy-arg). Unknown keys, malformed items and out-of-range values raise KvcliError
-        with the list of valid keys.
+        with the list of valid keys. `instruction` is the user's instruction/question text, for
+        policies whose parameters depend on it (windowkv task=auto); the result never does
+        again, so validating it a second time needs no instruction.
         """
         given = parse_policy_args(args) if not isinstance(args, dict) else dict(args)
         known = {p.name: p for p in self.params}
@@ -174,6 +179,8 @@ class PolicySpec:
             valid = ", ".join(known) if known else "none (this policy takes no parameters)"
             raise KvcliError(f"policy '{self.name}' has no parameter '{unknown[0]}'; valid keys: {valid}")
         out = {p.name: p.parse(self.name, given[p.name]) if p.name in given else p.default for p in self.params}
+        if self.resolve_instruction is not None:
+            out = self.resolve_instruction(out, instruction)
         if self.resolve is not None:
             out = self.resolve(out)
         return out

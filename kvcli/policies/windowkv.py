@@ -53,13 +53,20 @@ def _check(p: dict, budget: int) -> None:
                          "observation window is kept inside the budget); lower it with --policy-arg window=N")
 
 
-class _TaskParam(Param):
-    def parse(self, policy, raw):
-        if str(raw).strip().lower() == "auto":
-            raise KvcliError("policy 'windowkv': task=auto (the paper's task classifier) is not implemented yet; "
-                             "pass --policy-arg task=localization (QA over a document) or task=aggregation "
-                             "(summaries, few-shot, code)")
-        return super().parse(policy, raw)
+def _resolve_instruction(p: dict, instruction: str | None) -> dict:
+    """task=auto -> the task kvcli's classifier (kvcli/taskclass) gives the instruction, before anything
+    that depends on the task (window, score) is resolved, so both engines get the same concrete task."""
+    if p["task"] != "auto":
+        return p
+    if instruction is None or not str(instruction).strip():
+        raise KvcliError("policy 'windowkv': task=auto classifies the instruction, but none reached the policy "
+                         "here (no question/instruction was given); pass --policy-arg task=localization (QA over "
+                         "a document) or task=aggregation (summaries, few-shot, code)")
+    from kvcli.taskclass import resolve_task  # noqa: PLC0415 - loads its weights only when auto is asked for
+
+    p = dict(p)
+    p["task"] = resolve_task(str(instruction), who="policy 'windowkv': task=auto").task
+    return p
 
 
 SPEC = PolicySpec(
@@ -71,10 +78,10 @@ SPEC = PolicySpec(
     paper=Paper("WindowKV: Task-Adaptive Group-Wise KV Cache Window Selection for Efficient LLM Inference",
                 venue="2025", code="github.com/optim996/WindowKV"),
     params=(
-        _TaskParam("task", "choice", "localization", "localization (QA: window score = mean) or aggregation "
-                   "(summary, few-shot, code: mean of the top_p scores); auto (the paper's classifier) is not "
-                   "implemented yet", paper_default="BERT classifier (weights unreleased)",
-                   choices=("localization", "aggregation")),
+        Param("task", "choice", "localization", "localization (QA: window score = mean) or aggregation "
+              "(summary, few-shot, counting, code: mean of the top_p scores); auto = kvcli's task classifier "
+              "on the instruction (docs/windowkv-task-classifier.md)",
+              paper_default="BERT classifier (weights unreleased)", choices=("localization", "aggregation", "auto")),
         Param("window", "int", 0, "observation window alpha; 0 = by task (16 localization, 32 aggregation)",
               paper_default="16 / 32 (LLaMA3-8B), 4 / 16 (Qwen2.5-1.5B)", min=0, max=4096),
         Param("review_window", "int", 16, "review window size omega (tokens per window)",
@@ -94,6 +101,7 @@ SPEC = PolicySpec(
     budget_note="budget - window is the review budget B fed to the authors' group schedule; each layer keeps "
                 "its group's review budget (whole windows, so up to review_window - 1 more or fewer) plus the "
                 "window; the schedule's integer floors make the average slightly above B",
+    resolve_instruction=_resolve_instruction,
     resolve=_resolve,
     check=_check,
     deviations=(
@@ -105,7 +113,10 @@ SPEC = PolicySpec(
         "a group whose budget is smaller than one window keeps only the observation window and its own layers "
         "use that (the code keeps reusing the previous group's indices: a bug)",
         "kept windows are stored in position order (the code stores them in score order: same attention)",
-        "task=auto (the paper's BERT classifier, weights never released) is not implemented yet",
+        "task=auto is kvcli's own classifier, not the paper's fine-tuned BERT (weights never released): a "
+        "logistic regression over word and character n-grams of the instruction alone (the BERT read the first "
+        "and last 256 tokens of the whole prompt), trained on instructions written for kvcli; held-out accuracy "
+        "and its limits in docs/windowkv-task-classifier.md. It refuses instructions it knows too little of",
         "scores summed in float64 over window queries, heads and tokens in a fixed order; ties go to the lower "
         "window",
     ),
