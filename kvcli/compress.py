@@ -22,11 +22,16 @@ class CompressReport:
     compress_s: float = 0.0      # planning + applying, after the prefill
     plan: Plan | None = None
     note: str = ""
+    params: dict | None = None   # the resolved policy parameters (e.g. the task windowkv's auto picked)
 
 
 def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | None, policy_args: dict,
-                         seq: int = 0, progress=None, planner: str | None = None) -> CompressReport:
-    """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head."""
+                         seq: int = 0, progress=None, planner: str | None = None,
+                         instruction: str | None = None) -> CompressReport:
+    """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head.
+
+    `instruction` is the user's question/instruction text: policies that adapt to the task
+    (windowkv task=auto) classify it before planning."""
     t0 = time.perf_counter()
     if policy == "full":  # no compression: nothing to observe or plan
         if policy_args:
@@ -38,7 +43,7 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
     policies.get(policy)  # an unknown name is the first thing to report
     if budget is None:
         raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
-    spec, params, _ = policies.prepare(policy, policy_args, budget)
+    spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
     if not spec.compresses(len(tokens), budget):
         session.prefill(tokens, seq=seq, progress=progress)
         return CompressReport(policy, budget, len(tokens), time.perf_counter() - t0,
@@ -49,7 +54,7 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
     t1 = time.perf_counter()
     plan = make_plan(spec, params, budget, obs, planner or session.engine)
     session.apply_plan(plan, seq=seq)
-    return CompressReport(policy, budget, len(tokens), prefill_s, time.perf_counter() - t1, plan)
+    return CompressReport(policy, budget, len(tokens), prefill_s, time.perf_counter() - t1, plan, params=params)
 
 
 def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:

@@ -75,7 +75,7 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     update, close = progress_bar(len(tokens), show_progress and len(tokens) > session.n_batch)
     try:
         report = compress.prefill_and_compress(session, tokens, policy, budget, policy_args or {}, seq=0,
-                                               progress=update)
+                                               progress=update, instruction=instruction)
     finally:
         close()
     gen: Generation = generate(session, max_tokens, sampler, seq=0, on_text=on_text)
@@ -86,6 +86,8 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None})
     if report.note:
         stats["note"] = report.note
+    if report.params and "task" in report.params:
+        stats["task"] = report.params["task"]  # what windowkv's task=auto picked
     return RunResult(answer=gen.text, model=str(session.model_path), policy=policy, budget=budget, stats=stats,
                      stopped=gen.stopped)
 

@@ -39,8 +39,9 @@ def test_explain_lists_every_parameter_and_deviation(name):
     assert "Keeps:" in text and "Budget:" in text
 
 
-def test_explain_windowkv_says_auto_is_missing():
-    assert "task=auto" in P.explain_text("windowkv") and "not implemented yet" in P.explain_text("windowkv")
+def test_explain_windowkv_describes_auto():
+    t = P.explain_text("windowkv")
+    assert "task=auto is kvcli's own classifier" in t and "windowkv-task-classifier.md" in t
 
 
 def test_defaults_and_render():
@@ -83,7 +84,7 @@ def test_observe():
     ("snapkv", ["pool=median"], r"parameter pool must be one of max, avg"),
     ("dynamickv", ["r_max=nan"], r"parameter r_max must be finite"),
     ("dynamickv", ["r_max=0.5"], r"parameter r_max must be >= 1"),
-    ("windowkv", ["task=auto"], r"task=auto .* is not implemented yet; pass --policy-arg task=localization"),
+    ("windowkv", ["task=auto"], r"task=auto classifies the instruction, but none reached the policy"),
     ("snapkv", ["window"], r"--policy-arg expects key=value \(got 'window'\)"),
     ("snapkv", ["=3"], r"--policy-arg expects key=value"),
     ("snapkv", ["window=3", "window=4"], r"--policy-arg window given twice"),
