@@ -42,16 +42,18 @@ def column_variance(colsum: torch.Tensor) -> torch.Tensor:
 
 def dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[E, d] x [C, d] float64 -> [E, C], each sum over d taken in index order from 0.0."""
+    at, bt = a.T.contiguous(), b.T.contiguous()          # one contiguous row per dimension
     acc = torch.zeros((a.shape[0], b.shape[0]), dtype=torch.float64)
     for d in range(a.shape[1]):
-        acc = acc + a[:, d, None] * b[None, :, d]
+        acc += torch.outer(at[d], bt[d])                 # float32 x float32 is exact in float64
     return acc
 
 
 def sq_norms(a: torch.Tensor) -> torch.Tensor:
+    at = a.T.contiguous()
     acc = torch.zeros(a.shape[0], dtype=torch.float64)
     for d in range(a.shape[1]):
-        acc = acc + a[:, d] * a[:, d]
+        acc += at[d] * at[d]
     return acc
 
 
