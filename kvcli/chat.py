@@ -86,6 +86,10 @@ def user_content(document: str, tail: str) -> str:
     return f"{document.strip()}\n\n{tail.strip()}"
 
 
+def _jsonable(params: dict | None) -> dict | None:
+    return None if params is None else {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
+
 # ---------------------------------------------------------------------------------- conversation
 @dataclass
 class Turn:
@@ -131,6 +135,7 @@ class Conversation:
     pending: bool = False                 # question-aware prefix whose question is not answered yet
     turns: list[Turn] = field(default_factory=list)
     report: object = None                 # CompressReport of the last compression
+    resolved_params: dict | None = None   # the policy parameters as resolved when a loaded file was compressed
     load_s: float | None = None          # reading + checking + restoring a .kvc file (not the model)
     model_s: float | None = None          # loading the model and allocating the context, for a .kvc file
 
@@ -189,8 +194,10 @@ class Conversation:
                              f"{self.session.n_ctx} cells")
         if self.seq in self.session.seqs:
             self.session.clear(self.seq)
+        # the question (aware) is the instruction task-adaptive policies classify; agnostic has none
         self.report = compress.prefill_and_compress(self.session, self.prefix_tokens, self.policy, self.budget,
-                                                    dict(self.policy_args), seq=self.seq, progress=progress)
+                                                    dict(self.policy_args), seq=self.seq, progress=progress,
+                                                    instruction=self.question)
         st = self._st()
         st.cells = self._measured_cells()
         self.reset_mark = (st.next_pos, st.cells)
@@ -225,7 +232,7 @@ class Conversation:
                 if self.budget is None:
                     raise KvcliError(f"policy '{self.policy}' needs a budget: /budget N first, or /policy "
                                      f"{self.policy} with --budget given")
-                policies.prepare(self.policy, self.policy_args, self.budget)
+                policies.prepare(self.policy, self.policy_args, self.budget, instruction=self.question)
         except KvcliError:
             self.policy, self.budget, self.policy_args = old
             raise
@@ -346,6 +353,7 @@ class Conversation:
                       "n_vocab": s.n_vocab},
             "cache_type": s.cache_type, "flash_attn": s.flash_attn,
             "policy": self.policy, "budget": self.budget, "policy_args": dict(self.policy_args),
+            "resolved_params": _jsonable(getattr(self.report, "params", None)) if self.report else self.resolved_params,
             "original_tokens": len(self.prefix_tokens), "mode": self.mode, "question": self.question,
             "system": self.system, "document": self.document,
             "generic_suffix": None if self.question else GENERIC_SUFFIX,
@@ -403,6 +411,7 @@ class Conversation:
         if st.cells != int(c["cells"]) or pos_max != st.next_pos - 1:
             raise KvcliError(f"{path}: the cache state did not load as saved ({st.cells} cells, last position "
                              f"{pos_max}; expected {c['cells']} cells, last position {st.next_pos - 1})")
+        conv.resolved_params = m.get("resolved_params")
         conv.reset_mark = (int(c["reset_pos"]), int(c["reset_cells"]))
         conv.prefix_logits = f.prefix_logits
         conv.tail, conv.pending = c["tail"], bool(c["pending"])

@@ -54,7 +54,7 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
             policies.get(policy)
             if budget is None:
                 raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
-            policies.prepare(policy, policy_args, budget)
+            policies.prepare(policy, policy_args, budget, instruction=question)
         session = NativeSession(resolve_model(model), n_ctx=0, cache_type=cache_type)
         conv = Conversation(session, document, policy=policy, budget=budget, policy_args=policy_args, system=system,
                             question=question)
