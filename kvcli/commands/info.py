@@ -22,6 +22,20 @@ def native_identity() -> dict:
     return ident
 
 
+def calibration_of(path) -> tuple[dict | None, str]:
+    """The model's calibration (kvcli.calibration.store.find: inside the model, side-car, user cache or
+    shipped) as JSON and as one line; a refused or corrupted one is shown with its reason, not hidden."""
+    from kvcli.calibration import store  # noqa: PLC0415
+    from kvcli.errors import KvcliError  # noqa: PLC0415
+    try:
+        cal = store.find(path)
+    except KvcliError as e:
+        return {"error": str(e)}, f"unusable: {e}"
+    if cal is None:
+        return None, "none (compresskv falls back to all-head scoring and uniform budgets)"
+    return cal.as_json(), cal.summary()
+
+
 @click.command("info")
 @click.argument("model", required=False)
 @json_option
@@ -30,8 +44,8 @@ def info_cmd(model, as_json):
     from kvcli.models import read_model_info, resolve_model  # noqa: PLC0415
     path = resolve_model(model)
     info = read_model_info(path).as_dict()
-    calib = {k: v for k, v in read_model_info(path).kv_metadata.items()}
-    out = {"model": info, "native": native_identity(), "calibration": calib or None}
+    calib, calib_text = calibration_of(path)
+    out = {"model": info, "native": native_identity(), "calibration": calib}
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))
         return
@@ -41,7 +55,7 @@ def info_cmd(model, as_json):
         ("layers", m["n_layer"]), ("heads", m["n_head"]), ("kv heads", m["n_head_kv"]),
         ("head dim", m["head_dim"]), ("embedding", m["n_embd"]), ("context length", m["n_ctx_train"]),
         ("vocabulary", m["n_vocab"]), ("quantisation", m["file_type"]), ("file size", f"{m['size_bytes'] / 1e6:.1f} MB"),
-        ("calibration", ", ".join(sorted(calib)) if calib else "none"),
+        ("calibration", calib_text),
         ("kvcli native", f"{n['version']} (state format {n['state_format']})"),
         ("llama.cpp commit", n["llama_commit"]), ("build flags", n["build_flags"]),
         ("patched library", f"{'yes' if n['patched'] else 'NO'} ({n['library']})"),

@@ -1,0 +1,144 @@
+"""The torch side of calibration: run the reference engine's model and look at its attention.
+
+The model is the reference engine's (kvcli.reference.model.load: the same GGUF, dequantised to
+float32). For speed the forward passes use PyTorch's fused attention (sdpa), and a forward hook on
+every attention module recomputes, for the few query rows calibration needs, the post-RoPE query
+and its softmax attention over the layer's cached post-RoPE keys: exactly the probabilities eager
+attention would give (scale 1/sqrt(head_dim), GQA map q -> q // group), without materialising the
+full prefill attention. The hook also has V and o_proj at hand for the layer error profile.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvcli.errors import KvcliError
+
+
+@dataclass
+class LM:
+    model: object
+    tokenizer: object
+    eog_ids: frozenset
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    def template(self, user: str) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def n_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def piece(self, token: int) -> str:
+        return self.tokenizer.decode([int(token)], skip_special_tokens=True)
+
+
+def load_lm(model_path) -> LM:
+    from kvcli.reference.model import load  # noqa: PLC0415
+    loaded = load(model_path)
+    cfg = loaded.model.config
+    if getattr(loaded.tokenizer, "chat_template", None) is None:
+        raise KvcliError(f"{model_path} has no chat template: calibration prompts need one")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return LM(loaded.model, loaded.tokenizer, loaded.eog_ids, int(cfg.num_hidden_layers),
+              int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(head_dim))
+
+
+@contextlib.contextmanager
+def sdpa(model):
+    """Run the shared (cached) reference model with fused attention for the duration; put back the
+    kvcli attention afterwards, since ReferenceSession objects share the same model object."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, object], None]
+
+
+class QueryHook:
+    """Forward hooks on each attention module. After the module ran (the cache now holds this
+    step's keys), `fn(layer, q, K, V, module)` gets the last `rows` post-RoPE queries
+    q [n_head, rows, d] and the layer's whole cache K, V [n_head_kv, n, d]."""
+
+    def __init__(self, lm: LM, fn: LayerFn):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: PLC0415
+        self.lm, self.fn, self.rows = lm, fn, 1
+        self._rope = apply_rotary_pos_emb
+        self._handles = []
+
+    def __enter__(self):
+        for layer in self.lm.model.model.layers:
+            self._handles.append(layer.self_attn.register_forward_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, module, args, kwargs, output):
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        cache = kwargs["past_key_values"]
+        r = min(self.rows, hs.shape[1])
+        d = self.lm.head_dim
+        q = module.q_proj(hs[:, -r:]).view(1, r, -1, d).transpose(1, 2)
+        q, _ = self._rope(q, q, cos[:, -r:], sin[:, -r:])
+        layer = cache.layers[module.layer_idx]
+        self.fn(module.layer_idx, q[0], layer.keys[0], layer.values[0], module)
+
+
+def attention_probs(lm: LM, q: torch.Tensor, K: torch.Tensor, scaling: float) -> torch.Tensor:
+    """softmax(q K^T * scaling) with a causal mask inside the last rows: q [n_head, r, d] are the
+    queries of the last r positions of the n keys K [n_head_kv, n, d] -> [n_head, r, n] float32."""
+    k = K.repeat_interleave(lm.group, dim=0)
+    logits = torch.matmul(q, k.transpose(1, 2)) * scaling
+    r, n = q.shape[1], k.shape[1]
+    if r > 1:
+        qpos = torch.arange(n - r, n)[:, None]
+        logits = logits.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
+    return torch.softmax(logits.float(), dim=-1)
+
+
+class Runner:
+    """One sequence at a time: prefill a prompt, then greedy-decode, with a QueryHook armed."""
+
+    def __init__(self, lm: LM, fn: LayerFn):
+        self.lm = lm
+        self.hook = QueryHook(lm, fn)
+        self.cache = None
+        self.n = 0
+
+    def start(self, tokens: list[int], rows: int = 1) -> int:
+        """Prefill `tokens` with the last `rows` queries hooked; returns the greedy next token."""
+        from transformers import DynamicCache  # noqa: PLC0415
+        self.cache = DynamicCache(config=self.lm.model.config)
+        self.n = 0
+        return self._forward(tokens, rows)
+
+    def step(self, token: int) -> int:
+        return self._forward([int(token)], 1)
+
+    def _forward(self, tokens: list[int], rows: int) -> int:
+        ids = torch.tensor([tokens], dtype=torch.int64)
+        pos = torch.arange(self.n, self.n + len(tokens), dtype=torch.int64)[None]
+        self.hook.rows = rows
+        with torch.no_grad(), self.hook:
+            out = self.lm.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=1)
+        self.n += len(tokens)
+        return int(torch.argmax(out.logits[0, -1]))
