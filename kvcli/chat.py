@@ -215,28 +215,39 @@ class Conversation:
 
     def recompress(self, policy: str | None = None, budget: int | None = None, policy_args: dict | None = None,
                    progress=None):
-        """Compress the original document again with another policy or budget (the history is dropped)."""
+        """Compress the original document again with another policy or budget (the conversation is
+        dropped). If that fails or is interrupted, the cache as it was is put back."""
         from kvcli import policies  # noqa: PLC0415
-        old = (self.policy, self.budget, self.policy_args)
-        new_policy = policy or self.policy
-        if new_policy != "full":
+        from kvcli.native import cache  # noqa: PLC0415
+        new_policy = (policy or self.policy).lower()
+        if new_policy == "full":
+            if budget is not None and policy is None:
+                raise KvcliError("policy full keeps every entry: choose a policy with /policy NAME N")
+            new_budget, new_args = None, {}
+        else:
             policies.get(new_policy)
-        self.policy = new_policy
-        self.budget = None if new_policy == "full" else (budget if budget is not None else self.budget)
-        if policy_args is not None:
-            self.policy_args = policy_args
-        elif policy is not None and policy != old[0]:
-            self.policy_args = {}
+            new_budget = budget if budget is not None else self.budget
+            if new_budget is None:
+                raise KvcliError(f"policy '{new_policy}' needs a budget: /policy {new_policy} N")
+            new_args = policy_args if policy_args is not None else (
+                self.policy_args if new_policy == self.policy else {})
+            policies.prepare(new_policy, new_args, new_budget, instruction=self.question)
+        # snapshot: the sequence's state bytes (a few MB) and everything that describes it
+        st = self._st()
+        snap = (cache.get_state(self.session.ctx, self.seq), st.next_pos, st.kept_positions, st.prompt_tokens,
+                dict(self.__dict__))
+        self.policy, self.budget, self.policy_args = new_policy, new_budget, dict(new_args)
         try:
-            if self.policy != "full":
-                if self.budget is None:
-                    raise KvcliError(f"policy '{self.policy}' needs a budget: /budget N first, or /policy "
-                                     f"{self.policy} with --budget given")
-                policies.prepare(self.policy, self.policy_args, self.budget, instruction=self.question)
-        except KvcliError:
-            self.policy, self.budget, self.policy_args = old
+            return self.compress(progress)
+        except BaseException:
+            state, next_pos, kept, prompt_tokens, fields = snap
+            self.__dict__.update(fields)
+            self.session.clear(self.seq)
+            cache.set_state(self.session.ctx, self.seq, state)
+            st = self._st()
+            st.next_pos, st.kept_positions, st.prompt_tokens = next_pos, kept, prompt_tokens
+            st.cells = self._measured_cells()
             raise
-        return self.compress(progress)
 
     def reset(self) -> None:
         """Back to the compressed document: every turn's cells are removed."""
@@ -424,13 +435,13 @@ class Conversation:
 
 # ---------------------------------------------------------------------------------- the REPL
 HELP = """commands:
-  /stats          cells, entries and bytes per layer, measured from the cache
-  /save FILE      write the compressed document and this conversation to FILE (.kvc)
-  /reset          forget the conversation, back to the compressed document
-  /policy P [k=v] recompress the original document with policy P (drops the conversation)
-  /budget N       recompress the original document with budget N (drops the conversation)
-  /help           this text
-  /quit           leave (Ctrl-D too); Ctrl-C interrupts an answer"""
+  /stats                   cells, entries and bytes per layer, measured from the cache
+  /save FILE               write the compressed document and this conversation to FILE (.kvc)
+  /reset                   forget the conversation, back to the compressed document
+  /policy P [N] [k=v ...]  recompress the original document with policy P, budget N (drops the conversation)
+  /budget N                recompress the original document with budget N (drops the conversation)
+  /help                    this text
+  /quit                    leave (Ctrl-D too); Ctrl-C interrupts an answer"""
 
 SLASH = ["/stats", "/save", "/reset", "/policy", "/budget", "/help", "/quit", "/exit"]
 
@@ -470,6 +481,16 @@ def _setup_readline():
         except OSError as e:
             print(f"kvcli: could not save the chat history to {path}: {e.strerror}", file=sys.stderr)
     return save
+
+
+def _positive(word: str, what: str) -> int:
+    try:
+        n = int(word)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise KvcliError(f"{what} expects a positive integer budget, got '{word}'")
+    return n
 
 
 class Repl:
@@ -540,17 +561,18 @@ class Repl:
             self.say("[back to the compressed document]")
         elif name in ("/policy", "/budget"):
             if not rest:
-                raise KvcliError(f"usage: {name} {'NAME [key=value ...]' if name == '/policy' else 'N'}")
+                raise KvcliError(f"usage: {name} {'NAME [N] [key=value ...]' if name == '/policy' else 'N'}")
+            words = rest.split()
             if name == "/policy":
-                words = rest.split()
-                kw = {"policy": words[0].lower(), "policy_args": parse_policy_args(words[1:]) if words[1:] else None}
+                kw = {"policy": words[0]}
+                words = words[1:]
+                if words and "=" not in words[0]:
+                    kw["budget"] = _positive(words.pop(0), "/policy NAME N")
+                kw["policy_args"] = parse_policy_args(words) if words else None
             else:
-                try:
-                    kw = {"budget": int(rest)}
-                except ValueError:
-                    raise KvcliError(f"/budget expects a positive integer, got '{rest}'") from None
-                if kw["budget"] <= 0:
-                    raise KvcliError(f"/budget expects a positive integer, got '{rest}'")
+                if len(words) != 1:
+                    raise KvcliError("usage: /budget N")
+                kw = {"budget": _positive(words[0], "/budget")}
             update, close = self.progress_factory(len(self.conv.prefix_tokens)) if self.progress_factory \
                 else (None, lambda: None)
             try:

@@ -236,3 +236,45 @@ def test_turn_format_matches_the_template(tiny):
     assert f.head + "D" + f.after_user + "A" + f.assistant_to_user + "Q" + f.after_user == \
         s.apply_chat_template(msgs, add_assistant=True)
     s.close()
+
+
+def test_recompress_commands_and_failed_recompress_restores(tiny, monkeypatch):
+    import io
+
+    from kvcli import compress
+    from kvcli.chat import Conversation, Repl
+    from kvcli.errors import KvcliError
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny, n_ctx=0)
+    conv = Conversation(s, "alpha beta gamma delta. " * 30)
+    conv.compress()
+    n_full = conv.stats()["kv_cells"]
+    out, err = io.StringIO(), io.StringIO()
+    repl = Repl(conv, max_tokens=6, interactive=False, out=out, err=err)
+    with pytest.raises(KvcliError, match="policy full keeps every entry"):
+        repl.handle("/budget 64")
+    repl.handle("/policy snapkv 64")
+    assert conv.policy == "snapkv" and conv.budget == 64 and conv.stats()["kv_cells"] <= 64 < n_full
+    assert "[snapkv @ 64, question-agnostic]" in err.getvalue()
+    repl.handle("/budget 48")
+    assert conv.budget == 48 and conv.stats()["kv_cells"] <= 48
+    with pytest.raises(KvcliError, match="unknown policy"):
+        repl.handle("/policy nope 64")
+    repl.handle("Say hi.")
+    answer, cells = conv.turns[-1].answer, conv.stats()["kv_cells"]
+
+    real = compress.prefill_and_compress
+
+    def interrupted(*a, **k):  # Ctrl-C right after the new prefill: the old cache must come back
+        real(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compress, "prefill_and_compress", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        repl.handle("/policy snapkv 40")
+    monkeypatch.setattr(compress, "prefill_and_compress", real)
+    assert (conv.policy, conv.budget, len(conv.turns)) == ("snapkv", 48, 1)
+    assert conv.stats()["kv_cells"] == cells
+    conv.reset()
+    assert conv.ask("Say hi.", 6).text == answer
+    s.close()
