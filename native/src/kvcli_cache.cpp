@@ -515,7 +515,11 @@ void kvcli_state_read_prefix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
         g_pending_headers.emplace_back(seq_id == -1 ? s : seq_id, h);
     }
     if (n > 0) {
-        kvcli_require_supported(kv);
+        try {
+            kvcli_require_supported(kv);
+        } catch (const std::exception & e) {
+            state_fail(std::string("cannot load a compressed state here: ") + e.what());
+        }
     }
 }
 
@@ -591,7 +595,8 @@ void kvcli_state_read_suffix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
             ext.seqs[s].compressed = true;
             ext.seqs[s].header     = h;
         }
-    } catch (...) {
+    } catch (const std::exception & e) {
+        kvcli_set_error(e.what());
         kv->state_clear(seq_id);
         if (kv->kvcli_ext && seq_id != -1) {
             kv->kvcli_ext->seqs[seq_id] = kvcli_seq_info{};
