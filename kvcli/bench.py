@@ -282,11 +282,11 @@ class Bench:
                     prep = (spec, params, tuple(sorted(kinds)), w)
                 else:
                     row["note"] = f"no compression: the prompt ({n} tokens) fits the budget ({cfg.budget})"
-            key = (cfg.cache_type, prep[2] if prep else None, prep[3] if prep else 0)
+            key = (cfg.cache_type, prep[2] if prep else (), prep[3] if prep else 0)  # no observation: full's prefill
             groups.setdefault(key, []).append((cfg, prep))
         for (ct, kinds, w), members in groups.items():
-            self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds) or 'positions'}"
-                                                                   f"{f' (window {w})' if w else ''}" if kinds is not None else "")
+            self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds)}"
+                                                                   f"{f' (window {w})' if w else ''}" if kinds else "")
                      + f" for {', '.join(c.label for c, _ in members)}")
             self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache)
         return [rows[c] for c in cfgs]
@@ -304,9 +304,9 @@ class Bench:
         try:
             try:
                 t0 = time.perf_counter()
-                obs = session.prefill(doc.tokens, seq=0, observe=kinds or (), window=w)
+                obs = session.prefill(doc.tokens, seq=0, observe=kinds, window=w)
                 prefill_s = time.perf_counter() - t0
-                if kinds is not None and obs is None:  # nothing armed: the positions are all a plan needs
+                if obs is None and any(p for _, p in members):  # nothing armed: positions are all a plan needs
                     obs = cache.read_observation(session.ctx, 0, session.info, ())
                 first = session.logits(0)
                 prefill_peak = peak_rss_bytes()
@@ -407,7 +407,7 @@ class Bench:
                 self._state_dir = None
 
     def _run(self) -> dict:
-        where = machine()  # before measuring: it records the load the run started under
+        where = machine(self.threads)  # before measuring: it records the load the run started under
         n_ctx_train = self._tokenize()
         cfgs = configs(self.policies, self.budgets, self.cache_types)
         if self.batch:

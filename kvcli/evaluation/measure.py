@@ -43,8 +43,8 @@ def peak_rss_bytes() -> int | None:
         return None
 
 
-def machine() -> dict:
-    """Where the numbers come from: CPU model, cores, OS, Python, library build."""
+def machine(threads: int | None = None) -> dict:
+    """Where the numbers come from: CPU model, cores, threads used, OS, Python, library build."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -62,7 +62,7 @@ def machine() -> dict:
         pass
     out = {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "os": platform.platform(),
            "python": platform.python_version(),
-           "threads": int(os.environ.get("KVCLI_THREADS", 0)) or os.cpu_count()}
+           "threads": threads or int(os.environ.get("KVCLI_THREADS", 0)) or os.cpu_count()}
     try:
         from kvcli.native import build_info  # noqa: PLC0415
         info = build_info()

@@ -153,7 +153,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     for L in lengths:
         if L + 64 > n_ctx_train:
             raise KvcliError(f"length {L} does not fit the model's context ({n_ctx_train} tokens)")
-    records, t_start, where = [], time.perf_counter(), machine()
+    records, t_start, where = [], time.perf_counter(), machine(threads)
     try:
         for L in lengths:
             plan = []
@@ -254,7 +254,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
         n_ctx_train = tok.n_ctx_train
     finally:
         tok.close()
-    records, t_start, where = [], time.perf_counter(), machine()
+    records, t_start, where = [], time.perf_counter(), machine(threads)
     for L in lengths:
         if L + cont > n_ctx_train:
             raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})")
