@@ -210,7 +210,8 @@ def policy_args(model_path, args: dict | None, warn=None) -> dict:
     runs its documented fallback (every head scores, uniform budgets) and a warning says so.
     """
     warn = warn or (lambda msg: print(f"kvcli: warning: {msg}", file=sys.stderr, flush=True))
-    out = dict(args or {})
+    from kvcli.policies.base import parse_policy_args  # noqa: PLC0415
+    out = dict(args) if isinstance(args, dict) else parse_policy_args(args)
     if "srh" in out or "layer_scores" in out:
         return out
     cal = store.find(Path(model_path))
