@@ -106,7 +106,7 @@ std::vector<uint32_t> kvcli_seq_cells(const llama_kv_cache & kv, llama_seq_id se
     return res;
 }
 
-namespace kvcli_cache_detail {
+namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
 struct shapes {
     uint32_t n_layer_model; // hparams.n_layer
@@ -338,7 +338,7 @@ uint64_t model_fingerprint(const llama_kv_cache & kv) {
 constexpr uint32_t STATE_MAGIC  = 0x4c43564b; // "KVCL"
 constexpr uint32_t SUFFIX_MAGIC = 0x4243564b; // "KVCB"
 
-} // namespace kvcli_cache_detail
+} } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
 
 // ---------------------------------------------------------------------------------
@@ -469,7 +469,7 @@ void kvcli_state_write_suffix(const llama_kv_cache * kv, llama_io_write_i & io, 
     }
 }
 
-namespace kvcli_cache_detail {
+namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 // headers read by the prefix, applied once the cells are in place
 thread_local std::vector<std::pair<llama_seq_id, kvcli_state_header>> g_pending_headers;
 
@@ -477,7 +477,7 @@ thread_local std::vector<std::pair<llama_seq_id, kvcli_state_header>> g_pending_
     kvcli_set_error(msg);
     throw std::runtime_error(msg);
 }
-} // namespace kvcli_cache_detail
+} } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
 
 void kvcli_state_read_prefix(llama_kv_cache * kv, llama_io_read_i & io, llama_seq_id seq_id) {
@@ -609,7 +609,7 @@ void kvcli_state_read_suffix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
 // compaction
 // ---------------------------------------------------------------------------------
 
-namespace kvcli_cache_detail {
+namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
 void validate_plan(const kvcli_plan_view * p, const shapes & sh, uint32_t n_slots) {
     if (!p) {
@@ -679,7 +679,7 @@ void validate_plan(const kvcli_plan_view * p, const shapes & sh, uint32_t n_slot
     }
 }
 
-} // namespace kvcli_cache_detail
+} } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
 
 static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const kvcli_plan_view * plan) {

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
-namespace kvcli_graph_detail {
+namespace kvcli_graph_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
 // the row selections of one layer's observation nodes, filled for each ubatch
 class obs_input : public llm_graph_input_i {
@@ -61,7 +61,7 @@ ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64
     return b;
 }
 
-} // namespace kvcli_graph_detail
+} } // namespace kvcli_graph_detail
 using namespace kvcli_graph_detail;
 
 uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
@@ -239,7 +239,7 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
 // C API: observation
 // ---------------------------------------------------------------------------------
 
-namespace kvcli_graph_detail {
+namespace kvcli_graph_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
 template <typename F>
 int32_t guarded_obs(F && f) {
@@ -274,7 +274,7 @@ int32_t n_window_rows(const kvcli_kv_ext & ext) {
     return n;
 }
 
-} // namespace kvcli_graph_detail
+} } // namespace kvcli_graph_detail
 using namespace kvcli_graph_detail;
 
 extern "C" {
