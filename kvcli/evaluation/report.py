@@ -125,7 +125,7 @@ def plot_niah(result: dict, path: str) -> None:
     depths = sorted({c["depth"] for c in cells})
     ncol = min(4, len(keys))
     nrow = -(-len(keys) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 2.9 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 2.9 * nrow), squeeze=False, constrained_layout=True)
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
     im = None
@@ -143,6 +143,10 @@ def plot_niah(result: dict, path: str) -> None:
         for (i, j), v in np.ndenumerate(grid):
             if not np.isnan(v):
                 ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
+        if np.isnan(grid).all():  # say why the panel is empty
+            why = next((c.get("status", "") for c in cells if (c["policy"], c["budget"]) == (pol, bud)), "")
+            ax.text(0.5, 0.5, "\n".join(why[i:i + 28] for i in range(0, min(len(why), 84), 28)),
+                    transform=ax.transAxes, ha="center", va="center", fontsize=6)
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label="score (%)")
     fig.suptitle(f"needle in a haystack: {Path(result['model']).name}")
