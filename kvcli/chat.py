@@ -398,8 +398,9 @@ class Conversation:
         t1 = time.perf_counter()
         if model is None and recorded.is_file():
             model_path = resolve_model(recorded)
-        else:
-            model_path = resolve_model(model)  # --model, else KVCLI_MODEL / config, else the default
+        else:  # --model, else KVCLI_MODEL / the config file, else the default
+            from kvcli import config  # noqa: PLC0415
+            model_path = resolve_model(model or config.get("model"))
         kvc.check_model(f, model_path)
         session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
                                 n_threads=n_threads)
@@ -497,9 +498,10 @@ class Repl:
     """Drives a Conversation from a terminal (readline) or from piped lines (one question per line)."""
 
     def __init__(self, conv: Conversation, *, max_tokens: int, sampler=None, interactive: bool, quiet: bool = False,
-                 fresh: bool = False, progress_factory=None, out=None, err=None):
+                 fresh: bool = False, jsonl: bool = False, progress_factory=None, out=None, err=None):
         self.conv, self.max_tokens, self.sampler = conv, max_tokens, sampler
         self.interactive, self.quiet, self.fresh = interactive, quiet, fresh
+        self.jsonl = jsonl and not interactive  # one JSON object per answer and line (answers may hold blank lines)
         self.progress_factory = progress_factory
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.n_answers = 0
@@ -515,11 +517,20 @@ class Repl:
     def answer(self, question: str) -> None:
         if self.fresh and self.conv.turns:
             self.conv.reset()
-        if not self.interactive and self.n_answers:
+        if not self.interactive and self.n_answers and not self.jsonl:
             self._write("\n")  # a blank line between answer blocks
-        gen = self.conv.ask(question, self.max_tokens, self.sampler, on_text=self._write)
+        pos0 = self.conv.session.seq(self.conv.seq).next_pos
+        gen = self.conv.ask(question, self.max_tokens, self.sampler, on_text=None if self.jsonl else self._write)
         self.n_answers += 1
-        self._write("\n")
+        if self.jsonl:
+            import json  # noqa: PLC0415
+            self._write(json.dumps({"question": question, "answer": gen.text, "stopped": gen.stopped,
+                                    "prompt_tokens": pos0 + self.conv.turns[-1].tokens_in,
+                                    "generated_tokens": len(gen.tokens), "kv_cells": self.conv._st().cells,
+                                    "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None},
+                                   ensure_ascii=False) + "\n")
+        else:
+            self._write("\n")
         if gen.stopped == "interrupted":
             self.say("[interrupted: the partial answer stays in the conversation]")
             if not self.interactive:

@@ -278,3 +278,18 @@ def test_recompress_commands_and_failed_recompress_restores(tiny, monkeypatch):
     conv.reset()
     assert conv.ask("Say hi.", 6).text == answer
     s.close()
+
+
+def test_piped_json_lines(run_kvcli, tiny, tmp_path, chat_env):
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    cfg = tmp_path / "cfg" / "kvcli" / "config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text(f'model = "{tiny}"\nmax_tokens = 5\n')  # chat reads its defaults from the config file too
+    r = run_kvcli("chat", "--doc", doc, "--json", input="First?\nSecond?\n", env=chat_env)
+    assert r.returncode == 0, r.stderr
+    import json
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["question"] for x in rows] == ["First?", "Second?"]
+    assert all(x["generated_tokens"] <= 5 and x["stopped"] in ("eog", "length") for x in rows)
+    assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"]  # the conversation is kept

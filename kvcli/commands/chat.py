@@ -55,7 +55,7 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
             if budget is None:
                 raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
             policies.prepare(policy, policy_args, budget, instruction=question)
-        session = NativeSession(resolve_model(model), n_ctx=0, cache_type=cache_type)
+        session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=cache_type)
         conv = Conversation(session, document, policy=policy, budget=budget, policy_args=policy_args, system=system,
                             question=question)
         update, close = progress_factory(show_progress)(len(conv.prefix_tokens))
@@ -92,9 +92,10 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
 @click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
               "(/reset before each one) instead of keeping the conversation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="With stdin piped: one JSON object per answer, one per line.")
 @click.pass_context
 def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args, question_opt, system, max_tokens,
-             temperature, seed, cache_type, fresh, quiet):
+             temperature, seed, cache_type, fresh, quiet, as_json):
     """Chat about a document whose KV cache is compressed once by --policy.
 
     On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
@@ -123,6 +124,8 @@ def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args
     policy = (policy or "full").lower()
     args = parse_policy_args(list(policy_args))
     interactive = sys.stdin.isatty()
+    if as_json and interactive:
+        raise KvcliError("--json is for piped use (stdin not a terminal): one JSON object per answer")
     conv = open_conversation(docs=docs, cache_path=cache_path, model=model, policy=policy,
                              budget=None if policy == "full" else budget, policy_args=args, system=system,
                              question=question, cache_type=cache_type,
@@ -130,7 +133,7 @@ def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args
     if cache_path and conv.pending and not question and not quiet:
         click.echo(f"[compressed for the question: {conv.question}]", err=True)
     repl = Repl(conv, max_tokens=max_tokens, sampler=Sampler(temperature=temperature, seed=seed),
-                interactive=interactive, quiet=quiet, fresh=fresh,
+                interactive=interactive, quiet=quiet, fresh=fresh, jsonl=as_json,
                 progress_factory=progress_factory(not quiet and sys.stderr.isatty(), "recompress"))
     repl.run(first=question)
 
