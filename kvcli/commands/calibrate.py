@@ -123,7 +123,7 @@ def heatmap(cal, png: str) -> None:
     ax.set_yticks(range(0, cal.n_layer, max(1, cal.n_layer // 15)))
     ax.set_title(f"{cal.model_name}: semantic retrieval score\n(* = top {k} per layer, {cal.probes_ok}/"
                  f"{cal.probes} probes)", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.08, label="attention on the answer span")
+    fig.colorbar(im, ax=ax, fraction=0.08, label="span attention, summed over answer steps")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
