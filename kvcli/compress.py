@@ -43,6 +43,9 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
     policies.get(policy)  # an unknown name is the first thing to report
     if budget is None:
         raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
+    if policy == "compresskv":  # its offline calibration is found for the model, or a warning says why not
+        from kvcli.calibration.compresskv import policy_args as calibrated_args  # noqa: PLC0415
+        policy_args = calibrated_args(session.model_path, policy_args)
     spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
     if not spec.compresses(len(tokens), budget):
         session.prefill(tokens, seq=seq, progress=progress)

@@ -92,52 +92,134 @@ def check_gguf(path: Path) -> None:
 _INFO_CACHE: dict[tuple, ModelInfo] = {}
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+class _Header:
+    """A GGUF header read directly (the gguf package's reader materialises every vocabulary entry,
+    which costs seconds per call on a 49k-token vocabulary). Keeps scalars, the kvcli.* keys in full,
+    array lengths for everything else, and the tensor table for the truncation check."""
+
+    def __init__(self, path: Path):
+        import struct  # noqa: PLC0415
+        self._struct = struct
+        self.values: dict = {}
+        self.array_len: dict = {}
+        self.tensors: list = []
+        with open(path, "rb") as f:
+            self.f = f
+            if f.read(4) != GGUF_MAGIC:
+                raise ValueError("bad magic")
+            self.version = self._u("<I")
+            if self.version not in (2, 3):
+                raise ValueError(f"GGUF version {self.version} is not supported")
+            n_tensors, n_kv = self._u("<Q"), self._u("<Q")
+            if n_tensors > 1 << 20 or n_kv > 1 << 20:
+                raise ValueError("implausible tensor or key count")
+            for _ in range(n_kv):
+                key = self._str()
+                self.values[key] = self._value(self._u("<I"), key)
+            for _ in range(n_tensors):
+                name = self._str()
+                dims = [self._u("<Q") for _ in range(self._u("<I"))]
+                self.tensors.append((name, dims, self._u("<I"), self._u("<Q")))
+            align = int(self.values.get("general.alignment", 32) or 32)
+            self.data_start = -(-f.tell() // align) * align
+
+    def _u(self, fmt):
+        size = self._struct.calcsize(fmt)
+        b = self.f.read(size)
+        if len(b) != size:
+            raise ValueError("the header ends early")
+        return self._struct.unpack(fmt, b)[0]
+
+    def _str(self, skip: bool = False):
+        n = self._u("<Q")
+        if n > 1 << 24:
+            raise ValueError("implausible string length")
+        if skip:
+            self.f.seek(n, 1)
+            return None
+        b = self.f.read(n)
+        if len(b) != n:
+            raise ValueError("the header ends early")
+        return b.decode("utf-8", "replace")
+
+    def _value(self, vtype: int, key: str):
+        if vtype in _SCALARS:
+            return self._u(_SCALARS[vtype])
+        if vtype == 8:
+            return self._str()
+        if vtype != 9:
+            raise ValueError(f"unknown value type {vtype} for {key}")
+        etype, count = self._u("<I"), self._u("<Q")
+        self.array_len[key] = count
+        keep = key.startswith("kvcli.")
+        if etype in _NP:
+            import numpy as np  # noqa: PLC0415
+            size = np.dtype(_NP[etype]).itemsize * count
+            if not keep:
+                self.f.seek(size, 1)
+                return None
+            arr = np.frombuffer(self.f.read(size), dtype=_NP[etype])
+            if arr.size != count:
+                raise ValueError("the header ends early")
+            return arr.tolist()
+        if etype == 8:
+            out = [self._str(skip=not keep) for _ in range(count)]
+            return out if keep else None
+        if etype == 9:
+            raise ValueError(f"nested arrays are not supported ({key})")
+        raise ValueError(f"unknown array type {etype} for {key}")
+
+
 def read_model_info(path: Path) -> ModelInfo:
-    """Read the shapes from the GGUF header with the gguf package (no llama.cpp involved)."""
+    """Read the shapes from the GGUF header (no llama.cpp involved)."""
     path = Path(path)
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key in _INFO_CACHE:
         return _INFO_CACHE[key]
-    import gguf  # noqa: PLC0415 (slow import, only when needed)
+    import gguf  # noqa: PLC0415 (type tables only)
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # the gguf reader raises many kinds of errors for a damaged file
-        raise KvcliError(f"cannot parse GGUF {path.name} (truncated or corrupted?): {str(e).splitlines()[0][:200]}") \
-            from None
+        hdr = _Header(path)
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise KvcliError(f"cannot parse GGUF {path.name} (truncated or corrupted?): {e}") from None
     # a truncated file can still parse its header: every tensor must lie inside the file
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > st.st_size:
-            raise KvcliError(f"GGUF {path.name} is truncated: tensor {t.name} ends past the end of the file")
+    for name, dims, ttype, offset in hdr.tensors:
+        try:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            raise KvcliError(f"GGUF {path.name}: tensor {name} has an unknown type {ttype}") from None
+        n = 1
+        for d in dims:
+            n *= d
+        if hdr.data_start + offset + n // block * size > st.st_size:
+            raise KvcliError(f"GGUF {path.name} is truncated: tensor {name} ends past the end of the file")
 
     def val(name, default=None):
-        field = reader.get_field(name)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception:
-            return default
+        v = hdr.values.get(name)
+        return default if v is None else v
 
-    arch = val("general.architecture", "unknown")
+    arch = str(val("general.architecture", "unknown"))
     a = arch
     n_head = int(val(f"{a}.attention.head_count", 0) or 0)
     n_embd = int(val(f"{a}.embedding_length", 0) or 0)
     head_dim = int(val(f"{a}.attention.key_length", 0) or (n_embd // n_head if n_head else 0))
-    tokens = reader.get_field("tokenizer.ggml.tokens")
     ftype = val("general.file_type")
     try:
         ftype_name = gguf.LlamaFileType(int(ftype)).name.replace("MOSTLY_", "") if ftype is not None else "unknown"
     except ValueError:
         ftype_name = str(ftype)
     info = ModelInfo(
-        path=path, architecture=str(arch), name=str(val("general.name", path.stem)),
+        path=path, architecture=arch, name=str(val("general.name", path.stem)),
         n_layer=int(val(f"{a}.block_count", 0) or 0), n_head=n_head,
         n_head_kv=int(val(f"{a}.attention.head_count_kv", n_head) or n_head), n_embd=n_embd, head_dim=head_dim,
         n_ctx_train=int(val(f"{a}.context_length", 0) or 0),
-        n_vocab=len(tokens.data) if tokens is not None else 0,
+        n_vocab=int(hdr.array_len.get("tokenizer.ggml.tokens", 0)),
         rope_theta=float(val(f"{a}.rope.freq_base", 10000.0)), file_type=ftype_name, size_bytes=st.st_size,
-        kv_metadata={k: val(k) for k in reader.fields if k.startswith("kvcli.")},
+        kv_metadata={k: v for k, v in hdr.values.items() if k.startswith("kvcli.")},
     )
     _INFO_CACHE[key] = info
     return info

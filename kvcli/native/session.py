@@ -30,7 +30,8 @@ class ContextFull(KvcliError):
 class SeqState:
     next_pos: int = 0           # position the next token of this sequence gets
     cells: int = 0              # cells the sequence occupies (fewer than next_pos once compressed)
-    logits_index: int = -1      # row of llama_get_logits_ith holding this sequence's last logits
+    logits_index: int = -1      # batch row of this sequence's last logits; -1: none valid
+    last_logits: np.ndarray | None = None  # copied right after the decode: llama.cpp's buffer is per batch
     prompt_tokens: int = 0
     kept_positions: list | None = None   # per (layer, kv head) original positions, once compressed
     timings: dict = field(default_factory=dict)
@@ -205,6 +206,13 @@ class NativeSession:
             raise ContextFull(f"the context is full ({self.n_ctx} cells)")
         if rc != 0:
             raise KvcliError(f"llama_decode failed with code {rc}")
+        # llama.cpp's logits buffer only describes the last batch: copy each sequence's row now, so a
+        # later decode of another sequence cannot leave this one pointing at a stale or NULL row
+        for s_id, row in rows.items():
+            ptr = self.L.llama_get_logits_ith(self.ctx, row)
+            if not ptr:
+                raise KvcliError(f"llama.cpp returned no logits for sequence {s_id}")
+            self.seq(s_id).last_logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         return rows
 
     def prefill(self, tokens: list[int], seq: int = 0, observe=(), window: int = 0, progress=None):
@@ -259,10 +267,9 @@ class NativeSession:
 
     def logits(self, seq: int = 0) -> np.ndarray:
         st = self.seq(seq)
-        if st.logits_index < 0:
+        if st.logits_index < 0 or st.last_logits is None:
             raise KvcliError("no logits yet: decode something first")
-        ptr = self.L.llama_get_logits_ith(self.ctx, st.logits_index)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return st.last_logits.copy()
 
     def clear(self, seq: int | None = None) -> None:
         """Forget one sequence (or all) and free its cells."""
