@@ -161,3 +161,20 @@ def test_text_side_matches_llama_cpp_conventions(ref):
     assert ref.is_eog(2)  # <|im_end|>, the GGUF's eos
     assert ref.token_bytes(1) == b""  # control tokens render as nothing, as llama.cpp's special=false
     assert ref.detokenize(ref.tokenize("café ünïcode ✓")) == "café ünïcode ✓"
+
+
+def test_kvcli_run_with_the_reference_engine(tiny_gguf, tmp_path, cli_runner):
+    """`kvcli run --engine reference` compresses with the torch planner and reports the cache it holds."""
+    import json
+
+    from kvcli.cli import cli
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The keeper of the lighthouse wrote down every ship. " * 12)
+    r = cli_runner.invoke(cli, ["run", "--engine", "reference", "--model", str(tiny_gguf), "--doc", str(doc),
+                                "--policy", "snapkv", "--budget", "48", "-n", "4", "--json", "Summarise."])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    s = out["stats"]
+    assert out["policy"] == "snapkv" and s["prompt_tokens"] > 48 and 1 <= s["generated_tokens"] <= 4
+    # 48 kept per layer and head, plus the tokens decoded after the compression
+    assert s["per_layer_cells"] == [48 + s["generated_tokens"]] * 3 and s["kv_bytes"] < s["kv_bytes_full"]
