@@ -62,7 +62,7 @@ def format_report(r: dict) -> str:
         l1s = "-" if l1 is None else (f"identical {ok(True)}" if l1["pass"] else
                                       f"{l1['heads_differing']} heads differ FAIL")
         if l1 is not None and l1["pass"] and l1.get("merged_rows"):
-            l1s = f"same, merged {l1['merge_max_abs']:.0e} pass"
+            l1s = f"same, merge {l1['merge_max_abs']:.0e} pass"
         l3 = e.get("l3")
         if l3 is None:
             out.append(f"{name:<13} {l1s:<22}")
