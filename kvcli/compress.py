@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvcli.errors import KvcliError
-from kvcli.plan import Plan
+from kvcli.plan import Observation, Plan
 
 
 @dataclass
@@ -54,6 +56,10 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
     observe, window = spec.observe(params)
     obs = session.prefill(tokens, seq=seq, observe=observe, window=window, progress=progress)
     prefill_s = time.perf_counter() - t0
+    if obs is None:  # a policy that observes nothing (streamingllm) plans from the shapes alone
+        i = session.info
+        obs = Observation(i.n_layer, i.n_head, i.n_head_kv, i.head_dim, n=len(tokens),
+                          positions=np.arange(len(tokens), dtype=np.int32))
     t1 = time.perf_counter()
     plan = make_plan(spec, params, budget, obs, planner or session.engine)
     session.apply_plan(plan, seq=seq)
