@@ -205,3 +205,54 @@ def test_explain_says_prefill_only_and_lists_variants():
     assert "also evicts and merges at every decoding step" in text and "prefill only" in text
     for word in ("softmax_inv_var", "code", "full_layers", "tau", "merge"):
         assert word in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan in the real native cache (tiny random model, f32 cache: rows land exactly)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_session(tmp_path_factory):
+    from kvcli.native.session import NativeSession
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    path = write_tiny_llama(tmp_path_factory.mktemp("merge") / "tiny.gguf", n_layer=3, n_head=4, n_head_kv=2,
+                            head_dim=16, seed=3)
+    s = NativeSession(path, n_ctx=512, cache_type="f32", flash_attn=False)
+    yield s
+    s.close()
+
+
+def compress_in_native_cache(session, policy: str, args: list, budget: int = 48, n: int = 180):
+    """Prefill n tokens, compress with the native planner; check the cache holds the plan's rows.
+
+    Returns (plan, stats). Slot j of (l, h) must hold the kept entry's replacement row when the plan
+    has one, else the original row of the kept slot."""
+    from kvcli.compress import prefill_and_compress
+    from kvcli.native import cache
+    session.clear()
+    toks = [int(t) for t in np.random.default_rng(n).integers(300, 5000, size=n)]
+    obs = session.prefill(toks, observe=("kv",))
+    session.clear()
+    rep = prefill_and_compress(session, toks, policy, budget, P.get(policy).validate(args))
+    plan = rep.plan
+    k, v = cache.read_kv(session.ctx, 0, session.info)
+    assert k.shape[2] == plan.max_kept
+    row_of = {int(e): r for r, e in enumerate(plan.replace_entry)}
+    off = plan.offsets()
+    for l in range(plan.n_layer):
+        for h in range(plan.n_head_kv):
+            for j, slot in enumerate(plan.kept(l, h)):
+                r = row_of.get(int(off[l, h]) + j)
+                want_k = obs.keys[l, h, slot] if r is None else plan.replace_k[r]
+                want_v = obs.values[l, h, slot] if r is None else plan.replace_v[r]
+                np.testing.assert_allclose(k[l, h, j], want_k, atol=1e-6)
+                np.testing.assert_allclose(v[l, h, j], want_v, atol=1e-6)
+    stats = session.stats()
+    assert stats["kv_cells"] == plan.max_kept and stats["per_layer_cells"] == plan.cells_per_layer()
+    session.step({0: 1000})                                   # decoding goes on over the merged cells
+    assert np.isfinite(session.logits()).all()
+    return plan, stats
+
+
+def test_merged_rows_land_in_the_native_cache(tiny_session):
+    plan, _ = compress_in_native_cache(tiny_session, "d2o", [])
+    assert plan.replace_entry.size > 0

@@ -180,3 +180,18 @@ def test_explain_documents_the_storage_and_every_reconstruction_choice():
     assert "bias log(count)" in text and "post-RoPE" in text and "achieved ratio" in text
     for p in ("score_norm", "low_budget", "theta_k", "theta_v", "k_scale", "codebook_layers", "gqa", "window"):
         assert f"  {p} = " in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the codebook in the real native cache: fewer cells, measured bytes
+# ---------------------------------------------------------------------------------------------
+from test_d2o import compress_in_native_cache, tiny_session  # noqa: E402,F401  (fixture reused)
+
+
+def test_codebook_cells_shrink_the_native_cache(tiny_session):
+    evict, s_evict = compress_in_native_cache(tiny_session, "spindlekv", ["theta_k=1", "theta_v=1"])
+    merged, s_merged = compress_in_native_cache(tiny_session, "spindlekv", ["theta_k=0.6"])
+    assert merged.replace_entry.size > 0 and merged.entries() < evict.entries()
+    # the bytes are measured from the cache: a cell per codebook group of the widest head
+    assert s_merged["kv_cells"] < s_evict["kv_cells"]
+    assert s_merged["kv_bytes"] * s_evict["kv_cells"] == s_evict["kv_bytes"] * s_merged["kv_cells"]
