@@ -172,7 +172,9 @@ SPEC = PolicySpec(
     needs=("colsum", "kv"),
     budget_note="layer budgets C_l sum to budget x (number of compressed layers); a layer's share is clamped "
                 "to [ceil(min_frac x n), n] and the excess shared among the other layers; layers listed in "
-                "full_layers keep the whole prompt on top of that",
+                "full_layers keep the whole prompt on top of that. In the native cache every layer holds as many cells as "
+                "the widest layer (llama.cpp's cells are shared by all layers), so the bytes follow max C_l, not "
+                "the mean",
     deviations=(
         "prefill only: the paper also evicts and merges at every decoding step (EMA threshold with beta = 0.7); "
         "kvcli compresses once after the prompt and then appends every generated token uncompressed, so the "
