@@ -49,7 +49,7 @@ def docs(tmp_path_factory):
 def result(tiny, docs, tmp_path_factory):
     missing = native_missing(*NEEDS)
     if missing:
-        pytest.skip(f"the native library lacks {', '.join(missing)} (native compaction not built yet)")
+        pytest.fail(f"the native library lacks {', '.join(missing)}: rebuild it (python -m kvcli.native.build)")
     from click.testing import CliRunner
     out = tmp_path_factory.mktemp("out")
     r = CliRunner().invoke(cli, ["bench", "--docs", str(docs), "--model", str(tiny), "--policies",

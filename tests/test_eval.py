@@ -29,7 +29,7 @@ def native_missing(*names) -> list[str]:
 def need_compaction():
     missing = native_missing("kvcli_apply_plan", "kvcli_observe_begin")
     if missing:
-        pytest.skip(f"the native library lacks {', '.join(missing)} (native compaction not built yet)")
+        pytest.fail(f"the native library lacks {', '.join(missing)}: rebuild it (python -m kvcli.native.build)")
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def native_has(*names) -> bool:
 
 def needs_native_cache():
     if not native_has("kvcli_observe_begin", "kvcli_apply_plan", "kvcli_seq_n_slots", "kvcli_stats_get"):
-        pytest.skip("the native library has no observation/compaction yet (kvcli_observe_*, kvcli_apply_plan)")
+        pytest.fail("the native library has no observation/compaction (kvcli_observe_*, kvcli_apply_plan): rebuild it")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def tiny_prefilled(tiny_gguf):
 def test_l1_planners_agree_on_real_attention(tiny_prefilled, name):
     """The C++ and torch planners make the same plan from one observation of a real forward pass."""
     if not native_has("kvcli_plan_make"):
-        pytest.skip("the native library has no planner (kvcli_plan_make)")
+        pytest.fail("the native library has no planner (kvcli_plan_make): rebuild it")
     obs = tiny_prefilled
     for budget in (48, 100):
         spec, params, _ = policies.prepare(name, {}, budget)
