@@ -1,0 +1,200 @@
+"""Documents longer than the context: chunked prefill, compression after each chunk, re-indexed positions.
+
+The prompt is read in chunks. After each chunk the sequence (the entries kept so far + the new
+chunk) is observed through the chunk's last window, planned with the chosen policy to `budget`
+and compacted with re-indexing: the kept entries of every (layer, KV head) get the positions
+0..k-1 again (K rows re-rotated by the engine), so positions never grow past budget + chunk and
+the model never sees a position beyond what it was trained on. The last chunk holds the question,
+so the last compression is the usual one, driven by the question's window.
+
+Memory bound: the cache never holds more than `cap` = budget + chunk cells (+ the answer). A
+policy whose widest layer keeps more than `budget` entries (pyramidkv, dynamickv, compresskv, ...)
+gets shorter chunks, never a bigger cache.
+
+What each policy carries across chunks is stated in `chunked_note` (and `kvcli policies --explain`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+
+DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
+MIN_CHUNK = 64           # fewer free cells than this after a compaction: the budget leaves no room to read on
+CTX_PAD = 256
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a prompt will be prefilled: in chunks of `chunk` tokens (None: in one go) into `n_ctx` cells."""
+
+    chunk: int | None
+    n_ctx: int
+    cap: int | None = None   # most cells the prompt may occupy while it is read (budget + chunk)
+    why: str = ""
+
+    def as_stats(self) -> dict:
+        return {} if self.chunk is None else {"chunk": self.chunk, "cache_cap": self.cap}
+
+
+def _pad(n: int) -> int:
+    return -(-n // CTX_PAD) * CTX_PAD
+
+
+def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, budget: int | None,
+                  chunk: int | None = None, max_cache: int | None = None) -> Chunking:
+    """Decide chunked or not, and the context size.
+
+    `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
+    `chunk`: None = automatic (on when the prompt and its reserve do not fit the model's context
+    or `max_cache`), 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
+    """
+    if chunk is not None and chunk < 0:
+        raise KvcliError(f"--chunk must be >= 0 (got {chunk}); 0 turns chunked prefill off")
+    if max_cache is not None:
+        if max_cache < 1:
+            raise KvcliError(f"--max-cache must be >= 1 (got {max_cache})")
+        if max_cache > n_ctx_train:
+            raise KvcliError(f"--max-cache {max_cache} is larger than the model's context ({n_ctx_train} tokens)")
+    limit = max_cache or n_ctx_train
+    where = f"--max-cache ({max_cache} cells)" if max_cache else f"the model's context ({n_ctx_train} tokens)"
+    if policy == "full":
+        if chunk:
+            raise KvcliError("chunked prefill compresses after every chunk: choose a compressing policy and --budget")
+        if n_prompt >= limit:
+            raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: choose a compressing policy "
+                             "and --budget to read it in chunks")
+        return Chunking(None, min(_pad(n_prompt + reserve), limit))
+    fits = n_prompt + reserve <= limit
+    if chunk == 0 or (chunk is None and fits):
+        if n_prompt >= limit:
+            raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
+                             "in chunks")
+        return Chunking(None, min(_pad(n_prompt + reserve), limit))
+    if budget is None:
+        raise KvcliError(f"the prompt ({n_prompt} tokens) must be read in chunks: policy '{policy}' needs --budget N")
+    if chunk is None:
+        chunk = (max_cache - budget - reserve) if max_cache else DEFAULT_CHUNK
+        if chunk < MIN_CHUNK:
+            raise KvcliError(f"--max-cache {max_cache} leaves {max(chunk, 0)} cells to read the document through "
+                             f"(budget {budget} + {reserve} for the answer): raise it or lower --budget")
+    if chunk < MIN_CHUNK:
+        raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
+    need = budget + chunk + reserve
+    if need > limit:
+        raise KvcliError(f"budget {budget} + chunk {chunk} + {reserve} cells for the answer do not fit {where}")
+    if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
+        return Chunking(None, min(_pad(n_prompt + reserve), limit))
+    n_ctx = max_cache if max_cache else min(_pad(need), n_ctx_train)
+    why = "the prompt does not fit the context" if not fits else f"--chunk {chunk}"
+    return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)
+
+
+def chunked_note(spec) -> str:
+    """What a policy keeps across chunks (for `kvcli policies --explain`)."""
+    carried = {
+        "streamingllm": "the sinks and the most recent entries: StreamingLLM's own streaming form",
+        "h2o": "column sums are accumulated across chunks: a kept entry carries its score from earlier chunks "
+               "and adds the new chunk's queries' attention (H2O's cumulative heavy hitters)",
+        "d2o": "accumulated column sums as h2o; evicted entries are merged into kept ones at every chunk, the "
+               "merged entries keep their log-multiplicity and can be merged into again",
+    }.get(spec.name, "each chunk's last window scores everything held (kept entries + the chunk); the window "
+                     "of every chunk is kept, so recent text survives until a later window outranks it")
+    return ("Chunked prefill (--chunk, or automatic when the document does not fit the context): after every "
+            "chunk the policy plans over the kept entries + the chunk with the chunk's last window as "
+            f"observation, to the same budget; positions are re-indexed to 0..k-1 per layer and KV head. "
+            f"Carried across chunks: {carried}. The last chunk holds the question: the last compression is "
+            "the one-prefill policy.")
+
+
+@dataclass
+class ChunkStep:
+    start: int             # first prompt token of the chunk
+    tokens: int            # tokens in the chunk
+    cells_before: int      # cells held when the chunk had been prefilled (before compaction)
+    cells_after: int       # cells after compaction
+
+
+def chunk_sizes(n: int, cap: int, cells: int, chunk: int, min_tail: int) -> int:
+    """Tokens of the next chunk: up to `chunk`, never past `cap` cells, leaving the last chunk at least
+    `min_tail` tokens (it holds the question and the final observation window)."""
+    take = min(chunk, cap - cells, n)
+    if 0 < n - take < min_tail:
+        take = max(n - min_tail, 1)
+    return take
+
+
+def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy_args: dict, chunk: int, *,
+                    cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
+                    instruction: str | None = None, on_step=None, on_cache=None):
+    """Read `tokens` into `seq` in chunks, compressing to `budget` after each one (see the module doc).
+
+    `on_step(step, obs, plan)` is called after each planning step (kvcli check compares the
+    planners there); `on_cache(cells)` after each compaction (progress display). Returns a
+    kvcli.compress.CompressReport with `chunks`, `steps` and `peak_cells` filled in.
+    """
+    from kvcli.compress import CompressReport, _cells, make_plan, resolve_policy  # noqa: PLC0415
+    from kvcli.plan import Observation  # noqa: PLC0415
+
+    spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
+    cap = cap or budget + chunk
+    observe, window = spec.observe(params)
+    if window > chunk:
+        raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
+    carry_colsum = "colsum" in observe
+    i = session.info
+    group = i.n_head // i.n_head_kv
+    carried = None                      # [n_layer, n_head, cells] accumulated column sums of held slots
+    prefill_s = compress_s = 0.0
+    steps: list[ChunkStep] = []
+    plan = None
+    pos, cells, peak = 0, (_cells(session, seq) if seq in session.seqs else 0), 0
+    while pos < len(tokens):
+        take = chunk_sizes(len(tokens) - pos, cap, cells, chunk, max(window, 1))
+        if take < 1 or (take < MIN_CHUNK and pos + take < len(tokens)):
+            raise KvcliError(f"policy '{policy}' keeps {cells} cells in its widest layer at budget {budget}, "
+                             f"leaving {cap - cells} of --max-cache/chunk room to read on: lower --budget or "
+                             "raise --chunk / --max-cache")
+        piece = tokens[pos: pos + take]
+        t1 = time.perf_counter()
+        obs = session.prefill(piece, seq=seq, observe=observe, window=min(window, take), progress=progress)
+        prefill_s += time.perf_counter() - t1
+        before = _cells(session, seq)
+        peak = max(peak, before)
+        if obs is None:  # a policy that observes nothing plans from the shapes alone
+            obs = Observation(i.n_layer, i.n_head, i.n_head_kv, i.head_dim, n=before,
+                              positions=np.arange(before, dtype=np.int32))
+        if carry_colsum and carried is not None:
+            obs.colsum = obs.colsum.copy()
+            obs.colsum[:, :, :carried.shape[2]] += carried
+        t2 = time.perf_counter()
+        if spec.compresses(obs.n, budget):
+            plan = make_plan(spec, params, budget, obs, planner or session.engine)
+            if on_step is not None:
+                on_step(len(steps), obs, plan)
+            session.apply_plan(plan, seq=seq, reindex=True)
+            if carry_colsum:
+                carried = _carry(obs.colsum, plan, group)
+        compress_s += time.perf_counter() - t2
+        cells = _cells(session, seq)
+        steps.append(ChunkStep(pos, take, before, cells))
+        if on_cache is not None:
+            on_cache(cells)
+        pos += take
+    return CompressReport(policy, budget, len(tokens), prefill_s, compress_s, plan, params=params, chunk=chunk,
+                          steps=steps, peak_cells=peak)
+
+
+def _carry(colsum: np.ndarray, plan, group: int) -> np.ndarray:
+    """The accumulated column sums of the entries the plan kept, in their new slots (query head q reads
+    the entries of KV head q // group; slots a head does not fill carry 0: they are dead)."""
+    n_layer, n_head = colsum.shape[:2]
+    out = np.zeros((n_layer, n_head, plan.max_kept), dtype=np.float32)
+    for l in range(n_layer):
+        for q in range(n_head):
+            kept = plan.kept(l, q // group)
+            out[l, q, :kept.size] = colsum[l, q, kept]
+    return out
