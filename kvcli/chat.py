@@ -126,6 +126,8 @@ class Conversation:
     system: str | None = None
     question: str | None = None          # set: question-aware compression
     seq: int = 0
+    chunk: int | None = None             # chunked prefill (kvcli/chunked.py): None = automatic, 0 = off
+    max_cache: int | None = None         # most cells the cache may hold (document + conversation)
     # filled by compress() / from_kvc()
     fmt: TurnFormat | None = None
     prefix_tokens: list[int] = field(default_factory=list)
@@ -173,23 +175,25 @@ class Conversation:
         st.next_pos = pos
         st.cells = self._measured_cells()
 
-    def context_cells(self) -> int:
-        """Cells to allocate: the full prompt (it is prefilled before compression) plus TURN_ROOM."""
-        need = len(self.prefix_tokens) + TURN_ROOM
-        return min(-(-need // CTX_PAD) * CTX_PAD, self.session.n_ctx_train)
+    def chunking(self):
+        """Chunked or not, and the cells to allocate: the prompt (or, read in chunks, budget + chunk) plus TURN_ROOM
+        for the conversation (less when --max-cache leaves less)."""
+        from kvcli.chunked import plan_chunking  # noqa: PLC0415
+        return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self.policy, self.budget,
+                             self.chunk, self.max_cache)
 
     def ensure_context(self) -> None:
         if self.session.ctx is None:
-            self.session.create_context(self.context_cells())
+            self.session.create_context(self.chunking().n_ctx)
 
     # ------------------------------------------------------------------ compression
-    def compress(self, progress=None):
-        """Prefill the prefix and compress it (kvcli.compress.prefill_and_compress)."""
+    def compress(self, progress=None, on_cache=None):
+        """Prefill the prefix and compress it (kvcli.compress.prefill_and_compress), in chunks when it is longer
+        than the context allows."""
         from kvcli import compress  # noqa: PLC0415
-        from kvcli.pipeline import check_fits  # noqa: PLC0415
-        check_fits(len(self.prefix_tokens), self.session.n_ctx_train)
+        chunking = self.chunking()
         self.ensure_context()
-        if len(self.prefix_tokens) > self.session.n_ctx:
+        if chunking.chunk is None and len(self.prefix_tokens) > self.session.n_ctx:
             raise KvcliError(f"the prompt is {len(self.prefix_tokens)} tokens but this context holds "
                              f"{self.session.n_ctx} cells")
         if self.seq in self.session.seqs:
@@ -197,7 +201,8 @@ class Conversation:
         # the question (aware) is the instruction task-adaptive policies classify; agnostic has none
         self.report = compress.prefill_and_compress(self.session, self.prefix_tokens, self.policy, self.budget,
                                                     dict(self.policy_args), seq=self.seq, progress=progress,
-                                                    instruction=self.question)
+                                                    instruction=self.question, chunk=chunking.chunk,
+                                                    cap=chunking.cap, on_cache=on_cache)
         st = self._st()
         st.cells = self._measured_cells()
         self.reset_mark = (st.next_pos, st.cells)
@@ -410,7 +415,7 @@ class Conversation:
         c = m["conversation"]
         if conv.prefix_tokens != session.tokenize(conv.prefix_text()):
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
-        session.create_context(max(conv.context_cells(), min(session.n_ctx_train,
+        session.create_context(max(conv.chunking().n_ctx, min(session.n_ctx_train,
                                                                -(-(c["cells"] + TURN_ROOM) // CTX_PAD) * CTX_PAD)))
         conv.model_s = time.perf_counter() - t1
         t2 = time.perf_counter()

@@ -23,6 +23,7 @@ import numpy as np
 from kvcli.errors import KvcliError
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
+MIN_ROOM = 64            # cells a chunked prompt leaves at least for the answer
 MIN_CHUNK = 64           # fewer free cells than this after a compaction: the budget leaves no room to read on
 CTX_PAD = 256
 
@@ -49,8 +50,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
     """Decide chunked or not, and the context size.
 
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
-    `chunk`: None = automatic (on when the prompt and its reserve do not fit the model's context
-    or `max_cache`), 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
+    `chunk`: None = automatic (on when the prompt does not fit the model's context or `max_cache`),
+    0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
     """
     if chunk is not None and chunk < 0:
         raise KvcliError(f"--chunk must be >= 0 (got {chunk}); 0 turns chunked prefill off")
@@ -68,46 +69,59 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: choose a compressing policy "
                              "and --budget to read it in chunks")
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
-    fits = n_prompt + reserve <= limit
+    fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
     if chunk == 0 or (chunk is None and fits):
-        if n_prompt >= limit:
+        if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
                              "in chunks")
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     if budget is None:
         raise KvcliError(f"the prompt ({n_prompt} tokens) must be read in chunks: policy '{policy}' needs --budget N")
+    room = min(reserve, MIN_ROOM)   # the least room left for the answer / conversation
     if chunk is None:
-        chunk = (max_cache - budget - reserve) if max_cache else DEFAULT_CHUNK
+        chunk = min((max_cache - budget - room) if max_cache else DEFAULT_CHUNK, n_ctx_train - budget - room)
         if chunk < MIN_CHUNK:
-            raise KvcliError(f"--max-cache {max_cache} leaves {max(chunk, 0)} cells to read the document through "
-                             f"(budget {budget} + {reserve} for the answer): raise it or lower --budget")
+            raise KvcliError(f"{where} leaves {max(chunk, 0)} cells to read the document through "
+                             f"(budget {budget} + {room} for the answer): lower --budget")
     if chunk < MIN_CHUNK:
         raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
-    need = budget + chunk + reserve
-    if need > limit:
-        raise KvcliError(f"budget {budget} + chunk {chunk} + {reserve} cells for the answer do not fit {where}")
+    if budget + chunk + room > limit:
+        raise KvcliError(f"budget {budget} + chunk {chunk} + {room} cells for the answer do not fit {where}")
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
-    n_ctx = max_cache if max_cache else min(_pad(need), n_ctx_train)
+    n_ctx = max_cache if max_cache else min(_pad(budget + chunk + reserve), n_ctx_train)
     why = "the prompt does not fit the context" if not fits else f"--chunk {chunk}"
     return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)
 
 
 def chunked_note(spec) -> str:
     """What a policy keeps across chunks (for `kvcli policies --explain`)."""
+    if spec.name == "full":
+        return ("Chunked prefill: not available (full keeps every token, so a document longer than the context "
+                "cannot be read; choose a compressing policy).")
     carried = {
         "streamingllm": "the sinks and the most recent entries: StreamingLLM's own streaming form",
-        "h2o": "column sums are accumulated across chunks: a kept entry carries its score from earlier chunks "
-               "and adds the new chunk's queries' attention (H2O's cumulative heavy hitters)",
-        "d2o": "accumulated column sums as h2o; evicted entries are merged into kept ones at every chunk, the "
-               "merged entries keep their log-multiplicity and can be merged into again",
-    }.get(spec.name, "each chunk's last window scores everything held (kept entries + the chunk); the window "
-                     "of every chunk is kept, so recent text survives until a later window outranks it")
-    return ("Chunked prefill (--chunk, or automatic when the document does not fit the context): after every "
-            "chunk the policy plans over the kept entries + the chunk with the chunk's last window as "
-            f"observation, to the same budget; positions are re-indexed to 0..k-1 per layer and KV head. "
-            f"Carried across chunks: {carried}. The last chunk holds the question: the last compression is "
-            "the one-prefill policy.")
+        "h2o": "column sums (the attention every entry received) are accumulated across chunks: a kept entry "
+               "carries its score from earlier chunks and adds the new chunk's queries' attention, H2O's "
+               "cumulative heavy hitters",
+        "d2o": "accumulated column sums as in h2o; evicted entries are merged into kept ones at every chunk; "
+               "merged entries keep their log-multiplicity bias and can be merged into again",
+        "spindlekv": "every chunk re-runs the selection; codebook rows made at an earlier chunk are entries like "
+                     "any other (their bias is kept) and may be replaced again",
+        "windowkv": "the task is classified once from the instruction; every chunk's last window re-scores the "
+                    "held sentences/windows and the chunk's own",
+        "pyramidkv": "the layer schedule is applied at every chunk; the widest layer keeps more than the budget, "
+                     "so chunks shrink to keep the cache within budget + chunk",
+        "dynamickv": "the per-layer budgets are recomputed at every chunk from that chunk's window",
+        "compresskv": "the calibrated layer budgets and the semantic-retrieval heads' window scores at every chunk",
+    }.get(spec.name, "each chunk's last window scores everything held")
+    window = ("the chunk's queries (column sums of all of them)" if "colsum" in spec.needs else
+              "the chunk's last window" if "window" in spec.needs else "positions only")
+    return ("Chunked prefill (--chunk N, automatic when the document does not fit the context or --max-cache): "
+            "after every chunk the policy plans over the kept entries + the chunk, to the same budget, observing "
+            f"{window}; the kept entries' positions are re-indexed to 0..k-1 per layer and KV head (K re-rotated). "
+            f"Carried across chunks: {carried}. The last chunk holds the question, so the last compression is the "
+            "one-prefill policy on the question's window.")
 
 
 @dataclass

@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from kvcli.errors import KvcliError
 from kvcli.generate import Generation, Sampler, generate
 
-CTX_PAD = 256
-
-
 @dataclass
 class RunResult:
     answer: str
@@ -38,49 +35,62 @@ def build_prompt(session, document: str | None, instruction: str, system: str | 
     return session.apply_chat_template(messages, add_assistant=True)
 
 
-def context_size(n_prompt: int, max_tokens: int, n_ctx_train: int, compressed_to: int | None = None) -> int:
-    """Cells to allocate: the prompt (it is prefilled in full before compression) plus the answer."""
-    need = n_prompt + max_tokens
-    padded = -(-need // CTX_PAD) * CTX_PAD
-    return min(padded, n_ctx_train)
+class Progress:
+    """A tqdm bar over the prompt on stderr (only on a terminal, unless forced): tokens/s and, while a long
+    document is read in chunks, the cells the cache holds."""
 
+    def __init__(self, total: int, enabled: bool, desc: str = "prefill"):
+        self.bar = None
+        if enabled and total > 0:
+            from tqdm import tqdm  # noqa: PLC0415
+            self.bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
 
-def check_fits(n_prompt: int, n_ctx_train: int) -> None:
-    if n_prompt >= n_ctx_train:
-        raise KvcliError(
-            f"the prompt is {n_prompt} tokens but the model's context is {n_ctx_train} tokens: shorten the "
-            "document, split it, or use a model with a longer context")
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def cache(self, cells: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"cache {cells} cells", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def progress_bar(total: int, enabled: bool, desc: str = "prefill"):
-    """A tqdm bar on stderr (only on a terminal, unless forced); returns an update callable + closer."""
-    if not enabled or total <= 0:
-        return None, lambda: None
-    from tqdm import tqdm  # noqa: PLC0415
-    bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
-    return bar.update, bar.close
+    """(update callable or None, closer): the bar of `Progress` for callers that only count tokens."""
+    p = Progress(total, enabled, desc)
+    return (p.update if p.bar is not None else None), p.close
 
 
 def run_document(session, document: str | None, instruction: str, *, policy: str = "full", budget: int | None = None,
                  policy_args: dict | None = None, max_tokens: int = 256, sampler: Sampler | None = None,
-                 system: str | None = None, on_text=None, show_progress: bool = False) -> RunResult:
-    """Prefill the templated prompt, compress it with `policy`, and generate the answer."""
+                 system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
+                 max_cache: int | None = None) -> RunResult:
+    """Prefill the templated prompt, compress it with `policy`, and generate the answer.
+
+    A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
+    after each (kvcli/chunked.py); `chunk` = 0 turns that off, N sets the chunk length."""
     from kvcli import compress  # noqa: PLC0415
+    from kvcli.chunked import plan_chunking  # noqa: PLC0415
 
     prompt = build_prompt(session, document, instruction, system)
     tokens = session.tokenize(prompt)
-    check_fits(len(tokens), session.n_ctx_train)
+    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache)
     if session.ctx is None:
-        session.create_context(context_size(len(tokens), max_tokens, session.n_ctx_train))
-    update, close = progress_bar(len(tokens), show_progress and len(tokens) > session.n_batch)
+        session.create_context(chunking.n_ctx)
+    progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)
     try:
         report = compress.prefill_and_compress(session, tokens, policy, budget, policy_args or {}, seq=0,
-                                               progress=update, instruction=instruction)
+                                               progress=progress.update, instruction=instruction,
+                                               chunk=chunking.chunk, cap=chunking.cap, on_cache=progress.cache)
     finally:
-        close()
+        progress.close()
     gen: Generation = generate(session, max_tokens, sampler, seq=0, on_text=on_text)
     stats = {"prompt_tokens": len(tokens), "generated_tokens": len(gen.tokens)}
     stats.update(session.stats(0))
+    stats.update(report.as_stats())
     stats.update({"prefill_s": round(report.prefill_s, 4), "compress_s": round(report.compress_s, 4),
                   "decode_s": round(gen.decode_s, 4),
                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None})

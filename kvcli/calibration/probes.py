@@ -2,7 +2,7 @@
 
 Everything here is written for kvcli from templates (no third-party text), reproducible from a
 seed. The genre (a botanist's travel journal) is deliberately different from the station logbook
-of examples/make_docs.py, which the retrieval evaluation uses: calibrating on the evaluation's own
+of kvcli/evaluation/logbook.py, which the retrieval evaluation uses: calibrating on the evaluation's own
 texts would flatter CompressKV (the paper calibrates on LongBench itself; we do not).
 
 A needle is one sentence holding a short multi-word answer, like the paper's "The best thing to do

@@ -7,7 +7,7 @@ import click
 from click.core import ParameterSource
 
 from kvcli import config
-from kvcli.commands.options import model_option
+from kvcli.commands.options import chunk_options, model_option
 from kvcli.errors import KvcliError
 
 
@@ -18,7 +18,7 @@ def explicit(ctx: click.Context, *names: str) -> list[str]:
 
 # what a --cache file fixes, with the flag that would contradict it
 FLAGS = {"docs": "--doc", "policy": "--policy", "budget": "--budget", "policy_args": "--policy-arg",
-         "system": "--system", "cache_type": "--cache-type"}
+         "system": "--system", "cache_type": "--cache-type", "chunk": "--chunk", "max_cache": "--max-cache"}
 
 
 def complete_policy(ctx, param, incomplete):
@@ -37,8 +37,18 @@ def progress_factory(enabled: bool, desc: str = "prefill"):
     return lambda total: progress_bar(total, enabled, desc)
 
 
+def explicit_budget(policy: str, budget: int | None, question: str | None, policy_args) -> None:
+    """Check a policy choice before the model loads: name, budget, arguments."""
+    if policy != "full":
+        from kvcli import policies  # noqa: PLC0415
+        policies.get(policy)
+        if budget is None:
+            raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
+        policies.prepare(policy, policy_args, budget, instruction=question)
+
+
 def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, system, question, cache_type,
-                      show_progress: bool, quiet: bool):
+                      show_progress: bool, quiet: bool, chunk: int | None = None, max_cache: int | None = None):
     """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
     from kvcli.chat import Conversation  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
@@ -49,20 +59,16 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
     else:
         from kvcli.documents import read_documents  # noqa: PLC0415
         document = read_documents(list(docs))
-        if policy != "full":
-            from kvcli import policies  # noqa: PLC0415
-            policies.get(policy)
-            if budget is None:
-                raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
-            policies.prepare(policy, policy_args, budget, instruction=question)
+        explicit_budget(policy, budget, question, policy_args)
         session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=cache_type)
         conv = Conversation(session, document, policy=policy, budget=budget, policy_args=policy_args, system=system,
-                            question=question)
-        update, close = progress_factory(show_progress)(len(conv.prefix_tokens))
+                            question=question, chunk=chunk, max_cache=max_cache)
+        from kvcli.pipeline import Progress  # noqa: PLC0415
+        progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
-            conv.compress(progress=update)
+            conv.compress(progress=progress.update, on_cache=progress.cache)
         finally:
-            close()
+            progress.close()
     if not quiet:
         click.echo(conv.summary_line(), err=True)
     return conv
@@ -89,13 +95,14 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
               help="llama.cpp KV cache type (a --cache file brings its own).")
+@chunk_options
 @click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
               "(/reset before each one) instead of keeping the conversation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="With stdin piped: one JSON object per answer, one per line.")
 @click.pass_context
 def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args, question_opt, system, max_tokens,
-             temperature, seed, cache_type, fresh, quiet, as_json):
+             temperature, seed, cache_type, chunk, max_cache, fresh, quiet, as_json):
     """Chat about a document whose KV cache is compressed once by --policy.
 
     On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
@@ -128,7 +135,7 @@ def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args
         raise KvcliError("--json is for piped use (stdin not a terminal): one JSON object per answer")
     conv = open_conversation(docs=docs, cache_path=cache_path, model=model, policy=policy,
                              budget=None if policy == "full" else budget, policy_args=args, system=system,
-                             question=question, cache_type=cache_type,
+                             question=question, cache_type=cache_type, chunk=chunk, max_cache=max_cache,
                              show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     if cache_path and conv.pending and not question and not quiet:
         click.echo(f"[compressed for the question: {conv.question}]", err=True)

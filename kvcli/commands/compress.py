@@ -9,7 +9,7 @@ import click
 
 from kvcli import config
 from kvcli.commands.chat import policy_option
-from kvcli.commands.options import json_option, model_option
+from kvcli.commands.options import chunk_options, json_option, model_option
 from kvcli.errors import KvcliError
 
 
@@ -27,11 +27,12 @@ from kvcli.errors import KvcliError
 @click.option("--system", default=config.default("system"), help="System message (before the document).")
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
               help="llama.cpp KV cache type.")
+@chunk_options
 @click.option("--force", "-f", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
-def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, system, cache_type, force, quiet,
-                 as_json):
+def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, system, cache_type, chunk, max_cache,
+                 force, quiet, as_json):
     """Compress a document once and save it (kvcli chat --cache / kvcli run --cache load it in well under a second)."""
     from pathlib import Path  # noqa: PLC0415
 
@@ -49,8 +50,8 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
     conv = open_conversation(docs=docs, cache_path=None, model=model, policy=policy,
                              budget=None if policy == "full" else budget,
                              policy_args=parse_policy_args(list(policy_args)), system=system,
-                             question=(question or "").strip() or None, cache_type=cache_type,
-                             show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
+                             question=(question or "").strip() or None, cache_type=cache_type, chunk=chunk,
+                             max_cache=max_cache, show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     t0 = time.perf_counter()
     size = conv.save(out)
     save_s = time.perf_counter() - t0
@@ -62,6 +63,7 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
             "file": str(out), "file_bytes": size, "model": conv.session.model_path, "policy": conv.policy,
             "budget": conv.budget, "mode": conv.mode, "original_tokens": len(conv.prefix_tokens),
             "stats": {k: s[k] for k in ("kv_cells", "kv_bytes", "kv_bytes_full", "per_layer_cells", "live_entries")}
+            | conv.report.as_stats()
             | {"prefill_s": round(conv.report.prefill_s, 4), "compress_s": round(conv.report.compress_s, 4),
                "save_s": round(save_s, 4)},
         }, ensure_ascii=False))

@@ -74,7 +74,7 @@ def eval_group():
 @click.option("--seed", type=int, default=0, show_default=True)
 def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
              as_json, depths, samples, seed):
-    """Needle in a haystack over lengths x depths (logbook haystack of examples/make_docs.py)."""
+    """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list  # noqa: PLC0415
     from kvcli.evaluation.report import plot_niah  # noqa: PLC0415

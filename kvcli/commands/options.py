@@ -7,3 +7,15 @@ model_option = click.option("--model", "-m", metavar="PATH.gguf", default=None,
                             help="GGUF model (llama architecture). Default: $KVCLI_MODEL, else the bundled "
                                  "SmolLM2-135M-Instruct Q4_1.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+
+
+def chunk_options(f):
+    """--chunk / --max-cache: documents longer than the context are read in chunks (kvcli/chunked.py)."""
+    f = click.option("--max-cache", type=click.IntRange(1), default=None, metavar="CELLS",
+                     help="Most cells the KV cache may hold; a longer document is read in chunks and compressed "
+                          "after each.")(f)
+    f = click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
+                     help="Read the document in chunks of N tokens, compressing to --budget after each and "
+                          "re-indexing positions (peak cache: budget + N). Default: on, with 1024, when the "
+                          "document does not fit the model's context or --max-cache; 0 = off.")(f)
+    return f

@@ -9,7 +9,7 @@ import click
 
 from kvcli import config
 from kvcli.commands.chat import policy_option
-from kvcli.commands.options import json_option, model_option
+from kvcli.commands.options import chunk_options, json_option, model_option
 from kvcli.errors import KvcliError
 
 
@@ -63,12 +63,13 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--engine", type=click.Choice(["native", "reference"]), default="native", show_default=True)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
               help="llama.cpp KV cache type (native engine).")
+@chunk_options
 @click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
 @click.pass_context
 def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_args, max_tokens, temperature, seed,
-            system, engine, cache_type, out_path, quiet, as_json):
+            system, engine, cache_type, chunk, max_cache, out_path, quiet, as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
@@ -88,7 +89,7 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
         clash = explicit(ctx, *FLAGS, "engine")
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop "
-                             f"{FLAGS.get(clash[0], '--' + clash[0])}")
+                             f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
         result = run_cached(cache_path, instruction, model, max_tokens, sampler, stream)
     else:
         document = read_documents(list(docs))
@@ -97,7 +98,8 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
             else open_session(engine, model)
         result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
                               max_tokens=max_tokens, sampler=sampler, system=system,
-                              on_text=stream, show_progress=not quiet and sys.stderr.isatty())
+                              on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=chunk,
+                              max_cache=max_cache)
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:
@@ -110,7 +112,9 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
         kept = f"{s['kv_cells']} cells, {s['kv_bytes'] / 1e6:.2f} MB of {s['kv_bytes_full'] / 1e6:.2f} MB"
         where = f", from {cache_path}, loaded in {s['load_s']:.2f}s" if cache_path else ""
         click.echo(f"[{result.policy}{'' if result.budget is None else f' @ {result.budget}'}{where}] "
-                   f"{s['prompt_tokens']} prompt tokens -> {kept}; prefill {s['prefill_s']:.2f}s, "
+                   f"{s['prompt_tokens']} prompt tokens"
+                   + (f" read in {s['chunks']} chunks of {s['chunk']} (peak {s['peak_kv_cells']} cells)"
+                      if s.get("chunks") else "") + f" -> {kept}; prefill {s['prefill_s']:.2f}s, "
                    f"compress {s['compress_s']:.2f}s, {s['generated_tokens']} tokens at "
                    f"{s['decode_tok_s'] or 0:.1f} tok/s" + (f"; {s['note']}" if s.get("note") else ""), err=True)
     if result.stopped == "interrupted":

@@ -1,6 +1,6 @@
 """Evaluation samples generated locally (no download at run time), sized in tokens of the model used.
 
-- `niah`: needle in a haystack. The haystack is the station logbook of examples/make_docs.py (text
+- `niah`: needle in a haystack. The haystack is the station logbook of kvcli/evaluation/logbook.py (text
   written for kvcli); the needle is one planted fact "The <object> of <place> is <4 digits>." at a
   chosen depth; the question asks for it.
 - RULER-style tasks (Hsieh et al. 2024, "RULER: What's the real context size of your long-context
@@ -16,11 +16,9 @@ prompt of that length within a few percent; the length actually reached is repor
 """
 from __future__ import annotations
 
-import importlib.util
 import random
 import string
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvcli.errors import KvcliError
 
@@ -60,18 +58,6 @@ def string_match_all(pred: str, refs: list[str]) -> float:
 
 
 # ------------------------------------------------------------------------------ the logbook haystack
-def _make_docs():
-    """examples/make_docs.py of this repository (the logbook generator the examples use)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "make_docs.py"
-    if not path.is_file():
-        raise KvcliError(f"the NIAH haystack generator is missing ({path}): niah needs kvcli's source tree; "
-                         "the RULER tasks (kvcli eval ruler) do not")
-    spec = importlib.util.spec_from_file_location("kvcli_examples_make_docs", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _fit(build, target: int, count_tokens, start: int) -> tuple[str, int, dict]:
     """Find the size parameter `n` of `build(n) -> (prompt, meta)` whose prompt is closest to `target`
     tokens without exceeding it (secant steps on the measured token count)."""
@@ -94,7 +80,7 @@ def _chat(session, user: str, answer_prefix: str = "") -> str:
 
 
 def niah_sample(session, length: int, depth: float, index: int, seed: int = 0) -> Sample:
-    md = _make_docs()
+    from kvcli.evaluation import logbook as md  # noqa: PLC0415
 
     def build(words):
         text, planted = md.make_document(words, seed=seed * 100003 + index * 7919 + int(depth * 1000),

@@ -38,7 +38,9 @@ def list_text() -> str:
 
 
 def explain_text(name: str) -> str:
-    return get(name).explain()
+    from kvcli.chunked import chunked_note  # noqa: PLC0415
+    spec = get(name)
+    return f"{spec.explain()}\n\n{chunked_note(spec)}"
 
 
 def prepare(name: str, policy_args=None, budget: int | None = None,
