@@ -119,7 +119,7 @@ def test_eval_fidelity_tiny(cli_runner, tiny, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["niah", "--lengths", "4x"], "not a token count"),
     (["niah", "--depths", "1.5"], "must lie in"),
-    (["niah", "--lengths", "100k"], "does not fit"),
+    (["niah", "--lengths", "100k", "--chunk", "8000"], "do not fit"),
     (["ruler", "--tasks", "qa"], "unknown task"),
     (["niah", "--plot", "a.svg"], ".png"),
     (["niah", "--policies", "snapkv", "--budgets", ""], "--budgets"),

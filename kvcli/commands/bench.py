@@ -60,6 +60,9 @@ def common_lists(policies, budgets):
               help="Time one prefill per cache type and observation (budgets never change the prefill), and "
                    "compress each configuration from a restored copy of it; --no-share-prefill prefills every "
                    "configuration on its own through kvcli.compress.prefill_and_compress.")
+@click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
+              help="Read every document in chunks of N tokens, compressing after each (kvcli/chunked.py), so "
+                   "documents longer than the context can be measured; implies --no-share-prefill.")
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Also write the rows as CSV.")
 @click.option("--json-out", "json_path", default=None, metavar="FILE", help="Also write the full result as JSON.")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
@@ -67,7 +70,7 @@ def common_lists(policies, budgets):
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 @json_option
 def bench_cmd(docs, model, policies, budgets, cache_types, gen, repeat, batch, ctx, policy_args, instruction,
-              threads, share_prefill, csv_path, json_path, plot_path, quiet, as_json):
+              threads, share_prefill, chunk, csv_path, json_path, plot_path, quiet, as_json):
     """Measure prefill, compression and decode speed, KV bytes, peak RSS and quality against the full
     cache, per policy x budget x cache type (the full f16 cache is always measured: it is the baseline)."""
     from kvcli import bench  # noqa: PLC0415
@@ -87,7 +90,8 @@ def bench_cmd(docs, model, policies, budgets, cache_types, gen, repeat, batch, c
     documents = bench.load_docs([p for p in docs.split(",") if p.strip()] if "," in docs else [docs])
     b = bench.Bench(path, documents, pols, buds, cts, gen=gen, repeat=repeat, batch=batch, ctx=ctx,
                     policy_args=parse_scoped_args(policy_args), instruction=instruction or bench.BENCH_INSTRUCTION,
-                    threads=threads, share_prefill=share_prefill, log=None if quiet else bench.log_stderr)
+                    threads=threads, share_prefill=share_prefill, log=None if quiet else bench.log_stderr,
+                    chunk=chunk)
     result = b.run()
     if as_json:
         click.echo(json.dumps(result, default=bench._jsonable))

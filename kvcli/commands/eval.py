@@ -72,8 +72,12 @@ def eval_group():
 @click.option("--samples", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="Samples per length and depth.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
+              help="Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by "
+                   "itself (1024) for lengths beyond the model's context. Add 'truncate' to --policies for the "
+                   "plain-truncation baseline.")
 def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-             as_json, depths, samples, seed):
+             as_json, depths, samples, seed, chunk):
     """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list  # noqa: PLC0415
@@ -83,7 +87,7 @@ def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "niah", ["niah"], pols, buds, lens, ds, samples, cache_type=cache_type,
                                  policy_args=parse_scoped_args(policy_args), threads=threads, seed=seed,
-                                 log=None if quiet else log_stderr)
+                                 log=None if quiet else log_stderr, chunk=chunk)
     _finish(result, as_json, json_path, plot_path, quiet, plot_niah)
 
 
@@ -95,8 +99,12 @@ def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads
 @click.option("--samples", type=click.IntRange(1, 1000), default=2, show_default=True,
               help="Samples per task, length (and depth).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
+              help="Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by "
+                   "itself (1024) for lengths beyond the model's context. Add 'truncate' to --policies for the "
+                   "plain-truncation baseline.")
 def ruler_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-              as_json, tasks, depths, samples, seed):
+              as_json, tasks, depths, samples, seed, chunk):
     """RULER-style synthetic tasks with RULER's string-match metric."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list, parse_list  # noqa: PLC0415
@@ -111,7 +119,7 @@ def ruler_cmd(model, policies, budgets, lengths, cache_type, policy_args, thread
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "ruler", ts, pols, buds, lens, ds, samples, cache_type=cache_type,
                                  policy_args=parse_scoped_args(policy_args), threads=threads, seed=seed,
-                                 log=None if quiet else log_stderr)
+                                 log=None if quiet else log_stderr, chunk=chunk)
     _finish(result, as_json, json_path, plot_path, quiet, plot_scores)
 
 

@@ -17,12 +17,16 @@ from kvcli.evaluation.measure import kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+TRUNCATE = "truncate"     # the baseline for documents longer than the context: keep the head and the last tokens
+TRUNCATE_HEAD = 32        # prompt tokens kept from the start (chat template + title), as llama.cpp's --keep
 
 
 def eval_configs(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
+    """(policy, budget) pairs, full first; `truncate` runs once with the context's worth of tokens and once per
+    budget (the same memory as the compressed caches)."""
     out = [("full", None)]
     for p in policies:
-        for b in ([None] if p == "full" else budgets):
+        for b in ([None] if p == "full" else [None, *budgets] if p == TRUNCATE else budgets):
             if (p, b) not in out:
                 out.append((p, b))
     return out
@@ -34,6 +38,8 @@ def _check_policies(policies, budgets, policy_args) -> dict:
     from kvcli.bench import availability  # noqa: PLC0415
     why = {}
     for p in policies:
+        if p == TRUNCATE:
+            continue
         w = availability(p)
         if w:
             why[p] = w
@@ -116,6 +122,45 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
         yield pol, bud, "ok", first, ""
 
 
+def truncated(tokens: list[int], keep: int) -> list[int]:
+    """Plain truncation: the first TRUNCATE_HEAD tokens (chat template, title) and the last `keep` - TRUNCATE_HEAD."""
+    if len(tokens) <= keep:
+        return list(tokens)
+    return list(tokens[:TRUNCATE_HEAD]) + list(tokens[len(tokens) - (keep - TRUNCATE_HEAD):])
+
+
+def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict, chunk: int,
+                     reserve: int):
+    """As `compressed_variants`, for documents read in chunks (kvcli/chunked.py): each configuration reads
+    the whole prompt itself (chunked prefills cannot be shared: what is kept decides what later chunks
+    attend to). `full` runs only when the prompt fits the context; `truncate` keeps the context's worth
+    (budget None) or `budget` tokens. Yields (policy, budget, status, first_logits, note, stats)."""
+    from kvcli.compress import prefill_and_compress  # noqa: PLC0415
+    n, n_ctx = len(tokens), session.n_ctx
+    for pol, bud in cfgs:
+        if pol in unavailable:
+            yield pol, bud, unavailable[pol], None, "", {}
+            continue
+        session.clear()
+        try:
+            if pol == "full" or pol == TRUNCATE:
+                keep = n if pol == "full" else (bud or n_ctx - reserve)
+                if keep + reserve > n_ctx:
+                    yield pol, bud, f"not run: {n} tokens do not fit the context ({n_ctx})", None, "", {}
+                    continue
+                toks = truncated(tokens, keep)
+                session.prefill(toks, seq=0)
+                stats = {"kv_cells": len(toks), "peak_kv_cells": len(toks)}
+            else:
+                rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
+                                           chunk=chunk, cap=bud + chunk)
+                stats = {"kv_cells": int(session.stats(0)["kv_cells"]), **rep.as_stats()}
+        except KvcliError as e:
+            yield pol, bud, f"error: {e}", None, "", {}
+            continue
+        yield pol, bud, "ok", session.logits(0), "", stats
+
+
 def _greedy(session, first_logits, max_tokens: int) -> str:
     """Greedy decode of sequence 0 from the prompt's last logits, stopping at end of generation."""
     import codecs  # noqa: PLC0415
@@ -137,8 +182,12 @@ def _greedy(session, first_logits, max_tokens: int) -> str:
 
 def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[str], budgets: list[int],
                         lengths: list[int], depths: list[float], samples: int, *, cache_type: str = "f16",
-                        policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None) -> dict:
-    """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths)."""
+                        policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None,
+                        chunk: int | None = None) -> dict:
+    """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths).
+
+    Lengths beyond the model's context (or any `chunk`) are read in chunks of `chunk` tokens (default
+    kvcli.chunked.DEFAULT_CHUNK), compressed after each, by every policy; `truncate` is their baseline."""
     log = log or (lambda m: None)
     policy_args = policy_args or {}
     for t in tasks:
@@ -150,9 +199,18 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
     n_ctx_train = tok.n_ctx_train
-    for L in lengths:
-        if L + 64 > n_ctx_train:
-            raise KvcliError(f"length {L} does not fit the model's context ({n_ctx_train} tokens)")
+    from kvcli.chunked import DEFAULT_CHUNK, MIN_CHUNK  # noqa: PLC0415
+    long = bool(chunk) or any(L + 64 > n_ctx_train for L in lengths)
+    if TRUNCATE in policies and not long:
+        raise KvcliError("policy 'truncate' is the baseline for documents read in chunks: give --chunk N or "
+                         "lengths beyond the model's context")
+    if long:
+        chunk = chunk or DEFAULT_CHUNK
+        if chunk < MIN_CHUNK:
+            raise KvcliError(f"--chunk must be at least {MIN_CHUNK}")
+        for b in budgets:
+            if b + chunk + 64 > n_ctx_train:
+                raise KvcliError(f"budget {b} + chunk {chunk} do not fit the model's context ({n_ctx_train})")
     records, t_start, where = [], time.perf_counter(), machine(threads)
     try:
         for L in lengths:
@@ -165,15 +223,18 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             for task, d, i in plan:
                 s = niah_sample(tok, L, d, i, seed) if task == "niah" else ruler_sample(tok, task, L, d, i, seed)
                 built.append(s)
-            n_ctx = max(s.n_tokens + s.max_tokens for s in built) + 16
+            n_ctx = n_ctx_train if long else max(s.n_tokens + s.max_tokens for s in built) + 16
             session = _session(model_path, n_ctx, cache_type, threads)
             try:
                 for s in built:
                     toks = tok.tokenize(s.prompt)
-                    for pol, bud, status, first, note in compressed_variants(session, toks, cfgs, policy_args,
-                                                                             unavailable):
+                    variants = chunked_variants(session, toks, cfgs, policy_args, unavailable, chunk, s.max_tokens) \
+                        if long else ((*v, {}) for v in compressed_variants(session, toks, cfgs, policy_args,
+                                                                            unavailable))
+                    for pol, bud, status, first, note, stats in variants:
                         rec = {"task": s.task, "length": L, "tokens": s.n_tokens, "depth": s.depth, "sample": s.index,
-                               "policy": pol, "budget": bud, "answers": s.answers, "status": status, "score": None}
+                               "policy": pol, "budget": bud, "answers": s.answers, "status": status, "score": None,
+                               **stats}
                         if status == "ok":
                             try:
                                 pred = _greedy(session, first, s.max_tokens)
@@ -194,7 +255,8 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where,
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
-                         "policy_args": policy_args, "metric": "RULER string_match_all, percent"},
+                         "policy_args": policy_args, "metric": "RULER string_match_all, percent",
+                         "chunk": chunk if long else None},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
             "cells": aggregate(records, ("task", "policy", "budget", "length", "depth")),
             "summary": aggregate(records, ("task", "policy", "budget", "length"))}
@@ -227,7 +289,7 @@ def aggregate(records: list[dict], keys: tuple[str, ...], metric: str = "score",
                 item["frac_of_full"] = item[metric] / base if base > 0 else None
             else:
                 item["ratio_to_full"] = item[metric] / base if base > 0 else None
-        for extra in ("kl_mean", "kv_cells"):
+        for extra in ("kl_mean", "kv_cells", "peak_kv_cells"):
             vals = [r[extra] for r in rs if r.get(extra) is not None]
             if vals:
                 item[extra] = float(np.mean(vals))
@@ -246,6 +308,8 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
     policy_args = policy_args or {}
     if cont < 1:
         raise KvcliError("--cont must be >= 1")
+    if TRUNCATE in policies:
+        raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
     unavailable = _check_policies(policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)
