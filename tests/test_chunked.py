@@ -1,0 +1,69 @@
+"""Chunked prefill (kvcli/chunked.py): when it turns on, how the context is sized, and the bad inputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcli.chunked import DEFAULT_CHUNK, MIN_CHUNK, _carry, chunk_sizes, plan_chunking
+from kvcli.errors import KvcliError
+from kvcli.plan import Plan
+
+
+def test_a_prompt_that_fits_is_read_in_one_go():
+    c = plan_chunking(3000, 256, 8192, "snapkv", 256)
+    assert c.chunk is None and c.n_ctx == 3328 and c.cap is None
+
+
+def test_a_prompt_longer_than_the_context_is_chunked_by_itself():
+    c = plan_chunking(100_000, 256, 8192, "snapkv", 512)
+    assert c.chunk == DEFAULT_CHUNK and c.cap == 512 + DEFAULT_CHUNK
+    assert c.n_ctx == 1792  # budget + chunk + answer, padded: the memory the cache really allocates
+
+
+def test_max_cache_sets_the_chunk_and_the_context():
+    c = plan_chunking(5000, 128, 8192, "h2o", 256, max_cache=1024)
+    assert (c.chunk, c.n_ctx, c.cap) == (1024 - 256 - 64, 1024, 1024 - 64)
+    # an explicit chunk inside the bound is kept
+    c = plan_chunking(5000, 128, 8192, "h2o", 256, chunk=512, max_cache=1024)
+    assert (c.chunk, c.n_ctx) == (512, 1024)
+
+
+def test_explicit_chunk_on_a_prompt_that_fits_still_chunks():
+    c = plan_chunking(3000, 256, 8192, "snapkv", 256, chunk=512)
+    assert c.chunk == 512 and c.cap == 768
+    assert plan_chunking(400, 256, 8192, "snapkv", 256, chunk=512).chunk is None  # one chunk: a plain prefill
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(n_prompt=9000, policy="full", budget=None), "choose a compressing policy"),
+    (dict(n_prompt=3000, policy="full", budget=None, chunk=512), "choose a compressing policy"),
+    (dict(n_prompt=9000, policy="snapkv", budget=256, chunk=0), "drop --chunk 0"),
+    (dict(n_prompt=9000, policy="snapkv", budget=None), "needs --budget"),
+    (dict(n_prompt=9000, policy="snapkv", budget=256, chunk=-1), "--chunk must be >= 0"),
+    (dict(n_prompt=9000, policy="snapkv", budget=256, chunk=8), f"at least {MIN_CHUNK}"),
+    (dict(n_prompt=9000, policy="snapkv", budget=4000, chunk=5000), "do not fit"),
+    (dict(n_prompt=9000, policy="snapkv", budget=900, max_cache=1000), "lower --budget"),
+    (dict(n_prompt=9000, policy="snapkv", budget=256, max_cache=9000), "larger than the model's context"),
+])
+def test_bad_chunking_inputs_say_why(args, message):
+    with pytest.raises(KvcliError, match=message):
+        plan_chunking(reserve=256, n_ctx_train=8192, **args)
+
+
+def test_chunk_sizes_respect_the_cap_and_leave_a_whole_last_window():
+    assert chunk_sizes(5000, cap=1280, cells=256, chunk=1024, min_tail=32) == 1024
+    assert chunk_sizes(5000, cap=1280, cells=600, chunk=1024, min_tail=32) == 680   # a wide layer: shorter chunk
+    assert chunk_sizes(1040, cap=1280, cells=256, chunk=1024, min_tail=32) == 1008  # the last chunk keeps 32
+    assert chunk_sizes(500, cap=1280, cells=256, chunk=1024, min_tail=32) == 500
+
+
+def test_carried_column_sums_follow_the_kept_entries_per_kv_head():
+    # 1 layer, 4 query heads over 2 KV heads (group 2), 5 slots
+    colsum = np.arange(20, dtype=np.float32).reshape(1, 4, 5)
+    plan = Plan.from_lists([[np.array([0, 3, 4]), np.array([1])]])
+    out = _carry(colsum, plan, group=2)
+    assert out.shape == (1, 4, 3)
+    np.testing.assert_array_equal(out[0, 0], colsum[0, 0, [0, 3, 4]])
+    np.testing.assert_array_equal(out[0, 1], colsum[0, 1, [0, 3, 4]])
+    np.testing.assert_array_equal(out[0, 2], [colsum[0, 2, 1], 0, 0])   # dead slots carry nothing
+    np.testing.assert_array_equal(out[0, 3], [colsum[0, 3, 1], 0, 0])
