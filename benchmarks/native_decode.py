@@ -63,9 +63,7 @@ def _window_decode_s(s, toks, w, armed: bool, repeat: int = 3) -> float:
     best = float("inf")
     for i in range(repeat):
         if i:
-            s.L.llama_memory_seq_rm(s.mem, 0, n - w, -1)
-            st = s.seq(0)
-            st.next_pos, st.cells = n - w, st.cells - w
+            s.rollback(0, w)
         if armed:
             cache.observe_begin(s.ctx, 0, ("window",), window_pos0=n - w)
         t0 = time.perf_counter()

@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.evaluation.measure import kl, log_softmax, machine, peak_rss_bytes, reset_peak_rss, restore, rollback, \
-    spread
+from kvcli.evaluation.measure import kl, log_softmax, machine, peak_rss_bytes, reset_peak_rss, spread
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -252,7 +251,7 @@ class Bench:
             tok_s.append(self.gen / dt)
             if r == 0:
                 logps, gen_tokens = lp, toks
-            rollback(session, 0, self.gen)
+            session.rollback(0, self.gen)
         if ref is None and cfg.label == Config("full", None, "f16").label:
             ref = self.refs[doc.name] = Reference(gen_tokens, logps)  # the baseline's greedy continuation
         d = spread(tok_s)
@@ -325,7 +324,7 @@ class Bench:
                 first = session.logits(0)
                 prefill_peak = peak_rss_bytes()
                 if len(members) > 1:
-                    state = cache.get_state(session.ctx, 0)
+                    state = session.save_seq(0)
             except Exception as e:
                 for cfg, _ in members:
                     rows[cfg]["status"] = f"error: {e}" if isinstance(e, KvcliError) else \
@@ -335,7 +334,7 @@ class Bench:
                 row = rows[cfg]
                 try:
                     if i:
-                        restore(session, 0, state, n, n)
+                        session.restore_seq(state, 0)
                     rss_reset = reset_peak_rss()
                     t1 = time.perf_counter()
                     if prep is not None:
@@ -375,6 +374,7 @@ class Bench:
         if bad or not mine:  # the same reason as the per-document rows
             out["status"] = bad[0]["status"] if bad else "not measured"
             return out
+        from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
         states = [self.states[(cfg, d.name)] for d in self.docs]
         session = self._session(cfg.cache_type, self.ctx, n_seq=self.batch)
         try:
@@ -385,7 +385,8 @@ class Bench:
                 # every held sequence needs room for its own `gen` decoded tokens
                 if cells + need + self.gen * (len(held) + 1) > session.n_ctx:
                     break
-                cells += restore(session, i, s["path"].read_bytes(), s["next_pos"], s["prompt_tokens"])
+                cells += session.restore_seq(SeqSnapshot(state=s["path"].read_bytes(), next_pos=s["next_pos"],
+                                                         cells=need, prompt_tokens=s["prompt_tokens"]), i)
                 held.append((i, s["first"]))
             out["ctx"] = session.n_ctx  # llama.cpp may round the requested size up
             out["docs_held"] = len(held)

@@ -392,8 +392,7 @@ class Conversation:
         """Load a .kvc file into a fresh session of its model (checked by hash)."""
         from kvcli import kvc  # noqa: PLC0415
         from kvcli.models import resolve_model  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
-        from kvcli.native.session import NativeSession  # noqa: PLC0415
+        from kvcli.native.session import NativeSession, SeqSnapshot  # noqa: PLC0415
         t0 = time.perf_counter()
         f = kvc.read(path)
         kvc.check_versions(f)
@@ -419,15 +418,12 @@ class Conversation:
                                                                -(-(c["cells"] + TURN_ROOM) // CTX_PAD) * CTX_PAD)))
         conv.model_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        cache.set_state(session.ctx, seq, f.state)
-        st = session.seq(seq)
-        st.next_pos, st.prompt_tokens = int(c["next_pos"]), len(conv.prefix_tokens)
-        st.kept_positions = f.kept_positions
-        st.cells = conv._measured_cells()
-        pos_max = session.L.llama_memory_seq_pos_max(session.mem, seq)
-        if st.cells != int(c["cells"]) or pos_max != st.next_pos - 1:
-            raise KvcliError(f"{path}: the cache state did not load as saved ({st.cells} cells, last position "
-                             f"{pos_max}; expected {c['cells']} cells, last position {st.next_pos - 1})")
+        snap = SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
+                           prompt_tokens=len(conv.prefix_tokens), kept_positions=f.kept_positions)
+        try:
+            session.restore_seq(snap, seq)  # checks the cells and the last position against the file's
+        except KvcliError as e:
+            raise KvcliError(f"{path}: {e}") from None
         conv.resolved_params = m.get("resolved_params")
         conv.reset_mark = (int(c["reset_pos"]), int(c["reset_cells"]))
         conv.prefix_logits = f.prefix_logits

@@ -1,5 +1,5 @@
 """Small measuring helpers shared by `kvcli bench` and `kvcli eval`: peak RSS, machine description,
-list parsing, distribution distances, restoring a saved sequence into a session.
+list parsing, distribution distances. (Rolling back and restoring a sequence are NativeSession methods.)
 
 Everything here measures or parses; nothing estimates a figure it could measure.
 """
@@ -151,27 +151,3 @@ def spread(values: list[float]) -> dict:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
-
-# ------------------------------------------------------------------------------ sessions
-def rollback(session, seq: int, n_tokens: int) -> None:
-    """Forget the last `n_tokens` decoded into `seq` (positions >= next_pos - n), so a decode can be
-    repeated from the same cache. The compressed prefix is untouched (its cells sit below)."""
-    st = session.seq(seq)
-    if n_tokens <= 0:
-        return
-    p0 = st.next_pos - n_tokens
-    if not session.L.llama_memory_seq_rm(session.mem, seq, p0, -1):
-        raise KvcliError(f"llama.cpp refused to remove positions >= {p0} of sequence {seq}")
-    st.next_pos = p0
-    st.cells -= n_tokens
-    st.logits_index = -1
-
-
-def restore(session, seq: int, state: bytes, next_pos: int, prompt_tokens: int) -> int:
-    """Load a sequence state (kvcli.native.cache.get_state) into `seq`; returns its measured cells."""
-    from kvcli.native import cache  # noqa: PLC0415
-    from kvcli.native.session import SeqState  # noqa: PLC0415
-    cache.set_state(session.ctx, seq, state)
-    cells = cache.stats(session.ctx, seq, session.info.n_layer, session.info.n_head_kv)["n_cells"]
-    session.seqs[seq] = SeqState(next_pos=next_pos, cells=cells, prompt_tokens=prompt_tokens)
-    return cells

@@ -68,7 +68,6 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     from kvcli import policies  # noqa: PLC0415
     from kvcli.compress import make_plan  # noqa: PLC0415
     from kvcli.bench import _sub_observation  # noqa: PLC0415
-    from kvcli.evaluation.measure import restore  # noqa: PLC0415
     from kvcli.native import cache  # noqa: PLC0415
     n = len(tokens)
     prepared, kinds, wmax = {}, set(), 0
@@ -94,7 +93,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     if obs is None and obs_error is None:  # nothing armed: positions only (e.g. streamingllm)
         obs = cache.read_observation(session.ctx, 0, session.info, ())
     first = session.logits(0)
-    state = cache.get_state(session.ctx, 0) if prepared else None
+    state = session.save_seq(0) if prepared else None
     dirty = False
     for pol, bud in cfgs:
         if pol in unavailable:
@@ -102,7 +101,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             continue
         try:
             if dirty:
-                restore(session, 0, state, n, n)
+                session.restore_seq(state, 0)
             dirty = True
             if pol == "full":
                 yield pol, bud, "ok", first, ""

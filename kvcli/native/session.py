@@ -323,6 +323,75 @@ class NativeSession:
             **{k: round(v, 4) for k, v in st.timings.items()},
         }
 
+    # ------------------------------------------------------------------ rolling back, saving and restoring a sequence
+    # (the one place outside prefill/step/apply_plan that changes a SeqState: bench, eval and .kvc loading use these)
+    def rollback(self, seq: int, n_tokens: int) -> None:
+        """Forget the last `n_tokens` appended to `seq` (positions >= next_pos - n_tokens), e.g. to repeat a
+        decode from the same cache. A compressed prefix is untouched: its cells sit at lower positions."""
+        st = self.seq(seq)
+        if n_tokens < 0 or n_tokens > st.next_pos:
+            raise KvcliError(f"cannot roll back {n_tokens} tokens of sequence {seq} (it has {st.next_pos} positions)")
+        if n_tokens == 0:
+            return
+        p0 = st.next_pos - n_tokens
+        if not self.L.llama_memory_seq_rm(self.mem, seq, p0, -1):
+            raise KvcliError(f"llama.cpp refused to remove positions >= {p0} of sequence {seq}")
+        st.next_pos = p0
+        st.cells = self.measured_cells(seq)
+        st.prompt_tokens = min(st.prompt_tokens, p0)
+        st.logits_index, st.last_logits = -1, None  # the logits belonged to a removed token
+
+    def measured_cells(self, seq: int = 0) -> int:
+        """Cells `seq` occupies, read from the live cache."""
+        from kvcli.native import cache  # noqa: PLC0415
+        return cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)["n_cells"]
+
+    def save_seq(self, seq: int = 0) -> SeqSnapshot:
+        """Everything needed to put `seq` back later, in this session or another one of the same model and
+        cache type: its cache state (kvcli.native.cache.get_state) and its bookkeeping."""
+        from kvcli.native import cache  # noqa: PLC0415
+        st = self.seq(seq)
+        return SeqSnapshot(state=cache.get_state(self.ctx, seq), next_pos=st.next_pos, cells=self.measured_cells(seq),
+                           prompt_tokens=st.prompt_tokens, kept_positions=st.kept_positions,
+                           last_logits=None if st.last_logits is None else st.last_logits.copy())
+
+    def restore_seq(self, snap: SeqSnapshot, seq: int = 0) -> int:
+        """Replace `seq` by a snapshot (its previous cells are dropped); returns the cells it occupies.
+        The loaded cache is checked against the snapshot: its last position must be next_pos - 1 and,
+        when the snapshot knows them, its cells must match."""
+        from kvcli.native import cache  # noqa: PLC0415
+        self.seq(seq)  # range check
+        if self.cells_used() - self.seqs[seq].cells + (snap.cells or 0) > self.n_ctx:
+            raise ContextFull(f"a {snap.cells}-cell sequence does not fit: {self.cells_used()} of {self.n_ctx} "
+                              "cells are in use")
+        self.clear(seq)
+        cache.set_state(self.ctx, seq, snap.state)
+        cells = self.measured_cells(seq)
+        pos_max = self.L.llama_memory_seq_pos_max(self.mem, seq)
+        if pos_max != snap.next_pos - 1 or (snap.cells is not None and cells != snap.cells):
+            self.clear(seq)
+            raise KvcliError(f"the cache state did not load as saved ({cells} cells, last position {pos_max}; "
+                             f"expected {snap.cells if snap.cells is not None else 'any number of'} cells, "
+                             f"last position {snap.next_pos - 1})")
+        st = self.seq(seq)
+        st.next_pos, st.cells, st.prompt_tokens = snap.next_pos, cells, snap.prompt_tokens
+        st.kept_positions = snap.kept_positions
+        if snap.last_logits is not None:
+            st.last_logits, st.logits_index = snap.last_logits.copy(), 0
+        return cells
+
+
+@dataclass
+class SeqSnapshot:
+    """A saved sequence (NativeSession.save_seq / restore_seq). `cells=None`: not known (e.g. a state read from a
+    file without it), restore_seq then only checks the last position."""
+    state: bytes
+    next_pos: int
+    cells: int | None = None
+    prompt_tokens: int = 0
+    kept_positions: list | None = None
+    last_logits: np.ndarray | None = None
+
 
 def _batch_cuts(n: int, n_batch: int, window: int) -> list[int]:
     """End offsets of the llama_decode calls for n tokens: at most n_batch each, and the last
