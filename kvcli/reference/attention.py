@@ -45,6 +45,11 @@ class LayerSlots:
     def n_slots(self) -> int:
         return int(self.key_pos.shape[1])
 
+    @property
+    def n_live_slots(self) -> int:
+        """Slots where some KV head holds a live entry (the native engine's per-layer cell count)."""
+        return int(torch.isfinite(self.bias).any(dim=0).sum())
+
     def append(self, q_pos: torch.Tensor) -> None:
         """New tokens enter every KV head as live entries at their own positions."""
         h = self.key_pos.shape[0]

@@ -1,14 +1,26 @@
-"""Applying a Plan to the reference engine's cache (docs/internals.md, "Plan").
+"""Applying a Plan to the reference engine's cache (docs/internals.md, "Plan"), with optional re-indexing.
 
 The cache of layer `l` is transformers' DynamicCache layer: K and V of shape
 [1, n_head_kv, L, head_dim], plus our `LayerSlots` (position and bias of each (KV head, slot)).
-A plan rewrites layer `l` into `width_l = max_h n_kept[l, h]` slots, so each layer gets its own
-length (real memory savings per layer). Inside a layer, heads that keep fewer than `width_l`
-entries are padded with slots whose bias is -inf: no query ever attends to them. This is the
-same layout as the native cache, except that the native cache pads every layer to the widest
-layer of the whole model (its cells are shared by all layers).
+
+Layout: the native cache's. A plan rewrites *every* layer into B = `plan.max_kept` slots (the
+widest (layer, head) of the whole model: llama.cpp's cells are shared by all layers). Slot j of
+(l, h) holds the j-th kept entry of (l, h); a (l, h) that keeps fewer than B entries is padded with
+dead slots (bias -inf, K and V zero, as in the native cache). Tokens decoded afterwards are slots
+B, B+1, ..., in both engines, so plans made on either engine's observation are interchangeable.
+
+Repeated compaction: an entry's new bias is its old bias plus the plan's log-multiplicity (a dead
+entry a plan picks stays dead, a merged entry keeps its log(m) and can be merged into again).
+
+Re-indexing (`rotate` given): the kept entries of each (l, h) get the positions 0..k-1 in slot
+order (slot order is position order: plans keep slots ascending and new tokens always come at
+higher positions), dead padding slots k..B-1, and their K rows are re-rotated by delta = new - old.
+Replacement rows of merged entries are in the space of the observation (rotated at the entry's old
+position), so they are written first and re-rotated with the others.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -27,35 +39,69 @@ def entry_locations(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return layer, head, j
 
 
-def apply_plan(cache, slots: list[LayerSlots], plan: Plan) -> None:
-    """Rewrite every layer of `cache` (a DynamicCache) and `slots` as the plan says, in place."""
+class KeyRotation:
+    """Re-rotates cached K rows by a per-entry position delta with the model's own rotary embedding.
+
+    RoPE rotations compose (R(p + d) = R(d) R(p)), so a K row rotated at position p becomes the row
+    rotated at p + d by one more rotation of angle d * inv_freq. cos/sin come from the model's
+    `rotary_emb` (its rope type, theta and scaling); they carry the rope type's attention scaling,
+    which the stored row already has once, so it is divided out here.
+    """
+
+    def __init__(self, model):
+        self.rotary = model.model.rotary_emb
+        # the rotate_half of the model's own modelling code (transformers' (j, j + d/2) pairing)
+        self.rotate_half = sys.modules[type(model).__module__].rotate_half
+        self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0) or 1.0)
+
+    def __call__(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """keys: [n_head_kv, L, head_dim] in transformers' order; delta: int64 [n_head_kv, L]."""
+        h, n, d = keys.shape
+        if n == 0:
+            return keys
+        cos, sin = self.rotary(keys.reshape(1, h * n, d), delta.reshape(1, h * n))
+        cos = (cos[0] / self.scaling).reshape(h, n, d).to(keys.dtype)
+        sin = (sin[0] / self.scaling).reshape(h, n, d).to(keys.dtype)
+        return keys * cos + self.rotate_half(keys) * sin
+
+
+def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation | None = None) -> None:
+    """Rewrite every layer of `cache` (a DynamicCache) and `slots` as the plan says, in place.
+    With `rotate`, the kept entries are re-indexed (see the module doc)."""
     log_mult = None if plan.log_mult is None else torch.from_numpy(plan.log_mult.astype(np.float32))
     offsets = plan.offsets()
     rep_layer, rep_head, rep_j = (a[plan.replace_entry] for a in entry_locations(plan)) \
         if plan.replace_entry.size else (np.zeros(0, np.int64),) * 3
+    width = plan.max_kept                       # every layer: the widest (layer, head) of the model
 
     for l in range(plan.n_layer):
         layer = cache.layers[l]
         n_head_kv, head_dim = layer.keys.shape[1], layer.keys.shape[3]
-        width = int(plan.n_kept[l].max()) if plan.n_head_kv else 0
         index = torch.zeros(n_head_kv, width, dtype=torch.int64)        # padding reads slot 0 ...
-        bias = torch.full((n_head_kv, width), float("-inf"))             # ... and is masked out
+        live = torch.zeros(n_head_kv, width, dtype=torch.bool)          # ... and is then cleared
+        added = torch.zeros(n_head_kv, width, dtype=torch.float32)
         for h in range(n_head_kv):
             kept = torch.from_numpy(plan.kept(l, h).astype(np.int64))
             index[h, :kept.numel()] = kept
-            if log_mult is None:
-                bias[h, :kept.numel()] = 0.0
-            else:
+            live[h, :kept.numel()] = True
+            if log_mult is not None:
                 off = int(offsets[l, h])
-                bias[h, :kept.numel()] = log_mult[off: off + kept.numel()]
+                added[h, :kept.numel()] = log_mult[off: off + kept.numel()]
+        # bias composes: an entry keeps what it carried (log(m) of an earlier merge, -inf if dead)
+        bias = torch.where(live, slots[l].bias.gather(1, index) + added, torch.tensor(float("-inf")))
         rows = index[:, :, None].expand(-1, -1, head_dim)
-        keys = layer.keys[0].gather(1, rows)
-        values = layer.values[0].gather(1, rows)
+        keys = layer.keys[0].gather(1, rows) * live[:, :, None]         # dead padding: zero rows, as native
+        values = layer.values[0].gather(1, rows) * live[:, :, None]
         for r in np.nonzero(rep_layer == l)[0]:           # merged entries: their K/V rows are replaced
             h, j = int(rep_head[r]), int(rep_j[r])
             # plans carry K rows in llama.cpp's dimension order (Observation.keys): back to ours
             keys[h, j] = gguf_to_hf_dims(torch.from_numpy(plan.replace_k[r].astype(np.float32)))
             values[h, j] = torch.from_numpy(plan.replace_v[r].astype(np.float32))
+        key_pos = slots[l].key_pos.gather(1, index)
+        if rotate is not None:
+            new_pos = torch.arange(width, dtype=torch.int64).expand(n_head_kv, -1).contiguous()
+            keys = rotate(keys, torch.where(live, new_pos - key_pos, 0))
+            key_pos = new_pos
         layer.keys = keys.unsqueeze(0).contiguous()
         layer.values = values.unsqueeze(0).contiguous()
-        slots[l] = LayerSlots(key_pos=slots[l].key_pos.gather(1, index), bias=bias)
+        slots[l] = LayerSlots(key_pos=key_pos, bias=bias)

@@ -2,9 +2,12 @@
 
 It loads the very GGUF file the native engine loads, prefills with the kvcli attention
 (kvcli/reference/attention.py), captures the same Observation the native engine captures,
-applies plans to its cache (kvcli/reference/compact.py) and decodes at the original positions:
-after a compaction the next token still gets position n (the uncompressed length), exactly as
-in the native engine. One sequence is processed at a time; clarity beats speed.
+applies plans to its cache (kvcli/reference/compact.py) in the native cache's slot layout, and
+decodes at the original positions: after a compaction the next token still gets position n (the
+uncompressed length), exactly as in the native engine. A compaction with `reindex=True` instead
+gives the kept entries the positions 0..k-1 (K re-rotated in torch) and decoding continues at B,
+the widest head's count, again as the native engine does. A compressed sequence can be observed
+and compacted again (chunked prefill). One sequence is processed at a time; clarity beats speed.
 """
 from __future__ import annotations
 
@@ -29,15 +32,21 @@ OBSERVE_KINDS = ("window", "colsum", "kv")
 class RefSeq:
     cache: object                     # transformers DynamicCache
     slots: list                       # LayerSlots per layer
-    next_pos: int = 0                 # position of the next token (the uncompressed length)
+    next_pos: int = 0                 # position of the next token (the uncompressed length, or B after reindexing)
     last_logits: np.ndarray | None = None
     compressed: bool = False
+    # the position llama.cpp's cell of each slot carries (Observation.positions): the token's own
+    # position, n-B..n-1 after a compaction without re-indexing, 0..B-1 after one with it
+    cell_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # False once compacted without re-indexing: its entries' positions then differ per (layer, head)
+    # from their slots' positions, and the native engine cannot re-index such a sequence either
+    reindexable: bool = True
     prompt_tokens: int = 0
     timings: dict = field(default_factory=dict)
 
     @property
     def cells(self) -> int:
-        """Widest layer: the cells a shared-cell cache (llama.cpp's) would need for this sequence."""
+        """Cells the sequence occupies: every layer has the same slots (the native cache's layout)."""
         return max((s.n_slots for s in self.slots), default=0)
 
 
@@ -63,6 +72,7 @@ class ReferenceSession:
         self.ctx = None
         self.n_ctx = 0
         self.seqs: dict[int, RefSeq] = {}
+        self._rotation = None     # compact.KeyRotation, made at the first re-indexing
         if n_ctx != 0:
             self.create_context(n_ctx)
 
@@ -101,10 +111,18 @@ class ReferenceSession:
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
 
+    def special_tokens(self) -> dict:
+        """Text of the GGUF's bos/eos/unk/pad tokens, the variables a chat template may use."""
+        from kvcli.templating import gguf_special_token_ids  # noqa: PLC0415
+        n_vocab = len(self.tokenizer)
+        return {name: self.tokenizer.convert_ids_to_tokens(tid)
+                for name, tid in gguf_special_token_ids(self.model_path).items() if 0 <= tid < n_vocab}
+
     def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
-        if not self.chat_template():
-            raise KvcliError(f"{self.model_path} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_assistant)
+        """The GGUF's jinja chat template rendered by kvcli.templating, exactly as the native engine does."""
+        from kvcli.templating import render_chat  # noqa: PLC0415
+        return render_chat(self.chat_template(), messages, add_generation_prompt=add_assistant,
+                           special_tokens=self.special_tokens(), model=self.info.path.name)
 
     # ------------------------------------------------------------------ sequences
     def seq(self, seq: int = 0) -> RefSeq:
@@ -150,6 +168,7 @@ class ReferenceSession:
             out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=st.cache, use_cache=True,
                              logits_to_keep=1)
         st.last_logits = out.logits[0, -1].to(torch.float32).numpy().copy()
+        st.cell_pos = torch.cat([st.cell_pos, pos])
         st.next_pos += len(tokens)
 
     def prefill(self, tokens: list[int], seq: int = 0, observe=(), window: int = 0, progress=None):
@@ -163,8 +182,6 @@ class ReferenceSession:
             return None
         if "window" in observe and not 0 < window <= len(tokens):
             raise KvcliError(f"observation window {window} must be in [1, {len(tokens)}] (the prefilled tokens)")
-        if observe and st.compressed:
-            raise KvcliError("the reference engine observes only uncompressed sequences")
         self._check_room(len(tokens))
         kinds = frozenset(observe) & {"window", "colsum"}
         observer = Observer(self.info.n_layer, kinds, st.next_pos + len(tokens) - window) if kinds else None
@@ -180,7 +197,7 @@ class ReferenceSession:
         i = self.info
         n = st.cells
         obs = Observation(n_layer=i.n_layer, n_head=i.n_head, n_head_kv=i.n_head_kv, head_dim=i.head_dim, n=n,
-                          positions=st.slots[0].key_pos[0].to(torch.int32).numpy().copy())
+                          positions=st.cell_pos.to(torch.int32).numpy().copy())
         if "window" in observe:
             obs.window = torch.stack([observer.window_array(l) for l in range(i.n_layer)]).numpy().astype(np.float32)
         if "colsum" in observe:
@@ -206,10 +223,14 @@ class ReferenceSession:
         return st.last_logits.copy()
 
     # ------------------------------------------------------------------ compression
-    def apply_plan(self, plan: Plan, seq: int = 0) -> None:
+    def apply_plan(self, plan: Plan, seq: int = 0, reindex: bool = False) -> None:
+        """Compact `seq` as the plan says (it may be compressed already: biases compose). With `reindex`,
+        the kept entries of every (layer, KV head) get the positions 0..k-1, K rows re-rotated, and
+        decoding continues at B = plan.max_kept (see kvcli/reference/compact.py)."""
         st = self.seq(seq)
-        if st.compressed:
-            raise KvcliError("the reference engine compresses a sequence once (it is already compressed)")
+        if reindex and not st.reindexable:
+            raise KvcliError(f"sequence {seq} was compacted without re-indexing: its entries' positions differ per "
+                             "layer and head from its cells' positions, so it cannot be re-indexed")
         if (plan.n_layer, plan.n_head_kv) != (self.info.n_layer, self.info.n_head_kv):
             raise KvcliError(f"plan is for {plan.n_layer} layers x {plan.n_head_kv} KV heads, the model has "
                              f"{self.info.n_layer} x {self.info.n_head_kv}")
@@ -218,12 +239,22 @@ class ReferenceSession:
         except ValueError as e:
             raise KvcliError(str(e)) from None
         t0 = time.perf_counter()
-        compact.apply_plan(st.cache, st.slots, plan)
+        if self._rotation is None and reindex:
+            self._rotation = compact.KeyRotation(self.model)
+        compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None)
+        width = plan.max_kept
+        if reindex:
+            st.next_pos = width
+            st.cell_pos = torch.arange(width, dtype=torch.int64)
+        else:
+            st.cell_pos = torch.arange(st.next_pos - width, st.next_pos, dtype=torch.int64)
+            st.reindexable = False
         st.compressed = True
-        st.timings["apply_s"] = time.perf_counter() - t0
+        st.timings["apply_s"] = st.timings.get("apply_s", 0.0) + time.perf_counter() - t0
 
     def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:
-        """Original positions live in each (layer, KV head), in slot order (decoded tokens included)."""
+        """Positions of the live entries of each (layer, KV head), in slot order (decoded tokens included):
+        original positions, or 0..k-1 after a re-indexing compaction."""
         st = self.seq(seq)
         return [[s.key_pos[h][torch.isfinite(s.bias[h])].to(torch.int32).numpy() for h in range(s.key_pos.shape[0])]
                 for s in st.slots]
@@ -238,7 +269,7 @@ class ReferenceSession:
         i = self.info
         full = st.next_pos * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
         return {"kv_cells": st.cells, "kv_bytes": int(kv + bias), "kv_bytes_full": int(full),
-                "per_layer_cells": [s.n_slots for s in st.slots],
+                "per_layer_cells": [s.n_live_slots for s in st.slots],
                 **{k: round(v, 4) for k, v in st.timings.items()}}
 
 
