@@ -14,6 +14,14 @@ L3 end to end   each engine observes, plans with its own planner and compresses 
                 right after prefill predate the compression: the "next-token" comparison is the
                 one after the first decoded token, the first that reads the compressed caches.
 
+Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver of
+kvcli/chunked.py (prefill a chunk, observe its last window, plan over everything held, compact with
+re-indexed positions). L1 is checked at every planning step: the torch planner on the native
+observation of that step must make the native plan. L2 compares the observations of the first chunk.
+L3 compares the end result; its Jaccard is over the *original* prompt positions each (layer, KV head)
+still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
+0..k-1 and say nothing about which tokens were kept).
+
 Both engines get the very same token ids (tokenised once, by the native engine). Thresholds are
 parameters (`Thresholds`, `kvcli check --threshold key=value`); their defaults are for the
 default model (SmolLM2-135M Q4_1) with the native engine as users run it (f16 cache, flash
@@ -281,6 +289,7 @@ class CheckSettings:
     levels: tuple = (1, 2, 3)
     instruction: str = "Summarise the document above in three sentences."
     doc_tokens: int | None = None   # cut the document to this many tokens before templating
+    chunk: int | None = None        # chunked prefill in chunks of this many tokens (None: one prefill)
 
 
 def policies_to_check(names) -> list[str]:
@@ -328,6 +337,10 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         raise KvcliError("the number of greedy tokens must be >= 1")
     if not document or not document.strip():
         raise KvcliError("the document is empty")
+    if settings.chunk is not None:
+        from kvcli.chunked import MIN_CHUNK  # noqa: PLC0415
+        if settings.chunk < MIN_CHUNK:
+            raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
     specs = {}
     for name in names:   # every bad policy parameter / budget is reported before any model is loaded
         spec, params, _ = policies.prepare(name, {}, settings.budget)
@@ -337,6 +350,11 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     native = NativeSession(model_path, n_ctx=0, cache_type=settings.cache_type, flash_attn=settings.flash_attn)
     tokens = build_tokens(native, document, settings)
     n = len(tokens)
+    if settings.chunk is not None:
+        try:
+            return _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
+        finally:
+            native.close()
     if n >= native.n_ctx_train:
         raise KvcliError(f"the prompt is {n} tokens, the model's context is {native.n_ctx_train}: use --doc-tokens")
     need_window = max([settings.l2_window] + [specs[p][0].observe(specs[p][1])[1] for p in names])
@@ -419,6 +437,160 @@ def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, com
                        and out["logits_max_abs"] <= th.l3_logits_atol and out["greedy_agree"] >= th.l3_greedy_min)
     reference.clear(1)
     return out
+
+
+# --------------------------------------------------------------------------------- chunked prefill
+
+
+class Origins:
+    """The original prompt index held by each (layer, KV head, slot) of a sequence read in chunks, followed
+    through the plans of the chunked driver. Engine-independent: in both engines a compaction leaves
+    B = plan.max_kept slots (slot j of (l, h) = its j-th kept entry, -1 here for dead padding) and the
+    next tokens enter at slots B, B+1, ... in prompt order."""
+
+    def __init__(self, n_layer: int, n_head_kv: int):
+        self.ids = [[np.zeros(0, np.int64) for _ in range(n_head_kv)] for _ in range(n_layer)]
+        self.width = 0        # slots held after the last compaction
+        self.consumed = 0     # prompt tokens entered so far
+
+    def _grow(self, n_slots: int) -> None:
+        new = n_slots - self.width
+        if new < 0:
+            raise KvcliError(f"the sequence holds {n_slots} slots, fewer than the {self.width} its last plan left")
+        fresh = np.arange(self.consumed, self.consumed + new, dtype=np.int64)
+        self.ids = [[np.concatenate([h, fresh]) for h in layer] for layer in self.ids]
+        self.consumed += new
+        self.width = n_slots
+
+    def on_plan(self, n_slots: int, plan: Plan) -> None:
+        """A plan made over `n_slots` slots was applied."""
+        self._grow(n_slots)
+        width = plan.max_kept
+        out = []
+        for l, layer in enumerate(self.ids):
+            row = []
+            for h, ids in enumerate(layer):
+                k = ids[plan.kept(l, h)]               # a dead slot a plan picks stays dead (-1)
+                row.append(np.concatenate([k, np.full(width - k.size, -1, np.int64)]))
+            out.append(row)
+        self.ids, self.width = out, width
+
+    def kept(self, n_slots: int) -> list[list[np.ndarray]]:
+        """Original positions live in each (layer, KV head) of a sequence of `n_slots` slots now."""
+        self._grow(n_slots)
+        return [[h[h >= 0] for h in layer] for layer in self.ids]
+
+
+def _merge_l1(steps: list[dict]) -> dict:
+    """One L1 verdict for all planning steps of a chunked prefill."""
+    out = {"pass": all(s["pass"] for s in steps), "steps": len(steps),
+           "steps_differing": sum(not s["pass"] for s in steps),
+           "identical_budgets": all(s["identical_budgets"] for s in steps),
+           "heads_differing": sum(s["heads_differing"] for s in steps),
+           "merged_rows": sum(s.get("merged_rows", 0) for s in steps),
+           "merge_max_abs": max((s["merge_max_abs"] for s in steps), default=0.0),
+           "log_mult_max_abs": max((s["log_mult_max_abs"] for s in steps), default=0.0),
+           "entries": [s["entries"] for s in steps], "first_difference": None}
+    for i, s in enumerate(steps):
+        if not s["pass"]:
+            out["first_difference"] = f"step {i}: {s['first_difference']}"
+            break
+    return out
+
+
+def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0) -> dict:
+    """kvcli check --chunk: both engines read `tokens` with kvcli.chunked.prefill_chunked (see the module doc)."""
+    from kvcli import chunked, compress  # noqa: PLC0415
+    from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
+
+    n, levels, chunk = len(tokens), set(settings.levels), settings.chunk
+    reserve = settings.n_tokens + 8
+    sizing = {}
+    for name in names:   # sizes (and bad combinations) before the reference engine is loaded
+        if name == "full":
+            continue
+        c = chunked.plan_chunking(n, reserve, native.n_ctx_train, name, settings.budget, chunk)
+        if c.chunk is None:
+            raise KvcliError(f"the prompt ({n} tokens) fits in one chunk of {chunk}: choose a smaller --chunk "
+                             "(or drop it to check a single prefill)")
+        sizing[name] = c
+    if not sizing:
+        raise KvcliError("chunked prefill compresses after every chunk: choose a compressing policy")
+    n_ctx = max(c.n_ctx for c in sizing.values())
+    native.create_context(n_ctx)
+    log(f"{n} prompt tokens in chunks of {chunk}; loading the reference engine")
+    reference = ReferenceSession(model_path, n_ctx=n_ctx)
+    info = native.info
+    report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget, "chunk": chunk,
+              "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+              "thresholds": th.as_dict(), "policies": []}
+
+    if 2 in levels:   # the first chunk's observation, the one both engines compute from the same tokens
+        log("L2: observation of the first chunk in both engines")
+        first = tokens[:chunk]
+        window = min(max([settings.l2_window] + [specs[p][0].observe(specs[p][1])[1] for p in sizing]), len(first))
+        try:
+            native.clear(0)
+            reference.clear(0)
+            kinds = ("window", "colsum", "kv")
+            nat_obs = native.prefill(first, seq=0, observe=kinds, window=window)
+            ref_obs = reference.prefill(first, seq=0, observe=kinds, window=window)
+            report["l2"] = compare_observations(nat_obs, ref_obs, th)
+            report["l2"]["tokens"] = len(first)
+        except KvcliError as e:
+            report["l2"] = {"pass": False, "error": str(e)}
+
+    for name in names:
+        spec, params = specs[name]
+        entry = {"policy": name, "note": ""}
+        report["policies"].append(entry)
+        if name == "full":
+            entry["skipped"] = "chunked prefill needs a compressing policy"
+            continue
+        if not (spec.native and spec.reference):
+            entry["skipped"] = f"no {'native' if not spec.native else 'reference'} implementation"
+            log(f"{name}: skipped ({entry['skipped']})")
+            continue
+        log(f"{name}: chunked prefill in both engines, L1 at every step, L3")
+        cap = sizing[name].cap
+        try:
+            l1_steps, origins_n = [], Origins(info.n_layer, info.n_head_kv)
+
+            def native_step(step, obs, plan_n, spec=spec, params=params, l1_steps=l1_steps, origins=origins_n):
+                if 1 in levels:
+                    plan_t = compress.make_plan(spec, params, settings.budget, obs, "reference")
+                    l1_steps.append(compare_plans(plan_n, plan_t, th.l1_merge_atol))
+                origins.on_plan(obs.n, plan_n)
+
+            native.clear(0)
+            rep_n = chunked.prefill_chunked(native, tokens, name, settings.budget, {}, chunk, cap=cap, seq=0,
+                                            planner="native", instruction=settings.instruction, on_step=native_step)
+            entry["chunks"] = len(rep_n.steps)
+            entry["steps"] = [[s.cells_before, s.cells_after] for s in rep_n.steps]
+            if 1 in levels:
+                entry["l1"] = _merge_l1(l1_steps)
+            if 3 in levels:
+                origins_r = Origins(info.n_layer, info.n_head_kv)
+                reference.clear(0)
+                rep_r = chunked.prefill_chunked(reference, tokens, name, settings.budget, {}, chunk, cap=cap, seq=0,
+                                                planner="reference", instruction=settings.instruction,
+                                                on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan))
+                kept_n = origins_n.kept(native.stats(0)["kv_cells"])
+                kept_r = origins_r.kept(reference.stats(0)["kv_cells"])
+                jac = jaccard_per_layer(kept_n, kept_r)
+                out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac,
+                       "peak_cells": [rep_n.peak_cells, rep_r.peak_cells],
+                       "reference_steps": [[s.cells_before, s.cells_after] for s in rep_r.steps]}
+                out.update(greedy_compare(native, reference, settings.n_tokens, 0, 0))
+                out["pass"] = bool(out["jaccard_min"] >= th.l3_jaccard_min and out["kl"] <= th.l3_kl_max
+                                   and out["logits_max_abs"] <= th.l3_logits_atol
+                                   and out["greedy_agree"] >= th.l3_greedy_min)
+                entry["l3"] = out
+        except KvcliError as e:
+            entry["error"] = str(e)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    report["passed"] = _passed(report)
+    return report
 
 
 def _passed(report: dict) -> bool:

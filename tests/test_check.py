@@ -126,6 +126,7 @@ def tiny_model(tmp_path_factory):
     (["--policy", "nosuch"], "unknown policy"),
     (["--budget", "0", "--policy", "snapkv"], "budget"),
     (["--doc", "/nonexistent/doc.txt"], "document not found"),
+    (["--chunk", "16", "--policy", "snapkv"], "--chunk must be at least"),
 ])
 def test_check_command_bad_input_is_one_line(cli_runner, args, msg, tiny_model):
     from kvcli.cli import cli

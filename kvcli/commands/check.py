@@ -38,7 +38,8 @@ def format_report(r: dict) -> str:
     ok = lambda b: "pass" if b else "FAIL"  # noqa: E731
     out = [f"model {r['model']}  |  {r['prompt_tokens']} prompt tokens  |  budget {r['budget']}  |  "
            f"native cache {r['settings']['cache_type']}, flash attention "
-           f"{'on' if r['settings']['flash_attn'] else 'off'}  |  {r['seconds']} s"]
+           f"{'on' if r['settings']['flash_attn'] else 'off'}"
+           + (f"  |  chunked prefill, chunks of {r['chunk']}" if r.get("chunk") else "") + f"  |  {r['seconds']} s"]
     if "l2" in r:
         l2 = r["l2"]
         if "error" in l2:
@@ -46,7 +47,8 @@ def format_report(r: dict) -> str:
         else:
             parts = [f"{k} max abs {v['max_abs']:.2e} rel {v['rel']:.2e} {ok(v['pass'])}"
                      for k, v in l2.items() if isinstance(v, dict)]
-            out.append(f"L2 observation: {ok(l2['pass'])}")
+            what = f" (first chunk, {l2['tokens']} tokens)" if "tokens" in l2 else ""
+            out.append(f"L2 observation{what}: {ok(l2['pass'])}")
             out += [f"  {p}" for p in parts]
     head = f"{'policy':<13} {'L1 plans':<22} {'L3 jaccard':<17} {'logits':<9} {'KL':<9} {'greedy':<12} L3"
     out += ["", head, "-" * len(head)]
@@ -63,6 +65,9 @@ def format_report(r: dict) -> str:
                                       f"{l1['heads_differing']} heads differ FAIL")
         if l1 is not None and l1["pass"] and l1.get("merged_rows"):
             l1s = f"same, merge {l1['merge_max_abs']:.0e} pass"
+        if l1 is not None and "steps" in l1:   # chunked: one verdict over every planning step
+            l1s = (f"{l1['steps']} steps identical" if l1["pass"] else
+                   f"{l1['steps_differing']}/{l1['steps']} steps differ FAIL")
         l3 = e.get("l3")
         if l3 is None:
             out.append(f"{name:<13} {l1s:<22}")
@@ -74,6 +79,10 @@ def format_report(r: dict) -> str:
             out.append(f"{'':<13} L1: {l1['first_difference']}")
         if e.get("note"):
             out.append(f"{'':<13} {e['note']}")
+        if e.get("chunks"):
+            peak = f"; peak cells native/reference {l3['peak_cells'][0]}/{l3['peak_cells'][1]}" if l3 else ""
+            out.append(f"{'':<13} {e['chunks']} chunks, cells after each: "
+                       f"{' '.join(str(a) for _, a in e['steps'])}{peak}")
     out += ["", "L3 jaccard: min/mean over layers; logits: max abs; greedy: teacher-forced agreement "
             "(tokens before the first difference)", f"RESULT: {'pass' if r['passed'] else 'FAIL'}"]
     return "\n".join(out)
@@ -95,17 +104,21 @@ def format_report(r: dict) -> str:
 @click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
               help="Native KV cache type (f32 with --no-flash-attn gives the tightest agreement).")
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True, help="Native flash attention.")
+@click.option("--chunk", type=int, default=None, metavar="N",
+              help="Read the prompt in chunks of N tokens in both engines (chunked prefill with re-indexed "
+                   "positions); L1 is then checked at every planning step.")
 @click.option("--threshold", "thresholds", multiple=True, metavar="KEY=VALUE", help="Override a threshold.")
 @click.option("--tight", is_flag=True, help="Thresholds for float32 GGUFs checked with --cache-type f32 "
                                               "--no-flash-attn (engines agree to ~1e-5).")
 @json_option
-def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn, thresholds,
-              tight, as_json):
+def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn, chunk,
+              thresholds, tight, as_json):
     """Check the native engine against the PyTorch reference engine on one document.
 
     L1 feeds the same observation to the C++ and torch planners (identical plans required); L2
     compares the observations both engines compute; L3 compresses in both engines and compares kept
-    positions, next-token logits and greedy continuations."""
+    positions, next-token logits and greedy continuations. With --chunk N both engines read the
+    document in chunks, compressing and re-indexing after each one."""
     from kvcli.check import CheckSettings, Thresholds, run_check  # noqa: PLC0415
     from kvcli.documents import read_document  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
@@ -119,6 +132,12 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     names = policies_to_check(policy_names)
     for name in names:
         policies.prepare(name, {}, budget)
+    if chunk is not None:
+        from kvcli.chunked import MIN_CHUNK  # noqa: PLC0415
+        if chunk < MIN_CHUNK:
+            raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
+        if not policy_names:   # every policy but full: chunked prefill compresses after every chunk
+            names = [n for n in names if n != "full"]
     if doc is None:
         if not EXAMPLE_DOC.exists():
             raise KvcliError("no --doc given and the example document is not installed: pass --doc FILE")
@@ -126,7 +145,7 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     document = read_document(doc)
     path = resolve_model(model)
     settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
-                             levels=level_set, doc_tokens=doc_tokens)
+                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
     report = run_check(path, document, names, settings, th, log=log)
     if as_json:
