@@ -1,6 +1,7 @@
 """Decode speed of the native engine after compression, side by side with full caches.
 
-    python benchmarks/native_decode.py [--tokens 7500] [--budget 256] [--decode 32] [--json]
+    python benchmarks/native_decode.py [--tokens 7500] [--budget 256] [--decode 32] [--rounds 5] [--threads N]
+                                       [--json] [--json-out FILE]
 
 On the default model with flash attention: a ~7.5k-token prompt
   - compressed to --budget with snapkv (f16 cache),
@@ -8,12 +9,16 @@ On the default model with flash attention: a ~7.5k-token prompt
   - full cache of a 512-token prompt (f16), the speed a 256-entry cache should approach,
 reports decode tok/s, prefill time and, for snapkv, the share of observation + planning +
 compaction in the prefill time (observation = prefill with the window armed minus the same
-prefill unarmed). Numbers are measured, on whatever machine runs this (2 cores in CI).
+prefill unarmed). All five contexts are prefilled first and stay open; their decode speeds are then
+measured round after round, interleaved (median, min-max), so that a change of load on a shared
+machine hits every configuration alike. The 1-minute load average is recorded with every figure.
+Numbers are measured, on whatever machine runs this (2 cores in CI).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,9 +45,10 @@ def prompt_tokens(s: NativeSession, n: int) -> list[int]:
     return toks[-n:]
 
 
-def decode_speed(s: NativeSession, n: int) -> float:
-    t = int(np.argmax(s.logits()))
-    s.step({0: t})  # warm-up: builds the decode graph
+def decode_speed(s: NativeSession, n: int, first: int) -> float:
+    """n tokens decoded greedily after `first` (the prompt's next token; its step is the untimed warm-up that
+    builds the decode graph)."""
+    s.step({0: first})
     t0 = time.perf_counter()
     for _ in range(n):
         t = int(np.argmax(s.logits()))
@@ -74,9 +80,11 @@ def _window_decode_s(s, toks, w, armed: bool, repeat: int = 3) -> float:
     return best
 
 
-def run(label: str, model, toks, n_decode: int, cache_type="f16", budget=None, window=0) -> dict:
-    """Prefill (the last `window` tokens in a decode of their own), snapkv when budget is set, decode."""
-    s = NativeSession(model, n_ctx=8192, flash_attn=True, cache_type=cache_type)
+def setup(label: str, model, toks, cache_type="f16", budget=None, window=0, threads=None):
+    """Prefill (the last `window` tokens in a decode of their own) and, when budget is set, snapkv; returns the
+    row and the open session, whose decode speed is measured later, interleaved with the other sessions'."""
+    load0 = os.getloadavg()[0]
+    s = NativeSession(model, n_ctx=8192, flash_attn=True, cache_type=cache_type, n_threads=threads)
     try:
         n = len(toks)
         t0 = time.perf_counter()
@@ -97,23 +105,48 @@ def run(label: str, model, toks, n_decode: int, cache_type="f16", budget=None, w
             t3 = time.perf_counter()
             s.apply_plan(plan)
             t4 = time.perf_counter()
-            extra.update(read_obs_s=round(t2 - t1, 3), plan_s=round(t3 - t2, 3), apply_s=round(t4 - t3, 3))
+            extra.update(read_obs_s=round(t2 - t1, 4), plan_s=round(t3 - t2, 4), apply_s=round(t4 - t3, 4))
         row = _stats_row(s, label, cache_type, n)
         row["prefill_s"] = round(head_s + extra.get("window_decode_s", 0.0), 2)
         row.update(extra)
-        row["decode_tok_s"] = round(decode_speed(s, n_decode), 1)
-        return row
-    finally:
+        row["prefill_load_1m"] = f"{load0:.2f}-{os.getloadavg()[0]:.2f}"  # before - after: how shared the machine was
+        print(f"[native_decode] {label}: {row}", file=sys.stderr, flush=True)
+        return row, s
+    except BaseException:
         s.close()
+        raise
+
+
+def decode_rounds(sessions: list, n_decode: int, rounds: int) -> list[dict]:
+    """Decode speed of every session, interleaved: round after round, each session decodes n tokens that are then
+    rolled back, so a change of the machine's load hits every configuration alike. Median with min and max."""
+    speeds = [[] for _ in sessions]
+    loads = []
+    firsts = [int(np.argmax(s.logits())) for s in sessions]  # a rollback drops the logits: keep the first token
+    for r in range(rounds):
+        loads.append(os.getloadavg()[0])
+        for i, s in enumerate(sessions):
+            speeds[i].append(decode_speed(s, n_decode, firsts[i]))
+            s.rollback(0, n_decode + 1)  # the warm-up token too
+        print(f"[native_decode] round {r + 1}/{rounds}: " + ", ".join(f"{v[-1]:.1f}" for v in speeds)
+              + f" tok/s (load {loads[-1]:.2f})", file=sys.stderr, flush=True)
+    return [{"decode_tok_s": round(float(np.median(v)), 1), "decode_tok_s_min": round(min(v), 1),
+             "decode_tok_s_max": round(max(v), 1), "decode_rounds": rounds,
+             "decode_load_1m": f"{min(loads):.2f}-{max(loads):.2f}"} for v in speeds]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=7500)
     ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--decode", type=int, default=32, help="tokens per decode round")
+    ap.add_argument("--rounds", type=int, default=5, help="decode rounds (interleaved over the configurations)")
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: KVCLI_THREADS or all cores)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json-out", type=Path, default=None, help="also write the rows and the machine to this file")
     a = ap.parse_args(argv)
+    from kvcli.evaluation.measure import machine  # noqa: PLC0415
+    mach = machine(a.threads)
     model = default_model_path()
     probe = NativeSession(model, n_ctx=0)
     long_toks = prompt_tokens(probe, a.tokens)
@@ -124,28 +157,39 @@ def main(argv=None) -> int:
     spec, params, _ = policies.prepare("snapkv", {}, a.budget)
     _, w = spec.observe(params)
 
-    rows = []
-    full = run("full", model, long_toks, a.decode, window=w)
-    rows.append(full)
-    snap = run(f"snapkv {a.budget}", model, long_toks, a.decode, budget=a.budget, window=w)
+    t = a.threads
+    setups = [setup("full", model, long_toks, window=w, threads=t),
+              setup(f"snapkv {a.budget}", model, long_toks, budget=a.budget, window=w, threads=t),
+              setup("full 512", model, short_toks, threads=t),
+              setup("full q8_0", model, long_toks, cache_type="q8_0", threads=t),
+              setup("full q4_0", model, long_toks, cache_type="q4_0", threads=t)]
+    rows = [r for r, _ in setups]
+    try:
+        for r, d in zip(rows, decode_rounds([s for _, s in setups], a.decode, a.rounds)):
+            r.update(d)
+    finally:
+        for _, s in setups:
+            s.close()
+    full, snap = rows[0], rows[1]
     # observation: the armed window decode minus the unarmed one, plus reading it out
     obs_s = max(0.0, snap["window_decode_s"] - full["window_decode_s"]) + snap["read_obs_s"]
-    snap["observe_s"] = round(obs_s, 3)
+    snap["observe_s"] = round(obs_s, 4)
     snap["overhead_pct_of_prefill"] = round(
         100 * (obs_s + snap["plan_s"] + snap["apply_s"]) / full["prefill_s"], 2)
-    rows.append(snap)
-    rows.append(run("full 512", model, short_toks, a.decode))
-    rows.append(run("full q8_0", model, long_toks, a.decode, cache_type="q8_0"))
-    rows.append(run("full q4_0", model, long_toks, a.decode, cache_type="q4_0"))
     ref512 = rows[2]["decode_tok_s"]
     for r in rows:
         r["vs_full512"] = round(r["decode_tok_s"] / ref512, 3)
 
+    if a.json_out:
+        a.json_out.write_text(json.dumps({"machine": mach, "args": vars(a) | {"json_out": str(a.json_out)},
+                                          "rows": rows}, indent=2))
     if a.json:
         print(json.dumps(rows, indent=2))
     else:
-        cols = ["config", "cache_type", "prompt_tokens", "kv_cells", "kv_MiB", "prefill_s", "decode_tok_s",
-                "vs_full512"]
+        print(f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['threads']} threads, "
+              f"load {mach.get('load_avg_1m_at_start')} at start")
+        cols = ["config", "cache_type", "prompt_tokens", "kv_cells", "kv_MiB", "prefill_s", "prefill_load_1m",
+                "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "vs_full512", "decode_load_1m"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:
