@@ -87,7 +87,9 @@ def test_reference_full_reproduces_native_full_greedy(default_model):
     from kvcli.native.session import NativeSession
     nat = NativeSession(default_model, n_ctx=256)
     ref = ReferenceSession(default_model)
-    prompt = nat.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea and the wind."}])
+    # templated by hand: the comparison is about decoding, and this prompt has no near-tie among the first
+    # tokens (a tie within the engines' logit error, ~0.8 on this Q4_1 model, could go either way)
+    prompt = "<|im_start|>user\nWrite a short poem about the sea and the wind.<|im_end|>\n<|im_start|>assistant\n"
     toks = nat.tokenize(prompt)
     assert ref.tokenize(prompt) == toks
     nat.prefill(toks)
@@ -98,8 +100,9 @@ def test_reference_full_reproduces_native_full_greedy(default_model):
         gr.append(int(np.argmax(ref.logits())))
         nat.step({0: gn[-1]})
         ref.step({0: gr[-1]})
+    texts = (nat.detokenize(gn), ref.detokenize(gr))
     nat.close()
-    assert gn == gr, (nat.detokenize(gn), ref.detokenize(gr))
+    assert gn == gr, texts
 
 
 def test_check_default_model_realistic(default_model):
