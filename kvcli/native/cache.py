@@ -12,6 +12,9 @@ Order of calls for one compressed prompt (one sequence `seq`, next position `p` 
 3. `read_observation(ctx, seq, info, kinds)` -> `kvcli.plan.Observation`.
 4. a plan (`kvcli.native.lib.native_plan` or a torch policy), then `apply_plan(ctx, seq, plan, head_dim)`:
    the sequence now holds `plan.max_kept` cells; keep decoding it at position `p + len(tokens)`.
+   With `reindex_p0=0` the kept entries get positions 0..k-1 instead (K re-rotated) and decoding
+   continues at `plan.max_kept`; repeating 1-4 chunk after chunk reads a document of any length
+   (kvcli/chunked.py). Observation of a compacted sequence covers its cells (compacted + new).
 5. `set_header(...)` to label it, `save_state`/`load_state` to write it to / read it from a file.
 
 The context must have a unified KV cache (`kv_unified=True`) when it holds several sequences.
@@ -129,8 +132,14 @@ def seq_positions(ctx, seq: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------ compaction
-def apply_plan(ctx, seq: int, plan: Plan, head_dim: int) -> int:
-    """Compact `seq` as the plan says; returns the cells it holds now (plan.max_kept)."""
+def apply_plan(ctx, seq: int, plan: Plan, head_dim: int, reindex_p0: int | None = None) -> int:
+    """Compact `seq` as the plan says; returns the cells it holds now (plan.max_kept).
+
+    The sequence may be compacted already (slots are its cells now, in cell order; the slot bias
+    composes). `reindex_p0=None`: kept entries keep their positions, decoding continues at the same
+    next position. `reindex_p0=p0`: the kept entries of every (layer, KV head) get positions
+    p0, p0+1, ... (K re-rotated in the cache's backend), decoding continues at p0 + plan.max_kept;
+    refused for a sequence once compacted without re-indexing (`is_reindexable`)."""
     L = lib()
     n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
     try:
@@ -138,12 +147,24 @@ def apply_plan(ctx, seq: int, plan: Plan, head_dim: int) -> int:
     except ValueError as e:
         raise KvcliError(str(e)) from None
     view, _keep = plan_view(plan, head_dim)
-    return L.check(L.kvcli_apply_plan(ctx, int(seq), ctypes.byref(view)), "applying the plan")
+    if reindex_p0 is None:
+        return L.check(L.kvcli_apply_plan(ctx, int(seq), ctypes.byref(view)), "applying the plan")
+    if int(reindex_p0) < 0:
+        raise KvcliError(f"re-indexing needs a first position >= 0 (got {reindex_p0})")
+    return L.check(L.kvcli_apply_plan_reindexed(ctx, int(seq), ctypes.byref(view), int(reindex_p0)),
+                   "applying the plan with re-indexing")
 
 
 def is_compressed(ctx, seq: int) -> bool:
     L = lib()
     return bool(L.check(L.kvcli_seq_is_compressed(_ctx(ctx), int(seq)), "kvcli_seq_is_compressed"))
+
+
+def is_reindexable(ctx, seq: int) -> bool:
+    """Whether every entry of `seq` sits at its cell's position (never compacted, or only with
+    re-indexing), so `apply_plan(..., reindex_p0=...)` accepts it."""
+    L = lib()
+    return bool(L.check(L.kvcli_seq_is_reindexable(_ctx(ctx), int(seq)), "kvcli_seq_is_reindexable"))
 
 
 def shift_positions(ctx, seq: int, p0: int, p1: int, delta: int) -> None:

@@ -152,32 +152,23 @@ class NativeSession:
         t = self.L.llama_model_chat_template(self.model, None)
         return t.decode("utf-8") if t else None
 
+    def special_tokens(self) -> dict:
+        """Text of the GGUF's bos/eos/unk/pad tokens, the variables a chat template may use."""
+        from kvcli.templating import gguf_special_token_ids  # noqa: PLC0415
+        n_vocab = self.L.llama_vocab_n_tokens(self.vocab)
+        out = {}
+        for name, tid in gguf_special_token_ids(self.model_path).items():
+            if 0 <= tid < n_vocab:
+                t = self.L.llama_vocab_get_text(self.vocab, tid)
+                out[name] = t.decode("utf-8", "replace") if t else ""
+        return out
+
     def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
-        """The model's own chat template, as llama.cpp applies it (jinja as a fallback)."""
-        tmpl = self.chat_template()
-        if tmpl is None:
-            raise KvcliError(f"{os.path.basename(self.model_path)} has no chat template")
-        L = self.L
-        arr = (L.llama_chat_message * len(messages))()
-        keep = []
-        for i, m in enumerate(messages):
-            role, content = m["role"].encode(), m["content"].encode("utf-8")
-            keep += [role, content]
-            arr[i].role, arr[i].content = role, content
-        size = sum(len(m["content"].encode("utf-8")) for m in messages) * 2 + 1024
-        buf = ctypes.create_string_buffer(size)
-        n = L.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)
-        if n > size:
-            buf = ctypes.create_string_buffer(n + 1)
-            n = L.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n + 1)
-        if n >= 0:
-            return buf.raw[:n].decode("utf-8")
-        # a template llama.cpp does not recognise: render the jinja source as llama-cpp-python does
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
-        bos = self.detokenize([self.L.llama_vocab_bos(self.vocab)])
-        eos = self.detokenize([self.L.llama_vocab_eos(self.vocab)])
-        fmt = Jinja2ChatFormatter(template=tmpl, bos_token=bos, eos_token=eos, add_generation_prompt=add_assistant)
-        return fmt(messages=messages).prompt
+        """The GGUF's jinja chat template rendered by kvcli.templating, as the reference engine does
+        (llama.cpp's built-in formats would drop parts of some templates, e.g. SmolLM2's system turn)."""
+        from kvcli.templating import render_chat  # noqa: PLC0415
+        return render_chat(self.chat_template(), messages, add_generation_prompt=add_assistant,
+                           special_tokens=self.special_tokens(), model=self.info.path.name)
 
     # ------------------------------------------------------------------ decoding
     def seq(self, seq: int = 0) -> SeqState:
@@ -281,18 +272,53 @@ class NativeSession:
         self.seqs.pop(seq, None)
 
     # ------------------------------------------------------------------ compression
-    def apply_plan(self, plan, seq: int = 0) -> None:
+    def apply_plan(self, plan, seq: int = 0, reindex: bool = False) -> None:
+        """Compact `seq` (compressed already or not: slots are its cells now). reindex=True: the kept
+        entries of every (layer, KV head) get positions 0..k-1 (K re-rotated), decoding continues at
+        plan.max_kept, and kept_positions() reports those new positions."""
         from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
-        cache.apply_plan(self.ctx, seq, plan, self.info.head_dim)
-        prev = st.kept_positions
-        kept = plan.kept_lists()
-        if prev is None:
-            base = np.arange(st.cells, dtype=np.int32)  # slots of an uncompressed sequence are its positions
-            st.kept_positions = [[base[k] for k in layer] for layer in kept]
+        origins = self._slot_origins(seq)
+        try:
+            cache.apply_plan(self.ctx, seq, plan, self.info.head_dim, reindex_p0=0 if reindex else None)
+        except KvcliError:
+            if self.measured_cells(seq) == 0 and st.cells > 0:  # a failed re-rotation removes the sequence
+                self.seqs.pop(seq, None)
+            raise
+        if reindex:
+            st.kept_positions = [[np.arange(int(n), dtype=np.int32) for n in row] for row in plan.n_kept]
+            st.next_pos = plan.max_kept  # the last logits stay: they are the model's output for the last token
         else:
-            st.kept_positions = [[prev[l][h][k] for h, k in enumerate(layer)] for l, layer in enumerate(kept)]
+            st.kept_positions = [[origins[l][h][k] for h, k in enumerate(layer)]
+                                 for l, layer in enumerate(plan.kept_lists())]
         st.cells = plan.max_kept
+
+    def _slot_origins(self, seq: int) -> list[list[np.ndarray]]:
+        """Per (layer, KV head), the original position of the entry in each slot (cell order) of `seq`,
+        -1 for a dead slot (bias -inf). Cells of the compacted block (the sequence's lowest B positions
+        after a compaction) map to the kept lists; cells appended since hold their own position."""
+        from kvcli.native import cache  # noqa: PLC0415
+        st = self.seq(seq)
+        pos = cache.seq_positions(self.ctx, seq)
+        prev = st.kept_positions
+        if prev is None or pos.size == 0:
+            return [[pos] * self.info.n_head_kv for _ in range(self.info.n_layer)]
+        width = max(len(h) for layer in prev for h in layer)
+        j = pos - pos.min()
+        block = j < width
+        out = []
+        for layer in prev:
+            row = []
+            for kept in layer:
+                a = pos.copy()
+                k = np.asarray(kept, np.int32)
+                idx = np.flatnonzero(block)
+                live = j[idx] < k.size
+                a[idx] = -1
+                a[idx[live]] = k[j[idx[live]]]
+                row.append(a)
+            out.append(row)
+        return out
 
     def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:
         st = self.seq(seq)
@@ -319,7 +345,10 @@ class NativeSession:
             "kv_cells": live["n_cells"],
             "kv_bytes": live["k_bytes"] + live["v_bytes"] + live["bias_bytes"],
             "kv_bytes_full": self.bytes_per_cell() * st.next_pos,
+            # cells live in at least one KV head of the layer (cells are shared by all layers)
             "per_layer_cells": live["per_layer_cells"],
+            # live entries of each (layer, KV head): a plan's n_kept, plus the tokens decoded since
+            "per_head_entries": live["per_head_entries"],
             **{k: round(v, 4) for k, v in st.timings.items()},
         }
 

@@ -81,8 +81,29 @@ struct kvcli_plan_view {
 // keep decoding at the original next position. Returns the new number of cells or < 0.
 KVCLI_API int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan);
 
+// Repeated compaction: a plan may be applied to an already compacted sequence (its slots are the
+// sequence's cells now, in cell order). The slot bias composes: a kept entry's new bias is the bias it
+// had in its source cell (0 for a cell without one) + log_mult, so a dead (-inf) entry stays dead and a
+// merged entry keeps its log-multiplicity.
+
+// Same as kvcli_apply_plan, then re-indexing: per (layer, KV head), the kept entries, in the order of
+// their current positions, get the positions p0, p0+1, ..., p0+k-1; each K row is re-rotated by
+// delta = new - old position (per layer, KV head and entry) in a ggml graph on the backend of the
+// device holding that layer's K (llama.cpp's K-shift step: quantized caches are dequantized,
+// un-rotated, roped, rotated and requantized). A replacement row counts as sitting at its source
+// slot's position. Cells get positions p0 .. p0+B-1 (B = max kept), so decoding continues at p0+B.
+// Layers without RoPE are not rotated. Needs "entry position == cell position" for every entry:
+// true for a sequence never compacted or only compacted by this function; a sequence compacted by
+// kvcli_apply_plan is refused (kvcli_seq_is_reindexable() == 0) until it is emptied.
+// Returns B or < 0. A failure after the cells were rewritten removes the sequence (the error says so).
+KVCLI_API int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id,
+                                             const struct kvcli_plan_view * plan, int32_t p0);
+
 // Whether seq_id has been compacted (and so refuses K-shift / seq_add / seq_div).
 KVCLI_API int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id);
+// Whether every entry of seq_id sits at its cell's position (1), so kvcli_apply_plan_reindexed accepts it;
+// 0 after a kvcli_apply_plan. Carried by state save/load (kvcli state format 2).
+KVCLI_API int32_t kvcli_seq_is_reindexable(struct llama_context * ctx, kvcli_seq_id seq_id);
 
 // Header stored with a compressed state (llama_state_seq_* carry it with the slot bias).
 struct kvcli_state_header {

@@ -15,6 +15,8 @@
 #include "llama-impl.h"
 #include "llama-io.h"
 
+#include "ggml-alloc.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -337,6 +339,7 @@ uint64_t model_fingerprint(const llama_kv_cache & kv) {
 
 constexpr uint32_t STATE_MAGIC  = 0x4c43564b; // "KVCL"
 constexpr uint32_t SUFFIX_MAGIC = 0x4243564b; // "KVCB"
+constexpr uint32_t STATE_SEQ_OFF_CELL = 1;     // per-sequence flag: compacted without re-indexing
 
 } } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
@@ -426,6 +429,8 @@ void kvcli_state_write_prefix(const llama_kv_cache * kv, llama_io_write_i & io, 
     for (llama_seq_id s : seqs) {
         io.write(&s, sizeof(s));
         io.write(&kv->kvcli_ext->seqs[s].header, sizeof(kvcli_state_header));
+        const uint32_t flags = kv->kvcli_ext->seqs[s].off_cell ? STATE_SEQ_OFF_CELL : 0; // format 2
+        io.write(&flags, sizeof(flags));
     }
 }
 
@@ -471,7 +476,12 @@ void kvcli_state_write_suffix(const llama_kv_cache * kv, llama_io_write_i & io, 
 
 namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 // headers read by the prefix, applied once the cells are in place
-thread_local std::vector<std::pair<llama_seq_id, kvcli_state_header>> g_pending_headers;
+struct pending_seq {
+    llama_seq_id       seq;
+    kvcli_state_header header;
+    uint32_t           flags;
+};
+thread_local std::vector<pending_seq> g_pending_headers;
 
 [[noreturn]] void state_fail(const std::string & msg) {
     kvcli_set_error(msg);
@@ -505,14 +515,19 @@ void kvcli_state_read_prefix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
     for (uint32_t i = 0; i < n; ++i) {
         llama_seq_id s;
         kvcli_state_header h;
+        uint32_t flags = 0;
         io.read(&s, sizeof(s));
         io.read(&h, sizeof(h));
+        io.read(&flags, sizeof(flags));
         if (s < 0 || s >= LLAMA_MAX_SEQ) {
             state_fail("corrupted cache state (bad sequence id)");
         }
+        if (flags & ~STATE_SEQ_OFF_CELL) {
+            state_fail("corrupted cache state (bad sequence flags)");
+        }
         h.policy[sizeof(h.policy) - 1] = 0;
         h.kvcli_version[sizeof(h.kvcli_version) - 1] = 0;
-        g_pending_headers.emplace_back(seq_id == -1 ? s : seq_id, h);
+        g_pending_headers.push_back({ seq_id == -1 ? s : seq_id, h, flags });
     }
     if (n > 0) {
         try {
@@ -590,10 +605,11 @@ void kvcli_state_read_suffix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
         if (seq_id != -1 && kv->kvcli_ext) {
             kv->kvcli_ext->seqs[seq_id] = kvcli_seq_info{};
         }
-        for (auto & [s, h] : headers) {
+        for (const auto & p : headers) {
             auto & ext = kvcli_ext_of(kv);
-            ext.seqs[s].compressed = true;
-            ext.seqs[s].header     = h;
+            ext.seqs[p.seq].compressed = true;
+            ext.seqs[p.seq].off_cell   = (p.flags & STATE_SEQ_OFF_CELL) != 0;
+            ext.seqs[p.seq].header     = p.header;
         }
     } catch (const std::exception & e) {
         kvcli_set_error(e.what());
@@ -682,7 +698,185 @@ void validate_plan(const kvcli_plan_view * p, const shapes & sh, uint32_t n_slot
 } } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
 
-static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const kvcli_plan_view * plan) {
+namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
+
+// The device whose backend can run graphs over a layer's K: the buffer type's device; a host
+// buffer type without one (ggml's plain CPU buffer type has none) is the CPU device's.
+ggml_backend_dev_t k_device(const ggml_tensor * k, uint32_t il) {
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    if (!dev && ggml_backend_buft_is_host(buft)) {
+        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    }
+    if (!dev) {
+        throw kvcli_error("the K cache of layer " + std::to_string(il) + " is in a buffer (" +
+                          ggml_backend_buft_name(buft) + ") no backend device owns; kvcli cannot re-rotate it");
+    }
+    return dev;
+}
+
+// The backend that runs graphs on `dev` for this cache (made once, kept with the cache).
+ggml_backend_t rope_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_threads) {
+    ggml_backend_t be = nullptr;
+    for (auto & [d, b] : ext.rope_backends) {
+        if (d == dev) {
+            be = b.get();
+        }
+    }
+    if (!be) {
+        be = ggml_backend_dev_init(dev, nullptr);
+        if (!be) {
+            throw kvcli_error(std::string("could not start a backend on ") + ggml_backend_dev_name(dev) +
+                              " to re-rotate K");
+        }
+        ext.rope_backends.emplace_back(dev, ggml_backend_ptr(be));
+    }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    auto set_threads = reg ? (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
+                           : nullptr;
+    if (set_threads) {
+        set_threads(be, std::max(1, n_threads));
+    }
+    return be;
+}
+
+// Re-rotate the K rows of cells `dst` (the compacted sequence) by per-(layer, cell, KV head) position
+// deltas: delta[il][j*n_head_kv + h] for cell dst[j]. Runs llama.cpp's K-shift step
+// (llama_kv_cache::build_rope_shift) in a graph of our own on a backend of the device holding each
+// layer's K, so quantized caches go through dequantize -> un-Hadamard -> RoPE -> Hadamard -> quantize
+// as llama.cpp's own context shift does. Only the runs of `dst` are viewed: other sequences' cells
+// are never touched.
+void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, const std::vector<uint32_t> & dst,
+                const std::vector<std::vector<int32_t>> & delta) {
+    const auto & hp = kvcli_access::hparams(*kv);
+    if (hp.rope_type == LLAMA_ROPE_TYPE_NONE) {
+        return;
+    }
+    const auto & layers = kvcli_access::layers(*kv);
+    const auto & cparams = ctx->get_cparams();
+    const llama_model & model = kvcli_access::model(*kv);
+    const shapes sh = shapes_of(*kv);
+    const uint32_t nkv = sh.n_head_kv, hd = sh.head_dim, B = dst.size();
+    const auto runs = runs_of(dst);
+    const int nrot_had = rot_size(*kv, 0);
+
+    // layers that need it, grouped by the device holding their K
+    std::vector<std::pair<ggml_backend_dev_t, std::vector<size_t>>> groups;
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const uint32_t il = layers[ikv].il;
+        if (!hp.has_rope(il)) {
+            continue; // this layer's K carries no position
+        }
+        bool any = false;
+        for (int32_t d : delta[il]) {
+            any = any || d != 0;
+        }
+        if (!any) {
+            continue;
+        }
+        ggml_backend_dev_t dev = k_device(layers[ikv].k, il);
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto & g) { return g.first == dev; });
+        if (it == groups.end()) {
+            groups.push_back({ dev, {} });
+            it = groups.end() - 1;
+        }
+        it->second.push_back(ikv);
+    }
+
+    for (auto & [dev, ikvs] : groups) {
+        ggml_backend_t be = rope_backend(ext, dev, cparams.n_threads);
+        // nodes per (layer, run): K view, position view and up to ~12 for the quantized path
+        const size_t n_nodes = std::max<size_t>(GGML_DEFAULT_GRAPH_SIZE, ikvs.size() * runs.size() * 24 + 64);
+        ggml_init_params ip = { ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
+        ggml_context_ptr gctx(ggml_init(ip));
+        if (!gctx) {
+            throw kvcli_error("could not create the re-indexing graph context");
+        }
+        ggml_context * g = gctx.get();
+        ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
+
+        ggml_tensor * pos = ggml_new_tensor_1d(g, GGML_TYPE_I32, (int64_t) ikvs.size() * B * nkv);
+        ggml_set_input(pos);
+        ggml_tensor * rot = nullptr;
+        if (nrot_had) {
+            rot = ggml_new_tensor_2d(g, GGML_TYPE_F32, nrot_had, nrot_had);
+            ggml_set_input(rot);
+        }
+        // rope factors are model tensors that may live on another backend: copied into inputs of this graph
+        std::vector<std::pair<ggml_tensor *, ggml_tensor *>> factors; // (model tensor, our input)
+        auto factor_input = [&](ggml_tensor * f) -> ggml_tensor * {
+            if (!f) {
+                return nullptr;
+            }
+            for (auto & [m, c] : factors) {
+                if (m == f) {
+                    return c;
+                }
+            }
+            if (f->type != GGML_TYPE_F32 || !f->buffer) {
+                throw kvcli_error("this model's RoPE frequency factors are not an F32 tensor in memory; "
+                                  "kvcli cannot re-rotate K");
+            }
+            ggml_tensor * c = ggml_new_tensor(g, GGML_TYPE_F32, GGML_MAX_DIMS, f->ne);
+            ggml_set_input(c);
+            factors.emplace_back(f, c);
+            return c;
+        };
+
+        std::vector<int32_t> pos_host((size_t) ikvs.size() * B * nkv, 0);
+        for (size_t gi = 0; gi < ikvs.size(); ++gi) {
+            const auto & L = layers[ikvs[gi]];
+            const uint32_t il = L.il;
+            std::copy(delta[il].begin(), delta[il].end(), pos_host.begin() + (ptrdiff_t) (gi * B * nkv));
+            const uint32_t n_rot = hp.n_rot(il);
+            const uint32_t n_embd_nope = hp.n_lora_kv > 0 ? hd - n_rot : 0;
+            const size_t head_b = ggml_row_size(L.k->type, hd);
+            const size_t row_b  = ggml_row_size(L.k->type, (int64_t) hd * nkv);
+            ggml_tensor * fac = factor_input(model.get_rope_factors(cparams, il));
+            const float fb = model.get_rope_freq_base(cparams, il), fs = model.get_rope_freq_scale(cparams, il);
+            size_t j0 = 0;
+            for (auto [c0, n] : runs) {
+                // one "token" per (cell, KV head), so each gets its own delta: [n_rot, 1, n*n_head_kv]
+                ggml_tensor * k = ggml_view_3d(g, L.k, n_rot, 1, (int64_t) n * nkv, head_b, head_b,
+                                               (size_t) c0 * row_b + ggml_row_size(L.k->type, n_embd_nope));
+                ggml_tensor * p = ggml_view_1d(g, pos, (int64_t) n * nkv, (gi * B * nkv + j0 * nkv) * sizeof(int32_t));
+                ggml_build_forward_expand(gf, kvcli_access::rope_shift(*kv, cparams, g, k, p, rot, fac, fb, fs, il));
+                j0 += n;
+            }
+        }
+
+        ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
+        if (!ga) {
+            throw kvcli_error("could not create the re-indexing graph allocator");
+        }
+        std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr_t)> ga_guard(ga, ggml_gallocr_free);
+        if (!ggml_gallocr_alloc_graph(ga, gf)) {
+            throw kvcli_error("could not allocate the re-indexing graph");
+        }
+        ggml_backend_tensor_set(pos, pos_host.data(), 0, ggml_nbytes(pos));
+        if (rot) {
+            const auto & H = kvcli_access::hadamard_k(*kv, nrot_had);
+            ggml_backend_tensor_set(rot, H.data(), 0, ggml_nbytes(rot));
+        }
+        for (auto & [m, c] : factors) {
+            std::vector<uint8_t> buf(ggml_nbytes(m));
+            ggml_backend_tensor_get(m, buf.data(), 0, buf.size());
+            ggml_backend_tensor_set(c, buf.data(), 0, buf.size());
+        }
+        if (ggml_backend_graph_compute(be, gf) != GGML_STATUS_SUCCESS) {
+            throw kvcli_error("the re-indexing graph failed to compute");
+        }
+        ggml_backend_synchronize(be);
+    }
+}
+
+} } // namespace kvcli_cache_detail
+using namespace kvcli_cache_detail;
+
+// reindex: give the kept entries of every (layer, KV head) the positions p0, p0+1, ... in the order of
+// their current positions (K re-rotated), cells p0 .. p0+B-1; else cells n-B .. n-1 and entries keep theirs
+static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const kvcli_plan_view * plan,
+                               bool reindex, int32_t p0) {
     llama_kv_cache * kv = kvcli_cache_of(ctx);
     kvcli_require_supported(kv);
     kvcli_check_seq(*kv, seq_id);
@@ -691,6 +885,14 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     auto & ext = kvcli_ext_of(kv);
     if (ext.armed) {
         throw kvcli_error("observation is still armed: call kvcli_observe_end before applying a plan");
+    }
+    if (reindex && ext.seqs[seq_id].off_cell) {
+        throw kvcli_error("sequence " + std::to_string(seq_id) + " was compacted without re-indexing (its entries keep "
+                          "their original positions); it cannot be re-indexed: compact every step of it with "
+                          "re-indexing, or none");
+    }
+    if (reindex && p0 < 0) {
+        throw kvcli_error("re-indexing needs a first position p0 >= 0 (got " + std::to_string(p0) + ")");
     }
     const shapes sh = shapes_of(*kv);
     auto & cells = kvcli_access::cells(*kv)[0];
@@ -742,10 +944,66 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
         off[i + 1] = off[i] + plan->n_kept[i];
         B = std::max(B, plan->n_kept[i]);
     }
+    if (reindex && (int64_t) p0 + B > std::numeric_limits<int32_t>::max() / 2) {
+        throw kvcli_error("re-indexing to p0 = " + std::to_string(p0) + " leaves no room for positions");
+    }
     std::vector<int32_t> rep_of(off.back(), -1);
     for (int32_t r = 0; r < plan->n_replace; ++r) {
         rep_of[plan->replace_entry[r]] = r;
     }
+    if (reindex) {
+        // fail before anything moves when a layer's K cannot be re-rotated (no backend for its buffer, or
+        // rope factors that are not plain F32 tensors)
+        const auto & cparams = ctx->get_cparams();
+        for (const auto & L : layers) {
+            if (kvcli_access::hparams(*kv).has_rope(L.il)) {
+                rope_backend(ext, k_device(L.k, L.il), cparams.n_threads);
+                const ggml_tensor * f = kvcli_access::model(*kv).get_rope_factors(cparams, L.il);
+                if (f && (f->type != GGML_TYPE_F32 || !f->buffer)) {
+                    throw kvcli_error("this model's RoPE frequency factors are not an F32 tensor in memory; "
+                                      "kvcli cannot re-rotate K");
+                }
+            }
+        }
+    }
+
+    // which plan entry goes to output slot j of (l, h): the plan's order, or (re-indexing) the order of
+    // the entries' current positions, so new positions keep their relative order (they are the same
+    // unless another sequence's cells made this one's cells out of position order)
+    std::vector<llama_pos> src_pos(src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+        src_pos[i] = cells.pos_get(src[i]);
+    }
+    std::vector<int64_t> order(off.back());
+    for (int64_t e = 0; e < off.back(); ++e) {
+        order[e] = e;
+    }
+    if (reindex) {
+        for (size_t i = 0; i < (size_t) sh.n_layer_model * nkv; ++i) {
+            std::stable_sort(order.begin() + off[i], order.begin() + off[i + 1], [&](int64_t a, int64_t b) {
+                return src_pos[plan->slots[a]] < src_pos[plan->slots[b]];
+            });
+        }
+    }
+
+    // the new slot bias composes with the old one: an entry keeps what it carried (a dead entry stays
+    // -inf, a merged one its log-multiplicity) plus the plan's log_mult; computed before cells move
+    ensure_bias(kv, ext);
+    std::vector<std::vector<float>> new_bias(sh.n_layer_model, std::vector<float>((size_t) nkv * B, -INFINITY));
+    for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
+        const size_t ikv = ikv_of[il];
+        for (uint32_t h = 0; h < nkv; ++h) {
+            const int64_t o = off[(size_t) il * nkv + h];
+            const int32_t n = plan->n_kept[(size_t) il * nkv + h];
+            for (int32_t j = 0; j < n; ++j) {
+                const int64_t e = order[o + j];
+                const uint32_t c = src[plan->slots[e]];
+                const float old = ext.biased[c] ? ext.bias_host[ikv][(size_t) h * kv_size + c] : 0.0f;
+                new_bias[il][(size_t) h * B + j] = old + (plan->log_mult ? plan->log_mult[e] : 0.0f);
+            }
+        }
+    }
+
     const int kr = rot_size(*kv, 0), vr = rot_size(*kv, 1);
     const std::vector<float> Hk = kr ? hadamard(kr) : std::vector<float>(), Hv = vr ? hadamard(vr) : std::vector<float>();
 
@@ -781,6 +1039,22 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     GGML_ASSERT(dst.size() == (size_t) B); // the sequence's own cells are free now
     const auto dst_runs = runs_of(dst);
 
+    // re-indexing: position delta of every (layer, output slot, KV head); a replacement row counts as
+    // sitting at its source slot's position (it replaces that row, in the same post-RoPE space)
+    std::vector<std::vector<int32_t>> delta;
+    if (reindex) {
+        delta.assign(sh.n_layer_model, std::vector<int32_t>((size_t) B * nkv, 0));
+        for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
+            for (uint32_t h = 0; h < nkv; ++h) {
+                const int64_t o = off[(size_t) il * nkv + h];
+                const int32_t n = plan->n_kept[(size_t) il * nkv + h];
+                for (int32_t j = 0; j < n; ++j) {
+                    delta[il][(size_t) j * nkv + h] = p0 + j - src_pos[plan->slots[order[o + j]]];
+                }
+            }
+        }
+    }
+
     std::vector<float> tmp(hd);
     std::vector<uint8_t> qbuf(std::max(k_head, v_head) + 64);
     for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
@@ -792,8 +1066,9 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
             const int64_t o = off[(size_t) il * nkv + h];
             const int32_t n = plan->n_kept[(size_t) il * nkv + h];
             for (int32_t j = 0; j < n; ++j) {
-                const uint32_t sc = src[plan->slots[o + j]] - lo; // source cell, relative to lo
-                const int32_t r = rep_of[o + j];
+                const int64_t e = order[o + j];
+                const uint32_t sc = src[plan->slots[e]] - lo; // source cell, relative to lo
+                const int32_t r = rep_of[e];
                 uint8_t * kd = nk.data() + (size_t) j * k_row + h * k_head;
                 if (r < 0) {
                     std::memcpy(kd, old_k[ikv].data() + (size_t) sc * k_row + h * k_head, k_head);
@@ -817,10 +1092,10 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                     }
                 } else {
                     for (uint32_t d = 0; d < hd; ++d) {
-                        const uint32_t e = h * hd + d;
-                        uint8_t * vd = nvt.data() + ((size_t) e * B + j) * v_el;
+                        const uint32_t e2 = h * hd + d;
+                        uint8_t * vd = nvt.data() + ((size_t) e2 * B + j) * v_el;
                         if (r < 0) {
-                            std::memcpy(vd, old_v[ikv].data() + ((size_t) e * (hi - lo) + sc) * v_el, v_el);
+                            std::memcpy(vd, old_v[ikv].data() + ((size_t) e2 * (hi - lo) + sc) * v_el, v_el);
                         } else {
                             from_float_row(tv, plan->replace_v + (size_t) r * hd + d, vd, 1);
                         }
@@ -834,32 +1109,30 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
             if (!v_trans) {
                 ggml_backend_tensor_set(layers[ikv].v, nv.data() + j0 * v_row, (size_t) c0 * v_row, (size_t) n * v_row);
             } else {
-                for (uint32_t e = 0; e < hd * nkv; ++e) {
-                    ggml_backend_tensor_set(layers[ikv].v, nvt.data() + ((size_t) e * B + j0) * v_el,
-                                            ((size_t) e * kv_size + c0) * v_el, (size_t) n * v_el);
+                for (uint32_t e2 = 0; e2 < hd * nkv; ++e2) {
+                    ggml_backend_tensor_set(layers[ikv].v, nvt.data() + ((size_t) e2 * B + j0) * v_el,
+                                            ((size_t) e2 * kv_size + c0) * v_el, (size_t) n * v_el);
                 }
             }
             j0 += n;
         }
     }
 
-    // cells: positions n_next-B .. n_next-1, so decoding continues at n_next
+    // cells: positions p0 .. p0+B-1 (re-indexed), or n_next-B .. n_next-1 so decoding continues at n_next
+    const llama_pos first = reindex ? p0 : n_next - B;
     for (int32_t j = 0; j < B; ++j) {
-        cells.pos_set(dst[j], n_next - B + j);
+        cells.pos_set(dst[j], first + j);
         cells.seq_add(dst[j], seq_id);
     }
     kvcli_access::heads(*kv)[0] = dst.back() + 1;
 
-    // slot bias: 0 / log(m) for kept entries, -inf where a (layer, head) has fewer than B
-    ensure_bias(kv, ext);
+    // slot bias: composed values for kept entries, -inf where a (layer, head) has fewer than B
     for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
         const size_t ikv = ikv_of[il];
         for (uint32_t h = 0; h < nkv; ++h) {
-            const int64_t o = off[(size_t) il * nkv + h];
-            const int32_t n = plan->n_kept[(size_t) il * nkv + h];
             float * row = ext.bias_host[ikv].data() + (size_t) h * kv_size;
             for (int32_t j = 0; j < B; ++j) {
-                row[dst[j]] = j < n ? (plan->log_mult ? plan->log_mult[o + j] : 0.0f) : -INFINITY;
+                row[dst[j]] = new_bias[il][(size_t) h * B + j];
             }
         }
         for (auto [c0, n] : dst_runs) {
@@ -870,6 +1143,17 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
         ext.biased[c] = 1;
     }
     ext.seqs[seq_id].compressed = true;
+    ext.seqs[seq_id].off_cell   = !reindex;
+
+    if (reindex) {
+        try {
+            rerotate_k(ctx, kv, ext, dst, delta);
+        } catch (const std::exception & e) {
+            // the rows were moved but not rotated: a sequence that would attend wrongly is removed instead
+            kv->seq_rm(seq_id, -1, -1);
+            throw kvcli_error(std::string(e.what()) + " (sequence " + std::to_string(seq_id) + " was removed)");
+        }
+    }
     return B;
 }
 
@@ -880,7 +1164,20 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
 extern "C" {
 
 int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan) {
-    return guarded([&] { return apply_plan_impl(ctx, seq_id, plan); });
+    return guarded([&] { return apply_plan_impl(ctx, seq_id, plan, false, 0); });
+}
+
+int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan,
+                                   int32_t p0) {
+    return guarded([&] { return apply_plan_impl(ctx, seq_id, plan, true, p0); });
+}
+
+int32_t kvcli_seq_is_reindexable(struct llama_context * ctx, kvcli_seq_id seq_id) {
+    return guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        kvcli_check_seq(*kv, seq_id);
+        return (int32_t) !(kv->kvcli_ext && kv->kvcli_ext->seqs[seq_id].off_cell);
+    });
 }
 
 int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id) {

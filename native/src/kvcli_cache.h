@@ -26,6 +26,10 @@ struct kvcli_error : std::runtime_error {
 
 struct kvcli_seq_info {
     bool               compressed = false;
+    // set by a plain compaction (kvcli_apply_plan): entries keep their original RoPE positions while
+    // their cells sit at n-B..n-1, so "entry position == cell position" no longer holds and
+    // re-indexing (which rotates from the cell position) must be refused until the sequence is emptied
+    bool               off_cell   = false;
     kvcli_state_header header     = {};
 };
 
@@ -74,6 +78,9 @@ struct kvcli_kv_ext {
     std::vector<kvcli_window_block> window;          // captured ubatches with window rows
     std::vector<std::vector<float>> colsum;          // per model layer: [n_head][kv_size]
     bool                            have_colsum = false;
+
+    // backends that run the re-indexing (RoPE re-rotation) graph, one per device holding K, made on first use
+    std::vector<std::pair<ggml_backend_dev_t, ggml_backend_ptr>> rope_backends;
 };
 
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
@@ -95,6 +102,13 @@ struct kvcli_access {
     static const llama_model & model(const llama_kv_cache & kv)     { return kv.model; }
     static const llama_hparams & hparams(const llama_kv_cache & kv) { return kv.hparams; }
     static bool   shared(const llama_kv_cache & kv)        { return kv.other != nullptr; }
+    static const std::vector<float> & hadamard_k(const llama_kv_cache & kv, int64_t n) { return kv.attn_rot_hadamard.at(n); }
+    // llama.cpp's own K-shift step for one K view: (dequantize, un-rotate,) RoPE by `shift`, (rotate, quantize)
+    static ggml_tensor * rope_shift(const llama_kv_cache & kv, const llama_cparams & cparams, ggml_context * ctx,
+                                    ggml_tensor * cur, ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
+                                    float freq_base, float freq_scale, uint32_t il) {
+        return kv.build_rope_shift(cparams, ctx, cur, shift, rot, factors, freq_base, freq_scale, il);
+    }
 };
 
 // the llama_kv_cache of a context, or an error naming why kvcli cannot use it

@@ -17,7 +17,7 @@ extern "C" {
 const char * kvcli_version(void)      { return KVCLI_VERSION_STR; }
 const char * kvcli_llama_commit(void) { return KVCLI_LLAMA_COMMIT_STR; }
 const char * kvcli_build_flags(void)  { return KVCLI_BUILD_FLAGS_STR; }
-int32_t      kvcli_state_format(void) { return 1; }
+int32_t      kvcli_state_format(void) { return 2; } // 2: per-sequence re-indexing flag
 const char * kvcli_last_error(void)   { return g_last_error.c_str(); }
 
 }

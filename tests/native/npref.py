@@ -50,17 +50,31 @@ class NpLlama:
         v = (self.w[p + "attn_v.weight"] @ x_norm).reshape(self.n_head_kv, self.head_dim)
         return self.rope(q, pos), self.rope(k, pos), v
 
-    def step(self, token: int, pos: int, entries, append: bool = False) -> np.ndarray:
+    def rope_rows(self, x, pos):
+        """rope() with one position per row: x [m, d], pos [m] (a RoPE rotation by pos; rotations compose,
+        so rope_rows(rope_rows(x, a), b) == rope_rows(x, a + b))."""
+        x = np.asarray(x, np.float64)
+        d = x.shape[-1]
+        theta = np.asarray(pos, np.float64)[:, None] * self.rope_base ** (-np.arange(0, d, 2) / d)
+        c, s = np.cos(theta), np.sin(theta)
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x0 * c - x1 * s
+        out[..., 1::2] = x0 * s + x1 * c
+        return out
+
+    def step(self, token: int, pos: int, entries, append: bool = False, record=None) -> np.ndarray:
         """Logits of `token` at `pos` attending to entries[l][h] = (K [m, d], V [m, d], bias [m]) of
         (layer l, KV head h) plus itself. append: add the token's own K/V to `entries` (so a next
-        step attends to it, as the cache does)."""
+        step attends to it, as the cache does). record: a list that receives, per layer, the attention
+        probabilities [n_head, m + 1] (the entries, then the token itself)."""
         x = self.w["token_embd.weight"][token].copy()
         g = self.n_head // self.n_head_kv
         scale = 1.0 / np.sqrt(self.head_dim)
         for il in range(self.n_layer):
             p = f"blk.{il}."
             q, k, v = self.qkv(il, self._norm(x, self.w[p + "attn_norm.weight"]), pos)
-            heads = []
+            heads, probs = [], []
             for qh in range(self.n_head):
                 h = qh // g
                 K, V, b = entries[il][h]
@@ -68,7 +82,10 @@ class NpLlama:
                 vals = np.vstack([V, v[h][None]])
                 s = keys @ q[qh] * scale + np.concatenate([b, [0.0]])
                 s = np.exp(s - s.max())
-                heads.append((s / s.sum()) @ vals)
+                probs.append(s / s.sum())
+                heads.append(probs[-1] @ vals)
+            if record is not None:
+                record.append(np.array(probs))
             if append:
                 for h in range(self.n_head_kv):
                     K, V, b = entries[il][h]
