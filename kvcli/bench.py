@@ -165,9 +165,9 @@ class Bench:
         self._state_dir = None
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
             if p != "full" and availability(p) is None:
-                from kvcli import policies as reg  # noqa: PLC0415
+                from kvcli.compress import resolve_for_model  # noqa: PLC0415
                 for b in budgets:
-                    reg.prepare(p, self.policy_args.get(p, {}), b)
+                    resolve_for_model(self.model_path, p, self.policy_args.get(p, {}), b)
 
     # -------------------------------------------------------------------------- sessions
     def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
@@ -274,8 +274,7 @@ class Bench:
         """Configurations of one cache type that observe the same way share one prefill, timed once:
         budgets never change the prefill. Each then restores the prefilled state, plans, applies its
         plan (timed as its compression), decodes and is scored exactly as in `measure`."""
-        from kvcli import policies  # noqa: PLC0415
-        from kvcli.compress import make_plan  # noqa: PLC0415
+        from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
         from kvcli.native import cache  # noqa: PLC0415
         n = len(doc.tokens)
         rows, groups = {}, {}
@@ -289,7 +288,8 @@ class Bench:
                 continue
             prep = None
             if cfg.policy != "full":
-                spec, params, _ = policies.prepare(cfg.policy, dict(self.policy_args.get(cfg.policy, {})), cfg.budget)
+                args = dict(self.policy_args.get(cfg.policy, {}))
+                spec, params = resolve_for_model(self.model_path, cfg.policy, args, cfg.budget)
                 if spec.compresses(n, cfg.budget):
                     kinds, w = spec.observe(params)
                     prep = (spec, params, tuple(sorted(kinds)), w)

@@ -343,7 +343,10 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
     specs = {}
     for name in names:   # every bad policy parameter / budget is reported before any model is loaded
-        spec, params, _ = policies.prepare(name, {}, settings.budget)
+        if name == "full":
+            spec, params, _ = policies.prepare(name, {}, settings.budget)
+        else:  # compresskv with the model's calibration, as run/bench/eval plan it
+            spec, params = compress.resolve_for_model(model_path, name, {}, settings.budget)
         specs[name] = (spec, params)
 
     t0 = time.perf_counter()

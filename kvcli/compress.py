@@ -38,8 +38,14 @@ class CompressReport:
 
 
 def resolve_policy(session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
-    """(spec, params) of a compressing policy for the session's model: its arguments validated, compresskv's
-    offline calibration found for the model (or a warning says why not), windowkv's task=auto classified."""
+    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`)."""
+    return resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
+
+
+def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
+    """(spec, params) of a compressing policy for the model at `model_path`: its arguments validated,
+    compresskv's offline calibration found for the model (or a warning says why not), windowkv's task=auto
+    classified. The one place a plan's policy is resolved: run, chat, compress, bench, eval and check."""
     from kvcli import policies  # noqa: PLC0415
 
     policies.get(policy)  # an unknown name is the first thing to report
@@ -47,7 +53,7 @@ def resolve_policy(session, policy: str, policy_args: dict, budget: int, instruc
         raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
     if policy == "compresskv":  # its offline calibration is found for the model, or a warning says why not
         from kvcli.calibration.compresskv import policy_args as calibrated_args  # noqa: PLC0415
-        policy_args = calibrated_args(session.model_path, policy_args)
+        policy_args = calibrated_args(model_path, policy_args)
     spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
     return spec, params
 

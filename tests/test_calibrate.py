@@ -227,6 +227,72 @@ def test_calibration_found_by_hash_in_the_user_cache(tiny, no_env):
     assert cal is not None and cal.source.startswith(str(folder)) and cal.model_hash == model_hash(tiny)
 
 
+def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibrated, tiny, no_env, monkeypatch,
+                                                                          cli_runner, tmp_path):
+    """Every command that makes a plan resolves compresskv for the model in one place
+    (kvcli.compress.resolve_for_model): without a calibration each warns (once per run) and plans with
+    the fallback; with the one `kvcli calibrate` wrote, each plans with its heads and layer budgets."""
+    from kvcli import compress
+    from kvcli.cli import cli
+    from kvcli.policies.compresskv import allocate
+    seen = []
+    real = compress.make_plan
+
+    def spy(spec, params, budget, obs, planner):
+        if spec.name == "compresskv":
+            seen.append((tuple(params["srh"]), tuple(params["layer_scores"])))
+        return real(spec, params, budget, obs, planner)
+
+    monkeypatch.setattr(compress, "make_plan", spy)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"line {i}: the ridge station logged wind and snow." for i in range(40)) + "\n")
+    budget = 48
+    commands = {
+        "bench": ["bench", "--docs", str(doc), "--model", str(tiny), "--policies", "compresskv", "--budgets",
+                  str(budget), "--gen", "2", "--repeat", "1", "--json", "--quiet"],
+        "eval": ["eval", "niah", "--model", str(tiny), "--policies", "compresskv", "--budgets", str(budget),
+                 "--lengths", "400", "--depths", "0.5", "--json", "--quiet"],
+        "check": ["check", "--model", str(tiny), "--policy", "compresskv", "--budget", str(budget), "--doc", str(doc),
+                  "--levels", "1", "--tokens", "2", "--json"],
+    }
+
+    from kvcli.calibration import compresskv as ck
+
+    def run_all():
+        out = {}
+        for name, args in commands.items():
+            seen.clear()
+            monkeypatch.setattr(ck, "_WARNED", set())      # each command as a fresh process: it warns once
+            r = cli_runner.invoke(cli, args)
+            assert r.exit_code == 0, (name, r.output)
+            out[name] = (set(seen), r.stderr, json.loads(r.stdout))
+        return out
+
+    fallback = run_all()
+    for name, (plans, err, _) in fallback.items():
+        assert plans == {((), ())}, name                              # every head scores, uniform budgets
+        assert err.count("no compresskv calibration for tiny.gguf") == 1, (name, err)
+    row = [x for x in fallback["bench"][2]["rows"] if x["policy"] == "compresskv"][0]
+    assert row["status"] == "ok" and row["per_layer_cells"] == [budget] * 3   # measured before decoding
+
+    cal = store.read(calibrated)
+    want = (tuple(cal.srh(4)) if cal.probes_ok else (), tuple(float(x) for x in cal.layer_scores))
+    layers = allocate(list(cal.layer_scores), budget)
+    assert layers != [budget] * 3 and sum(layers) == 3 * budget   # the calibration moves budget between layers
+    side = store.sidecar_path(tiny)
+    shutil.copy(calibrated, side)
+    try:
+        calibrated_runs = run_all()
+    finally:
+        side.unlink()
+    for name, (plans, err, _) in calibrated_runs.items():
+        assert plans == {want}, name
+        assert "no compresskv calibration" not in err, (name, err)
+    row = [x for x in calibrated_runs["bench"][2]["rows"] if x["policy"] == "compresskv"][0]
+    assert row["per_layer_cells"] == layers          # the layer budgets reach the cache
+    assert calibrated_runs["check"][2]["policies"][0]["l1"]["pass"]
+
+
 def _write_raw(path, fields: dict):
     """A side-car written by hand, to plant bad values."""
     import gguf

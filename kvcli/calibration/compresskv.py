@@ -202,6 +202,16 @@ def _bar(total: int, enabled: bool):
                 smoothing=0.1)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """stderr, once per process: bench/eval/check resolve the policy once per configuration."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        print(f"kvcli: warning: {msg}", file=sys.stderr, flush=True)
+
+
 def policy_args(model_path, args: dict | None, warn=None) -> dict:
     """The --policy-arg dict for compresskv on `model_path`, calibration filled in.
 
@@ -209,7 +219,7 @@ def policy_args(model_path, args: dict | None, warn=None) -> dict:
     (store.find) and used; a calibration of another model is an error. Without any, the policy
     runs its documented fallback (every head scores, uniform budgets) and a warning says so.
     """
-    warn = warn or (lambda msg: print(f"kvcli: warning: {msg}", file=sys.stderr, flush=True))
+    warn = warn or _warn_once
     from kvcli.policies.base import parse_policy_args  # noqa: PLC0415
     out = dict(args) if isinstance(args, dict) else parse_policy_args(args)
     if "srh" in out or "layer_scores" in out:

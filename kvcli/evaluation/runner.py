@@ -32,10 +32,10 @@ def eval_configs(policies: list[str], budgets: list[int]) -> list[tuple[str, int
     return out
 
 
-def _check_policies(policies, budgets, policy_args) -> dict:
+def _check_policies(model_path, policies, budgets, policy_args) -> dict:
     """Unavailable policies are reported per result; bad arguments stop the run before it starts."""
-    from kvcli import policies as reg  # noqa: PLC0415
     from kvcli.bench import availability  # noqa: PLC0415
+    from kvcli.compress import resolve_for_model  # noqa: PLC0415
     why = {}
     for p in policies:
         if p == TRUNCATE:
@@ -45,7 +45,7 @@ def _check_policies(policies, budgets, policy_args) -> dict:
             why[p] = w
         elif p != "full":
             for b in budgets:
-                reg.prepare(p, policy_args.get(p, {}), b)
+                resolve_for_model(model_path, p, policy_args.get(p, {}), b)
     return why
 
 
@@ -65,8 +65,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     as `kvcli.compress.prefill_and_compress` does after its own prefill. `kvcli bench` does not
     share prefills: it times each configuration's own.
     """
-    from kvcli import policies  # noqa: PLC0415
-    from kvcli.compress import make_plan  # noqa: PLC0415
+    from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
     from kvcli.bench import _sub_observation  # noqa: PLC0415
     from kvcli.native import cache  # noqa: PLC0415
     n = len(tokens)
@@ -74,7 +73,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     for pol, bud in cfgs:
         if pol == "full" or pol in unavailable:
             continue
-        spec, params, _ = policies.prepare(pol, dict(policy_args.get(pol, {})), bud)
+        spec, params = resolve_for_model(session.model_path, pol, dict(policy_args.get(pol, {})), bud)
         k, w = spec.observe(params)
         prepared[(pol, bud)] = (spec, params, tuple(k), w)
         if spec.compresses(n, bud):
@@ -194,7 +193,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             raise KvcliError(f"unknown task '{t}': choose from {', '.join(RULER_TASKS)}")
     if samples < 1:
         raise KvcliError("--samples must be >= 1")
-    unavailable = _check_policies(policies, budgets, policy_args)
+    unavailable = _check_policies(model_path, policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
     n_ctx_train = tok.n_ctx_train
@@ -309,7 +308,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
         raise KvcliError("--cont must be >= 1")
     if TRUNCATE in policies:
         raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
-    unavailable = _check_policies(policies, budgets, policy_args)
+    unavailable = _check_policies(model_path, policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)
     try:
