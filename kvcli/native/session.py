@@ -34,6 +34,7 @@ class SeqState:
     last_logits: np.ndarray | None = None  # copied right after the decode: llama.cpp's buffer is per batch
     prompt_tokens: int = 0
     kept_positions: list | None = None   # per (layer, kv head) original positions, once compressed
+    reindexed: int = 0          # positions given back by re-indexing applies: tokens seen = next_pos + reindexed
     timings: dict = field(default_factory=dict)
 
 
@@ -287,6 +288,7 @@ class NativeSession:
             raise
         if reindex:
             st.kept_positions = [[np.arange(int(n), dtype=np.int32) for n in row] for row in plan.n_kept]
+            st.reindexed += st.next_pos - plan.max_kept
             st.next_pos = plan.max_kept  # the last logits stay: they are the model's output for the last token
         else:
             st.kept_positions = [[origins[l][h][k] for h, k in enumerate(layer)]
@@ -344,7 +346,7 @@ class NativeSession:
         return {
             "kv_cells": live["n_cells"],
             "kv_bytes": live["k_bytes"] + live["v_bytes"] + live["bias_bytes"],
-            "kv_bytes_full": self.bytes_per_cell() * st.next_pos,
+            "kv_bytes_full": self.bytes_per_cell() * (st.next_pos + st.reindexed),  # every token seen
             # cells live in at least one KV head of the layer (cells are shared by all layers)
             "per_layer_cells": live["per_layer_cells"],
             # live entries of each (layer, KV head): a plan's n_kept, plus the tokens decoded since
@@ -367,7 +369,7 @@ class NativeSession:
             raise KvcliError(f"llama.cpp refused to remove positions >= {p0} of sequence {seq}")
         st.next_pos = p0
         st.cells = self.measured_cells(seq)
-        st.prompt_tokens = min(st.prompt_tokens, p0)
+        st.prompt_tokens = min(st.prompt_tokens, p0 + st.reindexed)
         st.logits_index, st.last_logits = -1, None  # the logits belonged to a removed token
 
     def measured_cells(self, seq: int = 0) -> int:
@@ -381,7 +383,7 @@ class NativeSession:
         from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         return SeqSnapshot(state=cache.get_state(self.ctx, seq), next_pos=st.next_pos, cells=self.measured_cells(seq),
-                           prompt_tokens=st.prompt_tokens, kept_positions=st.kept_positions,
+                           prompt_tokens=st.prompt_tokens, kept_positions=st.kept_positions, reindexed=st.reindexed,
                            last_logits=None if st.last_logits is None else st.last_logits.copy())
 
     def restore_seq(self, snap: SeqSnapshot, seq: int = 0) -> int:
@@ -405,6 +407,7 @@ class NativeSession:
         st = self.seq(seq)
         st.next_pos, st.cells, st.prompt_tokens = snap.next_pos, cells, snap.prompt_tokens
         st.kept_positions = snap.kept_positions
+        st.reindexed = snap.reindexed
         if snap.last_logits is not None:
             st.last_logits, st.logits_index = snap.last_logits.copy(), 0
         return cells
@@ -420,6 +423,7 @@ class SeqSnapshot:
     prompt_tokens: int = 0
     kept_positions: list | None = None
     last_logits: np.ndarray | None = None
+    reindexed: int = 0   # SeqState.reindexed: positions re-indexing gave back
 
 
 def _batch_cuts(n: int, n_batch: int, window: int) -> list[int]:

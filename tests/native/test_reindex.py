@@ -261,6 +261,8 @@ def test_repeated_chunk_loop_stays_within_budget_plus_chunk(session_factory, tin
         s.step({0: t})
         want = ref.step(t, at, ent, append=True)
         assert _rel(s.logits(), want) <= 1e-4
+    # the uncompressed figure counts every token read, not the re-indexed positions
+    assert s.stats()["kv_bytes_full"] == s.bytes_per_cell() * (len(toks) + 3)
 
 
 def _rms_rel(got, want) -> float:
@@ -346,6 +348,7 @@ def test_reindexed_state_save_load_continues_like_in_memory(session_factory, tin
     assert t.restore_seq(snap, 0) == budget
     assert cache.is_compressed(t.ctx, 0) and cache.is_reindexable(t.ctx, 0)
     np.testing.assert_array_equal(cache.seq_positions(t.ctx, 0), np.arange(budget))
+    assert t.stats()["kv_bytes_full"] == s.stats()["kv_bytes_full"] == s.bytes_per_cell() * len(toks)
 
     def cont(x):
         x.step({0: 123})
