@@ -9,7 +9,8 @@ Steps (each cached under $KVCLI_CACHE, default ~/.cache/kvcli):
    stops the build with its name);
 4. a CMake build of native/CMakeLists.txt (the `llama` target + ggml, shared, with our
    native/src/*.cpp compiled in), keyed by the commit, the patches, our sources and the flags,
-   so a second install does not rebuild.
+   so a second install does not rebuild. CMake builds from a mirror of native/ kept in the cache,
+   so that a checkout elsewhere on disk (a CI clone) reuses the same build folder.
 The libraries are then copied into kvcli/native/lib/<variant>/ with a build_info.json.
 Environment: KVCLI_CUDA=1 is the same as --cuda; KVCLI_CMAKE_ARGS adds CMake arguments;
 KVCLI_CACHE moves the cache; KVCLI_LIB_DIR installs (and kvcli loads) the default variant elsewhere.
@@ -141,6 +142,37 @@ def patched_tree(pristine: Path, commit: str) -> Path:
     return tree
 
 
+def mirror_sources(variant: str) -> Path:
+    """Copy native/ (CMakeLists, include, src) into a fixed folder of the cache and return it.
+
+    CMake records its source folder in the build folder and refuses another one, so a cached build
+    could serve only the checkout that made it; building from this mirror lets every checkout of the
+    project (a CI clone elsewhere on disk) reuse the cached build. Only changed files are rewritten,
+    so make recompiles only what changed."""
+    dest = cache_dir() / "native-src" / variant
+    wanted = {REPO_NATIVE / "CMakeLists.txt"}
+    for sub in ("include", "src"):
+        wanted.update(f for f in (REPO_NATIVE / sub).rglob("*") if f.is_file())
+    rel = {f.relative_to(REPO_NATIVE) for f in wanted}
+    if dest.exists():
+        for f in sorted(dest.rglob("*"), reverse=True):
+            r = f.relative_to(dest)
+            if f.is_file() and r not in rel:
+                f.unlink()
+            elif f.is_dir() and not any(f.iterdir()):
+                f.rmdir()
+    for r in sorted(rel):
+        src, out = REPO_NATIVE / r, dest / r
+        data = src.read_bytes()
+        if out.is_file() and out.read_bytes() == data:
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    return dest
+
+
 def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs: int | None = None) -> Path:
     """Build (or reuse) the library; return the directory holding libllama.so."""
     variant = "sanitize" if sanitize else "default"
@@ -156,7 +188,10 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
     tree = patched_tree(pristine, commit)
     # The build folder is keyed by what forces a full rebuild (llama.cpp tree + flags); our own
     # sources are built incrementally in it, and the stamp holds the hash of everything.
-    tree_key = hashlib.sha256(f"{tree.name}{json.dumps(flags, sort_keys=True)}{extra_args}".encode()).hexdigest()[:12]
+    # (and by the source folder CMake is given: it refuses a build folder made from another one)
+    source = mirror_sources(variant)
+    tree_key = hashlib.sha256(f"{tree.name}{json.dumps(flags, sort_keys=True)}{extra_args}{source}".encode())
+    tree_key = tree_key.hexdigest()[:12]
     key = source_hash([commit, json.dumps(flags, sort_keys=True), *extra_args])
     build_dir = cache_dir() / "build" / f"{variant}-{tree_key}"
     bin_dir = build_dir / "bin"
@@ -164,7 +199,7 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
     flag_text = " ".join(f"{k}={v}" for k, v in flags.items() if k != "CMAKE_BUILD_TYPE")
     if force or not done.exists() or done.read_text() != key:
         log(f"building llama.cpp {commit[:9]} + kvcli ({flag_text}); this takes a few minutes")
-        args = ["cmake", "-S", str(REPO_NATIVE), "-B", str(build_dir),
+        args = ["cmake", "-S", str(source), "-B", str(build_dir),
                 f"-DKVCLI_LLAMA_SRC={tree}", f"-DKVCLI_LLAMA_COMMIT={commit}",
                 f"-DKVCLI_VERSION={__version__}", f"-DKVCLI_BUILD_FLAGS={flag_text}",
                 "-DCMAKE_BUILD_RPATH=$ORIGIN", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
