@@ -35,8 +35,8 @@ setup(
     packages=find_packages(include=["kvcli", "kvcli.*"]),
     package_data={"kvcli": ["data/*"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.3", "transformers>=4.56", "accelerate", "gguf", "numpy", "tqdm", "click>=8.1",
-                      "matplotlib", "llama-cpp-python==0.3.36"],
+    install_requires=["torch>=2.3", "transformers>=4.56", "jinja2>=3.1", "accelerate", "gguf", "numpy", "tqdm",
+                      "click>=8.1", "matplotlib", "llama-cpp-python==0.3.36"],
     entry_points={"console_scripts": ["kvcli=kvcli.cli:main"]},
     cmdclass={"build_native": BuildNative},
 )

@@ -33,8 +33,9 @@ class LM:
         return self.n_head // self.n_head_kv
 
     def template(self, user: str) -> str:
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                                  add_generation_prompt=True)
+        from kvcli.templating import render_chat  # noqa: PLC0415 - the renderer both engines use
+        return render_chat(self.tokenizer.chat_template, [{"role": "user", "content": user}],
+                           special_tokens=self.tokenizer.special_tokens_map)
 
     def n_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])

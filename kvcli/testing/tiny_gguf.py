@@ -52,13 +52,14 @@ def _tokenizer_fields(source: str) -> tuple:
 def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int = 2, head_dim: int = 16,
                      n_ff: int = 64, n_ctx_train: int = 2048, seed: int = 0, dtype: str = "f32",
                      rope_theta: float = 10000.0, rms_eps: float = 1e-5, tied: bool = True,
-                     qk_scale: float = 2.0, tokenizer_from=None) -> Path:
+                     qk_scale: float = 2.0, tokenizer_from=None, chat_template: str | None = None) -> Path:
     """Write a random llama-architecture GGUF to `path` and return it.
 
     n_embd is n_head * head_dim. `dtype` is "f32" or "f16" for the matrices (norm weights
     stay f32, as llama.cpp expects). `tied`: no output.weight, the output projection is the
     token embedding (like SmolLM2). `qk_scale` multiplies the Q/K projections so attention is
     peaked rather than uniform, which makes token selection by attention meaningful.
+    `chat_template` replaces the copied tokenizer.chat_template ("" leaves the model without one).
     """
     import gguf  # noqa: PLC0415
 
@@ -97,7 +98,11 @@ def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int 
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in fields:
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            continue
         w.add_key_value(key, value, vtype, sub)
+    if chat_template:
+        w.add_chat_template(chat_template)
 
     # token embedding of std 1: the first RMSNorm rescales anyway, and with tied output it
     # gives logits of std ~ sqrt(n_embd)*0.5, peaked enough that greedy choices are not ties
