@@ -1,0 +1,51 @@
+"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_same_plan.py BUDGET POLICY[,POLICY]
+(docs/results.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli check does it (each engine its own observation and
+planner); (b) the reference engine applying the NATIVE plan (same kept sets, same merged rows), so the
+only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
+planner on it (L1 on the reference's observation)."""
+import json, sys, time, numpy as np
+from pathlib import Path
+from kvcli import compress
+from kvcli.check import CheckSettings, build_tokens, jaccard_per_layer, greedy_compare, restrict, compare_plans
+from kvcli.models import default_model_path
+from kvcli.native.session import NativeSession
+from kvcli.reference.session import ReferenceSession
+
+budget = int(sys.argv[1]); names = sys.argv[2].split(",")
+mp = default_model_path()
+st = CheckSettings(budget=budget, doc_tokens=2000)
+doc = Path("examples/station-log.txt").read_text()
+nat = NativeSession(mp, n_ctx=0, cache_type="f16", flash_attn=True)
+toks = build_tokens(nat, doc, st)
+n = len(toks)
+nat.create_context(-(-(n + 24) // 256) * 256)
+ref = ReferenceSession(mp, n_ctx=2 * nat.n_ctx, n_seq=2)
+base = ref.prefill(toks, seq=0, observe=("window", "colsum", "kv"), window=32)
+out = {"n": n, "budget": budget}
+strip = lambda d: {k: v for k, v in d.items() if k != "native_tokens"}
+for name in names:
+    spec, params = compress.resolve_for_model(mp, name, {}, budget)
+    kinds, w = spec.observe(params)
+    nat.clear(0)
+    obs_n = nat.prefill(toks, seq=0, observe=kinds, window=w)
+    pn = compress.make_plan(spec, params, budget, obs_n, "native")
+    obs_r = restrict(base, kinds, w)
+    pr = compress.make_plan(spec, params, budget, obs_r, "reference")
+    pr_native = compress.make_plan(spec, params, budget, obs_r, "native")
+    d = {"budgets_equal": bool(np.array_equal(pn.n_kept, pr.n_kept)),
+         "n_kept_native_l": pn.n_kept[:, 0].tolist(), "n_kept_ref_l": pr.n_kept[:, 0].tolist(),
+         "l1_on_reference_obs": compare_plans(pr_native, pr, 1e-5)["pass"]}
+    nat.apply_plan(pn, seq=0)
+    ref.copy_seq(0, 1); ref.apply_plan(pr, seq=1)
+    d["own_plans"] = strip(greedy_compare(nat, ref, 16, 0, 1))
+    ref.clear(1)
+    nat.clear(0); nat.prefill(toks, seq=0); nat.apply_plan(pn, seq=0)
+    ref.copy_seq(0, 1); ref.apply_plan(pn, seq=1)
+    d["same_native_plan"] = strip(greedy_compare(nat, ref, 16, 0, 1))
+    ref.clear(1)
+    out[name] = d
+    print(name, "budgets_equal", d["budgets_equal"], "l1_ref_obs", d["l1_on_reference_obs"],
+          "| own plans: KL %.4f maxabs %.3f greedy %.3f prefix %d klmax %.4f" % tuple(d["own_plans"][k] for k in ("kl", "logits_max_abs", "greedy_agree", "greedy_prefix", "kl_max")),
+          "| same plan: KL %.4f maxabs %.3f greedy %.3f prefix %d klmax %.4f" % tuple(d["same_native_plan"][k] for k in ("kl", "logits_max_abs", "greedy_agree", "greedy_prefix", "kl_max")),
+          file=sys.stderr, flush=True)
+json.dump(out, open(f"benchmarks/results/check-same-plan-{budget}.json", "w"), indent=1)
