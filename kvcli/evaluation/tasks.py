@@ -70,6 +70,16 @@ def _fit(build, target: int, count_tokens, start: int) -> tuple[str, int, dict]:
         if abs(t - target) <= max(8, target // 100) and t <= target:
             break
         n = max(1, int(n * target / max(t, 1)) - (1 if t > target else 0))
+    # The secant steps can stall just above the target: the generators grow in whole sentences or
+    # entries, so small steps of n may not change the text at all. Then shrink n by 3% a step until
+    # the prompt fits (only reached when no step fitted, so every prompt found above is unchanged).
+    tries = 0
+    while best is None and n > 1 and tries < 40:
+        n, tries = max(1, int(n * 0.97)), tries + 1
+        prompt, meta = build(n)
+        t = count_tokens(prompt)
+        if t <= target:
+            best = (prompt, t, meta)
     if best is None:
         raise KvcliError(f"cannot build a prompt of {target} tokens: even the smallest one is longer")
     return best
