@@ -223,7 +223,6 @@ class Conversation:
         """Compress the original document again with another policy or budget (the conversation is
         dropped). If that fails or is interrupted, the cache as it was is put back."""
         from kvcli import policies  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
         new_policy = (policy or self.policy).lower()
         if new_policy == "full":
             if budget is not None and policy is None:
@@ -237,21 +236,14 @@ class Conversation:
             new_args = policy_args if policy_args is not None else (
                 self.policy_args if new_policy == self.policy else {})
             policies.prepare(new_policy, new_args, new_budget, instruction=self.question)
-        # snapshot: the sequence's state bytes (a few MB) and everything that describes it
-        st = self._st()
-        snap = (cache.get_state(self.session.ctx, self.seq), st.next_pos, st.kept_positions, st.prompt_tokens,
-                dict(self.__dict__))
+        # snapshot: the sequence's state (a few MB) with its bookkeeping, and the conversation's fields
+        snap, fields = self.session.save_seq(self.seq), dict(self.__dict__)
         self.policy, self.budget, self.policy_args = new_policy, new_budget, dict(new_args)
         try:
             return self.compress(progress)
         except BaseException:
-            state, next_pos, kept, prompt_tokens, fields = snap
             self.__dict__.update(fields)
-            self.session.clear(self.seq)
-            cache.set_state(self.session.ctx, self.seq, state)
-            st = self._st()
-            st.next_pos, st.kept_positions, st.prompt_tokens = next_pos, kept, prompt_tokens
-            st.cells = self._measured_cells()
+            self.session.restore_seq(snap, self.seq)
             raise
 
     def reset(self) -> None:
@@ -375,7 +367,8 @@ class Conversation:
             "generic_suffix": None if self.question else GENERIC_SUFFIX,
             "compressed": bool(cache.is_compressed(s.ctx, self.seq)),
             "conversation": {"reset_pos": self.reset_mark[0], "reset_cells": self.reset_mark[1],
-                             "next_pos": st.next_pos, "cells": st.cells, "tail": self.tail,
+                             "next_pos": st.next_pos, "cells": st.cells, "reindexed": st.reindexed,
+                             "tail": self.tail,
                              "pending": self.pending, "turns": [t.__dict__ for t in self.turns]},
         }
         kept = st.kept_positions
@@ -419,7 +412,8 @@ class Conversation:
         conv.model_s = time.perf_counter() - t1
         t2 = time.perf_counter()
         snap = SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
-                           prompt_tokens=len(conv.prefix_tokens), kept_positions=f.kept_positions)
+                           prompt_tokens=len(conv.prefix_tokens), kept_positions=f.kept_positions,
+                           reindexed=int(c.get("reindexed", 0)))
         try:
             session.restore_seq(snap, seq)  # checks the cells and the last position against the file's
         except KvcliError as e:
@@ -520,7 +514,8 @@ class Repl:
             self.conv.reset()
         if not self.interactive and self.n_answers and not self.jsonl:
             self._write("\n")  # a blank line between answer blocks
-        pos0 = self.conv.session.seq(self.conv.seq).next_pos
+        st = self.conv.session.seq(self.conv.seq)
+        pos0 = st.next_pos + st.reindexed   # tokens read so far (re-indexing gave positions back)
         gen = self.conv.ask(question, self.max_tokens, self.sampler, on_text=None if self.jsonl else self._write)
         self.n_answers += 1
         if self.jsonl:

@@ -37,9 +37,6 @@ class Chunking:
     cap: int | None = None   # most cells the prompt may occupy while it is read (budget + chunk)
     why: str = ""
 
-    def as_stats(self) -> dict:
-        return {} if self.chunk is None else {"chunk": self.chunk, "cache_cap": self.cap}
-
 
 def _pad(n: int) -> int:
     return -(-n // CTX_PAD) * CTX_PAD
@@ -199,7 +196,7 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
             on_cache(cells)
         pos += take
     return CompressReport(policy, budget, len(tokens), prefill_s, compress_s, plan, params=params, chunk=chunk,
-                          steps=steps, peak_cells=peak)
+                          cap=cap, steps=steps, peak_cells=peak)
 
 
 def _carry(colsum: np.ndarray, plan, group: int) -> np.ndarray:

@@ -26,6 +26,7 @@ class CompressReport:
     note: str = ""
     params: dict | None = None   # the resolved policy parameters (e.g. the task windowkv's auto picked)
     chunk: int | None = None     # chunked prefill (kvcli/chunked.py): tokens per chunk
+    cap: int | None = None       # chunked: the most cells the sequence may hold while it is read
     steps: list = field(default_factory=list)   # chunked: one ChunkStep per chunk
     peak_cells: int | None = None                # most cells the sequence held while the prompt was read
 
@@ -33,7 +34,7 @@ class CompressReport:
         """The figures of the prefill that go into `--json` stats."""
         out = {} if self.peak_cells is None else {"peak_kv_cells": self.peak_cells}
         if self.chunk is not None:
-            out.update({"chunk": self.chunk, "chunks": len(self.steps)})
+            out.update({"chunk": self.chunk, "chunks": len(self.steps), "cache_cap": self.cap})
         return out
 
 

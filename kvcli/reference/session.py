@@ -33,6 +33,7 @@ class RefSeq:
     cache: object                     # transformers DynamicCache
     slots: list                       # LayerSlots per layer
     next_pos: int = 0                 # position of the next token (the uncompressed length, or B after reindexing)
+    reindexed: int = 0                # positions re-indexing gave back: tokens seen = next_pos + reindexed
     last_logits: np.ndarray | None = None
     compressed: bool = False
     # the position llama.cpp's cell of each slot carries (Observation.positions): the token's own
@@ -244,6 +245,7 @@ class ReferenceSession:
         compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None)
         width = plan.max_kept
         if reindex:
+            st.reindexed += st.next_pos - width
             st.next_pos = width
             st.cell_pos = torch.arange(width, dtype=torch.int64)
         else:
@@ -267,7 +269,7 @@ class ReferenceSession:
                  for layer in st.cache.layers if layer.keys is not None)
         bias = sum(s.bias.numel() * s.bias.element_size() for s in st.slots) if st.compressed else 0
         i = self.info
-        full = st.next_pos * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
+        full = (st.next_pos + st.reindexed) * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
         return {"kv_cells": st.cells, "kv_bytes": int(kv + bias), "kv_bytes_full": int(full),
                 "per_layer_cells": [s.n_live_slots for s in st.slots],
                 **{k: round(v, 4) for k, v in st.timings.items()}}
