@@ -290,6 +290,7 @@ class CheckSettings:
     instruction: str = "Summarise the document above in three sentences."
     doc_tokens: int | None = None   # cut the document to this many tokens before templating
     chunk: int | None = None        # chunked prefill in chunks of this many tokens (None: one prefill)
+    threads: int | None = None      # CPU threads of both engines (None: the native default, torch's own)
 
 
 def policies_to_check(names) -> list[str]:
@@ -350,7 +351,10 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         specs[name] = (spec, params)
 
     t0 = time.perf_counter()
-    native = NativeSession(model_path, n_ctx=0, cache_type=settings.cache_type, flash_attn=settings.flash_attn)
+    if settings.threads is not None and settings.threads < 1:
+        raise KvcliError(f"--threads must be >= 1 (got {settings.threads})")
+    native = NativeSession(model_path, n_ctx=0, cache_type=settings.cache_type, flash_attn=settings.flash_attn,
+                           n_threads=settings.threads)
     tokens = build_tokens(native, document, settings)
     n = len(tokens)
     if settings.chunk is not None:
@@ -365,7 +369,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     n_ctx = -(-(n + settings.n_tokens + 8) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
     log(f"{n} prompt tokens; loading the reference engine")
-    reference = ReferenceSession(model_path, n_ctx=2 * native.n_ctx, n_seq=2)  # base + one working copy
+    reference = ReferenceSession(model_path, n_ctx=2 * native.n_ctx, n_seq=2,  # base + one working copy
+                                 n_threads=settings.threads)
 
     report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
@@ -522,7 +527,7 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
     n_ctx = max(c.n_ctx for c in sizing.values())
     native.create_context(n_ctx)
     log(f"{n} prompt tokens in chunks of {chunk}; loading the reference engine")
-    reference = ReferenceSession(model_path, n_ctx=n_ctx)
+    reference = ReferenceSession(model_path, n_ctx=n_ctx, n_threads=settings.threads)
     info = native.info
     report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget, "chunk": chunk,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},

@@ -134,3 +134,26 @@ def test_check_command_bad_input_is_one_line(cli_runner, args, msg, tiny_model):
     assert r.exit_code == 2, r.output
     err = r.stderr if hasattr(r, "stderr") else r.output
     assert msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_check_threads_reach_both_engines(cli_runner, tiny_model, tmp_path, monkeypatch):
+    """--threads N goes to the native context and to torch (the report's settings say so)."""
+    import json
+
+    import torch
+
+    from kvcli.cli import cli
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper logged the tide at dawn and the ferry at noon. " * 12)
+    before = torch.get_num_threads()
+    try:
+        r = cli_runner.invoke(cli, ["check", "--model", str(tiny_model), "--policy", "streamingllm", "--budget", "32",
+                                    "--doc", str(doc), "--tokens", "2", "--threads", "1", "--json"])
+        assert r.exit_code in (0, 1), r.output
+        report = json.loads(r.stdout if hasattr(r, "stdout") else r.output)
+        assert report["settings"]["threads"] == 1 and torch.get_num_threads() == 1
+        assert report["policies"][0]["l1"]["pass"]
+    finally:
+        torch.set_num_threads(before)
+    bad = cli_runner.invoke(cli, ["check", "--model", str(tiny_model), "--threads", "0"])
+    assert bad.exit_code == 2

@@ -107,12 +107,14 @@ def format_report(r: dict) -> str:
 @click.option("--chunk", type=int, default=None, metavar="N",
               help="Read the prompt in chunks of N tokens in both engines (chunked prefill with re-indexed "
                    "positions); L1 is then checked at every planning step.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="CPU threads of both engines (default: all cores natively, torch's default).")
 @click.option("--threshold", "thresholds", multiple=True, metavar="KEY=VALUE", help="Override a threshold.")
 @click.option("--tight", is_flag=True, help="Thresholds for float32 GGUFs checked with --cache-type f32 "
                                               "--no-flash-attn (engines agree to ~1e-5).")
 @json_option
 def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn, chunk,
-              thresholds, tight, as_json):
+              threads, thresholds, tight, as_json):
     """Check the native engine against the PyTorch reference engine on one document.
 
     L1 feeds the same observation to the C++ and torch planners (identical plans required); L2
@@ -145,7 +147,7 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     document = read_document(doc)
     path = resolve_model(model)
     settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
-                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk)
+                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk, threads=threads)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
     report = run_check(path, document, names, settings, th, log=log)
     if as_json:
