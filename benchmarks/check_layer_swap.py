@@ -1,4 +1,4 @@
-"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_layer_swap.py BUDGET POLICY
+"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_layer_swap.py BUDGET POLICY [DOC [DOC_TOKENS]]
 (docs/results.md, "Native vs reference engine"). pyramidkv @256: is the first-token KL a property of the plans? In the NATIVE engine only: the native
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""
@@ -13,8 +13,11 @@ from kvcli.reference.session import ReferenceSession
 
 budget, name = int(sys.argv[1]), sys.argv[2]
 mp = default_model_path()
-st = CheckSettings(budget=budget, doc_tokens=2000)
-doc = Path("examples/station-log.txt").read_text()
+doc_path = sys.argv[3] if len(sys.argv) > 3 else "examples/station-log.txt"
+doc_tokens = int(sys.argv[3 + 1]) if len(sys.argv) > 3 + 1 else 2000   # 0: the whole document
+st = CheckSettings(budget=budget, doc_tokens=doc_tokens or None)
+doc = Path(doc_path).read_text()
+tag = "" if doc_path == "examples/station-log.txt" and doc_tokens == 2000 else f"-{Path(doc_path).stem}-{doc_tokens}"
 nat = NativeSession(mp, n_ctx=0, cache_type="f16", flash_attn=True)
 toks = build_tokens(nat, doc, st)
 n = len(toks)
@@ -43,14 +46,43 @@ err, kl = logits_distance(ln, lr)
 top = lambda l: [(int(i), round(float(l[i]), 3)) for i in np.argsort(-l)[:3]]
 print(f"{name}@{budget}: native engine, native plan vs reference-observation plan: KL {kl:.4f} max abs {err:.3f}; "
       f"top3 {top(ln)} vs {top(lr)}; first token {first} {nat.detokenize([first])!r}", flush=True)
+def hybrid(pa: Plan, pb: Plan, layer: int) -> Plan:
+    """pa's kept sets, merged rows and log-multiplicities everywhere but `layer`, which comes from pb."""
+    src = [pb if l == layer else pa for l in range(pa.n_layer)]
+    kept = [src[l].kept_lists()[l] for l in range(pa.n_layer)]
+    lm = None
+    if pa.log_mult is not None or pb.log_mult is not None:
+        lm = []
+        for l in range(pa.n_layer):
+            s, off = src[l], src[l].offsets()
+            lm.append([np.zeros(len(kept[l][h]), np.float32) if s.log_mult is None else
+                       s.log_mult[off[l, h]:off[l, h] + len(kept[l][h])] for h in range(pa.n_head_kv)])
+    out = Plan.from_lists(kept, log_mult=lm)
+    new_off = out.offsets()
+    ents, ks, vs = [], [], []
+    for l in range(pa.n_layer):
+        s, off = src[l], src[l].offsets()
+        for h in range(pa.n_head_kv):
+            lo, hi = off[l, h], off[l, h] + len(kept[l][h])
+            sel = (s.replace_entry >= lo) & (s.replace_entry < hi)
+            if sel.any():
+                ents.append(s.replace_entry[sel] - lo + new_off[l, h])
+                ks.append(s.replace_k[sel])
+                vs.append(s.replace_v[sel])
+    if ents:
+        out.replace_entry = np.concatenate(ents).astype(np.int32)
+        out.replace_k = np.concatenate(ks).astype(np.float32)
+        out.replace_v = np.concatenate(vs).astype(np.float32)
+    return out
+
+
+assert np.allclose(after(hybrid(pn, pr, -1)), ln, atol=1e-4)   # the hybrid that takes no layer from pr is pn
 res = []
 kn, kr = pn.kept_lists(), pr.kept_lists()
 for l in range(pn.n_layer):
-    hyb = [list(x) for x in kn]
-    hyb[l] = kr[l]
-    lh = after(Plan.from_lists(hyb))
+    lh = after(hybrid(pn, pr, l))
     e, k = logits_distance(ln, lh)
     diff = sum(len(set(a.tolist()) ^ set(b.tolist())) for a, b in zip(kn[l], kr[l]))
     res.append((l, k, e, diff))
     print(f"  layer {l:2d}: {diff:3d} entries differ; KL vs native plan {k:.4f}, max abs {e:.3f}", flush=True)
-json.dump({"kl": kl, "err": err, "layers": res}, open(f"benchmarks/results/check-layer-swap-{name}-{budget}.json", "w"))
+json.dump({"kl": kl, "err": err, "layers": res}, open(f"benchmarks/results/check-layer-swap-{name}-{budget}{tag}.json", "w"))

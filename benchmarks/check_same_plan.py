@@ -1,4 +1,4 @@
-"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_same_plan.py BUDGET POLICY[,POLICY]
+"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_same_plan.py BUDGET POLICY[,POLICY] [DOC [DOC_TOKENS]]
 (docs/results.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli check does it (each engine its own observation and
 planner); (b) the reference engine applying the NATIVE plan (same kept sets, same merged rows), so the
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
@@ -13,8 +13,11 @@ from kvcli.reference.session import ReferenceSession
 
 budget = int(sys.argv[1]); names = sys.argv[2].split(",")
 mp = default_model_path()
-st = CheckSettings(budget=budget, doc_tokens=2000)
-doc = Path("examples/station-log.txt").read_text()
+doc_path = sys.argv[3] if len(sys.argv) > 3 else "examples/station-log.txt"
+doc_tokens = int(sys.argv[3 + 1]) if len(sys.argv) > 3 + 1 else 2000   # 0: the whole document
+st = CheckSettings(budget=budget, doc_tokens=doc_tokens or None)
+doc = Path(doc_path).read_text()
+tag = "" if doc_path == "examples/station-log.txt" and doc_tokens == 2000 else f"-{Path(doc_path).stem}-{doc_tokens}"
 nat = NativeSession(mp, n_ctx=0, cache_type="f16", flash_attn=True)
 toks = build_tokens(nat, doc, st)
 n = len(toks)
@@ -48,4 +51,4 @@ for name in names:
           "| own plans: KL %.4f maxabs %.3f greedy %.3f prefix %d klmax %.4f" % tuple(d["own_plans"][k] for k in ("kl", "logits_max_abs", "greedy_agree", "greedy_prefix", "kl_max")),
           "| same plan: KL %.4f maxabs %.3f greedy %.3f prefix %d klmax %.4f" % tuple(d["same_native_plan"][k] for k in ("kl", "logits_max_abs", "greedy_agree", "greedy_prefix", "kl_max")),
           file=sys.stderr, flush=True)
-json.dump(out, open(f"benchmarks/results/check-same-plan-{budget}.json", "w"), indent=1)
+json.dump(out, open(f"benchmarks/results/check-same-plan-{budget}{tag}.json", "w"), indent=1)
