@@ -514,8 +514,7 @@ class Repl:
             self.conv.reset()
         if not self.interactive and self.n_answers and not self.jsonl:
             self._write("\n")  # a blank line between answer blocks
-        st = self.conv.session.seq(self.conv.seq)
-        pos0 = st.next_pos + st.reindexed   # tokens read so far (re-indexing gave positions back)
+        pos0 = self.conv.session.seq(self.conv.seq).tokens_read
         gen = self.conv.ask(question, self.max_tokens, self.sampler, on_text=None if self.jsonl else self._write)
         self.n_answers += 1
         if self.jsonl:

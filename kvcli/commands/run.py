@@ -128,8 +128,7 @@ def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
     from kvcli.chat import Conversation  # noqa: PLC0415
     from kvcli.pipeline import RunResult  # noqa: PLC0415
     conv = Conversation.from_kvc(cache_path, model=model)
-    st = conv.session.seq(conv.seq)
-    pos0 = st.next_pos + st.reindexed   # tokens read before the question (re-indexing gave positions back)
+    pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
     s = conv.session.stats(conv.seq)
     stats = {"prompt_tokens": pos0 + conv.turns[-1].tokens_in,

@@ -34,8 +34,13 @@ class SeqState:
     last_logits: np.ndarray | None = None  # copied right after the decode: llama.cpp's buffer is per batch
     prompt_tokens: int = 0
     kept_positions: list | None = None   # per (layer, kv head) original positions, once compressed
-    reindexed: int = 0          # positions given back by re-indexing applies: tokens seen = next_pos + reindexed
+    reindexed: int = 0          # positions given back by re-indexing applies
     timings: dict = field(default_factory=dict)
+
+    @property
+    def tokens_read(self) -> int:
+        """Every token decoded into the sequence, those whose positions re-indexing gave back included."""
+        return self.next_pos + self.reindexed
 
 
 class NativeSession:
@@ -346,7 +351,7 @@ class NativeSession:
         return {
             "kv_cells": live["n_cells"],
             "kv_bytes": live["k_bytes"] + live["v_bytes"] + live["bias_bytes"],
-            "kv_bytes_full": self.bytes_per_cell() * (st.next_pos + st.reindexed),  # every token seen
+            "kv_bytes_full": self.bytes_per_cell() * st.tokens_read,  # every token seen
             # cells live in at least one KV head of the layer (cells are shared by all layers)
             "per_layer_cells": live["per_layer_cells"],
             # live entries of each (layer, KV head): a plan's n_kept, plus the tokens decoded since

@@ -33,7 +33,7 @@ class RefSeq:
     cache: object                     # transformers DynamicCache
     slots: list                       # LayerSlots per layer
     next_pos: int = 0                 # position of the next token (the uncompressed length, or B after reindexing)
-    reindexed: int = 0                # positions re-indexing gave back: tokens seen = next_pos + reindexed
+    reindexed: int = 0                # positions re-indexing gave back
     last_logits: np.ndarray | None = None
     compressed: bool = False
     # the position llama.cpp's cell of each slot carries (Observation.positions): the token's own
@@ -49,6 +49,11 @@ class RefSeq:
     def cells(self) -> int:
         """Cells the sequence occupies: every layer has the same slots (the native cache's layout)."""
         return max((s.n_slots for s in self.slots), default=0)
+
+    @property
+    def tokens_read(self) -> int:
+        """Every token decoded into the sequence, those whose positions re-indexing gave back included."""
+        return self.next_pos + self.reindexed
 
 
 class ReferenceSession:
@@ -269,7 +274,7 @@ class ReferenceSession:
                  for layer in st.cache.layers if layer.keys is not None)
         bias = sum(s.bias.numel() * s.bias.element_size() for s in st.slots) if st.compressed else 0
         i = self.info
-        full = (st.next_pos + st.reindexed) * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
+        full = st.tokens_read * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
         return {"kv_cells": st.cells, "kv_bytes": int(kv + bias), "kv_bytes_full": int(full),
                 "per_layer_cells": [s.n_live_slots for s in st.slots],
                 **{k: round(v, 4) for k, v in st.timings.items()}}
