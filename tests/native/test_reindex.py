@@ -25,21 +25,24 @@ def _rel(got, want) -> float:
 
 def _rotated_entries(ref, plan, keys, values, src_pos, p0=0):
     """entries[l][h] after a re-indexing apply: the kept (or replaced) rows of the observation, K
-    rotated from the source slot's position to p0 + j, bias log_mult."""
+    rotated from the source slot's position to p0 + B - k + j (right-aligned: B = plan.max_kept, k the
+    entries (l, h) keeps, j = 0..k-1), bias log_mult."""
     ent = entries_from_plan(plan, keys, values)
+    B = plan.max_kept
     for l in range(plan.n_layer):
         for h in range(plan.n_head_kv):
             K, V, b = ent[l][h]
             old = src_pos[plan.kept(l, h)]
-            ent[l][h] = (ref.rope_rows(K, p0 + np.arange(len(old)) - old), V, b)
+            ent[l][h] = (ref.rope_rows(K, p0 + B - len(old) + np.arange(len(old)) - old), V, b)
     return ent
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reindexed_rows_and_logits_equal_numpy_rope(session_factory, tiny_model, seed):
     """f32 K/V: each kept K row equals numpy's RoPE rotation of the row read before, by new - old
-    position (different counts per layer and KV head, merged rows, log(m) bias); the next token's
-    logits equal numpy attention over those entries at the new positions."""
+    position (different counts per layer and KV head, merged rows, log(m) bias); a (layer, KV head)
+    keeping k entries holds them right-aligned in cells B-k..B-1 at positions B-k..B-1, zero rows
+    before them; the next token's logits equal numpy attention over those entries at the new positions."""
     rng = np.random.default_rng(seed)
     ref = np_model(tiny_model)
     s = session_factory(tiny_model, flash_attn=False, cache_type="f32")
@@ -53,7 +56,7 @@ def test_reindexed_rows_and_logits_equal_numpy_rope(session_factory, tiny_model,
     np.testing.assert_array_equal(cache.seq_positions(s.ctx, 0), np.arange(B))
     for l in range(ref.n_layer):
         for h in range(ref.n_head_kv):
-            np.testing.assert_array_equal(s.kept_positions()[l][h], np.arange(plan.n_kept[l, h]))
+            np.testing.assert_array_equal(s.kept_positions()[l][h], np.arange(B - plan.n_kept[l, h], B))
     assert cache.is_compressed(s.ctx, 0) and cache.is_reindexable(s.ctx, 0)
 
     ent = _rotated_entries(ref, plan, obs.keys, obs.values, obs.positions)
@@ -61,8 +64,9 @@ def test_reindexed_rows_and_logits_equal_numpy_rope(session_factory, tiny_model,
     for l in range(ref.n_layer):
         for h in range(ref.n_head_kv):
             n = plan.n_kept[l, h]
-            np.testing.assert_allclose(keys[l, h, :n], ent[l][h][0], rtol=0, atol=1e-4)
-            np.testing.assert_array_equal(values[l, h, :n], ent[l][h][1].astype(np.float32))
+            np.testing.assert_allclose(keys[l, h, B - n:], ent[l][h][0], rtol=0, atol=1e-4)
+            np.testing.assert_array_equal(values[l, h, B - n:], ent[l][h][1].astype(np.float32))
+            assert (keys[l, h, :B - n] == 0).all() and (values[l, h, :B - n] == 0).all()   # dead padding first
 
     tok = 4321
     s.step({0: tok})  # at position B
@@ -105,7 +109,9 @@ def test_one_layer_reindexed_cache_equals_fresh_prefill_of_kept_tokens(session_f
 @pytest.mark.parametrize("reindex", [False, True])
 def test_second_compaction_composes_the_bias(session_factory, tiny_model, reindex):
     """Compacting a compacted sequence (+ a new chunk): a dead (-inf) entry picked again stays dead, a
-    log(m) bias adds to the one the entry carried; the logits equal numpy over the composed entries."""
+    log(m) bias adds to the one the entry carried; the logits equal numpy over the composed entries.
+    Without re-indexing a (l, h) keeping k holds its entries in slots 0..k-1, dead padding k..B-1; with
+    re-indexing right-aligned: padding 0..B-k-1, entries B-k..B-1 at positions B-k..B-1."""
     rng = np.random.default_rng(7)
     ref = np_model(tiny_model)
     nl, nkv = ref.n_layer, ref.n_head_kv
@@ -122,21 +128,25 @@ def test_second_compaction_composes_the_bias(session_factory, tiny_model, reinde
     keys, values = cache.read_kv(s.ctx, 0, s.info)
     pos = cache.seq_positions(s.ctx, 0)
     assert keys.shape[2] == n2 == pos.size
-    # the bias each slot carries now: plan 1's log_mult, -inf past n_kept, 0 for the chunk
+    # the bias each slot carries now: plan 1's log_mult on the k live slots (0..k-1, or B1-k..B1-1 when
+    # re-indexed), -inf on the dead padding (k..B1-1, or 0..B1-k-1), 0 for the chunk
     bias = np.zeros((nl, nkv, n2))
     offs = p1.offsets()
+    live1, dead1 = {}, {}
     for l in range(nl):
         for h in range(nkv):
             k = p1.n_kept[l, h]
-            bias[l, h, :k] = p1.log_mult[offs[l, h]:offs[l, h] + k]
-            bias[l, h, k:B1] = -np.inf
+            live1[l, h] = np.arange(B1 - k, B1) if reindex else np.arange(k)
+            dead1[l, h] = np.arange(B1 - k) if reindex else np.arange(k, B1)
+            bias[l, h, live1[l, h]] = p1.log_mult[offs[l, h]:offs[l, h] + k]
+            bias[l, h, dead1[l, h]] = -np.inf
     # plan 2 keeps, per (l, h), every dead slot, some live ones and some chunk tokens, with log(2) on half
     kept2, lm2 = [], []
     for l in range(nl):
         kl, ll = [], []
         for h in range(nkv):
             k = p1.n_kept[l, h]
-            pick = np.r_[rng.choice(k, size=max(1, k // 2), replace=False), np.arange(k, B1),
+            pick = np.r_[live1[l, h][rng.choice(k, size=max(1, k // 2), replace=False)], dead1[l, h],
                          B1 + rng.choice(len(chunk), size=5, replace=False)]
             pick = np.sort(pick).astype(np.int32)
             kl.append(pick)
@@ -153,11 +163,11 @@ def test_second_compaction_composes_the_bias(session_factory, tiny_model, reinde
             sl = p2.kept(l, h)
             b = bias[l, h, sl] + lm2[l][h]
             K = keys[l, h, sl].astype(np.float64)
-            if reindex:
-                K = ref.rope_rows(K, np.arange(sl.size) - pos[sl])
+            if reindex:   # right-aligned: the sl.size entries get positions B2 - sl.size .. B2 - 1
+                K = ref.rope_rows(K, B2 - sl.size + np.arange(sl.size) - pos[sl])
             row.append((K, values[l, h, sl].astype(np.float64), b))
             live[l, h] = np.isfinite(b).sum()
-            assert np.isneginf(b[sl < B1][sl[sl < B1] >= p1.n_kept[l, h]]).all()
+            assert np.isneginf(b[np.isin(sl, dead1[l, h])]).all() and np.isin(dead1[l, h], sl).all()
         ent.append(row)
     st = cache.stats(s.ctx, 0, nl, nkv)
     assert st["n_cells"] == B2 and st["per_head_entries"] == live.tolist()
@@ -188,8 +198,9 @@ def _observe_numpy(ref, entries, chunk, pos0, w):
 @pytest.mark.parametrize("reindex", [False, True])
 def test_observation_of_a_compacted_sequence(session_factory, tiny_model, reindex):
     """Prefill a chunk onto a compacted sequence with observation: slots are the sequence's cells (the
-    compacted block, then the chunk), positions their cell positions, dead entries get exactly 0
-    attention in both kinds, and window / colsum equal numpy over the composed entries."""
+    compacted block, then the chunk), positions their cell positions, dead entries (slots k..B-1, or
+    0..B-k-1 when re-indexed: right-aligned) get exactly 0 attention in both kinds, and window / colsum
+    equal numpy over the composed entries."""
     rng = np.random.default_rng(4)
     ref = np_model(tiny_model)
     s = session_factory(tiny_model, flash_attn=False, cache_type="f32")
@@ -209,15 +220,17 @@ def test_observation_of_a_compacted_sequence(session_factory, tiny_model, reinde
         row = []
         for h in range(ref.n_head_kv):
             k = p1.n_kept[l, h]
-            b = np.r_[p1.log_mult[p1.offsets()[l, h]:][:k] if p1.log_mult is not None else np.zeros(k),
-                      np.full(B - k, -np.inf)]
+            lm = p1.log_mult[p1.offsets()[l, h]:][:k] if p1.log_mult is not None else np.zeros(k)
+            b = np.r_[np.full(B - k, -np.inf), lm] if reindex else np.r_[lm, np.full(B - k, -np.inf)]
             row.append((keys[l, h].astype(np.float64), values[l, h].astype(np.float64), b))
         entries.append(row)
     win, col = _observe_numpy(ref, entries, chunk, pos0, w)
     g = ref.n_head // ref.n_head_kv
     for l in range(ref.n_layer):
         for q in range(ref.n_head):
-            dead = np.arange(p1.n_kept[l, q // g], B)
+            k = p1.n_kept[l, q // g]
+            dead = np.arange(B - k) if reindex else np.arange(k, B)
+            assert dead.size == B - k
             assert (obs.window[l, q][:, dead] == 0).all() and (obs.colsum[l, q][dead] == 0).all()
     np.testing.assert_allclose(obs.window, win, atol=2e-5)
     np.testing.assert_allclose(obs.colsum, col, atol=1e-4)
@@ -299,19 +312,20 @@ def test_chunk_loop_with_quantised_cache_agrees_with_f16(session_factory, tiny_m
 
 
 def test_quantised_reindex_rotates_like_numpy(session_factory, tiny_model_64):
-    """q8_0: K rows after re-indexing equal numpy's rotation of the rows read before, up to the
-    requantisation of the rotated row (2% of the row scale)."""
+    """q8_0: K rows after re-indexing (right-aligned: cells B-k..B-1, positions B-k..B-1) equal numpy's
+    rotation of the rows read before, up to the requantisation of the rotated row (2% of the row scale)."""
     ref = np_model(tiny_model_64)
     s = session_factory(tiny_model_64, flash_attn=True, cache_type="q8_0")
     obs = s.prefill(prompt_tokens(N, 13), observe=("kv",))
     plan = random_plan(np.random.default_rng(13), ref.n_layer, ref.n_head_kv, N, ref.head_dim, merge=False)
     s.apply_plan(plan, reindex=True)
     keys, _ = cache.read_kv(s.ctx, 0, s.info)
+    B = plan.max_kept
     for l in range(ref.n_layer):
         for h in range(ref.n_head_kv):
             sl = plan.kept(l, h)
-            want = ref.rope_rows(obs.keys[l, h, sl], np.arange(sl.size) - sl)
-            assert np.abs(keys[l, h, :sl.size] - want).max() <= 0.02 * np.abs(want).max()
+            want = ref.rope_rows(obs.keys[l, h, sl], B - sl.size + np.arange(sl.size) - sl)
+            assert np.abs(keys[l, h, B - sl.size:] - want).max() <= 0.02 * np.abs(want).max()
 
 
 def test_reindexing_a_plainly_compacted_sequence_is_refused(session_factory, tiny_model, tmp_path):

@@ -62,6 +62,8 @@ def _rope_llama_cpp(k, pos, theta=10000.0):
 
 
 def test_reindexed_keys_equal_a_fresh_rotation_at_the_new_positions(tiny_gguf):
+    """A (layer, KV head) keeping k of B = 11 entries holds them right-aligned: slots B-k..B-1 with keys
+    freshly rotated at positions B-k..B-1, zero rows (dead padding) in slots 0..B-k-1."""
     ref = ReferenceSession(tiny_gguf)
     toks = ref.tokenize(PROMPT)
     n = len(toks)
@@ -84,11 +86,11 @@ def test_reindexed_keys_equal_a_fresh_rotation_at_the_new_positions(tiny_gguf):
         assert keys.shape == (N_KV, 11, D)
         for h in range(N_KV):
             k = counts[l][h]
-            want = _rope_hf(raw[l][h, kept[l][h]], np.arange(k))
-            np.testing.assert_allclose(keys[h, :k], want, atol=1e-5, rtol=0)
-            assert (keys[h, k:] == 0).all()                            # dead padding, as in the native cache
+            want = _rope_hf(raw[l][h, kept[l][h]], np.arange(11 - k, 11))
+            np.testing.assert_allclose(keys[h, 11 - k:], want, atol=1e-5, rtol=0)
+            assert (keys[h, :11 - k] == 0).all()                       # dead padding first, as in the native cache
     assert [[p.tolist() for p in layer] for layer in ref.kept_positions()] == \
-        [[list(range(c)) for c in layer] for layer in counts]
+        [[list(range(11 - c, 11)) for c in layer] for layer in counts]
     # the observation reports K in llama.cpp's order: it equals llama.cpp's own rotation of the raw rows
     obs = ref.prefill(ref.tokenize(" and"), observe=("kv",))
     assert obs.n == 12 and obs.positions.tolist() == list(range(12))
@@ -96,11 +98,13 @@ def test_reindexed_keys_equal_a_fresh_rotation_at_the_new_positions(tiny_gguf):
         for h in range(N_KV):
             k = counts[l][h]
             raw_gguf = hf_to_gguf_dims(torch.from_numpy(raw[l][h, kept[l][h]])).numpy()
-            np.testing.assert_allclose(obs.keys[l, h, :k], _rope_llama_cpp(raw_gguf, np.arange(k)), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(obs.keys[l, h, 11 - k:11], _rope_llama_cpp(raw_gguf, np.arange(11 - k, 11)),
+                                       atol=1e-5, rtol=0)
+            assert (obs.keys[l, h, :11 - k] == 0).all()
 
 
 def test_reindexing_a_common_suffix_is_a_shift_attention_does_not_see(tiny_gguf):
-    """Keeping the last k tokens in every head and re-indexing them to 0..k-1 shifts every key and the next
+    """Keeping the last k tokens in every head and re-indexing them to 0..k-1 (B = k: no padding) shifts every key and the next
     queries by the same n - k: RoPE attention depends only on differences, so the logits are unchanged."""
     a, b = ReferenceSession(tiny_gguf), ReferenceSession(tiny_gguf)
     toks = a.tokenize(PROMPT)
@@ -131,7 +135,9 @@ def test_reindexing_a_common_suffix_is_a_shift_attention_does_not_see(tiny_gguf)
 def test_two_compactions_equal_one_with_the_composed_plan(tiny_gguf, reindex):
     """Compacting twice equals compacting once with the composed plan: biases add (log(2) then log(3) is
     log(6)), rotations compose. Without re-indexing the second plan also picks dead padding slots: they
-    stay dead. (With re-indexing a dead pick would take a position, so that case keeps live slots only.)"""
+    stay dead. (With re-indexing a dead pick would take a position, so that case keeps live slots only;
+    re-indexed, a (l, h) keeping k of B entries holds them right-aligned in slots B-k..B-1, positions
+    B-k..B-1, so the second plan's slots are shifted by B1 - k there.)"""
     a, b = ReferenceSession(tiny_gguf), ReferenceSession(tiny_gguf)
     toks = a.tokenize(PROMPT)
     n = len(toks)
@@ -146,24 +152,27 @@ def test_two_compactions_equal_one_with_the_composed_plan(tiny_gguf, reindex):
     kept2 = [[np.array([0, 2, 3, 6, 9, 12, 13], np.int32), np.array([1, 4, 5, 8, 11, 13], np.int32)],
              [np.array([0, 1, 5, 7], np.int32), np.array([2, 3, 10, 12, 13], np.int32)],
              [np.array([1, 3, 7, 9, 10], np.int32), np.array([0, 6, 11], np.int32)]]
-    if reindex:
-        kept2 = [[k[k < c] for k, c in zip(layer, cl)] for layer, cl in zip(kept2, counts1)]
+    if reindex:   # the same live entries: entry j of a (l, h) keeping c sits in slot B1 - c + j
+        kept2 = [[(k[k < c] + 14 - c).astype(np.int32) for k, c in zip(layer, cl)] for layer, cl in zip(kept2, counts1)]
     lm2 = [[np.where(np.arange(len(k)) == 0, math.log(3.0), 0.0).astype(np.float32) for k in layer]
            for layer in kept2]
     a.apply_plan(Plan.from_lists(kept2, log_mult=lm2), reindex=reindex)
     kept_c, lm_c = [], []                             # the composed plan, applied to b in one go
     for l in range(N_LAYER):
-        live = [kept2[l][h] < counts1[l][h] for h in range(N_KV)]
-        kept_c.append([kept1[l][h][kept2[l][h][live[h]]] for h in range(N_KV)])
-        lm_c.append([lm1[l][h][kept2[l][h][live[h]]] + lm2[l][h][live[h]] for h in range(N_KV)])
+        # entry index (in kept1 order) of each slot plan 2 picks: slot j (or slot B1 - c + j re-indexed)
+        ent = [kept2[l][h] - (14 - counts1[l][h] if reindex else 0) for h in range(N_KV)]
+        live = [(ent[h] >= 0) & (ent[h] < counts1[l][h]) for h in range(N_KV)]
+        kept_c.append([kept1[l][h][ent[h][live[h]]] for h in range(N_KV)])
+        lm_c.append([lm1[l][h][ent[h][live[h]]] + lm2[l][h][live[h]] for h in range(N_KV)])
     b.apply_plan(Plan.from_lists(kept_c, log_mult=lm_c), reindex=reindex)
     pa, pb = a.kept_positions(), b.kept_positions()
+    B2 = max(k.size for layer in kept_c for k in layer)
     for l in range(N_LAYER):
         for h in range(N_KV):
-            want = np.arange(kept_c[l][h].size) if reindex else kept_c[l][h]
+            want = np.arange(B2 - kept_c[l][h].size, B2) if reindex else kept_c[l][h]
             assert pa[l][h].tolist() == pb[l][h].tolist() == want.tolist()
     if reindex:
-        assert a.seq(0).next_pos == b.seq(0).next_pos == max(k.size for layer in kept_c for k in layer)
+        assert a.seq(0).next_pos == b.seq(0).next_pos == B2
     else:   # a's layer 2 head 0 picked 5 slots, 2 of them dead padding: 3 live entries, as b's
         assert a.stats()["kv_cells"] == b.stats()["kv_cells"] == 7 and a.seq(0).next_pos == n
         assert int(np.isfinite(a.seq(0).slots[2].bias[0].numpy()).sum()) == kept_c[2][0].size == 3
