@@ -138,7 +138,7 @@ class Bench:
     def __init__(self, model_path, docs: list[Doc], policies: list[str], budgets: list[int],
                  cache_types: list[str], *, gen: int = 32, repeat: int = 3, batch: int = 0, ctx: int | None = None,
                  policy_args: dict | None = None, instruction: str = BENCH_INSTRUCTION, threads: int | None = None,
-                 share_prefill: bool = True, log=None, chunk: int | None = None):
+                 share_prefill: bool = True, log=None, chunk: int | None = None, chunk_scoring: str = "question"):
         if gen < 1:
             raise KvcliError("--gen must be >= 1")
         if repeat < 1:
@@ -158,6 +158,7 @@ class Bench:
         if chunk and batch:
             raise KvcliError("--batch measures caches of whole prefills: it does not combine with --chunk")
         self.chunk = chunk or None           # chunked prefill (kvcli/chunked.py): every configuration reads alone
+        self.chunk_scoring = chunk_scoring
         self.share_prefill = share_prefill and not self.chunk
         self.log = log or (lambda msg: None)
         self.refs: dict[str, Reference] = {}
@@ -217,7 +218,7 @@ class Bench:
             rep = prefill_and_compress(session, doc.tokens, cfg.policy, cfg.budget,
                                        dict(self.policy_args.get(cfg.policy, {})), seq=0,
                                        chunk=chunking.chunk if chunking else None,
-                                       cap=chunking.cap if chunking else None)
+                                       cap=chunking.cap if chunking else None, scoring=self.chunk_scoring)
             first = session.logits(0)
             st = session.stats(0)
             row.update({
@@ -458,6 +459,7 @@ class Bench:
                 "settings": {"policies": self.policies, "budgets": self.budgets, "cache_types": self.cache_types,
                              "gen": self.gen, "repeat": self.repeat, "batch": self.batch, "ctx": self.ctx,
                              "share_prefill": self.share_prefill, "chunk": self.chunk,
+                             "chunk_scoring": self.chunk_scoring if self.chunk else None,
                              "instruction": self.instruction, "policy_args": self.policy_args,
                              "docs": [{"name": d.name, "tokens": len(d.tokens)} for d in self.docs]},
                 "rows": rows, "batch": batch}

@@ -128,6 +128,7 @@ class Conversation:
     seq: int = 0
     chunk: int | None = None             # chunked prefill (kvcli/chunked.py): None = automatic, 0 = off
     max_cache: int | None = None         # most cells the cache may hold (document + conversation)
+    chunk_scoring: str = "question"      # chunked: which queries score each chunk (kvcli/chunked.py)
     # filled by compress() / from_kvc()
     fmt: TurnFormat | None = None
     prefix_tokens: list[int] = field(default_factory=list)
@@ -202,7 +203,7 @@ class Conversation:
         self.report = compress.prefill_and_compress(self.session, self.prefix_tokens, self.policy, self.budget,
                                                     dict(self.policy_args), seq=self.seq, progress=progress,
                                                     instruction=self.question, chunk=chunking.chunk,
-                                                    cap=chunking.cap, on_cache=on_cache)
+                                                    cap=chunking.cap, on_cache=on_cache, scoring=self.chunk_scoring)
         st = self._st()
         st.cells = self._measured_cells()
         self.reset_mark = (st.next_pos, st.cells)

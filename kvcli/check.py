@@ -15,12 +15,13 @@ L3 end to end   each engine observes, plans with its own planner and compresses 
                 one after the first decoded token, the first that reads the compressed caches.
 
 Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver of
-kvcli/chunked.py (prefill a chunk, observe its last window, plan over everything held, compact with
+kvcli/chunked.py (prefill a chunk, observe it (a window policy through the question probe, prefilled
+and rolled back, unless `chunk_scoring` is "chunk"), plan over everything held, compact with
 re-indexed positions). L1 is checked at every planning step: the torch planner on the native
 observation of that step must make the native plan. L2 compares the observations of the first chunk.
 L3 compares the end result; its Jaccard is over the *original* prompt positions each (layer, KV head)
 still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
-0..k-1 and say nothing about which tokens were kept).
+B-k..B-1 and say nothing about which tokens were kept).
 
 Both engines get the very same token ids (tokenised once, by the native engine). Thresholds are
 parameters (`Thresholds`, `kvcli check --threshold key=value`); their defaults are for the
@@ -290,6 +291,7 @@ class CheckSettings:
     instruction: str = "Summarise the document above in three sentences."
     doc_tokens: int | None = None   # cut the document to this many tokens before templating
     chunk: int | None = None        # chunked prefill in chunks of this many tokens (None: one prefill)
+    chunk_scoring: str = "question"   # chunked: which queries score each chunk (kvcli/chunked.py)
     threads: int | None = None      # CPU threads of both engines (None: the native default, torch's own)
 
 
@@ -453,8 +455,9 @@ def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, com
 class Origins:
     """The original prompt index held by each (layer, KV head, slot) of a sequence read in chunks, followed
     through the plans of the chunked driver. Engine-independent: in both engines a compaction leaves
-    B = plan.max_kept slots (slot j of (l, h) = its j-th kept entry, -1 here for dead padding) and the
-    next tokens enter at slots B, B+1, ... in prompt order."""
+    B = plan.max_kept slots and the next tokens enter at slots B, B+1, ... in prompt order. A (l, h)
+    keeping k entries holds them in slots 0..k-1 (a compaction without re-indexing) or B-k..B-1 (with:
+    right-aligned); the other slots are dead padding, -1 here."""
 
     def __init__(self, n_layer: int, n_head_kv: int):
         self.ids = [[np.zeros(0, np.int64) for _ in range(n_head_kv)] for _ in range(n_layer)]
@@ -470,8 +473,8 @@ class Origins:
         self.consumed += new
         self.width = n_slots
 
-    def on_plan(self, n_slots: int, plan: Plan) -> None:
-        """A plan made over `n_slots` slots was applied."""
+    def on_plan(self, n_slots: int, plan: Plan, reindexed: bool = True) -> None:
+        """A plan made over `n_slots` slots was applied (with re-indexing: right-aligned slots)."""
         self._grow(n_slots)
         width = plan.max_kept
         out = []
@@ -479,7 +482,8 @@ class Origins:
             row = []
             for h, ids in enumerate(layer):
                 k = ids[plan.kept(l, h)]               # a dead slot a plan picks stays dead (-1)
-                row.append(np.concatenate([k, np.full(width - k.size, -1, np.int64)]))
+                pad = np.full(width - k.size, -1, np.int64)
+                row.append(np.concatenate([pad, k] if reindexed else [k, pad]))
             out.append(row)
         self.ids, self.width = out, width
 
@@ -572,7 +576,8 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
 
             native.clear(0)
             rep_n = chunked.prefill_chunked(native, tokens, name, settings.budget, {}, chunk, cap=cap, seq=0,
-                                            planner="native", instruction=settings.instruction, on_step=native_step)
+                                            planner="native", instruction=settings.instruction, on_step=native_step,
+                                            scoring=settings.chunk_scoring)
             entry["chunks"] = len(rep_n.steps)
             entry["steps"] = [[s.cells_before, s.cells_after] for s in rep_n.steps]
             if 1 in levels:
@@ -582,7 +587,8 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
                 reference.clear(0)
                 rep_r = chunked.prefill_chunked(reference, tokens, name, settings.budget, {}, chunk, cap=cap, seq=0,
                                                 planner="reference", instruction=settings.instruction,
-                                                on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan))
+                                                on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan),
+                                                scoring=settings.chunk_scoring)
                 kept_n = origins_n.kept(native.stats(0)["kv_cells"])
                 kept_r = origins_r.kept(reference.stats(0)["kv_cells"])
                 jac = jaccard_per_layer(kept_n, kept_r)

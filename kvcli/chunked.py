@@ -1,11 +1,24 @@
 """Documents longer than the context: chunked prefill, compression after each chunk, re-indexed positions.
 
 The prompt is read in chunks. After each chunk the sequence (the entries kept so far + the new
-chunk) is observed through the chunk's last window, planned with the chosen policy to `budget`
-and compacted with re-indexing: the kept entries of every (layer, KV head) get the positions
-0..k-1 again (K rows re-rotated by the engine), so positions never grow past budget + chunk and
-the model never sees a position beyond what it was trained on. The last chunk holds the question,
-so the last compression is the usual one, driven by the question's window.
+chunk) is observed, planned with the chosen policy to `budget` and compacted with re-indexing: the
+k kept entries of every (layer, KV head) get the positions B-k..B-1 again (B: the widest one's count;
+right-aligned, so the latest entry of every layer and head is next to the next token; K rows re-rotated
+by the engine), so positions never grow past budget + chunk and the model never sees a position beyond
+what it was trained on. The last chunk holds the question, so the last compression is the usual
+one, driven by the question's window.
+
+Which queries score a chunk (`scoring`), for the policies that observe a window:
+- "question" (default): the prompt's own last window (the question and the assistant turn's start,
+  in the question-aware layout) is prefilled after the chunk as a probe, observed, and rolled back
+  before the plan is applied: every chunk is scored by the queries the final compression will use,
+  as FINCH (Corallo & Papotti 2024; kvpress's FinchPress) does. It costs a `window`-token prefill
+  per chunk, and its cells come out of the chunk: a chunk before the last reads `window` tokens
+  fewer, so the cache still never holds more than budget + chunk.
+- "chunk": the chunk's own last window (plain SnapKV applied chunk by chunk). On a document that
+  does not end in its question this is the only meaningful choice; with a question at the end it
+  lets entries the question needs go before the question arrives (docs/long-documents.md).
+Column-sum policies (h2o, d2o) and streamingllm are not probed: their scores are not a window's.
 
 Memory bound: the cache never holds more than `cap` = budget + chunk cells (+ the answer). A
 policy whose widest layer keeps more than `budget` entries (pyramidkv, dynamickv, compresskv, ...)
@@ -26,6 +39,7 @@ DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
 MIN_ROOM = 64            # cells a chunked prompt leaves at least for the answer
 MIN_CHUNK = 64           # fewer free cells than this after a compaction: the budget leaves no room to read on
 CTX_PAD = 256
+SCORINGS = ("question", "chunk")
 
 
 @dataclass(frozen=True)
@@ -105,18 +119,20 @@ def chunked_note(spec) -> str:
                "merged entries keep their log-multiplicity bias and can be merged into again",
         "spindlekv": "every chunk re-runs the selection; codebook rows made at an earlier chunk are entries like "
                      "any other (their bias is kept) and may be replaced again",
-        "windowkv": "the task is classified once from the instruction; every chunk's last window re-scores the "
+        "windowkv": "the task is classified once from the instruction; every step's window re-scores the "
                     "held sentences/windows and the chunk's own",
         "pyramidkv": "the layer schedule is applied at every chunk; the widest layer keeps more than the budget, "
                      "so chunks shrink to keep the cache within budget + chunk",
-        "dynamickv": "the per-layer budgets are recomputed at every chunk from that chunk's window",
+        "dynamickv": "the per-layer budgets are recomputed at every chunk from that step's window",
         "compresskv": "the calibrated layer budgets and the semantic-retrieval heads' window scores at every chunk",
-    }.get(spec.name, "each chunk's last window scores everything held")
+    }.get(spec.name, "only the kept entries: every step's window re-scores everything held")
     window = ("the chunk's queries (column sums of all of them)" if "colsum" in spec.needs else
-              "the chunk's last window" if "window" in spec.needs else "positions only")
+              "the question: the prompt's last window, prefilled after the chunk and rolled back "
+              "(--chunk-scoring question, the default; 'chunk' observes the chunk's own last window)"
+              if "window" in spec.needs else "positions only")
     return ("Chunked prefill (--chunk N, automatic when the document does not fit the context or --max-cache): "
             "after every chunk the policy plans over the kept entries + the chunk, to the same budget, observing "
-            f"{window}; the kept entries' positions are re-indexed to 0..k-1 per layer and KV head (K re-rotated). "
+            f"{window}; the kept entries' positions are re-indexed to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). "
             f"Carried across chunks: {carried}. The last chunk holds the question, so the last compression is the "
             "one-prefill policy on the question's window.")
 
@@ -140,21 +156,26 @@ def chunk_sizes(n: int, cap: int, cells: int, chunk: int, min_tail: int) -> int:
 
 def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy_args: dict, chunk: int, *,
                     cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
-                    instruction: str | None = None, on_step=None, on_cache=None):
+                    instruction: str | None = None, on_step=None, on_cache=None, scoring: str = "question"):
     """Read `tokens` into `seq` in chunks, compressing to `budget` after each one (see the module doc).
 
-    `on_step(step, obs, plan)` is called after each planning step (kvcli check compares the
-    planners there); `on_cache(cells)` after each compaction (progress display). Returns a
-    kvcli.compress.CompressReport with `chunks`, `steps` and `peak_cells` filled in.
+    `scoring`: "question" scores every chunk with the prompt's last window (a probe prefilled and rolled
+    back), "chunk" with the chunk's own last window. `on_step(step, obs, plan)` is called after each
+    planning step (kvcli check compares the planners there); `on_cache(cells)` after each compaction
+    (progress display). Returns a kvcli.compress.CompressReport with `chunks`, `steps` and `peak_cells`.
     """
     from kvcli.compress import CompressReport, _cells, make_plan, resolve_policy  # noqa: PLC0415
     from kvcli.plan import Observation  # noqa: PLC0415
 
+    if scoring not in SCORINGS:
+        raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
     spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
     if window > chunk:
         raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
+    probe = list(tokens[-window:]) if scoring == "question" and "window" in observe else []
+    chunk_observe = tuple(k for k in observe if k != "window") if probe else observe
     carry_colsum = "colsum" in observe
     i = session.info
     group = i.n_head // i.n_head_kv
@@ -165,15 +186,24 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
     pos, cells, peak = 0, (_cells(session, seq) if seq in session.seqs else 0), 0
     while pos < len(tokens):
         take = chunk_sizes(len(tokens) - pos, cap, cells, chunk, max(window, 1))
-        if take < 1 or (take < MIN_CHUNK and pos + take < len(tokens)):
+        spare = 0   # cells of the cap a chunk leaves to the question probe
+        if probe and pos + take < len(tokens):
+            spare = len(probe)
+            take = chunk_sizes(len(tokens) - pos, cap - spare, cells, chunk, max(window, 1))
+        if take < 1 or (take + spare < MIN_CHUNK and pos + take < len(tokens)):
             raise KvcliError(f"policy '{policy}' keeps {cells} cells in its widest layer at budget {budget}, "
                              f"leaving {cap - cells} of --max-cache/chunk room to read on: lower --budget or "
                              "raise --chunk / --max-cache")
         piece = tokens[pos: pos + take]
+        last = pos + take == len(tokens)
         t1 = time.perf_counter()
-        obs = session.prefill(piece, seq=seq, observe=observe, window=min(window, take), progress=progress)
-        prefill_s += time.perf_counter() - t1
+        obs = session.prefill(piece, seq=seq, observe=observe if last else chunk_observe, window=min(window, take),
+                              progress=progress)
         before = _cells(session, seq)
+        if probe and not last:
+            obs = _probe(session, seq, probe, obs)
+            peak = max(peak, before + len(probe))
+        prefill_s += time.perf_counter() - t1
         peak = max(peak, before)
         if obs is None:  # a policy that observes nothing plans from the shapes alone
             obs = Observation(i.n_layer, i.n_head, i.n_head_kv, i.head_dim, n=before,
@@ -196,16 +226,38 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
             on_cache(cells)
         pos += take
     return CompressReport(policy, budget, len(tokens), prefill_s, compress_s, plan, params=params, chunk=chunk,
-                          cap=cap, steps=steps, peak_cells=peak)
+                          cap=cap, steps=steps, peak_cells=peak, scoring=scoring if probe else "chunk")
+
+
+def _probe(session, seq: int, probe: list[int], obs):
+    """Prefill `probe` after what `seq` holds, observe its window, roll it back; return `obs` (the chunk's
+    own observation of the other kinds, or None) with the probe's window rows over the slots held before
+    it (its own columns dropped: they are gone once it is rolled back)."""
+    held = session.seq(seq).next_pos                 # positions >= held are the probe's
+    pobs = session.prefill(probe, seq=seq, observe=("window",), window=len(probe))
+    session.rollback(seq, len(probe))
+    keep = np.flatnonzero(pobs.positions < held)
+    window = np.ascontiguousarray(pobs.window[:, :, :, keep])
+    if obs is None:
+        obs = pobs
+        obs.positions = pobs.positions[keep]
+        obs.n = keep.size
+    elif obs.n != keep.size:
+        raise KvcliError(f"the probe saw {keep.size} held slots, the chunk's observation {obs.n}")
+    obs.window = window
+    obs.validate()
+    return obs
 
 
 def _carry(colsum: np.ndarray, plan, group: int) -> np.ndarray:
-    """The accumulated column sums of the entries the plan kept, in their new slots (query head q reads
-    the entries of KV head q // group; slots a head does not fill carry 0: they are dead)."""
+    """The accumulated column sums of the entries the plan kept, in their new slots: right-aligned, as a
+    re-indexing compaction leaves them (query head q reads the entries of KV head q // group; the slots
+    before a head's entries carry 0: they are dead)."""
     n_layer, n_head = colsum.shape[:2]
-    out = np.zeros((n_layer, n_head, plan.max_kept), dtype=np.float32)
+    B = plan.max_kept
+    out = np.zeros((n_layer, n_head, B), dtype=np.float32)
     for l in range(n_layer):
         for q in range(n_head):
             kept = plan.kept(l, q // group)
-            out[l, q, :kept.size] = colsum[l, q, kept]
+            out[l, q, B - kept.size:] = colsum[l, q, kept]
     return out

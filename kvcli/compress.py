@@ -29,12 +29,14 @@ class CompressReport:
     cap: int | None = None       # chunked: the most cells the sequence may hold while it is read
     steps: list = field(default_factory=list)   # chunked: one ChunkStep per chunk
     peak_cells: int | None = None                # most cells the sequence held while the prompt was read
+    scoring: str | None = None   # chunked: which queries scored the chunks ("question" or "chunk")
 
     def as_stats(self) -> dict:
         """The figures of the prefill that go into `--json` stats."""
         out = {} if self.peak_cells is None else {"peak_kv_cells": self.peak_cells}
         if self.chunk is not None:
-            out.update({"chunk": self.chunk, "chunks": len(self.steps), "cache_cap": self.cap})
+            out.update({"chunk": self.chunk, "chunks": len(self.steps), "cache_cap": self.cap,
+                        "chunk_scoring": self.scoring})
         return out
 
 
@@ -62,12 +64,13 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
 def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | None, policy_args: dict,
                          seq: int = 0, progress=None, planner: str | None = None,
                          instruction: str | None = None, chunk: int | None = None, cap: int | None = None,
-                         on_cache=None) -> CompressReport:
+                         on_cache=None, scoring: str = "question") -> CompressReport:
     """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head.
 
     `instruction` is the user's question/instruction text: policies that adapt to the task
     (windowkv task=auto) classify it before planning. With `chunk`, a prompt longer than one chunk is
-    read chunk by chunk, compressed after each (kvcli/chunked.py; `cap`: most cells while reading)."""
+    read chunk by chunk, compressed after each (kvcli/chunked.py; `cap`: most cells while reading; `scoring`:
+    which queries score each chunk)."""
     t0 = time.perf_counter()
     if policy == "full":  # no compression: nothing to observe or plan
         if policy_args:
@@ -77,7 +80,8 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
     if chunk and len(tokens) > chunk:
         from kvcli.chunked import prefill_chunked  # noqa: PLC0415
         return prefill_chunked(session, tokens, policy, budget, policy_args, chunk, cap=cap, seq=seq,
-                               progress=progress, planner=planner, instruction=instruction, on_cache=on_cache)
+                               progress=progress, planner=planner, instruction=instruction, on_cache=on_cache,
+                               scoring=scoring)
     spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
     if not spec.compresses(len(tokens), budget):
         session.prefill(tokens, seq=seq, progress=progress)

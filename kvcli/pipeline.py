@@ -67,11 +67,12 @@ def progress_bar(total: int, enabled: bool, desc: str = "prefill"):
 def run_document(session, document: str | None, instruction: str, *, policy: str = "full", budget: int | None = None,
                  policy_args: dict | None = None, max_tokens: int = 256, sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
-                 max_cache: int | None = None) -> RunResult:
+                 max_cache: int | None = None, chunk_scoring: str = "question") -> RunResult:
     """Prefill the templated prompt, compress it with `policy`, and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
-    after each (kvcli/chunked.py); `chunk` = 0 turns that off, N sets the chunk length."""
+    after each (kvcli/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks the
+    queries that score each chunk."""
     from kvcli import compress  # noqa: PLC0415
     from kvcli.chunked import plan_chunking  # noqa: PLC0415
 
@@ -84,7 +85,8 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     try:
         report = compress.prefill_and_compress(session, tokens, policy, budget, policy_args or {}, seq=0,
                                                progress=progress.update, instruction=instruction,
-                                               chunk=chunking.chunk, cap=chunking.cap, on_cache=progress.cache)
+                                               chunk=chunking.chunk, cap=chunking.cap, on_cache=progress.cache,
+                                               scoring=chunk_scoring)
     finally:
         progress.close()
     gen: Generation = generate(session, max_tokens, sampler, seq=0, on_text=on_text)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvcli.commands.options import json_option, model_option
+from kvcli.commands.options import chunk_scoring_option, json_option, model_option
 from kvcli.errors import KvcliError
 
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
@@ -63,6 +63,7 @@ def common_lists(policies, budgets):
 @click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
               help="Read every document in chunks of N tokens, compressing after each (kvcli/chunked.py), so "
                    "documents longer than the context can be measured; implies --no-share-prefill.")
+@chunk_scoring_option
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Also write the rows as CSV.")
 @click.option("--json-out", "json_path", default=None, metavar="FILE", help="Also write the full result as JSON.")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
@@ -70,7 +71,7 @@ def common_lists(policies, budgets):
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 @json_option
 def bench_cmd(docs, model, policies, budgets, cache_types, gen, repeat, batch, ctx, policy_args, instruction,
-              threads, share_prefill, chunk, csv_path, json_path, plot_path, quiet, as_json):
+              threads, share_prefill, chunk, chunk_scoring, csv_path, json_path, plot_path, quiet, as_json):
     """Measure prefill, compression and decode speed, KV bytes, peak RSS and quality against the full
     cache, per policy x budget x cache type (the full f16 cache is always measured: it is the baseline)."""
     from kvcli import bench  # noqa: PLC0415
@@ -91,7 +92,7 @@ def bench_cmd(docs, model, policies, budgets, cache_types, gen, repeat, batch, c
     b = bench.Bench(path, documents, pols, buds, cts, gen=gen, repeat=repeat, batch=batch, ctx=ctx,
                     policy_args=parse_scoped_args(policy_args), instruction=instruction or bench.BENCH_INSTRUCTION,
                     threads=threads, share_prefill=share_prefill, log=None if quiet else bench.log_stderr,
-                    chunk=chunk)
+                    chunk=chunk, chunk_scoring=chunk_scoring)
     result = b.run()
     if as_json:
         click.echo(json.dumps(result, default=bench._jsonable))

@@ -18,7 +18,8 @@ def explicit(ctx: click.Context, *names: str) -> list[str]:
 
 # what a --cache file fixes, with the flag that would contradict it
 FLAGS = {"docs": "--doc", "policy": "--policy", "budget": "--budget", "policy_args": "--policy-arg",
-         "system": "--system", "cache_type": "--cache-type", "chunk": "--chunk", "max_cache": "--max-cache"}
+         "system": "--system", "cache_type": "--cache-type", "chunk": "--chunk", "max_cache": "--max-cache",
+         "chunk_scoring": "--chunk-scoring"}
 
 
 def complete_policy(ctx, param, incomplete):
@@ -48,7 +49,8 @@ def explicit_budget(policy: str, budget: int | None, question: str | None, polic
 
 
 def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, system, question, cache_type,
-                      show_progress: bool, quiet: bool, chunk: int | None = None, max_cache: int | None = None):
+                      show_progress: bool, quiet: bool, chunk: int | None = None, max_cache: int | None = None,
+                      chunk_scoring: str = "question"):
     """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
     from kvcli.chat import Conversation  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
@@ -62,7 +64,7 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
         explicit_budget(policy, budget, question, policy_args)
         session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=cache_type)
         conv = Conversation(session, document, policy=policy, budget=budget, policy_args=policy_args, system=system,
-                            question=question, chunk=chunk, max_cache=max_cache)
+                            question=question, chunk=chunk, max_cache=max_cache, chunk_scoring=chunk_scoring)
         from kvcli.pipeline import Progress  # noqa: PLC0415
         progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
@@ -102,7 +104,7 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
 @click.option("--json", "as_json", is_flag=True, help="With stdin piped: one JSON object per answer, one per line.")
 @click.pass_context
 def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args, question_opt, system, max_tokens,
-             temperature, seed, cache_type, chunk, max_cache, fresh, quiet, as_json):
+             temperature, seed, cache_type, chunk, max_cache, chunk_scoring, fresh, quiet, as_json):
     """Chat about a document whose KV cache is compressed once by --policy.
 
     On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
@@ -136,6 +138,7 @@ def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args
     conv = open_conversation(docs=docs, cache_path=cache_path, model=model, policy=policy,
                              budget=None if policy == "full" else budget, policy_args=args, system=system,
                              question=question, cache_type=cache_type, chunk=chunk, max_cache=max_cache,
+                             chunk_scoring=chunk_scoring,
                              show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     if cache_path and conv.pending and not question and not quiet:
         click.echo(f"[compressed for the question: {conv.question}]", err=True)

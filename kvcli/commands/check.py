@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvcli.commands.options import json_option, model_option
+from kvcli.commands.options import chunk_scoring_option, json_option, model_option
 from kvcli.errors import KvcliError
 
 EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "solar-garden.txt"
@@ -107,6 +107,7 @@ def format_report(r: dict) -> str:
 @click.option("--chunk", type=int, default=None, metavar="N",
               help="Read the prompt in chunks of N tokens in both engines (chunked prefill with re-indexed "
                    "positions); L1 is then checked at every planning step.")
+@chunk_scoring_option
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="CPU threads of both engines (default: all cores natively, torch's default).")
 @click.option("--threshold", "thresholds", multiple=True, metavar="KEY=VALUE", help="Override a threshold.")
@@ -114,7 +115,7 @@ def format_report(r: dict) -> str:
                                               "--no-flash-attn (engines agree to ~1e-5).")
 @json_option
 def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn, chunk,
-              threads, thresholds, tight, as_json):
+              chunk_scoring, threads, thresholds, tight, as_json):
     """Check the native engine against the PyTorch reference engine on one document.
 
     L1 feeds the same observation to the C++ and torch planners (identical plans required); L2
@@ -147,7 +148,8 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     document = read_document(doc)
     path = resolve_model(model)
     settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
-                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk, threads=threads)
+                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk, chunk_scoring=chunk_scoring,
+                             threads=threads)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
     report = run_check(path, document, names, settings, th, log=log)
     if as_json:

@@ -32,7 +32,7 @@ from kvcli.errors import KvcliError
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
 def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, system, cache_type, chunk, max_cache,
-                 force, quiet, as_json):
+                 chunk_scoring, force, quiet, as_json):
     """Compress a document once and save it (kvcli chat --cache / kvcli run --cache load it in well under a second)."""
     from pathlib import Path  # noqa: PLC0415
 
@@ -51,7 +51,8 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
                              budget=None if policy == "full" else budget,
                              policy_args=parse_policy_args(list(policy_args)), system=system,
                              question=(question or "").strip() or None, cache_type=cache_type, chunk=chunk,
-                             max_cache=max_cache, show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
+                             max_cache=max_cache, chunk_scoring=chunk_scoring,
+                             show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     t0 = time.perf_counter()
     size = conv.save(out)
     save_s = time.perf_counter() - t0

@@ -6,7 +6,7 @@ import json
 import click
 
 from kvcli.commands.bench import common_lists, parse_scoped_args
-from kvcli.commands.options import json_option, model_option
+from kvcli.commands.options import chunk_scoring_option, json_option, model_option
 from kvcli.errors import KvcliError
 
 
@@ -76,8 +76,9 @@ def eval_group():
               help="Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by "
                    "itself (1024) for lengths beyond the model's context. Add 'truncate' to --policies for the "
                    "plain-truncation baseline.")
+@chunk_scoring_option
 def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-             as_json, depths, samples, seed, chunk):
+             as_json, depths, samples, seed, chunk, chunk_scoring):
     """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list  # noqa: PLC0415
@@ -87,7 +88,7 @@ def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "niah", ["niah"], pols, buds, lens, ds, samples, cache_type=cache_type,
                                  policy_args=parse_scoped_args(policy_args), threads=threads, seed=seed,
-                                 log=None if quiet else log_stderr, chunk=chunk)
+                                 log=None if quiet else log_stderr, chunk=chunk, chunk_scoring=chunk_scoring)
     _finish(result, as_json, json_path, plot_path, quiet, plot_niah)
 
 
@@ -103,8 +104,9 @@ def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads
               help="Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by "
                    "itself (1024) for lengths beyond the model's context. Add 'truncate' to --policies for the "
                    "plain-truncation baseline.")
+@chunk_scoring_option
 def ruler_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-              as_json, tasks, depths, samples, seed, chunk):
+              as_json, tasks, depths, samples, seed, chunk, chunk_scoring):
     """RULER-style synthetic tasks with RULER's string-match metric."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list, parse_list  # noqa: PLC0415
@@ -119,7 +121,7 @@ def ruler_cmd(model, policies, budgets, lengths, cache_type, policy_args, thread
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "ruler", ts, pols, buds, lens, ds, samples, cache_type=cache_type,
                                  policy_args=parse_scoped_args(policy_args), threads=threads, seed=seed,
-                                 log=None if quiet else log_stderr, chunk=chunk)
+                                 log=None if quiet else log_stderr, chunk=chunk, chunk_scoring=chunk_scoring)
     _finish(result, as_json, json_path, plot_path, quiet, plot_scores)
 
 

@@ -18,4 +18,12 @@ def chunk_options(f):
                      help="Read the document in chunks of N tokens, compressing to --budget after each and "
                           "re-indexing positions (peak cache: budget + N). Default: on, with 1024, when the "
                           "document does not fit the model's context or --max-cache; 0 = off.")(f)
+    f = chunk_scoring_option(f)
     return f
+
+
+chunk_scoring_option = click.option(
+    "--chunk-scoring", type=click.Choice(["question", "chunk"]), default="question", show_default=True,
+    help="For a document read in chunks, the queries that score each chunk (window policies): 'question' = the "
+         "prompt's last window (the question), prefilled after the chunk and rolled back, as FINCH does; "
+         "'chunk' = the chunk's own last window.")

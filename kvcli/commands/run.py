@@ -69,7 +69,7 @@ def write_atomic(path: str, text: str) -> None:
 @json_option
 @click.pass_context
 def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_args, max_tokens, temperature, seed,
-            system, engine, cache_type, chunk, max_cache, out_path, quiet, as_json):
+            system, engine, cache_type, chunk, max_cache, chunk_scoring, out_path, quiet, as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
@@ -99,7 +99,7 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
         result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
                               max_tokens=max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=chunk,
-                              max_cache=max_cache)
+                              max_cache=max_cache, chunk_scoring=chunk_scoring)
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:

@@ -128,7 +128,7 @@ def truncated(tokens: list[int], keep: int) -> list[int]:
 
 
 def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict, chunk: int,
-                     reserve: int):
+                     reserve: int, scoring: str = "question"):
     """As `compressed_variants`, for documents read in chunks (kvcli/chunked.py): each configuration reads
     the whole prompt itself (chunked prefills cannot be shared: what is kept decides what later chunks
     attend to). `full` runs only when the prompt fits the context; `truncate` keeps the context's worth
@@ -151,7 +151,7 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
                 stats = {"kv_cells": len(toks), "peak_kv_cells": len(toks)}
             else:
                 rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
-                                           chunk=chunk, cap=bud + chunk)
+                                           chunk=chunk, cap=bud + chunk, scoring=scoring)
                 stats = {"kv_cells": int(session.stats(0)["kv_cells"]), **rep.as_stats()}
         except KvcliError as e:
             yield pol, bud, f"error: {e}", None, "", {}
@@ -181,7 +181,7 @@ def _greedy(session, first_logits, max_tokens: int) -> str:
 def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[str], budgets: list[int],
                         lengths: list[int], depths: list[float], samples: int, *, cache_type: str = "f16",
                         policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None,
-                        chunk: int | None = None) -> dict:
+                        chunk: int | None = None, chunk_scoring: str = "question") -> dict:
     """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths).
 
     Lengths beyond the model's context (or any `chunk`) are read in chunks of `chunk` tokens (default
@@ -226,7 +226,8 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             try:
                 for s in built:
                     toks = tok.tokenize(s.prompt)
-                    variants = chunked_variants(session, toks, cfgs, policy_args, unavailable, chunk, s.max_tokens) \
+                    variants = chunked_variants(session, toks, cfgs, policy_args, unavailable, chunk, s.max_tokens,
+                                                chunk_scoring) \
                         if long else ((*v, {}) for v in compressed_variants(session, toks, cfgs, policy_args,
                                                                             unavailable))
                     for pol, bud, status, first, note, stats in variants:
@@ -254,7 +255,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent",
-                         "chunk": chunk if long else None},
+                         "chunk": chunk if long else None, "chunk_scoring": chunk_scoring if long else None},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
             "cells": aggregate(records, ("task", "policy", "budget", "length", "depth")),
             "summary": aggregate(records, ("task", "policy", "budget", "length"))}

@@ -12,7 +12,8 @@ Order of calls for one compressed prompt (one sequence `seq`, next position `p` 
 3. `read_observation(ctx, seq, info, kinds)` -> `kvcli.plan.Observation`.
 4. a plan (`kvcli.native.lib.native_plan` or a torch policy), then `apply_plan(ctx, seq, plan, head_dim)`:
    the sequence now holds `plan.max_kept` cells; keep decoding it at position `p + len(tokens)`.
-   With `reindex_p0=0` the kept entries get positions 0..k-1 instead (K re-rotated) and decoding
+   With `reindex_p0=0` the kept entries get positions B-k..B-1 instead (right-aligned in the B cells, K
+   re-rotated) and decoding
    continues at `plan.max_kept`; repeating 1-4 chunk after chunk reads a document of any length
    (kvcli/chunked.py). Observation of a compacted sequence covers its cells (compacted + new).
 5. `set_header(...)` to label it, `save_state`/`load_state` to write it to / read it from a file.
@@ -137,8 +138,9 @@ def apply_plan(ctx, seq: int, plan: Plan, head_dim: int, reindex_p0: int | None 
 
     The sequence may be compacted already (slots are its cells now, in cell order; the slot bias
     composes). `reindex_p0=None`: kept entries keep their positions, decoding continues at the same
-    next position. `reindex_p0=p0`: the kept entries of every (layer, KV head) get positions
-    p0, p0+1, ... (K re-rotated in the cache's backend), decoding continues at p0 + plan.max_kept;
+    next position. `reindex_p0=p0`: the k kept entries of every (layer, KV head) get positions
+    p0+B-k, ..., p0+B-1 (B = plan.max_kept; right-aligned, K re-rotated in the cache's backend), decoding
+    continues at p0 + B;
     refused for a sequence once compacted without re-indexing (`is_reindexable`)."""
     L = lib()
     n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")

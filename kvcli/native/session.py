@@ -280,8 +280,8 @@ class NativeSession:
     # ------------------------------------------------------------------ compression
     def apply_plan(self, plan, seq: int = 0, reindex: bool = False) -> None:
         """Compact `seq` (compressed already or not: slots are its cells now). reindex=True: the kept
-        entries of every (layer, KV head) get positions 0..k-1 (K re-rotated), decoding continues at
-        plan.max_kept, and kept_positions() reports those new positions."""
+        entries of every (layer, KV head) get positions B-k..B-1, right-aligned in the B = plan.max_kept
+        cells (K re-rotated), decoding continues at B, and kept_positions() reports those new positions."""
         from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         origins = self._slot_origins(seq)
@@ -292,7 +292,8 @@ class NativeSession:
                 self.seqs.pop(seq, None)
             raise
         if reindex:
-            st.kept_positions = [[np.arange(int(n), dtype=np.int32) for n in row] for row in plan.n_kept]
+            B = plan.max_kept   # right-aligned: a (layer, head) keeping n holds positions B-n..B-1
+            st.kept_positions = [[np.arange(B - int(n), B, dtype=np.int32) for n in row] for row in plan.n_kept]
             st.reindexed += st.next_pos - plan.max_kept
             st.next_pos = plan.max_kept  # the last logits stay: they are the model's output for the last token
         else:

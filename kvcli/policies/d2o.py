@@ -136,7 +136,7 @@ SPEC = PolicySpec(
     name="d2o",
     summary="variance-based layer budgets, heavy hitters + recent per KV head, evicted keys merged into the nearest kept key",
     keeps="per layer l: C_l entries per KV head (C_l from the variance of the layer's accumulated attention, "
-          "summing to budget x n_layer): the first `sinks` slots, the top heavy hitters by accumulated "
+          "summing to budget x n_layer): the first `sinks` slots that receive attention, the top heavy hitters by accumulated "
           "attention (colsum) and the last M_l slots (N:M = heavy:recent); each evicted entry whose key has "
           "cosine similarity >= tau with its most similar kept key is merged into it (weighted average of K "
           "and V, written as a replacement row); the others are dropped",
@@ -153,7 +153,8 @@ SPEC = PolicySpec(
               "included) and the recent window", paper_default="3 (code scripts: 1)", min=0, max=1000),
         Param("recent", "int", 1, "M of the N:M split (recent window M_l = C_l*M/(N+M), rounded half up, >= 1)",
               paper_default="1 (code scripts: 1)", min=0, max=1000),
-        Param("sinks", "int", 4, "first slots always kept, counted inside the heavy hitters",
+        Param("sinks", "int", 4, "first slots always kept (those that receive attention: a re-indexed compaction's dead padding "
+              "comes first and is skipped), counted inside the heavy hitters",
               paper_default="not stated (code: 4)", min=0, max=4096),
         Param("merge", "choice", "paper", "paper: k_c <- (e*k_c + sum exp(u_i) k_i) / (e + sum exp(u_i)), V with "
               "the same weights (Eq. 11-12); code: k_c <- (k_c + sum u_i k_i)/(1 + n_c) (authors' scatter mean, "

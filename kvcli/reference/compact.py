@@ -12,9 +12,11 @@ B, B+1, ..., in both engines, so plans made on either engine's observation are i
 Repeated compaction: an entry's new bias is its old bias plus the plan's log-multiplicity (a dead
 entry a plan picks stays dead, a merged entry keeps its log(m) and can be merged into again).
 
-Re-indexing (`rotate` given): the kept entries of each (l, h) get the positions 0..k-1 in slot
-order (slot order is position order: plans keep slots ascending and new tokens always come at
-higher positions), dead padding slots k..B-1, and their K rows are re-rotated by delta = new - old.
+Re-indexing (`rotate` given): the kept entries of each (l, h) are right-aligned: slots B-k..B-1 with
+the positions B-k..B-1 in slot order (slot order is position order: plans keep slots ascending and
+new tokens always come at higher positions), dead padding slots 0..B-k-1 first, and their K rows are
+re-rotated by delta = new - old. Right-aligned, the latest entry of every (l, h) sits at B-1, next to
+the continuation at B, whatever each (l, h) keeps (native/src/kvcli_cache.cpp says why).
 Replacement rows of merged entries are in the space of the observation (rotated at the entry's old
 position), so they are written first and re-rotated with the others.
 """
@@ -80,20 +82,22 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation |
         index = torch.zeros(n_head_kv, width, dtype=torch.int64)        # padding reads slot 0 ...
         live = torch.zeros(n_head_kv, width, dtype=torch.bool)          # ... and is then cleared
         added = torch.zeros(n_head_kv, width, dtype=torch.float32)
+        start = [0] * n_head_kv                 # the first slot of each head's entries
         for h in range(n_head_kv):
             kept = torch.from_numpy(plan.kept(l, h).astype(np.int64))
-            index[h, :kept.numel()] = kept
-            live[h, :kept.numel()] = True
+            start[h] = width - kept.numel() if rotate is not None else 0
+            index[h, start[h]:start[h] + kept.numel()] = kept
+            live[h, start[h]:start[h] + kept.numel()] = True
             if log_mult is not None:
                 off = int(offsets[l, h])
-                added[h, :kept.numel()] = log_mult[off: off + kept.numel()]
+                added[h, start[h]:start[h] + kept.numel()] = log_mult[off: off + kept.numel()]
         # bias composes: an entry keeps what it carried (log(m) of an earlier merge, -inf if dead)
         bias = torch.where(live, slots[l].bias.gather(1, index) + added, torch.tensor(float("-inf")))
         rows = index[:, :, None].expand(-1, -1, head_dim)
         keys = layer.keys[0].gather(1, rows) * live[:, :, None]         # dead padding: zero rows, as native
         values = layer.values[0].gather(1, rows) * live[:, :, None]
         for r in np.nonzero(rep_layer == l)[0]:           # merged entries: their K/V rows are replaced
-            h, j = int(rep_head[r]), int(rep_j[r])
+            h, j = int(rep_head[r]), start[int(rep_head[r])] + int(rep_j[r])
             # plans carry K rows in llama.cpp's dimension order (Observation.keys): back to ours
             keys[h, j] = gguf_to_hf_dims(torch.from_numpy(plan.replace_k[r].astype(np.float32)))
             values[h, j] = torch.from_numpy(plan.replace_v[r].astype(np.float32))

@@ -5,7 +5,7 @@ It loads the very GGUF file the native engine loads, prefills with the kvcli att
 applies plans to its cache (kvcli/reference/compact.py) in the native cache's slot layout, and
 decodes at the original positions: after a compaction the next token still gets position n (the
 uncompressed length), exactly as in the native engine. A compaction with `reindex=True` instead
-gives the kept entries the positions 0..k-1 (K re-rotated in torch) and decoding continues at B,
+gives the kept entries the positions B-k..B-1 (right-aligned; K re-rotated in torch) and decoding continues at B,
 the widest head's count, again as the native engine does. A compressed sequence can be observed
 and compacted again (chunked prefill). One sequence is processed at a time; clarity beats speed.
 """
@@ -231,7 +231,7 @@ class ReferenceSession:
     # ------------------------------------------------------------------ compression
     def apply_plan(self, plan: Plan, seq: int = 0, reindex: bool = False) -> None:
         """Compact `seq` as the plan says (it may be compressed already: biases compose). With `reindex`,
-        the kept entries of every (layer, KV head) get the positions 0..k-1, K rows re-rotated, and
+        the kept entries of every (layer, KV head) get the positions B-k..B-1, K rows re-rotated, and
         decoding continues at B = plan.max_kept (see kvcli/reference/compact.py)."""
         st = self.seq(seq)
         if reindex and not st.reindexable:
@@ -259,9 +259,28 @@ class ReferenceSession:
         st.compressed = True
         st.timings["apply_s"] = st.timings.get("apply_s", 0.0) + time.perf_counter() - t0
 
+    def rollback(self, seq: int, n_tokens: int) -> None:
+        """Forget the last `n_tokens` appended to `seq` (the native engine's rollback: the sequence's last
+        slots here, since the reference appends every token at the end)."""
+        st = self.seq(seq)
+        if n_tokens < 0 or n_tokens > min(st.next_pos, st.cells):
+            raise KvcliError(f"cannot roll back {n_tokens} tokens of sequence {seq} (it has {st.next_pos} positions)")
+        if n_tokens == 0:
+            return
+        keep = st.cells - n_tokens
+        for layer in st.cache.layers:
+            layer.keys = layer.keys[:, :, :keep].contiguous()
+            layer.values = layer.values[:, :, :keep].contiguous()
+        for s in st.slots:
+            s.key_pos, s.bias = s.key_pos[:, :keep].contiguous(), s.bias[:, :keep].contiguous()
+        st.cell_pos = st.cell_pos[:keep]
+        st.next_pos -= n_tokens
+        st.prompt_tokens = min(st.prompt_tokens, st.next_pos + st.reindexed)
+        st.last_logits = None  # they belonged to a removed token
+
     def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:
         """Positions of the live entries of each (layer, KV head), in slot order (decoded tokens included):
-        original positions, or 0..k-1 after a re-indexing compaction."""
+        original positions, or B-k..B-1 after a re-indexing compaction."""
         st = self.seq(seq)
         return [[s.key_pos[h][torch.isfinite(s.bias[h])].to(torch.int32).numpy() for h in range(s.key_pos.shape[0])]
                 for s in st.slots]

@@ -87,7 +87,9 @@ KVCLI_API int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_
 // merged entry keeps its log-multiplicity.
 
 // Same as kvcli_apply_plan, then re-indexing: per (layer, KV head), the kept entries, in the order of
-// their current positions, get the positions p0, p0+1, ..., p0+k-1; each K row is re-rotated by
+// their current positions, get the positions p0+B-k, ..., p0+B-1 and sit in the last k of the B cells
+// (right-aligned: the latest entry of every (layer, head) is next to the continuation at p0+B; dead
+// padding comes first); each K row is re-rotated by
 // delta = new - old position (per layer, KV head and entry) in a ggml graph on the backend of the
 // device holding that layer's K (llama.cpp's K-shift step: quantized caches are dequantized,
 // un-rotated, roped, rotated and requantized). A replacement row counts as sitting at its source

@@ -873,8 +873,12 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
 } } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
 
-// reindex: give the kept entries of every (layer, KV head) the positions p0, p0+1, ... in the order of
-// their current positions (K re-rotated), cells p0 .. p0+B-1; else cells n-B .. n-1 and entries keep theirs
+// reindex: give the kept entries of every (layer, KV head) the positions p0+B-k, ..., p0+B-1 in the order of
+// their current positions (K re-rotated), cells p0 .. p0+B-1; else cells n-B .. n-1 and entries keep theirs.
+// Re-indexed entries are right-aligned in the B cells (dead padding first): the most recent entry of every
+// (layer, KV head) sits at p0+B-1, next to the continuation at p0+B. Left-aligned, a (layer, head) keeping
+// k < B entries would see its latest entry B-k positions before the next token (a gap the model reads as
+// distance: text after a chunked read of a policy with per-layer budgets degenerated into repetition).
 static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const kvcli_plan_view * plan,
                                bool reindex, int32_t p0) {
     llama_kv_cache * kv = kvcli_cache_of(ctx);
@@ -986,6 +990,9 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
         }
     }
 
+    // output slot of the j-th kept entry of a (layer, head) keeping n: j, or B-n+j when re-indexing
+    auto out_slot = [&](int32_t n, int32_t j) { return reindex ? B - n + j : j; };
+
     // the new slot bias composes with the old one: an entry keeps what it carried (a dead entry stays
     // -inf, a merged one its log-multiplicity) plus the plan's log_mult; computed before cells move
     ensure_bias(kv, ext);
@@ -999,7 +1006,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 const int64_t e = order[o + j];
                 const uint32_t c = src[plan->slots[e]];
                 const float old = ext.biased[c] ? ext.bias_host[ikv][(size_t) h * kv_size + c] : 0.0f;
-                new_bias[il][(size_t) h * B + j] = old + (plan->log_mult ? plan->log_mult[e] : 0.0f);
+                new_bias[il][(size_t) h * B + out_slot(n, j)] = old + (plan->log_mult ? plan->log_mult[e] : 0.0f);
             }
         }
     }
@@ -1049,7 +1056,8 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 const int64_t o = off[(size_t) il * nkv + h];
                 const int32_t n = plan->n_kept[(size_t) il * nkv + h];
                 for (int32_t j = 0; j < n; ++j) {
-                    delta[il][(size_t) j * nkv + h] = p0 + j - src_pos[plan->slots[order[o + j]]];
+                    const int32_t s = out_slot(n, j);
+                    delta[il][(size_t) s * nkv + h] = p0 + s - src_pos[plan->slots[order[o + j]]];
                 }
             }
         }
@@ -1069,7 +1077,8 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 const int64_t e = order[o + j];
                 const uint32_t sc = src[plan->slots[e]] - lo; // source cell, relative to lo
                 const int32_t r = rep_of[e];
-                uint8_t * kd = nk.data() + (size_t) j * k_row + h * k_head;
+                const int32_t s = out_slot(n, j);
+                uint8_t * kd = nk.data() + (size_t) s * k_row + h * k_head;
                 if (r < 0) {
                     std::memcpy(kd, old_k[ikv].data() + (size_t) sc * k_row + h * k_head, k_head);
                 } else {
@@ -1080,7 +1089,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                     from_float_row(tk, tmp.data(), kd, hd);
                 }
                 if (!v_trans) {
-                    uint8_t * vd = nv.data() + (size_t) j * v_row + h * v_head;
+                    uint8_t * vd = nv.data() + (size_t) s * v_row + h * v_head;
                     if (r < 0) {
                         std::memcpy(vd, old_v[ikv].data() + (size_t) sc * v_row + h * v_head, v_head);
                     } else {
@@ -1093,7 +1102,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 } else {
                     for (uint32_t d = 0; d < hd; ++d) {
                         const uint32_t e2 = h * hd + d;
-                        uint8_t * vd = nvt.data() + ((size_t) e2 * B + j) * v_el;
+                        uint8_t * vd = nvt.data() + ((size_t) e2 * B + s) * v_el;
                         if (r < 0) {
                             std::memcpy(vd, old_v[ikv].data() + ((size_t) e2 * (hi - lo) + sc) * v_el, v_el);
                         } else {

@@ -143,6 +143,17 @@ def test_handmade_split_and_sinks():
     assert plan.kept(0, 0).tolist() == [0, 1, 2, 7]         # default 4 sinks fill all N = 3 heavy places
 
 
+def test_sinks_skip_the_dead_padding_of_a_reindexed_compaction():
+    """Read in chunks, a (layer, head) that keeps fewer entries than the widest starts with dead padding
+    (right-aligned re-indexing): it receives no attention, so the sinks are the first slots that do."""
+    obs = handmade_obs()
+    obs.colsum[0, 0, :2] = 0.0                              # slots 0, 1: dead padding
+    plan = both(["sinks=2", "merge=none"], 4, obs)
+    assert plan.kept(0, 0).tolist() == [2, 3, 5, 7]         # sinks 2, 3; the best heavy hitter after them: 5
+    plan = both(["sinks=1", "merge=none"], 4, obs)
+    assert plan.kept(0, 0).tolist() == [2, 3, 5, 7]         # sink 2; heavy hitters 3 (3.0) and 5 (2.5)
+
+
 # ---------------------------------------------------------------------------------------------
 # C++ vs torch on random observations
 # ---------------------------------------------------------------------------------------------

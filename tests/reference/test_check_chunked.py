@@ -37,7 +37,7 @@ def test_origins_follow_the_slots_through_chunked_compactions(tiny_gguf, policy)
     toks = ref.tokenize(DOC)[:300]
     origins = Origins(ref.info.n_layer, ref.info.n_head_kv)
     rep = chunked.prefill_chunked(_NoReindex(ref), toks, policy, 40, {}, 80, planner="reference",
-                                  on_step=lambda step, obs, plan: origins.on_plan(obs.n, plan))
+                                  on_step=lambda step, obs, plan: origins.on_plan(obs.n, plan, reindexed=False))
     assert len(rep.steps) >= 3
     want = ref.kept_positions()
     got = origins.kept(ref.stats()["kv_cells"])
@@ -49,7 +49,8 @@ def test_origins_follow_the_slots_through_chunked_compactions(tiny_gguf, policy)
 
 def test_check_chunked_on_tiny_model_tight(tiny_gguf):
     """A document of 4 chunks: every planning step gives identical plans (L1) and the end results agree to
-    float32 accuracy (L3), for a window policy, an accumulated-attention policy and a positional one."""
+    float32 accuracy (L3), for a window policy (scored by the question probe, rolled back in both engines),
+    an accumulated-attention policy and a positional one."""
     settings = CheckSettings(budget=48, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=320, chunk=96)
     r = run_check(tiny_gguf, DOC, ["snapkv", "h2o", "streamingllm"], settings, Thresholds.tight())
     from kvcli.commands.check import format_report

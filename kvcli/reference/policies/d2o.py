@@ -3,7 +3,7 @@ head, and every evicted entry close enough to a kept key merged into it (digest:
 
 1. sigma2[l]   = mean over query heads q of Var_j(colsum[l, q, j])      (Eq. 4, population variance)
 2. C_l         = layer_budgets(softmax_l(1/sigma2), budget x L)          (Eq. 5, 13-16)
-3. per KV head = first `sinks` slots + top heavy hitters by combined colsum + last M_l slots
+3. per KV head = first `sinks` slots that receive attention + top heavy hitters by combined colsum + last M_l
 4. u_e, j*(e)  = max / argmax over kept c of cos(k_e, k_c); tau = mean of u_e
    entries with u_e >= tau merge into j*(e):                               (Eq. 9-12)
    k_c <- (e k_c + sum_i exp(u_i) k_i) / (e + sum_i exp(u_i)), v_c alike
@@ -98,10 +98,14 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
         prefix = n - M
         ns = min(params["sinks"], N, prefix)
         scores = gqa_combine(colsum[l, :, :prefix].to(torch.float64), H, params["gqa"])   # [H, prefix]
-        best = topk_ascending(scores[:, ns:], N - ns, "d2o") + ns
         row_k, row_e = [], []
         for h in range(H):
-            k = torch.cat([torch.arange(ns), best[h].to(torch.int64), torch.arange(prefix, n)])
+            # sinks: the first ns slots that receive attention (the dead padding a re-indexed compaction
+            # puts first in a (layer, head) keeping fewer than the widest receives exactly none)
+            sink = torch.nonzero(scores[h] > 0).flatten()[:ns]
+            after = int(sink[-1]) + 1 if sink.numel() else 0
+            best = topk_ascending(scores[h, after:], N - sink.numel(), "d2o") + after
+            k = torch.cat([sink, best.to(torch.int64), torch.arange(prefix, n)])
             mask = torch.ones(n, dtype=torch.bool)
             mask[k] = False
             row_k.append(k)

@@ -191,13 +191,23 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
         for (int h = 0; h < H; h++) {
             std::vector<std::vector<double>> per_q;
             for (int g = 0; g < G; g++) {
-                auto s = kvcli::colsum_scores(obs, l, h * G + g, prefix);
-                per_q.emplace_back(s.begin() + ns, s.end());
+                per_q.push_back(kvcli::colsum_scores(obs, l, h * G + g, prefix));
             }
-            const auto best = kvcli::topk_ascending(kvcli::gqa_combine(per_q, gqa), N - ns, "d2o");
+            const auto comb = kvcli::gqa_combine(per_q, gqa);
+            // sinks: the first ns slots that receive attention. A sequence compacted with re-indexing
+            // (chunked reading) starts a (layer, head) that keeps fewer than the widest with dead
+            // padding, which receives exactly none; the real sinks follow it.
             auto & k = out.at(l, h);
-            kvcli::append_range(k, 0, ns);
-            for (int32_t b : best) k.push_back(b + ns);
+            int after = 0;
+            for (int j = 0; j < prefix && static_cast<int>(k.size()) < ns; j++) {
+                if (comb[j] > 0.0) {
+                    k.push_back(j);
+                    after = j + 1;
+                }
+            }
+            const std::vector<double> rest(comb.begin() + after, comb.end());
+            const auto best = kvcli::topk_ascending(rest, N - static_cast<int64_t>(k.size()), "d2o");
+            for (int32_t b : best) k.push_back(b + after);
             kvcli::append_range(k, prefix, n);
             auto & e = evicted[static_cast<size_t>(l) * H + h];
             size_t p = 0;
