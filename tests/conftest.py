@@ -13,6 +13,14 @@ EXAMPLES = ROOT / "examples"
 KVCLI = [sys.executable, "-m", "kvcli.cli"]
 
 
+def sigint_default() -> None:
+    """preexec_fn of a child a test interrupts: SIGINT back to its default. A test run started in the
+    background of a shell without job control inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt, so the Ctrl-C tests would test nothing."""
+    import signal  # noqa: PLC0415
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     from kvcli.models import default_model_path

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import EXAMPLES, KVCLI, ROOT
+from tests.conftest import EXAMPLES, KVCLI, ROOT, sigint_default
 
 DOC = (EXAMPLES / "station-log.txt").read_text(encoding="utf-8")[:1600]
 
@@ -24,6 +24,7 @@ class Pty:
         if pid == 0:  # the child: the pty is its controlling terminal, so ^C sends it SIGINT
             try:
                 os.chdir(ROOT)
+                sigint_default()
                 os.execvpe(argv[0], argv, env)
             finally:
                 os._exit(127)

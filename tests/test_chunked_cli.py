@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import EXAMPLES, KVCLI, ROOT
+from tests.conftest import EXAMPLES, KVCLI, ROOT, sigint_default
 
 N_CTX = 512
 BUDGET = 64
@@ -160,7 +160,8 @@ def test_ctrl_c_during_a_chunked_read_exits_cleanly(default_model, tmp_path):
     doc = _station_head(6000, tmp_path)
     proc = subprocess.Popen([*KVCLI, "run", "--model", str(default_model), "--doc", str(doc), "--policy", "snapkv",
                              "--budget", "128", "--chunk", "256", "Summarise."],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True,
+                            preexec_fn=sigint_default)
     time.sleep(6)   # model loaded, reading chunks
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

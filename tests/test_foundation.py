@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import EXAMPLES, KVCLI, ROOT
+from tests.conftest import EXAMPLES, KVCLI, ROOT, sigint_default
 
 SHORT_DOC = "The meeting moved from Tuesday to Thursday because the hall was booked. Bring the blue folders.\n"
 
@@ -126,7 +126,7 @@ def test_bad_options(run_kvcli):
 def test_ctrl_c_keeps_partial_answer():
     proc = subprocess.Popen([*KVCLI, "run", "--doc", str(EXAMPLES / "solar-garden.txt"), "Write a long essay.",
                              "--max-tokens", "2000", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=ROOT, text=True)
+                            cwd=ROOT, text=True, preexec_fn=sigint_default)
     # wait for the answer to start streaming, then interrupt
     first = proc.stdout.read(20)
     time.sleep(0.5)
