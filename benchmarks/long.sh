@@ -17,7 +17,7 @@ if [[ $STEP == run || $STEP == all ]]; then
     $PY examples/make_docs.py --tokens 100000 --facts 10 -o "$BOOK/book.txt" --facts-json "$OUT/book-100k-facts.json"
     Q=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))[-1]['question'])" "$OUT/book-100k-facts.json")
     $PY -m kvcli.cli run --policy snapkv --budget 512 --doc "$BOOK/book.txt" -n 32 --json "$Q" \
-        > "$OUT/run-100k-snapkv512.json"
+        > "$OUT/run-100k-snapkv512-question.json"   # (run-100k-snapkv512.json: before question scoring)
 fi
 if [[ $STEP == niah || $STEP == all ]]; then
     # the two chunk scorings (kvcli/chunked.py) on the same samples
