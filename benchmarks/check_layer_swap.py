@@ -3,25 +3,17 @@
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""
 import json, sys, numpy as np
-from pathlib import Path
 from kvcli import compress
-from kvcli.check import CheckSettings, build_tokens, restrict, logits_distance
+from kvcli.check import restrict, logits_distance
 from kvcli.models import default_model_path
-from kvcli.native.session import NativeSession
 from kvcli.plan import Plan
 from kvcli.reference.session import ReferenceSession
+from check_setup import native_prompt
 
 budget, name = int(sys.argv[1]), sys.argv[2]
 mp = default_model_path()
-doc_path = sys.argv[3] if len(sys.argv) > 3 else "examples/station-log.txt"
-doc_tokens = int(sys.argv[3 + 1]) if len(sys.argv) > 3 + 1 else 2000   # 0: the whole document
-st = CheckSettings(budget=budget, doc_tokens=doc_tokens or None)
-doc = Path(doc_path).read_text()
-tag = "" if doc_path == "examples/station-log.txt" and doc_tokens == 2000 else f"-{Path(doc_path).stem}-{doc_tokens}"
-nat = NativeSession(mp, n_ctx=0, cache_type="f16", flash_attn=True)
-toks = build_tokens(nat, doc, st)
+nat, toks, tag = native_prompt(sys.argv, mp, budget)
 n = len(toks)
-nat.create_context(-(-(n + 24) // 256) * 256)
 spec, params = compress.resolve_for_model(mp, name, {}, budget)
 kinds, w = spec.observe(params)
 ref = ReferenceSession(mp, n_ctx=nat.n_ctx, n_seq=1)

@@ -4,24 +4,16 @@ planner); (b) the reference engine applying the NATIVE plan (same kept sets, sam
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
 planner on it (L1 on the reference's observation)."""
 import json, sys, time, numpy as np
-from pathlib import Path
 from kvcli import compress
-from kvcli.check import CheckSettings, build_tokens, jaccard_per_layer, greedy_compare, restrict, compare_plans
+from kvcli.check import jaccard_per_layer, greedy_compare, restrict, compare_plans
 from kvcli.models import default_model_path
-from kvcli.native.session import NativeSession
 from kvcli.reference.session import ReferenceSession
+from check_setup import native_prompt
 
 budget = int(sys.argv[1]); names = sys.argv[2].split(",")
 mp = default_model_path()
-doc_path = sys.argv[3] if len(sys.argv) > 3 else "examples/station-log.txt"
-doc_tokens = int(sys.argv[3 + 1]) if len(sys.argv) > 3 + 1 else 2000   # 0: the whole document
-st = CheckSettings(budget=budget, doc_tokens=doc_tokens or None)
-doc = Path(doc_path).read_text()
-tag = "" if doc_path == "examples/station-log.txt" and doc_tokens == 2000 else f"-{Path(doc_path).stem}-{doc_tokens}"
-nat = NativeSession(mp, n_ctx=0, cache_type="f16", flash_attn=True)
-toks = build_tokens(nat, doc, st)
+nat, toks, tag = native_prompt(sys.argv, mp, budget)
 n = len(toks)
-nat.create_context(-(-(n + 24) // 256) * 256)
 ref = ReferenceSession(mp, n_ctx=2 * nat.n_ctx, n_seq=2)
 base = ref.prefill(toks, seq=0, observe=("window", "colsum", "kv"), window=32)
 out = {"n": n, "budget": budget}

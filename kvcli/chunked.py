@@ -200,11 +200,11 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
         obs = session.prefill(piece, seq=seq, observe=observe if last else chunk_observe, window=min(window, take),
                               progress=progress)
         before = _cells(session, seq)
-        if probe and not last:
+        probed = bool(probe) and not last
+        if probed:
             obs = _probe(session, seq, probe, obs)
-            peak = max(peak, before + len(probe))
         prefill_s += time.perf_counter() - t1
-        peak = max(peak, before)
+        peak = max(peak, before + (len(probe) if probed else 0))   # the probe's cells while it was held
         if obs is None:  # a policy that observes nothing plans from the shapes alone
             obs = Observation(i.n_layer, i.n_head, i.n_head_kv, i.head_dim, n=before,
                               positions=np.arange(before, dtype=np.int32))

@@ -85,12 +85,14 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation |
         start = [0] * n_head_kv                 # the first slot of each head's entries
         for h in range(n_head_kv):
             kept = torch.from_numpy(plan.kept(l, h).astype(np.int64))
-            start[h] = width - kept.numel() if rotate is not None else 0
-            index[h, start[h]:start[h] + kept.numel()] = kept
-            live[h, start[h]:start[h] + kept.numel()] = True
+            k = kept.numel()
+            start[h] = width - k if rotate is not None else 0
+            entries = slice(start[h], start[h] + k)
+            index[h, entries] = kept
+            live[h, entries] = True
             if log_mult is not None:
                 off = int(offsets[l, h])
-                added[h, start[h]:start[h] + kept.numel()] = log_mult[off: off + kept.numel()]
+                added[h, entries] = log_mult[off: off + k]
         # bias composes: an entry keeps what it carried (log(m) of an earlier merge, -inf if dead)
         bias = torch.where(live, slots[l].bias.gather(1, index) + added, torch.tensor(float("-inf")))
         rows = index[:, :, None].expand(-1, -1, head_dim)
