@@ -23,7 +23,7 @@ BOTH = [name for name, spec in policies.REGISTRY.items() if spec.native and spec
 def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
     from kvcli.commands.check import format_report
     path = write_tiny(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch)
-    settings = CheckSettings(budget=64, n_tokens=6, cache_type="f32", flash_attn=False, doc_tokens=200)
+    settings = CheckSettings(budget=96, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=300)
     r = run_check(path, DOC, BOTH, settings, Thresholds.tight())
     table = format_report(r)
     assert r["l2"]["pass"], table
