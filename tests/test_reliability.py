@@ -1,0 +1,60 @@
+"""Issue #20: interruptions, hostile inputs and refusals that must come early, one line, exit 2."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=16, n_ctx_train=384)
+
+
+def _interrupt_after_decode(monkeypatch, L, nth: int) -> None:
+    """Raise KeyboardInterrupt right after the nth llama_decode returns, as a Ctrl-C does (Python raises it at
+    the first bytecode after the C call: the cells are in the cache, the Python bookkeeping not yet updated)."""
+    real, calls = L.llama_decode, [0]
+
+    def decode(ctx, batch):
+        rc = real(ctx, batch)
+        calls[0] += 1
+        if calls[0] == nth:
+            raise KeyboardInterrupt
+        return rc
+    monkeypatch.setattr(L, "llama_decode", decode)
+
+
+# ------------------------------------------------------------------------------ A: Ctrl-C during a reply
+@pytest.mark.parametrize("nth", [1, 4])   # 1: during the question's prefill, 4: during the answer
+def test_ctrl_c_during_a_reply_leaves_a_consistent_conversation(tiny, monkeypatch, tmp_path, nth):
+    from kvcli.chat import Conversation
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny, n_ctx=0)
+    conv = Conversation(s, "alpha beta gamma delta. " * 20)
+    conv.compress()
+    st = s.seq(0)
+    before = st.next_pos
+    _interrupt_after_decode(monkeypatch, s.L, nth)
+    try:
+        gen = conv.ask("Say something long.", 40)
+        interrupted = gen.stopped == "interrupted"
+    except KeyboardInterrupt:  # during the question's prefill: the turn is rolled back
+        interrupted = True
+    monkeypatch.undo()
+    assert interrupted
+    # the cache and the bookkeeping agree: last position, cell count
+    assert s.L.llama_memory_seq_pos_max(s.mem, 0) == st.next_pos - 1
+    assert conv._measured_cells() == st.cells
+    if nth == 1:
+        assert st.next_pos == before and not conv.turns
+    else:  # the partial answer kept is exactly what the cache holds
+        assert conv.turns[-1].tokens_out == st.next_pos - before - conv.turns[-1].tokens_in == 2
+    again = conv.ask("Say something.", 5)        # main: llama_decode failed with code -1
+    assert again.stopped in ("eog", "length")
+    path = tmp_path / "c.kvc"
+    conv.save(path)                               # main: a file that does not load
+    loaded = Conversation.from_kvc(path, model=str(tiny))
+    assert loaded.session.seq(0).next_pos == st.next_pos
+    loaded.session.close()
+    s.close()
