@@ -611,8 +611,13 @@ class Repl:
             self._interactive()
         else:
             for raw in sys.stdin:
-                if not self.handle(raw):
-                    break
+                try:
+                    if not self.handle(raw):
+                        break
+                except ContextFullError:  # every later question would fail the same way
+                    raise
+                except KvcliError as e:  # a bad command: say it and go on, as on a terminal
+                    self.say(f"kvcli: error: {e}")
 
     def _interactive(self) -> None:
         save = _setup_readline()

@@ -1,7 +1,21 @@
 """Issue #20: interruptions, hostile inputs and refusals that must come early, one line, exit 2."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import pytest
+
+from tests.conftest import KVCLI, ROOT
+
+
+def kvcli(*args, input=None, timeout=300, env=None, **kw):
+    """kvcli as a real process (cwd: the checkout whose tests/conftest.py this imported)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVCLI_")}
+    e.update({"XDG_CONFIG_HOME": "/nonexistent", **(env or {})})  # no user config file
+    return subprocess.run([*KVCLI, *map(str, args)], input=input, capture_output=True, text=True, timeout=timeout,
+                          env=e, cwd=ROOT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +72,15 @@ def test_ctrl_c_during_a_reply_leaves_a_consistent_conversation(tiny, monkeypatc
     assert loaded.session.seq(0).next_pos == st.next_pos
     loaded.session.close()
     s.close()
+
+
+# ------------------------------------------------------------------------------ 3: piped chat goes on after a bad command
+def test_piped_chat_reports_a_bad_command_and_goes_on(tiny, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    r = kvcli("chat", "--doc", doc, "--model", tiny, "-n", "4", "--json",
+              input=f"/policy bogus\n/budget -3\n/save {tmp_path}\nFirst?\n/policy snapkv 64\nSecond?\n")
+    assert r.returncode == 0, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("kvcli: error:")]
+    assert len(errors) == 3 and "unknown policy" in errors[0] and "directory" in errors[2], r.stderr
+    assert [json.loads(line)["question"] for line in r.stdout.splitlines()] == ["First?", "Second?"]
