@@ -377,9 +377,9 @@ class Conversation:
                            state=cache.get_state(s.ctx, self.seq), kept_positions=kept,
                            prefix_logits=self.prefix_logits)
 
-    def save(self, path) -> int:
+    def save(self, path, force: bool = True) -> int:
         from kvcli import kvc  # noqa: PLC0415
-        return kvc.write(path, self.to_kvc())
+        return kvc.write(path, self.to_kvc(), force=force)
 
     @classmethod
     def from_kvc(cls, path, model: str | None = None, seq: int = 0, n_threads: int | None = None):

@@ -17,13 +17,12 @@ The digest covers every byte before it, so truncation and corruption are both ca
 meta records everything needed to refuse a file that does not fit (kvc format, kvcli version,
 native state format, model hash) and to continue the conversation (document, system message,
 question, policy, budget, parameters, positions). Writes go to a temporary file in the same
-directory, fsynced, then renamed over the target: an interrupted save leaves no half file.
+directory, fsynced, then renamed over the target (kvcli/outfile.py): an interrupted save leaves no half file.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,34 +62,18 @@ class KvcFile:
         return out
 
 
-def write(path, kvc: KvcFile) -> int:
-    """Write atomically (temporary file + fsync + rename); returns the file size."""
-    path = Path(path)
-    if path.is_dir():
-        raise KvcliError(f"{path} is a directory")
-    if not path.parent.is_dir():
-        raise KvcliError(f"cannot write {path}: directory {path.parent} does not exist")
+def write(path, kvc: KvcFile, force: bool = True) -> int:
+    """Write atomically (kvcli.outfile: temporary file + fsync + rename; force=False refuses an existing
+    file, also one that appears while this runs); returns the file size."""
+    from kvcli import outfile  # noqa: PLC0415
     blobs = kvc.blobs()
     meta = dict(kvc.meta, blobs=[[n, t, len(b)] for n, t, b in blobs])
     meta_b = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    chunks = [_HEAD.pack(MAGIC, FORMAT, 0, len(meta_b)), meta_b, *(b for _, _, b in blobs)]
     h = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in (_HEAD.pack(MAGIC, FORMAT, 0, len(meta_b)), meta_b, *(b for _, _, b in blobs)):
-                h.update(chunk)
-                f.write(chunk)
-            f.write(h.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise KvcliError(f"cannot write {path}: {e.strerror}") from None
-    except BaseException:  # Ctrl-C in the middle: no half file, no stray temporary
-        tmp.unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
+    for chunk in chunks:
+        h.update(chunk)
+    return outfile.write(path, [*chunks, h.digest()], force=force)
 
 
 def read(path) -> KvcFile:

@@ -84,3 +84,75 @@ def test_piped_chat_reports_a_bad_command_and_goes_on(tiny, tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("kvcli: error:")]
     assert len(errors) == 3 and "unknown policy" in errors[0] and "directory" in errors[2], r.stderr
     assert [json.loads(line)["question"] for line in r.stdout.splitlines()] == ["First?", "Second?"]
+
+
+# ------------------------------------------------------------------------------ B and the output paths
+def test_compress_refuses_an_output_that_appears_during_the_work(tiny, tmp_path, monkeypatch):
+    """The target is created while the document is prefilled: without --force it is refused at the moment the
+    file would appear (main replaced it silently), and no temporary stays behind."""
+    from kvcli import compress
+    from kvcli.cli import cli
+    from click.testing import CliRunner
+    doc, out = tmp_path / "d.txt", tmp_path / "out.kvc"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    real = compress.prefill_and_compress
+
+    def racing(*a, **k):  # another process writes the output while this one works
+        out.write_text("someone else's work")
+        return real(*a, **k)
+    monkeypatch.setattr(compress, "prefill_and_compress", racing)
+    r = CliRunner().invoke(cli, ["compress", "--doc", str(doc), "--model", str(tiny), "-o", str(out), "-q"])
+    assert r.exit_code == 2 and "exists" in r.output and "--force" in r.output, r.output
+    assert out.read_text() == "someone else's work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "out.kvc"]
+    r = CliRunner().invoke(cli, ["compress", "--doc", str(doc), "--model", str(tiny), "-o", str(out), "-q", "-f"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes().startswith(b"KVCLIKVC")
+
+
+def test_output_paths_fail_in_one_line_before_the_work(tiny, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    long_name = "x" * 300 + ".txt"
+    for args, message in [
+        (["run", "Hi", "--doc", doc, "--out", tmp_path], "is a directory"),
+        (["run", "Hi", "--doc", doc, "--out", tmp_path / "missing" / "a.txt"], "does not exist"),
+        (["run", "Hi", "--doc", doc, "--out", tmp_path / long_name], "255"),
+        (["run", "Hi", "--doc", tmp_path / long_name], "File name too long"),
+        (["compress", "--doc", doc, "-o", tmp_path / long_name], "255"),
+    ]:
+        r = kvcli(*args, "--model", tiny, *(["-n", "2"] if args[0] == "run" else []))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, (args, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt"]   # no temporary left
+
+
+def test_a_long_legal_output_name_gets_a_short_temporary_and_stale_ones_go(tiny, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    out = tmp_path / ("k" * 246 + ".kvc")                   # 250 bytes: legal; ".NAME.tmpPID" would not be
+    from kvcli.outfile import _temp_prefix
+    stale = tmp_path / f"{_temp_prefix(out)}{_dead_pid()}"   # what a kill -9 during compress leaves
+    stale.write_bytes(b"half a file")
+    r = kvcli("compress", "--doc", doc, "--model", tiny, "-o", out, "-q")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d.txt", out.name])
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    from kvcli import outfile
+    from kvcli.errors import KvcliError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(KvcliError, match="No space left on device"):
+        outfile.write(tmp_path / "a.txt", [b"answer"])
+    assert list(tmp_path.iterdir()) == []
