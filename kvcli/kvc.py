@@ -83,6 +83,8 @@ def read(path) -> KvcFile:
         raise KvcliError(f"cache file not found: {path}")
     if path.is_dir():
         raise KvcliError(f"{path} is a directory, not a .kvc file")
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise KvcliError(f"{path} is not a regular file, not a .kvc file")
     try:
         raw = path.read_bytes()
     except OSError as e:

@@ -156,3 +156,28 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
     with pytest.raises(KvcliError, match="No space left on device"):
         outfile.write(tmp_path / "a.txt", [b"answer"])
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ C: endless documents
+@pytest.mark.parametrize("source", ["/dev/zero", "yes"])
+def test_an_endless_document_is_refused_in_one_line(tiny, source):
+    if source == "yes":   # an endless text stream on stdin: read up to the documented limit, then refused
+        feeder = subprocess.Popen(["yes", "all work and no play"], stdout=subprocess.PIPE)
+        r = kvcli("run", "Hi", "--model", tiny, stdin=feeder.stdout, timeout=120)
+        feeder.kill()
+        feeder.wait()
+    else:
+        r = kvcli("run", "Hi", "--model", tiny, "--doc", source, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert ("larger than 64 MB" if source == "yes" else "not a text file") in r.stderr
+
+
+# ------------------------------------------------------------------------------ 4: non-regular files, long prompts
+def test_a_fifo_as_model_or_cache_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta")
+    for args in (["run", "Hi", "--doc", doc, "--model", fifo], ["chat", "--cache", fifo]):
+        r = kvcli(*args, timeout=60, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
