@@ -181,3 +181,13 @@ def test_a_fifo_as_model_or_cache_is_refused_at_once(tmp_path):
     for args in (["run", "Hi", "--doc", doc, "--model", fifo], ["chat", "--cache", fifo]):
         r = kvcli(*args, timeout=60, stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("policy", [["--policy", "full"], ["--policy", "snapkv", "--budget", "64"]])
+def test_an_instruction_longer_than_the_context_is_refused_at_once(tiny, tmp_path, policy):
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 5)
+    instruction = "Explain every detail of this. " * 120    # the tiny model's context is 384 tokens
+    r = kvcli("run", instruction, "--doc", doc, "--model", tiny, "-n", "2", *policy)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "the instruction is" in r.stderr and "put long text in --doc" in r.stderr, r.stderr
