@@ -390,6 +390,8 @@ class Conversation:
         t0 = time.perf_counter()
         f = kvc.read(path)
         kvc.check_versions(f)
+        kvc.check_meta(f)
+        kvc.check_state(f)
         m = f.meta
         recorded = Path(m["model"]["path"])
         read_s = time.perf_counter() - t0

@@ -191,3 +191,143 @@ def test_an_instruction_longer_than_the_context_is_refused_at_once(tiny, tmp_pat
     r = kvcli("run", instruction, "--doc", doc, "--model", tiny, "-n", "2", *policy)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "the instruction is" in r.stderr and "put long text in --doc" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------ 7: pyramidkv keeps its budget
+@pytest.mark.parametrize("args, excess", [([], 0), (["--policy-arg", "schedule=factory"], 1)])
+def test_pyramidkv_keeps_the_budget_on_average(tmp_path_factory, tmp_path, args, excess):
+    """Measured from the live cache: the mean entries per (layer, KV head) is the budget with the default
+    schedule; KVCache-Factory's rule, a named variant now, keeps more (main's default: mean 140.5 at 128 on 30
+    layers)."""
+    import numpy as np
+    from click.testing import CliRunner
+
+    from kvcli.cli import cli
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny30") / "tiny30.gguf", n_layer=30, n_head=4, n_head_kv=2,
+                             head_dim=16, n_ctx_train=384)
+    doc = tmp_path / "d.txt"
+    doc.write_text("alpha beta gamma delta epsilon. " * 40)
+    budget = 48
+    r = CliRunner().invoke(cli, ["run", "--model", str(model), "--doc", str(doc), "--policy", "pyramidkv", "--budget",
+                                 str(budget), "-n", "1", "--json", "Summarise.", *args])
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.stdout)["stats"]
+    assert st["prompt_tokens"] > 2 * budget
+    entries = np.asarray(st["per_head_entries"]) - st["generated_tokens"]   # [layer, KV head], the compressed prefix
+    assert entries[0, 0] > entries[-1, 0]                                   # still a pyramid
+    if excess:
+        assert entries.mean() > budget
+    else:
+        assert entries.sum(axis=0).tolist() == [budget * 30] * 2
+
+
+# ------------------------------------------------------------------------------ 1: .kvc metadata and state are input
+def _rebuild(src, dst, meta_edit=None, state_edit=None):
+    """Write `src` to `dst` with its metadata and/or state bytes changed and a valid SHA-256, as a forger would."""
+    import hashlib
+
+    from kvcli import kvc
+    raw = src.read_bytes()
+    _, fmt, _, meta_len = kvc._HEAD.unpack_from(raw)
+    p = kvc._HEAD.size
+    meta = json.loads(raw[p:p + meta_len])
+    body = bytearray(raw[p + meta_len:-32])
+    if state_edit:
+        n_state = meta["blobs"][-1][2]
+        assert meta["blobs"][-1][0] == "state"
+        state = bytearray(body[len(body) - n_state:])
+        state_edit(state)
+        body[len(body) - n_state:] = state
+    if meta_edit:
+        meta_edit(meta)
+    meta_b = json.dumps(meta).encode()
+    out = kvc._HEAD.pack(kvc.MAGIC, fmt, 0, len(meta_b)) + meta_b + bytes(body)
+    dst.write_bytes(out + hashlib.sha256(out).digest())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def saved_kvc(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("kvc")
+    doc = d / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    out = d / "c.kvc"
+    r = kvcli("compress", "--doc", doc, "--model", tiny, "--policy", "snapkv", "--budget", "64", "-o", out, "-q")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _set(path, value):
+    def edit(meta):
+        *parents, last = path
+        d = meta
+        for k in parents:
+            d = d[k]
+        if value is KeyError:
+            del d[last]
+        else:
+            d[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_set(["model", "n_layer"], "thirty"), "model.n_layer"),
+    (_set(["model"], KeyError), "model"),
+    (_set(["conversation", "next_pos"], -4), "conversation.next_pos"),
+    (_set(["conversation", "turns"], [{"question": 1}]), "conversation.turns"),
+    (_set(["policy_args"], "x=1"), "policy_args"),
+])
+def test_kvc_metadata_is_checked_against_a_schema(tiny, saved_kvc, tmp_path, edit, field):
+    bad = _rebuild(saved_kvc, tmp_path / "bad.kvc", meta_edit=edit)
+    r = kvcli("run", "Hi", "--cache", bad, "--model", tiny, "-n", "2")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "corrupted" in r.stderr and field in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------ refusals before the work
+def test_d2o_full_layers_out_of_range_is_refused_before_the_prefill(tiny, monkeypatch, tmp_path):
+    from kvcli.errors import KvcliError
+    from kvcli.native.session import NativeSession
+    from kvcli.pipeline import run_document
+    s = NativeSession(tiny, n_ctx=0)
+    prefilled = []
+    monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
+    with pytest.raises(KvcliError, match="full_layers item 7 is outside the model's 2 layers"):
+        run_document(s, "alpha beta gamma delta. " * 20, "Hi", policy="d2o", budget=64,
+                     policy_args={"full_layers": "7"}, max_tokens=2)
+    assert not prefilled
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def full_kvc(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("kvcfull")
+    doc = d / "d.txt"
+    doc.write_text("alpha beta gamma delta. " * 20)
+    out = d / "c.kvc"
+    r = kvcli("compress", "--doc", doc, "--model", tiny, "-o", out, "-q")   # policy full: no kvcli sequence header
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _poke(offset: int, data: bytes):
+    def edit(state):
+        state[offset:offset + len(data)] = data
+    return edit
+
+
+# full policy state: io magic + seq id (8), kvcli prefix (16) + 0 headers (4), n_stream (4), cells (4) at 32,
+# 12 bytes per cell from 36 (position, n_seq_id, seq id), then v_trans, n_layer, K type, K row size, K rows
+@pytest.mark.parametrize("damage, message", [
+    (lambda cells: _poke(32, (cells - 1).to_bytes(4, "little")), "cells, the header says"),
+    (lambda cells: _poke(36, (1).to_bytes(4, "little")), "not distinct positions"),
+    (lambda cells: _poke(36 + 12 * cells + 8 + 12 + 64, b"\x00\x7e" * 8), "not finite"),
+])
+def test_a_damaged_state_with_a_valid_digest_is_refused(tiny, full_kvc, tmp_path, damage, message):
+    from kvcli import kvc
+    cells = kvc.read(full_kvc).meta["conversation"]["cells"]
+    bad = _rebuild(full_kvc, tmp_path / "bad.kvc", state_edit=damage(cells))
+    r = kvcli("run", "Hi", "--cache", bad, "--model", tiny, "-n", "2")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "corrupted (cache state" in r.stderr and message in r.stderr, r.stderr
