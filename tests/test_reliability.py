@@ -163,9 +163,12 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
 def test_an_endless_document_is_refused_in_one_line(tiny, source):
     if source == "yes":   # an endless text stream on stdin: read up to the documented limit, then refused
         feeder = subprocess.Popen(["yes", "all work and no play"], stdout=subprocess.PIPE)
-        r = kvcli("run", "Hi", "--model", tiny, stdin=feeder.stdout, timeout=120)
-        feeder.kill()
-        feeder.wait()
+        try:
+            r = kvcli("run", "Hi", "--model", tiny, stdin=feeder.stdout, timeout=120)
+        finally:
+            feeder.kill()
+            feeder.wait()
+            feeder.stdout.close()
     else:
         r = kvcli("run", "Hi", "--model", tiny, "--doc", source, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
