@@ -434,8 +434,11 @@ class SeqSnapshot:
 
 def default_threads() -> int:
     """$KVCLI_THREADS, else the CPUs this process may actually use: its affinity mask (taskset, cpusets),
-    capped by a cgroup CPU quota (a container limited to 2 CPUs on a 64-core host sees 64 in os.cpu_count()).
-    More ggml threads than usable CPUs only adds threads that spin at ggml's barriers waiting for a core."""
+    capped by a cgroup CPU quota (a container limited to 2 CPUs on a 64-core host sees 64 in os.cpu_count()),
+    and, when the process may use the whole machine, only the cores the 1-minute load average leaves idle
+    (at least one). ggml's threads meet at a barrier after every graph node and spin there: a thread that
+    has to wait for a core stalls the others at each of the ~1,000 nodes of a decode, so threads beyond
+    the idle cores make a run slower, never faster. The count changes no result, only the speed."""
     env = os.environ.get("KVCLI_THREADS")
     if env:
         try:
@@ -450,7 +453,14 @@ def default_threads() -> int:
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     quota = _cgroup_cpu_quota()
-    return max(1, min(n, quota)) if quota else max(1, n)
+    if quota:
+        return max(1, min(n, quota))
+    if n == os.cpu_count():   # the load average is the whole machine's: only comparable with all of its CPUs
+        try:
+            n = min(n, int(n - os.getloadavg()[0] + 0.5))
+        except OSError:
+            pass
+    return max(1, n)
 
 
 def _cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:

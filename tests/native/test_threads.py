@@ -11,13 +11,20 @@ from kvcli.errors import KvcliError
 from kvcli.native import session as ns
 
 
-def test_default_threads_follows_affinity_and_quota(monkeypatch, tmp_path):
+def test_default_threads_follows_affinity_quota_and_load(monkeypatch, tmp_path):
     monkeypatch.delenv("KVCLI_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})   # taskset to 6 of 8
+    monkeypatch.setattr(os, "getloadavg", lambda: (30.0, 30.0, 30.0))
     monkeypatch.setattr(ns, "_cgroup_cpu_quota", lambda: None)
-    assert ns.default_threads() == 6
+    assert ns.default_threads() == 6          # the machine's load says nothing about our 6 CPUs
     monkeypatch.setattr(ns, "_cgroup_cpu_quota", lambda: 2)      # a container limited to 2 CPUs
     assert ns.default_threads() == 2
+    monkeypatch.setattr(ns, "_cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))     # the whole machine
+    for load, threads in ((0.2, 8), (2.6, 5), (7.6, 1), (30.0, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert ns.default_threads() == threads, load
     monkeypatch.setenv("KVCLI_THREADS", "3")
     assert ns.default_threads() == 3
     for bad in ("0", "two", "-1"):
