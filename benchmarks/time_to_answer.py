@@ -12,6 +12,8 @@ Tools (each run in a fresh process per round; the order rotates from round to ro
 - stock-full: llama-cpp-python's own `Llama` class (its defaults: n_batch = n_ubatch = 512, flash attention
   off) on STOCK llama.cpp, the same commit built without kvcli's patches (benchmarks/build_stock_llama.py);
   greedy `Llama.generate` over the same prompt tokens;
+- stock-full-fa: the same with flash attention on, as kvcli runs: kvcli-full against it is the cost of
+  kvcli's patches and driver alone, stock-full against it the cost of the attention kernel choice;
 - kvpress-snapkv: kvpress 0.5.5's SnapKVPress (window 64, kernel 5) on the same GGUF loaded by transformers
   (float32), in its own venv (benchmarks/setup_kvpress.sh): the press hooks compress the prompt during its
   prefill, then a greedy decode continues at the original positions, as kvpress's pipeline does. The
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("kvcli-snapkv", "kvcli-full", "stock-full", "kvpress-snapkv")
+TOOLS = ("kvcli-snapkv", "kvcli-full", "stock-full", "stock-full-fa", "kvpress-snapkv")
 KVPRESS_SNAPKV = {"window": 64, "kernel": 5, "pool": "avg", "gqa": "mean"}   # SnapKVPress's defaults
 TOKENS_PER_WORD = 1.376   # SmolLM2 on the logbook text (examples/make_docs.py)
 
@@ -60,7 +62,8 @@ def run_stock(spec: dict) -> None:
     t0 = time.perf_counter()
     import llama_cpp  # noqa: PLC0415
     llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=len(spec["tokens"]) + spec["max_tokens"] + 16,
-                          n_threads=spec["threads"], n_threads_batch=spec["threads"], verbose=False)
+                          n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                          flash_attn=spec.get("flash_attn", False), verbose=False)
     t1 = time.perf_counter()
     out, first_at = [], None
     for tok in llm.generate(spec["tokens"], temp=0.0, reset=True):
@@ -114,7 +117,7 @@ def run_kvpress(spec: dict) -> None:
     with torch.inference_mode():
         cache = DynamicCache()
         with press(model):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         t2 = time.perf_counter()
         out, eog = [], set(spec["eog"])
         nxt = int(logits.argmax())
@@ -124,7 +127,7 @@ def run_kvpress(spec: dict) -> None:
                 break
             pos = torch.tensor([[n + len(out) - 1]])   # the original positions, as kvpress's pipeline continues
             logits = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, position_ids=pos,
-                           use_cache=True).logits[0, -1]
+                           use_cache=True, logits_to_keep=1).logits[0, -1]
             nxt = int(logits.argmax())
         t3 = time.perf_counter()
     import transformers  # noqa: PLC0415
@@ -139,14 +142,14 @@ RUNNERS = {"stock": run_stock, "kvpress": run_kvpress}
 
 
 # ------------------------------------------------------------------------------ the parent
-def make_prompt(n_tokens: int, seed: int):
+def make_prompt(n_tokens: int, seed: int, model: Path | None = None):
     """The logbook document, its question, the model, and the chat-templated prompt's tokens (kvcli's)."""
     sys.path.insert(0, str(ROOT))
     from kvcli.evaluation.logbook import make_document  # noqa: PLC0415
     from kvcli.models import default_model_path  # noqa: PLC0415
     from kvcli.native.session import NativeSession  # noqa: PLC0415
     from kvcli.pipeline import build_prompt  # noqa: PLC0415
-    model = default_model_path()
+    model = model or default_model_path()
     s = NativeSession(model, n_ctx=0)
     words = max(50, round((n_tokens - 60) / TOKENS_PER_WORD))
     text, planted = make_document(words, facts=1, seed=seed)
@@ -175,7 +178,8 @@ def run_child(cmd: list[str], env: dict | None = None) -> tuple[dict, float]:
 
 
 def kvcli_cmd(a, doc: Path, question: str, policy: str) -> list[str]:
-    cmd = [sys.executable, "-m", "kvcli.cli", "run", question, "--doc", str(doc), "--policy", policy,
+    cmd = [sys.executable, "-m", "kvcli.cli", "run", question, "--doc", str(doc), "--model", str(a.model),
+           "--policy", policy,
            "--max-tokens", str(a.max_tokens), "--chunk", "0", "--threads", str(a.threads), "--json", "--quiet"]
     if policy != "full":
         cmd += ["--budget", str(a.budget)]
@@ -190,10 +194,11 @@ def one_run(tool: str, a, doc: Path, question: str, spec_path: Path) -> dict:
         s = r["stats"]
         rec = {k: s.get(k) for k in ("prefill_s", "compress_s", "decode_s", "generated_tokens", "kv_cells")}
         rec["answer"] = r["answer"]
-    elif tool == "stock-full":
+    elif tool.startswith("stock"):
         env["LLAMA_CPP_LIB_PATH"] = str(a.stock_lib)
         env.pop("PYTHONPATH")
-        rec, wall = run_child([sys.executable, __file__, "--runner", "stock", str(spec_path)], env)
+        rec, wall = run_child([sys.executable, __file__, "--runner", "stock", str(spec_path),
+                               *(["--flash-attn"] if tool.endswith("-fa") else [])], env)
     else:
         env.pop("PYTHONPATH")
         rec, wall = run_child([str(a.kvpress_venv / "bin" / "python"), __file__, "--runner", "kvpress",
@@ -231,8 +236,10 @@ def summarise(runs: list[dict], tools: list[str]) -> dict:
         k, st = med["kvcli-snapkv"], med["stock-full"]
         out["kvcli_snapkv_prefill_compress_over_stock_prefill"] = round(
             (k["prefill_s"] + k["compress_s"]) / st["prefill_s"], 3)
-    if {"kvcli-full", "stock-full"} <= set(tools):
-        out["kvcli_full_over_stock_answer"] = round(med["kvcli-full"]["answer_s"] / med["stock-full"]["answer_s"], 3)
+    for ours, theirs in (("kvcli-full", "stock-full"), ("kvcli-full", "stock-full-fa"), ("stock-full", "stock-full-fa")):
+        if {ours, theirs} <= set(tools):
+            out[f"{ours}_over_{theirs}_answer".replace("-", "_")] = round(
+                med[ours]["answer_s"] / med[theirs]["answer_s"], 3)
     return out
 
 
@@ -240,6 +247,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runner", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
+    ap.add_argument("--flash-attn", action="store_true", help=argparse.SUPPRESS)   # the stock runner's
     ap.add_argument("--tokens", type=int, default=4000, help="about this many prompt tokens (default 4000)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=int, default=256)
@@ -247,20 +255,21 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every tool (default: all cores)")
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
     ap.add_argument("--seed", type=int, default=0, help="seed of the logbook document")
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled SmolLM2-135M Q4_1)")
     ap.add_argument("--kvpress-venv", type=Path, default=Path(os.environ.get("KVPRESS_VENV", "/work/kvpress-venv")))
     ap.add_argument("--stock-lib", type=Path, default=None,
                     help="stock llama.cpp libraries (default: $KVCLI_CACHE/stock-lib, built by build_stock_llama.py)")
     ap.add_argument("--json-out", type=Path, default=ROOT / "benchmarks" / "results" / "time-to-answer.json")
     a = ap.parse_args(argv)
     if a.runner:
-        RUNNERS[a.runner](json.loads(Path(a.spec).read_text()))
+        RUNNERS[a.runner](json.loads(Path(a.spec).read_text()) | {"flash_attn": a.flash_attn})
         return 0
 
     tools = [t.strip() for t in a.tools.split(",") if t.strip()]
     bad = [t for t in tools if t not in TOOLS]
     if bad:
         raise SystemExit(f"unknown tool(s) {', '.join(bad)}: choose from {', '.join(TOOLS)}")
-    if "stock-full" in tools:
+    if any(t.startswith("stock") for t in tools):
         from kvcli.native.build import cache_dir  # noqa: PLC0415
         a.stock_lib = a.stock_lib or cache_dir() / "stock-lib"
         if not (a.stock_lib / "libllama.so").exists():
@@ -270,7 +279,8 @@ def main(argv=None) -> int:
 
     from kvcli.evaluation.measure import machine  # noqa: PLC0415
     where = machine(a.threads)
-    model, text, question, answer, tokens, eog = make_prompt(a.tokens, a.seed)
+    model, text, question, answer, tokens, eog = make_prompt(a.tokens, a.seed, a.model)
+    a.model = model
     n = len(tokens)
     with tempfile.TemporaryDirectory(prefix="kvcli-tta-") as tmp:
         doc, spec_path = Path(tmp) / "doc.txt", Path(tmp) / "spec.json"
