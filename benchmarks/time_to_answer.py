@@ -199,6 +199,8 @@ def one_run(tool: str, a, doc: Path, question: str, spec_path: Path) -> dict:
         env.pop("PYTHONPATH")
         rec, wall = run_child([sys.executable, __file__, "--runner", "stock", str(spec_path),
                                *(["--flash-attn"] if tool.endswith("-fa") else [])], env)
+        if "KVCLI = 1" in rec["system_info"]:
+            raise SystemExit(f"{a.stock_lib} is kvcli's patched llama.cpp, not the stock one")
     else:
         env.pop("PYTHONPATH")
         rec, wall = run_child([str(a.kvpress_venv / "bin" / "python"), __file__, "--runner", "kvpress",
