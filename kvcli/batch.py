@@ -248,20 +248,19 @@ class Worker:
     """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
 
     def __init__(self, settings: Settings):
+        from kvcli.models import read_model_info  # noqa: PLC0415
         from kvcli.native.session import NativeSession  # noqa: PLC0415
         self.settings = s = settings
         self.model_path = check_settings(settings)
-        if settings.max_tokens < 1:
-            raise KvcliError("--max-tokens must be >= 1")
-        self.session = NativeSession(self.model_path, n_ctx=settings.max_cache, n_seq=settings.parallel or MAX_PARALLEL,
-                                     cache_type=settings.cache_type, n_threads=settings.threads)
-        # a document gets at most the model's context, less its answer
-        self.doc_cells = min(self.session.n_ctx, self.session.n_ctx_train) - s.max_tokens
+        self.cells = s.max_cache or read_model_info(self.model_path).n_ctx_train   # the whole cache
+        # one document gets at most the model's context, less its answer
+        self.doc_cells = min(self.cells, read_model_info(self.model_path).n_ctx_train) - s.max_tokens
         if self.doc_cells < MIN_DOC_CELLS:
-            self.close()
             raise KvcliError(f"--max-tokens {s.max_tokens} leaves {max(self.doc_cells, 0)} cells of the "
                              f"{self.doc_cells + s.max_tokens}-cell context for a document: raise --max-cache or "
                              "lower --max-tokens")
+        self.session = NativeSession(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
+                                     cache_type=s.cache_type, n_threads=s.threads)
 
     def close(self) -> None:
         self.session.close()
@@ -269,7 +268,7 @@ class Worker:
     def run(self, jobs, emit) -> None:
         """Answer every job of the iterable `jobs`; `emit(line)` is called once per job as it finishes."""
         from kvcli.batching import Lockstep  # noqa: PLC0415
-        lock = Lockstep(self.session, reserve=self.settings.max_tokens)
+        lock = Lockstep(self.session, reserve=self.settings.max_tokens, cells=self.cells)
         jobs = iter(jobs)
         slots: dict[int, _Slot] = {}
         waiting = self._next_ready(jobs, emit)
@@ -381,6 +380,7 @@ class Batch:
         self.fingerprint = settings.fingerprint(check_settings(settings))
         self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self.t0 = time.perf_counter()
+        self.ray_workers = None     # set by a run on Ray
         self.bar = None
         if progress:
             from tqdm import tqdm  # noqa: PLC0415
@@ -430,7 +430,7 @@ class Batch:
         c = self.counts
         return {"kind": "batch", "out": self.results.path, "documents": len(self.paths), **c,
                 "elapsed_s": round(dt, 3), "docs_per_hour": round(c["answered"] / dt * 3600, 1) if dt > 0 else None,
-                "settings": asdict(self.settings)}
+                "ray_workers": self.ray_workers, "settings": asdict(self.settings)}
 
     def close(self) -> None:
         if self.bar is not None:

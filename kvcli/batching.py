@@ -15,9 +15,10 @@ from __future__ import annotations
 class Lockstep:
     """The sequences held in `session`'s context and the decode tokens still reserved for each."""
 
-    def __init__(self, session, reserve: int):
+    def __init__(self, session, reserve: int, cells: int | None = None):
         self.session = session
         self.reserve = reserve              # tokens each admitted sequence may decode
+        self.cells = min(cells or session.n_ctx, session.n_ctx)   # llama.cpp may have rounded n_ctx up
         self.left: dict[int, int] = {}     # held sequence -> tokens it may still decode
 
     def free_seq(self) -> int | None:
@@ -26,7 +27,7 @@ class Lockstep:
 
     def room(self) -> int:
         """Cells neither occupied nor reserved for the answers of the held sequences."""
-        return self.session.n_ctx - self.session.cells_used() - sum(self.left.values())
+        return self.cells - self.session.cells_used() - sum(self.left.values())
 
     def fits(self, peak_cells: int) -> bool:
         """Whether a sequence needing `peak_cells` before it decodes (and `reserve` after) can be admitted."""

@@ -78,7 +78,7 @@ def batch_cmd(docs, instruction, out_path, model, policy, budget, policy_args, m
         try:
             if ray_address:
                 from kvcli import batch_ray  # noqa: PLC0415
-                batch_ray.run(batch, ray_address, cpus=ray_cpus, workers=ray_workers, log=log)
+                batch.ray_workers = batch_ray.run(batch, ray_address, cpus=ray_cpus, workers=ray_workers, log=log)
             else:
                 batch.run_local()
         finally:
