@@ -35,9 +35,8 @@ def start(ray, address: str, cpus: int | None, workers: int | None) -> None:
             ray.init(num_cpus=(workers or 1) * (cpus or 1) if workers else None, **kw)
         else:
             ray.init(address=address, **kw)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise KvcliError(f"--ray {address}: cannot connect: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
+    except Exception as e:  # noqa: BLE001 - Ray raises plain Exception for a cluster that does not come up
+        raise KvcliError(f"--ray {address}: Ray did not start: {_cause(e)}") from None
 
 
 def worker_count(ray, cpus: int | None, workers: int | None) -> int:
