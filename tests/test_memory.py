@@ -138,3 +138,22 @@ def test_resize_refuses_a_context_smaller_than_what_it_holds(tiny):
     s.resize_context(1024)
     assert s.n_ctx == 1024 and s.measured_cells(0) == 300 and s.seq(0).next_pos == 300
     s.close()
+
+
+def test_explain_reports_the_bytes_layer_budget_policies_occupy():
+    """kvcli policies --explain: for the policies whose layers keep different counts, the measured layout record
+    (benchmarks/layout.py) gives the bytes held (cells as wide as the widest layer) next to the live entries' and
+    the budget's; the uniform policies have no such note."""
+    from kvcli import policies as P
+    rec = json.loads(P.LAYOUT_RECORD.read_text())
+    per_cell = rec["bytes_per_cell"]
+    for r in rec["rows"]:
+        assert r["cells_bytes"] == r["cells"] * per_cell and r["budget_bytes"] == r["budget"] * per_cell
+        assert 0 < r["live_bytes"] <= r["cells_bytes"] and r["cells"] >= r["budget"] * 0.9
+    for name in ("pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv"):
+        text = P.explain_text(name)
+        row = next(r for r in rec["rows"] if r["policy"] == name and r["budget"] == 256)
+        assert f"budget 256: {row['cells']} cells, {row['cells_bytes'] / 1e6:.2f} MB held" in text
+        assert "ragged per-layer layout" in text
+    for name in ("snapkv", "h2o", "streamingllm"):
+        assert "ragged per-layer layout" not in P.explain_text(name)
