@@ -126,19 +126,20 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
 
 def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
     """Load a .kvc file and answer one question after its compressed document (and conversation)."""
-    from kvcli.chat import Conversation  # noqa: PLC0415
+    from kvcli.chat import MEMORY_STATS, Conversation  # noqa: PLC0415
     from kvcli.pipeline import RunResult  # noqa: PLC0415
     conv = Conversation.from_kvc(cache_path, model=model)
     pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
-    s = conv.session.stats(conv.seq)
+    s = conv.stats()
     stats = {"prompt_tokens": pos0 + conv.turns[-1].tokens_in,
              "generated_tokens": len(gen.tokens),
              "kv_cells": s["kv_cells"], "kv_bytes": s["kv_bytes"], "kv_bytes_full": s["kv_bytes_full"],
              "per_layer_cells": s["per_layer_cells"], "prefill_s": round(s.get("prefill_s", 0.0), 4),
              "compress_s": 0.0, "decode_s": round(gen.decode_s, 4),
              "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
-             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode, "original_tokens": len(conv.prefix_tokens)}
+             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode,
+             "original_tokens": len(conv.prefix_tokens), **{k: s[k] for k in MEMORY_STATS}}
     return RunResult(answer=gen.text, model=str(conv.session.model_path), policy=conv.policy, budget=conv.budget,
                      stats=stats, stopped=gen.stopped)
 

@@ -16,19 +16,8 @@ from kvcli.errors import KvcliError
 
 
 # ------------------------------------------------------------------------------ memory
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) so the next reading covers only what follows.
-    Linux only (writing 5 to /proc/self/clear_refs); False where it cannot be reset."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_rss_bytes() -> int | None:
-    """Peak resident set size of this process since start or the last reset_peak_rss()."""
+    """Peak resident set size of this process since it started (VmHWM; getrusage where /proc is missing)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:

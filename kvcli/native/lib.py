@@ -44,6 +44,10 @@ class Stats(ctypes.Structure):
                 ("bias_bytes", c_int64), ("live_entries", c_int64)]
 
 
+class Memory(ctypes.Structure):
+    _fields_ = [("kv_size", c_int32), ("kv_bytes", c_int64), ("bias_bytes", c_int64)]
+
+
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "kvcli_version": (c_char_p, []),
@@ -67,6 +71,7 @@ _SIGNATURES = {
     "kvcli_seq_set_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
     "kvcli_seq_get_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
     "kvcli_stats_get": (c_int32, [c_void_p, c_int32, POINTER(Stats), I32P, I32P]),
+    "kvcli_memory_get": (c_int32, [c_void_p, POINTER(Memory)]),
     "kvcli_plan_make": (c_void_p, [c_char_p, c_char_p, c_int32, POINTER(ObsView)]),
     "kvcli_plan_free": (None, [c_void_p]),
     "kvcli_plan_get": (c_int32, [c_void_p, POINTER(PlanView)]),

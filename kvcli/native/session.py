@@ -101,8 +101,28 @@ class NativeSession:
         self.mem = L.llama_get_memory(self.ctx)
         self._batch = L.llama_batch_init(max(n_batch, n_seq), 0, n_seq)
 
+    def resize_context(self, n_ctx: int) -> None:
+        """Reallocate the context (and its KV buffer) for `n_ctx` cells, keeping every sequence: each is saved
+        (save_seq), the old context freed before the new one is allocated, and each restored. After a
+        compression this gives back the cells a long-lived session no longer needs (the buffer was sized for
+        the whole document). The sequences must fit: their cells are checked before anything is freed."""
+        n_ctx = int(n_ctx)
+        if n_ctx == self.n_ctx:
+            return
+        held = {s: st for s, st in self.seqs.items() if st.cells > 0}
+        need = sum(self.measured_cells(s) for s in held)
+        if need > n_ctx:
+            raise KvcliError(f"cannot resize the context to {n_ctx} cells: its sequences hold {need}")
+        snaps = {s: (self.save_seq(s), dict(st.timings)) for s, st in held.items()}
+        self._free_context()
+        self.seqs.clear()
+        self.create_context(n_ctx)
+        for s, (snap, timings) in snaps.items():
+            self.restore_seq(snap, s)
+            self.seqs[s].timings = timings
+
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def _free_context(self) -> None:
         L = self.L
         if getattr(self, "_batch", None) is not None:
             L.llama_batch_free(self._batch)
@@ -110,6 +130,10 @@ class NativeSession:
         if getattr(self, "ctx", None):
             L.llama_free(self.ctx)
             self.ctx = None
+
+    def close(self) -> None:
+        L = self.L
+        self._free_context()
         if getattr(self, "model", None):
             L.llama_model_free(self.model)
             self.model = None
@@ -348,11 +372,21 @@ class NativeSession:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
         from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
-        live = cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)
+        i = self.info
+        live = cache.stats(self.ctx, seq, i.n_layer, i.n_head_kv)
+        mem = cache.memory(self.ctx)
+        kv_held = live["k_bytes"] + live["v_bytes"]
         return {
             "kv_cells": live["n_cells"],
-            "kv_bytes": live["k_bytes"] + live["v_bytes"] + live["bias_bytes"],
+            "kv_bytes": kv_held + live["bias_bytes"],
             "kv_bytes_full": self.bytes_per_cell() * st.tokens_read,  # every token seen
+            # the K/V bytes of the live entries alone: what a ragged per-(layer, head) layout would hold
+            # (the cells are as wide as the widest layer and head; the rest of their rows are dead)
+            "kv_bytes_live": kv_held * live["live_entries"] // (live["n_cells"] * i.n_layer * i.n_head_kv)
+            if live["n_cells"] else 0,
+            # what the context's KV cache allocated (all sequences, whatever they hold): K/V + slot-bias buffers
+            "kv_bytes_allocated": mem["kv_bytes"] + mem["bias_bytes"],
+            "kv_cells_allocated": mem["kv_size"],
             # cells live in at least one KV head of the layer (cells are shared by all layers)
             "per_layer_cells": live["per_layer_cells"],
             # live entries of each (layer, KV head): a plan's n_kept, plus the tokens decoded since

@@ -131,6 +131,16 @@ struct kvcli_stats {
 KVCLI_API int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_stats * out,
                                   int32_t * per_layer_cells, int32_t * per_head_entries);
 
+// Memory the context's KV cache has allocated (whatever it holds): the K/V buffers llama.cpp sized for
+// kv_size cells, and kvcli's slot-bias buffers (allocated at the first compaction), in bytes as the
+// backend buffers report them.
+struct kvcli_memory {
+    int32_t kv_size;        // cells the cache was allocated for
+    int64_t kv_bytes;       // K + V buffer bytes (ggml_backend_buffer_get_size over the cache's buffers)
+    int64_t bias_bytes;     // slot-bias buffer bytes (0 before the first compaction)
+};
+KVCLI_API int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out);
+
 // ---------------------------------------------------------------------------------
 // Planning: a pure function of an observation; needs no model.
 // ---------------------------------------------------------------------------------
