@@ -63,17 +63,21 @@ def test_split_path_with_more_query_heads_per_kv_head_and_a_quantised_cache(sess
         assert np.abs(split - mask).max() <= TOL[cache_type]
 
 
-def test_auto_takes_the_mask_path_for_a_cache_on_the_cpu(session_factory, tiny_model, monkeypatch):
+def test_auto_takes_the_split_path_only_for_a_cache_off_the_cpu(session_factory, tiny_model, monkeypatch):
+    import llama_cpp
+
     from kvcli.native.lib import attn_path
     monkeypatch.delenv("KVCLI_ATTN_PATH", raising=False)
     assert attn_path(True, cache_on_cpu=True)[0] == "mask"
     assert attn_path(True, cache_on_cpu=False)[0] == "split"   # the default of a GPU cache
     assert attn_path(False, cache_on_cpu=False)[0] == "mask"   # mul_mat + soft_max_ext: every backend
     s = session_factory(tiny_model, flash_attn=True, cache_type="f16")
+    expected = "mask" if not llama_cpp.llama_supports_gpu_offload() else "split"  # CPU-only library: mask
+    assert s.attn_path[0] == expected
     assert s.attn_paths_taken() == [None] * s.info.n_layer     # no graph with a compacted sequence yet
     prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
     s.step({0: 42})
-    assert s.attn_paths_taken() == ["mask"] * s.info.n_layer
+    assert s.attn_paths_taken() == [expected] * s.info.n_layer
 
 
 def test_a_bad_setting_is_refused_before_any_model_loads(session_factory, tiny_model, monkeypatch):
