@@ -52,14 +52,16 @@ path_choice choose(bool flash_attn, bool cache_on_cpu) {
                                     "shared by all heads, so one problem per KV head" };
 }
 
-// whether the tensor's memory belongs to a CPU device (a buffer type without a device counts as not)
+// whether the tensor's memory belongs to a CPU device (ggml's plain CPU buffer type names no device:
+// then host memory counts as the CPU's)
 bool on_cpu(const ggml_tensor * t) {
     const ggml_tensor * src = t->view_src ? t->view_src : t;
     if (!src->buffer) {
         return false;
     }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(src->buffer));
-    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(src->buffer);
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    return dev ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU : ggml_backend_buft_is_host(buft);
 }
 
 // q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed),
