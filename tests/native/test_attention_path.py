@@ -68,6 +68,24 @@ def test_split_path_with_more_query_heads_per_kv_head_and_a_quantised_cache(sess
         assert np.abs(split - mask).max() <= TOL[cache_type]
 
 
+def test_split_path_for_a_many_token_ubatch_after_compaction(session_factory, tmp_path, monkeypatch):
+    """A compressed sequence read on by a 70-token ubatch (a chunked read's next chunk), a group of 3."""
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "g3.gguf", n_layer=2, n_head=6, n_head_kv=2, head_dim=64, seed=5)
+    out = {}
+    for path in ("mask", "split"):
+        monkeypatch.setenv("KVCLI_ATTN_PATH", path)
+        s = session_factory(model, flash_attn=True, cache_type="f16", n_ctx=512)
+        prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
+        s.prefill(prompt_tokens(70, seed=3))
+        first = s.logits().copy()
+        s.step({0: 5})
+        out[path] = (first, s.logits().copy(), s.attn_paths_taken())
+    assert out["split"][2] == ["split", "split"] and out["mask"][2] == ["mask", "mask"]
+    for i in (0, 1):
+        assert np.abs(out["split"][i] - out["mask"][i]).max() <= TOL["f16"]
+
+
 def test_auto_takes_the_split_path_only_for_a_cache_off_the_cpu(session_factory, tiny_model, monkeypatch):
     import llama_cpp
 
