@@ -375,19 +375,21 @@ class Bench:
         if bad or not mine:  # the same reason as the per-document rows
             out["status"] = bad[0]["status"] if bad else "not measured"
             return out
+        from kvcli.batching import Lockstep  # noqa: PLC0415
         from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
         states = [self.states[(cfg, d.name)] for d in self.docs]
         session = self._session(cfg.cache_type, self.ctx, n_seq=self.batch)
         try:
             held, cells = [], 0
+            lockstep = Lockstep(session, reserve=self.gen)  # every held sequence keeps room for its `gen` tokens
             for i in range(self.batch):
                 s = states[i % len(states)]
                 need = [r for r in mine if r["doc"] == self.docs[i % len(states)].name][0]["kv_cells"]
-                # every held sequence needs room for its own `gen` decoded tokens
-                if cells + need + self.gen * (len(held) + 1) > session.n_ctx:
+                if not lockstep.fits(need):
                     break
                 cells += session.restore_seq(SeqSnapshot(state=s["path"].read_bytes(), next_pos=s["next_pos"],
                                                          cells=need, prompt_tokens=s["prompt_tokens"]), i)
+                lockstep.hold(i)
                 held.append((i, s["first"]))
             out["ctx"] = session.n_ctx  # llama.cpp may round the requested size up
             out["docs_held"] = len(held)
@@ -399,7 +401,7 @@ class Bench:
             toks = {i: t for i, t in held}
             t0 = time.perf_counter()
             for _ in range(self.gen):
-                session.step(toks)
+                lockstep.step(toks)
                 toks = {i: int(np.argmax(session.logits(i))) for i, _ in held}
             dt = time.perf_counter() - t0
             out["decode_s"] = dt

@@ -45,6 +45,7 @@ def peak_rss_bytes() -> int | None:
 
 def machine(threads: int | None = None) -> dict:
     """Where the numbers come from: CPU model, cores, threads used, OS, Python, library build."""
+    from kvcli.native.session import default_threads  # noqa: PLC0415
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -62,7 +63,7 @@ def machine(threads: int | None = None) -> dict:
         pass
     out = {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "os": platform.platform(),
            "python": platform.python_version(),
-           "threads": threads or int(os.environ.get("KVCLI_THREADS", 0)) or os.cpu_count()}
+           "threads": threads or default_threads()}
     try:
         from kvcli.native import build_info  # noqa: PLC0415
         info = build_info()

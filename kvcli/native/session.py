@@ -90,7 +90,7 @@ class NativeSession:
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = CACHE_TYPES[cache_type]
         cparams.type_v = CACHE_TYPES[cache_type]
-        threads = n_threads or int(os.environ.get("KVCLI_THREADS", 0)) or (os.cpu_count() or 2)
+        threads = n_threads or default_threads()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cparams)
@@ -441,6 +441,52 @@ class SeqSnapshot:
     kept_positions: list | None = None
     last_logits: np.ndarray | None = None
     reindexed: int = 0   # SeqState.reindexed: positions re-indexing gave back
+
+
+def default_threads() -> int:
+    """$KVCLI_THREADS, else the CPUs this process may actually use: its affinity mask (taskset, cpusets),
+    capped by a cgroup CPU quota (a container limited to 2 CPUs on a 64-core host sees 64 in os.cpu_count()),
+    and, when the process may use the whole machine, only the cores the 1-minute load average leaves idle
+    (at least one). ggml's threads meet at a barrier after every graph node and spin there: a thread that
+    has to wait for a core stalls the others at each of the ~1,000 nodes of a decode, so threads beyond
+    the idle cores make a run slower, never faster. The count changes no result, only the speed."""
+    env = os.environ.get("KVCLI_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise KvcliError(f"KVCLI_THREADS must be a whole number >= 1 (got '{env}')")
+        return n
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota:
+        return max(1, min(n, quota))
+    if n == os.cpu_count():   # the load average is the whole machine's: only comparable with all of its CPUs
+        try:
+            n = min(n, int(n - os.getloadavg()[0] + 0.5))
+        except OSError:
+            pass
+    return max(1, n)
+
+
+def _cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """CPUs a cgroup v2 quota allows (rounded up), None without a quota."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def _batch_cuts(n: int, n_batch: int, window: int) -> list[int]:
