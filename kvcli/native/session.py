@@ -18,6 +18,7 @@ import numpy as np
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.native import load_llama_cpp
+from kvcli.native.lib import attn_path
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -58,6 +59,8 @@ class NativeSession:
             raise KvcliError("a quantised V cache needs flash attention (llama.cpp's rule)")
         self.cache_type = cache_type
         self.flash_attn = flash_attn
+        # attention path of compacted layers (and why): checks $KVCLI_ATTN_PATH before any model is loaded
+        self.attn_path = attn_path(flash_attn, cache_on_cpu=not L.llama_supports_gpu_offload())
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
@@ -393,6 +396,14 @@ class NativeSession:
             "per_head_entries": live["per_head_entries"],
             **{k: round(v, 4) for k, v in st.timings.items()},
         }
+
+    def attn_paths_taken(self) -> list[str | None]:
+        """Per layer, the attention path ("split" or "mask") of the last graph built while a sequence was
+        compacted; None for a layer no such graph was built for yet."""
+        from kvcli.native.lib import ATTN_PATHS, lib  # noqa: PLC0415
+        L = lib()
+        return [ATTN_PATHS.get(L.check(L.kvcli_attn_path_taken(self.ctx, il), "kvcli_attn_path_taken"))
+                for il in range(self.info.n_layer)]
 
     # ------------------------------------------------------------------ rolling back, saving and restoring a sequence
     # (the one place outside prefill/step/apply_plan that changes a SeqState: bench, eval and .kvc loading use these)
