@@ -397,9 +397,9 @@ class Conversation:
                            state=cache.get_state(s.ctx, self.seq), kept_positions=kept,
                            prefix_logits=self.prefix_logits)
 
-    def save(self, path) -> int:
+    def save(self, path, force: bool = True) -> int:
         from kvcli import kvc  # noqa: PLC0415
-        return kvc.write(path, self.to_kvc())
+        return kvc.write(path, self.to_kvc(), force=force)
 
     @classmethod
     def from_kvc(cls, path, model: str | None = None, seq: int = 0, n_threads: int | None = None):
@@ -410,6 +410,8 @@ class Conversation:
         t0 = time.perf_counter()
         f = kvc.read(path)
         kvc.check_versions(f)
+        kvc.check_meta(f)
+        kvc.check_state(f)
         m = f.meta
         recorded = Path(m["model"]["path"])
         read_s = time.perf_counter() - t0
@@ -634,8 +636,13 @@ class Repl:
             self._interactive()
         else:
             for raw in sys.stdin:
-                if not self.handle(raw):
-                    break
+                try:
+                    if not self.handle(raw):
+                        break
+                except ContextFullError:  # every later question would fail the same way
+                    raise
+                except KvcliError as e:  # a bad command: say it and go on, as on a terminal
+                    self.say(f"kvcli: error: {e}")
 
     def _interactive(self) -> None:
         save = _setup_readline()

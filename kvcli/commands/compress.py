@@ -40,13 +40,8 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
     from kvcli.commands.chat import open_conversation  # noqa: PLC0415
     from kvcli.policies import parse_policy_args  # noqa: PLC0415
 
-    out = Path(out_path).expanduser()
-    if out.exists() and not force:
-        raise KvcliError(f"{out} exists: pass --force to overwrite it")
-    if out.is_dir():
-        raise KvcliError(f"{out} is a directory")
-    if not out.parent.is_dir():
-        raise KvcliError(f"cannot write {out}: directory {out.parent} does not exist")
+    from kvcli.outfile import check_target  # noqa: PLC0415
+    out = check_target(out_path, force)   # a fast refusal; the write checks again when the file appears
     policy = (policy or "full").lower()
     conv = open_conversation(docs=docs, cache_path=None, model=model, policy=policy,
                              budget=None if policy == "full" else budget,
@@ -55,7 +50,7 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
                              max_cache=max_cache, chunk_scoring=chunk_scoring,
                              show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     t0 = time.perf_counter()
-    size = conv.save(out)
+    size = conv.save(out, force=force)
     save_s = time.perf_counter() - t0
     if not quiet:
         click.echo(f"wrote {out} ({size / 1e6:.2f} MB) in {save_s:.2f}s", err=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
@@ -37,10 +36,8 @@ def open_session(engine: str, model: str | None, **kw):
 
 def write_atomic(path: str, text: str) -> None:
     """Write through a temporary file and rename, so an interruption never leaves half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from kvcli import outfile  # noqa: PLC0415
+    outfile.write(path, [text.encode("utf-8")])
 
 
 @click.command("run")
@@ -82,6 +79,9 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
 
     if not instruction.strip():
         raise KvcliError("the instruction is empty")
+    if out_path:
+        from kvcli.outfile import check_target  # noqa: PLC0415
+        check_target(out_path)   # before the work, not after it
     model = model or config.get("model")
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     sampler = Sampler(temperature=temperature, seed=seed)

@@ -257,13 +257,8 @@ class NativeSession:
         try:
             start = 0
             for end in cuts:
-                entries = [(tokens[i], st.next_pos + (i - start), seq, i == len(tokens) - 1)
-                           for i in range(start, end)]
-                rows = self._decode(entries)
-                st.next_pos += end - start
-                st.cells += end - start
-                if seq in rows:
-                    st.logits_index = rows[seq]
+                self._append([(tokens[i], st.next_pos + (i - start), seq, i == len(tokens) - 1)
+                              for i in range(start, end)])
                 if progress is not None:
                     progress(end - start)
                 start = end
@@ -281,13 +276,32 @@ class NativeSession:
         """Decode one token for each listed sequence, all in one batch."""
         if self.cells_used() + len(tokens) > self.n_ctx:
             raise ContextFull(f"the context is full ({self.n_ctx} cells)")
-        entries = [(tok, self.seq(s).next_pos, s, True) for s, tok in tokens.items()]
-        rows = self._decode(entries)
-        for s in tokens:
-            st = self.seqs[s]
-            st.next_pos += 1
-            st.cells += 1
-            st.logits_index = rows[s]
+        self._append([(tok, self.seq(s).next_pos, s, True) for s, tok in tokens.items()])
+
+    def _append(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """Decode one batch and advance the bookkeeping of its sequences, all or nothing. Ctrl-C's
+        KeyboardInterrupt is raised at the first bytecode after llama_decode returns, i.e. after the cells are
+        in the cache but before next_pos counts them; any exception before the bookkeeping is complete
+        therefore removes the batch's cells again (positions >= the old next_pos), so the cache and its
+        bookkeeping never disagree by a token."""
+        saved = {}
+        for _, _, s, _ in entries:
+            st = self.seq(s)
+            saved.setdefault(s, (st.next_pos, st.cells, st.logits_index, st.last_logits))
+        try:
+            rows = self._decode(entries)
+            for _, _, s, _ in entries:
+                st = self.seqs[s]
+                st.next_pos += 1
+                st.cells += 1
+                if s in rows:
+                    st.logits_index = rows[s]
+        except BaseException:
+            for s, (next_pos, cells, logits_index, last_logits) in saved.items():
+                self.L.llama_memory_seq_rm(self.mem, s, next_pos, -1)
+                st = self.seqs[s]
+                st.next_pos, st.cells, st.logits_index, st.last_logits = next_pos, cells, logits_index, last_logits
+            raise
 
     def logits(self, seq: int = 0) -> np.ndarray:
         st = self.seq(seq)
