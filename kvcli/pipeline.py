@@ -29,7 +29,14 @@ def user_message(document: str | None, instruction: str) -> str:
     return f"{document.strip()}\n\n{instruction.strip()}" if document else instruction.strip()
 
 
-def build_prompt(session, document: str | None, instruction: str, system: str | None = None) -> str:
+def build_prompt(session, document: str | None, instruction: str, system: str | None = None,
+                 template: bool = True) -> str:
+    """The chat-templated prompt; a plain-completion one (kvcli.templating.plain_prompt) when the model has no
+    chat template or `template` is False (a base model)."""
+    if not template or not session.chat_template():
+        from kvcli.templating import plain_prompt  # noqa: PLC0415
+        return plain_prompt(session.model_path, session.special_tokens().get("bos_token"),
+                            user_message(document, instruction), system)
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user_message(document, instruction)})
     return session.apply_chat_template(messages, add_assistant=True)
@@ -78,7 +85,7 @@ def check_instruction(session, instruction: str, system: str | None, max_cache: 
 def run_document(session, document: str | None, instruction: str, *, policy: str = "full", budget: int | None = None,
                  policy_args: dict | None = None, max_tokens: int = 256, sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
-                 max_cache: int | None = None, chunk_scoring: str = "question") -> RunResult:
+                 max_cache: int | None = None, chunk_scoring: str = "question", template: bool = True) -> RunResult:
     """Prefill the templated prompt, compress it with `policy`, and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
@@ -87,7 +94,7 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     from kvcli import compress  # noqa: PLC0415
     from kvcli.chunked import plan_chunking  # noqa: PLC0415
 
-    prompt = build_prompt(session, document, instruction, system)
+    prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)
     check_instruction(session, instruction, system, max_cache)
     chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache)

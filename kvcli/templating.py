@@ -87,13 +87,35 @@ def _special_ids(path: str, size: int, mtime_ns: int) -> tuple:
         values = _Header(Path(path)).values
     except (ValueError, OSError, UnicodeDecodeError) as e:
         raise KvcliError(f"cannot parse GGUF {Path(path).name} (truncated or corrupted?): {e}") from None
-    return tuple((name, int(values[key])) for name, key in _GGUF_IDS.items()
-                 if isinstance(values.get(key), int) and not isinstance(values.get(key), bool))
+    ids = tuple((name, int(values[key])) for name, key in _GGUF_IDS.items()
+                if isinstance(values.get(key), int) and not isinstance(values.get(key), bool))
+    # llama.cpp's default when the key is absent: add BOS, except for gpt2-style BPE vocabularies
+    add_bos = values.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        add_bos = values.get("tokenizer.ggml.model") != "gpt2"
+    return ids + ((ADD_BOS, int(bool(add_bos))),)
+
+
+ADD_BOS = "add_bos"   # not a token: whether the vocabulary puts BOS before a prompt (tokenizer.ggml.add_bos_token)
 
 
 def gguf_special_token_ids(model_path) -> dict:
     """{bos_token: id, ...} as the GGUF's tokenizer.ggml.*_token_id keys give them (the ids transformers
     builds its special_tokens_map from); a key the file lacks is left out."""
+    return {k: v for k, v in _header_tokens(model_path).items() if k != ADD_BOS}
+
+
+def _header_tokens(model_path) -> dict:
     p = Path(model_path).resolve()
     st = p.stat()
     return dict(_special_ids(str(p), st.st_size, st.st_mtime_ns))
+
+
+PLAIN_ANSWER_CUE = "\n\nAnswer:"
+
+
+def plain_prompt(model_path, bos_text: str | None, text: str, system: str | None = None) -> str:
+    """The prompt for a model without a chat template (or a base model, --no-template): BOS when the
+    vocabulary adds one, the system text and the user text as paragraphs, and an answer cue to continue."""
+    bos = bos_text if bos_text and _header_tokens(model_path).get(ADD_BOS) else ""
+    return bos + "\n\n".join(p for p in (system, text) if p) + PLAIN_ANSWER_CUE

@@ -103,9 +103,15 @@ def test_calibration_round_trips_through_kvcli_info(calibrated, tiny, no_env, mo
     assert "none (compresskv falls back" in r.stdout
 
 
-def test_probe_attention_equals_the_reference_engine_observation(tiny):
-    """The hook's recomputed post-RoPE queries give the attention the reference engine observes."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+def test_probe_attention_equals_the_reference_engine_observation(tiny, arch, tmp_path):
+    """The hook's recomputed post-RoPE queries give the attention the reference engine observes
+    (qwen2: Q bias; qwen3: Q norm; phi3: fused QKV)."""
     import torch
+
+    from kvcli.testing.tiny_gguf import write_tiny
+    if arch != "llama":
+        tiny = write_tiny(tmp_path / f"{arch}.gguf", arch)
 
     from kvcli.calibration.runner import Runner, attention_probs, load_lm, sdpa
     from kvcli.reference.session import ReferenceSession

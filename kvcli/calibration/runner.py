@@ -97,10 +97,24 @@ class QueryHook:
         cache = kwargs["past_key_values"]
         r = min(self.rows, hs.shape[1])
         d = self.lm.head_dim
-        q = module.q_proj(hs[:, -r:]).view(1, r, -1, d).transpose(1, 2)
+        q = _queries(module, hs[:, -r:], d)
         q, _ = self._rope(q, q, cos[:, -r:], sin[:, -r:])
         layer = cache.layers[module.layer_idx]
         self.fn(module.layer_idx, q[0], layer.keys[0], layer.values[0], module)
+
+
+def _queries(module, x: torch.Tensor, d: int) -> torch.Tensor:
+    """The pre-RoPE queries [1, n_head, rows, d] the attention module makes of hidden states x, as its own
+    forward does: a Q projection (qwen2: with its bias) or the Q rows of a fused QKV one (phi3), and the
+    per-head Q norm where there is one (qwen3)."""
+    if hasattr(module, "q_proj"):
+        q = module.q_proj(x)
+    else:
+        q = module.qkv_proj(x)[..., : module.config.num_attention_heads * d]
+    q = q.view(*x.shape[:2], -1, d)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    return q.transpose(1, 2)
 
 
 def attention_probs(lm: LM, q: torch.Tensor, K: torch.Tensor, scaling: float) -> torch.Tensor:

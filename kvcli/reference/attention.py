@@ -9,7 +9,7 @@ does:
 
 where `bias` is the slot bias of docs/internals.md (0 for a live entry, -inf for a slot this KV
 head does not use, log(m) for an entry standing for m merged tokens) and `pos` the original
-position of each (KV head, slot). Q and K arrive post-RoPE (LlamaAttention rotates them before it
+position of each (KV head, slot). Q and K arrive post-RoPE (the model's attention rotates them before it
 calls us), so what we see is what the native engine observes.
 
 While an `Observer` is armed (prefill only, see `capture`), the same P is also recorded: the rows
@@ -147,20 +147,25 @@ def kvcli_attention(module, query, key, value, attention_mask, scaling: float, d
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
-def hf_to_gguf_dims(k: torch.Tensor) -> torch.Tensor:
+def hf_to_gguf_dims(k: torch.Tensor, permuted: bool = True) -> torch.Tensor:
     """K rows from transformers' dimension order to llama.cpp's (the GGUF layout), last axis head_dim.
 
     llama.cpp's converter permutes the Q/K weight rows so that its "normal" RoPE rotates adjacent
     pairs (2j, 2j+1); transformers un-permutes them on load and rotates (j, j + d/2) instead. Scores
     are the same (Q and K are permuted alike), but K rows are not: llama.cpp's dimension 2j+i is
     transformers' dimension i*d/2 + j. Observations and plans use llama.cpp's order, the native cache's.
+    `permuted=False` (NEOX-RoPE architectures: qwen2, qwen3, phi3): both orders are the same.
     """
+    if not permuted:
+        return k
     d = k.shape[-1]
     return k.reshape(*k.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(k.shape)
 
 
-def gguf_to_hf_dims(k: torch.Tensor) -> torch.Tensor:
+def gguf_to_hf_dims(k: torch.Tensor, permuted: bool = True) -> torch.Tensor:
     """Inverse of hf_to_gguf_dims."""
+    if not permuted:
+        return k
     d = k.shape[-1]
     return k.reshape(*k.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(k.shape)
 

@@ -67,9 +67,11 @@ class KeyRotation:
         return keys * cos + self.rotate_half(keys) * sin
 
 
-def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation | None = None) -> None:
+def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation | None = None,
+               qk_permuted: bool = True) -> None:
     """Rewrite every layer of `cache` (a DynamicCache) and `slots` as the plan says, in place.
-    With `rotate`, the kept entries are re-indexed (see the module doc)."""
+    With `rotate`, the kept entries are re-indexed (see the module doc). `qk_permuted`: the model's K
+    dimension order differs from llama.cpp's (llama; see hf_to_gguf_dims)."""
     log_mult = None if plan.log_mult is None else torch.from_numpy(plan.log_mult.astype(np.float32))
     offsets = plan.offsets()
     rep_layer, rep_head, rep_j = (a[plan.replace_entry] for a in entry_locations(plan)) \
@@ -101,7 +103,7 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation |
         for r in np.nonzero(rep_layer == l)[0]:           # merged entries: their K/V rows are replaced
             h, j = int(rep_head[r]), start[int(rep_head[r])] + int(rep_j[r])
             # plans carry K rows in llama.cpp's dimension order (Observation.keys): back to ours
-            keys[h, j] = gguf_to_hf_dims(torch.from_numpy(plan.replace_k[r].astype(np.float32)))
+            keys[h, j] = gguf_to_hf_dims(torch.from_numpy(plan.replace_k[r].astype(np.float32)), qk_permuted)
             values[h, j] = torch.from_numpy(plan.replace_v[r].astype(np.float32))
         key_pos = slots[l].key_pos.gather(1, index)
         if rotate is not None:

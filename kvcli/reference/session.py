@@ -65,6 +65,7 @@ class ReferenceSession:
         self.info: ModelInfo = read_model_info(model_path)
         loaded = load(model_path)
         self.model, self.tokenizer, self.eog_ids = loaded.model, loaded.tokenizer, loaded.eog_ids
+        self.qk_permuted = loaded.qk_permuted
         cfg = self.model.config
         if (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) != \
                 (self.info.n_layer, self.info.n_head, self.info.n_head_kv):
@@ -211,7 +212,7 @@ class ReferenceSession:
         if "kv" in observe:
             # K in llama.cpp's dimension order, as the native engine reports it (see hf_to_gguf_dims)
             keys = torch.stack([layer.keys[0] for layer in st.cache.layers])
-            obs.keys = hf_to_gguf_dims(keys).numpy().astype(np.float32)
+            obs.keys = hf_to_gguf_dims(keys, self.qk_permuted).numpy().astype(np.float32)
             obs.values = torch.stack([layer.values[0] for layer in st.cache.layers]).numpy().astype(np.float32)
         obs.validate()
         return obs
@@ -247,7 +248,7 @@ class ReferenceSession:
         t0 = time.perf_counter()
         if self._rotation is None and reindex:
             self._rotation = compact.KeyRotation(self.model)
-        compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None)
+        compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None, self.qk_permuted)
         width = plan.max_kept
         if reindex:
             st.reindexed += st.next_pos - width

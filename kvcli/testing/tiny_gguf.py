@@ -1,9 +1,11 @@
-"""Tiny random llama GGUF models for tests: both llama.cpp and transformers load them.
+"""Tiny random GGUF models for tests: both llama.cpp and transformers load them.
 
-    from kvcli.testing.tiny_gguf import write_tiny_llama
+    from kvcli.testing.tiny_gguf import write_tiny_llama, write_tiny
     path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=3, n_head=4, n_head_kv=2, head_dim=16)
+    path = write_tiny(tmp_path / "qwen2.gguf", "qwen2")
 
-The model has the llama architecture with GQA shapes of your choice and random weights,
+The model has the architecture of your choice (ARCHITECTURES: llama; qwen2 with Q/K/V biases;
+qwen3 with Q/K RMS norms; phi3 with fused QKV and gate/up matrices), GQA shapes of your choice and random weights,
 but the *tokenizer of the default SmolLM2 model* (every `tokenizer.*` key is copied from
 its GGUF), so it tokenises, templates and detokenises exactly like the real model. The
 vocabulary (49152 tokens) dominates the file size: about 13 MB at n_embd=64 in f32.
@@ -12,7 +14,8 @@ Weights are written in GGUF's layout, which for llama is the one convert_hf_to_g
 produces: Q and K rows permuted for llama.cpp's "normal" (interleaved-pair) RoPE.
 transformers un-permutes them when it loads the file (`_reverse_permute_weights`), so the
 two engines compute the same function; since the weights are random, there is no "HF
-original" to be faithful to.
+original" to be faithful to. The other architectures use NEOX RoPE ((j, j + d/2) pairs, as
+transformers does): their rows are written unpermuted.
 """
 from __future__ import annotations
 
@@ -49,11 +52,19 @@ def _tokenizer_fields(source: str) -> tuple:
     return tuple(out), vocab
 
 
-def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int = 2, head_dim: int = 16,
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+
+
+def write_tiny_llama(path, **kwargs) -> Path:
+    """A tiny random llama (see write_tiny)."""
+    return write_tiny(path, "llama", **kwargs)
+
+
+def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, n_head_kv: int = 2, head_dim: int = 16,
                      n_ff: int = 64, n_ctx_train: int = 2048, seed: int = 0, dtype: str = "f32",
                      rope_theta: float = 10000.0, rms_eps: float = 1e-5, tied: bool = True,
                      qk_scale: float = 2.0, tokenizer_from=None, chat_template: str | None = None) -> Path:
-    """Write a random llama-architecture GGUF to `path` and return it.
+    """Write a random GGUF of architecture `arch` (one of ARCHITECTURES) to `path` and return it.
 
     n_embd is n_head * head_dim. `dtype` is "f32" or "f16" for the matrices (norm weights
     stay f32, as llama.cpp expects). `tied`: no output.weight, the output projection is the
@@ -67,6 +78,8 @@ def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int 
         raise ValueError(f"n_head ({n_head}) must be a multiple of n_head_kv ({n_head_kv})")
     if head_dim % 2:
         raise ValueError("head_dim must be even (RoPE rotates pairs)")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, not {arch!r}")
     if dtype not in ("f32", "f16"):
         raise ValueError(f"dtype must be f32 or f16, not {dtype!r}")
     path = Path(path)
@@ -84,8 +97,12 @@ def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int 
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("kvcli tiny random llama")
+    def vec(n: int, scale: float) -> np.ndarray:
+        return (scale * rng.standard_normal(n)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    # not "phi3" in the name: llama.cpp gives models so named the Phi-3 vocabulary's token attributes
+    w.add_name("kvcli tiny random llama" if arch == "llama" else "kvcli tiny random model")
     w.add_block_count(n_layer)
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
@@ -110,13 +127,29 @@ def write_tiny_llama(path, *, n_layer: int = 3, n_head: int = 4, n_head_kv: int 
     for il in range(n_layer):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", norm(n_embd))
-        w.add_tensor(p + "attn_q.weight", mat(n_head * head_dim, n_embd, qk_scale))
-        w.add_tensor(p + "attn_k.weight", mat(n_head_kv * head_dim, n_embd, qk_scale))
-        w.add_tensor(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd))
+        q = mat(n_head * head_dim, n_embd, qk_scale)
+        k = mat(n_head_kv * head_dim, n_embd, qk_scale)
+        v = mat(n_head_kv * head_dim, n_embd)
+        if arch == "phi3":      # fused QKV and gate/up, as Phi-3's checkpoints are
+            w.add_tensor(p + "attn_qkv.weight", np.concatenate([q, k, v]))
+        else:
+            w.add_tensor(p + "attn_q.weight", q)
+            w.add_tensor(p + "attn_k.weight", k)
+            w.add_tensor(p + "attn_v.weight", v)
+        if arch == "qwen2":     # Q/K/V projection biases (not an attention-score bias)
+            w.add_tensor(p + "attn_q.bias", vec(n_head * head_dim, 0.5))
+            w.add_tensor(p + "attn_k.bias", vec(n_head_kv * head_dim, 0.5))
+            w.add_tensor(p + "attn_v.bias", vec(n_head_kv * head_dim, 0.5))
+        if arch == "qwen3":     # RMS norms of each head's Q and K rows, before RoPE
+            w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
+            w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
         w.add_tensor(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
         w.add_tensor(p + "ffn_norm.weight", norm(n_embd))
-        w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
-        w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
+        if arch == "phi3":
+            w.add_tensor(p + "ffn_up.weight", np.concatenate([mat(n_ff, n_embd), mat(n_ff, n_embd)]))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
         w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
     w.add_tensor("output_norm.weight", norm(n_embd))
     if not tied:

@@ -1,0 +1,67 @@
+"""Which GGUF architectures kvcli accepts, the one-line refusal for the rest, and the plain-completion
+prompt of a model without a chat template (or --no-template)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcli.testing.tiny_gguf import write_tiny
+
+SHORT_DOC = "The garden has three solar panels and a small pond with six fish. " * 8
+
+
+def _header_only(path, arch):
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch,why", [("gemma3", "second KV cache (iSWA)"), ("gemma2", "soft-caps the scores"),
+                                      ("mamba", "not one kvcli has been made to run")])
+def test_refused_architectures_say_what_is_missing(run_kvcli, tmp_path, arch, why):
+    r = run_kvcli("info", _header_only(tmp_path / f"{arch}.gguf", arch))
+    assert r.returncode == 2
+    line = r.stderr.strip()
+    assert "\n" not in line and f"unsupported architecture '{arch}'" in line and why in line
+    assert "kvcli supports llama, qwen2, qwen3, phi3" in line
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_run_compresses_each_architecture(run_kvcli, tmp_path, arch):
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, n_layer=2)
+    r = run_kvcli("run", "--model", path, "--doc", "-", "Summarise.", "--policy", "snapkv", "--budget", "48",
+                  "--json", "-n", "3", input=SHORT_DOC)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["stats"]
+    assert s["prompt_tokens"] > 100 and s["kv_cells"] <= 48 + s["generated_tokens"]
+
+
+def test_plain_prompt_without_chat_template(tmp_path):
+    from kvcli.native.session import NativeSession
+    from kvcli.pipeline import build_prompt
+    from kvcli.templating import PLAIN_ANSWER_CUE
+    s = NativeSession(write_tiny(tmp_path / "notpl.gguf", "qwen2", n_layer=1, chat_template=""), n_ctx=0)
+    assert s.chat_template() is None or s.chat_template() == ""
+    assert build_prompt(s, "The doc.", "The question?", "Be brief.") == \
+        "Be brief.\n\nThe doc.\n\nThe question?" + PLAIN_ANSWER_CUE
+    s.close()
+
+
+def test_no_template_flag(run_kvcli, tmp_path, default_model):
+    """--no-template on a model with a chat template: the prompt is the plain one (fewer tokens, no markers)."""
+    args = ("run", "--doc", "-", "Summarise.", "--json", "-n", "1")
+    chat = json.loads(run_kvcli(*args, input=SHORT_DOC).stdout)["stats"]["prompt_tokens"]
+    r = run_kvcli(*args, "--no-template", input=SHORT_DOC)
+    assert r.returncode == 0, r.stderr
+    from kvcli.native.session import NativeSession
+    from kvcli.pipeline import build_prompt
+    s = NativeSession(default_model, n_ctx=0)
+    expected = len(s.tokenize(build_prompt(s, SHORT_DOC, "Summarise.", template=False)))
+    s.close()
+    assert json.loads(r.stdout)["stats"]["prompt_tokens"] == expected < chat
