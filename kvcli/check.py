@@ -4,8 +4,9 @@ L1 policy       the SAME observation arrays (taken from the native engine) go to
                 planner and to the torch planner: kept sets and budgets must be identical (ties go
                 to the lower slot in both), merged rows and log-multiplicities equal to `l1_merge_atol`.
 L2 observation  each engine computes the observation from the same GGUF and tokens: window
-                attention, column sums, K and V rows. Reported: max abs and relative error
-                (relative = max abs error / max abs value of the reference array).
+                sums (of every window length the check needs, divided by that length: the mean
+                attention of a window query), column sums, K and V rows. Reported: max abs and
+                relative error (relative = max abs error / max abs value of the reference array).
 L3 end to end   each engine observes, plans with its own planner and compresses its own cache;
                 then: Jaccard of the kept positions per layer (mean over KV heads), next-token
                 logits (max abs error, KL(native || reference)), and greedy agreement over N tokens
