@@ -15,7 +15,7 @@ import click
 from kvcli import __version__
 from kvcli.errors import KvcliError
 
-COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate"]
+COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch"]
 
 
 class KvcliGroup(click.Group):
@@ -35,6 +35,10 @@ class KvcliGroup(click.Group):
             ctx.exit(0)
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
             raise
+        except OSError as e:  # a path the user gave that the system refuses (name too long, no permission...)
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"kvcli: error: {where}{e.strerror or e}", err=True)
+            ctx.exit(2)
         except Exception as e:  # a bug of ours: say so in one line, the traceback is one variable away
             if os.environ.get("KVCLI_DEBUG"):
                 raise

@@ -41,8 +41,13 @@ class CompressReport:
 
 
 def resolve_policy(session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
-    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`)."""
-    return resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
+    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`), with the
+    parameters that depend on the model's shape checked too: before the prefill, not after it."""
+    spec, params = resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
+    if "full_layers" in params:
+        from kvcli.policies.d2o import full_layer_set  # noqa: PLC0415
+        full_layer_set(params["full_layers"], session.info.n_layer)
+    return spec, params
 
 
 def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):

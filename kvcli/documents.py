@@ -6,6 +6,9 @@ from pathlib import Path
 
 from kvcli.errors import KvcliError
 
+MAX_DOCUMENT_MB = 64   # each document is read up to this size (README.md): an endless stream is refused
+_BLOCK = 1 << 20
+
 
 def decode_text(data: bytes, name: str) -> str:
     if not data.strip():
@@ -38,16 +41,31 @@ def read_document(path: str) -> str:
     if p.is_dir():
         raise KvcliError(f"{path} is a directory, not a document")
     try:
-        data = p.read_bytes()
+        with open(p, "rb") as f:
+            data = read_bounded(f, path)
     except OSError as e:
         raise KvcliError(f"cannot read {path}: {e.strerror}") from None
     return decode_text(data, path)
 
 
+def read_bounded(f, name: str) -> bytes:
+    """Read a file or stream up to MAX_DOCUMENT_MB, refusing more (/dev/zero, `yes |`) and a binary start early."""
+    data = bytearray()
+    while True:
+        block = f.read(_BLOCK)
+        if not block:
+            return bytes(data)
+        if not data and b"\x00" in block[:65536]:
+            raise KvcliError(f"{name} is not a text file (it contains NUL bytes)")
+        data += block
+        if len(data) > MAX_DOCUMENT_MB << 20:
+            raise KvcliError(f"{name} is larger than {MAX_DOCUMENT_MB} MB, the most kvcli reads as a document")
+
+
 def read_stdin() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise KvcliError("no document: pass --doc FILE or pipe text on standard input")
-    return decode_text(sys.stdin.buffer.read(), "standard input")
+    return decode_text(read_bounded(sys.stdin.buffer, "standard input"), "standard input")
 
 
 def read_documents(paths: tuple[str, ...] | list[str]) -> str:

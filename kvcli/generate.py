@@ -62,6 +62,8 @@ def generate(session, max_tokens: int, sampler: Sampler | None = None, seq: int 
     sampler = sampler or Sampler()
     out = Generation()
     dec = codecs.getincrementaldecoder("utf-8")("replace")
+    pos0 = session.seq(seq).next_pos
+    shown = 0   # tokens whose text went to on_text
     t0 = time.perf_counter()
     try:
         for _ in range(max_tokens):
@@ -70,22 +72,29 @@ def generate(session, max_tokens: int, sampler: Sampler | None = None, seq: int 
                 out.stopped = "eog"
                 break
             out.tokens.append(tok)
-            piece = dec.decode(session.token_bytes(tok))
-            if piece:
-                out.text += piece
-                if on_text:
-                    on_text(piece)
             try:
                 session.step({seq: tok})
             except ContextFull:
+                out.tokens.pop()   # not in the cache: not part of the answer
                 out.stopped = "context_full"
                 break
+            _show(out, dec, session.token_bytes(tok), on_text)
+            shown += 1
     except KeyboardInterrupt:
+        # the answer is what the cache holds (the session undoes an interrupted step): a token not
+        # decoded is dropped, one decoded but not yet shown is shown
         out.stopped = "interrupted"
+        out.tokens[:] = out.tokens[:session.seq(seq).next_pos - pos0]
+        for tok in out.tokens[shown:]:
+            _show(out, dec, session.token_bytes(tok), on_text)
     out.decode_s = time.perf_counter() - t0
-    tail = dec.decode(b"", final=True)
-    if tail:
-        out.text += tail
-        if on_text:
-            on_text(tail)
+    _show(out, dec, b"", on_text, final=True)
     return out
+
+
+def _show(out: Generation, dec, data: bytes, on_text, final: bool = False) -> None:
+    piece = dec.decode(data, final=final)
+    if piece:
+        out.text += piece
+        if on_text:
+            on_text(piece)

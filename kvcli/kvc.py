@@ -17,13 +17,12 @@ The digest covers every byte before it, so truncation and corruption are both ca
 meta records everything needed to refuse a file that does not fit (kvc format, kvcli version,
 native state format, model hash) and to continue the conversation (document, system message,
 question, policy, budget, parameters, positions). Writes go to a temporary file in the same
-directory, fsynced, then renamed over the target: an interrupted save leaves no half file.
+directory, fsynced, then renamed over the target (kvcli/outfile.py): an interrupted save leaves no half file.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,34 +62,18 @@ class KvcFile:
         return out
 
 
-def write(path, kvc: KvcFile) -> int:
-    """Write atomically (temporary file + fsync + rename); returns the file size."""
-    path = Path(path)
-    if path.is_dir():
-        raise KvcliError(f"{path} is a directory")
-    if not path.parent.is_dir():
-        raise KvcliError(f"cannot write {path}: directory {path.parent} does not exist")
+def write(path, kvc: KvcFile, force: bool = True) -> int:
+    """Write atomically (kvcli.outfile: temporary file + fsync + rename; force=False refuses an existing
+    file, also one that appears while this runs); returns the file size."""
+    from kvcli import outfile  # noqa: PLC0415
     blobs = kvc.blobs()
     meta = dict(kvc.meta, blobs=[[n, t, len(b)] for n, t, b in blobs])
     meta_b = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    chunks = [_HEAD.pack(MAGIC, FORMAT, 0, len(meta_b)), meta_b, *(b for _, _, b in blobs)]
     h = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in (_HEAD.pack(MAGIC, FORMAT, 0, len(meta_b)), meta_b, *(b for _, _, b in blobs)):
-                h.update(chunk)
-                f.write(chunk)
-            f.write(h.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise KvcliError(f"cannot write {path}: {e.strerror}") from None
-    except BaseException:  # Ctrl-C in the middle: no half file, no stray temporary
-        tmp.unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
+    for chunk in chunks:
+        h.update(chunk)
+    return outfile.write(path, [*chunks, h.digest()], force=force)
 
 
 def read(path) -> KvcFile:
@@ -100,6 +83,8 @@ def read(path) -> KvcFile:
         raise KvcliError(f"cache file not found: {path}")
     if path.is_dir():
         raise KvcliError(f"{path} is a directory, not a .kvc file")
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise KvcliError(f"{path} is not a regular file, not a .kvc file")
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -140,7 +125,10 @@ def read(path) -> KvcFile:
     kept = None
     if "kept_counts" in blobs:
         counts, flat = blobs["kept_counts"], blobs.get("kept_positions")
-        n_layer, n_head_kv = int(meta["model"]["n_layer"]), int(meta["model"]["n_head_kv"])
+        model = meta.get("model")
+        n_layer, n_head_kv = (model.get(k) if isinstance(model, dict) else None for k in ("n_layer", "n_head_kv"))
+        if not (_count(n_layer) and n_layer and _count(n_head_kv) and n_head_kv):
+            raise KvcliError(f"{path} is corrupted (metadata model.n_layer / model.n_head_kv are not positive integers)")
         if flat is None or counts.size != n_layer * n_head_kv or int(counts.sum()) != flat.size:
             raise KvcliError(f"{path} is corrupted (kept positions do not match the model's shape)")
         offs = np.concatenate([[0], np.cumsum(counts)])
@@ -149,6 +137,147 @@ def read(path) -> KvcFile:
     meta.pop("blobs")
     return KvcFile(meta=meta, prefix_tokens=blobs["prefix_tokens"], state=bytes(blobs["state"]),
                    kept_positions=kept, prefix_logits=blobs.get("prefix_logits"), path=path)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+_STR, _OPT_STR = (lambda v: isinstance(v, str)), (lambda v: v is None or isinstance(v, str))
+_BOOL, _DICT = (lambda v: isinstance(v, bool)), (lambda v: isinstance(v, dict))
+_POSITIVE = (lambda v: _count(v) and v > 0)
+_TURN = {"question": _STR, "answer": _STR, "stopped": _STR, "tokens_in": _count, "tokens_out": _count}
+# what Conversation.to_kvc writes (chat.py), field by field: a file is input, checked before any field is used
+META_SCHEMA = {
+    "kvcli_version": _STR, "native_state_format": _count, "llama_commit": _STR, "created": _STR,
+    "model": {"hash": _STR, "name": _STR, "path": _STR, "n_layer": _POSITIVE, "n_head_kv": _POSITIVE,
+              "head_dim": _POSITIVE, "n_vocab": _POSITIVE},
+    "cache_type": _STR, "flash_attn": _BOOL, "policy": _STR, "budget": lambda v: v is None or _POSITIVE(v),
+    "policy_args": _DICT, "resolved_params": lambda v: v is None or _DICT(v), "original_tokens": _POSITIVE,
+    "mode": lambda v: v in ("question-aware", "question-agnostic"), "question": _OPT_STR, "system": _OPT_STR,
+    "document": _STR, "generic_suffix": _OPT_STR, "compressed": _BOOL,
+    "conversation": {"reset_pos": _count, "reset_cells": _count, "next_pos": _POSITIVE, "cells": _POSITIVE,
+                     "reindexed": _count, "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
+                     "turns": lambda v: isinstance(v, list) and all(_matches(t, _TURN) == "" for t in v)},
+}
+
+
+def _matches(value, schema, where: str = "") -> str:
+    """'' when `value` fits `schema` (a dict of fields -> schema or predicate), else the first field that does not."""
+    if not isinstance(value, dict):
+        return where or "the metadata"
+    if set(value) != set(schema):
+        odd = sorted(set(schema) - set(value)) or sorted(set(value) - set(schema))
+        return f"{where}{'.' if where else ''}{odd[0]} ({'missing' if odd[0] in schema else 'unexpected'})"
+    for key, rule in schema.items():
+        name = f"{where}{'.' if where else ''}{key}"
+        bad = _matches(value[key], rule, name) if isinstance(rule, dict) else ("" if rule(value[key]) else name)
+        if bad:
+            return bad
+    return ""
+
+
+def check_meta(kvc: KvcFile) -> None:
+    """Refuse a file whose metadata does not have every field of META_SCHEMA with the right type (one line)."""
+    bad = _matches(kvc.meta, META_SCHEMA)
+    if bad:
+        raise KvcliError(f"{kvc.path or 'the cache file'} is corrupted (metadata field {bad} is not valid)")
+
+
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data, self.p = data, 0
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.p + n > len(self.data):
+            raise ValueError(f"{len(self.data)} bytes end inside a field at byte {self.p}")
+        out = self.data[self.p:self.p + n]
+        self.p += n
+        return out
+
+    def u(self, fmt: str) -> int:
+        (v,) = struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+        return v
+
+
+_STATE_MAGIC, _SUFFIX_MAGIC = 0x4C43564B, 0x4243564B
+_GGML_FLOAT = {0: np.float32, 1: np.float16}    # the cache types whose rows are plain floats (checked finite)
+
+
+def check_state(kvc: KvcFile) -> None:
+    """Read the cache state's layout (llama.cpp's llama_kv_cache::state_write with kvcli's prefix and bias suffix,
+    one stream) and check it against the metadata: cells, positions, layers, K/V row types and sizes, finite
+    values, the bias block's shape, and nothing after it. The digest only says the file is as written; this says
+    the state is one this file's header describes (a state rebuilt with a valid digest but damaged bytes)."""
+    import gguf  # noqa: PLC0415
+
+    from kvcli.native.session import CACHE_TYPES  # noqa: PLC0415
+    m, c = kvc.meta["model"], kvc.meta["conversation"]
+    n_layer, n_head_kv, head_dim = m["n_layer"], m["n_head_kv"], m["head_dim"]
+    ggml_type = CACHE_TYPES.get(kvc.meta["cache_type"])
+    if ggml_type is None:
+        raise KvcliError(f"{kvc.path} is corrupted (unknown cache type {kvc.meta['cache_type']!r})")
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    row = n_head_kv * head_dim // block * size
+    r = _Reader(kvc.state)
+
+    def bad(what: str):
+        return KvcliError(f"{kvc.path} is corrupted (cache state: {what})")
+    try:
+        r.take(8)                                           # llama.cpp's io magic and the saved sequence's id
+        if r.u("<I") != _STATE_MAGIC:
+            raise bad("not a kvcli state")
+        r.take(12)                                          # format, model fingerprint: the native load checks them
+        n_headers = r.u("<I")
+        if n_headers > 1:
+            raise bad(f"{n_headers} sequence headers for one sequence")
+        r.take(n_headers * (4 + 56 + 4))                    # seq id, kvcli_state_header, flags
+        if r.u("<I") != 1:
+            raise bad("not one stream")
+        cells = r.u("<I")
+        if cells != c["cells"]:
+            raise bad(f"{cells} cells, the header says {c['cells']}")
+        pos = np.empty(cells, np.int64)
+        for i in range(cells):
+            pos[i] = r.u("<i")
+            n_seq = r.u("<I")
+            if n_seq != 1:
+                raise bad(f"cell {i} belongs to {n_seq} sequences")
+            r.take(4)
+        if cells and (pos.min() < 0 or pos.max() != c["next_pos"] - 1 or np.unique(pos).size != cells):
+            raise bad(f"cell positions are not distinct positions ending at {c['next_pos'] - 1}")
+        v_trans, layers = r.u("<I"), r.u("<I")
+        if layers != n_layer:
+            raise bad(f"{layers} layers, the model has {n_layer}")
+        for kind in ("K", "V"):
+            for il in range(n_layer):
+                t = r.u("<i")
+                if t != ggml_type:
+                    raise bad(f"layer {il} {kind} type {t}, the header says {kvc.meta['cache_type']}")
+                if kind == "V" and v_trans:
+                    el, width = r.u("<I"), r.u("<I")
+                    ok, nbytes = el * block == size and width == n_head_kv * head_dim, width * cells * el
+                else:
+                    got = r.u("<Q")
+                    ok, nbytes = got == row, cells * row
+                if not ok:
+                    raise bad(f"layer {il} {kind} rows do not have the model's size")
+                data = r.take(nbytes)
+                if ggml_type in _GGML_FLOAT and not np.isfinite(np.frombuffer(data, _GGML_FLOAT[ggml_type])).all():
+                    raise bad(f"layer {il} {kind} holds values that are not finite")
+        if r.u("<I") != _SUFFIX_MAGIC:
+            raise bad("no bias block")
+        if r.u("<I"):
+            dims = (r.u("<I"), r.u("<I"), r.u("<I"))
+            if dims != (n_layer, n_head_kv, cells):
+                raise bad(f"bias block of shape {dims}, expected {(n_layer, n_head_kv, cells)}")
+            bias = np.frombuffer(r.take(4 * n_layer * n_head_kv * cells), np.float32)
+            if np.isnan(bias).any() or (bias == np.inf).any():
+                raise bad("bias values that are not numbers")
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if r.p != len(kvc.state):
+        raise bad(f"{len(kvc.state) - r.p} bytes after its end")
 
 
 def check_versions(kvc: KvcFile) -> None:

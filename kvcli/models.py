@@ -76,6 +76,8 @@ def check_gguf(path: Path) -> None:
         raise KvcliError(f"model not found: {path}")
     if path.is_dir():
         raise KvcliError(f"model path is a directory, not a GGUF file: {path}")
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise KvcliError(f"model path is not a regular file: {path}")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

@@ -64,6 +64,17 @@ def progress_bar(total: int, enabled: bool, desc: str = "prefill"):
     return (p.update if p.bar is not None else None), p.close
 
 
+def check_instruction(session, instruction: str, system: str | None, max_cache: int | None = None) -> None:
+    """Refuse at once an instruction that alone does not fit the context: a document is read in chunks, the
+    instruction cannot be (it is the question every chunk is scored and answered with)."""
+    limit = max_cache or session.n_ctx_train
+    n = len(session.tokenize(build_prompt(session, None, instruction, system)))
+    if n >= limit:
+        raise KvcliError(f"the instruction is {n} tokens (templated), more than "
+                         f"{f'--max-cache ({limit} cells)' if max_cache else f'the model context ({limit} tokens)'}: "
+                         "put long text in --doc")
+
+
 def run_document(session, document: str | None, instruction: str, *, policy: str = "full", budget: int | None = None,
                  policy_args: dict | None = None, max_tokens: int = 256, sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
@@ -78,6 +89,7 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
 
     prompt = build_prompt(session, document, instruction, system)
     tokens = session.tokenize(prompt)
+    check_instruction(session, instruction, system, max_cache)
     chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache)
     if session.ctx is None:
         session.create_context(chunking.n_ctx)
@@ -96,6 +108,8 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     stats.update({"prefill_s": round(report.prefill_s, 4), "compress_s": round(report.compress_s, 4),
                   "decode_s": round(gen.decode_s, 4),
                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None})
+    from kvcli.evaluation.measure import peak_rss_bytes  # noqa: PLC0415
+    stats["peak_rss_bytes"] = peak_rss_bytes()   # the process's peak, from the OS (VmHWM)
     if report.note:
         stats["note"] = report.note
     if report.params and "task" in report.params:

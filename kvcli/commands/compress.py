@@ -36,16 +36,12 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
     """Compress a document once and save it (kvcli chat --cache / kvcli run --cache load it in well under a second)."""
     from pathlib import Path  # noqa: PLC0415
 
+    from kvcli.chat import MEMORY_STATS  # noqa: PLC0415
     from kvcli.commands.chat import open_conversation  # noqa: PLC0415
     from kvcli.policies import parse_policy_args  # noqa: PLC0415
 
-    out = Path(out_path).expanduser()
-    if out.exists() and not force:
-        raise KvcliError(f"{out} exists: pass --force to overwrite it")
-    if out.is_dir():
-        raise KvcliError(f"{out} is a directory")
-    if not out.parent.is_dir():
-        raise KvcliError(f"cannot write {out}: directory {out.parent} does not exist")
+    from kvcli.outfile import check_target  # noqa: PLC0415
+    out = check_target(out_path, force)   # a fast refusal; the write checks again when the file appears
     policy = (policy or "full").lower()
     conv = open_conversation(docs=docs, cache_path=None, model=model, policy=policy,
                              budget=None if policy == "full" else budget,
@@ -54,7 +50,7 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
                              max_cache=max_cache, chunk_scoring=chunk_scoring,
                              show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     t0 = time.perf_counter()
-    size = conv.save(out)
+    size = conv.save(out, force=force)
     save_s = time.perf_counter() - t0
     if not quiet:
         click.echo(f"wrote {out} ({size / 1e6:.2f} MB) in {save_s:.2f}s", err=True)
@@ -63,7 +59,8 @@ def compress_cmd(docs, out_path, model, policy, budget, policy_args, question, s
         click.echo(json.dumps({
             "file": str(out), "file_bytes": size, "model": conv.session.model_path, "policy": conv.policy,
             "budget": conv.budget, "mode": conv.mode, "original_tokens": len(conv.prefix_tokens),
-            "stats": {k: s[k] for k in ("kv_cells", "kv_bytes", "kv_bytes_full", "per_layer_cells", "live_entries")}
+            "stats": {k: s[k] for k in ("kv_cells", "kv_bytes", "kv_bytes_full", "per_layer_cells", "live_entries",
+                                        *MEMORY_STATS)}
             | conv.report.as_stats()
             | {"prefill_s": round(conv.report.prefill_s, 4), "compress_s": round(conv.report.compress_s, 4),
                "save_s": round(save_s, 4)},

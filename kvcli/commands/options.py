@@ -7,6 +7,10 @@ model_option = click.option("--model", "-m", metavar="PATH.gguf", default=None,
                             help="GGUF model (llama architecture). Default: $KVCLI_MODEL, else the bundled "
                                  "SmolLM2-135M-Instruct Q4_1.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
+                              help="CPU threads of llama.cpp. Default: $KVCLI_THREADS, else the CPUs this process "
+                                   "may use (affinity, cgroup quota). On a busy machine fewer threads are faster: "
+                                   "ggml's threads spin at every node while one waits for a core.")
 
 
 def chunk_options(f):

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
 
 from kvcli import config
 from kvcli.commands.chat import policy_option
-from kvcli.commands.options import chunk_options, json_option, model_option
+from kvcli.commands.options import chunk_options, json_option, model_option, threads_option
 from kvcli.errors import KvcliError
 
 
@@ -31,16 +30,14 @@ def open_session(engine: str, model: str | None, **kw):
         return NativeSession(path, **kw)
     if engine == "reference":
         from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
-        return ReferenceSession(path, **{k: v for k, v in kw.items() if k in ("n_ctx",)})
+        return ReferenceSession(path, **{k: v for k, v in kw.items() if k in ("n_ctx", "n_threads")})
     raise KvcliError(f"unknown engine '{engine}'")
 
 
 def write_atomic(path: str, text: str) -> None:
     """Write through a temporary file and rename, so an interruption never leaves half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from kvcli import outfile  # noqa: PLC0415
+    outfile.write(path, [text.encode("utf-8")])
 
 
 @click.command("run")
@@ -64,12 +61,13 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
               help="llama.cpp KV cache type (native engine).")
 @chunk_options
+@threads_option
 @click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
 @click.pass_context
 def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_args, max_tokens, temperature, seed,
-            system, engine, cache_type, chunk, max_cache, chunk_scoring, out_path, quiet, as_json):
+            system, engine, cache_type, chunk, max_cache, chunk_scoring, threads, out_path, quiet, as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
@@ -81,6 +79,9 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
 
     if not instruction.strip():
         raise KvcliError("the instruction is empty")
+    if out_path:
+        from kvcli.outfile import check_target  # noqa: PLC0415
+        check_target(out_path)   # before the work, not after it
     model = model or config.get("model")
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     sampler = Sampler(temperature=temperature, seed=seed)
@@ -94,8 +95,8 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
     else:
         document = read_documents(list(docs))
         args = parse_policy_args(policy_args)
-        session = open_session(engine, model, n_ctx=0, cache_type=cache_type) if engine == "native" \
-            else open_session(engine, model)
+        session = open_session(engine, model, n_ctx=0, cache_type=cache_type, n_threads=threads) \
+            if engine == "native" else open_session(engine, model, n_threads=threads)
         result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
                               max_tokens=max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=chunk,
@@ -125,19 +126,20 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
 
 def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
     """Load a .kvc file and answer one question after its compressed document (and conversation)."""
-    from kvcli.chat import Conversation  # noqa: PLC0415
+    from kvcli.chat import MEMORY_STATS, Conversation  # noqa: PLC0415
     from kvcli.pipeline import RunResult  # noqa: PLC0415
     conv = Conversation.from_kvc(cache_path, model=model)
     pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
-    s = conv.session.stats(conv.seq)
+    s = conv.stats()
     stats = {"prompt_tokens": pos0 + conv.turns[-1].tokens_in,
              "generated_tokens": len(gen.tokens),
              "kv_cells": s["kv_cells"], "kv_bytes": s["kv_bytes"], "kv_bytes_full": s["kv_bytes_full"],
              "per_layer_cells": s["per_layer_cells"], "prefill_s": round(s.get("prefill_s", 0.0), 4),
              "compress_s": 0.0, "decode_s": round(gen.decode_s, 4),
              "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
-             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode, "original_tokens": len(conv.prefix_tokens)}
+             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode,
+             "original_tokens": len(conv.prefix_tokens), **{k: s[k] for k in MEMORY_STATS}}
     return RunResult(answer=gen.text, model=str(conv.session.model_path), policy=conv.policy, budget=conv.budget,
                      stats=stats, stopped=gen.stopped)
 

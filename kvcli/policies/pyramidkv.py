@@ -3,13 +3,16 @@ from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, kernel_para
     pool_param, window_param
 
 
-def layer_budgets(n_layer: int, n: int, budget: int, window: int, beta: int, schedule: str = "factory") -> list[int]:
-    """Prefix entries each layer selects (the `window` last slots come on top), KVCache-Factory's rule.
+def layer_budgets(n_layer: int, n: int, budget: int, window: int, beta: int, schedule: str = "exact") -> list[int]:
+    """Prefix entries each layer selects (the `window` last slots come on top).
 
-    base = budget - window; min = base // beta; max = 2*base - min, capped to n - window;
-    layer l gets max - l * ((max - min) // (n_layer - 1)). Prompts shorter than 2*base use SnapKV's
-    uniform `base` (KVCache-Factory's middle branch). `schedule="exact"` keeps the same line but
-    rounds it so the layers sum to exactly n_layer * base (largest remainders, lower layer first).
+    base = budget - window; min = base // beta; max = 2*base - min, capped to n - window; the line
+    from max (layer 0) down to min (last layer). `schedule="exact"` (the default) rounds it so the
+    layers sum to exactly n_layer * base (largest remainders, lower layer first): the mean is the
+    budget. `schedule="factory"` is KVCache-Factory's integer rule, layer l gets
+    max - l * ((max - min) // (n_layer - 1)): the floored step makes the line fall too slowly, so the
+    layers keep more than the budget (mean 140.5 at budget 128 on 30 layers, see SPEC.budget_note).
+    Prompts shorter than 2*base use SnapKV's uniform `base` (KVCache-Factory's middle branch).
     The caller handles n <= budget (no compression).
     """
     base = budget - window
@@ -47,21 +50,24 @@ SPEC = PolicySpec(
         pool_param("max", "max (KVCache-Factory's runner)"),
         Param("beta", "int", 20, "pyramid shape: the top layer keeps (budget - window) // beta prefix entries",
               paper_default=20, min=1, max=1000),
-        Param("schedule", "choice", "factory", "factory: KVCache-Factory's integer schedule (its floor makes "
-              "the total a little larger than budget x n_layer); exact: the same line rounded to sum exactly",
-              paper_default="factory", choices=("factory", "exact")),
+        Param("schedule", "choice", "exact", "exact: the pyramid line rounded so the layers keep budget x n_layer "
+              "entries in all; factory: KVCache-Factory's integer schedule, whose floored step keeps more "
+              "(see the budget note)", paper_default="factory", choices=("exact", "factory")),
         gqa_param("mean"),
     ),
     needs=("window",),
     window_param="window",
-    budget_note="average per layer = budget (window included); with schedule=factory the integer step makes the "
-                "layers sum to slightly more than budget x n_layer (e.g. +5% at budget 128 on 30 layers), "
-                "schedule=exact sums exactly; prompts shorter than 2 x (budget - window) get uniform budgets",
+    budget_note="average per layer = budget (window included) with the default schedule=exact; "
+                "schedule=factory (KVCache-Factory's rule) keeps more, measured from the live cache (SmolLM2-135M, "
+                "30 layers, 1,333-token prompt): 4,215 entries per KV head at budget 128 (mean 140.5, +9.8%), "
+                "7,800 at budget 256 (mean 260.0, +1.6%); prompts shorter than 2 x (budget - window) get "
+                "uniform budgets",
     deviations=(
         "selection per KV head, query heads of a group combined by `gqa` (mean); KVCache-Factory's default "
         "repeats the cache to query heads",
         "window attention summed in float64; ties go to the lower slot",
-        "schedule=exact is a kvcli addition (off by default)",
+        "schedule=exact (the default) is a kvcli addition: KVCache-Factory's floored step keeps more than the "
+        "budget, which an equal-budget comparison cannot have; schedule=factory is its rule",
     ),
     check=needs_window_budget("pyramidkv"),
 )

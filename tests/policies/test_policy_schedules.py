@@ -114,16 +114,16 @@ def test_windowkv_group_leaders_choose_for_their_group():
 # ---------------------------------------------------------------------------------------------
 def test_pyramidkv_schedule_worked_numbers():
     # base = 512 - 8 = 504, min = 504 // 20 = 25, max = 2 * 504 - 25 = 983, step = 958 // 31 = 30
-    b = pyramid_budgets(32, 4096, 512, 8, 20)
+    b = pyramid_budgets(32, 4096, 512, 8, 20, "factory")
     assert b[:3] == [983, 953, 923] and b[-1] == 983 - 31 * 30 == 53
     assert sum(b) == 16576 and 32 * 504 == 16128                     # the floor makes the total larger
-    e = pyramid_budgets(32, 4096, 512, 8, 20, "exact")
+    e = pyramid_budgets(32, 4096, 512, 8, 20)                        # the default: exact
     assert sum(e) == 16128 and e[0] == 983 and e[-1] == 25
     assert all(x >= y for x, y in zip(e, e[1:]))
     # middle-length prompts (n < 2 * base) use SnapKV's uniform budget
     assert pyramid_budgets(32, 1000, 512, 8, 20) == [504] * 32
     # max capped to n - window: max = 1002, min = 2 * 504 - 1002 = 6, step = 996 // 31 = 32
-    b = pyramid_budgets(32, 1010, 512, 8, 1000)
+    b = pyramid_budgets(32, 1010, 512, 8, 1000, "factory")
     assert b[0] == 1002 and b[1] == 970 and b[-1] == 1002 - 31 * 32
     assert pyramid_budgets(1, 4096, 512, 8, 20) == [504]
 

@@ -1,4 +1,5 @@
-// pyramidkv: SnapKV selection with KVCache-Factory's pyramid of per-layer budgets
+// pyramidkv: SnapKV selection with a pyramid of per-layer budgets (default schedule=exact: the layers keep
+// budget x n_layer in all; schedule=factory: KVCache-Factory's floored rule, which keeps more)
 // (kvcli/policies/pyramidkv.py: layer_budgets is the Python twin of the schedule below).
 #include "plan/plan.h"
 
@@ -43,7 +44,7 @@ void plan_pyramidkv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
     const int kernel = static_cast<int>(params.get_int("kernel", 7, 1, 255, true));
     const bool is_max = params.get_choice("pool", "max", {"max", "avg"}) == "max";
     const int64_t beta = params.get_int("beta", 20, 1, 1000);
-    const bool exact = params.get_choice("schedule", "factory", {"factory", "exact"}) == "exact";
+    const bool exact = params.get_choice("schedule", "exact", {"exact", "factory"}) == "exact";
     const auto gqa = kvcli::parse_gqa(params.get_choice("gqa", "mean", {"mean", "max", "sum"}));
     params.finish();
     kvcli::require_budget_above("pyramidkv", budget, "window", w);
