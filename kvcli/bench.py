@@ -345,7 +345,7 @@ class Bench:
                     t1 = time.perf_counter()
                     if prep is not None:
                         spec, params, k, wi = prep
-                        sub = _sub_observation(obs, k, wi)
+                        sub = obs.restrict(k, wi)
                         session.apply_plan(make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
                     compress_s = time.perf_counter() - t1
                     row.update({"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "prefill_shared_by": len(members),
@@ -500,15 +500,6 @@ class Bench:
                              "instruction": self.instruction, "policy_args": self.policy_args,
                              "docs": [{"name": d.name, "tokens": len(d.tokens)} for d in self.docs]},
                 "rows": rows, "batch": batch}
-
-
-def _sub_observation(obs, kinds, w):
-    """What a policy that asked for `kinds` with window `w` would have observed (the last w window rows
-    are the same queries over the same keys, whatever larger window was captured)."""
-    from dataclasses import replace  # noqa: PLC0415
-    return replace(obs, window=obs.window[:, :, obs.window.shape[2] - w:, :].copy() if "window" in kinds else None,
-                   colsum=obs.colsum if "colsum" in kinds else None,
-                   keys=obs.keys if "kv" in kinds else None, values=obs.values if "kv" in kinds else None)
 
 
 def _decode(session, first_logits: np.ndarray, gen: int, forced: list[int] | None):

@@ -236,20 +236,20 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
 
 def _probe(session, seq: int, probe: list[int], obs):
     """Prefill `probe` after what `seq` holds, observe its window, roll it back; return `obs` (the chunk's
-    own observation of the other kinds, or None) with the probe's window rows over the slots held before
+    own observation of the other kinds, or None) with the probe's window sums over the slots held before
     it (its own columns dropped: they are gone once it is rolled back)."""
     held = session.seq(seq).next_pos                 # positions >= held are the probe's
     pobs = session.prefill(probe, seq=seq, observe=("window",), window=len(probe))
     session.rollback(seq, len(probe))
     keep = np.flatnonzero(pobs.positions < held)
-    window = np.ascontiguousarray(pobs.window[:, :, :, keep])
+    sums = pobs.window_sums[..., keep]               # [1, n_layer, n_head, held slots]
     if obs is None:
         obs = pobs
         obs.positions = pobs.positions[keep]
         obs.n = keep.size
     elif obs.n != keep.size:
         raise KvcliError(f"the probe saw {keep.size} held slots, the chunk's observation {obs.n}")
-    obs.window = window
+    obs.window_sums, obs.windows = sums, pobs.windows
     obs.validate()
     return obs
 

@@ -103,6 +103,7 @@ def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | 
                           positions=np.arange(len(tokens), dtype=np.int32))
     t1 = time.perf_counter()
     plan = make_plan(spec, params, budget, obs, planner or session.engine)
+    del obs  # K/V rows of a merging policy: freed before the compaction reads the cache (peak memory)
     session.apply_plan(plan, seq=seq)
     return CompressReport(policy, budget, len(tokens), prefill_s, time.perf_counter() - t1, plan, params=params,
                           peak_cells=peak)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+MAX_WINDOWS = 16   # window lengths one observation may hold (KVCLI_OBS_MAX_WINDOWS)
+
 
 @dataclass
 class Observation:
@@ -19,19 +21,42 @@ class Observation:
     n_head_kv: int
     head_dim: int
     n: int                                  # slots in the sequence
-    window: np.ndarray | None = None        # [n_layer, n_head, w, n]
+    window_sums: np.ndarray | None = None   # [len(windows), n_layer, n_head, n]
+    windows: tuple[int, ...] = ()           # the window lengths of window_sums, ascending
     colsum: np.ndarray | None = None        # [n_layer, n_head, n]
     keys: np.ndarray | None = None          # [n_layer, n_head_kv, n, head_dim]
     values: np.ndarray | None = None        # [n_layer, n_head_kv, n, head_dim]
     positions: np.ndarray | None = None     # [n] int32
 
-    @property
-    def w(self) -> int:
-        return 0 if self.window is None else int(self.window.shape[2])
+    def window_sum(self, w: int) -> np.ndarray | None:
+        """[n_layer, n_head, n]: the attention each slot received from the last `w` prompt queries (a view),
+        None when window `w` was not observed."""
+        if self.window_sums is None or w not in self.windows:
+            return None
+        return self.window_sums[self.windows.index(w)]
+
+    def restrict(self, kinds, window: int = 0) -> "Observation":
+        """What a prefill observing `kinds` (with "window": window length `window`, which this observation
+        must hold) would have returned, cut out of this richer one. No array is copied."""
+        from dataclasses import replace  # noqa: PLC0415
+        from kvcli.errors import KvcliError  # noqa: PLC0415
+        kinds = set(kinds)
+        out = replace(self, window_sums=None, windows=(),
+                      colsum=self.colsum if "colsum" in kinds else None,
+                      keys=self.keys if "kv" in kinds else None, values=self.values if "kv" in kinds else None)
+        if "window" in kinds:
+            if window not in self.windows:
+                raise KvcliError(f"window {window} was not observed (the observation has {list(self.windows)})")
+            i = self.windows.index(window)
+            out.window_sums, out.windows = self.window_sums[i:i + 1], (window,)
+        return out
 
     def validate(self) -> None:
+        if (self.window_sums is None) != (not self.windows) or list(self.windows) != sorted(set(self.windows)):
+            raise ValueError(f"observation.windows {self.windows} must be ascending, distinct, and given with "
+                             "window_sums")
         shapes = {
-            "window": (self.n_layer, self.n_head, None, self.n),
+            "window_sums": (len(self.windows), self.n_layer, self.n_head, self.n),
             "colsum": (self.n_layer, self.n_head, self.n),
             "keys": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
             "values": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
@@ -43,6 +68,27 @@ class Observation:
                 continue
             if arr.ndim != len(want) or any(w is not None and w != s for w, s in zip(want, arr.shape)):
                 raise ValueError(f"observation.{name} has shape {arr.shape}, expected {want}")
+
+
+def sum_window_rows(rows: np.ndarray, windows) -> np.ndarray:
+    """Window sums from window attention rows [..., w, n] (the last row is the last query): for each length
+    in `windows`, its last rows added in float64, rounded to float32 (the reference engine's arithmetic).
+    Returns [len(windows), ..., n]; for hand-made observations (tests, calibration)."""
+    w = rows.shape[-2]
+    return np.stack([rows[..., w - x:, :].astype(np.float64).sum(axis=-2) for x in windows]).astype(np.float32)
+
+
+def window_lengths(window, n_tokens: int) -> tuple[int, ...]:
+    """The window lengths a prefill observes (`window`: one length or several), ascending and distinct,
+    each in [1, n_tokens] (the prefilled tokens) and at most MAX_WINDOWS of them."""
+    from kvcli.errors import KvcliError  # noqa: PLC0415
+    ws = tuple(sorted({int(w) for w in ((window,) if np.isscalar(window) else window)}))
+    if not ws or len(ws) > MAX_WINDOWS:
+        raise KvcliError(f"observe 1 to {MAX_WINDOWS} window lengths (got {len(ws)})")
+    bad = [w for w in ws if not 0 < w <= n_tokens]
+    if bad:
+        raise KvcliError(f"observation window {bad[0]} must be in [1, {n_tokens}] (the prefilled tokens)")
+    return ws
 
 
 @dataclass

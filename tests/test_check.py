@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvcli.check import Thresholds, compare_observations, compare_plans, jaccard_per_layer, logits_distance, \
-    restrict
+from kvcli.check import Thresholds, compare_observations, compare_plans, jaccard_per_layer, logits_distance
 from kvcli.errors import KvcliError
 from kvcli.plan import Observation, Plan
 
@@ -59,10 +58,10 @@ def test_l1_missing_log_mult_equals_zeros():
     assert not compare_plans(a, c, 1e-5)["pass"]
 
 
-def _obs(seed=0, n=12, w=3):
+def _obs(seed=0, n=12, windows=(1, 3)):
     rng = np.random.default_rng(seed)
-    win = rng.random((2, 4, w, n)).astype(np.float32)
-    return Observation(n_layer=2, n_head=4, n_head_kv=2, head_dim=8, n=n, window=win,
+    sums = (rng.random((len(windows), 2, 4, n)) * np.array(windows)[:, None, None, None]).astype(np.float32)
+    return Observation(n_layer=2, n_head=4, n_head_kv=2, head_dim=8, n=n, window_sums=sums, windows=windows,
                        colsum=rng.random((2, 4, n)).astype(np.float32),
                        keys=rng.standard_normal((2, 2, n, 8)).astype(np.float32),
                        values=rng.standard_normal((2, 2, n, 8)).astype(np.float32),
@@ -73,8 +72,8 @@ def test_l2_reports_errors_and_thresholds():
     a, b = _obs(), _obs()
     r = compare_observations(a, b, Thresholds.tight())
     assert r["pass"] and r["window"]["max_abs"] == 0 and r["positions_equal"]
-    b.window = b.window.copy()
-    b.window[1, 2, 0, 5] += 0.01
+    b.window_sums = b.window_sums.copy()
+    b.window_sums[1, 1, 2, 5] += 3 * 0.01       # window 3: 0.01 more attention per window query
     r = compare_observations(a, b, Thresholds.tight())
     assert not r["pass"] and not r["window"]["pass"] and r["colsum"]["pass"]
     assert r["window"]["max_abs"] == pytest.approx(0.01, rel=1e-3)
@@ -84,13 +83,16 @@ def test_l2_reports_errors_and_thresholds():
         compare_observations(a, c, Thresholds())
 
 
-def test_restrict_takes_the_last_window_rows():
-    o = _obs(w=5)
-    r = restrict(o, ("window",), 2)
-    assert r.window.shape == (2, 4, 2, 12) and np.array_equal(r.window, o.window[:, :, 3:, :])
+def test_restrict_takes_one_window_without_copying():
+    o = _obs(windows=(2, 5))
+    r = o.restrict(("window",), 2)
+    assert r.windows == (2,) and r.window_sums.shape == (1, 2, 4, 12)
+    assert np.array_equal(r.window_sums[0], o.window_sums[0]) and np.shares_memory(r.window_sums, o.window_sums)
     assert r.colsum is None and r.keys is None
-    with pytest.raises(KvcliError, match="window rows"):
-        restrict(o, ("window",), 6)
+    r = o.restrict(("colsum", "kv"), 0)
+    assert r.window_sums is None and r.windows == () and r.colsum is o.colsum and r.keys is o.keys
+    with pytest.raises(KvcliError, match="window 6 was not observed"):
+        o.restrict(("window",), 6)
 
 
 def test_l3_metrics():

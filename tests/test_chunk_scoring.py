@@ -50,7 +50,7 @@ def test_rolled_back_probe_leaves_the_sequence_as_it_was(tiny, engine):
 
 @pytest.mark.parametrize("engine", ["native", "reference"])
 def test_probe_observation_is_the_question_window_over_the_held_slots(tiny, engine):
-    """The planner sees w rows of the probe's queries over exactly the slots held before the probe."""
+    """The planner sees the sums of the w probe queries' rows over exactly the slots held before the probe."""
     s = _native(tiny) if engine == "native" else ReferenceSession(tiny, n_ctx=1024)
     toks = s.tokenize(DOC)[:400]
     seen = []
@@ -58,10 +58,10 @@ def test_probe_observation_is_the_question_window_over_the_held_slots(tiny, engi
                                   on_step=lambda step, obs, plan: seen.append(obs))
     assert rep.scoring == "question" and len(rep.steps) >= 4
     for step, obs in zip(rep.steps[:-1], seen[:-1]):
-        assert obs.window.shape[2] == 16 and obs.n == step.cells_before
+        assert obs.windows == (16,) and obs.window_sums.shape[-1] == obs.n == step.cells_before
         assert obs.positions.max() < obs.n        # re-indexed: the held slots are 0..n-1, no probe slot among them
-        rows = obs.window.sum(axis=-1)            # the probe's own columns are dropped: rows sum to < 1
-        assert (rows > 0).all() and (rows < 1 + 1e-5).all()
+        rows = obs.window_sums[0].sum(axis=-1)    # the probe's own columns are dropped: 16 rows sum to < 16
+        assert (rows > 0).all() and (rows < 16 * (1 + 1e-5)).all()
     # the cache never held more than budget + chunk, probe included
     assert rep.peak_cells <= 48 + 96
     assert max(st.cells_before for st in rep.steps) <= 48 + 96 - 16

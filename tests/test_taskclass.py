@@ -13,7 +13,7 @@ import pytest
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
-from kvcli.plan import Observation
+from kvcli.plan import Observation, sum_window_rows
 from kvcli.taskclass import (INSTRUCTIONS_PATH, MIN_KNOWN_FEATURES, TASKS, WEIGHTS_PATH, TaskClassifier, classifier,
                              classify, resolve_task)
 from kvcli.taskclass import train as T
@@ -150,8 +150,9 @@ def test_both_engines_plan_with_the_resolved_task():
     x = np.exp(rng.normal(0, 2.0, size=(n_layer, n_head, w, n)))
     q = np.arange(n - w, n)
     x = np.where(np.arange(n)[None, :] <= q[:, None], x, 0.0)
-    obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=n_kv, head_dim=8, n=n,
-                      window=np.ascontiguousarray((x / x.sum(-1, keepdims=True)).astype(np.float32)),
+    windows = (16, 32)   # windowkv's window by task: localization 16, aggregation 32
+    obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=n_kv, head_dim=8, n=n, windows=windows,
+                      window_sums=sum_window_rows((x / x.sum(-1, keepdims=True)).astype(np.float32), windows),
                       positions=np.arange(n, dtype=np.int32))
     plans = {}
     for instruction, task in (("Write a summary of all the reviews.", "aggregation"),

@@ -22,7 +22,7 @@ from kvcli.calibration.runner import LM, Runner, attention_probs
 EPS = 1e-6   # the paper's epsilon (the authors' code uses 1e-5)
 
 
-def shadow_sets(lm: LM, window_probs: list[torch.Tensor], srh: list[int], srh_k: int, budget: int, window: int,
+def shadow_sets(lm: LM, window_sums: list[torch.Tensor], srh: list[int], srh_k: int, budget: int, window: int,
                 kernel: int) -> list[torch.Tensor]:
     """Per layer, the slots a compresskv cache of `budget` entries per layer would keep (uniform
     budgets), chosen by the policy's own reference planner from the window attention."""
@@ -30,9 +30,9 @@ def shadow_sets(lm: LM, window_probs: list[torch.Tensor], srh: list[int], srh_k:
     from kvcli.policies.compresskv import SPEC  # noqa: PLC0415
     from kvcli.reference.policies.compresskv import plan as compresskv_plan  # noqa: PLC0415
 
-    n = int(window_probs[0].shape[-1])
+    n = int(window_sums[0].shape[-1])
     obs = Observation(n_layer=lm.n_layer, n_head=lm.n_head, n_head_kv=lm.n_head_kv, head_dim=lm.head_dim, n=n,
-                      window=torch.stack(window_probs).numpy().astype(np.float32),
+                      window_sums=torch.stack(window_sums).to(torch.float32).numpy()[None], windows=(window,),
                       positions=np.arange(n, dtype=np.int32))
     params = SPEC.validate({"window": window, "kernel": kernel, "srh_k": srh_k, "srh": tuple(srh)})
     plan = compresskv_plan(obs, params, budget)
@@ -48,8 +48,8 @@ def text_errors(lm: LM, tokens: list[int], srh: list[int], srh_k: int, gen_token
     state = {"shadow": None}
 
     def on_layer(layer, q, K, V, module):
-        if state["shadow"] is None:                 # prefill: keep the window rows for the selection
-            win[layer] = attention_probs(lm, q, K, module.scaling)
+        if state["shadow"] is None:                 # prefill: the window rows summed (float64), as an engine observes
+            win[layer] = attention_probs(lm, q, K, module.scaling).to(torch.float64).sum(dim=1)
             return
         idx = torch.cat([state["shadow"][layer], torch.arange(n_prompt, K.shape[1])])
         full = _attn_out(lm, q, K, V, module)

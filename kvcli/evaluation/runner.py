@@ -59,17 +59,16 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     and yield (policy, budget, status, first_logits, note); decode from seq 0 before the next item.
 
     One prefill serves every configuration of a sample: the observation is captured once with the
-    union of what the policies need (the window with the largest w: a policy with window w plans
-    from its last w rows, which are the same queries over the same keys), the uncompressed state is
+    union of what the policies need (one window sum per window length the policies use: a policy with
+    window w plans from the sums over the last w queries), the uncompressed state is
     saved, and each configuration restores it, plans with the native planner and applies its plan,
     as `kvcli.compress.prefill_and_compress` does after its own prefill. `kvcli bench` does not
     share prefills: it times each configuration's own.
     """
     from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
-    from kvcli.bench import _sub_observation  # noqa: PLC0415
     from kvcli.native import cache  # noqa: PLC0415
     n = len(tokens)
-    prepared, kinds, wmax = {}, set(), 0
+    prepared, kinds, windows = {}, set(), set()
     for pol, bud in cfgs:
         if pol == "full" or pol in unavailable:
             continue
@@ -78,11 +77,12 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
         prepared[(pol, bud)] = (spec, params, tuple(k), w)
         if spec.compresses(n, bud):
             kinds |= set(k)
-            wmax = max(wmax, w)
+            if "window" in k:
+                windows.add(w)
     session.clear()
     obs_error = None
     try:
-        obs = session.prefill(tokens, seq=0, observe=tuple(sorted(kinds)), window=wmax)
+        obs = session.prefill(tokens, seq=0, observe=tuple(sorted(kinds)), window=tuple(windows))
     except KvcliError as e:  # reported for each configuration that needed the observation
         if not kinds:
             raise
@@ -112,7 +112,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             if obs_error and k:
                 yield pol, bud, obs_error, None, ""
                 continue
-            plan = make_plan(spec, params, bud, _sub_observation(obs, k, w), "native")
+            plan = make_plan(spec, params, bud, obs.restrict(k, w), "native")
             session.apply_plan(plan, seq=0)
         except KvcliError as e:
             yield pol, bud, f"error: {e}", None, ""

@@ -4,12 +4,12 @@ headers and compressed state files. Functions over a raw `llama_context` pointer
 
 Order of calls for one compressed prompt (one sequence `seq`, next position `p` before it):
 
-1. `observe_begin(ctx, seq, kinds, window_pos0=p + len(tokens) - w)` before the first
-   `llama_decode` of the prompt (kinds: "window" and/or "colsum"; "kv" needs no arming). The
-   last `w` prompt tokens must be decoded in a `llama_decode` of their own, so that all window
-   queries are in one ubatch (n_ubatch >= w).
+1. `observe_begin(ctx, seq, kinds, window_pos0=[p + len(tokens) - w for w in windows])` before the
+   first `llama_decode` of the prompt (kinds: "window" and/or "colsum"; "kv" needs no arming). The
+   graph sums, per window length, the attention rows of the queries at positions >= its first
+   position (NativeSession decodes the longest window in calls of its own).
 2. the prompt's `llama_decode` calls, then `observe_end(ctx)`.
-3. `read_observation(ctx, seq, info, kinds)` -> `kvcli.plan.Observation`.
+3. `read_observation(ctx, seq, info, kinds, windows)` -> `kvcli.plan.Observation`.
 4. a plan (`kvcli.native.lib.native_plan` or a torch policy), then `apply_plan(ctx, seq, plan, head_dim)`:
    the sequence now holds `plan.max_kept` cells; keep decoding it at position `p + len(tokens)`.
    With `reindex_p0=0` the kept entries get positions B-k..B-1 instead (right-aligned in the B cells, K
@@ -59,14 +59,18 @@ def _ctx(ctx):
 
 
 # ------------------------------------------------------------------------------ observation
-def observe_begin(ctx, seq: int, kinds, window_pos0: int = 0) -> None:
+def observe_begin(ctx, seq: int, kinds, window_pos0=()) -> None:
     """Arm observation of `seq` for the following llama_decode calls (clears earlier captures).
-    Queries at positions >= window_pos0 are window queries."""
+    With "window": one sum per first position in `window_pos0` (an int or several), over the queries at
+    positions >= it."""
     bits = _kinds_bits(kinds)
     if not bits:
         return
+    pos0 = np.asarray([window_pos0] if np.isscalar(window_pos0) else list(window_pos0), np.int32)
+    if not bits & OBS_WINDOW:
+        pos0 = pos0[:0]
     L = lib()
-    L.check(L.kvcli_observe_begin(_ctx(ctx), int(seq), bits, int(window_pos0)), "observe")
+    L.check(L.kvcli_observe_begin(_ctx(ctx), int(seq), bits, int(pos0.size), pos0.ctypes.data_as(I32P)), "observe")
 
 
 def observe_end(ctx) -> None:
@@ -74,9 +78,10 @@ def observe_end(ctx) -> None:
     L.check(L.kvcli_observe_end(_ctx(ctx)), "observe_end")
 
 
-def read_observation(ctx, seq: int, shapes, kinds) -> Observation:
-    """The Observation of `seq` (docs/internals.md) for the kinds asked: window / colsum from the
-    armed decodes, kv (keys, values) read from the cache now, positions always."""
+def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
+    """The Observation of `seq` (docs/internals.md) for the kinds asked: window sums (of the window
+    lengths `windows`, in the order observe_begin got their first positions) / colsum from the armed
+    decodes, kv (keys, values) read from the cache now, positions always."""
     kinds = set(kinds)
     _kinds_bits(kinds)
     L = lib()
@@ -90,13 +95,17 @@ def read_observation(ctx, seq: int, shapes, kinds) -> Observation:
             raise KvcliError(f"the observation covers {n_obs} slots but sequence {seq} has {n}: "
                              "was another sequence observed?")
     if "window" in kinds:
-        w = L.check(L.kvcli_observe_n_window(ctx), "observation")
-        if w == 0:
-            raise KvcliError("no window queries were observed: window_pos0 lies after the last decoded token")
-        win = np.empty((n_layer, n_head, w, n), np.float32)
-        for il in range(n_layer):
-            L.check(L.kvcli_observe_read_window(ctx, il, win[il].ctypes.data_as(F32P)), "reading window attention")
-        obs.window = win
+        windows = tuple(int(w) for w in windows)
+        sums = np.empty((len(windows), n_layer, n_head, n), np.float32)
+        for iw, w in enumerate(windows):
+            got = L.check(L.kvcli_observe_n_window(ctx, iw), "observation")
+            if got != w:
+                raise KvcliError(f"window {w}: {got} window queries were observed (its first position lies "
+                                 "outside the decoded tokens?)")
+            for il in range(n_layer):
+                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, sums[iw, il].ctypes.data_as(F32P)),
+                        "reading window sums")
+        obs.window_sums, obs.windows = sums, windows
     if "colsum" in kinds:
         cs = np.empty((n_layer, n_head, n), np.float32)
         for il in range(n_layer):

@@ -30,8 +30,8 @@ class PlanView(ctypes.Structure):
 class ObsView(ctypes.Structure):
     _fields_ = [
         ("n_layer", c_int32), ("n_head", c_int32), ("n_head_kv", c_int32), ("head_dim", c_int32),
-        ("n_slots", c_int32), ("n_window", c_int32),
-        ("window", F32P), ("colsum", F32P), ("keys", F32P), ("values", F32P),
+        ("n_slots", c_int32), ("n_windows", c_int32), ("windows", I32P),
+        ("window_sums", F32P), ("colsum", F32P), ("keys", F32P), ("values", F32P),
     ]
 
 
@@ -56,11 +56,11 @@ _SIGNATURES = {
     "kvcli_build_flags": (c_char_p, []),
     "kvcli_state_format": (c_int32, []),
     "kvcli_last_error": (c_char_p, []),
-    "kvcli_observe_begin": (c_int32, [c_void_p, c_int32, c_int32, c_int32]),
+    "kvcli_observe_begin": (c_int32, [c_void_p, c_int32, c_int32, c_int32, I32P]),
     "kvcli_observe_end": (c_int32, [c_void_p]),
     "kvcli_observe_n_slots": (c_int32, [c_void_p]),
-    "kvcli_observe_n_window": (c_int32, [c_void_p]),
-    "kvcli_observe_read_window": (c_int32, [c_void_p, c_int32, F32P]),
+    "kvcli_observe_n_window": (c_int32, [c_void_p, c_int32]),
+    "kvcli_observe_read_window_sum": (c_int32, [c_void_p, c_int32, c_int32, F32P]),
     "kvcli_observe_read_colsum": (c_int32, [c_void_p, c_int32, F32P]),
     "kvcli_seq_n_slots": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_read_kv": (c_int32, [c_void_p, c_int32, c_int32, c_int32, F32P]),
@@ -178,10 +178,14 @@ def plan_from_view(v: PlanView) -> Plan:
 
 
 def obs_view(obs: Observation) -> tuple[ObsView, list]:
+    """An ObsView over the observation's arrays (no copy when they are float32 C-order, as both engines
+    return them); the returned list keeps them alive."""
     arrs = [None if a is None else np.ascontiguousarray(a, np.float32)
-            for a in (obs.window, obs.colsum, obs.keys, obs.values)]
-    v = ObsView(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, obs.w, *[_f32(a) for a in arrs])
-    return v, arrs
+            for a in (obs.window_sums, obs.colsum, obs.keys, obs.values)]
+    windows = np.asarray(obs.windows, np.int32)
+    v = ObsView(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, len(obs.windows), _i32(windows),
+                *[_f32(a) for a in arrs])
+    return v, arrs + [windows]
 
 
 def native_plan(policy: str, params: str, budget: int, obs: Observation) -> Plan:

@@ -19,6 +19,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.native import load_llama_cpp
 from kvcli.native.lib import attn_path
+from kvcli.plan import window_lengths
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -239,8 +240,9 @@ class NativeSession:
             self.seq(s_id).last_logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         return rows
 
-    def prefill(self, tokens: list[int], seq: int = 0, observe=(), window: int = 0, progress=None):
-        """Append tokens to `seq`. With `observe`, capture the Observation (see docs/internals.md)."""
+    def prefill(self, tokens: list[int], seq: int = 0, observe=(), window=0, progress=None):
+        """Append tokens to `seq`. With `observe`, capture the Observation (see docs/internals.md); with
+        "window", `window` is one window length or several (one window sum each)."""
         st = self.seq(seq)
         if not tokens:
             return None
@@ -248,12 +250,14 @@ class NativeSession:
             raise ContextFull(f"{len(tokens)} more tokens do not fit: {self.cells_used()} of {self.n_ctx} "
                               "cells are in use")
         observe = tuple(observe)
+        windows = window_lengths(window, len(tokens)) if "window" in observe else ()
         t0 = time.perf_counter()
-        cuts = _batch_cuts(len(tokens), self.n_batch, window if "window" in observe else 0)
+        cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
         armed = bool(set(observe) & {"window", "colsum"})
         if armed:
             from kvcli.native import cache  # noqa: PLC0415
-            cache.observe_begin(self.ctx, seq, observe, window_pos0=st.next_pos + len(tokens) - window)
+            cache.observe_begin(self.ctx, seq, observe,
+                                window_pos0=[st.next_pos + len(tokens) - w for w in windows])
         try:
             start = 0
             for end in cuts:
@@ -270,7 +274,7 @@ class NativeSession:
         if not observe:
             return None
         from kvcli.native import cache  # noqa: PLC0415
-        return cache.read_observation(self.ctx, seq, self.info, observe)
+        return cache.read_observation(self.ctx, seq, self.info, observe, windows)
 
     def step(self, tokens: dict[int, int]) -> None:
         """Decode one token for each listed sequence, all in one batch."""

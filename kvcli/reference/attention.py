@@ -12,9 +12,10 @@ head does not use, log(m) for an entry standing for m merged tokens) and `pos` t
 position of each (KV head, slot). Q and K arrive post-RoPE (the model's attention rotates them before it
 calls us), so what we see is what the native engine observes.
 
-While an `Observer` is armed (prefill only, see `capture`), the same P is also recorded: the rows
-of the window queries (`Observation.window`) and the column sums over every query
-(`Observation.colsum`). Nothing is recomputed for the observation: it is the attention itself.
+While an `Observer` is armed (prefill only), the same P is also reduced as it is computed, block of
+queries by block: the rows of the window queries summed per window length (`Observation.window_sums`)
+and the column sums over every query (`Observation.colsum`), both in float64. Nothing is recomputed
+for the observation (it is the attention itself) and no attention row is kept.
 
 The function reads its per-call state from `_ACTIVE`, set by the session around each forward
 pass (`active(...)`), so the model object itself stays a stock transformers model.
@@ -59,30 +60,33 @@ class LayerSlots:
 
 @dataclass
 class Observer:
-    """Records window rows and column sums of the attention probabilities of one prefill."""
+    """Reduces the attention probabilities of one prefill: per window length, the rows of its window
+    queries summed; the column sums over every query. Both per layer, [n_head, L] float64."""
 
     n_layer: int
     kinds: frozenset
-    window_pos0: int                                   # queries at positions >= this are window queries
-    window: list = field(default_factory=list)         # per layer: [n_head, w, L] float32
+    window_pos0: tuple = ()                            # per window length: queries at positions >= this
+    window: list = field(default_factory=list)         # per window length, per layer: [n_head, L] float64
     colsum: list = field(default_factory=list)         # per layer: [n_head, L] float64
 
     def __post_init__(self):
-        self.window = [[] for _ in range(self.n_layer)]
+        self.window = [[None] * self.n_layer for _ in self.window_pos0]
         self.colsum = [None] * self.n_layer
 
     def record(self, layer: int, probs: torch.Tensor, q_pos: torch.Tensor) -> None:
-        """probs: [n_head, rows, L] for queries at positions q_pos [rows]."""
+        """probs: [n_head, rows, L] for queries at positions q_pos [rows]. float64 sums: the reference
+        should not add rounding."""
         if "window" in self.kinds:
-            rows = q_pos >= self.window_pos0
-            if rows.any():
-                self.window[layer].append(probs[:, rows, :].clone())
+            for i, pos0 in enumerate(self.window_pos0):
+                rows = q_pos >= pos0
+                if rows.any():
+                    self.window[i][layer] = _add(self.window[i][layer], probs[:, rows, :].to(torch.float64).sum(dim=1))
         if "colsum" in self.kinds:
-            s = probs.to(torch.float64).sum(dim=1)       # float64: the reference should not add rounding
-            self.colsum[layer] = s if self.colsum[layer] is None else self.colsum[layer] + s
+            self.colsum[layer] = _add(self.colsum[layer], probs.to(torch.float64).sum(dim=1))
 
-    def window_array(self, layer: int) -> torch.Tensor:
-        return torch.cat(self.window[layer], dim=1)
+
+def _add(acc: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
+    return s if acc is None else acc + s
 
 
 @dataclass

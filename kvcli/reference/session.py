@@ -20,7 +20,7 @@ import torch
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
-from kvcli.plan import Observation, Plan
+from kvcli.plan import Observation, Plan, window_lengths
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
 from kvcli.reference.model import load
@@ -187,33 +187,34 @@ class ReferenceSession:
             raise KvcliError(f"unknown observation kind '{bad[0]}' (choose from {', '.join(OBSERVE_KINDS)})")
         if not tokens:
             return None
-        if "window" in observe and not 0 < window <= len(tokens):
-            raise KvcliError(f"observation window {window} must be in [1, {len(tokens)}] (the prefilled tokens)")
+        windows = window_lengths(window, len(tokens)) if "window" in observe else ()
         self._check_room(len(tokens))
         kinds = frozenset(observe) & {"window", "colsum"}
-        observer = Observer(self.info.n_layer, kinds, st.next_pos + len(tokens) - window) if kinds else None
+        observer = Observer(self.info.n_layer, kinds, tuple(st.next_pos + len(tokens) - w for w in windows)) \
+            if kinds else None
         t0 = time.perf_counter()
         self._forward(st, tokens, observer)
         st.prompt_tokens += len(tokens)
         st.timings["prefill_s"] = st.timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         if progress is not None:
             progress(len(tokens))
-        return self._observation(st, observe, observer) if observe else None
+        return self._observation(st, observe, observer, windows) if observe else None
 
-    def _observation(self, st: RefSeq, observe: tuple, observer: Observer | None) -> Observation:
+    def _observation(self, st: RefSeq, observe: tuple, observer: Observer | None, windows: tuple) -> Observation:
         i = self.info
         n = st.cells
         obs = Observation(n_layer=i.n_layer, n_head=i.n_head, n_head_kv=i.n_head_kv, head_dim=i.head_dim, n=n,
                           positions=st.cell_pos.to(torch.int32).numpy().copy())
         if "window" in observe:
-            obs.window = torch.stack([observer.window_array(l) for l in range(i.n_layer)]).numpy().astype(np.float32)
+            obs.window_sums = torch.stack([torch.stack(w) for w in observer.window]).to(torch.float32).numpy()
+            obs.windows = windows
         if "colsum" in observe:
-            obs.colsum = torch.stack(observer.colsum).numpy().astype(np.float32)
+            obs.colsum = torch.stack(observer.colsum).to(torch.float32).numpy()
         if "kv" in observe:
             # K in llama.cpp's dimension order, as the native engine reports it (see hf_to_gguf_dims)
             keys = torch.stack([layer.keys[0] for layer in st.cache.layers])
-            obs.keys = hf_to_gguf_dims(keys, self.qk_permuted).numpy().astype(np.float32)
-            obs.values = torch.stack([layer.values[0] for layer in st.cache.layers]).numpy().astype(np.float32)
+            obs.keys = hf_to_gguf_dims(keys, self.qk_permuted).to(torch.float32).numpy()
+            obs.values = torch.stack([layer.values[0] for layer in st.cache.layers]).to(torch.float32).numpy()
         obs.validate()
         return obs
 

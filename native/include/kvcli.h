@@ -34,21 +34,27 @@ KVCLI_API const char * kvcli_last_error(void);     // message of the last failed
 // Observation: armed per context for one sequence; costs nothing when not armed.
 // ---------------------------------------------------------------------------------
 enum kvcli_obs_kind {
-    KVCLI_OBS_WINDOW = 1,   // softmax attention of the window queries over all slots, per query head
+    KVCLI_OBS_WINDOW = 1,   // attention of the window queries summed over the window, per query head and slot
     KVCLI_OBS_COLSUM = 2,   // column sums of the causal attention of every armed query, per query head
 };
+#define KVCLI_OBS_MAX_WINDOWS 16
 
-// Arm observation of `seq_id` for the following llama_decode calls. Queries of seq_id at
-// positions >= window_pos0 are window queries (KVCLI_OBS_WINDOW); every query of seq_id in an
-// armed decode adds to the column sums (KVCLI_OBS_COLSUM). Clears earlier captures.
-KVCLI_API int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds, int32_t window_pos0);
+// Arm observation of `seq_id` for the following llama_decode calls. Both kinds are reduced in the
+// graph, layer by layer; only the sums reach the host (float32, accumulated per cell over ubatches).
+// KVCLI_OBS_WINDOW: n_windows (1..KVCLI_OBS_MAX_WINDOWS) window lengths, given by their first
+// positions: window i sums the softmax rows of the queries of seq_id at positions >= window_pos0[i]
+// (rows added in decode order, in float32). Without KVCLI_OBS_WINDOW, n_windows must be 0.
+// KVCLI_OBS_COLSUM: every query of seq_id in an armed decode adds its row. Clears earlier captures.
+KVCLI_API int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds,
+                                      int32_t n_windows, const int32_t * window_pos0);
 // Disarm. Captured data stays readable until the next kvcli_observe_begin.
 KVCLI_API int32_t kvcli_observe_end(struct llama_context * ctx);
-// Slots of the observed sequence (its cells now, in cell order) and number of window rows captured.
+// Slots of the observed sequence (its cells now, in cell order).
 KVCLI_API int32_t kvcli_observe_n_slots(struct llama_context * ctx);
-KVCLI_API int32_t kvcli_observe_n_window(struct llama_context * ctx);
-// dst: float[n_head][n_window][n_slots]   (Observation.window[il])
-KVCLI_API int32_t kvcli_observe_read_window(struct llama_context * ctx, int32_t il, float * dst);
+// Query rows summed into window iw so far (its length once the prompt is decoded).
+KVCLI_API int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw);
+// dst: float[n_head][n_slots]             (Observation.window_sums[iw, il])
+KVCLI_API int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, int32_t iw, float * dst);
 // dst: float[n_head][n_slots]             (Observation.colsum[il])
 KVCLI_API int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst);
 
@@ -166,8 +172,9 @@ KVCLI_API int32_t kvcli_attn_path_taken(struct llama_context * ctx, int32_t il);
 // Planning: a pure function of an observation; needs no model.
 // ---------------------------------------------------------------------------------
 struct kvcli_obs_view {
-    int32_t       n_layer, n_head, n_head_kv, head_dim, n_slots, n_window;
-    const float * window;     // [n_layer][n_head][n_window][n_slots] or NULL
+    int32_t         n_layer, n_head, n_head_kv, head_dim, n_slots, n_windows;
+    const int32_t * windows;     // [n_windows]: distinct window lengths, or NULL when n_windows == 0
+    const float *   window_sums; // [n_windows][n_layer][n_head][n_slots] or NULL (Observation.window_sums)
     const float * colsum;     // [n_layer][n_head][n_slots] or NULL
     const float * keys;       // [n_layer][n_head_kv][n_slots][head_dim] or NULL
     const float * values;     // [n_layer][n_head_kv][n_slots][head_dim] or NULL

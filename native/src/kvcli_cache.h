@@ -33,18 +33,10 @@ struct kvcli_seq_info {
     kvcli_state_header header     = {};
 };
 
-// one llama_decode ubatch's window rows, for every layer
-struct kvcli_window_block {
-    int32_t                         n_kv = 0;  // columns = cells 0..n_kv-1
-    std::vector<llama_pos>          pos;       // position of each row
-    std::vector<std::vector<float>> data;      // per model layer: [n_head][rows][n_kv]
-};
-
 // graph outputs of the ubatch being computed, per model layer
 struct kvcli_pending {
-    ggml_tensor *          win = nullptr;     // F32 [n_kv, n_win, n_head]
-    ggml_tensor *          col = nullptr;     // F32 [1, n_kv, n_head]
-    std::vector<llama_pos> win_pos;
+    ggml_tensor * win = nullptr;     // F32 [n_windows, n_kv, n_head]: window rows summed per window length
+    ggml_tensor * col = nullptr;     // F32 [1, n_kv, n_head]
 };
 
 struct kvcli_kv_ext {
@@ -67,15 +59,16 @@ struct kvcli_kv_ext {
     }
 
     // observation
-    bool         armed     = false;
-    llama_seq_id obs_seq   = 0;
-    int32_t      obs_kinds = 0;
-    llama_pos    obs_pos0  = 0;
-    uint64_t     key_counter = 0;
-    std::string  obs_error;                          // set when an armed graph could not observe
+    bool                   armed     = false;
+    llama_seq_id           obs_seq   = 0;
+    int32_t                obs_kinds = 0;
+    std::vector<llama_pos> win_pos0;                 // per window length: queries at positions >= win_pos0[i]
+    uint64_t               key_counter = 0;
+    std::string            obs_error;                // set when an armed graph could not observe
 
     std::vector<kvcli_pending>      pending;         // per model layer
-    std::vector<kvcli_window_block> window;          // captured ubatches with window rows
+    std::vector<int32_t>            win_rows;        // per window length: query rows summed so far
+    std::vector<std::vector<float>> winsum;          // per model layer: [n_windows][n_head][kv_size]
     std::vector<std::vector<float>> colsum;          // per model layer: [n_head][kv_size]
     bool                            have_colsum = false;
 

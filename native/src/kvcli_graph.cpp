@@ -1,6 +1,8 @@
 // kvcli in the attention graph: the slot bias added to the KQ mask of a compacted cache, and
-// observation of the attention (window rows and column sums) from exactly the Q, K, mask and
-// scale that attention uses, computed with plain ggml ops so it runs on any backend.
+// observation of the attention (window sums and column sums) from exactly the Q, K, mask and
+// scale that attention uses, computed with plain ggml ops so it runs on any backend. Both kinds are
+// reduced in the graph, layer by layer: only [n_windows or 1, n_kv, n_head] floats per layer and
+// ubatch reach the host, never the attention rows themselves.
 //
 // Shapes (one stream, kvcli_require_supported): q [head_dim, n_head, n_tokens] (rotated like K
 // when the cache rotates), k view [head_dim, n_head_kv, n_kv, 1], kq_mask [n_kv, n_tokens, 1, 1]
@@ -19,24 +21,30 @@ namespace kvcli_graph_detail { namespace { // internal linkage; the outer name k
 // the row selections of one layer's observation nodes, filled for each ubatch
 class obs_input : public llm_graph_input_i {
 public:
-    ggml_tensor *        win_idx = nullptr; // I32 [n_win]: ubatch rows that are window queries
+    ggml_tensor *        win_idx = nullptr; // I32 [n_win]: ubatch rows that are window queries (of the longest window)
     std::vector<int32_t> win_rows;
-    ggml_tensor *        col_sel = nullptr; // F32 [n_tokens]: 1 for rows of the observed sequence
+    ggml_tensor *        win_sel = nullptr; // F32 [n_windows, n_win]: 1 where row r belongs to window length i
+    std::vector<float>   win_w;
+    ggml_tensor *        col_sel = nullptr; // F32 [1, n_tokens]: 1 for rows of the observed sequence
     std::vector<float>   col_w;
 
     void set_input(const llama_ubatch * ubatch) override {
         GGML_UNUSED(ubatch);
-        if (win_idx && win_idx->buffer) {
-            ggml_backend_tensor_set(win_idx, win_rows.data(), 0, win_rows.size() * sizeof(int32_t));
-        }
-        if (col_sel && col_sel->buffer) {
-            ggml_backend_tensor_set(col_sel, col_w.data(), 0, col_w.size() * sizeof(float));
-        }
+        set(win_idx, win_rows.data(), win_rows.size() * sizeof(int32_t));
+        set(win_sel, win_w.data(), win_w.size() * sizeof(float));
+        set(col_sel, col_w.data(), col_w.size() * sizeof(float));
     }
 
     bool can_reuse(const llm_graph_params & params) override {
         GGML_UNUSED(params);
         return false; // rows differ per ubatch
+    }
+
+private:
+    static void set(ggml_tensor * t, const void * data, size_t size) {
+        if (t && t->buffer) {
+            ggml_backend_tensor_set(t, data, 0, size);
+        }
     }
 };
 
@@ -59,6 +67,28 @@ ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64
         b = ggml_reshape_4d(ctx0, b, n_kv, 1, n_head, 1);        // head q = r + g*h
     }
     return b;
+}
+
+// adds one ubatch's reduced output t ([n_w, n_kv, n_head]) to acc[il] ([n_w][n_head][kv_size], cells 0..n_kv-1)
+void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
+                int64_t n_kv, int64_t n_head, uint32_t kv_size) {
+    std::vector<float> tmp(ggml_nelements(t));
+    ggml_backend_tensor_get(t, tmp.data(), 0, ggml_nbytes(t));
+    if (acc.size() != n_layer) {
+        acc.assign(n_layer, {});
+    }
+    auto & a = acc[il];
+    if (a.empty()) {
+        a.assign((size_t) n_w * n_head * kv_size, 0.0f);
+    }
+    for (int64_t w = 0; w < n_w; ++w) {
+        for (int64_t h = 0; h < n_head; ++h) {
+            float * dst = a.data() + ((size_t) w * n_head + h) * kv_size;
+            for (int64_t c = 0; c < n_kv; ++c) {
+                dst[c] += tmp[((size_t) h * n_kv + c) * n_w + w];
+            }
+        }
+    }
 }
 
 } } // namespace kvcli_graph_detail
@@ -120,17 +150,31 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     kvcli_pending pend;
     ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3); // [hd, n_kv, n_head_kv]
 
-    if (ext.obs_kinds & KVCLI_OBS_WINDOW) {
+    // Both kinds: softmax rows [n_kv, rows, n_head] (the allocator runs the softmax in place of the
+    // KQ product), reduced over the rows by out_prod with a 0/1 selection: out[i, c, h] =
+    // sum_r sel[i, r] * p[c, r, h], rows added in ubatch order in float32. out_prod reads the rows in
+    // place: no transposed copy of the probabilities.
+    if ((ext.obs_kinds & KVCLI_OBS_WINDOW) && !ext.win_pos0.empty()) {
+        const llama_pos first = *std::min_element(ext.win_pos0.begin(), ext.win_pos0.end());
+        std::vector<llama_pos> win_pos;
         for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-            if (row_in_seq(ubatch, i, ext.obs_seq) && ubatch.pos[i] >= ext.obs_pos0) {
+            if (row_in_seq(ubatch, i, ext.obs_seq) && ubatch.pos[i] >= first) {
                 inp->win_rows.push_back((int32_t) i);
-                pend.win_pos.push_back(ubatch.pos[i]);
+                win_pos.push_back(ubatch.pos[i]);
             }
         }
         if (!inp->win_rows.empty()) {
-            const int64_t n_win = inp->win_rows.size(), hd = q->ne[0];
+            const int64_t n_win = inp->win_rows.size(), hd = q->ne[0], n_w = ext.win_pos0.size();
             inp->win_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, n_win);
             ggml_set_input(inp->win_idx);
+            inp->win_w.assign(n_w * n_win, 0.0f);
+            for (int64_t r = 0; r < n_win; ++r) {
+                for (int64_t w = 0; w < n_w; ++w) {
+                    inp->win_w[r * n_w + w] = win_pos[r] >= ext.win_pos0[w] ? 1.0f : 0.0f;
+                }
+            }
+            inp->win_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_w, n_win);
+            ggml_set_input(inp->win_sel);
             ggml_tensor * q2 = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
             q2 = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, q2, hd * n_head, q->ne[2]), inp->win_idx);
             q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, hd, n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
@@ -140,11 +184,12 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             if (bias) {
                 mw = ggml_add(ctx0, ggml_repeat_4d(ctx0, mw, n_kv, n_win, n_head, 1), bias);
             }
-            ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
-            ggml_format_name(p, "kvcli_obs_window-%d", il);
-            ggml_set_output(p);
-            ggml_build_forward_expand(gf, p);
-            pend.win = p;
+            ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
+            ggml_tensor * ws = ggml_out_prod(ctx0, inp->win_sel, p);                          // [n_w, n_kv, n_head]
+            ggml_format_name(ws, "kvcli_obs_winsum-%d", il);
+            ggml_set_output(ws);
+            ggml_build_forward_expand(gf, ws);
+            pend.win = ws;
         }
     }
     if (ext.obs_kinds & KVCLI_OBS_COLSUM) {
@@ -157,14 +202,13 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             }
         }
         if (any) {
-            inp->col_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, ubatch.n_tokens, 1);
+            inp->col_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, ubatch.n_tokens);
             ggml_set_input(inp->col_sel);
             ggml_tensor * qq = ggml_permute(ctx0, q, 0, 2, 1, 3);       // [hd, n_tps, n_head]
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);             // [n_kv, n_tps, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, 0.0f);
-            ggml_tensor * pt = ggml_cont(ctx0, ggml_transpose(ctx0, p)); // [n_tps, n_kv, n_head]
-            ggml_tensor * cs = ggml_mul_mat(ctx0, inp->col_sel, pt);   // [1, n_kv, n_head]
+            ggml_tensor * cs = ggml_out_prod(ctx0, inp->col_sel, p);   // [1, n_kv, n_head]
             ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
             ggml_set_output(cs);
             ggml_build_forward_expand(gf, cs);
@@ -179,7 +223,6 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
 }
 
 void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
-    GGML_UNUSED(ubatch);
     llama_memory_t mem = lctx->get_memory();
     auto * kv = mem ? dynamic_cast<llama_kv_cache *>(mem) : nullptr;
     if (!kv || !kv->kvcli_ext || !kv->kvcli_ext->armed) {
@@ -197,41 +240,27 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     const uint32_t n_layer = kvcli_access::hparams(*kv).n_layer();
     const uint32_t kv_size = kv->get_size();
 
-    kvcli_window_block blk;
+    // window rows counted once per ubatch (every layer saw the same rows)
+    bool counted = false;
     for (uint32_t il = 0; il < ext.pending.size() && il < n_layer; ++il) {
         auto & p = ext.pending[il];
         if (p.win) {
-            if (blk.data.empty()) {
-                blk.n_kv = (int32_t) p.win->ne[0];
-                blk.pos  = p.win_pos;
-                blk.data.resize(n_layer);
+            const int64_t n_w = p.win->ne[0], n_kv = p.win->ne[1], n_head = p.win->ne[2];
+            if (!counted) {
+                for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+                    for (int64_t w = 0; w < n_w; ++w) {
+                        ext.win_rows[w] += row_in_seq(ubatch, i, ext.obs_seq) && ubatch.pos[i] >= ext.win_pos0[w];
+                    }
+                }
+                counted = true;
             }
-            auto & d = blk.data[il];
-            d.resize(ggml_nelements(p.win));
-            ggml_backend_tensor_get(p.win, d.data(), 0, ggml_nbytes(p.win));
+            accumulate(p.win, ext.winsum, il, n_layer, n_w, n_kv, n_head, kv_size);
         }
         if (p.col) {
-            const int64_t n_kv = p.col->ne[1], n_head = p.col->ne[2];
-            std::vector<float> tmp(ggml_nelements(p.col));
-            ggml_backend_tensor_get(p.col, tmp.data(), 0, ggml_nbytes(p.col));
-            if (ext.colsum.size() != n_layer) {
-                ext.colsum.assign(n_layer, {});
-            }
-            auto & acc = ext.colsum[il];
-            if (acc.empty()) {
-                acc.assign((size_t) n_head * kv_size, 0.0f);
-            }
-            for (int64_t h = 0; h < n_head; ++h) {
-                for (int64_t c = 0; c < n_kv; ++c) {
-                    acc[(size_t) h * kv_size + c] += tmp[(size_t) h * n_kv + c];
-                }
-            }
+            accumulate(p.col, ext.colsum, il, n_layer, 1, p.col->ne[1], p.col->ne[2], kv_size);
             ext.have_colsum = true;
         }
         p = kvcli_pending{};
-    }
-    if (!blk.data.empty()) {
-        ext.window.push_back(std::move(blk));
     }
 }
 
@@ -266,12 +295,38 @@ kvcli_kv_ext & observed(llama_context * ctx, llama_kv_cache ** kv_out = nullptr)
     return *kv->kvcli_ext;
 }
 
-int32_t n_window_rows(const kvcli_kv_ext & ext) {
-    int32_t n = 0;
-    for (const auto & b : ext.window) {
-        n += (int32_t) b.pos.size();
+// dst[h][i] = acc[il][(w * n_head + h) * kv_size + cells[i]]: a layer's accumulated sums over the sequence's cells
+// (window sums when `window`, else column sums)
+int32_t read_sums(llama_context * ctx, bool window, int32_t il, int32_t w, float * dst) {
+    llama_kv_cache * kv = nullptr;
+    auto & ext = observed(ctx, &kv);
+    const auto & hp = kvcli_access::hparams(*kv);
+    const int32_t n_w = window ? (int32_t) ext.win_pos0.size() : 1;
+    if (il < 0 || (uint32_t) il >= hp.n_layer() || w < 0 || w >= n_w || !dst) {
+        throw kvcli_error(std::string(window ? "kvcli_observe_read_window_sum" : "kvcli_observe_read_colsum") +
+                          ": bad layer, window index or dst");
     }
-    return n;
+    const auto & acc = window ? ext.winsum : ext.colsum;
+    if (acc.size() <= (size_t) il || acc[il].empty()) {
+        throw kvcli_error("layer " + std::to_string(il) + " was not observed (no armed llama_decode held tokens "
+                          "of the observed sequence)");
+    }
+    const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
+    const int64_t n = cells.size(), n_head = hp.n_head(il);
+    const uint32_t kv_size = kv->get_size();
+    const float * src = acc[il].data() + (size_t) w * n_head * kv_size;
+    for (int64_t h = 0; h < n_head; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+            dst[(size_t) h * n + i] = src[(size_t) h * kv_size + cells[i]];
+        }
+    }
+    return (int32_t) n;
+}
+
+void require_window_kind(const kvcli_kv_ext & ext) {
+    if (!(ext.obs_kinds & KVCLI_OBS_WINDOW)) {
+        throw kvcli_error("window attention was not observed (kinds did not include KVCLI_OBS_WINDOW)");
+    }
 }
 
 } } // namespace kvcli_graph_detail
@@ -279,7 +334,8 @@ using namespace kvcli_graph_detail;
 
 extern "C" {
 
-int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds, int32_t window_pos0) {
+int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds, int32_t n_windows,
+                            const int32_t * window_pos0) {
     return guarded_obs([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_require_supported(kv);
@@ -287,18 +343,27 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
         if (kinds <= 0 || (kinds & ~(KVCLI_OBS_WINDOW | KVCLI_OBS_COLSUM)) != 0) {
             throw kvcli_error("observation kinds must be a non-empty combination of KVCLI_OBS_WINDOW and KVCLI_OBS_COLSUM");
         }
-        if (window_pos0 < 0) {
-            throw kvcli_error("window_pos0 must be >= 0");
+        const bool want_window = kinds & KVCLI_OBS_WINDOW;
+        if (want_window != (n_windows > 0) || n_windows < 0 || n_windows > KVCLI_OBS_MAX_WINDOWS ||
+            (n_windows > 0 && !window_pos0)) {
+            throw kvcli_error("KVCLI_OBS_WINDOW needs 1.." + std::to_string(KVCLI_OBS_MAX_WINDOWS) +
+                              " window first positions (and none without it)");
+        }
+        for (int32_t i = 0; i < n_windows; ++i) {
+            if (window_pos0[i] < 0) {
+                throw kvcli_error("window_pos0 must be >= 0");
+            }
         }
         llama_synchronize(ctx);
         auto & ext = kvcli_ext_of(kv);
         ext.armed     = true;
         ext.obs_seq   = seq_id;
         ext.obs_kinds = kinds;
-        ext.obs_pos0  = window_pos0;
+        ext.win_pos0.assign(window_pos0, window_pos0 + n_windows);
+        ext.win_rows.assign(n_windows, 0);
         ext.obs_error.clear();
         ext.pending.clear();
-        ext.window.clear();
+        ext.winsum.clear();
         ext.colsum.clear();
         ext.have_colsum = false;
         return 0;
@@ -325,73 +390,35 @@ int32_t kvcli_observe_n_slots(struct llama_context * ctx) {
     });
 }
 
-int32_t kvcli_observe_n_window(struct llama_context * ctx) {
-    return guarded_obs([&] { return n_window_rows(observed(ctx)); });
+int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw) {
+    return guarded_obs([&] {
+        const auto & ext = observed(ctx);
+        require_window_kind(ext);
+        if (iw < 0 || (size_t) iw >= ext.win_rows.size()) {
+            throw kvcli_error("kvcli_observe_n_window: bad window index");
+        }
+        return ext.win_rows[iw];
+    });
 }
 
-int32_t kvcli_observe_read_window(struct llama_context * ctx, int32_t il, float * dst) {
+int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, int32_t iw, float * dst) {
     return guarded_obs([&] {
-        llama_kv_cache * kv = nullptr;
-        auto & ext = observed(ctx, &kv);
-        const auto & hp = kvcli_access::hparams(*kv);
-        if (il < 0 || (uint32_t) il >= hp.n_layer() || !dst) {
-            throw kvcli_error("kvcli_observe_read_window: bad layer or dst");
-        }
-        if (!(ext.obs_kinds & KVCLI_OBS_WINDOW)) {
-            throw kvcli_error("window attention was not observed (kinds did not include KVCLI_OBS_WINDOW)");
-        }
-        const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
-        const int64_t n = cells.size(), n_head = hp.n_head(il), n_win = n_window_rows(ext);
-        // rows in position order, whatever ubatch captured them
-        std::vector<std::pair<llama_pos, std::pair<size_t, size_t>>> rows;
-        for (size_t b = 0; b < ext.window.size(); ++b) {
-            for (size_t r = 0; r < ext.window[b].pos.size(); ++r) {
-                rows.push_back({ ext.window[b].pos[r], { b, r } });
-            }
-        }
-        std::stable_sort(rows.begin(), rows.end(), [](const auto & a, const auto & b) { return a.first < b.first; });
-        for (int64_t w = 0; w < n_win; ++w) {
-            const auto & blk = ext.window[rows[w].second.first];
-            const size_t r = rows[w].second.second, nr = blk.pos.size();
-            const auto & d = blk.data[il];
-            if (d.empty()) {
-                throw kvcli_error("layer " + std::to_string(il) + " was not observed");
-            }
-            for (int64_t h = 0; h < n_head; ++h) {
-                float * out = dst + ((size_t) h * n_win + w) * n;
-                const float * src = d.data() + ((size_t) h * nr + r) * blk.n_kv;
-                for (int64_t i = 0; i < n; ++i) {
-                    out[i] = cells[i] < (uint32_t) blk.n_kv ? src[cells[i]] : 0.0f;
-                }
-            }
-        }
-        return (int32_t) n_win;
+        const auto & ext = observed(ctx);
+        require_window_kind(ext);
+        return read_sums(ctx, true, il, iw, dst);
     });
 }
 
 int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst) {
     return guarded_obs([&] {
-        llama_kv_cache * kv = nullptr;
-        auto & ext = observed(ctx, &kv);
-        const auto & hp = kvcli_access::hparams(*kv);
-        if (il < 0 || (uint32_t) il >= hp.n_layer() || !dst) {
-            throw kvcli_error("kvcli_observe_read_colsum: bad layer or dst");
-        }
+        const auto & ext = observed(ctx);
         if (!(ext.obs_kinds & KVCLI_OBS_COLSUM)) {
             throw kvcli_error("column sums were not observed (kinds did not include KVCLI_OBS_COLSUM)");
         }
-        if (!ext.have_colsum || ext.colsum.size() <= (size_t) il || ext.colsum[il].empty()) {
+        if (!ext.have_colsum) {
             throw kvcli_error("no column sums were captured (no armed llama_decode held tokens of the observed sequence)");
         }
-        const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
-        const int64_t n = cells.size(), n_head = hp.n_head(il);
-        const uint32_t kv_size = kv->get_size();
-        for (int64_t h = 0; h < n_head; ++h) {
-            for (int64_t i = 0; i < n; ++i) {
-                dst[(size_t) h * n + i] = ext.colsum[il][(size_t) h * kv_size + cells[i]];
-            }
-        }
-        return (int32_t) n;
+        return read_sums(ctx, false, il, 0, dst);
     });
 }
 

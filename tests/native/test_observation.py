@@ -1,5 +1,6 @@
-"""Observation computed inside the llama.cpp graph, checked against numpy recomputed from the Q
-and K that llama.cpp itself computed (captured with the scheduler's eval callback, cb_eval)."""
+"""Observation computed (and reduced) inside the llama.cpp graph, checked against numpy recomputed from
+the Q and K that llama.cpp itself computed (captured with the scheduler's eval callback, cb_eval), and
+against the reference engine's reduced observation of the same model."""
 from __future__ import annotations
 
 import ctypes
@@ -74,18 +75,18 @@ def _softmax(x):
 
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_window_and_colsum_equal_numpy_from_captured_q_and_k(tiny_model, flash_attn):
-    n, w = 40, 6
+    n, windows = 40, (3, 6, 24)
     toks = prompt_tokens(n, 4)
     c = CaptureContext(tiny_model, flash_attn)
     try:
-        cache.observe_begin(c.ctx, 0, ("window", "colsum"), window_pos0=n - w)
-        c.decode(toks[:20], 0)      # two ubatches before the window: colsum accumulates over them
-        c.decode(toks[20:n - w], 20)
-        c.decode(toks[n - w:], n - w)
+        cache.observe_begin(c.ctx, 0, ("window", "colsum"), window_pos0=[n - w for w in windows])
+        c.decode(toks[:20], 0)      # two ubatches before the short windows: colsum and window 24 accumulate
+        c.decode(toks[20:n - 6], 20)
+        c.decode(toks[n - 6:], n - 6)
         cache.observe_end(c.ctx)
         shapes = SimpleNamespace(n_layer=3, n_head=4, n_head_kv=2, head_dim=16)
-        obs = cache.read_observation(c.ctx, 0, shapes, ("window", "colsum", "kv"))
-        assert obs.window.shape == (3, 4, w, n) and obs.colsum.shape == (3, 4, n)
+        obs = cache.read_observation(c.ctx, 0, shapes, ("window", "colsum", "kv"), windows)
+        assert obs.windows == windows and obs.window_sums.shape == (3, 3, 4, n) and obs.colsum.shape == (3, 4, n)
         causal = np.where(np.arange(n)[None, :] <= np.arange(n)[:, None], 0.0, -np.inf)
         for il in range(3):
             q = c.rows("Qcur", il).astype(np.float64)   # [n, n_head, hd]
@@ -95,7 +96,8 @@ def test_window_and_colsum_equal_numpy_from_captured_q_and_k(tiny_model, flash_a
             np.testing.assert_allclose(obs.keys[il].transpose(1, 0, 2), k, rtol=0, atol=1e-6)
             for qh in range(4):
                 att = _softmax(q[:, qh] @ k[:, qh // 2].T / 4.0 + causal)   # scale 1/sqrt(16)
-                np.testing.assert_allclose(obs.window[il, qh], att[n - w:], atol=2e-5)
+                for i, w in enumerate(windows):
+                    np.testing.assert_allclose(obs.window_sums[i, il, qh], att[n - w:].sum(0), atol=w * 2e-5)
                 np.testing.assert_allclose(obs.colsum[il, qh], att.sum(0), atol=1e-4)
         np.testing.assert_array_equal(obs.positions, np.arange(n))
     finally:
@@ -108,9 +110,16 @@ def test_observation_errors_are_clear(session_factory, tiny_model):
         cache.observe_begin(s.ctx, 0, ("attention",))
     # only the window was observed: asking for column sums says so
     obs = s.prefill(prompt_tokens(30), observe=("window",), window=4)
-    assert obs.window.shape[2] == 4 and obs.colsum is None
+    assert obs.windows == (4,) and obs.window_sums.shape == (1, 3, 4, 30) and obs.colsum is None
     with pytest.raises(KvcliError, match="column sums were not observed"):
         cache.read_observation(s.ctx, 0, s.info, ("colsum",))
+    # a window length that was not observed, or one longer than the decoded tokens
+    with pytest.raises(KvcliError, match="window 5: 4 window queries were observed"):
+        cache.read_observation(s.ctx, 0, s.info, ("window",), (5,))
+    with pytest.raises(KvcliError, match=r"observation window 31 must be in \[1, 30\]"):
+        s.prefill(prompt_tokens(30), observe=("window",), window=(4, 31))
+    with pytest.raises(KvcliError, match="window first positions"):
+        cache.observe_begin(s.ctx, 0, ("window",), window_pos0=())
 
 
 def test_observation_needs_a_unified_cache(tiny_model):
@@ -139,3 +148,33 @@ def test_unarmed_graph_is_the_stock_graph(session_factory, tiny_model):
     for lo, hi in ((0, 15), (15, 20), (20, 30)):  # the same llama_decode calls as a's
         b.prefill(toks[lo:hi])
     assert np.array_equal(a.logits(), b.logits())
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_native_observation_equals_the_reference_engines(session_factory, tiny_model, flash_attn):
+    """The reduced observation of both engines on one tiny f32 model: the window sums of several window
+    lengths (the longest spanning two llama_decode calls), column sums and K/V agree to float32 rounding,
+    so `kvcli check` L2 compares like with like; both planners then make the same plans from it (L1)."""
+    from kvcli import compress, policies
+    from kvcli.reference.session import ReferenceSession
+    toks = prompt_tokens(90, 6)
+    windows = (4, 8, 40)
+    kinds = ("window", "colsum", "kv")
+    s = session_factory(tiny_model, flash_attn=flash_attn, cache_type="f32", n_batch=32)
+    nat = s.prefill(toks, observe=kinds, window=windows)
+    ref = ReferenceSession(tiny_model).prefill(toks, observe=kinds, window=windows)
+    assert nat.windows == ref.windows == windows
+    assert nat.window_sums.shape == ref.window_sums.shape == (3, 3, 4, 90)
+    assert nat.window_sums.dtype == np.float32 and nat.window_sums.flags.c_contiguous
+    for i, w in enumerate(windows):
+        np.testing.assert_allclose(nat.window_sums[i], ref.window_sums[i], atol=w * 2e-6)
+        np.testing.assert_allclose(nat.window_sums[i].sum(-1), w, rtol=1e-5)   # every query spends one unit
+    np.testing.assert_allclose(nat.colsum, ref.colsum, atol=1e-4)
+    np.testing.assert_allclose(nat.keys, ref.keys, atol=1e-5 * np.abs(ref.keys).max())   # kvcli check's K "rel"
+    np.testing.assert_array_equal(nat.positions, ref.positions)
+    for name in ("snapkv", "pyramidkv", "h2o"):
+        spec, params, _ = policies.prepare(name, {"window": 8} if name != "h2o" else {}, 48)
+        o = nat.restrict(*spec.observe(params))
+        a = compress.make_plan(spec, params, 48, o, "native")
+        b = compress.make_plan(spec, params, 48, o, "reference")
+        assert np.array_equal(a.n_kept, b.n_kept) and np.array_equal(a.slots, b.slots)

@@ -180,10 +180,10 @@ def test_second_compaction_composes_the_bias(session_factory, tiny_model, reinde
 
 
 def _observe_numpy(ref, entries, chunk, pos0, w):
-    """Window rows and column sums numpy gives for `chunk` decoded at pos0.. over `entries` (+ itself)."""
+    """Window sums (window w) and column sums numpy gives for `chunk` decoded at pos0.. over `entries` (+ itself)."""
     m0 = len(entries[0][0][0])
     n = m0 + len(chunk)
-    win = np.zeros((ref.n_layer, ref.n_head, w, n))
+    win = np.zeros((1, ref.n_layer, ref.n_head, n))
     col = np.zeros((ref.n_layer, ref.n_head, n))
     for i, t in enumerate(chunk):
         rec = []
@@ -191,7 +191,7 @@ def _observe_numpy(ref, entries, chunk, pos0, w):
         for l, p in enumerate(rec):
             col[l, :, :p.shape[1]] += p
             if i >= len(chunk) - w:
-                win[l, :, i - (len(chunk) - w), :p.shape[1]] = p
+                win[0, l, :, :p.shape[1]] += p
     return win, col
 
 
@@ -231,8 +231,8 @@ def test_observation_of_a_compacted_sequence(session_factory, tiny_model, reinde
             k = p1.n_kept[l, q // g]
             dead = np.arange(B - k) if reindex else np.arange(k, B)
             assert dead.size == B - k
-            assert (obs.window[l, q][:, dead] == 0).all() and (obs.colsum[l, q][dead] == 0).all()
-    np.testing.assert_allclose(obs.window, win, atol=2e-5)
+            assert (obs.window_sums[0, l, q][dead] == 0).all() and (obs.colsum[l, q][dead] == 0).all()
+    np.testing.assert_allclose(obs.window_sums, win, atol=w * 2e-5)
     np.testing.assert_allclose(obs.colsum, col, atol=1e-4)
 
 

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcli.plan import Observation
+from kvcli.plan import Observation, sum_window_rows
+
+
+# the window lengths the policy tests plan with (besides w itself)
+TEST_WINDOWS = (1, 2, 3, 4, 5, 7, 8, 16, 24, 32)
 
 
 def random_obs(seed: int, n_layer: int = 4, n_head: int = 6, n_head_kv: int = 2, n: int = 200, w: int = 32,
                ties: bool = False, head_dim: int = 8, kv: bool = False) -> Observation:
-    """Causal window attention of the last w queries and column sums of every query, per query head.
+    """Causal window attention of the last w queries, reduced as the engines reduce it (window sums of
+    every length of TEST_WINDOWS up to w, and of w: the last rows added in float64, then rounded to
+    float32), and column sums of every query, per query head.
 
     ties=True draws small integer weights (many exact ties and zeros) instead of softmaxed logits.
     """
@@ -32,8 +38,10 @@ def random_obs(seed: int, n_layer: int = 4, n_head: int = 6, n_head_kv: int = 2,
     colsum = (rng.exponential(1.0, size=(n_layer, n_head, n)) * seen / n * 4).astype(np.float32)
     if ties:
         colsum = np.round(colsum * 2) / 2
+    windows = tuple(sorted({x for x in TEST_WINDOWS if x <= w} | {w}))
+    sums = sum_window_rows(window, windows)
     obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n=n,
-                      window=np.ascontiguousarray(window), colsum=np.ascontiguousarray(colsum, np.float32),
+                      window_sums=sums, windows=windows, colsum=np.ascontiguousarray(colsum, np.float32),
                       positions=np.arange(n, dtype=np.int32))
     if kv:
         obs.keys = rng.normal(size=(n_layer, n_head_kv, n, head_dim)).astype(np.float32)

@@ -103,7 +103,7 @@ def test_short_prompts_keep_everything(name):
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv"])
 def test_both_engines_refuse_a_nan_observation(name):
     obs = random_obs(3, 2, 4, 2, 150, w=32)
-    obs.window[1, 2, -1, 10] = np.nan
+    obs.window_sums[:, 1, 2, 10] = np.nan
     obs.colsum[1, 2, 10] = np.nan
     spec, params, text = P.prepare(name, [], 64)
     with pytest.raises(KvcliError, match="NaN"):
@@ -114,15 +114,15 @@ def test_both_engines_refuse_a_nan_observation(name):
 
 def test_missing_observation_is_a_clear_error():
     obs = random_obs(3, 2, 4, 2, 150, w=32)
-    obs.window = None
+    obs.window_sums, obs.windows = None, ()
     with pytest.raises(KvcliError, match="needs the window observation"):
         native_plan("snapkv", "", 64, obs)
     with pytest.raises(KvcliError, match="needs the window observation"):
         make_plan("snapkv", obs, [], 64)
     obs = random_obs(3, 2, 4, 2, 150, w=8)
-    with pytest.raises(KvcliError, match="needs 32 window rows, the observation has 8"):
+    with pytest.raises(KvcliError, match=r"needs the window sums of window 32, the observation has window\(s\) 1, 2, "):
         native_plan("snapkv", "", 64, obs)
-    with pytest.raises(KvcliError, match="needs 32 window rows, the observation has 8"):
+    with pytest.raises(KvcliError, match=r"needs the window sums of window 32, the observation has window\(s\) 1, 2, "):
         make_plan("snapkv", obs, [], 64)
     obs.colsum = None
     with pytest.raises(KvcliError, match="needs the colsum observation"):
@@ -151,7 +151,8 @@ def test_native_rejects_bad_shapes_and_names():
     obs = random_obs(1, 2, 4, 2, 150)
     with pytest.raises(KvcliError, match=r"unknown policy 'nope'; the native planner has: .*snapkv"):
         native_plan("nope", "", 64, obs)
-    bad = Observation(n_layer=2, n_head=5, n_head_kv=2, head_dim=8, n=150, window=obs.window[:, :4])
+    bad = Observation(n_layer=2, n_head=5, n_head_kv=2, head_dim=8, n=150, window_sums=obs.window_sums[:, :, :4],
+                      windows=obs.windows)
     with pytest.raises(KvcliError, match="not a multiple of n_head_kv"):
         native_plan("snapkv", "", 64, bad)
     for name in PART1:   # every policy of the registry exists in the native planner

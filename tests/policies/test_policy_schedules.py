@@ -14,7 +14,7 @@ from policy_obs import random_obs
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation
+from kvcli.plan import Observation, sum_window_rows
 from kvcli.policies.compresskv import allocate
 from kvcli.policies.pyramidkv import layer_budgets as pyramid_budgets
 from kvcli.policies.windowkv import group_budgets, group_size
@@ -33,10 +33,12 @@ def kept(plan, l=0, h=0):
 
 
 def obs_from_rows(rows: np.ndarray, n_head_kv: int = 1) -> Observation:
-    """rows: window attention [n_layer, n_head, w, n]."""
+    """rows: window attention [n_layer, n_head, w, n], observed as the window sums of every length 1..w."""
     rows = np.ascontiguousarray(rows, np.float32)
-    L, H, _, n = rows.shape
-    return Observation(n_layer=L, n_head=H, n_head_kv=n_head_kv, head_dim=4, n=n, window=rows)
+    L, H, w, n = rows.shape
+    windows = tuple(range(1, w + 1))
+    return Observation(n_layer=L, n_head=H, n_head_kv=n_head_kv, head_dim=4, n=n,
+                       window_sums=sum_window_rows(rows, windows), windows=windows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from test_d2o import assert_same
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation
+from kvcli.plan import Observation, sum_window_rows
 from kvcli.policies.spindlekv import layer_keep
 from kvcli.reference.policies import make_plan
 
@@ -79,7 +79,8 @@ def handmade_obs():
     for r, q in enumerate((8, 9)):
         row = np.where(np.arange(10) <= q, att, 0)
         window[0, 0, r] = row / row.sum()
-    return Observation(n_layer=1, n_head=1, n_head_kv=1, head_dim=2, n=10, window=window, keys=keys,
+    return Observation(n_layer=1, n_head=1, n_head_kv=1, head_dim=2, n=10, window_sums=sum_window_rows(window, (2,)),
+                       windows=(2,), keys=keys,
                        values=values, positions=np.arange(10, dtype=np.int32))
 
 

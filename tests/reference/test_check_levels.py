@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcli import compress, policies
-from kvcli.check import CheckSettings, Thresholds, compare_plans, restrict, run_check
+from kvcli.check import CheckSettings, Thresholds, compare_plans, run_check
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
 
@@ -42,7 +42,8 @@ def tiny_prefilled(tiny_gguf):
     ref = ReferenceSession(tiny_gguf)
     doc = ref.detokenize(ref.tokenize(DOC)[:300])
     toks = ref.tokenize(ref.apply_chat_template([{"role": "user", "content": doc + "\n\nSummarise."}]))
-    obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=32)
+    windows = {policies.prepare(name, {}, b)[1].get("window", 32) for name in BOTH for b in (48, 100)}
+    obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=tuple(windows - {0} | {32}))
     return obs
 
 
@@ -55,7 +56,7 @@ def test_l1_planners_agree_on_real_attention(tiny_prefilled, name):
     for budget in (48, 100):
         spec, params, _ = policies.prepare(name, {}, budget)
         kinds, w = spec.observe(params)
-        o = restrict(obs, kinds, w)
+        o = obs.restrict(kinds, w)
         nat = compress.make_plan(spec, params, budget, o, "native")
         ref = compress.make_plan(spec, params, budget, o, "reference")
         r = compare_plans(nat, ref, 1e-5)

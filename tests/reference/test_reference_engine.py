@@ -26,10 +26,10 @@ def ref(tiny_gguf):
 
 def test_observation_equals_transformers_eager_attention(ref):
     toks = ref.tokenize(PROMPT)
-    w = 5
-    obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=w)
+    windows = (2, 5)
+    obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=(5, 2))
     n = len(toks)
-    assert obs.window.shape == (3, 4, w, n) and obs.colsum.shape == (3, 4, n)
+    assert obs.windows == windows and obs.window_sums.shape == (2, 3, 4, n) and obs.colsum.shape == (3, 4, n)
     assert obs.keys.shape == (3, 2, n, 16) and obs.values.shape == (3, 2, n, 16)
     assert (obs.positions == np.arange(n)).all()
     # the same model with transformers' stock eager attention, which returns the probabilities
@@ -43,12 +43,12 @@ def test_observation_equals_transformers_eager_attention(ref):
         model.set_attn_implementation(impl)
     for l, att in enumerate(out.attentions):
         att = att[0].numpy()                                     # [n_head, n, n]
-        np.testing.assert_allclose(obs.window[l], att[:, n - w:, :], atol=1e-6)
+        for i, w in enumerate(windows):   # the last w rows summed
+            np.testing.assert_allclose(obs.window_sums[i, l], att[:, n - w:, :].sum(axis=1), atol=1e-5)
         np.testing.assert_allclose(obs.colsum[l], att.sum(axis=1), atol=1e-5)
-    # causal rows, rows are distributions, every query spends one unit of attention
-    assert np.allclose(obs.window.sum(-1), 1.0, atol=1e-5)
-    for r in range(w):
-        assert (obs.window[:, :, r, n - w + r + 1:] == 0).all()
+    # every query spends one unit of attention
+    for i, w in enumerate(windows):
+        assert np.allclose(obs.window_sums[i].sum(-1), w, rtol=1e-5)
     assert np.allclose(obs.colsum.sum(-1), n, rtol=1e-5)
 
 

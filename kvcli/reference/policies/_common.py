@@ -23,11 +23,14 @@ def plan_from_kept(kept: list[list[torch.Tensor]]) -> Plan:
 
 
 def require_window(obs: Observation, policy: str, w: int) -> torch.Tensor:
-    if obs.window is None:
+    """The window sums of window length w, [n_layer, n_head, n] float32 (a view of the observation)."""
+    if obs.window_sums is None:
         raise KvcliError(f"policy '{policy}' needs the window observation (observe \"window\")")
-    if obs.w < w:
-        raise KvcliError(f"policy '{policy}' needs {w} window rows, the observation has {obs.w}")
-    return torch.from_numpy(np.ascontiguousarray(obs.window, dtype=np.float32))
+    sums = obs.window_sum(w)
+    if sums is None:
+        raise KvcliError(f"policy '{policy}' needs the window sums of window {w}, the observation has window(s) "
+                         f"{', '.join(map(str, obs.windows))}")
+    return torch.from_numpy(np.asarray(sums, dtype=np.float32))
 
 
 def require_colsum(obs: Observation, policy: str) -> torch.Tensor:
@@ -42,15 +45,10 @@ def require_budget_above(policy: str, budget: int, what: str, value: int) -> Non
                          "(it is kept inside the budget)")
 
 
-def window_sum(window: torch.Tensor, w: int, length: int) -> torch.Tensor:
-    """Attention each of the first `length` slots receives from the last `w` window queries.
-
-    window: [..., w_obs, n] float32 -> [..., length] float64, rows added one by one from 0.0.
-    """
-    rows = window[..., window.shape[-2] - w:, :length].to(torch.float64)
-    acc = torch.zeros(rows.shape[:-2] + (length,), dtype=torch.float64)
-    for r in range(w):
-        acc = acc + rows[..., r, :]
+def window_sum(sums: torch.Tensor, length: int) -> torch.Tensor:
+    """Attention each of the first `length` slots receives from the window queries (already summed by the
+    engine: Observation.window_sums): [..., n] float32 -> [..., length] float64, as the C++ side reads it."""
+    acc = sums[..., :length].to(torch.float64)
     check_nan(acc)  # before pooling, as the C++ side
     return acc
 
@@ -96,11 +94,11 @@ def gqa_combine(per_q: torch.Tensor, n_head_kv: int, mode: str) -> torch.Tensor:
     return out
 
 
-def snap_scores(window_l: torch.Tensor, n_head_kv: int, w: int, length: int, kernel: int, pool: str,
+def snap_scores(sums_l: torch.Tensor, n_head_kv: int, length: int, kernel: int, pool: str,
                 gqa: str) -> torch.Tensor:
-    """SnapKV's score for one layer: window attention summed over the last w queries, pooled per
-    query head, combined per KV head. window_l: [n_head, w_obs, n] -> [n_head_kv, length] float64."""
-    return gqa_combine(pool1d(window_sum(window_l, w, length), kernel, pool), n_head_kv, gqa)
+    """SnapKV's score for one layer: window attention summed over the window queries, pooled per
+    query head, combined per KV head. sums_l: [n_head, n] -> [n_head_kv, length] float64."""
+    return gqa_combine(pool1d(window_sum(sums_l, length), kernel, pool), n_head_kv, gqa)
 
 
 def check_finite(s: torch.Tensor, policy: str) -> None:

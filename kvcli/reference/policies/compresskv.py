@@ -39,7 +39,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
             layer_kept = torch.arange(obs.n)
         else:
             heads = srh[l * k:(l + 1) * k] if srh else list(range(obs.n_head))
-            per_head = pool1d(window_sum(window[l, heads], w, prefix), params["kernel"], params["pool"])
+            per_head = pool1d(window_sum(window[l, heads], prefix), params["kernel"], params["pool"])
             score = per_head[0]
             for i in range(1, len(heads)):          # mean over the scoring heads, added in order
                 score = score + per_head[i]

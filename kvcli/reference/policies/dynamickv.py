@@ -30,7 +30,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
 
     scores, ranks, cur = [], [], [0] * L
     for l in range(L):
-        s = snap_scores(window[l], H, ws, P, params["kernel"], params["pool"], params["gqa"])   # [H, P]
+        s = snap_scores(window[l], H, P, params["kernel"], params["pool"], params["gqa"])   # [H, P]
         scores.append(s)
         ranks.append(rank_desc(s, "dynamickv"))
         cur[l] = bmax

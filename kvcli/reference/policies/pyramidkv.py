@@ -18,7 +18,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     budgets = layer_budgets(obs.n_layer, obs.n, budget, w, params["beta"], params["schedule"])
     kept = []
     for l in range(obs.n_layer):
-        scores = snap_scores(window[l], obs.n_head_kv, w, prefix, params["kernel"], params["pool"], params["gqa"])
+        scores = snap_scores(window[l], obs.n_head_kv, prefix, params["kernel"], params["pool"], params["gqa"])
         best = topk_ascending(scores, budgets[l], "pyramidkv")
         kept.append([torch.cat([best[h], recent]) for h in range(obs.n_head_kv)])
     return plan_from_kept(kept)

@@ -108,7 +108,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     kept, log_mult, rep_entry, rep_k, rep_v = [], [], [], [], []
     offset = 0
     for l in range(L):
-        s = window_sum(window[l], w, prefix)                                   # [n_head, prefix]
+        s = window_sum(window[l], prefix)                                   # [n_head, prefix]
         if params["score_norm"] == "causal_count":
             s = s / torch.arange(n, n - prefix, -1, dtype=torch.float64)
         s = gqa_combine(pool1d(s, params["kernel"], params["pool"]), H, params["gqa"])

@@ -56,7 +56,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
         if L <= bud:
             review = torch.arange(L)
         else:
-            t = window_sum(window[leader], alpha, L)                     # [n_head, L]
+            t = window_sum(window[leader], L)                     # [n_head, L]
             s = window_scores(t, omega, params["top_p"], params["score"])
             keep_n = N - (-(-(L - bud) // omega))                        # N - ceil((L - bud) / omega)
             wins = topk_ascending(s, keep_n, "windowkv").tolist() if keep_n > 0 else []

@@ -195,8 +195,17 @@ void validate_obs(const kvcli_obs_view * v) {
                         std::to_string(v->n_head_kv) + ")");
     }
     if (v->n_slots < 0) throw PlanError("observation: negative n_slots");
-    if (v->n_window < 0 || (v->window && v->n_window > v->n_slots)) {
-        throw PlanError("observation: n_window must be in [0, n_slots]");
+    if (v->n_windows < 0 || v->n_windows > KVCLI_OBS_MAX_WINDOWS || (v->n_windows > 0) != (v->window_sums != nullptr) ||
+        (v->n_windows > 0 && !v->windows)) {
+        throw PlanError("observation: window_sums needs 1.." + std::to_string(KVCLI_OBS_MAX_WINDOWS) + " window lengths");
+    }
+    for (int32_t i = 0; i < v->n_windows; i++) {
+        if (v->windows[i] < 1 || v->windows[i] > v->n_slots) {
+            throw PlanError("observation: window lengths must be in [1, n_slots]");
+        }
+        for (int32_t j = 0; j < i; j++) {
+            if (v->windows[j] == v->windows[i]) throw PlanError("observation: window lengths must be distinct");
+        }
     }
     if ((v->keys || v->values) && v->head_dim < 1) throw PlanError("observation: head_dim must be >= 1");
 }
@@ -260,8 +269,9 @@ struct kvcli_plan * kvcli_plan_make(const char * policy, const char * params, in
         validate_obs(obs);
         Obs o;
         o.n_layer = obs->n_layer; o.n_head = obs->n_head; o.n_head_kv = obs->n_head_kv;
-        o.head_dim = obs->head_dim; o.n = obs->n_slots; o.w = obs->window ? obs->n_window : 0;
-        o.window = obs->window; o.colsum = obs->colsum; o.keys = obs->keys; o.values = obs->values;
+        o.head_dim = obs->head_dim; o.n = obs->n_slots;
+        o.n_windows = obs->window_sums ? obs->n_windows : 0; o.windows = obs->windows;
+        o.window_sums = obs->window_sums; o.colsum = obs->colsum; o.keys = obs->keys; o.values = obs->values;
         Params p(name, params);
         PlanOut out;
         out.n_layer = o.n_layer;

@@ -23,15 +23,25 @@ struct PlanError : std::runtime_error {
 };
 
 struct Obs {
-    int n_layer = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n = 0, w = 0;
-    const float * window = nullptr;   // [n_layer][n_head][w][n]
+    int n_layer = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n = 0, n_windows = 0;
+    const int32_t * windows = nullptr;     // [n_windows]: the window lengths of window_sums
+    const float * window_sums = nullptr;   // [n_windows][n_layer][n_head][n]
     const float * colsum = nullptr;   // [n_layer][n_head][n]
     const float * keys   = nullptr;   // [n_layer][n_head_kv][n][head_dim]
     const float * values = nullptr;
 
     int group() const { return n_head / n_head_kv; }
-    const float * window_row(int l, int q, int r) const {
-        return window + ((static_cast<size_t>(l) * n_head + q) * w + r) * static_cast<size_t>(n);
+    // index of window length w in windows, -1 if it was not observed
+    int window_index(int w) const {
+        for (int i = 0; i < n_windows; i++) {
+            if (windows[i] == w) return i;
+        }
+        return -1;
+    }
+    // the sums over the last w window queries of query head q in layer l (w must be observed)
+    const float * window_sum_row(int l, int q, int w) const {
+        const size_t i = static_cast<size_t>(window_index(w));
+        return window_sums + ((i * n_layer + l) * n_head + q) * static_cast<size_t>(n);
     }
     const float * colsum_row(int l, int q) const {
         return colsum + (static_cast<size_t>(l) * n_head + q) * static_cast<size_t>(n);
@@ -95,14 +105,16 @@ void keep_all(const Obs & obs, PlanOut & out);
 // The slots [a, b) appended to v (v must end below a).
 void append_range(std::vector<int32_t> & v, int a, int b);
 
-// Requirements, with clear errors naming the policy.
+// Requirements, with clear errors naming the policy. require_window: the window sums of length w.
 void require_window(const Obs & obs, const std::string & policy, int w);
 void require_colsum(const Obs & obs, const std::string & policy);
 // keys and values present and free of NaN (merging policies).
 void require_kv(const Obs & obs, const std::string & policy);
 void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value);
 
-// s[j] = sum over the last w window rows r (ascending) of window[l][q][r][j], j < len; acc starts at 0.0.
+// s[j] = (double) window_sums[window w][l][q][j], j < len: the attention slot j received from the last w
+// window queries, summed in the graph (float32, rows in decode order) or by the reference engine (float64,
+// then rounded to float32). Both planners read the same float32 array, so they compute the same doubles.
 std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len);
 // s[j] = (double) colsum[l][q][j], j < len.
 std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len);

@@ -12,10 +12,14 @@
 namespace kvcli {
 
 namespace {
-void check_nan(const std::vector<double> & s, int l) {
-    for (double x : s) {
-        if (std::isnan(x)) throw PlanError("the observation contains NaN (layer " + std::to_string(l) + ")");
+// the first len values of a float32 row as doubles; NaN is an error (before pooling: max pooling would hide it)
+std::vector<double> row_scores(const float * row, int l, int len) {
+    std::vector<double> s(static_cast<size_t>(len));
+    for (int j = 0; j < len; j++) {
+        s[j] = static_cast<double>(row[j]);
+        if (std::isnan(s[j])) throw PlanError("the observation contains NaN (layer " + std::to_string(l) + ")");
     }
+    return s;
 }
 } // namespace
 
@@ -31,12 +35,14 @@ void append_range(std::vector<int32_t> & v, int a, int b) {
 }
 
 void require_window(const Obs & obs, const std::string & policy, int w) {
-    if (!obs.window) {
+    if (!obs.window_sums) {
         throw PlanError("policy '" + policy + "' needs the window observation (observe \"window\")");
     }
-    if (obs.w < w) {
-        throw PlanError("policy '" + policy + "' needs " + std::to_string(w) + " window rows, the observation has " +
-                        std::to_string(obs.w));
+    if (obs.window_index(w) < 0) {
+        std::string have;
+        for (int i = 0; i < obs.n_windows; i++) have += (i ? ", " : "") + std::to_string(obs.windows[i]);
+        throw PlanError("policy '" + policy + "' needs the window sums of window " + std::to_string(w) +
+                        ", the observation has window(s) " + have);
     }
 }
 
@@ -62,21 +68,11 @@ void require_budget_above(const std::string & policy, int budget, const std::str
 }
 
 std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len) {
-    std::vector<double> s(static_cast<size_t>(len), 0.0);
-    for (int r = obs.w - w; r < obs.w; r++) {
-        const float * row = obs.window_row(l, q, r);
-        for (int j = 0; j < len; j++) s[j] += static_cast<double>(row[j]);
-    }
-    check_nan(s, l);  // before pooling: max pooling would hide a NaN
-    return s;
+    return row_scores(obs.window_sum_row(l, q, w), l, len);
 }
 
 std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len) {
-    const float * row = obs.colsum_row(l, q);
-    std::vector<double> s(static_cast<size_t>(len));
-    for (int j = 0; j < len; j++) s[j] = static_cast<double>(row[j]);
-    check_nan(s, l);
-    return s;
+    return row_scores(obs.colsum_row(l, q), l, len);
 }
 
 std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_max) {
