@@ -51,13 +51,7 @@ def cli():
 
 
 for _name in COMMANDS:
-    try:
-        _mod = importlib.import_module(f"kvcli.commands.{_name}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"kvcli.commands.{_name}":
-            raise
-        continue  # that command has not landed yet
-    for _cmd in getattr(_mod, "COMMANDS", []):
+    for _cmd in importlib.import_module(f"kvcli.commands.{_name}").COMMANDS:
         cli.add_command(_cmd)
 
 
