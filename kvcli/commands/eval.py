@@ -18,7 +18,7 @@ def shared_options(default_lengths: str, chunked: bool = True):
     def deco(f):
         for opt in reversed([
             model_option,
-            request_options("policies", "cache_type", "threads", *(["chunk"] if chunked else []),
+            request_options("policies", "cache_type", "threads", *(["chunk", "penalties"] if chunked else []),
                             cache_types=("f16", "q8_0", "q4_0"), cache_type_help=None, chunk_help=CHUNK_HELP),
             click.option("--lengths", default=default_lengths, show_default=True,
                          help="Comma-separated prompt lengths in tokens (1k = 1024)."),
@@ -81,7 +81,7 @@ def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json,
     result = run_generation_eval(path, "niah", ["niah"], req.policies, req.budgets, lens, ds, samples,
                                  cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                                  seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
-                                 chunk_scoring=req.chunk_scoring)
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler())
     _finish(result, as_json, json_path, plot_path, quiet, plot_niah)
 
 
@@ -109,7 +109,7 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
     result = run_generation_eval(path, "ruler", ts, req.policies, req.budgets, lens, ds, samples,
                                  cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                                  seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
-                                 chunk_scoring=req.chunk_scoring)
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler())
     _finish(result, as_json, json_path, plot_path, quiet, plot_scores)
 
 

@@ -16,6 +16,7 @@ Groups:
     sampling    --max-tokens/-n, --temperature/-t, --seed, --top-k, --top-p, --min-p, --repeat-penalty,
                 --repeat-last-n, --presence-penalty, --frequency-penalty, --dry-multiplier, --dry-base,
                 --dry-allowed-length, --dry-penalty-last-n (names as in llama.cpp; kvcli.generate.Sampling)
+    penalties   the repetition and DRY flags of `sampling` alone, off by default (eval: greedy decoding)
     cache_type  --cache-type (one of f16, q8_0, q4_0, f32)
     threads     --threads
 `defaults` overrides a group's default by parameter name (max_tokens=512, budget=256, policies="...").
@@ -24,7 +25,7 @@ Bad values are refused before any model loads, with one line (kvcli.errors.Kvcli
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import click
 
@@ -95,9 +96,9 @@ def parse_scoped_args(items) -> dict:
     return out
 
 
-def _sampling_options(d: dict) -> list:
+def _sampling_options(d: dict, penalties_only: bool = False) -> list:
     from kvcli.generate import Sampling  # noqa: PLC0415
-    s = Sampling()
+    s = Sampling.greedy() if penalties_only else Sampling()
 
     def num(name, typ, help_, short=None):
         decls = [f"--{name.replace('_', '-')}"] + ([short] if short else [])
@@ -106,7 +107,7 @@ def _sampling_options(d: dict) -> list:
         return click.option(*decls, name, type=typ, default=default,
                             show_default=str(value) if name in config.KEYS else True, help=help_)
 
-    return [
+    sampling = [
         click.option("--max-tokens", "-n", type=click.IntRange(1, 100000),
                      default=config.default("max_tokens", d.get("max_tokens", 256)),
                      show_default=str(d.get("max_tokens", 256)), help="Longest answer, in tokens."),
@@ -114,7 +115,8 @@ def _sampling_options(d: dict) -> list:
         num("seed", int, "Seed of the sampler's random choice (temperature > 0)."),
         num("top_k", int, "Top-k sampling (temperature > 0); 0 = the whole vocabulary."),
         num("top_p", float, "Top-p (nucleus) sampling (temperature > 0); 1 = off."),
-        num("min_p", float, "Min-p sampling (temperature > 0); 0 = off."),
+        num("min_p", float, "Min-p sampling (temperature > 0); 0 = off.")]
+    return ([] if penalties_only else sampling) + [
         num("repeat_penalty", float, "Penalise tokens repeated in the last --repeat-last-n tokens of the answer; "
                                      "1 = off."),
         num("repeat_last_n", int, "Tokens of the answer --repeat-penalty looks back at; -1 = all."),
@@ -154,8 +156,8 @@ def _group_options(group: str, d: dict) -> list:
                                     help="Most cells the KV cache may hold; a longer document is read in chunks "
                                          "and compressed after each."))
         return out + [chunk_scoring_option]
-    if group == "sampling":
-        return _sampling_options(d)
+    if group in ("sampling", "penalties"):
+        return _sampling_options(d, penalties_only=group == "penalties")
     if group == "cache_type":
         return [click.option("--cache-type", type=click.Choice(d.get("cache_types", CACHE_TYPES)), default="f16",
                              show_default=True, help=d.get("cache_type_help", "llama.cpp KV cache type."))]
@@ -166,9 +168,9 @@ def _group_options(group: str, d: dict) -> list:
 
 
 _PLAIN_NAMES = ("policy", "budget", "chunk", "max_cache", "chunk_scoring", "max_tokens", "cache_type", "threads")
-_SAMPLING_NAMES = ("temperature", "seed", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
-                   "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
-                   "dry_penalty_last_n")
+_PENALTY_NAMES = ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "dry_multiplier",
+                  "dry_base", "dry_allowed_length", "dry_penalty_last_n")
+_SAMPLING_NAMES = ("temperature", "seed", "top_k", "top_p", "min_p", *_PENALTY_NAMES)
 
 
 def _request(groups, kw: dict) -> Request:
@@ -177,9 +179,10 @@ def _request(groups, kw: dict) -> Request:
     for name in _PLAIN_NAMES:
         if name in kw:
             setattr(req, name, kw.pop(name))
-    if "sampling" in groups:
+    if "sampling" in groups or "penalties" in groups:
         from kvcli.generate import Sampling  # noqa: PLC0415
-        req.sampling = Sampling(**{n: kw.pop(n) for n in _SAMPLING_NAMES}).validate()
+        names = _SAMPLING_NAMES if "sampling" in groups else _PENALTY_NAMES
+        req.sampling = replace(Sampling.greedy(), **{n: kw.pop(n) for n in names}).validate()
     if "policy" in groups:
         from kvcli.policies import parse_policy_args  # noqa: PLC0415
         req.policy = (req.policy or "full").lower()
