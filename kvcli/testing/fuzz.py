@@ -29,23 +29,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ("ok", "clean error", "internal", "crash", "hang")
 
-POLICIES = ["full", "snapkv", "pyramidkv", "streamingllm", "h2o", "tova", "expectedattention", "knorm",
-            "adakv", "windowkv", "compresskv", "d2o", "spindlekv", "truncate", "bogus", "SnapKV", ""]
-BUDGETS = ["1", "4", "8", "16", "24", "32", "64", "128", "0", "-3", "abc", "2.5", "99999999999"]
-POLICY_ARGS = ["window=4", "window=8", "window=0", "window=abc", "kernel=3", "kernel=2", "bogus=1", "window",
-               "=3", "window=8;x", "sink=4", "alpha=0.5"]
-CHUNKS = ["0", "16", "32", "64", "1", "-1", "abc"]
-MAX_CACHE = ["16", "48", "96", "0", "x"]
-CACHE_TYPES = ["f16", "q8_0", "q4_0", "f32", "q5_1", ""]
-TEMPERATURES = ["0", "0.7", "1.5", "nan", "inf", "-1", "abc", "11"]
-SEEDS = ["0", "1", "42", "-1", "4294967296"]
-SAMPLING = [("--top-k", ["0", "5", "-2", "x"]), ("--top-p", ["0.5", "1", "1.5", "nan"]),
-            ("--min-p", ["0", "0.1", "-0.1"]), ("--repeat-penalty", ["1", "1.1", "0", "-1", "nan"]),
-            ("--repeat-last-n", ["-1", "0", "16", "-5"]), ("--presence-penalty", ["0", "0.5", "inf"]),
-            ("--frequency-penalty", ["0", "0.5", "-0.5"]), ("--dry-multiplier", ["0", "0.8", "-1", "nan"]),
-            ("--dry-base", ["1.75", "0.5", "1"]), ("--dry-allowed-length", ["2", "0", "5"]),
-            ("--dry-penalty-last-n", ["-1", "0", "32", "-7"])]
-MAX_TOKENS = ["1", "4", "8", "0", "-1", "x"]
+# each value list: (valid values, invalid values); an invalid one is drawn with probability BAD
+BAD = 0.06
+POLICIES = (["full", "snapkv", "pyramidkv", "streamingllm", "h2o", "windowkv", "dynamickv", "compresskv", "d2o",
+             "spindlekv", "SnapKV"], ["truncate", "bogus", ""])
+BUDGETS = (["4", "8", "16", "24", "32", "48", "64", "128"], ["0", "-3", "abc", "2.5", "99999999999", "1"])
+POLICY_ARGS = (["window=4", "window=8", "kernel=3", "kernel=1"],
+               ["window=0", "window=abc", "kernel=2", "bogus=1", "window", "=3", "window=8;x"])
+CHUNKS = (["0", "16", "32", "64"], ["1", "-1", "abc"])
+MAX_CACHE = (["48", "96", "128"], ["16", "0", "x"])
+CACHE_TYPES = (["f16", "q8_0", "q4_0", "f32"], ["q5_1", ""])
+TEMPERATURES = (["0", "0.7", "1.5"], ["nan", "inf", "-1", "abc", "11"])
+SEEDS = (["0", "1", "42", "4294967294"], ["-1", "4294967296"])
+SAMPLING = [("--top-k", (["0", "5"], ["-2", "x"])), ("--top-p", (["0.5", "1"], ["1.5", "nan"])),
+            ("--min-p", (["0", "0.1"], ["-0.1"])), ("--repeat-penalty", (["1", "1.1"], ["0", "-1", "nan"])),
+            ("--repeat-last-n", (["-1", "0", "16"], ["-5"])), ("--presence-penalty", (["0", "0.5"], ["inf"])),
+            ("--frequency-penalty", (["0", "0.5", "-0.5"], ["x"])), ("--dry-multiplier", (["0", "0.8"], ["-1", "nan"])),
+            ("--dry-base", (["1.75", "1"], ["0.5"])), ("--dry-allowed-length", (["2", "5"], ["0"])),
+            ("--dry-penalty-last-n", (["-1", "0", "32"], ["-7"]))]
+MAX_TOKENS = (["2", "4", "6"], ["0", "-1", "x"])
+
+
+def pick(rnd: random.Random, values: tuple) -> str:
+    """A valid value, or (with probability BAD) an invalid one."""
+    good, bad = values
+    return rnd.choice(bad if rnd.random() < BAD else good)
 
 
 @dataclass
@@ -80,7 +88,7 @@ def write_fixtures(root: Path) -> Fixtures:
                     bad_model=root / "bad.gguf", text_model=root / "text.gguf")
     good = root / "good.kvc"
     r = subprocess.run([sys.executable, "-m", "kvcli.cli", "compress", "--doc", str(fx.paths["doc"]), "-o", str(good),
-                        "--policy", "snapkv", "--budget", "32", "-q", "--force"], cwd=ROOT, env=case_env(fx),
+                        "--policy", "snapkv", "--budget", "48", "--policy-arg", "window=8", "-q", "--force"], cwd=ROOT, env=case_env(fx),
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"fuzz fixtures: compress failed: {r.stderr.strip()}")
@@ -110,12 +118,12 @@ class Case:
 
 
 def _doc(rnd: random.Random, fx: Fixtures) -> str:
-    names = ["doc"] * 6 + ["long"] * 2 + ["empty", "spaces", "unicode", "binary", "latin1", "adir", "missing"]
-    return str(fx.paths[rnd.choice(names)])
+    return str(fx.paths[pick(rnd, (["doc"] * 4 + ["long", "unicode"], ["empty", "spaces", "binary", "latin1",
+                                                                        "adir", "missing"]))])
 
 
 def _kvc(rnd: random.Random, fx: Fixtures) -> str:
-    return str(fx.paths[rnd.choice(["good_kvc"] * 4 + ["cut_kvc", "junk_kvc", "empty_kvc", "missing", "adir"])])
+    return str(fx.paths[pick(rnd, (["good_kvc"], ["cut_kvc", "junk_kvc", "empty_kvc", "missing", "adir"]))])
 
 
 def _maybe(rnd, p, *items):
@@ -123,23 +131,23 @@ def _maybe(rnd, p, *items):
 
 
 def _compression(rnd: random.Random) -> list[str]:
-    out = ["--policy", rnd.choice(POLICIES)] if rnd.random() < 0.9 else []
-    out += _maybe(rnd, 0.85, "--budget", rnd.choice(BUDGETS))
-    for _ in range(rnd.choice([0, 0, 0, 1, 2])):
-        out += ["--policy-arg", rnd.choice(POLICY_ARGS)]
-    out += _maybe(rnd, 0.3, "--chunk", rnd.choice(CHUNKS))
-    out += _maybe(rnd, 0.15, "--max-cache", rnd.choice(MAX_CACHE))
-    out += _maybe(rnd, 0.1, "--chunk-scoring", rnd.choice(["question", "chunk", "bogus"]))
-    out += _maybe(rnd, 0.25, "--cache-type", rnd.choice(CACHE_TYPES))
+    out = ["--policy", pick(rnd, POLICIES)] if rnd.random() < 0.9 else []
+    out += _maybe(rnd, 0.85, "--budget", pick(rnd, BUDGETS))
+    for _ in range(rnd.choice([0, 0, 0, 0, 1, 1, 2])):
+        out += ["--policy-arg", pick(rnd, POLICY_ARGS)]
+    out += _maybe(rnd, 0.3, "--chunk", pick(rnd, CHUNKS))
+    out += _maybe(rnd, 0.15, "--max-cache", pick(rnd, MAX_CACHE))
+    out += _maybe(rnd, 0.1, "--chunk-scoring", pick(rnd, (["question", "chunk"], ["bogus"])))
+    out += _maybe(rnd, 0.25, "--cache-type", pick(rnd, CACHE_TYPES))
     return out
 
 
 def _sampling(rnd: random.Random) -> list[str]:
-    out = ["-n", rnd.choice(MAX_TOKENS) if rnd.random() < 0.15 else rnd.choice(["2", "4", "6"])]
-    out += _maybe(rnd, 0.3, "--temperature", rnd.choice(TEMPERATURES))
-    out += _maybe(rnd, 0.2, "--seed", rnd.choice(SEEDS))
+    out = ["-n", pick(rnd, MAX_TOKENS)]
+    out += _maybe(rnd, 0.3, "--temperature", pick(rnd, TEMPERATURES))
+    out += _maybe(rnd, 0.2, "--seed", pick(rnd, SEEDS))
     for flag, values in rnd.sample(SAMPLING, rnd.choice([0, 0, 1, 2])):
-        out += [flag, rnd.choice(values)]
+        out += [flag, pick(rnd, values)]
     return out
 
 
@@ -153,14 +161,14 @@ def _model(rnd: random.Random, fx: Fixtures) -> list[str]:
 def make_case(rnd: random.Random, fx: Fixtures, index: int) -> Case:
     cmd = rnd.choices(["run", "chat", "compress", "bench", "eval", "policies", "info", "junk"],
                       weights=[40, 18, 14, 5, 5, 4, 3, 3])[0]
-    q = rnd.choice(["Who is the harbour master?", "When does the ferry leave?", "", "   ", "x" * 300])
+    q = pick(rnd, (["Who is the harbour master?", "When does the ferry leave?", "x" * 300], ["", "   "]))
     if cmd == "run":
         argv = ["run", q, *_model(rnd, fx), *_sampling(rnd)]
         stdin = ""
         if rnd.random() < 0.15:
             argv += ["--cache", _kvc(rnd, fx)]
             if rnd.random() < 0.3:
-                argv += ["--policy", rnd.choice(POLICIES)]
+                argv += ["--policy", pick(rnd, POLICIES)]
         else:
             argv += _compression(rnd)
             if rnd.random() < 0.8:
@@ -189,21 +197,23 @@ def make_case(rnd: random.Random, fx: Fixtures, index: int) -> Case:
         argv += _maybe(rnd, 0.3, "--question", q) + _maybe(rnd, 0.5, "-q") + _maybe(rnd, 0.3, "--json")
         return Case(index, argv)
     if cmd == "bench":
-        pols = ",".join(rnd.sample(POLICIES[:6], 2)) if rnd.random() < 0.9 else "bogus,,"
+        pols = ",".join(rnd.sample(POLICIES[0][:6], 2)) if rnd.random() < 0.9 else "bogus,,"
         argv = ["bench", "--docs", _doc(rnd, fx), "--policies", pols,
-                "--budgets", rnd.choice(["16,32", "32", "", "x", "0"]), "--gen", rnd.choice(["2", "0"]),
+                "--budgets", pick(rnd, (["16,32", "32"], ["", "x", "0"])),
+                "--gen", pick(rnd, (["2"], ["0"])),
                 "--repeat", "1", "-q"]
-        argv += _maybe(rnd, 0.3, "--cache-type", rnd.choice(["f16", "q8_0", "f16,q4_0", "zz"]))
-        argv += _maybe(rnd, 0.2, "--policy-arg", rnd.choice(["snapkv.window=4", "snapkv", "x.y=1"]))
-        argv += _maybe(rnd, 0.2, "--chunk", rnd.choice(CHUNKS))
+        argv += _maybe(rnd, 0.3, "--cache-type", pick(rnd, (["f16", "q8_0", "f16,q4_0"], ["zz"])))
+        argv += _maybe(rnd, 0.2, "--policy-arg", pick(rnd, (["snapkv.window=4"], ["snapkv", "x.y=1"])))
+        argv += _maybe(rnd, 0.2, "--chunk", pick(rnd, CHUNKS))
         return Case(index, argv)
     if cmd == "eval":
-        argv = ["eval", "niah", "--policies", rnd.choice(["full,snapkv", "snapkv", "bogus", "truncate"]),
-                "--budgets", rnd.choice(["32", "16,64", "-1", ""]), "--lengths", rnd.choice(["128", "256", "0", "z"]),
-                "--depths", rnd.choice(["0.5", "0.1,0.9", "2", "x"]), "--samples", "1", "-q"]
-        return Case(index, argv + _maybe(rnd, 0.2, "--chunk", rnd.choice(CHUNKS)))
+        argv = ["eval", "niah", "--policies", pick(rnd, (["full,snapkv", "snapkv"], ["bogus", "truncate"])),
+                "--budgets", pick(rnd, (["32", "16,64"], ["-1", ""])),
+                "--lengths", pick(rnd, (["128", "256"], ["0", "z"])),
+                "--depths", pick(rnd, (["0.5", "0.1,0.9"], ["2", "x"])), "--samples", "1", "-q"]
+        return Case(index, argv + _maybe(rnd, 0.2, "--chunk", pick(rnd, (["64"], ["1", "-1", "abc"]))))
     if cmd == "policies":
-        return Case(index, ["policies", *_maybe(rnd, 0.7, "--explain", rnd.choice(POLICIES)), *_maybe(rnd, 0.3, "--json")])
+        return Case(index, ["policies", *_maybe(rnd, 0.7, "--explain", pick(rnd, POLICIES)), *_maybe(rnd, 0.3, "--json")])
     if cmd == "info":
         return Case(index, ["info", *([str(fx.paths[rnd.choice(["bad_model", "text_model", "missing"])])]
                                      if rnd.random() < 0.5 else []), *_maybe(rnd, 0.5, "--json")])
