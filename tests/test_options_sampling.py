@@ -138,3 +138,12 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert a == b and a != [int(np.argmax(z)) for z in zs]
     from dataclasses import replace
     assert _picks(replace(s, seed=4), tiny, zs) != a
+
+
+def test_options_outside_the_groups_stay_with_the_command(cli_runner, tmp_path):
+    """check has its own --budget and --cache-type beside the shared chunk/threads groups."""
+    from kvcli.cli import cli
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    m = write_tiny_llama(tmp_path / "m.gguf", n_layer=1)
+    r = cli_runner.invoke(cli, ["check", "--model", str(m), "--threshold", "bogus=1"])
+    assert r.exit_code == 2 and "unknown threshold" in r.output

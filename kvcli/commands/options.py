@@ -167,7 +167,10 @@ def _group_options(group: str, d: dict) -> list:
     raise ValueError(f"unknown option group '{group}'")
 
 
-_PLAIN_NAMES = ("policy", "budget", "chunk", "max_cache", "chunk_scoring", "max_tokens", "cache_type", "threads")
+# the parameters each group hands over as they are (the others are parsed in _request)
+_PLAIN_NAMES = {"policy": ("policy", "budget"), "chunking": ("chunk", "max_cache", "chunk_scoring"),
+                "chunk": ("chunk", "chunk_scoring"), "sampling": ("max_tokens",), "cache_type": ("cache_type",),
+                "threads": ("threads",)}
 _PENALTY_NAMES = ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "dry_multiplier",
                   "dry_base", "dry_allowed_length", "dry_penalty_last_n")
 _SAMPLING_NAMES = ("temperature", "seed", "top_k", "top_p", "min_p", *_PENALTY_NAMES)
@@ -176,8 +179,8 @@ _SAMPLING_NAMES = ("temperature", "seed", "top_k", "top_p", "min_p", *_PENALTY_N
 def _request(groups, kw: dict) -> Request:
     """Pop the shared options from the command's keyword arguments into a Request (checked)."""
     req = Request()
-    for name in _PLAIN_NAMES:
-        if name in kw:
+    for group in groups:
+        for name in _PLAIN_NAMES.get(group, ()):
             setattr(req, name, kw.pop(name))
     if "sampling" in groups or "penalties" in groups:
         from kvcli.generate import Sampling  # noqa: PLC0415
