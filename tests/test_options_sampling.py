@@ -147,3 +147,12 @@ def test_options_outside_the_groups_stay_with_the_command(cli_runner, tmp_path):
     m = write_tiny_llama(tmp_path / "m.gguf", n_layer=1)
     r = cli_runner.invoke(cli, ["check", "--model", str(m), "--threshold", "bogus=1"])
     assert r.exit_code == 2 and "unknown threshold" in r.output
+
+
+def test_run_out_into_a_missing_folder_is_refused_first(run_kvcli, tmp_path):
+    """Found by the fuzz harness (seed 1): --out into a missing folder was an internal error after generating."""
+    (tmp_path / "adir").mkdir()
+    for out in (tmp_path / "adir" / "x" / "y", tmp_path / "adir"):
+        r = run_kvcli("run", "Hi", "--out", out, input="Ferries leave at nine.")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("kvcli: error: --out:"), \
+            r.stderr

@@ -24,12 +24,26 @@ def open_session(engine: str, model: str | None, **kw):
     raise KvcliError(f"unknown engine '{engine}'")
 
 
+def check_writable(path: str) -> None:
+    """Refuse an --out path that cannot be written, before any work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise KvcliError(f"--out: {path} is a directory")
+    if not os.path.isdir(folder):
+        raise KvcliError(f"--out: cannot write {path}: folder {folder} does not exist")
+
+
 def write_atomic(path: str, text: str) -> None:
     """Write through a temporary file and rename, so an interruption never leaves half a file."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise KvcliError(f"--out: cannot write {path}: {e.strerror}") from None
 
 
 @click.command("run")
@@ -58,6 +72,8 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, eng
 
     if not instruction.strip():
         raise KvcliError("the instruction is empty")
+    if out_path:
+        check_writable(out_path)
     model = model or config.get("model")
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     sampler = req.sampler()
