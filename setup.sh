@@ -13,6 +13,7 @@ PIP="$VPY -m pip install --quiet --disable-pip-version-check"
 
 echo "== installing Python dependencies (torch is pinned to its CPU wheel)" >&2
 $PIP -r requirements.txt
+$PIP -r requirements-ray.txt   # optional for users (kvcli batch --ray, pip install 'kvcli[ray]'); the tests use it
 $PIP --no-deps -e .
 
 echo "== installing llama-cpp-python bindings without their own llama.cpp build" >&2

@@ -9,7 +9,12 @@ For each document and configuration, in a fresh native session sized for that do
    every configuration decodes the same tokens: decode tok/s (median of `repeat` runs, min-max; the
    generated tokens are removed from the cache between runs), greedy agreement (share of steps whose
    argmax equals the full cache's token) and mean next-token KL(full || this) over those steps;
-4. peak RSS of the process over the whole measurement (VmHWM, reset before each configuration).
+4. peak memory of the configuration as a user would pay it: `kvcli run` of the same document, instruction,
+   policy, budget, cache type, chunking and `gen` tokens in a fresh child process, whose own peak RSS (from
+   the OS) and allocated KV buffer are reported (`peak_rss_bytes`, `kv_bytes_allocated`), so no row shows a
+   saving the process does not have; next to the cells held (`kv_bytes`, as wide as the widest layer), the
+   bytes of the live entries alone (`kv_bytes_live`, what a ragged per-layer layout would hold) and the
+   budget's own (`kv_bytes_budget`: budget x the bytes of one cell).
 
 Decoding continues past an end-of-generation token, so every configuration decodes exactly `gen`.
 
@@ -25,6 +30,8 @@ A policy or cache type that cannot run is reported with the reason, never left o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.evaluation.measure import kl, log_softmax, machine, peak_rss_bytes, reset_peak_rss, spread
+from kvcli.evaluation.measure import kl, log_softmax, machine, spread
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -197,7 +204,6 @@ class Bench:
         if why:
             row["status"] = why
             return row
-        rss_reset = reset_peak_rss()
         n = len(doc.tokens)
         chunking = None
         try:
@@ -221,12 +227,11 @@ class Bench:
                 "prefill_s": rep.prefill_s, "prefill_tok_s": n / rep.prefill_s if rep.prefill_s > 0 else None,
                 "compress_s": rep.compress_s,
                 "compress_share": rep.compress_s / (rep.prefill_s + rep.compress_s),
-                "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"], "kv_bytes_full": st["kv_bytes_full"],
-                "per_layer_cells": st["per_layer_cells"], **rep.as_stats(),
+                **self._cache_figures(session, cfg), **rep.as_stats(),
             })
             if rep.note:
                 row["note"] = rep.note
-            self._decode_and_score(session, row, cfg, doc, first, rss_reset)
+            self._decode_and_score(session, row, cfg, doc, first)
             row["status"] = "ok"
         except KvcliError as e:
             row["status"] = f"error: {e}"
@@ -236,9 +241,15 @@ class Bench:
             session.close()
         return row
 
-    def _decode_and_score(self, session, row: dict, cfg: Config, doc: Doc, first, rss_reset: bool,
-                          peak_floor: int | None = None) -> None:
-        """Decode repeats, quality against the baseline, peak RSS, and (for --batch) the saved state."""
+    def _cache_figures(self, session, cfg: Config) -> dict:
+        """Cells and bytes of sequence 0, measured from the live cache, and the budget's bytes."""
+        st = session.stats(0)
+        return {"kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"], "kv_bytes_full": st["kv_bytes_full"],
+                "kv_bytes_live": st["kv_bytes_live"], "per_layer_cells": st["per_layer_cells"],
+                "kv_bytes_budget": None if cfg.budget is None else cfg.budget * session.bytes_per_cell()}
+
+    def _decode_and_score(self, session, row: dict, cfg: Config, doc: Doc, first) -> None:
+        """Decode repeats, quality against the baseline, and (for --batch) the saved state."""
         n = len(doc.tokens)
         ref = self.refs.get(doc.name)
         tok_s, logps = [], None
@@ -260,10 +271,7 @@ class Bench:
             agree = [int(np.argmax(lp)) == t for lp, t in zip(logps, ref.tokens)]
             row["agreement"] = float(np.mean(agree))
             row["kl_mean"] = float(np.mean([kl(a, b) for a, b in zip(ref.logp, logps)]))
-        peak = peak_rss_bytes()
-        row["peak_rss_bytes"] = max(peak, peak_floor) if (peak and peak_floor) else peak
-        row["peak_rss_scope"] = "configuration" if rss_reset else "process"
-        if self.batch:  # saved after the RSS reading, to a file: the copy must not count in any peak
+        if self.batch:  # saved to a file, to be loaded by the batch test
             self.states[(cfg, doc.name)] = {"path": self._save_state(session, cfg, doc), "next_pos": n,
                                             "first": int(np.argmax(first)), "prompt_tokens": n}
 
@@ -303,7 +311,6 @@ class Bench:
 
     def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache) -> None:
         n = len(doc.tokens)
-        rss_reset = reset_peak_rss()
         try:
             session = self._session(ct, context_cells(n, self.gen, n_ctx_train))
         except KvcliError as e:
@@ -319,7 +326,6 @@ class Bench:
                 if obs is None and any(p for _, p in members):  # nothing armed: positions are all a plan needs
                     obs = cache.read_observation(session.ctx, 0, session.info, ())
                 first = session.logits(0)
-                prefill_peak = peak_rss_bytes()
                 if len(members) > 1:
                     state = session.save_seq(0)
             except Exception as e:
@@ -332,19 +338,16 @@ class Bench:
                 try:
                     if i:
                         session.restore_seq(state, 0)
-                    rss_reset = reset_peak_rss()
                     t1 = time.perf_counter()
                     if prep is not None:
                         spec, params, k, wi = prep
                         sub = _sub_observation(obs, k, wi)
                         session.apply_plan(make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
                     compress_s = time.perf_counter() - t1
-                    st = session.stats(0)
                     row.update({"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "prefill_shared_by": len(members),
                                 "compress_s": compress_s, "compress_share": compress_s / (prefill_s + compress_s),
-                                "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
-                                "kv_bytes_full": st["kv_bytes_full"], "per_layer_cells": st["per_layer_cells"]})
-                    self._decode_and_score(session, row, cfg, doc, first, rss_reset, peak_floor=prefill_peak)
+                                **self._cache_figures(session, cfg)})
+                    self._decode_and_score(session, row, cfg, doc, first)
                     row["status"] = "ok"
                 except KvcliError as e:
                     row["status"] = f"error: {e}"
@@ -362,6 +365,33 @@ class Bench:
         path.write_bytes(cache.get_state(session.ctx, 0))
         return path
 
+    # -------------------------------------------------------------------------- peak memory, in a fresh process
+    def measure_memory(self, row: dict, doc: Doc) -> None:
+        """Peak RSS and allocated KV buffer of the row's configuration in a fresh child process: `kvcli run` of
+        the same prompt, policy, budget, cache type and chunking, decoding `gen` tokens. A child that fails
+        turns the row into an error: a memory figure is measured or absent, never guessed."""
+        chunk = self.chunk if self.chunk and row["policy"] != "full" else 0   # 0: one prefill, as the row's
+        cmd = [sys.executable, "-m", "kvcli.cli", "run", "--doc", "-", "--model", self.model_path,
+               "--policy", row["policy"], "--cache-type", row["cache_type"], "--max-tokens", str(self.gen),
+               "--system", "", "--chunk", str(chunk), "--chunk-scoring", self.chunk_scoring, "--json", "--quiet"]
+        if row["budget"] is not None:
+            cmd += ["--budget", str(row["budget"])]
+        for k, v in self.policy_args.get(row["policy"], {}).items():
+            cmd += ["--policy-arg", f"{k}={v}"]
+        import kvcli  # noqa: PLC0415 (the child runs this same kvcli, wherever it was imported from)
+        here = str(Path(kvcli.__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+                   **({"KVCLI_THREADS": str(self.threads)} if self.threads else {}))
+        r = subprocess.run(cmd + ["--", self.instruction], input=doc.text.encode("utf-8"), capture_output=True,
+                           env=env)
+        if r.returncode != 0:
+            why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+            row["status"] = f"error: the peak-memory run failed: {why}"
+            return
+        stats = json.loads(r.stdout)["stats"]
+        row.update(peak_rss_bytes=stats["peak_rss_bytes"], kv_bytes_allocated=stats["kv_bytes_allocated"],
+                   peak_rss_scope="fresh process (kvcli run)")
+
     # -------------------------------------------------------------------------- equal-memory batch
     def measure_batch(self, cfg: Config, rows: list[dict]) -> dict:
         out = {"policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type, "config": cfg.label,
@@ -371,19 +401,21 @@ class Bench:
         if bad or not mine:  # the same reason as the per-document rows
             out["status"] = bad[0]["status"] if bad else "not measured"
             return out
+        from kvcli.batching import Lockstep  # noqa: PLC0415
         from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
         states = [self.states[(cfg, d.name)] for d in self.docs]
         session = self._session(cfg.cache_type, self.ctx, n_seq=self.batch)
         try:
             held, cells = [], 0
+            lockstep = Lockstep(session, reserve=self.gen)  # every held sequence keeps room for its `gen` tokens
             for i in range(self.batch):
                 s = states[i % len(states)]
                 need = [r for r in mine if r["doc"] == self.docs[i % len(states)].name][0]["kv_cells"]
-                # every held sequence needs room for its own `gen` decoded tokens
-                if cells + need + self.gen * (len(held) + 1) > session.n_ctx:
+                if not lockstep.fits(need):
                     break
                 cells += session.restore_seq(SeqSnapshot(state=s["path"].read_bytes(), next_pos=s["next_pos"],
                                                          cells=need, prompt_tokens=s["prompt_tokens"]), i)
+                lockstep.hold(i)
                 held.append((i, s["first"]))
             out["ctx"] = session.n_ctx  # llama.cpp may round the requested size up
             out["docs_held"] = len(held)
@@ -395,7 +427,7 @@ class Bench:
             toks = {i: t for i, t in held}
             t0 = time.perf_counter()
             for _ in range(self.gen):
-                session.step(toks)
+                lockstep.step(toks)
                 toks = {i: int(np.argmax(session.logits(i))) for i, _ in held}
             dt = time.perf_counter() - t0
             out["decode_s"] = dt
@@ -435,6 +467,11 @@ class Bench:
                 row = self.measure(cfg, doc, n_ctx_train)
                 rows.append(row)
                 self.log("  " + short_line(row))
+        for doc in self.docs:
+            for r in rows:
+                if r["doc"] == doc.name and r.get("status") == "ok":
+                    self.log(f"{doc.name}: peak memory of {r['config']} in a fresh process")
+                    self.measure_memory(r, doc)
         base = {r["doc"]: r for r in rows if r["config"] == Config("full", None, "f16").label}
         for r in rows:
             b = base.get(r["doc"])
@@ -507,7 +544,8 @@ def batch_line(b: dict) -> str:
 def table(result: dict) -> str:
     """The terminal table: one line per document x configuration, then the batch table."""
     head = (f"{'doc':<18} {'config':<22} {'prefill':>8} {'comp%':>6} {'decode tok/s (min-max)':>24} "
-            f"{'cells':>6} {'KV MB':>7} {'xfull':>6} {'RSS MB':>7} {'agree':>6} {'KL':>7}")
+            f"{'cells':>6} {'KV MB':>7} {'xfull':>6} {'live MB':>7} {'alloc MB':>8} {'peak MB':>7} {'agree':>6} "
+            f"{'KL':>7}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         doc = f"{r['doc'][:12]}({r['prompt_tokens']})"
@@ -517,7 +555,8 @@ def table(result: dict) -> str:
         dec = f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
         lines.append(f"{doc:<18} {r['config']:<22} {r['prefill_tok_s']:>8.1f} {100 * r['compress_share']:>6.1f} "
                      f"{dec:>24} {r['kv_cells']:>6} {r['kv_bytes'] / 1e6:>7.2f} "
-                     f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}'):>6} {_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}'):>7} "
+                     f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}'):>6} {r['kv_bytes_live'] / 1e6:>7.2f} "
+                     f"{r['kv_bytes_allocated'] / 1e6:>8.2f} {_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}'):>7} "
                      f"{_f(r['agreement'] and 100 * r['agreement'], '{:.0f}%'):>6} {_f(r['kl_mean'], '{:.3f}'):>7}")
     if result.get("batch"):
         s = result["settings"]
@@ -537,7 +576,8 @@ def table(result: dict) -> str:
 CSV_FIELDS = ["doc", "prompt_tokens", "policy", "budget", "cache_type", "status", "prefill_tok_s", "prefill_s",
               "compress_s", "compress_share", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max",
               "decode_repeats", "kv_cells", "kv_bytes", "kv_bytes_full", "kv_bytes_vs_full",
-              "decode_speedup_vs_full", "peak_rss_bytes", "agreement", "kl_mean", "note"]
+              "decode_speedup_vs_full", "kv_bytes_live", "kv_bytes_budget", "kv_bytes_allocated", "peak_rss_bytes",
+              "agreement", "kl_mean", "note"]
 
 
 def write_csv(result: dict, path: str) -> None:

@@ -37,6 +37,8 @@ GENERIC_SUFFIX = "Read the document above carefully: questions about it follow."
 CTX_PAD = 256
 TURN_ROOM = 2048          # cells (and positions) kept free for the conversation after the prefix
 AWARE, AGNOSTIC = "question-aware", "question-agnostic"
+# the memory figures every --json output carries (run, chat, compress): docs/internals.md, "Memory figures"
+MEMORY_STATS = ("kv_bytes_allocated", "kv_cells_allocated", "kv_bytes_live", "peak_rss_bytes")
 
 
 class ContextFullError(KvcliError):
@@ -193,6 +195,10 @@ class Conversation:
         than the context allows."""
         from kvcli import compress  # noqa: PLC0415
         chunking = self.chunking()
+        if self.session.ctx is not None and self.session.n_ctx < chunking.n_ctx:
+            # the context was fitted to an earlier compressed prefix (or a .kvc file): reading needs more
+            self.session.clear(self.seq)
+            self.session.resize_context(chunking.n_ctx)
         self.ensure_context()
         if chunking.chunk is None and len(self.prefix_tokens) > self.session.n_ctx:
             raise KvcliError(f"the prompt is {len(self.prefix_tokens)} tokens but this context holds "
@@ -211,8 +217,18 @@ class Conversation:
         if self.report.plan is not None:
             from kvcli.native import cache  # noqa: PLC0415
             cache.set_header(self.session.ctx, self.seq, self.policy, int(self.budget), len(self.prefix_tokens))
+            self.fit_context()
         self._at_prefix()
         return self.report
+
+    def fit_context(self) -> None:
+        """Give back the cells the document needed and the compressed prefix does not: the context is
+        reallocated for what the session holds + TURN_ROOM (NativeSession.resize_context), so a long-lived
+        conversation does not keep a KV buffer sized for the whole document."""
+        s = self.session
+        want = min(-(-(s.cells_used() + TURN_ROOM) // CTX_PAD) * CTX_PAD, s.n_ctx_train)
+        if want < s.n_ctx:
+            s.resize_context(want)
 
     def _at_prefix(self) -> None:
         self.tail = "assistant" if self.question else "user"
@@ -305,13 +321,14 @@ class Conversation:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
+        from kvcli.evaluation.measure import peak_rss_bytes  # noqa: PLC0415
         from kvcli.native import cache  # noqa: PLC0415
         info = self.session.info
         s = self.session.stats(self.seq)
         live = cache.stats(self.session.ctx, self.seq, info.n_layer, info.n_head_kv)
         s.update(live_entries=live["live_entries"], per_head_entries=live["per_head_entries"],
                  k_bytes=live["k_bytes"], v_bytes=live["v_bytes"], bias_bytes=live["bias_bytes"],
-                 next_pos=self._st().next_pos, n_ctx=self.session.n_ctx)
+                 next_pos=self._st().next_pos, n_ctx=self.session.n_ctx, peak_rss_bytes=peak_rss_bytes())
         return s
 
     def summary_line(self) -> str:
@@ -340,6 +357,9 @@ class Conversation:
         rows = [f"sequence: {s['kv_cells']} cells held, next position {s['next_pos']}, context "
                 f"{self.session.cells_used()}/{s['n_ctx']} cells; {s['kv_bytes'] / 1e6:.2f} MB of "
                 f"{s['kv_bytes_full'] / 1e6:.2f} MB uncompressed; {len(self.turns)} turn(s) since the document",
+                f"memory: KV buffer allocated {s['kv_bytes_allocated'] / 1e6:.2f} MB ({s['kv_cells_allocated']} cells); "
+                f"live entries {s['kv_bytes_live'] / 1e6:.2f} MB; process peak RSS "
+                + ("not measured" if s["peak_rss_bytes"] is None else f"{s['peak_rss_bytes'] / 1e6:.0f} MB"),
                 f"{'layer':>5} {'live cells':>10} {'entries per KV head':>22} {'bytes':>10}"]
         for il in range(info.n_layer):
             heads = " ".join(str(x) for x in s["per_head_entries"][il])
@@ -408,8 +428,9 @@ class Conversation:
         c = m["conversation"]
         if conv.prefix_tokens != session.tokenize(conv.prefix_text()):
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
-        session.create_context(max(conv.chunking().n_ctx, min(session.n_ctx_train,
-                                                               -(-(c["cells"] + TURN_ROOM) // CTX_PAD) * CTX_PAD)))
+        # sized for what the file holds + TURN_ROOM, not for the document it was compressed from
+        # (recompressing with /policy or /budget reallocates for the document first)
+        session.create_context(min(session.n_ctx_train, -(-(int(c["cells"]) + TURN_ROOM) // CTX_PAD) * CTX_PAD))
         conv.model_s = time.perf_counter() - t1
         t2 = time.perf_counter()
         snap = SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
@@ -520,10 +541,12 @@ class Repl:
         self.n_answers += 1
         if self.jsonl:
             import json  # noqa: PLC0415
+            s = self.conv.stats()
             self._write(json.dumps({"question": question, "answer": gen.text, "stopped": gen.stopped,
                                     "prompt_tokens": pos0 + self.conv.turns[-1].tokens_in,
                                     "generated_tokens": len(gen.tokens), "kv_cells": self.conv._st().cells,
-                                    "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None},
+                                    "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
+                                    **{k: s[k] for k in MEMORY_STATS}},
                                    ensure_ascii=False) + "\n")
         else:
             self._write("\n")

@@ -61,8 +61,11 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
     """Decide chunked or not, and the context size.
 
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
-    `chunk`: None = automatic (on when the prompt does not fit the model's context or `max_cache`),
-    0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
+    `chunk`: None = automatic, 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
+    Automatic (bounded reading by default): a compressing policy reads in chunks of DEFAULT_CHUNK whenever
+    the prompt is longer than budget + DEFAULT_CHUNK, so the cache never holds more than that, whatever the
+    document's length; and any policy reads in chunks when the prompt does not fit the model's context or
+    `max_cache`. A prompt of at most budget + DEFAULT_CHUNK tokens is read in one go.
     """
     if chunk is not None and chunk < 0:
         raise KvcliError(f"--chunk must be >= 0 (got {chunk}); 0 turns chunked prefill off")
@@ -81,7 +84,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
                              "and --budget to read it in chunks")
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
-    if chunk == 0 or (chunk is None and fits):
+    bounded = budget is not None and n_prompt > budget + DEFAULT_CHUNK   # bounded reading by default
+    if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
                              "in chunks")
@@ -101,7 +105,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     n_ctx = max_cache if max_cache else min(_pad(budget + chunk + reserve), n_ctx_train)
-    why = "the prompt does not fit the context" if not fits else f"--chunk {chunk}"
+    why = "the prompt does not fit the context" if not fits else "bounded reading (the default with a budget)" \
+        if bounded and not max_cache else f"--chunk {chunk}"
     return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)
 
 

@@ -129,6 +129,8 @@ class TokenPicker:
             self.L.llama_sampler_free(self.chain)
             self.chain = None
 
+    __del__ = close
+
 
 _VOCABS: dict[str, object] = {}
 

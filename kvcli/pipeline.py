@@ -94,6 +94,8 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     stats.update({"prefill_s": round(report.prefill_s, 4), "compress_s": round(report.compress_s, 4),
                   "decode_s": round(gen.decode_s, 4),
                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None})
+    from kvcli.evaluation.measure import peak_rss_bytes  # noqa: PLC0415
+    stats["peak_rss_bytes"] = peak_rss_bytes()   # the process's peak, from the OS (VmHWM)
     if report.note:
         stats["note"] = report.note
     if report.params and "task" in report.params:

@@ -89,6 +89,24 @@ def test_bench_rows_structure_and_baseline(result):
                 assert x["peak_rss_bytes"] > 0
 
 
+def test_bench_peak_memory_comes_from_a_fresh_process(result):
+    """Issue #19: the peak-memory column is each configuration's own `kvcli run` in a fresh child process, next
+    to the KV buffer it allocated, the live entries' bytes and the budget's bytes."""
+    rows = result[0]["rows"]
+    for x in rows:
+        if x["status"] != "ok":
+            continue
+        assert x["peak_rss_scope"] == "fresh process (kvcli run)"
+        assert x["peak_rss_bytes"] > x["kv_bytes_allocated"] > 0
+        assert 0 < x["kv_bytes_live"] <= x["kv_bytes"]
+        if x["budget"] is not None:
+            cell = x["kv_bytes_full"] // (x["prompt_tokens"])   # bytes of one cell at this cache type
+            assert x["kv_bytes_budget"] == x["budget"] * cell
+    for doc in ("doc0.txt", "doc1.txt"):   # a q8_0 buffer is smaller than an f16 one of the same cells
+        assert _row(rows, doc, "full", None, "q8_0")["kv_bytes_allocated"] < \
+            _row(rows, doc, "full", None, "f16")["kv_bytes_allocated"]
+
+
 def test_bench_memory_falls_with_budget_and_cache_type(result):
     rows = result[0]["rows"]
     for doc in ("doc0.txt", "doc1.txt"):

@@ -10,8 +10,25 @@ from kvcli.plan import Plan
 
 
 def test_a_prompt_that_fits_is_read_in_one_go():
-    c = plan_chunking(3000, 256, 8192, "snapkv", 256)
+    # issue #19 changed the default: with a budget, a prompt longer than budget + DEFAULT_CHUNK is read in
+    # bounded chunks (next test); --chunk 0 or a prompt within budget + DEFAULT_CHUNK reads in one go
+    c = plan_chunking(3000, 256, 8192, "snapkv", 256, chunk=0)
     assert c.chunk is None and c.n_ctx == 3328 and c.cap is None
+    c = plan_chunking(256 + DEFAULT_CHUNK, 256, 8192, "snapkv", 256)
+    assert c.chunk is None and c.n_ctx == 1536
+    c = plan_chunking(3000, 256, 8192, "full", None)
+    assert c.chunk is None and c.n_ctx == 3328
+
+
+def test_a_budget_bounds_the_reading_by_default():
+    """Bounded reading: the cache never holds more than budget + DEFAULT_CHUNK cells, whatever the length, and
+    --max-cache stays the explicit bound (a prompt within it is read in one go)."""
+    for n in (256 + DEFAULT_CHUNK + 1, 3000, 7000):
+        c = plan_chunking(n, 256, 8192, "snapkv", 256)
+        assert c.chunk == DEFAULT_CHUNK and c.cap == 256 + DEFAULT_CHUNK and c.n_ctx == 1536
+        assert "bounded" in c.why
+    c = plan_chunking(3000, 256, 8192, "snapkv", 256, max_cache=4000)
+    assert c.chunk is None and c.n_ctx == 3328
 
 
 def test_a_prompt_longer_than_the_context_is_chunked_by_itself():

@@ -28,6 +28,7 @@ def compress_cmd(req: Request, docs, out_path, model, question, system, force, q
     """Compress a document once and save it (kvcli chat --cache / kvcli run --cache load it in well under a second)."""
     from pathlib import Path  # noqa: PLC0415
 
+    from kvcli.chat import MEMORY_STATS  # noqa: PLC0415
     from kvcli.commands.chat import open_conversation  # noqa: PLC0415
 
     out = Path(out_path).expanduser()
@@ -50,7 +51,8 @@ def compress_cmd(req: Request, docs, out_path, model, question, system, force, q
         click.echo(json.dumps({
             "file": str(out), "file_bytes": size, "model": conv.session.model_path, "policy": conv.policy,
             "budget": conv.budget, "mode": conv.mode, "original_tokens": len(conv.prefix_tokens),
-            "stats": {k: s[k] for k in ("kv_cells", "kv_bytes", "kv_bytes_full", "per_layer_cells", "live_entries")}
+            "stats": {k: s[k] for k in ("kv_cells", "kv_bytes", "kv_bytes_full", "per_layer_cells", "live_entries",
+                                        *MEMORY_STATS)}
             | conv.report.as_stats()
             | {"prefill_s": round(conv.report.prefill_s, 4), "compress_s": round(conv.report.compress_s, 4),
                "save_s": round(save_s, 4)},

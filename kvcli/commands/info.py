@@ -22,6 +22,19 @@ def native_identity() -> dict:
     return ident
 
 
+def attention_paths() -> dict:
+    """The attention path compressed layers take with this library and machine (native/src/README.md,
+    "CUDA"): the KV cache sits on a GPU when the library has one (kvcli offloads every layer)."""
+    import llama_cpp  # noqa: PLC0415
+    from kvcli.native.lib import attn_path  # noqa: PLC0415
+    on_cpu = not llama_cpp.llama_supports_gpu_offload()
+    out = {"kv_cache_device": "CPU" if on_cpu else "GPU", "setting": os.environ.get("KVCLI_ATTN_PATH") or "auto"}
+    for key, fa in (("flash_attn", True), ("no_flash_attn", False)):
+        path, why = attn_path(fa, on_cpu)
+        out[key] = {"path": path, "why": why}
+    return out
+
+
 def calibration_of(path) -> tuple[dict | None, str]:
     """The model's calibration (kvcli.calibration.store.find: inside the model, side-car, user cache or
     shipped) as JSON and as one line; a refused or corrupted one is shown with its reason, not hidden."""
@@ -46,6 +59,7 @@ def info_cmd(model, as_json):
     info = read_model_info(path).as_dict()
     calib, calib_text = calibration_of(path)
     out = {"model": info, "native": native_identity(), "calibration": calib}
+    out["native"]["compressed_attention"] = attn = attention_paths()
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))
         return
@@ -60,6 +74,8 @@ def info_cmd(model, as_json):
         ("llama.cpp commit", n["llama_commit"]), ("build flags", n["build_flags"]),
         ("patched library", f"{'yes' if n['patched'] else 'NO'} ({n['library']})"),
         ("llama-cpp-python", n["llama_cpp_python"]), ("system", n["system_info"]),
+        ("compressed attention", f"{attn['flash_attn']['path']} with flash attention (kvcli's default; "
+                                 f"{attn['flash_attn']['why']}), {attn['no_flash_attn']['path']} without"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

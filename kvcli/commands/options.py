@@ -36,6 +36,10 @@ model_option = click.option("--model", "-m", metavar="PATH.gguf", default=None,
                             help="GGUF model (llama architecture). Default: $KVCLI_MODEL, else the bundled "
                                  "SmolLM2-135M-Instruct Q4_1.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
+                              help="CPU threads of llama.cpp. Default: $KVCLI_THREADS, else the CPUs this process "
+                                   "may use (affinity, cgroup quota). On a busy machine fewer threads are faster: "
+                                   "ggml's threads spin at every node while one waits for a core.")
 
 chunk_scoring_option = click.option(
     "--chunk-scoring", type=click.Choice(["question", "chunk"]), default="question", show_default=True,
@@ -162,8 +166,8 @@ def _group_options(group: str, d: dict) -> list:
         return [click.option("--cache-type", type=click.Choice(d.get("cache_types", CACHE_TYPES)), default="f16",
                              show_default=True, help=d.get("cache_type_help", "llama.cpp KV cache type."))]
     if group == "threads":
-        return [click.option("--threads", type=click.IntRange(1, 1024), default=None,
-                             help=d.get("threads_help", "CPU threads (default: all cores)."))]
+        return [threads_option] if "threads_help" not in d else \
+            [click.option("--threads", type=click.IntRange(1, 1024), default=None, help=d["threads_help"])]
     raise ValueError(f"unknown option group '{group}'")
 
 
@@ -200,6 +204,13 @@ def _request(groups, kw: dict) -> Request:
             raise KvcliError("--budgets is needed for policies other than full")
         req.scoped_args = parse_scoped_args(kw.pop("policy_args"))
     return req
+
+
+def chunk_options(f):
+    """--chunk, --max-cache, --chunk-scoring as plain options (for a command not yet on request_options)."""
+    for opt in reversed(_group_options("chunking", {})):
+        f = opt(f)
+    return f
 
 
 def request_options(*groups: str, **defaults):

@@ -10,6 +10,7 @@ import click
 from kvcli import config
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
+from kvcli.policies.base import parse_policy_args  # noqa: F401 (kvcli batch imports it from here)
 
 
 def open_session(engine: str, model: str | None, **kw):
@@ -20,7 +21,7 @@ def open_session(engine: str, model: str | None, **kw):
         return NativeSession(path, **kw)
     if engine == "reference":
         from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
-        return ReferenceSession(path, **{k: v for k, v in kw.items() if k in ("n_ctx",)})
+        return ReferenceSession(path, **{k: v for k, v in kw.items() if k in ("n_ctx", "n_threads")})
     raise KvcliError(f"unknown engine '{engine}'")
 
 
@@ -53,7 +54,7 @@ def write_atomic(path: str, text: str) -> None:
 @model_option
 @click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
               help="Answer from a compressed document written by kvcli compress (instead of --doc / stdin).")
-@request_options("policy", "sampling", "cache_type", "chunking", max_tokens=256,
+@request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=256,
                  cache_type_help="llama.cpp KV cache type (native engine).")
 @click.option("--system", default=config.default("system"), help="System message.")
 @click.option("--engine", type=click.Choice(["native", "reference"]), default="native", show_default=True)
@@ -86,8 +87,8 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, eng
         result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream)
     else:
         document = read_documents(list(docs))
-        session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type) if engine == "native" \
-            else open_session(engine, model)
+        session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
+            if engine == "native" else open_session(engine, model, n_threads=req.threads)
         result = run_document(session, document, instruction, policy=req.policy, budget=req.budget,
                               policy_args=req.policy_args, max_tokens=req.max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=req.chunk,
@@ -117,19 +118,20 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, eng
 
 def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
     """Load a .kvc file and answer one question after its compressed document (and conversation)."""
-    from kvcli.chat import Conversation  # noqa: PLC0415
+    from kvcli.chat import MEMORY_STATS, Conversation  # noqa: PLC0415
     from kvcli.pipeline import RunResult  # noqa: PLC0415
     conv = Conversation.from_kvc(cache_path, model=model)
     pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
-    s = conv.session.stats(conv.seq)
+    s = conv.stats()
     stats = {"prompt_tokens": pos0 + conv.turns[-1].tokens_in,
              "generated_tokens": len(gen.tokens),
              "kv_cells": s["kv_cells"], "kv_bytes": s["kv_bytes"], "kv_bytes_full": s["kv_bytes_full"],
              "per_layer_cells": s["per_layer_cells"], "prefill_s": round(s.get("prefill_s", 0.0), 4),
              "compress_s": 0.0, "decode_s": round(gen.decode_s, 4),
              "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
-             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode, "original_tokens": len(conv.prefix_tokens)}
+             "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode,
+             "original_tokens": len(conv.prefix_tokens), **{k: s[k] for k in MEMORY_STATS}}
     return RunResult(answer=gen.text, model=str(conv.session.model_path), policy=conv.policy, budget=conv.budget,
                      stats=stats, stopped=gen.stopped)
 

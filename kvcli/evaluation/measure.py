@@ -16,19 +16,8 @@ from kvcli.errors import KvcliError
 
 
 # ------------------------------------------------------------------------------ memory
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) so the next reading covers only what follows.
-    Linux only (writing 5 to /proc/self/clear_refs); False where it cannot be reset."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_rss_bytes() -> int | None:
-    """Peak resident set size of this process since start or the last reset_peak_rss()."""
+    """Peak resident set size of this process since it started (VmHWM; getrusage where /proc is missing)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -45,6 +34,7 @@ def peak_rss_bytes() -> int | None:
 
 def machine(threads: int | None = None) -> dict:
     """Where the numbers come from: CPU model, cores, threads used, OS, Python, library build."""
+    from kvcli.native.session import default_threads  # noqa: PLC0415
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -62,7 +52,7 @@ def machine(threads: int | None = None) -> dict:
         pass
     out = {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "os": platform.platform(),
            "python": platform.python_version(),
-           "threads": threads or int(os.environ.get("KVCLI_THREADS", 0)) or os.cpu_count()}
+           "threads": threads or default_threads()}
     try:
         from kvcli.native import build_info  # noqa: PLC0415
         info = build_info()

@@ -27,7 +27,7 @@ import ctypes
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.native.lib import F32P, I32P, StateHeader, Stats, lib, plan_view
+from kvcli.native.lib import F32P, I32P, Memory, StateHeader, Stats, lib, plan_view
 from kvcli.plan import Observation, Plan
 
 OBS_WINDOW = 1
@@ -184,6 +184,15 @@ def stats(ctx, seq: int, n_layer: int, n_head_kv: int) -> dict:
     return {"n_cells": int(s.n_cells), "k_bytes": int(s.k_bytes), "v_bytes": int(s.v_bytes),
             "bias_bytes": int(s.bias_bytes), "live_entries": int(s.live_entries),
             "per_layer_cells": plc.tolist(), "per_head_entries": phe.tolist()}
+
+
+def memory(ctx) -> dict:
+    """What the context's KV cache has allocated, whatever it holds (kvcli_memory_get): the cells it was
+    sized for, its K/V buffer bytes and kvcli's slot-bias buffer bytes, as the backend buffers report them."""
+    L = lib()
+    m = Memory()
+    L.check(L.kvcli_memory_get(_ctx(ctx), ctypes.byref(m)), "reading the cache's allocation")
+    return {"kv_size": int(m.kv_size), "kv_bytes": int(m.kv_bytes), "bias_bytes": int(m.bias_bytes)}
 
 
 # ------------------------------------------------------------------------------ headers

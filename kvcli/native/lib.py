@@ -6,6 +6,7 @@ that function is used, not at import.
 from __future__ import annotations
 
 import ctypes
+import os
 from ctypes import POINTER, c_char, c_char_p, c_float, c_int32, c_int64, c_void_p
 
 import numpy as np
@@ -44,6 +45,10 @@ class Stats(ctypes.Structure):
                 ("bias_bytes", c_int64), ("live_entries", c_int64)]
 
 
+class Memory(ctypes.Structure):
+    _fields_ = [("kv_size", c_int32), ("kv_bytes", c_int64), ("bias_bytes", c_int64)]
+
+
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "kvcli_version": (c_char_p, []),
@@ -67,6 +72,9 @@ _SIGNATURES = {
     "kvcli_seq_set_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
     "kvcli_seq_get_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
     "kvcli_stats_get": (c_int32, [c_void_p, c_int32, POINTER(Stats), I32P, I32P]),
+    "kvcli_memory_get": (c_int32, [c_void_p, POINTER(Memory)]),
+    "kvcli_attn_path_choose": (c_int32, [c_int32, c_int32, c_char_p, c_int32]),
+    "kvcli_attn_path_taken": (c_int32, [c_void_p, c_int32]),
     "kvcli_plan_make": (c_void_p, [c_char_p, c_char_p, c_int32, POINTER(ObsView)]),
     "kvcli_plan_free": (None, [c_void_p]),
     "kvcli_plan_get": (c_int32, [c_void_p, POINTER(PlanView)]),
@@ -115,6 +123,21 @@ def identity() -> dict:
     L = lib()
     return {"version": L.kvcli_version().decode(), "llama_commit": L.kvcli_llama_commit().decode(),
             "build_flags": L.kvcli_build_flags().decode(), "state_format": int(L.kvcli_state_format())}
+
+
+ATTN_PATHS = {1: "mask", 2: "split"}  # kvcli_attn_path_kind
+
+
+def attn_path(flash_attn: bool, cache_on_cpu: bool) -> tuple[str, str]:
+    """The attention path of a compacted cache's layers (native/src/README.md, "CUDA") and why, from
+    $KVCLI_ATTN_PATH, the flash-attention setting and where the cache lives; a bad $KVCLI_ATTN_PATH is a
+    KvcliError."""
+    L = lib()
+    why = ctypes.create_string_buffer(256)
+    rc = L.kvcli_attn_path_choose(int(flash_attn), int(cache_on_cpu), why, len(why))
+    if rc < 0:
+        raise KvcliError(f"{L.last_error()} (got KVCLI_ATTN_PATH={os.environ.get('KVCLI_ATTN_PATH')!r})")
+    return ATTN_PATHS[rc], why.value.decode()
 
 
 def _f32(a: np.ndarray | None):

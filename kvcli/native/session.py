@@ -18,6 +18,7 @@ import numpy as np
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.native import load_llama_cpp
+from kvcli.native.lib import attn_path
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -58,6 +59,8 @@ class NativeSession:
             raise KvcliError("a quantised V cache needs flash attention (llama.cpp's rule)")
         self.cache_type = cache_type
         self.flash_attn = flash_attn
+        # attention path of compacted layers (and why): checks $KVCLI_ATTN_PATH before any model is loaded
+        self.attn_path = attn_path(flash_attn, cache_on_cpu=not L.llama_supports_gpu_offload())
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
@@ -87,7 +90,7 @@ class NativeSession:
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = CACHE_TYPES[cache_type]
         cparams.type_v = CACHE_TYPES[cache_type]
-        threads = n_threads or int(os.environ.get("KVCLI_THREADS", 0)) or (os.cpu_count() or 2)
+        threads = n_threads or default_threads()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cparams)
@@ -101,8 +104,28 @@ class NativeSession:
         self.mem = L.llama_get_memory(self.ctx)
         self._batch = L.llama_batch_init(max(n_batch, n_seq), 0, n_seq)
 
+    def resize_context(self, n_ctx: int) -> None:
+        """Reallocate the context (and its KV buffer) for `n_ctx` cells, keeping every sequence: each is saved
+        (save_seq), the old context freed before the new one is allocated, and each restored. After a
+        compression this gives back the cells a long-lived session no longer needs (the buffer was sized for
+        the whole document). The sequences must fit: their cells are checked before anything is freed."""
+        n_ctx = int(n_ctx)
+        if n_ctx == self.n_ctx:
+            return
+        held = {s: st for s, st in self.seqs.items() if st.cells > 0}
+        need = sum(self.measured_cells(s) for s in held)
+        if need > n_ctx:
+            raise KvcliError(f"cannot resize the context to {n_ctx} cells: its sequences hold {need}")
+        snaps = {s: (self.save_seq(s), dict(st.timings)) for s, st in held.items()}
+        self._free_context()
+        self.seqs.clear()
+        self.create_context(n_ctx)
+        for s, (snap, timings) in snaps.items():
+            self.restore_seq(snap, s)
+            self.seqs[s].timings = timings
+
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def _free_context(self) -> None:
         L = self.L
         if getattr(self, "_batch", None) is not None:
             L.llama_batch_free(self._batch)
@@ -110,6 +133,10 @@ class NativeSession:
         if getattr(self, "ctx", None):
             L.llama_free(self.ctx)
             self.ctx = None
+
+    def close(self) -> None:
+        L = self.L
+        self._free_context()
         if getattr(self, "model", None):
             L.llama_model_free(self.model)
             self.model = None
@@ -348,17 +375,35 @@ class NativeSession:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
         from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
-        live = cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)
+        i = self.info
+        live = cache.stats(self.ctx, seq, i.n_layer, i.n_head_kv)
+        mem = cache.memory(self.ctx)
+        kv_held = live["k_bytes"] + live["v_bytes"]
         return {
             "kv_cells": live["n_cells"],
-            "kv_bytes": live["k_bytes"] + live["v_bytes"] + live["bias_bytes"],
+            "kv_bytes": kv_held + live["bias_bytes"],
             "kv_bytes_full": self.bytes_per_cell() * st.tokens_read,  # every token seen
+            # the K/V bytes of the live entries alone: what a ragged per-(layer, head) layout would hold
+            # (the cells are as wide as the widest layer and head; the rest of their rows are dead)
+            "kv_bytes_live": kv_held * live["live_entries"] // (live["n_cells"] * i.n_layer * i.n_head_kv)
+            if live["n_cells"] else 0,
+            # what the context's KV cache allocated (all sequences, whatever they hold): K/V + slot-bias buffers
+            "kv_bytes_allocated": mem["kv_bytes"] + mem["bias_bytes"],
+            "kv_cells_allocated": mem["kv_size"],
             # cells live in at least one KV head of the layer (cells are shared by all layers)
             "per_layer_cells": live["per_layer_cells"],
             # live entries of each (layer, KV head): a plan's n_kept, plus the tokens decoded since
             "per_head_entries": live["per_head_entries"],
             **{k: round(v, 4) for k, v in st.timings.items()},
         }
+
+    def attn_paths_taken(self) -> list[str | None]:
+        """Per layer, the attention path ("split" or "mask") of the last graph built while a sequence was
+        compacted; None for a layer no such graph was built for yet."""
+        from kvcli.native.lib import ATTN_PATHS, lib  # noqa: PLC0415
+        L = lib()
+        return [ATTN_PATHS.get(L.check(L.kvcli_attn_path_taken(self.ctx, il), "kvcli_attn_path_taken"))
+                for il in range(self.info.n_layer)]
 
     # ------------------------------------------------------------------ rolling back, saving and restoring a sequence
     # (the one place outside prefill/step/apply_plan that changes a SeqState: bench, eval and .kvc loading use these)
@@ -430,6 +475,52 @@ class SeqSnapshot:
     kept_positions: list | None = None
     last_logits: np.ndarray | None = None
     reindexed: int = 0   # SeqState.reindexed: positions re-indexing gave back
+
+
+def default_threads() -> int:
+    """$KVCLI_THREADS, else the CPUs this process may actually use: its affinity mask (taskset, cpusets),
+    capped by a cgroup CPU quota (a container limited to 2 CPUs on a 64-core host sees 64 in os.cpu_count()),
+    and, when the process may use the whole machine, only the cores the 1-minute load average leaves idle
+    (at least one). ggml's threads meet at a barrier after every graph node and spin there: a thread that
+    has to wait for a core stalls the others at each of the ~1,000 nodes of a decode, so threads beyond
+    the idle cores make a run slower, never faster. The count changes no result, only the speed."""
+    env = os.environ.get("KVCLI_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise KvcliError(f"KVCLI_THREADS must be a whole number >= 1 (got '{env}')")
+        return n
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota:
+        return max(1, min(n, quota))
+    if n == os.cpu_count():   # the load average is the whole machine's: only comparable with all of its CPUs
+        try:
+            n = min(n, int(n - os.getloadavg()[0] + 0.5))
+        except OSError:
+            pass
+    return max(1, n)
+
+
+def _cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """CPUs a cgroup v2 quota allows (rounded up), None without a quota."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def _batch_cuts(n: int, n_batch: int, window: int) -> list[int]:

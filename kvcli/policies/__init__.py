@@ -10,6 +10,8 @@ native/src/policies/ and one torch file in kvcli/reference/policies/.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvcli.errors import KvcliError
 from kvcli.policies import compresskv, d2o, dynamickv, full, h2o, pyramidkv, snapkv, spindlekv, streamingllm, \
     windowkv
@@ -40,7 +42,30 @@ def list_text() -> str:
 def explain_text(name: str) -> str:
     from kvcli.chunked import chunked_note  # noqa: PLC0415
     spec = get(name)
-    return f"{spec.explain()}\n\n{chunked_note(spec)}"
+    layout = layout_note(spec.name)
+    return f"{spec.explain()}\n\n{chunked_note(spec)}" + (f"\n\n{layout}" if layout else "")
+
+
+LAYOUT_RECORD = Path(__file__).resolve().parents[1] / "data" / "layout.json"
+
+
+def layout_note(name: str) -> str:
+    """For a policy whose layers keep different counts: the bytes its cache occupies (cells as wide as the
+    widest layer) next to its live entries' and the budget's, as benchmarks/layout.py measured them from its
+    plans (kvcli/data/layout.json). Empty for the policies that keep the budget in every layer."""
+    import json  # noqa: PLC0415
+    rec = json.loads(LAYOUT_RECORD.read_text(encoding="utf-8"))
+    rows = [r for r in rec["rows"] if r["policy"] == name]
+    if not rows:
+        return ""
+    per = "; ".join(f"budget {r['budget']}: {r['cells']} cells, {r['cells_bytes'] / 1e6:.2f} MB held, live entries "
+                    f"{r['live_bytes'] / 1e6:.2f} MB ({100 * (1 - r['ragged_saving']):.0f}%), the budget's "
+                    f"{r['budget_bytes'] / 1e6:.2f} MB" for r in rows)
+    return (f"Memory: the layers keep different counts, and the native cache is as wide as its widest layer, so it "
+            f"occupies more than the budget's bytes. Measured from this policy's plans (benchmarks/layout.py, "
+            f"{rec['model']}, {rec['doc']} of {rec['prompt_tokens']} tokens, f16 cache): {per}. A ragged per-layer "
+            "layout would hold the live entries only; `kvcli bench` and the --json stats report `kv_bytes_live` next "
+            "to `kv_bytes` for your own documents.")
 
 
 def prepare(name: str, policy_args=None, budget: int | None = None,

@@ -286,6 +286,18 @@ class ReferenceSession:
                 for s in st.slots]
 
     # ------------------------------------------------------------------ stats
+    def bytes_allocated(self) -> int:
+        """Bytes of the storage behind every sequence's K, V and slot-bias tensors (the reference cache grows
+        on demand: this is what it holds now, each storage counted once)."""
+        seen = {}
+        for st in self.seqs.values():
+            tensors = [t for layer in st.cache.layers for t in (layer.keys, layer.values) if t is not None]
+            tensors += [s.bias for s in st.slots] if st.compressed else []
+            for t in tensors:
+                u = t.untyped_storage()
+                seen[u.data_ptr()] = u.nbytes()
+        return int(sum(seen.values()))
+
     def stats(self, seq: int = 0) -> dict:
         """Sizes measured from the tensors the cache holds (float32 K and V, float32 bias)."""
         st = self.seq(seq)
@@ -294,7 +306,10 @@ class ReferenceSession:
         bias = sum(s.bias.numel() * s.bias.element_size() for s in st.slots) if st.compressed else 0
         i = self.info
         full = st.tokens_read * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
+        live = sum(int(torch.isfinite(s.bias).sum()) for s in st.slots)   # live (layer, KV head, slot) entries
         return {"kv_cells": st.cells, "kv_bytes": int(kv + bias), "kv_bytes_full": int(full),
+                "kv_bytes_live": live * i.head_dim * 2 * 4,
+                "kv_bytes_allocated": self.bytes_allocated(), "kv_cells_allocated": self.n_ctx,
                 "per_layer_cells": [s.n_live_slots for s in st.slots],
                 **{k: round(v, 4) for k, v in st.timings.items()}}
 

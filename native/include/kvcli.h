@@ -131,6 +131,37 @@ struct kvcli_stats {
 KVCLI_API int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_stats * out,
                                   int32_t * per_layer_cells, int32_t * per_head_entries);
 
+// Memory the context's KV cache has allocated (whatever it holds): the K/V buffers llama.cpp sized for
+// kv_size cells, and kvcli's slot-bias buffers (allocated at the first compaction), in bytes as the
+// backend buffers report them.
+struct kvcli_memory {
+    int32_t kv_size;        // cells the cache was allocated for
+    int64_t kv_bytes;       // K + V buffer bytes (ggml_backend_buffer_get_size over the cache's buffers)
+    int64_t bias_bytes;     // slot-bias buffer bytes (0 before the first compaction)
+};
+KVCLI_API int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out);
+
+// ---------------------------------------------------------------------------------
+// Attention of compacted caches (native/src/README.md, "CUDA")
+// ---------------------------------------------------------------------------------
+enum kvcli_attn_path_kind {
+    // the slot bias in a per-query-head mask [n_kv, n_tokens, n_head] given to llama.cpp's own attention:
+    // with flash attention only the CPU kernel takes such a mask; without it mul_mat + soft_max_ext
+    // take it on every backend
+    KVCLI_ATTN_PATH_MASK  = 1,
+    // flash attention with the KV heads as its outer batch dimension: Q [hd, n_tokens, group, n_head_kv],
+    // K/V [hd, n_kv, 1, n_head_kv], mask [n_kv, n_tokens, 1, n_head_kv] = causal mask + slot bias of
+    // each KV head; every backend's flash-attention kernels take it (flash-attention contexts only)
+    KVCLI_ATTN_PATH_SPLIT = 2,
+};
+// The path the layers of a compacted cache take, from $KVCLI_ATTN_PATH (auto | split | mask; read when
+// a graph is built), the context's flash-attention setting and whether the cache sits on a CPU device.
+// why: a one-line reason (may be NULL). Returns a kvcli_attn_path_kind, or < 0 for a bad $KVCLI_ATTN_PATH.
+KVCLI_API int32_t kvcli_attn_path_choose(int32_t flash_attn, int32_t cache_on_cpu, char * why, int32_t why_size);
+// The kvcli_attn_path_kind that layer il took in the last graph ctx built with a compacted sequence;
+// 0 when none was built yet, < 0 on bad arguments.
+KVCLI_API int32_t kvcli_attn_path_taken(struct llama_context * ctx, int32_t il);
+
 // ---------------------------------------------------------------------------------
 // Planning: a pure function of an observation; needs no model.
 // ---------------------------------------------------------------------------------

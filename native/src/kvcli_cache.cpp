@@ -1388,4 +1388,27 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
     });
 }
 
+int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out) {
+    return guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        if (!out) {
+            throw kvcli_error("out is NULL");
+        }
+        int64_t kv_bytes = 0;
+        for (const auto & [buft, size] : kv->memory_breakdown()) {
+            kv_bytes += (int64_t) size;
+        }
+        int64_t bias_bytes = 0;
+        if (kv->kvcli_ext) {
+            for (const auto & buf : kv->kvcli_ext->bias_bufs) {
+                bias_bytes += buf ? (int64_t) ggml_backend_buffer_get_size(buf.get()) : 0;
+            }
+        }
+        out->kv_size    = (int32_t) kv->get_size();
+        out->kv_bytes   = kv_bytes;
+        out->bias_bytes = bias_bytes;
+        return 0;
+    });
+}
+
 } // extern "C"

@@ -79,6 +79,10 @@ struct kvcli_kv_ext {
     std::vector<std::vector<float>> colsum;          // per model layer: [n_head][kv_size]
     bool                            have_colsum = false;
 
+    // attention path (KVCLI_ATTN_PATH_*) each model layer took in the last graph built with a compacted
+    // sequence (kvcli_attention.cpp); 0 = not built yet
+    std::vector<int8_t> attn_path;
+
     // backends that run the re-indexing (RoPE re-rotation) graph, one per device holding K, made on first use
     std::vector<std::pair<ggml_backend_dev_t, ggml_backend_ptr>> rope_backends;
 };

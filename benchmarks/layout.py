@@ -1,0 +1,95 @@
+"""What a ragged per-layer KV layout would save for the layer-budget policies, measured from their plans.
+
+    python benchmarks/layout.py [DOC] [--budgets 128,256,512] [-o kvcli/data/layout.json]
+
+llama.cpp's cells are shared by all layers and KV heads, so a compacted sequence holds as many cells as
+its widest (layer, KV head) keeps: a policy whose layers keep different counts (pyramidkv, windowkv,
+dynamickv, compresskv, d2o, spindlekv) pays max(n_kept) cells in every layer. For each policy and budget
+this prefills DOC once with the default model (observing what every policy needs), makes each policy's
+native plan and reports, from the plan: the cells held (max n_kept) and their bytes, the live entries
+(sum n_kept) and their bytes (what a ragged layout would hold), and the budget's bytes (budget cells).
+Bytes per cell are the f16 cache's, as llama.cpp stores it. The JSON written with -o is what
+`kvcli policies --explain` quotes (kvcli/data/layout.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcli import policies  # noqa: E402
+from kvcli.bench import _sub_observation  # noqa: E402
+from kvcli.compress import make_plan, resolve_for_model  # noqa: E402
+from kvcli.models import default_model_path  # noqa: E402
+from kvcli.native.session import NativeSession  # noqa: E402
+from kvcli.pipeline import build_prompt  # noqa: E402
+
+LAYER_POLICIES = ("pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
+INSTRUCTION = "What happened at the station? Answer in one sentence."
+
+
+def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES) -> dict:
+    model = default_model_path()
+    s = NativeSession(model, n_ctx=0, cache_type="f16")
+    tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), INSTRUCTION))
+    s.create_context(-(-(len(tokens) + 16) // 256) * 256)
+    specs = {}
+    for name in names:
+        for b in budgets:
+            spec, params = resolve_for_model(model, name, {}, b, INSTRUCTION)
+            specs[name, b] = (spec, params, *spec.observe(params))
+    kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
+    window = max(w for *_, w in specs.values())
+    obs = s.prefill(tokens, seq=0, observe=kinds, window=window)
+    per_cell = s.bytes_per_cell()
+    i = s.info
+    rows = []
+    for (name, b), (spec, params, ks, w) in specs.items():
+        plan = make_plan(spec, params, b, _sub_observation(obs, ks, w), "native")
+        live = int(plan.n_kept.sum())
+        cells = int(plan.max_kept)
+        per_entry = per_cell / (i.n_layer * i.n_head_kv)
+        rows.append({"policy": name, "budget": b, "cells": cells, "live_entries": live,
+                     "budget_entries": b * i.n_layer * i.n_head_kv,
+                     "cells_bytes": cells * per_cell, "live_bytes": int(live * per_entry),
+                     "budget_bytes": b * per_cell,
+                     "layer_widest": int(plan.n_kept.max(axis=1).argmax()),
+                     "ragged_saving": 1 - live / (cells * i.n_layer * i.n_head_kv)})
+    s.close()
+    return {"model": Path(model).name, "doc": doc.name, "prompt_tokens": len(tokens), "cache_type": "f16",
+            "bytes_per_cell": per_cell, "command": "python benchmarks/layout.py " + " ".join(sys.argv[1:]),
+            "measured": time.strftime("%Y-%m-%d"), "rows": rows}
+
+
+def table(res: dict) -> str:
+    out = [f"{res['model']}, {res['doc']} ({res['prompt_tokens']} tokens), f16 cache, "
+           f"{res['bytes_per_cell']:,} bytes per cell",
+           "| policy | budget | cells held | MB held | live entries MB (ragged) | budget MB | ragged saves |",
+           "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['policy']} | {r['budget']} | {r['cells']} | {r['cells_bytes'] / 1e6:.2f} | "
+                   f"{r['live_bytes'] / 1e6:.2f} | {r['budget_bytes'] / 1e6:.2f} | {100 * r['ragged_saving']:.0f}% |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("doc", nargs="?", default="examples/station-log.txt")
+    ap.add_argument("--budgets", default="128,256,512")
+    ap.add_argument("--policies", default=",".join(LAYER_POLICIES))
+    ap.add_argument("-o", "--out", default=None, help="Write the JSON here (kvcli/data/layout.json).")
+    a = ap.parse_args()
+    for name in a.policies.split(","):
+        policies.get(name)
+    res = measure(Path(a.doc), [int(b) for b in a.budgets.split(",")], a.policies.split(","))
+    print(table(res))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""`kvcli batch`: one instruction over many documents, through one model and one shared KV cache.
+
+A `Worker` loads the model once and holds one llama.cpp context of `max_cache` cells (all documents
+together) with up to `parallel` sequences. Documents are admitted in order while they fit
+(kvcli/batching.py: the cells of the prefill peak plus `max_tokens` for the answer, with every held
+document's answer reserved too): each is prefilled into a free sequence and compressed there (read in
+chunks as in `kvcli run` when it is longer than a document may be, kvcli/chunked.py), then all held
+documents decode together, one `llama_decode` per token step. A compressed document occupies a few
+hundred cells instead of thousands, so more of them decode at once in the same memory.
+
+Results go to a JSONL file, one line per document as it finishes (`ResultsFile`): appended, flushed and
+fsynced line by line, so an interruption (Ctrl-C, kill -9) loses at most the documents in flight. Each
+line carries a key (the document's absolute path + its content's SHA-256 + the settings that decide the
+answer); a re-run with the same file skips the keys it holds, and drops a torn last line a kill left.
+A document that fails (unreadable, not text, too long for `full`, ...) gets a line with its error and
+the batch goes on. The same worker runs on every node of a Ray cluster (kvcli/batch_ray.py).
+"""
+from __future__ import annotations
+
+import codecs
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvcli.errors import KvcliError
+
+DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
+MAX_PARALLEL = 64       # sequences of one context when --parallel is not given
+MIN_DOC_CELLS = 64      # a cache that leaves a document fewer cells than this after its answer is refused
+
+
+@dataclass
+class Settings:
+    """Everything a worker needs; `fingerprint` is the part that decides an answer."""
+
+    instruction: str
+    model: str | None = None
+    policy: str = "full"
+    budget: int | None = None
+    policy_args: dict = field(default_factory=dict)
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    system: str | None = None
+    cache_type: str = "f16"
+    chunk: int | None = None
+    chunk_scoring: str = "question"
+    max_cache: int | None = None     # cells of the whole cache (all documents); None: the model's context
+    parallel: int = 0                # most documents held at once; 0: as many as fit (up to MAX_PARALLEL)
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.policy == "full":
+            self.budget = None   # full keeps everything: a budget would only split the resume keys
+
+    def fingerprint(self, model_path) -> str:
+        """A digest of what decides an answer (the model file by name and size, not by where it lies)."""
+        p = Path(model_path)
+        what = {k: v for k, v in asdict(self).items() if k not in ("model", "parallel", "threads")}
+        what["model"] = [p.name, p.stat().st_size]
+        if not self.temperature:
+            what.pop("seed")      # greedy: the seed changes nothing
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_settings(settings: Settings) -> Path:
+    """Input errors before any document is read: the model, the policy and its arguments. Returns the
+    model's path."""
+    from kvcli.compress import resolve_for_model  # noqa: PLC0415
+    from kvcli.models import resolve_model  # noqa: PLC0415
+    if not settings.instruction.strip():
+        raise KvcliError("the instruction is empty")
+    path = resolve_model(settings.model)
+    if settings.policy != "full":
+        resolve_for_model(path, settings.policy, dict(settings.policy_args), settings.budget, settings.instruction)
+    elif settings.policy_args:
+        raise KvcliError("policy 'full' takes no --policy-arg")
+    return path
+
+
+# ------------------------------------------------------------------------------ documents
+def list_documents(specs, stdin=None) -> list[str]:
+    """The paths named by --docs: a folder (its *.txt/*.md/... files, recursively, sorted), a glob
+    pattern (the files it matches, sorted), a file, or '-' (a list of paths on stdin, one per line)."""
+    import glob  # noqa: PLC0415
+    out = []
+    for spec in specs:
+        if spec == "-":
+            stdin = stdin or sys.stdin
+            if stdin is None or stdin.isatty():
+                raise KvcliError("--docs -: pipe a list of document paths on standard input, one per line")
+            out += [line.strip() for line in stdin.read().splitlines() if line.strip()]
+            continue
+        path = Path(spec).expanduser()
+        if any(c in spec for c in "*?["):
+            found = sorted(p for p in glob.glob(str(path), recursive=True) if os.path.isfile(p))
+            if not found:
+                raise KvcliError(f"--docs {spec}: no file matches")
+            out += found
+        elif path.is_dir():
+            found = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DOC_SUFFIXES)
+            if not found:
+                raise KvcliError(f"--docs {spec}: the folder holds no document (*{', *'.join(DOC_SUFFIXES)})")
+            out += found
+        elif path.is_file():
+            out.append(str(path))
+        else:
+            raise KvcliError(f"--docs {spec}: no such file or folder")
+    seen, unique = set(), []
+    for p in out:
+        a = os.path.abspath(os.path.expanduser(p))
+        if a not in seen:
+            seen.add(a)
+            unique.append(p)
+    if not unique:
+        raise KvcliError("no document: pass --docs DIR, --docs 'GLOB', --docs FILE or --docs - (paths on stdin)")
+    return unique
+
+
+@dataclass
+class Job:
+    """One document to answer: read by the driver, so a worker on another machine needs no shared files."""
+
+    path: str
+    key: str
+    sha256: str | None
+    text: str | None = None
+    error: str | None = None
+
+
+def read_job(path: str, fingerprint: str) -> Job:
+    """Read and key one document; a document that cannot be read or is not text carries its error."""
+    from kvcli.documents import decode_text  # noqa: PLC0415
+    data, error = None, None
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except FileNotFoundError:
+        error = f"document not found: {path}"
+    except IsADirectoryError:
+        error = f"{path} is a directory, not a document"
+    except OSError as e:
+        error = f"cannot read {path}: {e.strerror}"
+    sha = None if data is None else hashlib.sha256(data).hexdigest()
+    key = hashlib.sha256(json.dumps([os.path.abspath(os.path.expanduser(path)), sha, fingerprint])
+                         .encode()).hexdigest()[:32]
+    job = Job(path, key, sha, error=error)
+    if data is not None:
+        try:
+            job.text = decode_text(data, path)
+        except KvcliError as e:
+            job.error = str(e)
+    return job
+
+
+def error_line(job: Job, error: str, settings: Settings) -> dict:
+    return {"path": job.path, "sha256": job.sha256, "key": job.key, "answer": None, "error": error,
+            "policy": settings.policy, "budget": settings.budget}
+
+
+# ------------------------------------------------------------------------------ the results file
+class ResultsFile:
+    """The JSONL results: locked against a second writer, its torn last line (a killed run's) dropped,
+    and every line appended with one write, then fsynced."""
+
+    def __init__(self, path: str, retry_errors: bool = False, warn=None):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise KvcliError(f"cannot open --out {path}: {e.strerror}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise KvcliError(f"{path} is being written by another kvcli batch") from None
+        self.done: set[str] = set()
+        self.answered = self.failed = 0
+        try:
+            self._load(retry_errors, warn or (lambda msg: None))
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, retry_errors: bool, warn) -> None:
+        data = b""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):  # a line cut short by a kill: everything before it was written whole
+            os.ftruncate(self.fd, end)
+            os.fsync(self.fd)
+            warn(f"kvcli: {self.path}: dropped a torn last line ({len(data) - end} bytes) left by an interrupted run")
+        for i, raw in enumerate(data[:end].splitlines(), 1):
+            if not raw.strip():
+                continue
+            try:
+                line = json.loads(raw)
+                key, failed = line["key"], line.get("error") is not None
+            except (ValueError, TypeError, KeyError):
+                raise KvcliError(f"{self.path}, line {i}: not a kvcli batch result line (choose another --out)") \
+                    from None
+            self.failed += failed
+            self.answered += not failed
+            if not (failed and retry_errors):
+                self.done.add(key)
+
+    def write(self, line: dict) -> None:
+        data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        while data:  # O_APPEND: every write lands at the end, whatever else happened to the file
+            data = data[os.write(self.fd, data):]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)   # the lock goes with it
+            self.fd = None
+
+
+# ------------------------------------------------------------------------------ one model, one cache
+@dataclass
+class _Ready:
+    job: Job
+    tokens: list
+    chunking: object
+    peak: int           # cells the document needs while it is prefilled (and compressed)
+
+
+@dataclass
+class _Slot:
+    ready: _Ready
+    report: object
+    cache: dict         # the sequence's cache figures once compressed
+    sampler: object
+    decoder: object
+    tokens: list = field(default_factory=list)
+    text: str = ""
+    t0: float = 0.0
+    steps: int = 0      # decode steps it took part in
+    together: int = 0   # sum over those steps of the sequences decoded in each
+
+
+class Worker:
+    """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
+
+    def __init__(self, settings: Settings):
+        from kvcli.models import read_model_info  # noqa: PLC0415
+        from kvcli.native.session import NativeSession  # noqa: PLC0415
+        self.settings = s = settings
+        self.model_path = check_settings(settings)
+        self.cells = s.max_cache or read_model_info(self.model_path).n_ctx_train   # the whole cache
+        # one document gets at most the model's context, less its answer
+        self.doc_cells = min(self.cells, read_model_info(self.model_path).n_ctx_train) - s.max_tokens
+        if self.doc_cells < MIN_DOC_CELLS:
+            raise KvcliError(f"--max-tokens {s.max_tokens} leaves {max(self.doc_cells, 0)} cells of the "
+                             f"{self.doc_cells + s.max_tokens}-cell context for a document: raise --max-cache or "
+                             "lower --max-tokens")
+        self.session = NativeSession(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
+                                     cache_type=s.cache_type, n_threads=s.threads)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def run(self, jobs, emit) -> None:
+        """Answer every job of the iterable `jobs`; `emit(line)` is called once per job as it finishes."""
+        from kvcli.batching import Lockstep  # noqa: PLC0415
+        lock = Lockstep(self.session, reserve=self.settings.max_tokens, cells=self.cells)
+        jobs = iter(jobs)
+        slots: dict[int, _Slot] = {}
+        waiting = self._next_ready(jobs, emit)
+        while waiting is not None or slots:
+            while waiting is not None and lock.fits(waiting.peak):
+                self._admit(waiting, lock, slots, emit)
+                waiting = self._next_ready(jobs, emit)
+            if not slots and waiting is not None:  # _prepare checked that it fits an empty cache
+                raise RuntimeError(f"{waiting.job.path} does not fit an empty cache ({lock.room()} cells)")
+            self._step(lock, slots, emit)
+
+    # -------------------------------------------------------------------------- stages of one document
+    def _next_ready(self, jobs, emit) -> _Ready | None:
+        """The next job, tokenised and planned; a job that fails here gets its error line."""
+        for job in jobs:
+            try:
+                return self._prepare(job)
+            except Exception as e:  # noqa: BLE001 - the document's line says what happened, the batch goes on
+                emit(error_line(job, _why(e), self.settings))
+        return None
+
+    def _prepare(self, job: Job) -> _Ready:
+        from kvcli.chunked import plan_chunking  # noqa: PLC0415
+        from kvcli.pipeline import build_prompt  # noqa: PLC0415
+        s, session = self.settings, self.session
+        tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
+        try:
+            chunking = plan_chunking(len(tokens), s.max_tokens, session.n_ctx_train, s.policy, s.budget, s.chunk,
+                                     max_cache=self.doc_cells)
+        except KvcliError as e:  # its "--max-cache" is the room of one document here: say what that is
+            raise KvcliError(str(e).replace(f"--max-cache ({self.doc_cells} cells)",
+                                            f"the {self.doc_cells} cells a document may use (the model's context "
+                                            f"or --max-cache, less --max-tokens {s.max_tokens})")) from None
+        peak = chunking.cap if chunking.chunk else len(tokens)
+        return _Ready(job, tokens, chunking, peak)
+
+    def _admit(self, ready: _Ready, lock, slots: dict, emit) -> None:
+        from kvcli.compress import prefill_and_compress  # noqa: PLC0415
+        from kvcli.generate import Sampler  # noqa: PLC0415
+        s, session = self.settings, self.session
+        seq = lock.free_seq()
+        try:
+            report = prefill_and_compress(session, ready.tokens, s.policy, s.budget, dict(s.policy_args), seq=seq,
+                                          instruction=s.instruction, chunk=ready.chunking.chunk,
+                                          cap=ready.chunking.cap, scoring=s.chunk_scoring)
+            cache = session.stats(seq)
+        except Exception as e:  # noqa: BLE001 - the document's line says what happened, the batch goes on
+            lock.release(seq)
+            emit(error_line(ready.job, _why(e), s))
+            return
+        lock.hold(seq)
+        slots[seq] = _Slot(ready, report, cache, Sampler(temperature=s.temperature, seed=s.seed).start(session, s.max_tokens),
+                           codecs.getincrementaldecoder("utf-8")("replace"), t0=time.perf_counter())
+
+    def _step(self, lock, slots: dict, emit) -> None:
+        """Pick every held document's next token; finish those that ended; decode the others together."""
+        session, limit = self.session, self.settings.max_tokens
+        batch = {}
+        for seq, slot in list(slots.items()):
+            tok = slot.sampler(session.logits(seq))
+            if session.is_eog(tok):
+                self._finish(seq, "eog", lock, slots, emit)
+                continue
+            slot.tokens.append(tok)
+            slot.text += slot.decoder.decode(session.token_bytes(tok))
+            if len(slot.tokens) >= limit:
+                self._finish(seq, "length", lock, slots, emit)
+                continue
+            batch[seq] = tok
+        if batch:
+            lock.step(batch)
+            for seq in batch:
+                slots[seq].steps += 1
+                slots[seq].together += len(batch)
+
+    def _finish(self, seq: int, stopped: str, lock, slots: dict, emit) -> None:
+        slot = slots.pop(seq)
+        lock.release(seq)
+        decode_s = time.perf_counter() - slot.t0
+        r, c, s = slot.report, slot.cache, self.settings
+        stats = {"prompt_tokens": len(slot.ready.tokens), "generated_tokens": len(slot.tokens),
+                 "kv_cells": c["kv_cells"], "kv_bytes": c["kv_bytes"], "kv_bytes_full": c["kv_bytes_full"],
+                 **r.as_stats(), "prefill_s": round(r.prefill_s, 4), "compress_s": round(r.compress_s, 4),
+                 "decode_s": round(decode_s, 4),
+                 "decode_tok_s": round(len(slot.tokens) / decode_s, 2) if slot.tokens and decode_s > 0 else None,
+                 "decoded_with": round(slot.together / slot.steps, 2) if slot.steps else None}
+        if r.note:
+            stats["note"] = r.note
+        job = slot.ready.job
+        emit({"path": job.path, "sha256": job.sha256, "key": job.key,
+              "answer": slot.text + slot.decoder.decode(b"", final=True), "error": None,
+              "model": str(self.model_path), "policy": s.policy, "budget": s.budget, "stopped": stopped,
+              "stats": stats})
+
+
+def _why(e: Exception) -> str:
+    return str(e) if isinstance(e, KvcliError) else f"internal error: {type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------------------ the driver
+class Batch:
+    """Lists, keys and reads the documents in order, skips those `results` holds, writes every line
+    that comes back, and counts (the progress bar and the summary)."""
+
+    def __init__(self, settings: Settings, paths: list[str], results: ResultsFile, *, progress: bool = False):
+        self.settings = settings
+        self.paths = paths
+        self.results = results
+        self.fingerprint = settings.fingerprint(check_settings(settings))
+        self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.t0 = time.perf_counter()
+        self.ray_workers = None     # set by a run on Ray
+        self.bar = None
+        if progress:
+            from tqdm import tqdm  # noqa: PLC0415
+            self.bar = tqdm(total=len(paths), desc="batch", unit="doc", file=sys.stderr, dynamic_ncols=True)
+
+    def jobs(self):
+        """The documents still to answer, read one at a time as the workers ask for them; those that
+        cannot be read get their error line here."""
+        for path in self.paths:
+            job = read_job(path, self.fingerprint)
+            if job.key in self.results.done:
+                self.counts["skipped"] += 1
+                self._tick()
+            elif job.error:
+                self.record(error_line(job, job.error, self.settings))
+            else:
+                yield job
+
+    def record(self, line: dict) -> None:
+        self.results.write(line)
+        self.results.done.add(line["key"])
+        if line["error"] is None:
+            self.counts["answered"] += 1
+            self.counts["prompt_tokens"] += line["stats"]["prompt_tokens"]
+            self.counts["generated_tokens"] += line["stats"]["generated_tokens"]
+        else:
+            self.counts["errors"] += 1
+        self._tick()
+
+    def _tick(self) -> None:
+        if self.bar is not None:
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            c = self.counts
+            self.bar.set_postfix_str(f"{c['prompt_tokens'] / dt:.0f} prompt + {c['generated_tokens'] / dt:.1f} "
+                                     f"answer tok/s, {c['errors']} errors", refresh=False)
+            self.bar.update(1)
+
+    def run_local(self) -> None:
+        worker = Worker(self.settings)
+        try:
+            worker.run(self.jobs(), self.record)
+        finally:
+            worker.close()
+
+    def summary(self) -> dict:
+        dt = time.perf_counter() - self.t0
+        c = self.counts
+        return {"kind": "batch", "out": self.results.path, "documents": len(self.paths), **c,
+                "elapsed_s": round(dt, 3), "docs_per_hour": round(c["answered"] / dt * 3600, 1) if dt > 0 else None,
+                "ray_workers": self.ray_workers, "settings": asdict(self.settings)}
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,98 @@
+"""kvcli batch: one instruction over many documents -> one JSON line per document."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kvcli import config
+from kvcli.commands.chat import policy_option
+from kvcli.commands.options import chunk_options, json_option, model_option
+from kvcli.commands.run import parse_policy_args
+
+
+@click.command("batch")
+@click.option("--docs", "docs", multiple=True, required=True, metavar="DIR|GLOB|FILE|-",
+              help="Documents: a folder (its *.txt/*.md/*.text/*.rst files, recursively), a quoted glob pattern, a "
+                   "file, or '-' for a list of paths on stdin, one per line. Repeatable.")
+@click.option("--instruction", "-i", required=True, help="The instruction applied to every document.")
+@click.option("--out", "-o", "out_path", required=True, metavar="FILE.jsonl", type=click.Path(dir_okay=False),
+              help="Results, one JSON line per document (path, answer, stats, error), appended as each finishes. "
+                   "Documents it already answers (same path, content and settings) are skipped.")
+@model_option
+@policy_option
+@click.option("--budget", "-b", type=int, default=config.default("budget"),
+              help="Entries kept per layer and KV head, observation window included. Default: $KVCLI_BUDGET.")
+@click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE", help="Policy parameter (repeatable).")
+@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=config.default("max_tokens", 256),
+              show_default="256", help="Most tokens of each answer (reserved in the cache for every held document).")
+@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=config.default("temperature", 0.0),
+              show_default="0", help="0 = greedy.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (each document starts from it).")
+@click.option("--system", default=config.default("system"), help="System message.")
+@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
+              help="llama.cpp KV cache type.")
+@chunk_options
+@click.option("--parallel", type=click.IntRange(0, 256), default=0, metavar="N",
+              help="Most documents held and decoded at once. Default: as many as --max-cache holds (at most 64).")
+@click.option("--retry-errors", is_flag=True, help="Also redo the documents --out holds an error line for.")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS|auto|local",
+              help="Run on a Ray cluster (pip install 'kvcli[ray]'): its address, 'auto' for the cluster this machine "
+                   "belongs to, or 'local' to start one on this machine.")
+@click.option("--ray-workers", type=click.IntRange(1), default=None, metavar="N",
+              help="Ray workers (each with its model and cache). Default: one per node, or one per --ray-cpus cores.")
+@click.option("--ray-cpus", type=click.IntRange(1), default=None, metavar="C",
+              help="CPU cores (and threads) of each Ray worker.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
+@json_option
+def batch_cmd(docs, instruction, out_path, model, policy, budget, policy_args, max_tokens, temperature, seed, system,
+              cache_type, chunk, max_cache, chunk_scoring, parallel, retry_errors, ray_address, ray_workers, ray_cpus,
+              quiet, as_json):
+    """Answer --instruction about every document of --docs into --out, one JSON line per document.
+
+    The model is loaded once; its KV cache (--max-cache cells, default the model's context) is shared
+    by the documents: each is prefilled and compressed with --policy into its own sequence, and all held
+    documents decode together, as many as the cache holds (with room for --max-tokens each) or --parallel.
+    A document longer than the model's context less --max-tokens is read in chunks (--chunk). A document
+    that fails gets a line with its error and the batch goes on; an interrupted batch keeps every line
+    written, and a re-run with the same --out does only the rest. stdout: nothing, or a summary with --json.
+    """
+    from kvcli.batch import Batch, ResultsFile, Settings, list_documents  # noqa: PLC0415
+    from kvcli.errors import KvcliError  # noqa: PLC0415
+
+    if (ray_workers or ray_cpus) and not ray_address:
+        raise KvcliError("--ray-workers / --ray-cpus set up Ray workers: give --ray ADDRESS too")
+    if ray_address:
+        from kvcli.batch_ray import import_ray  # noqa: PLC0415
+        import_ray()   # before any document is read: a missing extra is one line
+    settings = Settings(instruction=instruction, model=model or config.get("model"), policy=policy, budget=budget,
+                        policy_args=parse_policy_args(policy_args), max_tokens=max_tokens, temperature=temperature,
+                        seed=seed, system=system, cache_type=cache_type, chunk=chunk, chunk_scoring=chunk_scoring,
+                        max_cache=max_cache, parallel=parallel)
+    paths = list_documents(docs)
+    log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    results = ResultsFile(out_path, retry_errors=retry_errors, warn=log)
+    try:
+        batch = Batch(settings, paths, results, progress=not quiet and sys.stderr.isatty())
+        try:
+            if ray_address:
+                from kvcli import batch_ray  # noqa: PLC0415
+                batch.ray_workers = batch_ray.run(batch, ray_address, cpus=ray_cpus, workers=ray_workers, log=log)
+            else:
+                batch.run_local()
+        finally:
+            batch.close()
+    finally:
+        results.close()
+    s = batch.summary()
+    if as_json:
+        click.echo(json.dumps(s, ensure_ascii=False))
+    elif not quiet:
+        label = f"{policy}{'' if settings.budget is None else f' @ {settings.budget}'}"
+        click.echo(f"[{label}] {s['documents']} documents: {s['answered']} answered, {s['errors']} errors, "
+                   f"{s['skipped']} already in {out_path}; {s['prompt_tokens']} prompt + {s['generated_tokens']} "
+                   f"answer tokens in {s['elapsed_s']:.1f}s", err=True)
+
+
+COMMANDS = [batch_cmd]

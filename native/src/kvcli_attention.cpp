@@ -1,0 +1,160 @@
+// kvcli: the attention of a layer whose KV cache holds a compacted sequence, on ops that the cache's
+// own backend runs (issue #17).
+//
+// A compacted cache carries a slot bias per (cell, KV head), so its mask differs per head. The mask
+// path (kvcli_attn_hook's [n_kv, n_tokens, n_head] mask into llama.cpp's attention) is fine without
+// flash attention (soft_max_ext broadcasts a per-head mask on every backend) and on the CPU, but
+// ggml-cuda's flash-attention kernels take only masks with ne[2] == 1: the scheduler then runs that op
+// on the CPU. The split path gives flash attention one problem per KV head, batched in ggml's outer
+// dimension (the one llama.cpp uses for KV streams, whose mask every kernel indexes per "sequence"):
+//   Q    [hd, n_tokens, g, n_head_kv]   query head h*g + r at (r, h), g = n_head / n_head_kv
+//   K, V [hd, n_kv, 1, n_head_kv]       views of the cache, no copy
+//   mask [n_kv, n_tokens, 1, n_head_kv] llama.cpp's causal mask + the slot bias of KV head h
+// and puts the output back in llama.cpp's head order. One op per layer, as llama.cpp's own.
+#include "kvcli_attention.h"
+#include "kvcli_cache.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace kvcli_attention_detail { namespace { // internal linkage; the outer name keeps unity builds apart
+
+struct path_choice {
+    int32_t      path; // kvcli_attn_path_kind, or -1 for a bad KVCLI_ATTN_PATH
+    const char * why;
+};
+
+path_choice choose(bool flash_attn, bool cache_on_cpu) {
+    const char * env = std::getenv("KVCLI_ATTN_PATH");
+    const std::string s = env ? env : "";
+    if (s != "" && s != "auto" && s != "split" && s != "mask") {
+        return { -1, "KVCLI_ATTN_PATH must be auto, split or mask" };
+    }
+    if (!flash_attn) {
+        return { KVCLI_ATTN_PATH_MASK, "flash attention is off: mul_mat + soft_max_ext take the per-head mask on every "
+                                       "backend (KVCLI_ATTN_PATH applies to flash-attention contexts)" };
+    }
+    if (s == "split") {
+        return { KVCLI_ATTN_PATH_SPLIT, "KVCLI_ATTN_PATH=split: flash attention per KV head, one op" };
+    }
+    if (s == "mask") {
+        return { KVCLI_ATTN_PATH_MASK, "KVCLI_ATTN_PATH=mask: flash attention with a per-head mask (only the CPU "
+                                       "kernel takes it: a cache on a GPU runs that op on the CPU)" };
+    }
+    if (cache_on_cpu) {
+        return { KVCLI_ATTN_PATH_MASK, "auto, KV cache on the CPU: its flash-attention kernel takes the per-head mask" };
+    }
+    return { KVCLI_ATTN_PATH_SPLIT, "auto, KV cache on an accelerator: its flash-attention kernels take only masks "
+                                    "shared by all heads, so one problem per KV head" };
+}
+
+// whether the tensor's memory belongs to a CPU device (ggml's plain CPU buffer type names no device:
+// then host memory counts as the CPU's)
+bool on_cpu(const ggml_tensor * t) {
+    const ggml_tensor * src = t->view_src ? t->view_src : t;
+    if (!src->buffer) {
+        return false;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(src->buffer);
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    return dev ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU : ggml_backend_buft_is_host(buft);
+}
+
+// q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed),
+// kq_mask [n_kv, n_tps, 1, 1] F16, bias [kv_size, n_head_kv] F32 -> [hd_v * n_head, n_tokens]
+ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                              ggml_tensor * kq_mask, ggml_tensor * bias, float kq_scale, int il) {
+    const int64_t hd = q->ne[0], n_head = q->ne[1], n_tokens = q->ne[2];
+    const int64_t n_head_kv = k->ne[1], n_kv = k->ne[2], g = n_head / n_head_kv;
+
+    q = ggml_view_4d(ctx0, q, hd, g, n_head_kv, n_tokens, q->nb[1], q->nb[1] * g, q->nb[2], 0);
+    q = ggml_permute(ctx0, q, 0, 2, 3, 1);  // [hd, n_tokens, g, n_head_kv]
+    k = ggml_permute(ctx0, k, 0, 3, 1, 2);  // [hd, n_kv, 1, n_head_kv]
+    v = ggml_permute(ctx0, v, 0, 3, 1, 2);
+    // as build_attn_mha: flash attention reads K/V as F16 when the cache is F32
+    if (k->type == GGML_TYPE_F32) {
+        k = ggml_cast(ctx0, k, GGML_TYPE_F16);
+    }
+    if (v->type == GGML_TYPE_F32) {
+        v = ggml_cast(ctx0, v, GGML_TYPE_F16);
+    }
+
+    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, 1, n_head_kv, bias->nb[1], bias->nb[1], bias->nb[1], 0);
+    ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, kq_mask->ne[1], 1, n_head_kv), b);
+
+    ggml_tensor * cur = ggml_flash_attn_ext(ctx0, q, k, v, mask, kq_scale, 0.0f, 0.0f);
+    ggml_prec_set_acc(cur, GGML_PREC_F32);
+    ggml_format_name(cur, "kvcli_split_fa-%d", il);
+    // [hd_v, g, n_tokens, n_head_kv] -> [hd_v * (g, n_head_kv), n_tokens]: llama.cpp's head order h*g + r
+    return ggml_cont_2d(ctx0, ggml_permute(ctx0, cur, 0, 1, 3, 2), cur->ne[0] * n_head, n_tokens);
+}
+
+} } // namespace kvcli_attention_detail
+using namespace kvcli_attention_detail;
+
+ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context * mctx, bool flash_attn,
+                               ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_b,
+                               ggml_tensor * sinks, ggml_tensor * kq_mask, float kq_scale, int il) {
+    llama_kv_cache * kv = kvcli_access::kv(mctx);
+    if (!kv || !kv->kvcli_ext || il < 0) {
+        return nullptr;
+    }
+    auto & ext = *kv->kvcli_ext;
+    const auto & map_ids = kvcli_access::map_layer_ids(*kv);
+    const auto it = map_ids.find(il);
+    if (ext.bias.empty() || !ext.any_compressed() || it == map_ids.end()) {
+        return nullptr; // no slot bias: llama.cpp's attention as it is (observation only)
+    }
+    const path_choice c = choose(flash_attn, on_cpu(k));
+    if (c.path < 0) {
+        // kvcli's Python side refuses a bad value before any context exists; a C caller gets the log line
+        LLAMA_LOG_ERROR("kvcli: %s (got '%s'); layer %d takes the mask path\n", c.why, std::getenv("KVCLI_ATTN_PATH"), il);
+    }
+    // the split path needs what build_attn_mha's flash-attention branch would see: no KQ bias or sinks
+    // (per query head), one stream, V not transposed, llama.cpp's F16 mask shared by all heads
+    const bool split = c.path == KVCLI_ATTN_PATH_SPLIT && flash_attn && !kq_b && !sinks && k->ne[3] == 1 &&
+                       v->nb[1] <= v->nb[2] && kq_mask->type == GGML_TYPE_F16 && kq_mask->ne[2] == 1 &&
+                       kq_mask->ne[3] == 1 && q->ne[1] % k->ne[1] == 0;
+    if (ext.attn_path.size() <= (size_t) il) {
+        ext.attn_path.resize(il + 1, 0);
+    }
+    ext.attn_path[il] = split ? KVCLI_ATTN_PATH_SPLIT : KVCLI_ATTN_PATH_MASK;
+    return split ? split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], kq_scale, il) : nullptr;
+}
+
+extern "C" {
+
+int32_t kvcli_attn_path_choose(int32_t flash_attn, int32_t cache_on_cpu, char * why, int32_t why_size) {
+    kvcli_clear_error();
+    const path_choice c = choose(flash_attn != 0, cache_on_cpu != 0);
+    if (why && why_size > 0) {
+        const size_t n = std::min(std::strlen(c.why), (size_t) why_size - 1);
+        std::memcpy(why, c.why, n);
+        why[n] = '\0';
+    }
+    if (c.path < 0) {
+        kvcli_set_error(c.why);
+    }
+    return c.path;
+}
+
+int32_t kvcli_attn_path_taken(struct llama_context * ctx, int32_t il) {
+    try {
+        kvcli_clear_error();
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        if (il < 0 || (uint32_t) il >= kvcli_access::hparams(*kv).n_layer()) {
+            throw kvcli_error("kvcli_attn_path_taken: bad layer " + std::to_string(il));
+        }
+        const auto * ext = kv->kvcli_ext.get();
+        return ext && (size_t) il < ext->attn_path.size() ? ext->attn_path[il] : 0;
+    } catch (const std::exception & e) {
+        kvcli_set_error(e.what());
+        return -1;
+    }
+}
+
+} // extern "C"

@@ -1,0 +1,250 @@
+"""Issue #18: `kvcli batch`, many documents through one model and one shared cache into a resumable JSONL.
+
+The tiny random model (a 4,096-token context) carries the scheduling, resume and error paths on 20
+generated documents of 1-3k tokens, with an f32 cache so that answers are exact across runs, batch sizes
+and workers; the default model answers two documents end to end, as `kvcli run` does. The Ray test starts
+a local Ray instance with two workers (Ray comes from requirements-ray.txt, which setup.sh installs)."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES, KVCLI, ROOT
+
+N_DOCS = 20
+SNAP = ["--policy", "snapkv", "--budget", "128", "-n", "8", "--cache-type", "f32", "-i", "Summarise the log."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("batchmodel") / "tiny-4k.gguf", n_ctx_train=4096)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """20 station logbooks of about 1,000 to 3,000 tokens (kvcli.evaluation.logbook, ~1.38 tokens a word)."""
+    from kvcli.evaluation.logbook import make_document
+    d = tmp_path_factory.mktemp("batchdocs")
+    for i in range(N_DOCS):
+        text, _ = make_document(730 + 75 * i, 0, seed=i)
+        (d / f"log-{i:02d}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+def kvcli(*args, input=None, env=None, timeout=900):
+    e = {**os.environ, **(env or {})}
+    return subprocess.run([*KVCLI, *map(str, args)], input=input, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=e)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_batch_writes_every_document_and_a_killed_run_resumes(tiny, corpus, tmp_path):
+    out = tmp_path / "results.jsonl"
+    args = ["batch", "--docs", corpus, "--model", tiny, *SNAP, "--max-cache", 4096, "--out", out, "--json"]
+    p = subprocess.Popen([*KVCLI, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 600
+    while time.time() < deadline and p.poll() is None and \
+            (not out.exists() or out.read_bytes().count(b"\n") < 3):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL, "the batch ended before it could be killed midway"
+    before = out.read_bytes()
+    done = lines(out)   # every line a kill -9 left is whole
+    assert 3 <= len(done) < N_DOCS
+    assert all(d["error"] is None and d["answer"] for d in done)
+
+    r = kvcli(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""                     # --json: the summary on stdout, no progress bar off a terminal
+    summary = json.loads(r.stdout)
+    assert (summary["skipped"], summary["answered"], summary["errors"]) == (len(done), N_DOCS - len(done), 0)
+    assert out.read_bytes().startswith(before)    # the finished lines stay as they were, none is redone
+    got = lines(out)
+    assert len(got) == N_DOCS and len({d["key"] for d in got}) == N_DOCS
+    assert sorted(Path(d["path"]).name for d in got) == sorted(f.name for f in corpus.iterdir())
+    for d in got:
+        st = d["stats"]
+        assert d["policy"] == "snapkv" and d["budget"] == 128 and d["error"] is None
+        assert 1000 <= st["prompt_tokens"] <= 3000
+        assert st["kv_cells"] == 128 < st["peak_kv_cells"] == st["prompt_tokens"]
+        assert 1 <= st["generated_tokens"] <= 8 and d["answer"]
+    # the cache held several compressed documents at once and decoded them together
+    assert max(d["stats"]["decoded_with"] or 0 for d in got) > 1
+
+    # a third run has nothing left to do
+    r = kvcli(*args)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["skipped"] == N_DOCS and out.read_bytes().count(b"\n") == N_DOCS
+
+    # a line torn by a kill in the middle of its write: dropped, and its document done again
+    whole = out.read_bytes()
+    last = whole[whole.rstrip(b"\n").rfind(b"\n") + 1:]
+    out.write_bytes(whole[: len(whole) - len(last) // 2 - 1])
+    r = kvcli(*args[:-1])                       # without --json: the summary goes to stderr
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+    assert "dropped a torn last line" in r.stderr
+    assert f"1 answered, 0 errors, {N_DOCS - 1} already in" in r.stderr
+    again = out.read_bytes()
+    assert again.startswith(whole[: len(whole) - len(last)])
+    redone, first = json.loads(again[len(whole) - len(last):]), json.loads(last)
+    assert (redone["key"], redone["answer"]) == (first["key"], first["answer"])   # greedy, f32 cache
+
+
+def test_batch_gives_the_answers_of_one_document_at_a_time(tiny, corpus, tmp_path):
+    """Held together in one cache or one per context (--parallel 1): the same answers (greedy, f32)."""
+    docs = sorted(corpus.iterdir())[:4]
+    listing = "".join(f"{p}\n" for p in docs)
+    both = {}
+    for parallel in (0, 1):
+        out = tmp_path / f"p{parallel}.jsonl"
+        r = kvcli("batch", "--docs", "-", "--model", tiny, *SNAP, "--parallel", parallel, "--out", out,
+                  input=listing)
+        assert r.returncode == 0, r.stderr
+        both[parallel] = {d["path"]: d for d in lines(out)}
+    assert set(both[0]) == {str(p) for p in docs}
+    for path, d in both[0].items():
+        assert d["answer"] == both[1][path]["answer"]
+        assert d["key"] == both[1][path]["key"]        # --parallel does not decide an answer
+        assert both[1][path]["stats"]["decoded_with"] in (1, None)
+
+
+def test_bad_documents_get_error_lines_and_the_batch_goes_on(tiny, corpus, tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a-good.txt").write_text((corpus / "log-00.txt").read_text(), encoding="utf-8")
+    (d / "b-latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (d / "c-empty.txt").write_bytes(b"  \n")
+    (d / "d-binary.txt").write_bytes(b"\x00\x01\x02" * 50)
+    (d / "e-long.txt").write_text((corpus / "log-19.txt").read_text(), encoding="utf-8")   # ~3k tokens
+    (d / "skipped.bin").write_bytes(b"not a document suffix")
+    listing = "".join(f"{p}\n" for p in sorted(d.glob("*.txt"))) + f"{d / 'missing.txt'}\n"
+
+    out = tmp_path / "full.jsonl"
+    r = kvcli("batch", "--docs", "-", "--model", tiny, "--policy", "full", "-n", "8", "--cache-type", "f32",
+              "--max-cache", 2048, "-i", "Summarise.", "--out", out, "--json", input=listing)
+    assert r.returncode == 0, r.stderr
+    got = {Path(x["path"]).name: x for x in lines(out)}
+    assert set(got) == {"a-good.txt", "b-latin1.txt", "c-empty.txt", "d-binary.txt", "e-long.txt", "missing.txt"}
+    assert got["a-good.txt"]["error"] is None and got["a-good.txt"]["answer"]
+    assert "is not valid UTF-8: byte 0xe9" in got["b-latin1.txt"]["error"]
+    assert got["c-empty.txt"]["error"].endswith("is empty")
+    assert "not a text file" in got["d-binary.txt"]["error"]
+    assert got["missing.txt"]["error"].startswith("document not found")
+    assert got["e-long.txt"]["error"].startswith("the prompt is ") and "choose a compressing policy" in \
+        got["e-long.txt"]["error"] and "less --max-tokens 8" in got["e-long.txt"]["error"]
+    assert all(x["answer"] is None for n, x in got.items() if n != "a-good.txt")
+    s = json.loads(r.stdout)
+    assert (s["answered"], s["errors"], s["skipped"]) == (1, 5, 0)
+
+    # error lines are kept on a re-run, and done again with --retry-errors
+    r = kvcli("batch", "--docs", d, "--model", tiny, "--policy", "full", "-n", "8", "--cache-type", "f32",
+              "--max-cache", 2048, "-i", "Summarise.", "--out", out, "--json", "--retry-errors")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert (s["documents"], s["answered"], s["errors"], s["skipped"]) == (5, 0, 4, 1)
+
+    # a compressing policy reads the long document in chunks within the same cache
+    out = tmp_path / "snap.jsonl"
+    r = kvcli("batch", "--docs", str(d / "[ae]-*.txt"), "--model", tiny, *SNAP, "--max-cache", 2048, "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = {Path(x["path"]).name: x for x in lines(out)}
+    assert set(got) == {"a-good.txt", "e-long.txt"}
+    long = got["e-long.txt"]["stats"]
+    assert long["chunks"] >= 2 and long["peak_kv_cells"] <= 2048 - 8 and long["kv_cells"] == 128
+    assert "chunks" not in got["a-good.txt"]["stats"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--docs", "/nonexistent/*.txt"], "no file matches"),
+    (["--docs", "/nonexistent/x"], "no such file or folder"),
+    (["--docs", "{docs}", "--ray-workers", "2"], "give --ray ADDRESS too"),
+    (["--docs", "{docs}", "--policy", "snapkv", "--budget", "64", "--policy-arg", "window=zz"], "window"),
+    (["--docs", "{docs}", "-i", " "], "the instruction is empty"),
+    (["--docs", "{docs}", "--max-cache", "100", "-n", "64"], "leaves 36 cells"),
+])
+def test_input_errors_are_one_line_and_exit_2(tiny, corpus, tmp_path, args, message):
+    args = [str(corpus) if a == "{docs}" else a for a in args]
+    r = kvcli("batch", "--model", tiny, "-i", "Summarise.", "--out", tmp_path / "o.jsonl", *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_results_file_is_checked_and_locked(tiny, corpus, tmp_path):
+    out = tmp_path / "other.jsonl"
+    out.write_text('{"not": "a result"}\n')
+    r = kvcli("batch", "--docs", corpus, "--model", tiny, "-i", "Summarise.", "--out", out)
+    assert r.returncode == 2 and "line 1: not a kvcli batch result line" in r.stderr
+    out.write_text("")
+    with open(out, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)   # another kvcli batch writing it
+        r = kvcli("batch", "--docs", corpus, "--model", tiny, "-i", "Summarise.", "--out", out)
+    assert r.returncode == 2 and "is being written by another kvcli batch" in r.stderr
+
+
+def test_ray_missing_is_one_line(tiny, corpus, tmp_path):
+    fake = tmp_path / "noray" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('Ray is not installed here')\n")
+    r = kvcli("batch", "--docs", corpus, "--model", tiny, "-i", "Summarise.", "--out", tmp_path / "o.jsonl",
+              "--ray", "local", env={"PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"})
+    assert r.returncode == 2
+    assert r.stderr.strip() == "kvcli: error: --ray needs Ray, an optional extra: pip install 'kvcli[ray]' " \
+                               "(or -r requirements-ray.txt)"
+
+
+def test_ray_workers_give_the_local_answers(tiny, corpus, tmp_path):
+    import importlib.util
+    assert importlib.util.find_spec("ray"), "Ray is not installed: ./setup.sh installs requirements-ray.txt"
+    docs = sorted(corpus.iterdir())[:6]
+    listing = "".join(f"{p}\n" for p in docs)
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    r = kvcli("batch", "--docs", "-", "--model", tiny, *SNAP, "--out", local, input=listing)
+    assert r.returncode == 0, r.stderr
+    # the Ray run resumes what a local run left: the first three documents are answered already
+    done = local.read_text(encoding="utf-8").splitlines(keepends=True)[:3]
+    on_ray.write_text("".join(done), encoding="utf-8")
+    r = kvcli("batch", "--docs", "-", "--model", tiny, *SNAP, "--out", on_ray, "--json",
+              "--ray", "local", "--ray-workers", 2, "--ray-cpus", 1, input=listing)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert (s["skipped"], s["answered"], s["errors"], s["ray_workers"]) == (3, 3, 0, 2)
+    a = {d["key"]: d for d in lines(local)}
+    b = {d["key"]: d for d in lines(on_ray)}
+    assert set(a) == set(b) and len(a) == 6       # the same keys, each document once
+    assert all(a[k]["answer"] == b[k]["answer"] for k in a)   # greedy: the same answers on Ray
+    assert {d["stats"]["worker"] for d in lines(on_ray)[3:]} <= {"ray-0", "ray-1"}
+
+
+def test_default_model_end_to_end_answers_as_run(default_model, tmp_path):
+    """Two copies of the example decoded together by the default model: each answers as `kvcli run` does."""
+    d = tmp_path / "docs"
+    d.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (d / name).write_bytes((EXAMPLES / "solar-garden.txt").read_bytes())
+    out = tmp_path / "e2e.jsonl"
+    common = ["--policy", "snapkv", "--budget", "128", "-n", "24", "--cache-type", "f32"]
+    r = kvcli("batch", "--docs", d, *common, "-i", "Summarise this document.", "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = lines(out)
+    assert len(got) == 2 and got[0]["sha256"] == got[1]["sha256"] and got[0]["key"] != got[1]["key"]
+    r = kvcli("run", "--doc", EXAMPLES / "solar-garden.txt", *common, "--json", "Summarise this document.")
+    assert r.returncode == 0, r.stderr
+    alone = json.loads(r.stdout)
+    assert len(alone["answer"]) > 20
+    for x in got:
+        assert x["answer"] == alone["answer"]
+        assert x["stats"]["kv_cells"] == 128 and x["stats"]["prompt_tokens"] == alone["stats"]["prompt_tokens"]
+    assert max(x["stats"]["decoded_with"] for x in got) == 2
