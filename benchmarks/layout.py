@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcli import policies  # noqa: E402
-from kvcli.bench import _sub_observation  # noqa: E402
 from kvcli.compress import make_plan, resolve_for_model  # noqa: E402
 from kvcli.models import default_model_path  # noqa: E402
 from kvcli.native.session import NativeSession  # noqa: E402
@@ -43,13 +42,13 @@ def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES) -> dict:
             spec, params = resolve_for_model(model, name, {}, b, INSTRUCTION)
             specs[name, b] = (spec, params, *spec.observe(params))
     kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
-    window = max(w for *_, w in specs.values())
-    obs = s.prefill(tokens, seq=0, observe=kinds, window=window)
+    windows = sorted({w for *_, w in specs.values() if w})   # every window length, from one prefill
+    obs = s.prefill(tokens, seq=0, observe=kinds, window=windows)
     per_cell = s.bytes_per_cell()
     i = s.info
     rows = []
     for (name, b), (spec, params, ks, w) in specs.items():
-        plan = make_plan(spec, params, b, _sub_observation(obs, ks, w), "native")
+        plan = make_plan(spec, params, b, obs.restrict(ks, w), "native")
         live = int(plan.n_kept.sum())
         cells = int(plan.max_kept)
         per_entry = per_cell / (i.n_layer * i.n_head_kv)

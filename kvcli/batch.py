@@ -320,7 +320,7 @@ class Worker:
             emit(error_line(ready.job, _why(e), s))
             return
         lock.hold(seq)
-        slots[seq] = _Slot(ready, report, cache, Sampler(temperature=s.temperature, seed=s.seed),
+        slots[seq] = _Slot(ready, report, cache, Sampler(temperature=s.temperature, seed=s.seed).start(session, s.max_tokens),
                            codecs.getincrementaldecoder("utf-8")("replace"), t0=time.perf_counter())
 
     def _step(self, lock, slots: dict, emit) -> None:

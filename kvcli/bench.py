@@ -59,10 +59,6 @@ class Config:
         b = "" if self.budget is None else f"@{self.budget}"
         return f"{self.policy}{b}/{self.cache_type}"
 
-    @property
-    def is_baseline(self) -> bool:
-        return self.policy == "full" and self.cache_type == "f16"
-
 
 @dataclass
 class Doc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 import click
@@ -18,8 +19,38 @@ from kvcli.errors import KvcliError
 COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch"]
 
 
+def usage_line(e: click.UsageError) -> str:
+    """A click usage error as one line: "--budget: 'abc' is not an integer" (click prints three)."""
+    if isinstance(e, click.BadParameter) and not isinstance(e, click.MissingParameter) and e.param is not None:
+        longs = [o for o in getattr(e.param, "opts", []) if o.startswith("--")]
+        name = max(longs, key=len) if longs else e.param.human_readable_name
+        msg = re.sub(r"is not a valid (integer|float)( range)?",
+                     lambda m: "is not an integer" if m[1] == "integer" else "is not a number", e.message)
+        return f"{name}: {msg.rstrip('.')}"
+    return " ".join(e.format_message().split()).rstrip(".")
+
+
 class KvcliGroup(click.Group):
     """Turns every failure into one line on stderr and an exit code; never a traceback."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        """click's standalone handling, but a usage error is one line (`kvcli: error: ...`, exit 2)."""
+        extra.pop("standalone_mode", None)
+        try:
+            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:   # bare `kvcli eval`: the help, as click shows it
+            e.show()
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            click.echo(f"kvcli: error: {usage_line(e)}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):
         try:
@@ -55,13 +86,7 @@ def cli():
 
 
 for _name in COMMANDS:
-    try:
-        _mod = importlib.import_module(f"kvcli.commands.{_name}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"kvcli.commands.{_name}":
-            raise
-        continue  # that command has not landed yet
-    for _cmd in getattr(_mod, "COMMANDS", []):
+    for _cmd in importlib.import_module(f"kvcli.commands.{_name}").COMMANDS:
         cli.add_command(_cmd)
 
 

@@ -5,10 +5,8 @@ The CLI commands are thin layers over `run_document`.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 
-from kvcli.errors import KvcliError
 from kvcli.generate import Generation, Sampler, generate
 
 @dataclass
@@ -123,9 +121,3 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
         stats["task"] = report.params["task"]  # what windowkv's task=auto picked
     return RunResult(answer=gen.text, model=str(session.model_path), policy=policy, budget=budget, stats=stats,
                      stopped=gen.stopped)
-
-
-def timed(fn, *a, **kw):
-    t0 = time.perf_counter()
-    r = fn(*a, **kw)
-    return r, time.perf_counter() - t0

@@ -169,13 +169,3 @@ class Plan:
 
     def entries(self) -> int:
         return int(self.n_kept.sum())
-
-
-def topk_lower_first(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest scores, ties broken by the lower index, returned ascending.
-
-    The tie rule both engines follow (docs/internals.md): a stable sort on -score.
-    """
-    k = max(0, min(int(k), scores.shape[-1]))
-    order = np.argsort(-scores, kind="stable")[:k]
-    return np.sort(order).astype(np.int32)

@@ -143,7 +143,7 @@ def test_both_engines_plan_with_the_resolved_task():
     """task=auto reaches the C++ and torch planners as the same concrete task: identical plans, equal to
     the plan of that task given explicitly (and different from the other task's plan here)."""
     from kvcli.native.lib import native_plan
-    from kvcli.reference.policies import make_plan
+    from kvcli.reference.policies import reference_plan
 
     rng = np.random.default_rng(7)
     n_layer, n_head, n_kv, n, w = 4, 6, 2, 260, 32
@@ -159,7 +159,7 @@ def test_both_engines_plan_with_the_resolved_task():
                               ("When did the museum reopen?", "localization")):
         _, params, text = P.prepare("windowkv", ["task=auto"], 96, instruction=instruction)
         assert params["task"] == task
-        nat, ref = native_plan("windowkv", text, 96, obs), make_plan("windowkv", obs, params, 96)
+        nat, ref = native_plan("windowkv", text, 96, obs), reference_plan("windowkv", params, 96, obs)
         explicit = native_plan("windowkv", P.prepare("windowkv", [f"task={task}"], 96)[2], 96, obs)
         for other in (ref, explicit):
             assert np.array_equal(nat.n_kept, other.n_kept) and np.array_equal(nat.slots, other.slots)

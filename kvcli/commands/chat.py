@@ -7,7 +7,7 @@ import click
 from click.core import ParameterSource
 
 from kvcli import config
-from kvcli.commands.options import chunk_options, model_option
+from kvcli.commands.options import Request, model_option, policy_option, request_options  # noqa: F401 (batch)
 from kvcli.errors import KvcliError
 
 
@@ -20,17 +20,6 @@ def explicit(ctx: click.Context, *names: str) -> list[str]:
 FLAGS = {"docs": "--doc", "policy": "--policy", "budget": "--budget", "policy_args": "--policy-arg",
          "system": "--system", "cache_type": "--cache-type", "chunk": "--chunk", "max_cache": "--max-cache",
          "chunk_scoring": "--chunk-scoring"}
-
-
-def complete_policy(ctx, param, incomplete):
-    """Shell completion of --policy values (click's _KVCLI_COMPLETE)."""
-    from kvcli import policies  # noqa: PLC0415
-    return [n for n in policies.available() if n.startswith(incomplete.lower())]
-
-
-policy_option = click.option("--policy", "-p", default=config.default("policy", "full"), shell_complete=complete_policy,
-                             help="KV-cache policy (kvcli policies lists them). Default: $KVCLI_POLICY, else the "
-                                  "config file, else full.")
 
 
 def progress_factory(enabled: bool, desc: str = "prefill"):
@@ -48,9 +37,7 @@ def explicit_budget(policy: str, budget: int | None, question: str | None, polic
         policies.prepare(policy, policy_args, budget, instruction=question)
 
 
-def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, system, question, cache_type,
-                      show_progress: bool, quiet: bool, chunk: int | None = None, max_cache: int | None = None,
-                      chunk_scoring: str = "question"):
+def open_conversation(*, docs, cache_path, model, req: Request, system, question, show_progress: bool, quiet: bool):
     """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
     from kvcli.chat import Conversation  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
@@ -61,10 +48,11 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
     else:
         from kvcli.documents import read_documents  # noqa: PLC0415
         document = read_documents(list(docs))
-        explicit_budget(policy, budget, question, policy_args)
-        session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=cache_type)
-        conv = Conversation(session, document, policy=policy, budget=budget, policy_args=policy_args, system=system,
-                            question=question, chunk=chunk, max_cache=max_cache, chunk_scoring=chunk_scoring)
+        explicit_budget(req.policy, req.budget, question, req.policy_args)
+        session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type)
+        conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
+                            system=system, question=question, chunk=req.chunk, max_cache=req.max_cache,
+                            chunk_scoring=req.chunk_scoring)
         from kvcli.pipeline import Progress  # noqa: PLC0415
         progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
@@ -83,28 +71,17 @@ def open_conversation(*, docs, cache_path, model, policy, budget, policy_args, s
 @click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
               help="A compressed document written by kvcli compress or /save (instead of --doc).")
 @model_option
-@policy_option
-@click.option("--budget", "-b", type=click.IntRange(1), default=config.default("budget"),
-              help="Entries kept per layer and KV head, observation window included. Default: $KVCLI_BUDGET.")
-@click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE", help="Policy parameter (repeatable).")
+@request_options("policy", "sampling", "cache_type", "chunking", max_tokens=512,
+                 cache_type_help="llama.cpp KV cache type (a --cache file brings its own).")
 @click.option("--question", "question_opt", metavar="TEXT",
               help="Compress for this question (question-aware); the same as giving QUESTION.")
 @click.option("--system", default=config.default("system"), help="System message (before the document).")
-@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=config.default("max_tokens", 512),
-              show_default="512", help="Longest answer, in tokens.")
-@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=config.default("temperature", 0.0),
-              show_default="0", help="0 = greedy.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
-              help="llama.cpp KV cache type (a --cache file brings its own).")
-@chunk_options
 @click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
               "(/reset before each one) instead of keeping the conversation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="With stdin piped: one JSON object per answer, one per line.")
 @click.pass_context
-def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args, question_opt, system, max_tokens,
-             temperature, seed, cache_type, chunk, max_cache, chunk_scoring, fresh, quiet, as_json):
+def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt, system, fresh, quiet, as_json):
     """Chat about a document whose KV cache is compressed once by --policy.
 
     On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
@@ -116,8 +93,6 @@ def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args
     (question-agnostic). The summary line says which.
     """
     from kvcli.chat import Repl  # noqa: PLC0415
-    from kvcli.generate import Sampler  # noqa: PLC0415
-    from kvcli.policies import parse_policy_args  # noqa: PLC0415
 
     if question and question_opt and question.strip() != question_opt.strip():
         raise KvcliError("give the question either as QUESTION or as --question, not two different ones")
@@ -130,19 +105,14 @@ def chat_cmd(ctx, question, docs, cache_path, model, policy, budget, policy_args
         raise KvcliError("kvcli chat needs a document: --doc FILE, or --cache FILE.kvc")
     elif "-" in docs:
         raise KvcliError("kvcli chat reads questions from standard input: pass the document as a file (--doc FILE)")
-    policy = (policy or "full").lower()
-    args = parse_policy_args(list(policy_args))
     interactive = sys.stdin.isatty()
     if as_json and interactive:
         raise KvcliError("--json is for piped use (stdin not a terminal): one JSON object per answer")
-    conv = open_conversation(docs=docs, cache_path=cache_path, model=model, policy=policy,
-                             budget=None if policy == "full" else budget, policy_args=args, system=system,
-                             question=question, cache_type=cache_type, chunk=chunk, max_cache=max_cache,
-                             chunk_scoring=chunk_scoring,
-                             show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
+    conv = open_conversation(docs=docs, cache_path=cache_path, model=model, req=req, system=system,
+                             question=question, show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
     if cache_path and conv.pending and not question and not quiet:
         click.echo(f"[compressed for the question: {conv.question}]", err=True)
-    repl = Repl(conv, max_tokens=max_tokens, sampler=Sampler(temperature=temperature, seed=seed),
+    repl = Repl(conv, max_tokens=req.max_tokens, sampler=req.sampler(),
                 interactive=interactive, quiet=quiet, fresh=fresh, jsonl=as_json,
                 progress_factory=progress_factory(not quiet and sys.stderr.isatty(), "recompress"))
     repl.run(first=question)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvcli.commands.options import chunk_scoring_option, json_option, model_option
+from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
 
 EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "solar-garden.txt"
@@ -104,18 +104,15 @@ def format_report(r: dict) -> str:
 @click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
               help="Native KV cache type (f32 with --no-flash-attn gives the tightest agreement).")
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True, help="Native flash attention.")
-@click.option("--chunk", type=int, default=None, metavar="N",
-              help="Read the prompt in chunks of N tokens in both engines (chunked prefill with re-indexed "
-                   "positions); L1 is then checked at every planning step.")
-@chunk_scoring_option
-@click.option("--threads", type=click.IntRange(1, 1024), default=None,
-              help="CPU threads of both engines (default: all cores natively, torch's default).")
+@request_options("chunk", "threads", chunk_help="Read the prompt in chunks of N tokens in both engines (chunked "
+                 "prefill with re-indexed positions); L1 is then checked at every planning step.",
+                 threads_help="CPU threads of both engines (default: all cores natively, torch's default).")
 @click.option("--threshold", "thresholds", multiple=True, metavar="KEY=VALUE", help="Override a threshold.")
 @click.option("--tight", is_flag=True, help="Thresholds for float32 GGUFs checked with --cache-type f32 "
                                               "--no-flash-attn (engines agree to ~1e-5).")
 @json_option
-def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn, chunk,
-              chunk_scoring, threads, thresholds, tight, as_json):
+def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn,
+              thresholds, tight, as_json):
     """Check the native engine against the PyTorch reference engine on one document.
 
     L1 feeds the same observation to the C++ and torch planners (identical plans required); L2
@@ -133,6 +130,7 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     th = (Thresholds.tight() if tight else Thresholds()).with_overrides(thresholds)
     level_set = _levels(levels)
     names = policies_to_check(policy_names)
+    chunk = req.chunk
     for name in names:
         policies.prepare(name, {}, budget)
     if chunk is not None:
@@ -148,8 +146,8 @@ def check_cmd(policy_names, budget, doc, doc_tokens, model, n_tokens, levels, ca
     document = read_document(doc)
     path = resolve_model(model)
     settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
-                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk, chunk_scoring=chunk_scoring,
-                             threads=threads)
+                             levels=level_set, doc_tokens=doc_tokens, chunk=chunk, chunk_scoring=req.chunk_scoring,
+                             threads=req.threads)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
     report = run_check(path, document, names, settings, th, log=log)
     if as_json:

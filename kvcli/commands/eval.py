@@ -5,24 +5,23 @@ import json
 
 import click
 
-from kvcli.commands.bench import common_lists, parse_scoped_args
-from kvcli.commands.options import chunk_scoring_option, json_option, model_option
+from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
 
+CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by itself "
+              "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
+              "baseline.")
 
-def shared_options(default_lengths: str):
+
+def shared_options(default_lengths: str, chunked: bool = True):
+    """The options of every eval command; chunked adds --chunk and --chunk-scoring."""
     def deco(f):
         for opt in reversed([
             model_option,
-            click.option("--policies", default="full,snapkv", show_default=True, help="Comma-separated policies."),
-            click.option("--budgets", default="128,256,512", show_default=True, help="Comma-separated budgets."),
+            request_options("policies", "cache_type", "threads", *(["chunk", "penalties"] if chunked else []),
+                            cache_types=("f16", "q8_0", "q4_0"), cache_type_help=None, chunk_help=CHUNK_HELP),
             click.option("--lengths", default=default_lengths, show_default=True,
                          help="Comma-separated prompt lengths in tokens (1k = 1024)."),
-            click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16",
-                         show_default=True),
-            click.option("--policy-arg", "policy_args", multiple=True, metavar="POLICY.KEY=VALUE",
-                         help="Policy parameter, e.g. snapkv.window=32 (repeatable)."),
-            click.option("--threads", type=click.IntRange(1, 1024), default=None),
             click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write a PNG plot."),
             click.option("--json-out", "json_path", default=None, metavar="FILE", help="Also write the result as JSON."),
             click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr."),
@@ -33,14 +32,13 @@ def shared_options(default_lengths: str):
     return deco
 
 
-def _prepare(model, policies, budgets, lengths, plot_path):
+def _prepare(model, lengths, plot_path):
     from kvcli.evaluation.measure import parse_list, parse_size  # noqa: PLC0415
     from kvcli.evaluation.report import check_png  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
-    pols, buds = common_lists(policies, budgets)
     lens = parse_list(lengths, "--lengths", lambda s: parse_size(s, "--lengths"))
     check_png(plot_path)
-    return resolve_model(model), pols, buds, lens
+    return resolve_model(model), lens
 
 
 def _finish(result, as_json, json_path, plot_path, quiet, plot):
@@ -72,23 +70,18 @@ def eval_group():
 @click.option("--samples", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="Samples per length and depth.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
-              help="Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by "
-                   "itself (1024) for lengths beyond the model's context. Add 'truncate' to --policies for the "
-                   "plain-truncation baseline.")
-@chunk_scoring_option
-def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-             as_json, depths, samples, seed, chunk, chunk_scoring):
+def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, depths, samples, seed):
     """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list  # noqa: PLC0415
     from kvcli.evaluation.report import plot_niah  # noqa: PLC0415
     from kvcli.evaluation.runner import run_generation_eval  # noqa: PLC0415
-    path, pols, buds, lens = _prepare(model, policies, budgets, lengths, plot_path)
+    path, lens = _prepare(model, lengths, plot_path)
     ds = parse_float_list(depths, "--depths")
-    result = run_generation_eval(path, "niah", ["niah"], pols, buds, lens, ds, samples, cache_type=cache_type,
-                                 policy_args=parse_scoped_args(policy_args), threads=threads, seed=seed,
-                                 log=None if quiet else log_stderr, chunk=chunk, chunk_scoring=chunk_scoring)
+    result = run_generation_eval(path, "niah", ["niah"], req.policies, req.budgets, lens, ds, samples,
+                                 cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
+                                 seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler())
     _finish(result, as_json, json_path, plot_path, quiet, plot_niah)
 
 
@@ -100,46 +93,40 @@ def niah_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads
 @click.option("--samples", type=click.IntRange(1, 1000), default=2, show_default=True,
               help="Samples per task, length (and depth).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--chunk", type=click.IntRange(0), default=None, metavar="N",
-              help="Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by "
-                   "itself (1024) for lengths beyond the model's context. Add 'truncate' to --policies for the "
-                   "plain-truncation baseline.")
-@chunk_scoring_option
-def ruler_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-              as_json, tasks, depths, samples, seed, chunk, chunk_scoring):
+def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, tasks, depths, samples, seed):
     """RULER-style synthetic tasks with RULER's string-match metric."""
     from kvcli.bench import log_stderr  # noqa: PLC0415
     from kvcli.evaluation.measure import parse_float_list, parse_list  # noqa: PLC0415
     from kvcli.evaluation.report import plot_scores  # noqa: PLC0415
     from kvcli.evaluation.runner import run_generation_eval  # noqa: PLC0415
     from kvcli.evaluation.tasks import RULER_TASKS  # noqa: PLC0415
-    path, pols, buds, lens = _prepare(model, policies, budgets, lengths, plot_path)
+    path, lens = _prepare(model, lengths, plot_path)
     ts = parse_list(tasks, "--tasks", lambda s: s.lower())
     for t in ts:
         if t not in RULER_TASKS:
             raise KvcliError(f"--tasks: unknown task '{t}' (choose from {', '.join(RULER_TASKS)})")
     ds = parse_float_list(depths, "--depths")
-    result = run_generation_eval(path, "ruler", ts, pols, buds, lens, ds, samples, cache_type=cache_type,
-                                 policy_args=parse_scoped_args(policy_args), threads=threads, seed=seed,
-                                 log=None if quiet else log_stderr, chunk=chunk, chunk_scoring=chunk_scoring)
+    result = run_generation_eval(path, "ruler", ts, req.policies, req.budgets, lens, ds, samples,
+                                 cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
+                                 seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler())
     _finish(result, as_json, json_path, plot_path, quiet, plot_scores)
 
 
 @eval_group.command("fidelity")
-@shared_options("1k,2k")
+@shared_options("1k,2k", chunked=False)
 @click.option("--docs", "docs", default=None, metavar="FILES|DIR",
               help="Real text: comma-separated files or a directory. Default: the repository's examples/ texts.")
 @click.option("--cont", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Continuation tokens scored after each prefix.")
-def fidelity_cmd(model, policies, budgets, lengths, cache_type, policy_args, threads, plot_path, json_path, quiet,
-                 as_json, docs, cont):
+def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, cont):
     """Perplexity of a document's continuation given its compressed prefix, and KL to the full cache."""
     from pathlib import Path  # noqa: PLC0415
 
     from kvcli.bench import load_docs, log_stderr  # noqa: PLC0415
     from kvcli.evaluation.report import plot_scores  # noqa: PLC0415
     from kvcli.evaluation.runner import run_fidelity  # noqa: PLC0415
-    path, pols, buds, lens = _prepare(model, policies, budgets, lengths, plot_path)
+    path, lens = _prepare(model, lengths, plot_path)
     if docs is None:
         ex = Path(__file__).resolve().parents[2] / "examples"
         if not ex.is_dir():
@@ -147,8 +134,8 @@ def fidelity_cmd(model, policies, budgets, lengths, cache_type, policy_args, thr
         documents = load_docs([ex])
     else:
         documents = load_docs([p for p in docs.split(",") if p.strip()])
-    result = run_fidelity(path, documents, pols, buds, lens, cont, cache_type=cache_type,
-                          policy_args=parse_scoped_args(policy_args), threads=threads,
+    result = run_fidelity(path, documents, req.policies, req.budgets, lens, cont, cache_type=req.cache_type,
+                          policy_args=req.scoped_args, threads=req.threads,
                           log=None if quiet else log_stderr)
     _finish(result, as_json, json_path, plot_path, quiet,
             lambda r, p: plot_scores(r, p, metric="ppl", ylabel="perplexity of the continuation"))

@@ -7,19 +7,9 @@ import sys
 import click
 
 from kvcli import config
-from kvcli.commands.chat import policy_option
-from kvcli.commands.options import chunk_options, json_option, model_option, threads_option
+from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
-
-
-def parse_policy_args(items: tuple[str, ...]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise KvcliError(f"--policy-arg expects key=value, got '{item}'")
-        out[key.strip()] = value.strip()
-    return out
+from kvcli.policies.base import parse_policy_args  # noqa: F401 (kvcli batch imports it from here)
 
 
 def open_session(engine: str, model: str | None, **kw):
@@ -47,29 +37,17 @@ def write_atomic(path: str, text: str) -> None:
 @model_option
 @click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
               help="Answer from a compressed document written by kvcli compress (instead of --doc / stdin).")
-@policy_option
-@click.option("--budget", "-b", type=int, default=config.default("budget"),
-              help="Entries kept per layer and KV head, observation window included. Default: $KVCLI_BUDGET.")
-@click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE", help="Policy parameter (repeatable).")
-@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=config.default("max_tokens", 256),
-              show_default="256")
-@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=config.default("temperature", 0.0),
-              show_default="0", help="0 = greedy.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=256,
+                 cache_type_help="llama.cpp KV cache type (native engine).")
 @click.option("--system", default=config.default("system"), help="System message.")
 @click.option("--no-template", is_flag=True, help="Plain-completion prompt instead of the chat template (base "
               "models; a model without a chat template gets one anyway).")
 @click.option("--engine", type=click.Choice(["native", "reference"]), default="native", show_default=True)
-@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
-              help="llama.cpp KV cache type (native engine).")
-@chunk_options
-@threads_option
 @click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
 @click.pass_context
-def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_args, max_tokens, temperature, seed,
-            system, no_template, engine, cache_type, chunk, max_cache, chunk_scoring, threads, out_path, quiet,
+def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_template, engine, out_path, quiet,
             as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
@@ -77,7 +55,6 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
     given, or from a compressed --cache FILE.kvc. Only the answer goes to stdout.
     """
     from kvcli.documents import read_documents  # noqa: PLC0415
-    from kvcli.generate import Sampler  # noqa: PLC0415
     from kvcli.pipeline import run_document  # noqa: PLC0415
 
     if not instruction.strip():
@@ -87,23 +64,22 @@ def run_cmd(ctx, instruction, docs, cache_path, model, policy, budget, policy_ar
         check_target(out_path)   # before the work, not after it
     model = model or config.get("model")
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-    sampler = Sampler(temperature=temperature, seed=seed)
+    sampler = req.sampler()
     if cache_path:
         from kvcli.commands.chat import FLAGS, explicit  # noqa: PLC0415
         clash = explicit(ctx, *FLAGS, "engine")
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop "
                              f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
-        result = run_cached(cache_path, instruction, model, max_tokens, sampler, stream)
+        result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream)
     else:
         document = read_documents(list(docs))
-        args = parse_policy_args(policy_args)
-        session = open_session(engine, model, n_ctx=0, cache_type=cache_type, n_threads=threads) \
-            if engine == "native" else open_session(engine, model, n_threads=threads)
-        result = run_document(session, document, instruction, policy=policy, budget=budget, policy_args=args,
-                              max_tokens=max_tokens, sampler=sampler, system=system,
-                              on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=chunk,
-                              max_cache=max_cache, chunk_scoring=chunk_scoring, template=not no_template)
+        session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
+            if engine == "native" else open_session(engine, model, n_threads=req.threads)
+        result = run_document(session, document, instruction, policy=req.policy, budget=req.budget,
+                              policy_args=req.policy_args, max_tokens=req.max_tokens, sampler=sampler, system=system,
+                              on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=req.chunk,
+                              max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, template=not no_template)
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:

@@ -159,29 +159,35 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
         yield pol, bud, "ok", session.logits(0), "", stats
 
 
-def _greedy(session, first_logits, max_tokens: int) -> str:
-    """Greedy decode of sequence 0 from the prompt's last logits, stopping at end of generation."""
+def _greedy(session, first_logits, max_tokens: int, sampler=None) -> str:
+    """Decode sequence 0 from the prompt's last logits (greedy, or `sampler`'s penalties), stopping at end of
+    generation."""
     import codecs  # noqa: PLC0415
+    from kvcli.generate import Sampler  # noqa: PLC0415
     from kvcli.native.session import ContextFull  # noqa: PLC0415
     dec = codecs.getincrementaldecoder("utf-8")("replace")
     text, logits = "", first_logits
-    for _ in range(max_tokens):
-        tok = int(np.argmax(logits))
-        if session.is_eog(tok):
-            break
-        text += dec.decode(session.token_bytes(tok))
-        try:
-            session.step({0: tok})
-        except ContextFull:
-            break
-        logits = session.logits(0)
+    pick = (sampler or Sampler()).start(session, max_tokens)
+    try:
+        for _ in range(max_tokens):
+            tok = pick(logits)
+            if session.is_eog(tok):
+                break
+            text += dec.decode(session.token_bytes(tok))
+            try:
+                session.step({0: tok})
+            except ContextFull:
+                break
+            logits = session.logits(0)
+    finally:
+        pick.close()
     return text + dec.decode(b"", final=True)
 
 
 def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[str], budgets: list[int],
                         lengths: list[int], depths: list[float], samples: int, *, cache_type: str = "f16",
                         policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None,
-                        chunk: int | None = None, chunk_scoring: str = "question") -> dict:
+                        chunk: int | None = None, chunk_scoring: str = "question", sampler=None) -> dict:
     """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths).
 
     Lengths beyond the model's context (or any `chunk`) are read in chunks of `chunk` tokens (default
@@ -236,7 +242,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                                **stats}
                         if status == "ok":
                             try:
-                                pred = _greedy(session, first, s.max_tokens)
+                                pred = _greedy(session, first, s.max_tokens, sampler)
                                 rec.update(prediction=pred, score=100 * string_match_all(pred, s.answers))
                             except KvcliError as e:
                                 rec.update(status=f"error: {e}")
@@ -255,7 +261,8 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent",
-                         "chunk": chunk if long else None, "chunk_scoring": chunk_scoring if long else None},
+                         "chunk": chunk if long else None, "chunk_scoring": chunk_scoring if long else None,
+                         "sampling": None if sampler is None else vars(sampler.sampling)},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
             "cells": aggregate(records, ("task", "policy", "budget", "length", "depth")),
             "summary": aggregate(records, ("task", "policy", "budget", "length"))}

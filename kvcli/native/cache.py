@@ -15,17 +15,14 @@ Order of calls for one compressed prompt (one sequence `seq`, next position `p` 
    With `reindex_p0=0` the kept entries get positions B-k..B-1 instead (right-aligned in the B cells, K
    re-rotated) and decoding continues at B = `plan.max_kept`; repeating 1-4 chunk after chunk reads a document of any length
    (kvcli/chunked.py). Observation of a compacted sequence covers its cells (compacted + new).
-5. `set_header(...)` to label it, `save_state`/`load_state` to write it to / read it from a file.
+5. `set_header(...)` to label it, `get_state`/`set_state` to copy it out / back in (kvcli/kvc.py writes
+   it into a .kvc file).
 
 The context must have a unified KV cache (`kv_unified=True`) when it holds several sequences.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
-import struct
-from pathlib import Path
 
 import numpy as np
 
@@ -37,10 +34,6 @@ OBS_WINDOW = 1
 OBS_COLSUM = 2
 _KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "kv": 0}
 
-FILE_MAGIC = b"KVCLIKV\x00"
-FILE_FORMAT = 1
-_FILE_HEAD = struct.Struct("<8sII")   # magic, file format, meta length
-_PAYLOAD_LEN = struct.Struct("<Q")
 
 
 def _kinds_bits(kinds) -> int:
@@ -260,59 +253,3 @@ def set_state(ctx, seq: int, data: bytes) -> None:
         why = L.last_error() or ("llama.cpp refused it: the context's cache type, flash-attention setting or "
                                  "size differs from the one it was saved with (KVCLI_DEBUG=1 shows its log)")
         raise KvcliError(f"cannot load the cache state: {why}")
-
-
-def save_state(ctx, seq: int, path, meta: dict | None = None) -> int:
-    """Write `seq`'s state to `path` with `meta` (JSON) and a SHA-256; returns the file size."""
-    payload = get_state(ctx, seq)
-    meta_b = json.dumps(meta or {}, sort_keys=True).encode()
-    digest = hashlib.sha256(meta_b + payload).digest()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(_FILE_HEAD.pack(FILE_MAGIC, FILE_FORMAT, len(meta_b)))
-        f.write(meta_b)
-        f.write(_PAYLOAD_LEN.pack(len(payload)))
-        f.write(payload)
-        f.write(digest)
-    tmp.replace(path)
-    return path.stat().st_size
-
-
-def read_state_file(path) -> tuple[dict, bytes]:
-    """(meta, payload) of a kvcli cache file, checked: magic, format, length and SHA-256."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise KvcliError(f"cannot read {path}: {e.strerror}") from None
-    if len(raw) < _FILE_HEAD.size or raw[:8] != FILE_MAGIC:
-        raise KvcliError(f"{path} is not a kvcli cache file")
-    _, fmt, meta_len = _FILE_HEAD.unpack_from(raw)
-    if fmt != FILE_FORMAT:
-        raise KvcliError(f"{path} has kvcli cache file format {fmt}; this kvcli reads format {FILE_FORMAT}")
-    p = _FILE_HEAD.size
-    if len(raw) < p + meta_len + _PAYLOAD_LEN.size:
-        raise KvcliError(f"{path} is truncated")
-    meta_b = raw[p:p + meta_len]
-    (n,) = _PAYLOAD_LEN.unpack_from(raw, p + meta_len)
-    p += meta_len + _PAYLOAD_LEN.size
-    if len(raw) < p + n + 32:
-        raise KvcliError(f"{path} is truncated ({len(raw)} bytes, expected {p + n + 32})")
-    if len(raw) > p + n + 32:
-        raise KvcliError(f"{path} is corrupted (trailing bytes)")
-    payload = raw[p:p + n]
-    if hashlib.sha256(meta_b + payload).digest() != raw[p + n:]:
-        raise KvcliError(f"{path} is corrupted (checksum mismatch)")
-    try:
-        meta = json.loads(meta_b)
-    except ValueError:
-        raise KvcliError(f"{path} is corrupted (bad metadata)") from None
-    return meta, payload
-
-
-def load_state(ctx, seq: int, path) -> dict:
-    """Load a file written by save_state into `seq`; returns its meta."""
-    meta, payload = read_state_file(path)
-    set_state(ctx, seq, payload)
-    return meta

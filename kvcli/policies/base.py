@@ -8,7 +8,7 @@ validated dict. Defaults live here AND in the C++ file of each policy; a test ch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvcli.errors import KvcliError
@@ -289,12 +289,3 @@ def needs_window_budget(policy: str, param: str = "window") -> Callable[[dict, i
                              f"(the window is kept inside the budget); lower it with --policy-arg {param}=N")
     return check
 
-
-@dataclass
-class Registry:
-    specs: dict[str, PolicySpec] = field(default_factory=dict)
-
-    def add(self, spec: PolicySpec) -> None:
-        if spec.name in self.specs:  # pragma: no cover - registry bug
-            raise AssertionError(f"policy {spec.name} registered twice")
-        self.specs[spec.name] = spec

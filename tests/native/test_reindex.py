@@ -341,9 +341,9 @@ def test_reindexing_a_plainly_compacted_sequence_is_refused(session_factory, tin
     with pytest.raises(KvcliError, match="first position >= 0"):
         cache.apply_plan(s.ctx, 0, keep, s.info.head_dim, reindex_p0=-1)
     # the flag travels with the state: still refused after loading it elsewhere
-    cache.save_state(s.ctx, 0, tmp_path / "plain.kvc")
+    state = cache.get_state(s.ctx, 0)
     t = session_factory(tiny_model, flash_attn=True, cache_type="f16")
-    cache.load_state(t.ctx, 0, tmp_path / "plain.kvc")
+    cache.set_state(t.ctx, 0, state)
     assert cache.is_compressed(t.ctx, 0) and not cache.is_reindexable(t.ctx, 0)
     with pytest.raises(KvcliError, match="compacted without re-indexing"):
         cache.apply_plan(t.ctx, 0, keep, t.info.head_dim, reindex_p0=0)

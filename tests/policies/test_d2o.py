@@ -16,7 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
 from kvcli.plan import Observation
 from kvcli.policies.d2o import layer_budgets, layer_weights, split
-from kvcli.reference.policies import make_plan
+from kvcli.reference.policies import reference_plan
 
 
 def assert_same(a, b):
@@ -34,7 +34,7 @@ def assert_same(a, b):
 
 def both(args, budget, obs):
     _, params, text = P.prepare("d2o", args, budget)
-    nat, ref = native_plan("d2o", text, budget, obs), make_plan("d2o", obs, params, budget)
+    nat, ref = native_plan("d2o", text, budget, obs), reference_plan("d2o", params, budget, obs)
     nat.validate(obs.n, obs.head_dim)
     ref.validate(obs.n, obs.head_dim)
     assert_same(nat, ref)
@@ -194,17 +194,17 @@ def test_errors_are_clear_in_both_engines():
     _, params, text = P.prepare("d2o", [], 64)
     keys = obs.keys
     obs.keys = None
-    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: make_plan("d2o", obs, params, 64)):
+    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
         with pytest.raises(KvcliError, match="needs the kv observation"):
             run()
     obs.keys = keys.copy()
     obs.keys[1, 0, 5, 3] = np.nan
-    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: make_plan("d2o", obs, params, 64)):
+    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
         with pytest.raises(KvcliError, match="NaN"):
             run()
     obs.keys = keys
     _, params, text = P.prepare("d2o", ["full_layers=3"], 64)
-    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: make_plan("d2o", obs, params, 64)):
+    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
         with pytest.raises(KvcliError, match="full_layers item 3 is outside the model's 3 layers"):
             run()
     with pytest.raises(KvcliError, match="heavy \\+ recent must be >= 1"):

@@ -13,7 +13,7 @@ import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
 from kvcli.plan import Observation
-from kvcli.reference.policies import make_plan
+from kvcli.reference.policies import reference_plan
 
 PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv", "compresskv"]
 
@@ -61,7 +61,7 @@ def assert_same(a, b):
 def both(name, args, budget, obs):
     spec, params, text = P.prepare(name, args, budget)
     nat = native_plan(name, text, budget, obs)
-    ref = make_plan(name, obs, params, budget)
+    ref = reference_plan(name, params, budget, obs)
     nat.validate(obs.n, obs.head_dim)
     ref.validate(obs.n, obs.head_dim)
     return nat, ref
@@ -109,7 +109,7 @@ def test_both_engines_refuse_a_nan_observation(name):
     with pytest.raises(KvcliError, match="NaN"):
         native_plan(name, text, 64, obs)
     with pytest.raises(KvcliError, match="NaN"):
-        make_plan(name, obs, params, 64)
+        reference_plan(name, params, 64, obs)
 
 
 def test_missing_observation_is_a_clear_error():
@@ -118,12 +118,12 @@ def test_missing_observation_is_a_clear_error():
     with pytest.raises(KvcliError, match="needs the window observation"):
         native_plan("snapkv", "", 64, obs)
     with pytest.raises(KvcliError, match="needs the window observation"):
-        make_plan("snapkv", obs, [], 64)
+        reference_plan("snapkv", [], 64, obs)
     obs = random_obs(3, 2, 4, 2, 150, w=8)
     with pytest.raises(KvcliError, match=r"needs the window sums of window 32, the observation has window\(s\) 1, 2, "):
         native_plan("snapkv", "", 64, obs)
     with pytest.raises(KvcliError, match=r"needs the window sums of window 32, the observation has window\(s\) 1, 2, "):
-        make_plan("snapkv", obs, [], 64)
+        reference_plan("snapkv", [], 64, obs)
     obs.colsum = None
     with pytest.raises(KvcliError, match="needs the colsum observation"):
         native_plan("h2o", "", 64, obs)

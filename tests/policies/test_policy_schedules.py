@@ -18,12 +18,12 @@ from kvcli.plan import Observation, sum_window_rows
 from kvcli.policies.compresskv import allocate
 from kvcli.policies.pyramidkv import layer_budgets as pyramid_budgets
 from kvcli.policies.windowkv import group_budgets, group_size
-from kvcli.reference.policies import make_plan
+from kvcli.reference.policies import reference_plan
 
 
 def plans(name, args, budget, obs):
     _, params, text = P.prepare(name, args, budget)
-    nat, ref = native_plan(name, text, budget, obs), make_plan(name, obs, params, budget)
+    nat, ref = native_plan(name, text, budget, obs), reference_plan(name, params, budget, obs)
     assert np.array_equal(nat.n_kept, ref.n_kept) and np.array_equal(nat.slots, ref.slots)
     return nat
 
@@ -251,4 +251,4 @@ def test_compresskv_handmade_srh_vote():
     with pytest.raises(KvcliError, match=r"srh has 3 head ids, expected 1 layers x srh_k 2"):
         native_plan("compresskv", "window=2;srh_k=2;srh=1,2,3", 3, obs)
     with pytest.raises(KvcliError, match=r"srh has 3 head ids"):
-        make_plan("compresskv", obs, ["window=2", "srh_k=2", "srh=1,2,3"], 3)
+        reference_plan("compresskv", ["window=2", "srh_k=2", "srh=1,2,3"], 3, obs)

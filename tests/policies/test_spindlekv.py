@@ -18,12 +18,12 @@ from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
 from kvcli.plan import Observation, sum_window_rows
 from kvcli.policies.spindlekv import layer_keep
-from kvcli.reference.policies import make_plan
+from kvcli.reference.policies import reference_plan
 
 
 def both(args, budget, obs):
     _, params, text = P.prepare("spindlekv", args, budget)
-    nat, ref = native_plan("spindlekv", text, budget, obs), make_plan("spindlekv", obs, params, budget)
+    nat, ref = native_plan("spindlekv", text, budget, obs), reference_plan("spindlekv", params, budget, obs)
     nat.validate(obs.n, obs.head_dim)
     ref.validate(obs.n, obs.head_dim)
     assert_same(nat, ref)
@@ -167,7 +167,7 @@ def test_errors_are_clear_in_both_engines():
     obs = random_obs(3, 3, 4, 2, 150, w=32, kv=True)
     _, params, text = P.prepare("spindlekv", [], 64)
     obs.values = None
-    for run in (lambda: native_plan("spindlekv", text, 64, obs), lambda: make_plan("spindlekv", obs, params, 64)):
+    for run in (lambda: native_plan("spindlekv", text, 64, obs), lambda: reference_plan("spindlekv", params, 64, obs)):
         with pytest.raises(KvcliError, match="needs the kv observation"):
             run()
     with pytest.raises(KvcliError, match="budget 8 must be larger than window=8"):

@@ -20,16 +20,12 @@ def planner(name: str):
     return importlib.import_module(f"kvcli.reference.policies.{spec.name}").plan
 
 
-def make_plan(name: str, obs: Observation, params: dict | list | None, budget: int) -> Plan:
-    """Validate params with the registry, then run the torch planner."""
+def reference_plan(name: str, params: dict | list | None, budget: int, obs: Observation) -> Plan:
+    """Validate params with the registry, then run the torch planner (the argument order of
+    kvcli.compress.make_plan: name, parameters, budget, observation)."""
     from kvcli.policies import get  # noqa: PLC0415
     spec = get(name)
     typed = spec.validate(params if params is not None else {})
     spec.check_budget(budget, typed)
     obs.validate()
     return planner(name)(obs, typed, int(budget))
-
-
-def reference_plan(name: str, params: dict, budget: int, obs: Observation) -> Plan:
-    """The argument order kvcli/compress.py uses: (name, typed params, budget, observation)."""
-    return make_plan(name, obs, params, budget)
