@@ -4,7 +4,7 @@ plan vs the reference engine's plan (both applied to the same native prefill), a
 reference plan's kept set in one layer only."""
 import json, sys, numpy as np
 from kvcli import compress
-from kvcli.check import restrict, logits_distance
+from kvcli.check import logits_distance
 from kvcli.models import default_model_path
 from kvcli.plan import Plan
 from kvcli.reference.session import ReferenceSession

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from kvcli.errors import KvcliError
 from kvcli.generate import Generation, Sampler, generate
 
 @dataclass

@@ -9,7 +9,6 @@ import click
 
 from kvcli import config
 from kvcli.commands.options import Request, json_option, model_option, request_options
-from kvcli.errors import KvcliError
 
 
 @click.command("compress")
@@ -26,8 +25,6 @@ from kvcli.errors import KvcliError
 @json_option
 def compress_cmd(req: Request, docs, out_path, model, question, system, force, quiet, as_json):
     """Compress a document once and save it (kvcli chat --cache / kvcli run --cache load it in well under a second)."""
-    from pathlib import Path  # noqa: PLC0415
-
     from kvcli.chat import MEMORY_STATS  # noqa: PLC0415
     from kvcli.commands.chat import open_conversation  # noqa: PLC0415
 

@@ -7,7 +7,6 @@ the one of docs/internals.md, shared with the reference engine.
 """
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
 import time
