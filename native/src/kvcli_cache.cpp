@@ -1019,21 +1019,23 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
 
     // free the sequence, then take the B lowest free cells (usually its own first cells)
     ggml_backend_sched_synchronize(ctx->get_sched());
-    std::vector<std::vector<uint8_t>> old_k(layers.size()), old_v(layers.size());
-    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
-        old_k[ikv].resize((size_t) (hi - lo) * k_row);
-        ggml_backend_tensor_get(layers[ikv].k, old_k[ikv].data(), (size_t) lo * k_row, old_k[ikv].size());
+    // a layer's old rows are read just before that layer is rewritten (every model layer has a K/V
+    // tensor of its own, checked above), so the host holds one layer's rows at a time, not the sequence's
+    std::vector<uint8_t> old_k, old_v;
+    auto read_old_rows = [&](size_t ikv) {
+        old_k.resize((size_t) (hi - lo) * k_row);
+        ggml_backend_tensor_get(layers[ikv].k, old_k.data(), (size_t) lo * k_row, old_k.size());
         if (!v_trans) {
-            old_v[ikv].resize((size_t) (hi - lo) * v_row);
-            ggml_backend_tensor_get(layers[ikv].v, old_v[ikv].data(), (size_t) lo * v_row, old_v[ikv].size());
+            old_v.resize((size_t) (hi - lo) * v_row);
+            ggml_backend_tensor_get(layers[ikv].v, old_v.data(), (size_t) lo * v_row, old_v.size());
         } else {
-            old_v[ikv].resize((size_t) (hi - lo) * hd * nkv * v_el);
+            old_v.resize((size_t) (hi - lo) * hd * nkv * v_el);
             for (uint32_t e = 0; e < hd * nkv; ++e) {
-                ggml_backend_tensor_get(layers[ikv].v, old_v[ikv].data() + (size_t) e * (hi - lo) * v_el,
+                ggml_backend_tensor_get(layers[ikv].v, old_v.data() + (size_t) e * (hi - lo) * v_el,
                                         ((size_t) e * kv_size + lo) * v_el, (size_t) (hi - lo) * v_el);
             }
         }
-    }
+    };
     for (uint32_t c : src) {
         cells.rm(c);
     }
@@ -1067,6 +1069,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     std::vector<uint8_t> qbuf(std::max(k_head, v_head) + 64);
     for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
         const size_t ikv = ikv_of[il];
+        read_old_rows(ikv);
         // K (and untransposed V): rows of B cells, built on host, written run by run
         std::vector<uint8_t> nk((size_t) B * k_row, 0), nv(v_trans ? 0 : (size_t) B * v_row, 0);
         std::vector<uint8_t> nvt(v_trans ? (size_t) hd * nkv * B * v_el : 0, 0);
@@ -1080,7 +1083,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 const int32_t s = out_slot(n, j);
                 uint8_t * kd = nk.data() + (size_t) s * k_row + h * k_head;
                 if (r < 0) {
-                    std::memcpy(kd, old_k[ikv].data() + (size_t) sc * k_row + h * k_head, k_head);
+                    std::memcpy(kd, old_k.data() + (size_t) sc * k_row + h * k_head, k_head);
                 } else {
                     std::memcpy(tmp.data(), plan->replace_k + (size_t) r * hd, hd * sizeof(float));
                     if (kr) {
@@ -1091,7 +1094,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 if (!v_trans) {
                     uint8_t * vd = nv.data() + (size_t) s * v_row + h * v_head;
                     if (r < 0) {
-                        std::memcpy(vd, old_v[ikv].data() + (size_t) sc * v_row + h * v_head, v_head);
+                        std::memcpy(vd, old_v.data() + (size_t) sc * v_row + h * v_head, v_head);
                     } else {
                         std::memcpy(tmp.data(), plan->replace_v + (size_t) r * hd, hd * sizeof(float));
                         if (vr) {
@@ -1104,7 +1107,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                         const uint32_t e2 = h * hd + d;
                         uint8_t * vd = nvt.data() + ((size_t) e2 * B + s) * v_el;
                         if (r < 0) {
-                            std::memcpy(vd, old_v[ikv].data() + ((size_t) e2 * (hi - lo) + sc) * v_el, v_el);
+                            std::memcpy(vd, old_v.data() + ((size_t) e2 * (hi - lo) + sc) * v_el, v_el);
                         } else {
                             from_float_row(tv, plan->replace_v + (size_t) r * hd + d, vd, 1);
                         }
