@@ -166,11 +166,19 @@ def test_native_observation_equals_the_reference_engines(session_factory, tiny_m
     assert nat.windows == ref.windows == windows
     assert nat.window_sums.shape == ref.window_sums.shape == (3, 3, 4, 90)
     assert nat.window_sums.dtype == np.float32 and nat.window_sums.flags.c_contiguous
+    # Layer 0 sees the same f32 Q and K in both engines. Under flash attention llama.cpp casts f32 K/V to
+    # f16 for the attention op itself (build_attn_mha), so from layer 1 on the native hidden states carry
+    # f16 rounding the f32 reference does not: the later layers agree to that precision, not float32's.
+    deep = 2e-6 if not flash_attn else 1e-3
     for i, w in enumerate(windows):
-        np.testing.assert_allclose(nat.window_sums[i], ref.window_sums[i], atol=w * 2e-6)
+        np.testing.assert_allclose(nat.window_sums[i][0], ref.window_sums[i][0], atol=w * 2e-6)
+        np.testing.assert_allclose(nat.window_sums[i][1:], ref.window_sums[i][1:], atol=w * deep)
         np.testing.assert_allclose(nat.window_sums[i].sum(-1), w, rtol=1e-5)   # every query spends one unit
-    np.testing.assert_allclose(nat.colsum, ref.colsum, atol=1e-4)
-    np.testing.assert_allclose(nat.keys, ref.keys, atol=1e-5 * np.abs(ref.keys).max())   # kvcli check's K "rel"
+    np.testing.assert_allclose(nat.colsum[0], ref.colsum[0], atol=1e-4)
+    np.testing.assert_allclose(nat.colsum[1:], ref.colsum[1:], atol=1e-4 if not flash_attn else 90 * 1e-3)
+    k_deep = 1e-5 if not flash_attn else 1e-2
+    np.testing.assert_allclose(nat.keys[0], ref.keys[0], atol=1e-5 * np.abs(ref.keys).max())   # kvcli check's K "rel"
+    np.testing.assert_allclose(nat.keys[1:], ref.keys[1:], atol=k_deep * np.abs(ref.keys).max())
     np.testing.assert_array_equal(nat.positions, ref.positions)
     for name in ("snapkv", "pyramidkv", "h2o"):
         spec, params, _ = policies.prepare(name, {"window": 8} if name != "h2o" else {}, 48)
