@@ -106,4 +106,4 @@ def test_cli_reports_the_scoring_and_refuses_a_bad_one(cli_runner, tiny, tmp_pat
         assert st["chunk_scoring"] == scoring and st["chunks"] >= 3 and st["peak_kv_cells"] <= 64 + 128
     r = cli_runner.invoke(cli, ["run", "--model", str(tiny), "--doc", str(doc), "--policy", "snapkv", "--budget", "64",
                                 "--chunk-scoring", "both", "What?"])
-    assert r.exit_code == 2 and "Invalid value for '--chunk-scoring'" in r.output
+    assert r.exit_code == 2 and "--chunk-scoring: 'both' is not one of" in r.output   # one line (issue #20.2b)

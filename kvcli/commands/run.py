@@ -61,7 +61,10 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
         raise KvcliError("the instruction is empty")
     if out_path:
         from kvcli.outfile import check_target  # noqa: PLC0415
-        check_target(out_path)   # before the work, not after it
+        try:
+            check_target(out_path)   # before the work, not after it
+        except KvcliError as e:
+            raise KvcliError(f"--out: {e}") from None
     model = model or config.get("model")
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     sampler = req.sampler()
