@@ -72,8 +72,22 @@ class NativeSession:
         self._batch = None
         self.seqs: dict[int, SeqState] = {}
         self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
+        self._owns_model = True
         if n_ctx != 0:  # 0: the caller tokenises first, then calls create_context with the size it needs
             self.create_context(n_ctx)
+
+    def sibling(self, n_ctx: int, n_seq: int = 1) -> NativeSession:
+        """A second session on this session's loaded model (no second copy of the weights) with a context and
+        KV cache of its own, e.g. to read a document apart from the sequences decoding here and move it over
+        with save_seq / restore_seq. Closing it keeps the model; close it before this one."""
+        s = object.__new__(NativeSession)
+        s.__dict__.update({k: v for k, v in self.__dict__.items()
+                           if k in ("L", "model_path", "info", "cache_type", "flash_attn", "attn_path", "model",
+                                    "vocab", "n_vocab", "n_ctx_train")})
+        s.ctx, s._batch, s.seqs, s._owns_model = None, None, {}, False
+        s._ctx_opts = dict(self._ctx_opts, n_seq=n_seq)
+        s.create_context(n_ctx)
+        return s
 
     def create_context(self, n_ctx: int | None = None) -> None:
         """Allocate the llama.cpp context (and its KV cache of n_ctx cells; default: the training context)."""
@@ -95,7 +109,8 @@ class NativeSession:
         cparams.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
-            L.llama_model_free(self.model)
+            if self._owns_model:
+                L.llama_model_free(self.model)
             self.model = None
             raise KvcliError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.n_ctx = L.llama_n_ctx(self.ctx)
@@ -137,9 +152,9 @@ class NativeSession:
     def close(self) -> None:
         L = self.L
         self._free_context()
-        if getattr(self, "model", None):
+        if getattr(self, "model", None) and getattr(self, "_owns_model", True):
             L.llama_model_free(self.model)
-            self.model = None
+        self.model = None
 
     def __enter__(self):
         return self
