@@ -511,7 +511,8 @@ def default_threads() -> int:
     and, when the process may use the whole machine, only the cores the other runnable tasks leave idle now
     (at least one; _busy_cpus). ggml's threads meet at a barrier after every graph node and spin there: a thread that
     has to wait for a core stalls the others at each of the ~1,000 nodes of a decode, so threads beyond
-    the idle cores make a run slower, never faster. The count changes no result, only the speed."""
+    the idle cores make a run slower, never faster. The count changes the speed, and with flash attention from
+    512 cache cells the rounding of a decoded token's attention (llama.cpp splits its KV range per thread)."""
     env = os.environ.get("KVCLI_THREADS")
     if env:
         try:
