@@ -343,7 +343,7 @@ def test_a_damaged_state_with_a_valid_digest_is_refused(tiny, full_kvc, tmp_path
     assert "corrupted (cache state" in r.stderr and message in r.stderr, r.stderr
 
 
-LONG_DOC = "alpha beta gamma delta. " * 60
+LONG_DOC = "alpha beta gamma delta. " * 150   # more than twice the longest chunk below (asserted)
 
 
 @pytest.mark.parametrize("policy, budget, args, chunk", [
