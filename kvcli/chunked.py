@@ -205,20 +205,21 @@ def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chu
                probe: int, cells: int = 0) -> list[tuple[int, int]] | None:
     """Replay the reading of `prefill_chunked` on the policy's layer schedule (`PolicySpec.widest`), before any
     prefill: a policy whose widest layer leaves no room to read on is refused here, not after minutes of
-    prefill. Returns the (tokens, cells after) of every chunk, or None where the scores decide a width (the
+    prefill. Returns the (tokens, cells after) of every chunk (the last one's cells None where the scores decide
+    them: nothing is read after it), or None where the scores decide a width before the last chunk (the
     reading then checks each chunk as it goes)."""
     if spec.widest is None:
         return None
     steps, pos = [], 0
     while pos < n_tokens:
         take, _ = next_chunk(n_tokens - pos, cap, cells, chunk, window, probe, spec.name, budget)
+        pos += take
         cells += take
         if spec.compresses(cells, budget):
             cells = spec.widest(params, n_layer, cells, budget)
-            if cells is None:
+            if cells is None and pos < n_tokens:
                 return None
         steps.append((take, cells))
-        pos += take
     return steps
 
 
