@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     finally:
         for _, s in setups:
             s.close()
-    full, snap = rows[0], rows[1]
+    snap = rows[1]
     # observation: the armed window decode minus the unarmed one (same session), plus reading it out
     obs_s = max(0.0, snap["window_decode_armed_s"] - snap["window_decode_s"]) + snap["read_obs_s"]
     snap["observe_s"] = round(obs_s, 4)

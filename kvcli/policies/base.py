@@ -152,6 +152,10 @@ class PolicySpec:
     # (params, instruction or None) and must raise KvcliError when it needs an instruction that is None
     resolve_instruction: Callable[[dict, str | None], dict] | None = None
     check: Callable[[dict, int], None] | None = None  # budget-dependent checks (budget, params)
+    # (params, n_layer, n, budget) -> the entries the widest (layer, KV head) of a plan over n > budget entries
+    # keeps, where the layer schedule alone decides it (None where the scores do): a document read in chunks
+    # is refused before its prefill when that leaves no room to read on (kvcli.chunked.check_room)
+    widest: Callable[[dict, int, int, int], int | None] | None = None
 
     # -- parameters ---------------------------------------------------------------
     def param(self, name: str) -> Param:

@@ -51,6 +51,18 @@ def allocate(scores, budget: int, min_budget: int = 32, max_factor: int = 3, mod
     return b
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """Entries the widest layer keeps of n > budget: its calibrated budget B_l (window included), or all n where
+    B_l >= n (None for a calibration of another layer count: the planner refuses it)."""
+    scores = p["layer_scores"]
+    if scores and len(scores) != n_layer:
+        return None
+    budgets = allocate(scores, budget, p["min_budget"], p["max_factor"], p["allocator"]) if scores \
+        else [budget] * n_layer
+    w = p["window"]
+    return max(n if n <= b else max(0, b - w) + w for b in budgets)
+
+
 def _check(p: dict, budget: int) -> None:
     if budget <= p["window"]:
         raise KvcliError(f"policy 'compresskv': budget {budget} must be larger than window={p['window']}; lower it "
@@ -103,4 +115,5 @@ SPEC = PolicySpec(
         "compares each layer's own B_l with the prompt, so a short prompt can still be cut in low-budget layers",
     ),
     check=_check,
+    widest=widest,
 )

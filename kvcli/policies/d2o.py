@@ -127,6 +127,11 @@ def full_layer_set(full_layers, n_layer: int) -> list[int]:
     return sorted(out)
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """A layer in full_layers keeps all n entries; without one, the variance of the scores sets the widest."""
+    return n if full_layer_set(p["full_layers"], n_layer) else None
+
+
 def _check(p: dict, budget: int) -> None:
     if p["heavy"] + p["recent"] < 1:
         raise KvcliError("policy 'd2o': heavy + recent must be >= 1")
@@ -195,4 +200,5 @@ SPEC = PolicySpec(
         "row added (the code)",
     ),
     check=_check,
+    widest=widest,
 )

@@ -37,6 +37,11 @@ def layer_budgets(n_layer: int, n: int, budget: int, window: int, beta: int, sch
     return out
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int:
+    """Entries the widest layer keeps of n > budget (the schedule decides it: its prefix share + the window)."""
+    return max(layer_budgets(n_layer, n, budget, p["window"], p["beta"], p["schedule"])) + p["window"]
+
+
 SPEC = PolicySpec(
     name="pyramidkv",
     summary="SnapKV selection with pyramid per-layer budgets (more in lower layers)",
@@ -70,4 +75,5 @@ SPEC = PolicySpec(
         "budget, which an equal-budget comparison cannot have; schedule=factory is its rule",
     ),
     check=needs_window_budget("pyramidkv"),
+    widest=widest,
 )

@@ -49,6 +49,15 @@ def layer_keep(n_layer: int, n: int, budget: int, window: int, beta: float, low_
     return out
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """Entries the widest layer keeps of n > budget when no key merges (theta_k >= 1); None otherwise: how
+    much the codebook merges depends on the keys."""
+    if p["theta_k"] < 1.0:
+        return None
+    w = p["window"]
+    return max(layer_keep(n_layer, n, budget, w, p["beta"], p["low_budget"])) + w
+
+
 def _check(p: dict, budget: int) -> None:
     if budget <= p["window"]:
         raise KvcliError(f"policy 'spindlekv': budget {budget} must be larger than window={p['window']} (the window "
@@ -117,4 +126,5 @@ SPEC = PolicySpec(
         "and the greedy cover's maximum degree) go to the lower slot",
     ),
     check=_check,
+    widest=widest,
 )

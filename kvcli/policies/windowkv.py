@@ -36,6 +36,24 @@ def layer_budgets(n_layer: int, gamma: int, review_budget: int, lam: int) -> lis
     return [bg[l // gamma] for l in range(n_layer)]
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """Entries the widest group keeps of n > budget: its whole review windows + the observation window; None
+    when that depends on whether the scores pick the last, partial review window."""
+    alpha, omega = p["window"], p["review_window"]
+    L = n - alpha                               # the review context, in N windows, the last one `last` long
+    N = -(-L // omega)
+    last = L - (N - 1) * omega
+    lo = hi = 0
+    for bud in group_budgets(n_layer, group_size(n_layer, p["shared_layers"]), budget - alpha, p["beta"]):
+        if L <= bud:
+            a = b = L
+        else:
+            k = max(N - (-(-(L - bud) // omega)), 0)   # windows kept (as the planners count them)
+            a, b = max(k * omega - (omega - last), 0), k * omega
+        lo, hi = max(lo, a), max(hi, b)
+    return lo + alpha if lo == hi else None
+
+
 def _resolve(p: dict) -> dict:
     p = dict(p)
     if p["window"] == 0:
@@ -104,6 +122,7 @@ SPEC = PolicySpec(
     resolve_instruction=_resolve_instruction,
     resolve=_resolve,
     check=_check,
+    widest=widest,
     deviations=(
         "the budget includes the observation window (kvcli's convention): the authors' code adds alpha entries "
         "on top of B, kvcli feeds budget - window to the schedule",

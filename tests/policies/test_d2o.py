@@ -221,17 +221,6 @@ def test_explain_says_prefill_only_and_lists_variants():
 # ---------------------------------------------------------------------------------------------
 # the plan in the real native cache (tiny random model, f32 cache: rows land exactly)
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_session(tmp_path_factory):
-    from kvcli.native.session import NativeSession
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    path = write_tiny_llama(tmp_path_factory.mktemp("merge") / "tiny.gguf", n_layer=3, n_head=4, n_head_kv=2,
-                            head_dim=16, seed=3)
-    s = NativeSession(path, n_ctx=512, cache_type="f32", flash_attn=False)
-    yield s
-    s.close()
-
-
 def compress_in_native_cache(session, policy: str, args: list, budget: int = 48, n: int = 180):
     """Prefill n tokens, compress with the native planner; check the cache holds the plan's rows.
 

@@ -186,7 +186,7 @@ def test_explain_documents_the_storage_and_every_reconstruction_choice():
 # ---------------------------------------------------------------------------------------------
 # the codebook in the real native cache: fewer cells, measured bytes
 # ---------------------------------------------------------------------------------------------
-from test_d2o import compress_in_native_cache, tiny_session  # noqa: E402,F401  (fixture reused)
+from test_d2o import compress_in_native_cache  # noqa: E402
 
 
 def test_codebook_cells_shrink_the_native_cache(tiny_session):
