@@ -51,10 +51,18 @@ def allocate(scores, budget: int, min_budget: int = 32, max_factor: int = 3, mod
     return b
 
 
+def layer_budgets(p: dict, budget: int, n_layer: int) -> list[int]:
+    """Per-layer budgets (window included): Algorithm 1 over the calibration's layer_scores, or uniform."""
+    scores = p["layer_scores"]
+    if not scores:
+        return [budget] * n_layer
+    if len(scores) != n_layer:
+        raise KvcliError(f"policy 'compresskv': layer_scores has {len(scores)} values, the observation has "
+                         f"{n_layer} layers")
+    return allocate(scores, budget, p["min_budget"], p["max_factor"], p["allocator"])
+
+
 def _check(p: dict, budget: int) -> None:
-    if budget <= p["window"]:
-        raise KvcliError(f"policy 'compresskv': budget {budget} must be larger than window={p['window']}; lower it "
-                         "with --policy-arg window=N")
     if p["layer_scores"]:
         s = sum(p["layer_scores"])
         if abs(s - 1.0) > 1e-3:
@@ -91,6 +99,9 @@ SPEC = PolicySpec(
     ),
     needs=("window",),
     window_param="window",
+    budget_above="window",
+    schedule=lambda p, budget, n_layer, n: {"layer_budgets": layer_budgets(p, budget, n_layer)},
+    resolved_away=("layer_scores", "allocator", "min_budget", "max_factor"),
     budget_note="layer budgets (window included) sum to budget x n_layer (Algorithm 1); a layer whose budget "
                 "exceeds the prompt keeps the whole prompt and the difference is not handed to other layers",
     deviations=(
