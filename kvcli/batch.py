@@ -3,9 +3,13 @@
 A `Worker` loads the model once and holds one llama.cpp context of `max_cache` cells (all documents
 together) with up to `parallel` sequences. Documents are admitted in order while they fit
 (kvcli/batching.py: the cells of the prefill peak plus `max_tokens` for the answer, with every held
-document's answer reserved too): each is prefilled into a free sequence and compressed there (read in
-chunks as in `kvcli run` when it is longer than a document may be, kvcli/chunked.py), then all held
-documents decode together, one `llama_decode` per token step. A compressed document occupies a few
+document's answer reserved too): each is prefilled and compressed in a reading context of its own (a
+sibling of the shared one on the same loaded model, sized for the document being read, read in chunks as
+in `kvcli run` when bounded reading applies, kvcli/chunked.py), moved into a free sequence of the shared
+cache (save_seq / restore_seq), then all held documents decode together, one `llama_decode` per token
+step. Reading apart matters for speed: llama.cpp's attention spans every used cell of a unified cache, so
+a document prefilled beside 20 held ones attended over their cells too (masked) and took up to twice as
+long per token (docs/results.md, "Batch throughput"). A compressed document occupies a few
 hundred cells instead of thousands, so more of them decode at once in the same memory.
 
 Results go to a JSONL file, one line per document as it finishes (`ResultsFile`): appended, flushed and
@@ -261,9 +265,22 @@ class Worker:
                              "lower --max-tokens")
         self.session = NativeSession(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
                                      cache_type=s.cache_type, n_threads=s.threads)
+        self.reader = None   # the reading context, grown to the largest document read so far
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
         self.session.close()
+
+    def _reader(self, peak: int):
+        """A reading context of at least `peak` + 1 cells (padded to 256), on the shared session's model."""
+        need = -(-(peak + 1) // 256) * 256
+        if self.reader is None:
+            self.reader = self.session.sibling(need)
+        elif self.reader.n_ctx < need:
+            self.reader.resize_context(need)
+        return self.reader
 
     def run(self, jobs, emit) -> None:
         """Answer every job of the iterable `jobs`; `emit(line)` is called once per job as it finishes."""
@@ -297,7 +314,7 @@ class Worker:
         tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
         try:
             chunking = plan_chunking(len(tokens), s.max_tokens, session.n_ctx_train, s.policy, s.budget, s.chunk,
-                                     max_cache=self.doc_cells)
+                                     max_cache=self.doc_cells, cell_bytes=session.bytes_per_cell())
         except KvcliError as e:  # its "--max-cache" is the room of one document here: say what that is
             raise KvcliError(str(e).replace(f"--max-cache ({self.doc_cells} cells)",
                                             f"the {self.doc_cells} cells a document may use (the model's context "
@@ -311,9 +328,14 @@ class Worker:
         s, session = self.settings, self.session
         seq = lock.free_seq()
         try:
-            report = prefill_and_compress(session, ready.tokens, s.policy, s.budget, dict(s.policy_args), seq=seq,
-                                          instruction=s.instruction, chunk=ready.chunking.chunk,
-                                          cap=ready.chunking.cap, scoring=s.chunk_scoring)
+            reader = self._reader(ready.peak)
+            try:
+                report = prefill_and_compress(reader, ready.tokens, s.policy, s.budget, dict(s.policy_args), seq=0,
+                                              instruction=s.instruction, chunk=ready.chunking.chunk,
+                                              cap=ready.chunking.cap, scoring=s.chunk_scoring)
+                session.restore_seq(reader.save_seq(0), seq)
+            finally:
+                reader.clear(0)
             cache = session.stats(seq)
         except Exception as e:  # noqa: BLE001 - the document's line says what happened, the batch goes on
             lock.release(seq)

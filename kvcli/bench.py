@@ -209,8 +209,10 @@ class Bench:
         try:
             if self.chunk:
                 from kvcli.chunked import plan_chunking  # noqa: PLC0415
+                from kvcli.models import read_model_info  # noqa: PLC0415
                 chunking = plan_chunking(n, self.gen + 1, n_ctx_train, cfg.policy, cfg.budget,
-                                         None if cfg.policy == "full" else self.chunk)
+                                         None if cfg.policy == "full" else self.chunk,
+                                         cell_bytes=read_model_info(self.model_path).cell_bytes(cfg.cache_type))
             session = self._session(cfg.cache_type, chunking.n_ctx if chunking else
                                     context_cells(n, self.gen, n_ctx_train))
         except KvcliError as e:

@@ -183,7 +183,7 @@ class Conversation:
         for the conversation (less when --max-cache leaves less)."""
         from kvcli.chunked import plan_chunking  # noqa: PLC0415
         return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self.policy, self.budget,
-                             self.chunk, self.max_cache)
+                             self.chunk, self.max_cache, cell_bytes=self.session.bytes_per_cell())
 
     def ensure_context(self) -> None:
         if self.session.ctx is None:

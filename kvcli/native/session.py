@@ -72,8 +72,22 @@ class NativeSession:
         self._batch = None
         self.seqs: dict[int, SeqState] = {}
         self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
+        self._owns_model = True
         if n_ctx != 0:  # 0: the caller tokenises first, then calls create_context with the size it needs
             self.create_context(n_ctx)
+
+    def sibling(self, n_ctx: int, n_seq: int = 1) -> NativeSession:
+        """A second session on this session's loaded model (no second copy of the weights) with a context and
+        KV cache of its own, e.g. to read a document apart from the sequences decoding here and move it over
+        with save_seq / restore_seq. Closing it keeps the model; close it before this one."""
+        s = object.__new__(NativeSession)
+        s.__dict__.update({k: v for k, v in self.__dict__.items()
+                           if k in ("L", "model_path", "info", "cache_type", "flash_attn", "attn_path", "model",
+                                    "vocab", "n_vocab", "n_ctx_train")})
+        s.ctx, s._batch, s.seqs, s._owns_model = None, None, {}, False
+        s._ctx_opts = dict(self._ctx_opts, n_seq=n_seq)
+        s.create_context(n_ctx)
+        return s
 
     def create_context(self, n_ctx: int | None = None) -> None:
         """Allocate the llama.cpp context (and its KV cache of n_ctx cells; default: the training context)."""
@@ -95,7 +109,8 @@ class NativeSession:
         cparams.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
-            L.llama_model_free(self.model)
+            if self._owns_model:
+                L.llama_model_free(self.model)
             self.model = None
             raise KvcliError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.n_ctx = L.llama_n_ctx(self.ctx)
@@ -137,9 +152,9 @@ class NativeSession:
     def close(self) -> None:
         L = self.L
         self._free_context()
-        if getattr(self, "model", None):
+        if getattr(self, "model", None) and getattr(self, "_owns_model", True):
             L.llama_model_free(self.model)
-            self.model = None
+        self.model = None
 
     def __enter__(self):
         return self
@@ -382,11 +397,7 @@ class NativeSession:
     # ------------------------------------------------------------------ stats
     def bytes_per_cell(self) -> int:
         """K + V bytes one uncompressed cell takes over all layers at this cache type."""
-        import gguf  # noqa: PLC0415
-        qt = gguf.GGMLQuantizationType[self.cache_type.upper()]
-        block, size = gguf.GGML_QUANT_SIZES[qt]
-        row = self.info.n_head_kv * self.info.head_dim // block * size
-        return 2 * row * self.info.n_layer
+        return self.info.cell_bytes(self.cache_type)
 
     def stats(self, seq: int = 0) -> dict:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
@@ -497,8 +508,8 @@ class SeqSnapshot:
 def default_threads() -> int:
     """$KVCLI_THREADS, else the CPUs this process may actually use: its affinity mask (taskset, cpusets),
     capped by a cgroup CPU quota (a container limited to 2 CPUs on a 64-core host sees 64 in os.cpu_count()),
-    and, when the process may use the whole machine, only the cores the 1-minute load average leaves idle
-    (at least one). ggml's threads meet at a barrier after every graph node and spin there: a thread that
+    and, when the process may use the whole machine, only the cores the other runnable tasks leave idle now
+    (at least one; _busy_cpus). ggml's threads meet at a barrier after every graph node and spin there: a thread that
     has to wait for a core stalls the others at each of the ~1,000 nodes of a decode, so threads beyond
     the idle cores make a run slower, never faster. The count changes no result, only the speed."""
     env = os.environ.get("KVCLI_THREADS")
@@ -517,12 +528,34 @@ def default_threads() -> int:
     quota = _cgroup_cpu_quota()
     if quota:
         return max(1, min(n, quota))
-    if n == os.cpu_count():   # the load average is the whole machine's: only comparable with all of its CPUs
-        try:
-            n = min(n, int(n - os.getloadavg()[0] + 0.5))
-        except OSError:
-            pass
+    if n == os.cpu_count():   # the machine's runnable tasks: only comparable with all of its CPUs
+        busy = _busy_cpus()
+        if busy is not None:
+            n = min(n, int(n - busy + 0.5))
     return max(1, n)
+
+
+def _busy_cpus(path: str = "/proc/stat", samples: int = 5) -> float | None:
+    """CPUs other tasks keep busy now: the kernel's count of runnable tasks (procs_running, this process
+    included, so minus one), the least of a few samples 2 ms apart so a passing task does not count. Not the
+    1-minute load average: it still holds the previous run of kvcli for a minute or two, so back-to-back
+    runs on an idle 2-core machine took one thread. Without /proc (not Linux), the load average."""
+    seen = []
+    for i in range(samples):
+        try:
+            with open(path) as f:
+                line = next(x for x in f if x.startswith("procs_running "))
+            seen.append(max(0, int(line.split()[1]) - 1))
+        except (OSError, StopIteration, ValueError, IndexError):
+            break
+        if i + 1 < samples:
+            time.sleep(0.002)
+    if seen:
+        return float(min(seen))
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def _cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:

@@ -15,7 +15,7 @@ def test_default_threads_follows_affinity_quota_and_load(monkeypatch, tmp_path):
     monkeypatch.delenv("KVCLI_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})   # taskset to 6 of 8
-    monkeypatch.setattr(os, "getloadavg", lambda: (30.0, 30.0, 30.0))
+    monkeypatch.setattr(ns, "_busy_cpus", lambda: 30.0)
     monkeypatch.setattr(ns, "_cgroup_cpu_quota", lambda: None)
     assert ns.default_threads() == 6          # the machine's load says nothing about our 6 CPUs
     monkeypatch.setattr(ns, "_cgroup_cpu_quota", lambda: 2)      # a container limited to 2 CPUs
@@ -23,7 +23,7 @@ def test_default_threads_follows_affinity_quota_and_load(monkeypatch, tmp_path):
     monkeypatch.setattr(ns, "_cgroup_cpu_quota", lambda: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))     # the whole machine
     for load, threads in ((0.2, 8), (2.6, 5), (7.6, 1), (30.0, 1)):
-        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        monkeypatch.setattr(ns, "_busy_cpus", lambda load=load: load)
         assert ns.default_threads() == threads, load
     monkeypatch.setenv("KVCLI_THREADS", "3")
     assert ns.default_threads() == 3
@@ -31,6 +31,17 @@ def test_default_threads_follows_affinity_quota_and_load(monkeypatch, tmp_path):
         monkeypatch.setenv("KVCLI_THREADS", bad)
         with pytest.raises(KvcliError, match="KVCLI_THREADS"):
             ns.default_threads()
+
+
+def test_busy_cpus_counts_the_other_runnable_tasks_now(tmp_path, monkeypatch):
+    f = tmp_path / "stat"
+    f.write_text("cpu  1 2 3 4\nctxt 99\nprocs_running 3\nprocs_blocked 0\n")
+    assert ns._busy_cpus(str(f), samples=2) == 2.0        # three runnable, this process one of them
+    f.write_text("procs_running 1\n")
+    assert ns._busy_cpus(str(f), samples=1) == 0.0
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert ns._busy_cpus(str(tmp_path / "missing"), samples=1) == 1.5   # no /proc: the load average
+    assert ns._busy_cpus(samples=1) is not None                           # this machine's /proc/stat
 
 
 def test_cgroup_quota_file(tmp_path):
