@@ -105,7 +105,7 @@ def setup(label: str, model, toks, cache_type="f16", budget=None, window=0, thre
             t1 = time.perf_counter()
             obs = cache.read_observation(s.ctx, 0, s.info, ("window",))
             t2 = time.perf_counter()
-            plan = native_plan(spec.name, spec.render(params), budget, obs)
+            plan = native_plan(spec.name, params, budget, obs)
             t3 = time.perf_counter()
             s.apply_plan(plan)
             t4 = time.perf_counter()

@@ -119,7 +119,7 @@ def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     """Run the planner of one engine: "native" (C++) or "reference" (torch)."""
     if planner == "native":
         from kvcli.native.lib import native_plan  # noqa: PLC0415
-        plan = native_plan(spec.name, spec.render(params), budget, obs)
+        plan = native_plan(spec.name, params, budget, obs)
     elif planner == "reference":
         from kvcli.reference.policies import reference_plan  # noqa: PLC0415
         plan = reference_plan(spec.name, params, budget, obs)

@@ -3,7 +3,9 @@ their most similar kept key (Wan et al., D2O). Digest: ../shared/design/methods/
 
 The layer schedule (`layer_weights`, `layer_budgets`) is plain Python float arithmetic shared by the
 torch planner; native/src/policies/d2o.cpp performs the same IEEE operations in the same order
-(exp from the same libm), so both engines give the same integer budgets.
+(exp from the same libm), so both engines give the same integer budgets. Unlike the closed-form
+schedules of the other policies it cannot be handed to the native planner: its weights come from the
+observation the planner reads (docs/internals.md, "Policies").
 """
 from __future__ import annotations
 

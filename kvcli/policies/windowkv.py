@@ -65,10 +65,10 @@ def _resolve(p: dict) -> dict:
     return p
 
 
-def _check(p: dict, budget: int) -> None:
-    if budget <= p["window"]:
-        raise KvcliError(f"policy 'windowkv': budget {budget} must be larger than window={p['window']} (the "
-                         "observation window is kept inside the budget); lower it with --policy-arg window=N")
+def _schedule(p: dict, budget: int, n_layer: int, n: int) -> dict:
+    """For the native planner: the group size gamma and the group budgets (review budget = budget - window)."""
+    gamma = group_size(n_layer, p["shared_layers"])
+    return {"shared_layers": gamma, "group_budgets": group_budgets(n_layer, gamma, budget - p["window"], p["beta"])}
 
 
 def _resolve_instruction(p: dict, instruction: str | None) -> dict:
@@ -121,7 +121,9 @@ SPEC = PolicySpec(
                 "window; the schedule's integer floors make the average slightly above B",
     resolve_instruction=_resolve_instruction,
     resolve=_resolve,
-    check=_check,
+    budget_above="window",
+    schedule=_schedule,
+    resolved_away=("task", "beta"),   # the task became window and score; beta the group budgets
     widest=widest,
     deviations=(
         "the budget includes the observation window (kvcli's convention): the authors' code adds alpha entries "
