@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvcli.errors import KvcliError
+from kvcli.planning import resolve_for_model
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
 MAX_PARALLEL = 64       # sequences of one context when --parallel is not given
@@ -71,7 +72,6 @@ class Settings:
 def check_settings(settings: Settings) -> Path:
     """Input errors before any document is read: the model, the policy and its arguments. Returns the
     model's path."""
-    from kvcli.compress import resolve_for_model  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
     if not settings.instruction.strip():
         raise KvcliError("the instruction is empty")

@@ -40,7 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcli import planning
 from kvcli.errors import KvcliError
+from kvcli.native import cache
+from kvcli.planning import resolve_for_model
 from kvcli.evaluation.measure import kl, log_softmax, machine, spread
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
@@ -169,7 +172,6 @@ class Bench:
         self._state_dir = None
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
             if p != "full" and availability(p) is None:
-                from kvcli.compress import resolve_for_model  # noqa: PLC0415
                 for b in budgets:
                     resolve_for_model(self.model_path, p, self.policy_args.get(p, {}), b)
 
@@ -279,8 +281,6 @@ class Bench:
         """Configurations of one cache type that observe the same way share one prefill, timed once:
         budgets never change the prefill. Each then restores the prefilled state, plans, applies its
         plan (timed as its compression), decodes and is scored exactly as in `measure`."""
-        from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
         n = len(doc.tokens)
         rows, groups = {}, {}
         for cfg in cfgs:
@@ -306,10 +306,10 @@ class Bench:
             self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds)}"
                                                                    f"{f' (window {w})' if w else ''}" if kinds else "")
                      + f" for {', '.join(c.label for c, _ in members)}")
-            self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache)
+            self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows)
         return [rows[c] for c in cfgs]
 
-    def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache) -> None:
+    def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows) -> None:
         n = len(doc.tokens)
         try:
             session = self._session(ct, context_cells(n, self.gen, n_ctx_train))
@@ -342,7 +342,7 @@ class Bench:
                     if prep is not None:
                         spec, params, k, wi = prep
                         sub = obs.restrict(k, wi)
-                        session.apply_plan(make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
+                        session.apply_plan(planning.make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
                     compress_s = time.perf_counter() - t1
                     row.update({"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "prefill_shared_by": len(members),
                                 "compress_s": compress_s, "compress_share": compress_s / (prefill_s + compress_s),

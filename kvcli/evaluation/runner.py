@@ -12,9 +12,11 @@ import time
 
 import numpy as np
 
+from kvcli import planning
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
+from kvcli.planning import resolve_for_model
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TRUNCATE = "truncate"     # the baseline for documents longer than the context: keep the head and the last tokens
@@ -35,7 +37,6 @@ def eval_configs(policies: list[str], budgets: list[int]) -> list[tuple[str, int
 def _check_policies(model_path, policies, budgets, policy_args) -> dict:
     """Unavailable policies are reported per result; bad arguments stop the run before it starts."""
     from kvcli.bench import availability  # noqa: PLC0415
-    from kvcli.compress import resolve_for_model  # noqa: PLC0415
     why = {}
     for p in policies:
         if p == TRUNCATE:
@@ -65,7 +66,6 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     as `kvcli.compress.prefill_and_compress` does after its own prefill. `kvcli bench` does not
     share prefills: it times each configuration's own.
     """
-    from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
     from kvcli.native import cache  # noqa: PLC0415
     n = len(tokens)
     prepared, kinds, windows = {}, set(), set()
@@ -112,7 +112,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             if obs_error and k:
                 yield pol, bud, obs_error, None, ""
                 continue
-            plan = make_plan(spec, params, bud, obs.restrict(k, w), "native")
+            plan = planning.make_plan(spec, params, bud, obs.restrict(k, w), "native")
             session.apply_plan(plan, seq=0)
         except KvcliError as e:
             yield pol, bud, f"error: {e}", None, ""

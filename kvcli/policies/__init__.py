@@ -16,6 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.policies import compresskv, d2o, dynamickv, full, h2o, pyramidkv, snapkv, spindlekv, streamingllm, \
     windowkv
 from kvcli.policies.base import Param, PolicySpec, parse_policy_args
+from kvcli.policies.notes import chunked_note
 
 _ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compresskv, d2o, spindlekv)
 REGISTRY: dict[str, PolicySpec] = {m.SPEC.name: m.SPEC for m in _ORDER}
@@ -40,7 +41,6 @@ def list_text() -> str:
 
 
 def explain_text(name: str) -> str:
-    from kvcli.chunked import chunked_note  # noqa: PLC0415
     spec = get(name)
     layout = layout_note(spec.name)
     return f"{spec.explain()}\n\n{chunked_note(spec)}" + (f"\n\n{layout}" if layout else "")

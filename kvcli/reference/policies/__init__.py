@@ -22,7 +22,7 @@ def planner(name: str):
 
 def reference_plan(name: str, params: dict | list | None, budget: int, obs: Observation) -> Plan:
     """Validate params with the registry, then run the torch planner (the argument order of
-    kvcli.compress.make_plan: name, parameters, budget, observation)."""
+    kvcli.planning.make_plan: name, parameters, budget, observation)."""
     from kvcli.policies import get  # noqa: PLC0415
     spec = get(name)
     typed = spec.validate(params if params is not None else {})
