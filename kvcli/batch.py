@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -27,7 +28,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvcli.batching import Lockstep
+from kvcli.chunked import plan_chunking
+from kvcli.compress import prefill_and_compress
+from kvcli.documents import decode_text
 from kvcli.errors import KvcliError
+from kvcli.generate import Sampler
+from kvcli.models import read_model_info, resolve_model
+from kvcli.native.session import NativeSession
+from kvcli.pipeline import build_prompt
 from kvcli.planning import resolve_for_model
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -72,7 +81,6 @@ class Settings:
 def check_settings(settings: Settings) -> Path:
     """Input errors before any document is read: the model, the policy and its arguments. Returns the
     model's path."""
-    from kvcli.models import resolve_model  # noqa: PLC0415
     if not settings.instruction.strip():
         raise KvcliError("the instruction is empty")
     path = resolve_model(settings.model)
@@ -87,7 +95,6 @@ def check_settings(settings: Settings) -> Path:
 def list_documents(specs, stdin=None) -> list[str]:
     """The paths named by --docs: a folder (its *.txt/*.md/... files, recursively, sorted), a glob
     pattern (the files it matches, sorted), a file, or '-' (a list of paths on stdin, one per line)."""
-    import glob  # noqa: PLC0415
     out = []
     for spec in specs:
         if spec == "-":
@@ -135,7 +142,6 @@ class Job:
 
 def read_job(path: str, fingerprint: str) -> Job:
     """Read and key one document; a document that cannot be read or is not text carries its error."""
-    from kvcli.documents import decode_text  # noqa: PLC0415
     data, error = None, None
     try:
         data = Path(path).expanduser().read_bytes()
@@ -248,8 +254,6 @@ class Worker:
     """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
 
     def __init__(self, settings: Settings):
-        from kvcli.models import read_model_info  # noqa: PLC0415
-        from kvcli.native.session import NativeSession  # noqa: PLC0415
         self.settings = s = settings
         self.model_path = check_settings(settings)
         self.cells = s.max_cache or read_model_info(self.model_path).n_ctx_train   # the whole cache
@@ -267,7 +271,6 @@ class Worker:
 
     def run(self, jobs, emit) -> None:
         """Answer every job of the iterable `jobs`; `emit(line)` is called once per job as it finishes."""
-        from kvcli.batching import Lockstep  # noqa: PLC0415
         lock = Lockstep(self.session, reserve=self.settings.max_tokens, cells=self.cells)
         jobs = iter(jobs)
         slots: dict[int, _Slot] = {}
@@ -291,8 +294,6 @@ class Worker:
         return None
 
     def _prepare(self, job: Job) -> _Ready:
-        from kvcli.chunked import plan_chunking  # noqa: PLC0415
-        from kvcli.pipeline import build_prompt  # noqa: PLC0415
         s, session = self.settings, self.session
         tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
         try:
@@ -306,8 +307,6 @@ class Worker:
         return _Ready(job, tokens, chunking, peak)
 
     def _admit(self, ready: _Ready, lock, slots: dict, emit) -> None:
-        from kvcli.compress import prefill_and_compress  # noqa: PLC0415
-        from kvcli.generate import Sampler  # noqa: PLC0415
         s, session = self.settings, self.session
         seq = lock.free_seq()
         try:

@@ -29,6 +29,8 @@ A policy or cache type that cannot run is reported with the reason, never left o
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -40,11 +42,19 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli import planning
+import kvcli
+from kvcli import planning, policies
+from kvcli.batching import Lockstep
+from kvcli.chunked import plan_chunking
+from kvcli.compress import prefill_and_compress
+from kvcli.documents import read_document
 from kvcli.errors import KvcliError
-from kvcli.native import cache
-from kvcli.planning import resolve_for_model
 from kvcli.evaluation.measure import kl, log_softmax, machine, spread
+from kvcli.evaluation.report import write_text
+from kvcli.models import read_model_info
+from kvcli.native import cache
+from kvcli.native.session import NativeSession, SeqSnapshot
+from kvcli.planning import resolve_for_model
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -79,7 +89,6 @@ class Reference:
 
 def load_docs(paths) -> list[Doc]:
     """Files, or directories (their *.txt/*.md files, sorted), read with kvcli's document checks."""
-    from kvcli.documents import read_document  # noqa: PLC0415
     out = []
     for p in paths:
         path = Path(p).expanduser()
@@ -111,7 +120,6 @@ def availability(policy: str) -> str | None:
     """None when the native engine can run `policy`, else why not (reported in the results)."""
     if policy == "full":
         return None
-    from kvcli import policies  # noqa: PLC0415
     try:
         spec = policies.get(policy)
     except KvcliError:
@@ -125,7 +133,6 @@ def cache_type_problem(cache_type: str, model_path) -> str | None:
     """llama.cpp quantises K/V rows per head in blocks: a head_dim that is not a multiple of the block
     cannot use that cache type (llama.cpp would refuse the context)."""
     import gguf  # noqa: PLC0415
-    from kvcli.models import read_model_info  # noqa: PLC0415
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cache_type.upper()]][0]
     hd = read_model_info(model_path).head_dim
     if hd % block:
@@ -177,7 +184,6 @@ class Bench:
 
     # -------------------------------------------------------------------------- sessions
     def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
-        from kvcli.native.session import NativeSession  # noqa: PLC0415
         return NativeSession(self.model_path, n_ctx=n_ctx, n_seq=n_seq, cache_type=cache_type, flash_attn=True,
                              n_threads=self.threads)
 
@@ -198,8 +204,6 @@ class Bench:
 
     # -------------------------------------------------------------------------- one configuration
     def measure(self, cfg: Config, doc: Doc, n_ctx_train: int) -> dict:
-        from kvcli.compress import prefill_and_compress  # noqa: PLC0415
-
         row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
                "config": cfg.label, "prompt_tokens": len(doc.tokens), "gen_tokens": self.gen}
         why = availability(cfg.policy) or cache_type_problem(cfg.cache_type, self.model_path)
@@ -210,7 +214,6 @@ class Bench:
         chunking = None
         try:
             if self.chunk:
-                from kvcli.chunked import plan_chunking  # noqa: PLC0415
                 chunking = plan_chunking(n, self.gen + 1, n_ctx_train, cfg.policy, cfg.budget,
                                          None if cfg.policy == "full" else self.chunk)
             session = self._session(cfg.cache_type, chunking.n_ctx if chunking else
@@ -358,7 +361,6 @@ class Bench:
             session.close()
 
     def _save_state(self, session, cfg: Config, doc: Doc) -> Path:
-        from kvcli.native import cache  # noqa: PLC0415
         if self._state_dir is None:
             self._state_dir = tempfile.TemporaryDirectory(prefix="kvcli-bench-")
         path = Path(self._state_dir.name) / f"{len(self.states)}.state"
@@ -378,7 +380,6 @@ class Bench:
             cmd += ["--budget", str(row["budget"])]
         for k, v in self.policy_args.get(row["policy"], {}).items():
             cmd += ["--policy-arg", f"{k}={v}"]
-        import kvcli  # noqa: PLC0415 (the child runs this same kvcli, wherever it was imported from)
         here = str(Path(kvcli.__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
                    **({"KVCLI_THREADS": str(self.threads)} if self.threads else {}))
@@ -401,8 +402,6 @@ class Bench:
         if bad or not mine:  # the same reason as the per-document rows
             out["status"] = bad[0]["status"] if bad else "not measured"
             return out
-        from kvcli.batching import Lockstep  # noqa: PLC0415
-        from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
         states = [self.states[(cfg, d.name)] for d in self.docs]
         session = self._session(cfg.cache_type, self.ctx, n_seq=self.batch)
         try:
@@ -572,9 +571,6 @@ CSV_FIELDS = ["doc", "prompt_tokens", "policy", "budget", "cache_type", "status"
 
 
 def write_csv(result: dict, path: str) -> None:
-    import csv  # noqa: PLC0415
-    from kvcli.evaluation.report import write_text  # noqa: PLC0415
-    import io  # noqa: PLC0415
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
@@ -592,7 +588,6 @@ def write_csv(result: dict, path: str) -> None:
 
 
 def write_json(result: dict, path: str) -> None:
-    from kvcli.evaluation.report import write_text  # noqa: PLC0415
     write_text(path, json.dumps(result, indent=1, default=_jsonable))
 
 

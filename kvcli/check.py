@@ -41,7 +41,11 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from kvcli import chunked, planning, policies
+from kvcli.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
+from kvcli.native.session import NativeSession
+from kvcli.pipeline import build_prompt
 from kvcli.plan import Observation, Plan
 
 # --------------------------------------------------------------------------------- thresholds
@@ -295,7 +299,6 @@ class CheckSettings:
 
 
 def policies_to_check(names) -> list[str]:
-    from kvcli import policies  # noqa: PLC0415
     if not names:
         return policies.available()
     out = []
@@ -311,7 +314,6 @@ def policies_to_check(names) -> list[str]:
 def build_tokens(native, document: str, settings: CheckSettings) -> list[int]:
     """The prompt both engines get: the document (optionally cut) and the instruction, templated
     and tokenised once by the native engine."""
-    from kvcli.pipeline import build_prompt  # noqa: PLC0415
     if settings.doc_tokens is not None:
         doc_toks = native.tokenize(document)
         if len(doc_toks) > settings.doc_tokens:
@@ -322,8 +324,6 @@ def build_tokens(native, document: str, settings: CheckSettings) -> list[int]:
 def run_check(model_path, document: str, policy_names=None, settings: CheckSettings | None = None,
               thresholds: Thresholds | None = None, log=None) -> dict:
     """Run the levels of `settings.levels` for each policy; returns the JSON-ready report."""
-    from kvcli import planning, policies  # noqa: PLC0415
-    from kvcli.native.session import NativeSession  # noqa: PLC0415
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
     settings = settings or CheckSettings()
@@ -340,7 +340,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if not document or not document.strip():
         raise KvcliError("the document is empty")
     if settings.chunk is not None:
-        from kvcli.chunked import MIN_CHUNK  # noqa: PLC0415
         if settings.chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
     specs = {}
@@ -426,8 +425,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
 
 
 def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses) -> dict:
-    from kvcli import planning  # noqa: PLC0415
-
     # native: the plan its own planner made on its own observation
     if compresses:  # (never for full: it keeps the cache as it is)
         native.apply_plan(plan_n, seq=0)
@@ -510,7 +507,6 @@ def _merge_l1(steps: list[dict]) -> dict:
 
 def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0) -> dict:
     """kvcli check --chunk: both engines read `tokens` with kvcli.chunked.prefill_chunked (see the module doc)."""
-    from kvcli import chunked, planning  # noqa: PLC0415
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
     n, levels, chunk = len(tokens), set(settings.levels), settings.chunk

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvcli import policies
 from kvcli.errors import KvcliError
+from kvcli.native.lib import native_plan
 from kvcli.plan import Observation, Plan
 from kvcli.policies.d2o import full_layer_set
 
@@ -80,7 +81,6 @@ def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     """Run the planner of one engine: "native" (C++) or "reference" (torch; imported here, on first use:
     it loads torch)."""
     if planner == "native":
-        from kvcli.native.lib import native_plan  # noqa: PLC0415  (loads the native library)
         plan = native_plan(spec.name, spec.render(params), budget, obs)
     elif planner == "reference":
         from kvcli.reference.policies import reference_plan  # noqa: PLC0415  (loads torch)

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvcli.errors import KvcliError
+from kvcli.models import _Header
 
 # the special-token variables templates may use (transformers passes its special_tokens_map)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -81,8 +82,6 @@ _GGUF_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer
 
 @lru_cache(maxsize=8)
 def _special_ids(path: str, size: int, mtime_ns: int) -> tuple:
-    from kvcli.models import _Header  # noqa: PLC0415
-
     try:
         values = _Header(Path(path)).values
     except (ValueError, OSError, UnicodeDecodeError) as e:

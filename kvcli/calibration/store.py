@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli.errors import KvcliError
+from kvcli.models import model_hash, read_model_info
 
 FORMAT = 1                  # layout of the keys below; bump when it changes
 METHOD_VERSION = 1          # the compresskv calibration procedure (kvcli/calibration/); bump when results change
@@ -247,7 +248,6 @@ def check_matches(cal: Calibration, info, model_hash: str) -> None:
 
 def find(model_path: Path) -> Calibration | None:
     """The calibration of `model_path`, checked against it; None when there is none anywhere."""
-    from kvcli.models import model_hash, read_model_info  # noqa: PLC0415
     model_path = Path(model_path)
     info = read_model_info(model_path)
     mhash = model_hash(model_path)

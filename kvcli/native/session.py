@@ -16,9 +16,10 @@ import numpy as np
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
-from kvcli.native import load_llama_cpp
-from kvcli.native.lib import attn_path
+from kvcli.native import cache, load_llama_cpp
+from kvcli.native.lib import ATTN_PATHS, attn_path, lib
 from kvcli.plan import window_lengths
+from kvcli.templating import gguf_special_token_ids, render_chat
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -187,7 +188,6 @@ class NativeSession:
 
     def special_tokens(self) -> dict:
         """Text of the GGUF's bos/eos/unk/pad tokens, the variables a chat template may use."""
-        from kvcli.templating import gguf_special_token_ids  # noqa: PLC0415
         n_vocab = self.L.llama_vocab_n_tokens(self.vocab)
         out = {}
         for name, tid in gguf_special_token_ids(self.model_path).items():
@@ -199,7 +199,6 @@ class NativeSession:
     def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
         """The GGUF's jinja chat template rendered by kvcli.templating, as the reference engine does
         (llama.cpp's built-in formats would drop parts of some templates, e.g. SmolLM2's system turn)."""
-        from kvcli.templating import render_chat  # noqa: PLC0415
         return render_chat(self.chat_template(), messages, add_generation_prompt=add_assistant,
                            special_tokens=self.special_tokens(), model=self.info.path.name)
 
@@ -254,7 +253,6 @@ class NativeSession:
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
         armed = bool(set(observe) & {"window", "colsum"})
         if armed:
-            from kvcli.native import cache  # noqa: PLC0415
             cache.observe_begin(self.ctx, seq, observe,
                                 window_pos0=[st.next_pos + len(tokens) - w for w in windows])
         try:
@@ -272,7 +270,6 @@ class NativeSession:
         st.timings["prefill_s"] = st.timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         if not observe:
             return None
-        from kvcli.native import cache  # noqa: PLC0415
         return cache.read_observation(self.ctx, seq, self.info, observe, windows)
 
     def step(self, tokens: dict[int, int]) -> None:
@@ -326,7 +323,6 @@ class NativeSession:
         """Compact `seq` (compressed already or not: slots are its cells now). reindex=True: the kept
         entries of every (layer, KV head) get positions B-k..B-1, right-aligned in the B = plan.max_kept
         cells (K re-rotated), decoding continues at B, and kept_positions() reports those new positions."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         origins = self._slot_origins(seq)
         try:
@@ -349,7 +345,6 @@ class NativeSession:
         """Per (layer, KV head), the original position of the entry in each slot (cell order) of `seq`,
         -1 for a dead slot (bias -inf). Cells of the compacted block (the sequence's lowest B positions
         after a compaction) map to the kept lists; cells appended since hold their own position."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         pos = cache.seq_positions(self.ctx, seq)
         prev = st.kept_positions
@@ -390,7 +385,6 @@ class NativeSession:
 
     def stats(self, seq: int = 0) -> dict:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         i = self.info
         live = cache.stats(self.ctx, seq, i.n_layer, i.n_head_kv)
@@ -417,7 +411,6 @@ class NativeSession:
     def attn_paths_taken(self) -> list[str | None]:
         """Per layer, the attention path ("split" or "mask") of the last graph built while a sequence was
         compacted; None for a layer no such graph was built for yet."""
-        from kvcli.native.lib import ATTN_PATHS, lib  # noqa: PLC0415
         L = lib()
         return [ATTN_PATHS.get(L.check(L.kvcli_attn_path_taken(self.ctx, il), "kvcli_attn_path_taken"))
                 for il in range(self.info.n_layer)]
@@ -442,13 +435,11 @@ class NativeSession:
 
     def measured_cells(self, seq: int = 0) -> int:
         """Cells `seq` occupies, read from the live cache."""
-        from kvcli.native import cache  # noqa: PLC0415
         return cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)["n_cells"]
 
     def save_seq(self, seq: int = 0) -> SeqSnapshot:
         """Everything needed to put `seq` back later, in this session or another one of the same model and
         cache type: its cache state (kvcli.native.cache.get_state) and its bookkeeping."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         return SeqSnapshot(state=cache.get_state(self.ctx, seq), next_pos=st.next_pos, cells=self.measured_cells(seq),
                            prompt_tokens=st.prompt_tokens, kept_positions=st.kept_positions, reindexed=st.reindexed,
@@ -458,7 +449,6 @@ class NativeSession:
         """Replace `seq` by a snapshot (its previous cells are dropped); returns the cells it occupies.
         The loaded cache is checked against the snapshot: its last position must be next_pos - 1 and,
         when the snapshot knows them, its cells must match."""
-        from kvcli.native import cache  # noqa: PLC0415
         self.seq(seq)  # range check
         if self.cells_used() - self.seqs[seq].cells + (snap.cells or 0) > self.n_ctx:
             raise ContextFull(f"a {snap.cells}-cell sequence does not fit: {self.cells_used()} of {self.n_ctx} "

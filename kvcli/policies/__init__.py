@@ -10,6 +10,7 @@ native/src/policies/ and one torch file in kvcli/reference/policies/.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvcli.errors import KvcliError
@@ -53,7 +54,6 @@ def layout_note(name: str) -> str:
     """For a policy whose layers keep different counts: the bytes its cache occupies (cells as wide as the
     widest layer) next to its live entries' and the budget's, as benchmarks/layout.py measured them from its
     plans (kvcli/data/layout.json). Empty for the policies that keep the budget in every layer."""
-    import json  # noqa: PLC0415
     rec = json.loads(LAYOUT_RECORD.read_text(encoding="utf-8"))
     rows = [r for r in rec["rows"] if r["policy"] == name]
     if not rows:
