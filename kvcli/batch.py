@@ -36,8 +36,8 @@ from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
 from kvcli.models import read_model_info, resolve_model
 from kvcli.native.session import NativeSession
-from kvcli.pipeline import build_prompt
 from kvcli.planning import resolve_for_model
+from kvcli.templating import build_prompt
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
 MAX_PARALLEL = 64       # sequences of one context when --parallel is not given

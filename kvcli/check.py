@@ -45,7 +45,7 @@ from kvcli import chunked, planning, policies
 from kvcli.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
-from kvcli.pipeline import build_prompt
+from kvcli.templating import build_prompt
 from kvcli.plan import Observation, Plan
 
 # --------------------------------------------------------------------------------- thresholds

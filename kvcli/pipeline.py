@@ -12,7 +12,8 @@ from kvcli.chunked import plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Generation, Sampler, generate
-from kvcli.templating import plain_prompt
+from kvcli.templating import build_prompt
+
 
 @dataclass
 class RunResult:
@@ -26,22 +27,6 @@ class RunResult:
     def as_json(self) -> dict:
         return {"answer": self.answer, "model": self.model, "policy": self.policy, "budget": self.budget,
                 "stopped": self.stopped, "stats": self.stats}
-
-
-def user_message(document: str | None, instruction: str) -> str:
-    return f"{document.strip()}\n\n{instruction.strip()}" if document else instruction.strip()
-
-
-def build_prompt(session, document: str | None, instruction: str, system: str | None = None,
-                 template: bool = True) -> str:
-    """The chat-templated prompt; a plain-completion one (kvcli.templating.plain_prompt) when the model has no
-    chat template or `template` is False (a base model)."""
-    if not template or not session.chat_template():
-        return plain_prompt(session.model_path, session.special_tokens().get("bos_token"),
-                            user_message(document, instruction), system)
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": user_message(document, instruction)})
-    return session.apply_chat_template(messages, add_assistant=True)
 
 
 class Progress:

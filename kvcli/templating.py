@@ -118,3 +118,19 @@ def plain_prompt(model_path, bos_text: str | None, text: str, system: str | None
     vocabulary adds one, the system text and the user text as paragraphs, and an answer cue to continue."""
     bos = bos_text if bos_text and _header_tokens(model_path).get(ADD_BOS) else ""
     return bos + "\n\n".join(p for p in (system, text) if p) + PLAIN_ANSWER_CUE
+
+
+def user_message(document: str | None, instruction: str) -> str:
+    return f"{document.strip()}\n\n{instruction.strip()}" if document else instruction.strip()
+
+
+def build_prompt(session, document: str | None, instruction: str, system: str | None = None,
+                 template: bool = True) -> str:
+    """The chat-templated prompt; a plain-completion one (kvcli.templating.plain_prompt) when the model has no
+    chat template or `template` is False (a base model)."""
+    if not template or not session.chat_template():
+        return plain_prompt(session.model_path, session.special_tokens().get("bos_token"),
+                            user_message(document, instruction), system)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user_message(document, instruction)})
+    return session.apply_chat_template(messages, add_assistant=True)

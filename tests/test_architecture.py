@@ -10,6 +10,8 @@ of `kvcli.x.y` when y is a submodule (otherwise of `kvcli.x`).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvcli
@@ -119,3 +121,51 @@ def test_find_cycle_reports_the_circle():
 def test_no_import_circle_in_kvcli():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The layers of the package, lowest first: a module imports its own layer and the ones before it only
+# (docs/internals.md, "Module layers"). A module is in the layer of its longest listed prefix.
+LAYERS = [
+    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.plan", "kvcli.catalogue", "kvcli.models",
+                    "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.batching", "kvcli.taskclass",
+                    "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
+                    "kvcli.native.build"]),
+    ("policies", ["kvcli.policies"]),
+    ("engines", ["kvcli.native", "kvcli.reference", "kvcli.generate", "kvcli.kvc", "kvcli.evaluation.measure"]),
+    ("calibration", ["kvcli.calibration"]),
+    ("planning", ["kvcli.planning"]),
+    ("drivers", ["kvcli.compress", "kvcli.chunked", "kvcli.bench", "kvcli.check", "kvcli.evaluation.runner",
+                 "kvcli.evaluation.tasks"]),
+    ("app", ["kvcli.pipeline", "kvcli.chat", "kvcli.batch", "kvcli.batch_ray"]),
+    ("commands", ["kvcli.commands", "kvcli.cli"]),
+]
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{module} is in no layer: add it to LAYERS"
+    return rank
+
+
+def test_layers_import_downward_only():
+    graph = import_graph()
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+              for m, targets in sorted(graph.items()) for t in sorted(targets) if layer_of(t) > layer_of(m)]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+# Imported only inside the functions that use them, so that `kvcli --help`, `kvcli policies` and every
+# command that does not need them start without them (docs/internals.md, "Module layers").
+LAZY = ("torch", "transformers", "gguf", "jinja2", "tqdm", "matplotlib", "ray")
+
+
+def test_the_command_line_starts_without_the_heavy_dependencies():
+    code = ("import sys, kvcli.cli, kvcli.compress, kvcli.chat, kvcli.bench, kvcli.check; "
+            f"print(' '.join(m for m in {LAZY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.strip()
+    assert out == "", f"imported when the CLI starts: {out}"

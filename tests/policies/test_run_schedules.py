@@ -38,7 +38,7 @@ def torch_plan(model, doc, policy) -> tuple[int, np.ndarray]:
     """(prompt tokens, n_kept) of the torch planner on a native observation of the prompt `run` builds."""
     from kvcli.planning import make_plan, resolve_for_model
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import build_prompt
+    from kvcli.templating import build_prompt
     s = NativeSession(model, n_ctx=0)
     try:
         tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), QUESTION))
