@@ -8,7 +8,7 @@ from click.core import ParameterSource
 
 from kvcli import config, policies
 from kvcli.chat import Conversation, Repl
-from kvcli.commands.options import Request, model_option, policy_option, request_options  # noqa: F401 (batch)
+from kvcli.commands.options import Request, model_option, request_options
 from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model

@@ -203,13 +203,6 @@ def _request(groups, kw: dict) -> Request:
     return req
 
 
-def chunk_options(f):
-    """--chunk, --max-cache, --chunk-scoring as plain options (for a command not yet on request_options)."""
-    for opt in reversed(_group_options("chunking", {})):
-        f = opt(f)
-    return f
-
-
 def request_options(*groups: str, **defaults):
     """Add the options of `groups` to a click command; the command receives them as one `req: Request`
     (see the module docstring for the groups and their flags)."""

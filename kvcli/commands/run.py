@@ -16,7 +16,6 @@ from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
 from kvcli.pipeline import RunResult, run_document
-from kvcli.policies.base import parse_policy_args  # noqa: F401 (kvcli batch imports it from here)
 
 
 def open_session(engine: str, model: str | None, **kw):
