@@ -180,12 +180,7 @@ class Conversation:
 
     def _truncate(self, pos: int) -> None:
         """Remove every cell at position >= pos from the sequence."""
-        L = self.session.L
-        if not L.llama_memory_seq_rm(self.session.mem, self.seq, pos, -1):
-            raise KvcliError(f"llama.cpp could not remove the cells after position {pos}")
-        st = self._st()
-        st.next_pos = pos
-        st.cells = self._measured_cells()
+        self.session.truncate(self.seq, pos)
 
     def chunking(self):
         """Chunked or not, and the cells to allocate: the prompt (or, read in chunks, budget + chunk) plus TURN_ROOM

@@ -37,6 +37,7 @@ import numpy as np
 from kvcli import planning
 from kvcli.errors import KvcliError
 from kvcli.planning import CompressReport, resolve_policy, session_cells, shape_observation
+from kvcli.session import Session
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
 MIN_ROOM = 64            # cells a chunked prompt leaves at least for the answer
@@ -130,8 +131,8 @@ def chunk_sizes(n: int, cap: int, cells: int, chunk: int, min_tail: int) -> int:
     return take
 
 
-def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy_args: dict, chunk: int, *,
-                    cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
+def prefill_chunked(session: Session, tokens: list[int], policy: str, budget: int, policy_args: dict,
+                    chunk: int, *, cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
                     instruction: str | None = None, on_step=None, on_cache=None, scoring: str = "question"):
     """Read `tokens` into `seq` in chunks, compressing to `budget` after each one (see the module doc).
 
@@ -201,7 +202,7 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
                           cap=cap, steps=steps, peak_cells=peak, scoring=scoring if probe else "chunk")
 
 
-def _probe(session, seq: int, probe: list[int], obs):
+def _probe(session: Session, seq: int, probe: list[int], obs):
     """Prefill `probe` after what `seq` holds, observe its window, roll it back; return `obs` (the chunk's
     own observation of the other kinds, or None) with the probe's window sums over the slots held before
     it (its own columns dropped: they are gone once it is rolled back)."""

@@ -12,10 +12,11 @@ from kvcli import planning
 from kvcli.chunked import prefill_chunked
 from kvcli.errors import KvcliError
 from kvcli.planning import CompressReport, resolve_policy, session_cells, shape_observation
+from kvcli.session import Session
 
 
-def prefill_and_compress(session, tokens: list[int], policy: str, budget: int | None, policy_args: dict,
-                         seq: int = 0, progress=None, planner: str | None = None,
+def prefill_and_compress(session: Session, tokens: list[int], policy: str, budget: int | None,
+                         policy_args: dict, seq: int = 0, progress=None, planner: str | None = None,
                          instruction: str | None = None, chunk: int | None = None, cap: int | None = None,
                          on_cache=None, scoring: str = "question") -> CompressReport:
     """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head.

@@ -16,6 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
 from kvcli.plan import Observation, Plan
 from kvcli.policies.d2o import full_layer_set
+from kvcli.session import Session
 
 
 @dataclass
@@ -43,7 +44,7 @@ class CompressReport:
         return out
 
 
-def resolve_policy(session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
+def resolve_policy(session: Session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
     """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`), with the
     parameters that depend on the model's shape checked too: before the prefill, not after it."""
     spec, params = resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
@@ -66,7 +67,7 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
     return spec, params
 
 
-def session_cells(session, seq: int) -> int:
+def session_cells(session: Session, seq: int) -> int:
     """Cells the sequence occupies, measured from the engine's cache."""
     return int(session.stats(seq)["kv_cells"])
 

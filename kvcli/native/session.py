@@ -70,6 +70,7 @@ class NativeSession:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.ctx = None
+        self.n_ctx = 0              # cells of the context, once create_context made it
         self._batch = None
         self.seqs: dict[int, SeqState] = {}
         self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
@@ -426,11 +427,19 @@ class NativeSession:
         if n_tokens == 0:
             return
         p0 = st.next_pos - n_tokens
-        if not self.L.llama_memory_seq_rm(self.mem, seq, p0, -1):
-            raise KvcliError(f"llama.cpp refused to remove positions >= {p0} of sequence {seq}")
-        st.next_pos = p0
-        st.cells = self.measured_cells(seq)
+        self.truncate(seq, p0)
         st.prompt_tokens = min(st.prompt_tokens, p0 + st.reindexed)
+
+    def truncate(self, seq: int, pos: int) -> None:
+        """Remove every cell of `seq` at position >= `pos` (llama_memory_seq_rm); the next token gets `pos`.
+        Unlike `rollback`, it leaves `prompt_tokens` as it is (a conversation's /reset and failed turn)."""
+        st = self.seq(seq)
+        if not 0 <= pos <= st.next_pos:
+            raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
+        if not self.L.llama_memory_seq_rm(self.mem, seq, pos, -1):
+            raise KvcliError(f"llama.cpp refused to remove positions >= {pos} of sequence {seq}")
+        st.next_pos = pos
+        st.cells = self.measured_cells(seq)
         st.logits_index, st.last_logits = -1, None  # the logits belonged to a removed token
 
     def measured_cells(self, seq: int = 0) -> int:

@@ -268,6 +268,16 @@ class ReferenceSession:
             raise KvcliError(f"cannot roll back {n_tokens} tokens of sequence {seq} (it has {st.next_pos} positions)")
         if n_tokens == 0:
             return
+        self.truncate(seq, st.next_pos - n_tokens)
+        st.prompt_tokens = min(st.prompt_tokens, st.next_pos + st.reindexed)
+
+    def truncate(self, seq: int, pos: int) -> None:
+        """Remove every entry of `seq` at position >= `pos` (the native engine's truncate): the sequence's last
+        slots, since the reference appends every token at the end. Unlike `rollback`, it leaves `prompt_tokens`."""
+        st = self.seq(seq)
+        n_tokens = st.next_pos - pos
+        if not 0 <= n_tokens <= min(st.next_pos, st.cells):
+            raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
         keep = st.cells - n_tokens
         for layer in st.cache.layers:
             layer.keys = layer.keys[:, :, :keep].contiguous()
@@ -275,8 +285,7 @@ class ReferenceSession:
         for s in st.slots:
             s.key_pos, s.bias = s.key_pos[:, :keep].contiguous(), s.bias[:, :keep].contiguous()
         st.cell_pos = st.cell_pos[:keep]
-        st.next_pos -= n_tokens
-        st.prompt_tokens = min(st.prompt_tokens, st.next_pos + st.reindexed)
+        st.next_pos = pos
         st.last_logits = None  # they belonged to a removed token
 
     def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:
