@@ -298,7 +298,7 @@ class Worker:
         tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
         try:
             chunking = plan_chunking(len(tokens), s.max_tokens, session.n_ctx_train, s.policy, s.budget, s.chunk,
-                                     max_cache=self.doc_cells)
+                                     max_cache=self.doc_cells, cell_bytes=session.bytes_per_cell())
         except KvcliError as e:  # its "--max-cache" is the room of one document here: say what that is
             raise KvcliError(str(e).replace(f"--max-cache ({self.doc_cells} cells)",
                                             f"the {self.doc_cells} cells a document may use (the model's context "

@@ -186,7 +186,7 @@ class Conversation:
         """Chunked or not, and the cells to allocate: the prompt (or, read in chunks, budget + chunk) plus TURN_ROOM
         for the conversation (less when --max-cache leaves less)."""
         return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self.policy, self.budget,
-                             self.chunk, self.max_cache)
+                             self.chunk, self.max_cache, cell_bytes=self.session.bytes_per_cell())
 
     def ensure_context(self) -> None:
         if self.session.ctx is None:

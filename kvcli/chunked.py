@@ -29,6 +29,7 @@ What each policy carries across chunks is stated in `kvcli.policies.notes.chunke
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,24 @@ from kvcli.planning import CompressReport, resolve_policy, session_cells, shape_
 from kvcli.session import Session
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
+# Bounded reading turns on by itself only when the prompt's full cache would pass this many bytes: below it
+# the memory saved is small next to the weights and the runtime, and one prefill keeps more (a short document
+# read in chunks is scored chunk by chunk; docs/results.md "What bounded reading costs"). KVCLI_BOUNDED_ABOVE_MB
+# moves it (0: bound every prompt longer than budget + chunk).
+BOUNDED_ABOVE_BYTES = 64 << 20
+
+
+def bounded_above_bytes() -> int:
+    raw = os.environ.get("KVCLI_BOUNDED_ABOVE_MB")
+    if raw is None:
+        return BOUNDED_ABOVE_BYTES
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:   # also NaN
+        raise KvcliError(f"KVCLI_BOUNDED_ABOVE_MB must be a number of MiB >= 0 (got {raw!r})")
+    return int(mb * (1 << 20))
 MIN_ROOM = 64            # cells a chunked prompt leaves at least for the answer
 MIN_CHUNK = 64           # fewer free cells than this after a compaction: the budget leaves no room to read on
 CTX_PAD = 256
@@ -61,15 +80,17 @@ def _pad(n: int) -> int:
 
 
 def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, budget: int | None,
-                  chunk: int | None = None, max_cache: int | None = None) -> Chunking:
+                  chunk: int | None = None, max_cache: int | None = None, *, cell_bytes: int) -> Chunking:
     """Decide chunked or not, and the context size.
 
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
     `chunk`: None = automatic, 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
+    `cell_bytes`: K + V bytes of one uncompressed cell (the session's bytes_per_cell()).
     Automatic (bounded reading by default): a compressing policy reads in chunks of DEFAULT_CHUNK whenever
-    the prompt is longer than budget + DEFAULT_CHUNK, so the cache never holds more than that, whatever the
+    the prompt is longer than budget + DEFAULT_CHUNK and its full cache would take more than
+    BOUNDED_ABOVE_BYTES, so the cache never holds more than budget + DEFAULT_CHUNK cells, whatever the
     document's length; and any policy reads in chunks when the prompt does not fit the model's context or
-    `max_cache`. A prompt of at most budget + DEFAULT_CHUNK tokens is read in one go.
+    `max_cache`. Any other prompt is read in one go.
     """
     if chunk is not None and chunk < 0:
         raise KvcliError(f"--chunk must be >= 0 (got {chunk}); 0 turns chunked prefill off")
@@ -88,7 +109,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
                              "and --budget to read it in chunks")
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
-    bounded = budget is not None and n_prompt > budget + DEFAULT_CHUNK   # bounded reading by default
+    bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK    # bounded reading by default
+               and n_prompt * cell_bytes > bounded_above_bytes())
     if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "

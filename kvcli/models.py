@@ -93,6 +93,12 @@ class ModelInfo:
     size_bytes: int
     kv_metadata: dict
 
+    def cell_bytes(self, cache_type: str) -> int:
+        """K + V bytes one uncompressed cell takes over all layers at a cache type (f16, q8_0, f32, ...)."""
+        import gguf  # noqa: PLC0415  (gguf's import pulls numpy and its quant tables: only when sizing)
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cache_type.upper()]]
+        return 2 * (self.n_head_kv * self.head_dim // block * size) * self.n_layer
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "kv_metadata"}
         d["path"] = str(self.path)

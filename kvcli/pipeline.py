@@ -81,7 +81,8 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)
     check_instruction(session, instruction, system, max_cache)
-    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache)
+    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache,
+                             cell_bytes=session.bytes_per_cell())
     if session.ctx is None:
         session.create_context(chunking.n_ctx)
     progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)

@@ -167,3 +167,14 @@ def test_ctrl_c_during_a_chunked_read_exits_cleanly(default_model, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_the_bundled_example_is_read_in_one_go_with_a_budget(run_kvcli):
+    """1,335 tokens on the default model: longer than budget + 1,024, but its full cache (30 MB in f16) is
+    under the 64 MiB above which reading is bounded by default, so it is read in one prefill (read in two
+    chunks, snapkv@128 answered in a loop; docs/internals.md, "Chunked prefill")."""
+    r = run_kvcli("run", "--doc", EXAMPLES / "solar-garden.txt", "--policy", "snapkv", "--budget", "128", "-n", "2",
+                  "--json", "Summarise this document.")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["stats"]
+    assert s["prompt_tokens"] > 128 + 1024 and "chunks" not in s and s["peak_kv_cells"] == s["prompt_tokens"]

@@ -378,11 +378,7 @@ class NativeSession:
     # ------------------------------------------------------------------ stats
     def bytes_per_cell(self) -> int:
         """K + V bytes one uncompressed cell takes over all layers at this cache type."""
-        import gguf  # noqa: PLC0415
-        qt = gguf.GGMLQuantizationType[self.cache_type.upper()]
-        block, size = gguf.GGML_QUANT_SIZES[qt]
-        row = self.info.n_head_kv * self.info.head_dim // block * size
-        return 2 * row * self.info.n_layer
+        return self.info.cell_bytes(self.cache_type)
 
     def stats(self, seq: int = 0) -> dict:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""

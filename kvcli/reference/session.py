@@ -296,6 +296,10 @@ class ReferenceSession:
                 for s in st.slots]
 
     # ------------------------------------------------------------------ stats
+    def bytes_per_cell(self) -> int:
+        """K + V bytes one uncompressed cell takes over all layers (the reference cache is float32)."""
+        return self.info.cell_bytes("f32")
+
     def bytes_allocated(self) -> int:
         """Bytes of the storage behind every sequence's K, V and slot-bias tensors (the reference cache grows
         on demand: this is what it holds now, each storage counted once)."""
