@@ -18,8 +18,8 @@ Prompt layout (see docs/terminal.md):
 
 Turns are templated with the model's own chat template: the text between turns is read off
 renderings of probe conversations (TurnFormat), so any template llama.cpp applies works.
-`/reset` removes every cell after the prefix (llama_memory_seq_rm from the prefix's end
-position), which the native patch keeps consistent with the slot bias.
+`/reset` removes every cell after the prefix (`session.truncate` at the prefix's end position: llama_memory_seq_rm
+in the native engine), which the native patch keeps consistent with the slot bias.
 """
 from __future__ import annotations
 
