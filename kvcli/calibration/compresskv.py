@@ -26,6 +26,7 @@ from kvcli.calibration import store
 from kvcli.calibration.heads import ProbeResult, head_scores, run_probe
 from kvcli.calibration.layers import layer_profile, text_errors
 from kvcli.calibration.probes import NEEDLES, build_probe, depths as spread_depths, error_profile_text
+from kvcli.calibration.store import rank_heads
 from kvcli.errors import KvcliError
 from kvcli.models import model_hash, read_model_info
 from kvcli.policies.base import parse_policy_args
@@ -159,7 +160,6 @@ def calibrate(model_path: Path, out: Path | None = None, settings: Settings | No
                 cp.probes[probe.key] = r.as_json()
                 tick(L + s.max_new_tokens, stage="heads", ok=sum(r.ok for r in results))
             scores, n_ok = head_scores(results, lm.n_layer, lm.n_head)
-            from kvcli.calibration.heads import rank_heads  # noqa: PLC0415
             srh = [int(h) for h in rank_heads(scores)[:, :s.srh_k].reshape(-1)] if n_ok else []
             if not n_ok:
                 warn(f"no probe was answered (0 of {len(results)}): the semantic retrieval heads cannot be "

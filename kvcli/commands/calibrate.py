@@ -7,6 +7,7 @@ import sys
 import click
 
 from kvcli.calibration import store
+from kvcli.calibration.store import rank_heads
 from kvcli.commands.options import json_option, model_option
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
@@ -109,7 +110,6 @@ def heatmap(cal, png: str) -> None:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    from kvcli.calibration.heads import rank_heads  # noqa: PLC0415
     k = min(4, cal.n_head)
     fig, ax = plt.subplots(figsize=(1.2 + 0.45 * cal.n_head, 1.0 + 0.22 * cal.n_layer))
     im = ax.imshow(cal.head_scores, aspect="auto", cmap="viridis", interpolation="nearest")
