@@ -3,7 +3,7 @@
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""
 import json, sys, numpy as np
-from kvcli import compress
+from kvcli import planning
 from kvcli.check import logits_distance
 from kvcli.models import default_model_path
 from kvcli.plan import Plan
@@ -14,7 +14,7 @@ budget, name = int(sys.argv[1]), sys.argv[2]
 mp = default_model_path()
 nat, toks, tag = native_prompt(sys.argv, mp, budget)
 n = len(toks)
-spec, params = compress.resolve_for_model(mp, name, {}, budget)
+spec, params = planning.resolve_for_model(mp, name, {}, budget)
 kinds, w = spec.observe(params)
 ref = ReferenceSession(mp, n_ctx=nat.n_ctx, n_seq=1)
 obs_r = ref.prefill(toks, seq=0, observe=kinds, window=w)
@@ -23,8 +23,8 @@ nat.clear(0)
 obs_n = nat.prefill(toks, seq=0, observe=kinds, window=w)
 first = int(np.argmax(nat.logits(0)))
 snap = nat.save_seq(0)
-pn = compress.make_plan(spec, params, budget, obs_n, "native")
-pr = compress.make_plan(spec, params, budget, obs_r, "native")   # same planner, reference observation
+pn = planning.make_plan(spec, params, budget, obs_n, "native")
+pr = planning.make_plan(spec, params, budget, obs_r, "native")   # same planner, reference observation
 
 def after(plan):
     nat.restore_seq(snap, 0)

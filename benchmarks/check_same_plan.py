@@ -4,7 +4,7 @@ planner); (b) the reference engine applying the NATIVE plan (same kept sets, sam
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
 planner on it (L1 on the reference's observation)."""
 import json, sys, numpy as np
-from kvcli import compress
+from kvcli import planning
 from kvcli.check import greedy_compare, restrict, compare_plans
 from kvcli.models import default_model_path
 from kvcli.reference.session import ReferenceSession
@@ -19,14 +19,14 @@ base = ref.prefill(toks, seq=0, observe=("window", "colsum", "kv"), window=32)
 out = {"n": n, "budget": budget}
 strip = lambda d: {k: v for k, v in d.items() if k != "native_tokens"}
 for name in names:
-    spec, params = compress.resolve_for_model(mp, name, {}, budget)
+    spec, params = planning.resolve_for_model(mp, name, {}, budget)
     kinds, w = spec.observe(params)
     nat.clear(0)
     obs_n = nat.prefill(toks, seq=0, observe=kinds, window=w)
-    pn = compress.make_plan(spec, params, budget, obs_n, "native")
+    pn = planning.make_plan(spec, params, budget, obs_n, "native")
     obs_r = restrict(base, kinds, w)
-    pr = compress.make_plan(spec, params, budget, obs_r, "reference")
-    pr_native = compress.make_plan(spec, params, budget, obs_r, "native")
+    pr = planning.make_plan(spec, params, budget, obs_r, "reference")
+    pr_native = planning.make_plan(spec, params, budget, obs_r, "native")
     d = {"budgets_equal": bool(np.array_equal(pn.n_kept, pr.n_kept)),
          "n_kept_native_l": pn.n_kept[:, 0].tolist(), "n_kept_ref_l": pr.n_kept[:, 0].tolist(),
          "l1_on_reference_obs": compare_plans(pr_native, pr, 1e-5)["pass"]}

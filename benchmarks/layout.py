@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcli import policies  # noqa: E402
-from kvcli.compress import make_plan, resolve_for_model  # noqa: E402
+from kvcli.planning import make_plan, resolve_for_model  # noqa: E402
 from kvcli.models import default_model_path  # noqa: E402
 from kvcli.native.session import NativeSession  # noqa: E402
-from kvcli.pipeline import build_prompt  # noqa: E402
+from kvcli.templating import build_prompt  # noqa: E402
 
 LAYER_POLICIES = ("pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
 INSTRUCTION = "What happened at the station? Answer in one sentence."

@@ -148,7 +148,7 @@ def make_prompt(n_tokens: int, seed: int, model: Path | None = None):
     from kvcli.evaluation.logbook import make_document  # noqa: PLC0415
     from kvcli.models import default_model_path  # noqa: PLC0415
     from kvcli.native.session import NativeSession  # noqa: PLC0415
-    from kvcli.pipeline import build_prompt  # noqa: PLC0415
+    from kvcli.templating import build_prompt  # noqa: PLC0415
     model = model or default_model_path()
     s = NativeSession(model, n_ctx=0)
     words = max(50, round((n_tokens - 60) / TOKENS_PER_WORD))

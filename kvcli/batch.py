@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -31,8 +32,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvcli.batching import Lockstep
+from kvcli.chunked import plan_chunking
+from kvcli.compress import prefill_and_compress
+from kvcli.documents import decode_text
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
+from kvcli.models import read_model_info, resolve_model
+from kvcli.native.session import NativeSession
+from kvcli.planning import resolve_for_model
+from kvcli.templating import build_prompt
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
 MAX_PARALLEL = 64       # sequences of one context when --parallel is not given
@@ -77,8 +86,6 @@ class Settings:
 def check_settings(settings: Settings) -> Path:
     """Input errors before any document is read: the model, the policy and its arguments, the room a document
     gets. Returns the model's path."""
-    from kvcli.compress import resolve_for_model  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
     if not settings.instruction.strip():
         raise KvcliError("the instruction is empty")
     settings.sampling.validate()
@@ -93,7 +100,6 @@ def check_settings(settings: Settings) -> Path:
 
 def document_cells(settings: Settings, model_path) -> tuple[int, int]:
     """(cells of the whole cache, cells one document may use: the model's context or the cache, less its answer)."""
-    from kvcli.models import read_model_info  # noqa: PLC0415
     n_ctx_train = read_model_info(model_path).n_ctx_train
     cells = settings.max_cache or n_ctx_train
     doc = min(cells, n_ctx_train) - settings.max_tokens
@@ -108,7 +114,6 @@ def document_cells(settings: Settings, model_path) -> tuple[int, int]:
 def list_documents(specs, stdin=None) -> list[str]:
     """The paths named by --docs: a folder (its *.txt/*.md/... files, recursively, sorted), a glob
     pattern (the files it matches, sorted), a file, or '-' (a list of paths on stdin, one per line)."""
-    import glob  # noqa: PLC0415
     out = []
     for spec in specs:
         if spec == "-":
@@ -156,7 +161,6 @@ class Job:
 
 def read_job(path: str, fingerprint: str) -> Job:
     """Read and key one document; a document that cannot be read or is not text carries its error."""
-    from kvcli.documents import decode_text  # noqa: PLC0415
     data, error = None, None
     try:
         data = Path(path).expanduser().read_bytes()
@@ -269,7 +273,6 @@ class Worker:
     """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
 
     def __init__(self, settings: Settings):
-        from kvcli.native.session import NativeSession  # noqa: PLC0415
         self.settings = s = settings
         self.model_path = check_settings(settings)
         self.cells, self.doc_cells = document_cells(s, self.model_path)   # the whole cache, one document's share
@@ -294,7 +297,6 @@ class Worker:
 
     def run(self, jobs, emit) -> None:
         """Answer every job of the iterable `jobs`; `emit(line)` is called once per job as it finishes."""
-        from kvcli.batching import Lockstep  # noqa: PLC0415
         lock = Lockstep(self.session, reserve=self.settings.max_tokens, cells=self.cells)
         jobs = iter(jobs)
         slots: dict[int, _Slot] = {}
@@ -318,8 +320,6 @@ class Worker:
         return None
 
     def _prepare(self, job: Job) -> _Ready:
-        from kvcli.chunked import plan_chunking  # noqa: PLC0415
-        from kvcli.pipeline import build_prompt  # noqa: PLC0415
         s, session = self.settings, self.session
         tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
         # read as `kvcli run` reads (in one go, or bounded reading in chunks of DEFAULT_CHUNK), within the cells
@@ -332,7 +332,6 @@ class Worker:
         return _Ready(job, tokens, chunking, peak)
 
     def _admit(self, ready: _Ready, lock, slots: dict, emit) -> None:
-        from kvcli.compress import prefill_and_compress  # noqa: PLC0415
         s, session = self.settings, self.session
         seq = lock.free_seq()
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from kvcli.batch import Worker
 from kvcli.errors import KvcliError
 
 POLL_S = 0.2
@@ -53,7 +54,6 @@ def _actor_class(ray):
         """A kvcli.batch.Worker on one Ray node."""
 
         def __init__(self, settings):
-            from kvcli.batch import Worker  # noqa: PLC0415
             self.worker = Worker(settings)
 
         def run(self, jobs, results, name: str) -> None:

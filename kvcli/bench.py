@@ -29,6 +29,8 @@ A policy or cache type that cannot run is reported with the reason, never left o
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -40,8 +42,19 @@ from pathlib import Path
 
 import numpy as np
 
+import kvcli
+from kvcli import planning, policies
+from kvcli.batching import Lockstep
+from kvcli.chunked import plan_chunking
+from kvcli.compress import prefill_and_compress
+from kvcli.documents import read_document
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine, spread
+from kvcli.evaluation.report import write_text
+from kvcli.models import read_model_info
+from kvcli.native import cache
+from kvcli.native.session import NativeSession, SeqSnapshot
+from kvcli.planning import resolve_for_model
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -76,7 +89,6 @@ class Reference:
 
 def load_docs(paths) -> list[Doc]:
     """Files, or directories (their *.txt/*.md files, sorted), read with kvcli's document checks."""
-    from kvcli.documents import read_document  # noqa: PLC0415
     out = []
     for p in paths:
         path = Path(p).expanduser()
@@ -108,7 +120,6 @@ def availability(policy: str) -> str | None:
     """None when the native engine can run `policy`, else why not (reported in the results)."""
     if policy == "full":
         return None
-    from kvcli import policies  # noqa: PLC0415
     try:
         spec = policies.get(policy)
     except KvcliError:
@@ -122,7 +133,6 @@ def cache_type_problem(cache_type: str, model_path) -> str | None:
     """llama.cpp quantises K/V rows per head in blocks: a head_dim that is not a multiple of the block
     cannot use that cache type (llama.cpp would refuse the context)."""
     import gguf  # noqa: PLC0415
-    from kvcli.models import read_model_info  # noqa: PLC0415
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cache_type.upper()]][0]
     hd = read_model_info(model_path).head_dim
     if hd % block:
@@ -169,13 +179,11 @@ class Bench:
         self._state_dir = None
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
             if p != "full" and availability(p) is None:
-                from kvcli.compress import resolve_for_model  # noqa: PLC0415
                 for b in budgets:
                     resolve_for_model(self.model_path, p, self.policy_args.get(p, {}), b)
 
     # -------------------------------------------------------------------------- sessions
     def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
-        from kvcli.native.session import NativeSession  # noqa: PLC0415
         return NativeSession(self.model_path, n_ctx=n_ctx, n_seq=n_seq, cache_type=cache_type, flash_attn=True,
                              n_threads=self.threads)
 
@@ -196,8 +204,6 @@ class Bench:
 
     # -------------------------------------------------------------------------- one configuration
     def measure(self, cfg: Config, doc: Doc, n_ctx_train: int) -> dict:
-        from kvcli.compress import prefill_and_compress  # noqa: PLC0415
-
         row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
                "config": cfg.label, "prompt_tokens": len(doc.tokens), "gen_tokens": self.gen}
         why = availability(cfg.policy) or cache_type_problem(cfg.cache_type, self.model_path)
@@ -208,8 +214,6 @@ class Bench:
         chunking = None
         try:
             if self.chunk:
-                from kvcli.chunked import plan_chunking  # noqa: PLC0415
-                from kvcli.models import read_model_info  # noqa: PLC0415
                 chunking = plan_chunking(n, self.gen + 1, n_ctx_train, cfg.policy, cfg.budget,
                                          None if cfg.policy == "full" else self.chunk,
                                          cell_bytes=read_model_info(self.model_path).cell_bytes(cfg.cache_type))
@@ -280,8 +284,6 @@ class Bench:
         """Configurations of one cache type that observe the same way share one prefill, timed once:
         budgets never change the prefill. Each then restores the prefilled state, plans, applies its
         plan (timed as its compression), decodes and is scored exactly as in `measure`."""
-        from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
         n = len(doc.tokens)
         rows, groups = {}, {}
         for cfg in cfgs:
@@ -307,10 +309,10 @@ class Bench:
             self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds)}"
                                                                    f"{f' (window {w})' if w else ''}" if kinds else "")
                      + f" for {', '.join(c.label for c, _ in members)}")
-            self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache)
+            self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows)
         return [rows[c] for c in cfgs]
 
-    def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows, make_plan, cache) -> None:
+    def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows) -> None:
         n = len(doc.tokens)
         try:
             session = self._session(ct, context_cells(n, self.gen, n_ctx_train))
@@ -343,7 +345,7 @@ class Bench:
                     if prep is not None:
                         spec, params, k, wi = prep
                         sub = obs.restrict(k, wi)
-                        session.apply_plan(make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
+                        session.apply_plan(planning.make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
                     compress_s = time.perf_counter() - t1
                     row.update({"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "prefill_shared_by": len(members),
                                 "compress_s": compress_s, "compress_share": compress_s / (prefill_s + compress_s),
@@ -359,7 +361,6 @@ class Bench:
             session.close()
 
     def _save_state(self, session, cfg: Config, doc: Doc) -> Path:
-        from kvcli.native import cache  # noqa: PLC0415
         if self._state_dir is None:
             self._state_dir = tempfile.TemporaryDirectory(prefix="kvcli-bench-")
         path = Path(self._state_dir.name) / f"{len(self.states)}.state"
@@ -379,7 +380,6 @@ class Bench:
             cmd += ["--budget", str(row["budget"])]
         for k, v in self.policy_args.get(row["policy"], {}).items():
             cmd += ["--policy-arg", f"{k}={v}"]
-        import kvcli  # noqa: PLC0415 (the child runs this same kvcli, wherever it was imported from)
         here = str(Path(kvcli.__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
                    **({"KVCLI_THREADS": str(self.threads)} if self.threads else {}))
@@ -402,8 +402,6 @@ class Bench:
         if bad or not mine:  # the same reason as the per-document rows
             out["status"] = bad[0]["status"] if bad else "not measured"
             return out
-        from kvcli.batching import Lockstep  # noqa: PLC0415
-        from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
         states = [self.states[(cfg, d.name)] for d in self.docs]
         session = self._session(cfg.cache_type, self.ctx, n_seq=self.batch)
         try:
@@ -573,9 +571,6 @@ CSV_FIELDS = ["doc", "prompt_tokens", "policy", "budget", "cache_type", "status"
 
 
 def write_csv(result: dict, path: str) -> None:
-    import csv  # noqa: PLC0415
-    from kvcli.evaluation.report import write_text  # noqa: PLC0415
-    import io  # noqa: PLC0415
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
@@ -593,7 +588,6 @@ def write_csv(result: dict, path: str) -> None:
 
 
 def write_json(result: dict, path: str) -> None:
-    from kvcli.evaluation.report import write_text  # noqa: PLC0415
     write_text(path, json.dumps(result, indent=1, default=_jsonable))
 
 

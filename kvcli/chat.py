@@ -18,11 +18,12 @@ Prompt layout (see docs/terminal.md):
 
 Turns are templated with the model's own chat template: the text between turns is read off
 renderings of probe conversations (TurnFormat), so any template llama.cpp applies works.
-`/reset` removes every cell after the prefix (llama_memory_seq_rm from the prefix's end
-position), which the native patch keeps consistent with the slot bias.
+`/reset` removes every cell after the prefix (`session.truncate` at the prefix's end position: llama_memory_seq_rm
+in the native engine), which the native patch keeps consistent with the slot bias.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -31,7 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcli import __version__, compress, config, kvc, policies
+from kvcli.chunked import plan_chunking
 from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import peak_rss_bytes
+from kvcli.generate import generate
+from kvcli.models import model_hash, resolve_model
+from kvcli.native import cache
+from kvcli.native.lib import identity
+from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
+from kvcli.policies import parse_policy_args
 
 GENERIC_SUFFIX = "Read the document above carefully: questions about it follow."
 CTX_PAD = 256
@@ -165,23 +175,16 @@ class Conversation:
         return self.session.seq(self.seq)
 
     def _measured_cells(self) -> int:
-        from kvcli.native import cache  # noqa: PLC0415
         info = self.session.info
         return cache.stats(self.session.ctx, self.seq, info.n_layer, info.n_head_kv)["n_cells"]
 
     def _truncate(self, pos: int) -> None:
         """Remove every cell at position >= pos from the sequence."""
-        L = self.session.L
-        if not L.llama_memory_seq_rm(self.session.mem, self.seq, pos, -1):
-            raise KvcliError(f"llama.cpp could not remove the cells after position {pos}")
-        st = self._st()
-        st.next_pos = pos
-        st.cells = self._measured_cells()
+        self.session.truncate(self.seq, pos)
 
     def chunking(self):
         """Chunked or not, and the cells to allocate: the prompt (or, read in chunks, budget + chunk) plus TURN_ROOM
         for the conversation (less when --max-cache leaves less)."""
-        from kvcli.chunked import plan_chunking  # noqa: PLC0415
         return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self.policy, self.budget,
                              self.chunk, self.max_cache, cell_bytes=self.session.bytes_per_cell())
 
@@ -193,7 +196,6 @@ class Conversation:
     def compress(self, progress=None, on_cache=None):
         """Prefill the prefix and compress it (kvcli.compress.prefill_and_compress), in chunks when it is longer
         than the context allows."""
-        from kvcli import compress  # noqa: PLC0415
         chunking = self.chunking()
         if self.session.ctx is not None and self.session.n_ctx < chunking.n_ctx:
             # the context was fitted to an earlier compressed prefix (or a .kvc file): reading needs more
@@ -215,7 +217,6 @@ class Conversation:
         self.reset_mark = (st.next_pos, st.cells)
         self.prefix_logits = self.session.logits(self.seq) if self.question else None
         if self.report.plan is not None:
-            from kvcli.native import cache  # noqa: PLC0415
             cache.set_header(self.session.ctx, self.seq, self.policy, int(self.budget), len(self.prefix_tokens))
             self.fit_context()
         self._at_prefix()
@@ -239,7 +240,6 @@ class Conversation:
                    progress=None):
         """Compress the original document again with another policy or budget (the conversation is
         dropped). If that fails or is interrupted, the cache as it was is put back."""
-        from kvcli import policies  # noqa: PLC0415
         new_policy = (policy or self.policy).lower()
         if new_policy == "full":
             if budget is not None and policy is None:
@@ -284,8 +284,6 @@ class Conversation:
 
     def ask(self, question: str, max_tokens: int, sampler=None, on_text=None):
         """Append one user turn and generate the answer; returns the Generation."""
-        from kvcli.generate import generate  # noqa: PLC0415
-        from kvcli.native.session import ContextFull  # noqa: PLC0415
         question = question.strip()
         if not question:
             raise KvcliError("the question is empty")
@@ -321,8 +319,6 @@ class Conversation:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
-        from kvcli.evaluation.measure import peak_rss_bytes  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
         info = self.session.info
         s = self.session.stats(self.seq)
         live = cache.stats(self.session.ctx, self.seq, info.n_layer, info.n_head_kv)
@@ -368,10 +364,6 @@ class Conversation:
 
     # ------------------------------------------------------------------ .kvc files
     def to_kvc(self):
-        from kvcli import __version__, kvc  # noqa: PLC0415
-        from kvcli.models import model_hash  # noqa: PLC0415
-        from kvcli.native import cache  # noqa: PLC0415
-        from kvcli.native.lib import identity  # noqa: PLC0415
         s, info, st = self.session, self.session.info, self._st()
         ident = identity()
         meta = {
@@ -398,15 +390,11 @@ class Conversation:
                            prefix_logits=self.prefix_logits)
 
     def save(self, path, force: bool = True) -> int:
-        from kvcli import kvc  # noqa: PLC0415
         return kvc.write(path, self.to_kvc(), force=force)
 
     @classmethod
     def from_kvc(cls, path, model: str | None = None, seq: int = 0, n_threads: int | None = None):
         """Load a .kvc file into a fresh session of its model (checked by hash)."""
-        from kvcli import kvc  # noqa: PLC0415
-        from kvcli.models import resolve_model  # noqa: PLC0415
-        from kvcli.native.session import NativeSession, SeqSnapshot  # noqa: PLC0415
         t0 = time.perf_counter()
         f = kvc.read(path)
         kvc.check_versions(f)
@@ -419,7 +407,6 @@ class Conversation:
         if model is None and recorded.is_file():
             model_path = resolve_model(recorded)
         else:  # --model, else KVCLI_MODEL / the config file, else the default
-            from kvcli import config  # noqa: PLC0415
             model_path = resolve_model(model or config.get("model"))
         kvc.check_model(f, model_path)
         session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
@@ -542,7 +529,6 @@ class Repl:
         gen = self.conv.ask(question, self.max_tokens, self.sampler, on_text=None if self.jsonl else self._write)
         self.n_answers += 1
         if self.jsonl:
-            import json  # noqa: PLC0415
             s = self.conv.stats()
             self._write(json.dumps({"question": question, "answer": gen.text, "stopped": gen.stopped,
                                     "prompt_tokens": pos0 + self.conv.turns[-1].tokens_in,
@@ -571,7 +557,6 @@ class Repl:
     # ------------------------------------------------------------------ commands
     def command(self, line: str) -> bool:
         """Run a slash command; False means leave."""
-        from kvcli.policies import parse_policy_args  # noqa: PLC0415
         name, _, rest = line.strip().partition(" ")
         rest = rest.strip()
         if name in ("/quit", "/exit", "/q"):

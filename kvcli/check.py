@@ -41,7 +41,11 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from kvcli import chunked, planning, policies
+from kvcli.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
+from kvcli.native.session import NativeSession
+from kvcli.templating import build_prompt
 from kvcli.plan import Observation, Plan
 
 # --------------------------------------------------------------------------------- thresholds
@@ -295,7 +299,6 @@ class CheckSettings:
 
 
 def policies_to_check(names) -> list[str]:
-    from kvcli import policies  # noqa: PLC0415
     if not names:
         return policies.available()
     out = []
@@ -311,7 +314,6 @@ def policies_to_check(names) -> list[str]:
 def build_tokens(native, document: str, settings: CheckSettings) -> list[int]:
     """The prompt both engines get: the document (optionally cut) and the instruction, templated
     and tokenised once by the native engine."""
-    from kvcli.pipeline import build_prompt  # noqa: PLC0415
     if settings.doc_tokens is not None:
         doc_toks = native.tokenize(document)
         if len(doc_toks) > settings.doc_tokens:
@@ -322,8 +324,6 @@ def build_tokens(native, document: str, settings: CheckSettings) -> list[int]:
 def run_check(model_path, document: str, policy_names=None, settings: CheckSettings | None = None,
               thresholds: Thresholds | None = None, log=None) -> dict:
     """Run the levels of `settings.levels` for each policy; returns the JSON-ready report."""
-    from kvcli import compress, policies  # noqa: PLC0415
-    from kvcli.native.session import NativeSession  # noqa: PLC0415
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
     settings = settings or CheckSettings()
@@ -340,7 +340,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if not document or not document.strip():
         raise KvcliError("the document is empty")
     if settings.chunk is not None:
-        from kvcli.chunked import MIN_CHUNK  # noqa: PLC0415
         if settings.chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
     specs = {}
@@ -348,7 +347,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         if name == "full":
             spec, params, _ = policies.prepare(name, {}, settings.budget)
         else:  # compresskv with the model's calibration, as run/bench/eval plan it
-            spec, params = compress.resolve_for_model(model_path, name, {}, settings.budget)
+            spec, params = planning.resolve_for_model(model_path, name, {}, settings.budget)
         specs[name] = (spec, params)
 
     t0 = time.perf_counter()
@@ -411,9 +410,9 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
                 native.prefill(tokens, seq=0)
                 obs_n = shapes_only(native, n)
             # planned even when nothing is compressed: both planners must then keep everything
-            plan_n = compress.make_plan(spec, params, settings.budget, obs_n, "native")
+            plan_n = planning.make_plan(spec, params, settings.budget, obs_n, "native")
             if 1 in levels:
-                plan_t = compress.make_plan(spec, params, settings.budget, obs_n, "reference")
+                plan_t = planning.make_plan(spec, params, settings.budget, obs_n, "reference")
                 entry["l1"] = compare_plans(plan_n, plan_t, th.l1_merge_atol)
             if 3 in levels:
                 entry["l3"] = _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses)
@@ -426,8 +425,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
 
 
 def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses) -> dict:
-    from kvcli import compress  # noqa: PLC0415
-
     # native: the plan its own planner made on its own observation
     if compresses:  # (never for full: it keeps the cache as it is)
         native.apply_plan(plan_n, seq=0)
@@ -436,7 +433,7 @@ def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, com
     kinds, w = spec.observe(params)
     if compresses:
         obs_r = base_obs.restrict(kinds, w)
-        plan_r = compress.make_plan(spec, params, settings.budget, obs_r, "reference")
+        plan_r = planning.make_plan(spec, params, settings.budget, obs_r, "reference")
         reference.apply_plan(plan_r, seq=1)
     jac = jaccard_per_layer(native.kept_positions(0), reference.kept_positions(1))
     out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac}
@@ -510,7 +507,6 @@ def _merge_l1(steps: list[dict]) -> dict:
 
 def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0) -> dict:
     """kvcli check --chunk: both engines read `tokens` with kvcli.chunked.prefill_chunked (see the module doc)."""
-    from kvcli import chunked, compress  # noqa: PLC0415
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
     n, levels, chunk = len(tokens), set(settings.levels), settings.chunk
@@ -569,7 +565,7 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
 
             def native_step(step, obs, plan_n, spec=spec, params=params, l1_steps=l1_steps, origins=origins_n):
                 if 1 in levels:
-                    plan_t = compress.make_plan(spec, params, settings.budget, obs, "reference")
+                    plan_t = planning.make_plan(spec, params, settings.budget, obs, "reference")
                     l1_steps.append(compare_plans(plan_n, plan_t, th.l1_merge_atol))
                 origins.on_plan(obs.n, plan_n)
 

@@ -24,7 +24,8 @@ Memory bound: the cache never holds more than `cap` = budget + chunk cells (+ th
 policy whose widest layer keeps more than `budget` entries (pyramidkv, dynamickv, compresskv, ...)
 gets shorter chunks, never a bigger cache.
 
-What each policy carries across chunks is stated in `chunked_note` (and `kvcli policies --explain`).
+What each policy carries across chunks is stated in `kvcli.policies.notes.chunked_note` (and `kvcli policies
+--explain`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcli import planning
 from kvcli.errors import KvcliError
+from kvcli.planning import CompressReport, resolve_policy, session_cells, shape_observation
+from kvcli.session import Session
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
 # Bounded reading turns on by itself only when the prompt's full cache would pass this many bytes: below it
@@ -135,38 +139,6 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
     return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)
 
 
-def chunked_note(spec) -> str:
-    """What a policy keeps across chunks (for `kvcli policies --explain`)."""
-    if spec.name == "full":
-        return ("Chunked prefill: not available (full keeps every token, so a document longer than the context "
-                "cannot be read; choose a compressing policy).")
-    carried = {
-        "streamingllm": "the sinks and the most recent entries: StreamingLLM's own streaming form",
-        "h2o": "column sums (the attention every entry received) are accumulated across chunks: a kept entry "
-               "carries its score from earlier chunks and adds the new chunk's queries' attention, H2O's "
-               "cumulative heavy hitters",
-        "d2o": "accumulated column sums as in h2o; evicted entries are merged into kept ones at every chunk; "
-               "merged entries keep their log-multiplicity bias and can be merged into again",
-        "spindlekv": "every chunk re-runs the selection; codebook rows made at an earlier chunk are entries like "
-                     "any other (their bias is kept) and may be replaced again",
-        "windowkv": "the task is classified once from the instruction; every step's window re-scores the "
-                    "held sentences/windows and the chunk's own",
-        "pyramidkv": "the layer schedule is applied at every chunk; the widest layer keeps more than the budget, "
-                     "so chunks shrink to keep the cache within budget + chunk",
-        "dynamickv": "the per-layer budgets are recomputed at every chunk from that step's window",
-        "compresskv": "the calibrated layer budgets and the semantic-retrieval heads' window scores at every chunk",
-    }.get(spec.name, "only the kept entries: every step's window re-scores everything held")
-    window = ("the chunk's queries (column sums of all of them)" if "colsum" in spec.needs else
-              "the question: the prompt's last window, prefilled after the chunk and rolled back "
-              "(--chunk-scoring question, the default; 'chunk' observes the chunk's own last window)"
-              if "window" in spec.needs else "positions only")
-    return ("Chunked prefill (--chunk N, automatic when the document does not fit the context or --max-cache): "
-            "after every chunk the policy plans over the kept entries + the chunk, to the same budget, observing "
-            f"{window}; the kept entries' positions are re-indexed to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). "
-            f"Carried across chunks: {carried}. The last chunk holds the question, so the last compression is the "
-            "one-prefill policy on the question's window.")
-
-
 @dataclass
 class ChunkStep:
     start: int             # first prompt token of the chunk
@@ -223,19 +195,16 @@ def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chu
     return steps
 
 
-def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy_args: dict, chunk: int, *,
-                    cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
+def prefill_chunked(session: Session, tokens: list[int], policy: str, budget: int, policy_args: dict,
+                    chunk: int, *, cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
                     instruction: str | None = None, on_step=None, on_cache=None, scoring: str = "question"):
     """Read `tokens` into `seq` in chunks, compressing to `budget` after each one (see the module doc).
 
     `scoring`: "question" scores every chunk with the prompt's last window (a probe prefilled and rolled
     back), "chunk" with the chunk's own last window. `on_step(step, obs, plan)` is called after each
     planning step (kvcli check compares the planners there); `on_cache(cells)` after each compaction
-    (progress display). Returns a kvcli.compress.CompressReport with `chunks`, `steps` and `peak_cells`.
+    (progress display). Returns a kvcli.planning.CompressReport with `chunks`, `steps` and `peak_cells`.
     """
-    from kvcli.compress import CompressReport, _cells, make_plan, resolve_policy  # noqa: PLC0415
-    from kvcli.plan import Observation  # noqa: PLC0415
-
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
     spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
@@ -252,7 +221,7 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
     prefill_s = compress_s = 0.0
     steps: list[ChunkStep] = []
     plan = None
-    pos, cells, peak = 0, (_cells(session, seq) if seq in session.seqs else 0), 0
+    pos, cells, peak = 0, (session_cells(session, seq) if seq in session.seqs else 0), 0
     check_room(spec, params, i.n_layer, len(tokens), budget, chunk, cap, window, len(probe), cells)
     while pos < len(tokens):
         take, _ = next_chunk(len(tokens) - pos, cap, cells, chunk, window, len(probe), policy, budget)
@@ -261,28 +230,27 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
         t1 = time.perf_counter()
         obs = session.prefill(piece, seq=seq, observe=observe if last else chunk_observe, window=min(window, take),
                               progress=progress)
-        before = _cells(session, seq)
+        before = session_cells(session, seq)
         probed = bool(probe) and not last
         if probed:
             obs = _probe(session, seq, probe, obs)
         prefill_s += time.perf_counter() - t1
         peak = max(peak, before + (len(probe) if probed else 0))   # the probe's cells while it was held
         if obs is None:  # a policy that observes nothing plans from the shapes alone
-            obs = Observation(i.n_layer, i.n_head, i.n_head_kv, i.head_dim, n=before,
-                              positions=np.arange(before, dtype=np.int32))
+            obs = shape_observation(i, before)
         if carry_colsum and carried is not None:
             obs.colsum = obs.colsum.copy()
             obs.colsum[:, :, :carried.shape[2]] += carried
         t2 = time.perf_counter()
         if spec.compresses(obs.n, budget):
-            plan = make_plan(spec, params, budget, obs, planner or session.engine)
+            plan = planning.make_plan(spec, params, budget, obs, planner or session.engine)
             if on_step is not None:
                 on_step(len(steps), obs, plan)
             session.apply_plan(plan, seq=seq, reindex=True)
             if carry_colsum:
                 carried = _carry(obs.colsum, plan, group)
         compress_s += time.perf_counter() - t2
-        cells = _cells(session, seq)
+        cells = session_cells(session, seq)
         steps.append(ChunkStep(pos, take, before, cells))
         if on_cache is not None:
             on_cache(cells)
@@ -291,7 +259,7 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
                           cap=cap, steps=steps, peak_cells=peak, scoring=scoring if probe else "chunk")
 
 
-def _probe(session, seq: int, probe: list[int], obs):
+def _probe(session: Session, seq: int, probe: list[int], obs):
     """Prefill `probe` after what `seq` holds, observe its window, roll it back; return `obs` (the chunk's
     own observation of the other kinds, or None) with the probe's window sums over the slots held before
     it (its own columns dropped: they are gone once it is rolled back)."""

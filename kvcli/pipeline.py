@@ -7,8 +7,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from kvcli import compress
+from kvcli.chunked import plan_chunking
 from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Generation, Sampler, generate
+from kvcli.templating import build_prompt
+
 
 @dataclass
 class RunResult:
@@ -22,23 +27,6 @@ class RunResult:
     def as_json(self) -> dict:
         return {"answer": self.answer, "model": self.model, "policy": self.policy, "budget": self.budget,
                 "stopped": self.stopped, "stats": self.stats}
-
-
-def user_message(document: str | None, instruction: str) -> str:
-    return f"{document.strip()}\n\n{instruction.strip()}" if document else instruction.strip()
-
-
-def build_prompt(session, document: str | None, instruction: str, system: str | None = None,
-                 template: bool = True) -> str:
-    """The chat-templated prompt; a plain-completion one (kvcli.templating.plain_prompt) when the model has no
-    chat template or `template` is False (a base model)."""
-    if not template or not session.chat_template():
-        from kvcli.templating import plain_prompt  # noqa: PLC0415
-        return plain_prompt(session.model_path, session.special_tokens().get("bos_token"),
-                            user_message(document, instruction), system)
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": user_message(document, instruction)})
-    return session.apply_chat_template(messages, add_assistant=True)
 
 
 class Progress:
@@ -90,9 +78,6 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
     after each (kvcli/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks the
     queries that score each chunk."""
-    from kvcli import compress  # noqa: PLC0415
-    from kvcli.chunked import plan_chunking  # noqa: PLC0415
-
     prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)
     check_instruction(session, instruction, system, max_cache)
@@ -115,7 +100,6 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     stats.update({"prefill_s": round(report.prefill_s, 4), "compress_s": round(report.compress_s, 4),
                   "decode_s": round(gen.decode_s, 4),
                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None})
-    from kvcli.evaluation.measure import peak_rss_bytes  # noqa: PLC0415
     stats["peak_rss_bytes"] = peak_rss_bytes()   # the process's peak, from the OS (VmHWM)
     if report.note:
         stats["note"] = report.note

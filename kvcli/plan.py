@@ -5,9 +5,11 @@ consume a `Plan`; both planners (C++ and torch) map the first to the second.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from kvcli.errors import KvcliError
 
 MAX_WINDOWS = 16   # window lengths one observation may hold (KVCLI_OBS_MAX_WINDOWS)
 
@@ -38,8 +40,6 @@ class Observation:
     def restrict(self, kinds, window: int = 0) -> "Observation":
         """What a prefill observing `kinds` (with "window": window length `window`, which this observation
         must hold) would have returned, cut out of this richer one. No array is copied."""
-        from dataclasses import replace  # noqa: PLC0415
-        from kvcli.errors import KvcliError  # noqa: PLC0415
         kinds = set(kinds)
         out = replace(self, window_sums=None, windows=(),
                       colsum=self.colsum if "colsum" in kinds else None,
@@ -81,7 +81,6 @@ def sum_window_rows(rows: np.ndarray, windows) -> np.ndarray:
 def window_lengths(window, n_tokens: int) -> tuple[int, ...]:
     """The window lengths a prefill observes (`window`: one length or several), ascending and distinct,
     each in [1, n_tokens] (the prefilled tokens) and at most MAX_WINDOWS of them."""
-    from kvcli.errors import KvcliError  # noqa: PLC0415
     ws = tuple(sorted({int(w) for w in ((window,) if np.isscalar(window) else window)}))
     if not ws or len(ws) > MAX_WINDOWS:
         raise KvcliError(f"observe 1 to {MAX_WINDOWS} window lengths (got {len(ws)})")

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvcli.errors import KvcliError
+from kvcli.models import _Header
 
 # the special-token variables templates may use (transformers passes its special_tokens_map)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -81,8 +82,6 @@ _GGUF_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer
 
 @lru_cache(maxsize=8)
 def _special_ids(path: str, size: int, mtime_ns: int) -> tuple:
-    from kvcli.models import _Header  # noqa: PLC0415
-
     try:
         values = _Header(Path(path)).values
     except (ValueError, OSError, UnicodeDecodeError) as e:
@@ -119,3 +118,19 @@ def plain_prompt(model_path, bos_text: str | None, text: str, system: str | None
     vocabulary adds one, the system text and the user text as paragraphs, and an answer cue to continue."""
     bos = bos_text if bos_text and _header_tokens(model_path).get(ADD_BOS) else ""
     return bos + "\n\n".join(p for p in (system, text) if p) + PLAIN_ANSWER_CUE
+
+
+def user_message(document: str | None, instruction: str) -> str:
+    return f"{document.strip()}\n\n{instruction.strip()}" if document else instruction.strip()
+
+
+def build_prompt(session, document: str | None, instruction: str, system: str | None = None,
+                 template: bool = True) -> str:
+    """The chat-templated prompt; a plain-completion one (kvcli.templating.plain_prompt) when the model has no
+    chat template or `template` is False (a base model)."""
+    if not template or not session.chat_template():
+        return plain_prompt(session.model_path, session.special_tokens().get("bos_token"),
+                            user_message(document, instruction), system)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user_message(document, instruction)})
+    return session.apply_chat_template(messages, add_assistant=True)

@@ -44,7 +44,7 @@ def test_run_compresses_each_architecture(run_kvcli, tmp_path, arch):
 
 def test_plain_prompt_without_chat_template(tmp_path):
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import build_prompt
+    from kvcli.templating import build_prompt
     from kvcli.templating import PLAIN_ANSWER_CUE
     s = NativeSession(write_tiny(tmp_path / "notpl.gguf", "qwen2", n_layer=1, chat_template=""), n_ctx=0)
     assert s.chat_template() is None or s.chat_template() == ""
@@ -60,7 +60,7 @@ def test_no_template_flag(run_kvcli, tmp_path, default_model):
     r = run_kvcli(*args, "--no-template", input=SHORT_DOC)
     assert r.returncode == 0, r.stderr
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import build_prompt
+    from kvcli.templating import build_prompt
     s = NativeSession(default_model, n_ctx=0)
     expected = len(s.tokenize(build_prompt(s, SHORT_DOC, "Summarise.", template=False)))
     s.close()

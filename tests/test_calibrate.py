@@ -236,20 +236,20 @@ def test_calibration_found_by_hash_in_the_user_cache(tiny, no_env):
 def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibrated, tiny, no_env, monkeypatch,
                                                                           cli_runner, tmp_path):
     """Every command that makes a plan resolves compresskv for the model in one place
-    (kvcli.compress.resolve_for_model): without a calibration each warns (once per run) and plans with
+    (kvcli.planning.resolve_for_model): without a calibration each warns (once per run) and plans with
     the fallback; with the one `kvcli calibrate` wrote, each plans with its heads and layer budgets."""
-    from kvcli import compress
+    from kvcli import planning
     from kvcli.cli import cli
     from kvcli.policies.compresskv import allocate
     seen = []
-    real = compress.make_plan
+    real = planning.make_plan
 
     def spy(spec, params, budget, obs, planner):
         if spec.name == "compresskv":
             seen.append((tuple(params["srh"]), tuple(params["layer_scores"])))
         return real(spec, params, budget, obs, planner)
 
-    monkeypatch.setattr(compress, "make_plan", spy)
+    monkeypatch.setattr(planning, "make_plan", spy)
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(f"line {i}: the ridge station logged wind and snow." for i in range(40)) + "\n")
     budget = 48

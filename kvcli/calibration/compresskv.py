@@ -26,7 +26,11 @@ from kvcli.calibration import store
 from kvcli.calibration.heads import ProbeResult, head_scores, run_probe
 from kvcli.calibration.layers import layer_profile, text_errors
 from kvcli.calibration.probes import NEEDLES, build_probe, depths as spread_depths, error_profile_text
+from kvcli.calibration.store import rank_heads
 from kvcli.errors import KvcliError
+from kvcli.models import model_hash, read_model_info
+from kvcli.policies.base import parse_policy_args
+from kvcli.policies.compresskv import SPEC
 
 
 @dataclass
@@ -110,7 +114,6 @@ def calibrate(model_path: Path, out: Path | None = None, settings: Settings | No
               warn=None) -> store.Calibration:
     """Run both stages for `model_path` and write the side-car; returns what was written."""
     from kvcli.calibration.runner import load_lm, sdpa  # noqa: PLC0415 (imports torch)
-    from kvcli.models import model_hash, read_model_info  # noqa: PLC0415
 
     warn = warn or (lambda msg: print(f"kvcli: {msg}", file=sys.stderr, flush=True))
     s = settings or Settings()
@@ -157,7 +160,6 @@ def calibrate(model_path: Path, out: Path | None = None, settings: Settings | No
                 cp.probes[probe.key] = r.as_json()
                 tick(L + s.max_new_tokens, stage="heads", ok=sum(r.ok for r in results))
             scores, n_ok = head_scores(results, lm.n_layer, lm.n_head)
-            from kvcli.calibration.heads import rank_heads  # noqa: PLC0415
             srh = [int(h) for h in rank_heads(scores)[:, :s.srh_k].reshape(-1)] if n_ok else []
             if not n_ok:
                 warn(f"no probe was answered (0 of {len(results)}): the semantic retrieval heads cannot be "
@@ -220,7 +222,6 @@ def policy_args(model_path, args: dict | None, warn=None) -> dict:
     runs its documented fallback (every head scores, uniform budgets) and a warning says so.
     """
     warn = warn or _warn_once
-    from kvcli.policies.base import parse_policy_args  # noqa: PLC0415
     out = dict(args) if isinstance(args, dict) else parse_policy_args(args)
     if "srh" in out or "layer_scores" in out:
         return out
@@ -229,7 +230,6 @@ def policy_args(model_path, args: dict | None, warn=None) -> dict:
         warn(f"no compresskv calibration for {Path(model_path).name}: every head scores and layer budgets are "
              f"uniform (SnapKV-style fallback); run `kvcli calibrate compresskv --model {model_path}`")
         return out
-    from kvcli.policies.compresskv import SPEC  # noqa: PLC0415
     k = SPEC.param("srh_k").parse("compresskv", out["srh_k"]) if "srh_k" in out else SPEC.param("srh_k").default
     if cal.probes_ok:
         out["srh"] = ",".join(str(h) for h in cal.srh(k))

@@ -94,6 +94,3 @@ def head_scores(results: list[ProbeResult], n_layer: int, n_head: int) -> tuple[
     return np.mean(np.stack(ok), axis=0), len(ok)
 
 
-def rank_heads(scores: np.ndarray) -> np.ndarray:
-    """Per layer, the query heads by descending score (ties: lower head first) -> int [n_layer, n_head]."""
-    return np.stack([np.argsort(-row, kind="stable") for row in np.asarray(scores, dtype=np.float64)])

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from kvcli.calibration.runner import LM, Runner, attention_probs
+from kvcli.plan import Observation
+from kvcli.policies.compresskv import SPEC
 
 EPS = 1e-6   # the paper's epsilon (the authors' code uses 1e-5)
 
@@ -26,8 +28,6 @@ def shadow_sets(lm: LM, window_sums: list[torch.Tensor], srh: list[int], srh_k: 
                 kernel: int) -> list[torch.Tensor]:
     """Per layer, the slots a compresskv cache of `budget` entries per layer would keep (uniform
     budgets), chosen by the policy's own reference planner from the window attention."""
-    from kvcli.plan import Observation  # noqa: PLC0415
-    from kvcli.policies.compresskv import SPEC  # noqa: PLC0415
     from kvcli.reference.policies.compresskv import plan as compresskv_plan  # noqa: PLC0415
 
     n = int(window_sums[0].shape[-1])

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from kvcli.errors import KvcliError
+from kvcli.templating import render_chat
 
 
 @dataclass
@@ -33,7 +34,6 @@ class LM:
         return self.n_head // self.n_head_kv
 
     def template(self, user: str) -> str:
-        from kvcli.templating import render_chat  # noqa: PLC0415 - the renderer both engines use
         return render_chat(self.tokenizer.chat_template, [{"role": "user", "content": user}],
                            special_tokens=self.tokenizer.special_tokens_map)
 

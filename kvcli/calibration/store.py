@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli.errors import KvcliError
+from kvcli.models import model_hash, read_model_info
 
 FORMAT = 1                  # layout of the keys below; bump when it changes
 METHOD_VERSION = 1          # the compresskv calibration procedure (kvcli/calibration/); bump when results change
@@ -58,7 +59,6 @@ class Calibration:
 
     def srh(self, k: int) -> list[int]:
         """The top-k query heads of each layer (best first, ties to the lower head), flattened."""
-        from kvcli.calibration.heads import rank_heads  # noqa: PLC0415
         if k > self.n_head:
             raise KvcliError(f"policy 'compresskv': srh_k={k} is more than the model's {self.n_head} query heads")
         return [int(h) for h in rank_heads(self.head_scores)[:, :k].reshape(-1)]
@@ -78,6 +78,11 @@ class Calibration:
 
 
 # ---------------------------------------------------------------------------------------- writing
+def rank_heads(scores: np.ndarray) -> np.ndarray:
+    """Per layer, the query heads by descending score (ties: lower head first) -> int [n_layer, n_head]."""
+    return np.stack([np.argsort(-row, kind="stable") for row in np.asarray(scores, dtype=np.float64)])
+
+
 def write(cal: Calibration, path: Path) -> Path:
     """Write the side-car atomically: a temporary file in the same folder, then a rename."""
     import gguf  # noqa: PLC0415
@@ -247,7 +252,6 @@ def check_matches(cal: Calibration, info, model_hash: str) -> None:
 
 def find(model_path: Path) -> Calibration | None:
     """The calibration of `model_path`, checked against it; None when there is none anywhere."""
-    from kvcli.models import model_hash, read_model_info  # noqa: PLC0415
     model_path = Path(model_path)
     info = read_model_info(model_path)
     mhash = model_hash(model_path)

@@ -6,8 +6,11 @@ import sys
 
 import click
 
-from kvcli import config
+from kvcli import batch_ray, config
+from kvcli.batch import Batch, ResultsFile, Settings, list_documents
+from kvcli.batch_ray import import_ray
 from kvcli.commands.options import Request, json_option, model_option, request_options
+from kvcli.errors import KvcliError
 
 
 @click.command("batch")
@@ -46,13 +49,9 @@ def batch_cmd(req: Request, docs, instruction, out_path, model, system, parallel
     that fails gets a line with its error and the batch goes on; an interrupted batch keeps every line
     written, and a re-run with the same --out does only the rest. stdout: nothing, or a summary with --json.
     """
-    from kvcli.batch import Batch, ResultsFile, Settings, list_documents  # noqa: PLC0415
-    from kvcli.errors import KvcliError  # noqa: PLC0415
-
     if (ray_workers or ray_cpus) and not ray_address:
         raise KvcliError("--ray-workers / --ray-cpus set up Ray workers: give --ray ADDRESS too")
     if ray_address:
-        from kvcli.batch_ray import import_ray  # noqa: PLC0415
         import_ray()   # before any document is read: a missing extra is one line
     settings = Settings(instruction=instruction, model=model or config.get("model"), policy=req.policy,
                         budget=req.budget, policy_args=req.policy_args, max_tokens=req.max_tokens,
@@ -66,8 +65,7 @@ def batch_cmd(req: Request, docs, instruction, out_path, model, system, parallel
         batch.results = ResultsFile(out_path, retry_errors=retry_errors, warn=log)   # only then --out is touched
         try:
             if ray_address:
-                from kvcli import batch_ray  # noqa: PLC0415
-                batch.ray_workers = batch_ray.run(batch, ray_address, cpus=ray_cpus, workers=ray_workers, log=log)
+                    batch.ray_workers = batch_ray.run(batch, ray_address, cpus=ray_cpus, workers=ray_workers, log=log)
             else:
                 batch.run_local()
         finally:

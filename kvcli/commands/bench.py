@@ -6,8 +6,12 @@ import sys
 
 import click
 
+from kvcli import bench
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import parse_list
+from kvcli.evaluation.report import check_png, plot_bench
+from kvcli.models import resolve_model
 
 CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 
@@ -46,11 +50,6 @@ def bench_cmd(req: Request, docs, model, cache_types, gen, repeat, batch, ctx, i
               json_path, plot_path, quiet, as_json):
     """Measure prefill, compression and decode speed, KV bytes, peak RSS and quality against the full
     cache, per policy x budget x cache type (the full f16 cache is always measured: it is the baseline)."""
-    from kvcli import bench  # noqa: PLC0415
-    from kvcli.evaluation.measure import parse_list  # noqa: PLC0415
-    from kvcli.evaluation.report import check_png, plot_bench  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
-
     cts = parse_list(cache_types, "--cache-type", lambda s: s.lower())
     for ct in cts:
         if ct not in CACHE_CHOICES:

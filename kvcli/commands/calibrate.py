@@ -6,8 +6,12 @@ import sys
 
 import click
 
+from kvcli.calibration import store
+from kvcli.calibration.store import rank_heads
 from kvcli.commands.options import json_option, model_option
 from kvcli.errors import KvcliError
+from kvcli.models import resolve_model
+from kvcli.policies.compresskv import SPEC, allocate
 
 
 def parse_lengths(text: str | None) -> tuple[int, ...]:
@@ -62,7 +66,6 @@ def compresskv_cmd(model, out, lengths, depths, needles, samples, gen_tokens, ma
     engine. Progress is saved after every probe: an interrupted run (Ctrl-C) resumes when started
     again with the same settings. Prints the side-car's path on stdout (or --json)."""
     from kvcli.calibration.compresskv import Settings, calibrate  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
 
     path = resolve_model(model)
     s = Settings(lengths=parse_lengths(lengths), depths=depths, needles=needles, samples=samples,
@@ -90,8 +93,6 @@ def compresskv_cmd(model, out, lengths, depths, needles, samples, gen_tokens, ma
 @json_option
 def show_cmd(model, budget, plot, as_json):
     """Show the compresskv calibration kvcli finds for MODEL (default: the default model)."""
-    from kvcli.calibration import store  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
     path = resolve_model(model)
     cal = store.find(path)
     if cal is None:
@@ -109,7 +110,6 @@ def heatmap(cal, png: str) -> None:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    from kvcli.calibration.heads import rank_heads  # noqa: PLC0415
     k = min(4, cal.n_head)
     fig, ax = plt.subplots(figsize=(1.2 + 0.45 * cal.n_head, 1.0 + 0.22 * cal.n_layer))
     im = ax.imshow(cal.head_scores, aspect="auto", cmap="viridis", interpolation="nearest")
@@ -131,7 +131,6 @@ def heatmap(cal, png: str) -> None:
 
 def describe(cal, budget: int = 256) -> str:
     """A few lines: heads per layer, layer budgets at `budget`, how long it took."""
-    from kvcli.policies.compresskv import SPEC, allocate  # noqa: PLC0415
     p = SPEC.defaults()
     k = min(p["srh_k"], cal.n_head)
     lines = [f"compresskv calibration of {cal.model_name}: {cal.probes_ok}/{cal.probes} probes answered, "

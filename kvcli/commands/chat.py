@@ -6,9 +6,14 @@ import sys
 import click
 from click.core import ParameterSource
 
-from kvcli import config
+from kvcli import config, policies
+from kvcli.chat import Conversation, Repl
 from kvcli.commands.options import Request, model_option, request_options
+from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
+from kvcli.models import resolve_model
+from kvcli.native.session import NativeSession
+from kvcli.pipeline import Progress, progress_bar
 
 
 def explicit(ctx: click.Context, *names: str) -> list[str]:
@@ -23,14 +28,12 @@ FLAGS = {"docs": "--doc", "policy": "--policy", "budget": "--budget", "policy_ar
 
 
 def progress_factory(enabled: bool, desc: str = "prefill"):
-    from kvcli.pipeline import progress_bar  # noqa: PLC0415
     return lambda total: progress_bar(total, enabled, desc)
 
 
 def explicit_budget(policy: str, budget: int | None, question: str | None, policy_args) -> None:
     """Check a policy choice before the model loads: name, budget, arguments."""
     if policy != "full":
-        from kvcli import policies  # noqa: PLC0415
         policies.get(policy)
         if budget is None:
             raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
@@ -39,21 +42,15 @@ def explicit_budget(policy: str, budget: int | None, question: str | None, polic
 
 def open_conversation(*, docs, cache_path, model, req: Request, system, question, show_progress: bool, quiet: bool):
     """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
-    from kvcli.chat import Conversation  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
-    from kvcli.native.session import NativeSession  # noqa: PLC0415
-
     if cache_path:
         conv = Conversation.from_kvc(cache_path, model=model)
     else:
-        from kvcli.documents import read_documents  # noqa: PLC0415
         document = read_documents(list(docs))
         explicit_budget(req.policy, req.budget, question, req.policy_args)
         session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type)
         conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
                             system=system, question=question, chunk=req.chunk, max_cache=req.max_cache,
                             chunk_scoring=req.chunk_scoring)
-        from kvcli.pipeline import Progress  # noqa: PLC0415
         progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
             conv.compress(progress=progress.update, on_cache=progress.cache)
@@ -92,8 +89,6 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
     (question-aware); without one the document is compressed with a generic instruction
     (question-agnostic). The summary line says which.
     """
-    from kvcli.chat import Repl  # noqa: PLC0415
-
     if question and question_opt and question.strip() != question_opt.strip():
         raise KvcliError("give the question either as QUESTION or as --question, not two different ones")
     question = (question or question_opt or "").strip() or None

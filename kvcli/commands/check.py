@@ -7,14 +7,18 @@ from pathlib import Path
 
 import click
 
+from kvcli import policies
+from kvcli.check import CheckSettings, Thresholds, policies_to_check, run_check
+from kvcli.chunked import MIN_CHUNK
 from kvcli.commands.options import Request, json_option, model_option, request_options
+from kvcli.documents import read_document
 from kvcli.errors import KvcliError
+from kvcli.models import resolve_model
 
 EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "solar-garden.txt"
 
 
 def _epilog() -> str:
-    from kvcli.check import Thresholds  # noqa: PLC0415
     d = Thresholds()
     lines = ["Thresholds (--threshold KEY=VALUE; defaults suit the default model in product settings):"]
     for key, doc in Thresholds.DOCS.items():
@@ -119,13 +123,6 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
     compares the observations both engines compute; L3 compresses in both engines and compares kept
     positions, next-token logits and greedy continuations. With --chunk N both engines read the
     document in chunks, compressing and re-indexing after each one."""
-    from kvcli.check import CheckSettings, Thresholds, run_check  # noqa: PLC0415
-    from kvcli.documents import read_document  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
-
-    from kvcli import policies  # noqa: PLC0415
-    from kvcli.check import policies_to_check  # noqa: PLC0415
-
     # every input error is reported before a model is loaded
     th = (Thresholds.tight() if tight else Thresholds()).with_overrides(thresholds)
     level_set = _levels(levels)
@@ -134,7 +131,6 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
     for name in names:
         policies.prepare(name, {}, budget)
     if chunk is not None:
-        from kvcli.chunked import MIN_CHUNK  # noqa: PLC0415
         if chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
         if not policy_names:   # every policy but full: chunked prefill compresses after every chunk

@@ -8,7 +8,10 @@ import time
 import click
 
 from kvcli import config
+from kvcli.chat import MEMORY_STATS
+from kvcli.commands.chat import open_conversation
 from kvcli.commands.options import Request, json_option, model_option, request_options
+from kvcli.outfile import check_target
 
 
 @click.command("compress")
@@ -25,10 +28,6 @@ from kvcli.commands.options import Request, json_option, model_option, request_o
 @json_option
 def compress_cmd(req: Request, docs, out_path, model, question, system, force, quiet, as_json):
     """Compress a document once and save it (kvcli chat --cache / kvcli run --cache load it in well under a second)."""
-    from kvcli.chat import MEMORY_STATS  # noqa: PLC0415
-    from kvcli.commands.chat import open_conversation  # noqa: PLC0415
-
-    from kvcli.outfile import check_target  # noqa: PLC0415
     out = check_target(out_path, force)   # a fast refusal; the write checks again when the file appears
     conv = open_conversation(docs=docs, cache_path=None, model=model, req=req, system=system,
                              question=(question or "").strip() or None,

@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
+from kvcli.bench import _jsonable, load_docs, log_stderr
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import parse_float_list, parse_list, parse_size
+from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_text
+from kvcli.evaluation.runner import run_fidelity, run_generation_eval, summary_table
+from kvcli.evaluation.tasks import RULER_TASKS
+from kvcli.models import resolve_model
 
 CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
@@ -33,18 +40,12 @@ def shared_options(default_lengths: str, chunked: bool = True):
 
 
 def _prepare(model, lengths, plot_path):
-    from kvcli.evaluation.measure import parse_list, parse_size  # noqa: PLC0415
-    from kvcli.evaluation.report import check_png  # noqa: PLC0415
-    from kvcli.models import resolve_model  # noqa: PLC0415
     lens = parse_list(lengths, "--lengths", lambda s: parse_size(s, "--lengths"))
     check_png(plot_path)
     return resolve_model(model), lens
 
 
 def _finish(result, as_json, json_path, plot_path, quiet, plot):
-    from kvcli.bench import _jsonable, log_stderr  # noqa: PLC0415
-    from kvcli.evaluation.report import write_text  # noqa: PLC0415
-    from kvcli.evaluation.runner import summary_table  # noqa: PLC0415
     if as_json:
         click.echo(json.dumps(result, default=_jsonable))
     else:
@@ -72,10 +73,6 @@ def eval_group():
 @click.option("--seed", type=int, default=0, show_default=True)
 def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, depths, samples, seed):
     """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
-    from kvcli.bench import log_stderr  # noqa: PLC0415
-    from kvcli.evaluation.measure import parse_float_list  # noqa: PLC0415
-    from kvcli.evaluation.report import plot_niah  # noqa: PLC0415
-    from kvcli.evaluation.runner import run_generation_eval  # noqa: PLC0415
     path, lens = _prepare(model, lengths, plot_path)
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "niah", ["niah"], req.policies, req.budgets, lens, ds, samples,
@@ -95,11 +92,6 @@ def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json,
 @click.option("--seed", type=int, default=0, show_default=True)
 def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, tasks, depths, samples, seed):
     """RULER-style synthetic tasks with RULER's string-match metric."""
-    from kvcli.bench import log_stderr  # noqa: PLC0415
-    from kvcli.evaluation.measure import parse_float_list, parse_list  # noqa: PLC0415
-    from kvcli.evaluation.report import plot_scores  # noqa: PLC0415
-    from kvcli.evaluation.runner import run_generation_eval  # noqa: PLC0415
-    from kvcli.evaluation.tasks import RULER_TASKS  # noqa: PLC0415
     path, lens = _prepare(model, lengths, plot_path)
     ts = parse_list(tasks, "--tasks", lambda s: s.lower())
     for t in ts:
@@ -121,11 +113,6 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
               help="Continuation tokens scored after each prefix.")
 def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, cont):
     """Perplexity of a document's continuation given its compressed prefix, and KL to the full cache."""
-    from pathlib import Path  # noqa: PLC0415
-
-    from kvcli.bench import load_docs, log_stderr  # noqa: PLC0415
-    from kvcli.evaluation.report import plot_scores  # noqa: PLC0415
-    from kvcli.evaluation.runner import run_fidelity  # noqa: PLC0415
     path, lens = _prepare(model, lengths, plot_path)
     if docs is None:
         ex = Path(__file__).resolve().parents[2] / "examples"

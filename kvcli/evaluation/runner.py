@@ -7,14 +7,23 @@ prompt, so each score can also be given as a fraction of the full cache's score 
 """
 from __future__ import annotations
 
+import codecs
 import math
 import time
 
 import numpy as np
 
+from kvcli import planning
+from kvcli.bench import availability
+from kvcli.chunked import DEFAULT_CHUNK, MIN_CHUNK
+from kvcli.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
+from kvcli.generate import Sampler
+from kvcli.native import cache
+from kvcli.native.session import ContextFull, NativeSession
+from kvcli.planning import resolve_for_model
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TRUNCATE = "truncate"     # the baseline for documents longer than the context: keep the head and the last tokens
@@ -34,8 +43,6 @@ def eval_configs(policies: list[str], budgets: list[int]) -> list[tuple[str, int
 
 def _check_policies(model_path, policies, budgets, policy_args) -> dict:
     """Unavailable policies are reported per result; bad arguments stop the run before it starts."""
-    from kvcli.bench import availability  # noqa: PLC0415
-    from kvcli.compress import resolve_for_model  # noqa: PLC0415
     why = {}
     for p in policies:
         if p == TRUNCATE:
@@ -50,7 +57,6 @@ def _check_policies(model_path, policies, budgets, policy_args) -> dict:
 
 
 def _session(model_path, n_ctx, cache_type, threads):
-    from kvcli.native.session import NativeSession  # noqa: PLC0415
     return NativeSession(model_path, n_ctx=n_ctx, cache_type=cache_type, flash_attn=True, n_threads=threads)
 
 
@@ -65,8 +71,6 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     as `kvcli.compress.prefill_and_compress` does after its own prefill. `kvcli bench` does not
     share prefills: it times each configuration's own.
     """
-    from kvcli.compress import make_plan, resolve_for_model  # noqa: PLC0415
-    from kvcli.native import cache  # noqa: PLC0415
     n = len(tokens)
     prepared, kinds, windows = {}, set(), set()
     for pol, bud in cfgs:
@@ -112,7 +116,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             if obs_error and k:
                 yield pol, bud, obs_error, None, ""
                 continue
-            plan = make_plan(spec, params, bud, obs.restrict(k, w), "native")
+            plan = planning.make_plan(spec, params, bud, obs.restrict(k, w), "native")
             session.apply_plan(plan, seq=0)
         except KvcliError as e:
             yield pol, bud, f"error: {e}", None, ""
@@ -133,7 +137,6 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
     the whole prompt itself (chunked prefills cannot be shared: what is kept decides what later chunks
     attend to). `full` runs only when the prompt fits the context; `truncate` keeps the context's worth
     (budget None) or `budget` tokens. Yields (policy, budget, status, first_logits, note, stats)."""
-    from kvcli.compress import prefill_and_compress  # noqa: PLC0415
     n, n_ctx = len(tokens), session.n_ctx
     for pol, bud in cfgs:
         if pol in unavailable:
@@ -162,9 +165,6 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
 def _greedy(session, first_logits, max_tokens: int, sampler=None) -> str:
     """Decode sequence 0 from the prompt's last logits (greedy, or `sampler`'s penalties), stopping at end of
     generation."""
-    import codecs  # noqa: PLC0415
-    from kvcli.generate import Sampler  # noqa: PLC0415
-    from kvcli.native.session import ContextFull  # noqa: PLC0415
     dec = codecs.getincrementaldecoder("utf-8")("replace")
     text, logits = "", first_logits
     pick = (sampler or Sampler()).start(session, max_tokens)
@@ -203,7 +203,6 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
     n_ctx_train = tok.n_ctx_train
-    from kvcli.chunked import DEFAULT_CHUNK, MIN_CHUNK  # noqa: PLC0415
     long = bool(chunk) or any(L + 64 > n_ctx_train for L in lengths)
     if TRUNCATE in policies and not long:
         raise KvcliError("policy 'truncate' is the baseline for documents read in chunks: give --chunk N or "

@@ -21,6 +21,7 @@ import string
 from dataclasses import dataclass, field
 
 from kvcli.errors import KvcliError
+from kvcli.evaluation import logbook as md
 
 TASKS = ("niah", "niah_single", "niah_multikey", "vt", "cwe")
 RULER_TASKS = ("niah_single", "niah_multikey", "vt", "cwe")
@@ -90,8 +91,6 @@ def _chat(session, user: str, answer_prefix: str = "") -> str:
 
 
 def niah_sample(session, length: int, depth: float, index: int, seed: int = 0) -> Sample:
-    from kvcli.evaluation import logbook as md  # noqa: PLC0415
-
     def build(words):
         text, planted = md.make_document(words, seed=seed * 100003 + index * 7919 + int(depth * 1000),
                                          depths=[depth])

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
@@ -191,7 +192,6 @@ def find_nvcc() -> tuple[Path, Path]:
 
 def _wheel_cuda_dirs() -> list[Path]:
     """The nvidia/cu*/ folders that NVIDIA's pip wheels (nvidia-cublas, ...) install."""
-    import site
     roots = [Path(p) for p in site.getsitepackages()] + [Path(site.getusersitepackages())]
     return sorted({d for r in roots for d in (r / "nvidia").glob("cu*") if d.is_dir()})
 

@@ -27,6 +27,7 @@ import ctypes
 import numpy as np
 
 from kvcli.errors import KvcliError
+from kvcli.native import load_llama_cpp
 from kvcli.native.lib import F32P, I32P, Memory, StateHeader, Stats, lib, plan_view
 from kvcli.plan import Observation, Plan
 
@@ -175,7 +176,6 @@ def shift_positions(ctx, seq: int, p0: int, p1: int, delta: int) -> None:
     carry per-head positions that a shift would corrupt)."""
     if is_compressed(ctx, seq):
         raise KvcliError(f"sequence {seq} is compressed: shifting its positions (context shift) is not possible")
-    from kvcli.native import load_llama_cpp  # noqa: PLC0415
     llama = load_llama_cpp()
     llama.llama_memory_seq_add(llama.llama_get_memory(ctx), int(seq), int(p0), int(p1), int(delta))
 
@@ -228,7 +228,6 @@ def get_header(ctx, seq: int) -> dict | None:
 # ------------------------------------------------------------------------------ state files
 def get_state(ctx, seq: int) -> bytes:
     """llama_state_seq_get_data of `seq`: cells, K/V rows, and (our patch) slot bias + header."""
-    from kvcli.native import load_llama_cpp  # noqa: PLC0415
     llama = load_llama_cpp()
     size = llama.llama_state_seq_get_size(_ctx(ctx), int(seq))
     if size == 0:
@@ -243,7 +242,6 @@ def get_state(ctx, seq: int) -> bytes:
 def set_state(ctx, seq: int, data: bytes) -> None:
     """llama_state_seq_set_data into `seq` (which is cleared first); a clear error when llama.cpp
     or kvcli refuses it (another model, another kvcli state format, cache too small, corrupted)."""
-    from kvcli.native import load_llama_cpp  # noqa: PLC0415
     llama = load_llama_cpp()
     L = lib()
     L.kvcli_seq_n_slots(_ctx(ctx), int(seq))  # any kvcli call clears kvcli_last_error

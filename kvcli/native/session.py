@@ -16,9 +16,10 @@ import numpy as np
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
-from kvcli.native import load_llama_cpp
-from kvcli.native.lib import attn_path
+from kvcli.native import cache, load_llama_cpp
+from kvcli.native.lib import ATTN_PATHS, attn_path, lib
 from kvcli.plan import window_lengths
+from kvcli.templating import gguf_special_token_ids, render_chat
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -69,6 +70,7 @@ class NativeSession:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.ctx = None
+        self.n_ctx = 0              # cells of the context, once create_context made it
         self._batch = None
         self.seqs: dict[int, SeqState] = {}
         self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
@@ -202,7 +204,6 @@ class NativeSession:
 
     def special_tokens(self) -> dict:
         """Text of the GGUF's bos/eos/unk/pad tokens, the variables a chat template may use."""
-        from kvcli.templating import gguf_special_token_ids  # noqa: PLC0415
         n_vocab = self.L.llama_vocab_n_tokens(self.vocab)
         out = {}
         for name, tid in gguf_special_token_ids(self.model_path).items():
@@ -214,7 +215,6 @@ class NativeSession:
     def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
         """The GGUF's jinja chat template rendered by kvcli.templating, as the reference engine does
         (llama.cpp's built-in formats would drop parts of some templates, e.g. SmolLM2's system turn)."""
-        from kvcli.templating import render_chat  # noqa: PLC0415
         return render_chat(self.chat_template(), messages, add_generation_prompt=add_assistant,
                            special_tokens=self.special_tokens(), model=self.info.path.name)
 
@@ -269,7 +269,6 @@ class NativeSession:
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
         armed = bool(set(observe) & {"window", "colsum"})
         if armed:
-            from kvcli.native import cache  # noqa: PLC0415
             cache.observe_begin(self.ctx, seq, observe,
                                 window_pos0=[st.next_pos + len(tokens) - w for w in windows])
         try:
@@ -287,7 +286,6 @@ class NativeSession:
         st.timings["prefill_s"] = st.timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         if not observe:
             return None
-        from kvcli.native import cache  # noqa: PLC0415
         return cache.read_observation(self.ctx, seq, self.info, observe, windows)
 
     def step(self, tokens: dict[int, int]) -> None:
@@ -341,7 +339,6 @@ class NativeSession:
         """Compact `seq` (compressed already or not: slots are its cells now). reindex=True: the kept
         entries of every (layer, KV head) get positions B-k..B-1, right-aligned in the B = plan.max_kept
         cells (K re-rotated), decoding continues at B, and kept_positions() reports those new positions."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         origins = self._slot_origins(seq)
         try:
@@ -364,7 +361,6 @@ class NativeSession:
         """Per (layer, KV head), the original position of the entry in each slot (cell order) of `seq`,
         -1 for a dead slot (bias -inf). Cells of the compacted block (the sequence's lowest B positions
         after a compaction) map to the kept lists; cells appended since hold their own position."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         pos = cache.seq_positions(self.ctx, seq)
         prev = st.kept_positions
@@ -401,7 +397,6 @@ class NativeSession:
 
     def stats(self, seq: int = 0) -> dict:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         i = self.info
         live = cache.stats(self.ctx, seq, i.n_layer, i.n_head_kv)
@@ -428,7 +423,6 @@ class NativeSession:
     def attn_paths_taken(self) -> list[str | None]:
         """Per layer, the attention path ("split" or "mask") of the last graph built while a sequence was
         compacted; None for a layer no such graph was built for yet."""
-        from kvcli.native.lib import ATTN_PATHS, lib  # noqa: PLC0415
         L = lib()
         return [ATTN_PATHS.get(L.check(L.kvcli_attn_path_taken(self.ctx, il), "kvcli_attn_path_taken"))
                 for il in range(self.info.n_layer)]
@@ -444,22 +438,28 @@ class NativeSession:
         if n_tokens == 0:
             return
         p0 = st.next_pos - n_tokens
-        if not self.L.llama_memory_seq_rm(self.mem, seq, p0, -1):
-            raise KvcliError(f"llama.cpp refused to remove positions >= {p0} of sequence {seq}")
-        st.next_pos = p0
-        st.cells = self.measured_cells(seq)
+        self.truncate(seq, p0)
         st.prompt_tokens = min(st.prompt_tokens, p0 + st.reindexed)
+
+    def truncate(self, seq: int, pos: int) -> None:
+        """Remove every cell of `seq` at position >= `pos` (llama_memory_seq_rm); the next token gets `pos`.
+        Unlike `rollback`, it leaves `prompt_tokens` as it is (a conversation's /reset and failed turn)."""
+        st = self.seq(seq)
+        if not 0 <= pos <= st.next_pos:
+            raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
+        if not self.L.llama_memory_seq_rm(self.mem, seq, pos, -1):
+            raise KvcliError(f"llama.cpp refused to remove positions >= {pos} of sequence {seq}")
+        st.next_pos = pos
+        st.cells = self.measured_cells(seq)
         st.logits_index, st.last_logits = -1, None  # the logits belonged to a removed token
 
     def measured_cells(self, seq: int = 0) -> int:
         """Cells `seq` occupies, read from the live cache."""
-        from kvcli.native import cache  # noqa: PLC0415
         return cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)["n_cells"]
 
     def save_seq(self, seq: int = 0) -> SeqSnapshot:
         """Everything needed to put `seq` back later, in this session or another one of the same model and
         cache type: its cache state (kvcli.native.cache.get_state) and its bookkeeping."""
-        from kvcli.native import cache  # noqa: PLC0415
         st = self.seq(seq)
         return SeqSnapshot(state=cache.get_state(self.ctx, seq), next_pos=st.next_pos, cells=self.measured_cells(seq),
                            prompt_tokens=st.prompt_tokens, kept_positions=st.kept_positions, reindexed=st.reindexed,
@@ -469,7 +469,6 @@ class NativeSession:
         """Replace `seq` by a snapshot (its previous cells are dropped); returns the cells it occupies.
         The loaded cache is checked against the snapshot: its last position must be next_pos - 1 and,
         when the snapshot knows them, its cells must match."""
-        from kvcli.native import cache  # noqa: PLC0415
         self.seq(seq)  # range check
         if self.cells_used() - self.seqs[seq].cells + (snap.cells or 0) > self.n_ctx:
             raise ContextFull(f"a {snap.cells}-cell sequence does not fit: {self.cells_used()} of {self.n_ctx} "

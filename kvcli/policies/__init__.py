@@ -11,12 +11,14 @@ parameter) and one torch file in kvcli/reference/policies/.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvcli.errors import KvcliError
 from kvcli.policies import compresskv, d2o, dynamickv, full, h2o, pyramidkv, snapkv, spindlekv, streamingllm, \
     windowkv
 from kvcli.policies.base import Param, PolicySpec, parse_policy_args
+from kvcli.policies.notes import chunked_note
 
 _ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compresskv, d2o, spindlekv)
 REGISTRY: dict[str, PolicySpec] = {m.SPEC.name: m.SPEC for m in _ORDER}
@@ -41,7 +43,6 @@ def list_text() -> str:
 
 
 def explain_text(name: str) -> str:
-    from kvcli.chunked import chunked_note  # noqa: PLC0415
     spec = get(name)
     layout = layout_note(spec.name)
     return f"{spec.explain()}\n\n{chunked_note(spec)}" + (f"\n\n{layout}" if layout else "")
@@ -54,7 +55,6 @@ def layout_note(name: str) -> str:
     """For a policy whose layers keep different counts: the bytes its cache occupies (cells as wide as the
     widest layer) next to its live entries' and the budget's, as benchmarks/layout.py measured them from its
     plans (kvcli/data/layout.json). Empty for the policies that keep the budget in every layer."""
-    import json  # noqa: PLC0415
     rec = json.loads(LAYOUT_RECORD.read_text(encoding="utf-8"))
     rows = [r for r in rec["rows"] if r["policy"] == name]
     if not rows:

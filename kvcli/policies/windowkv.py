@@ -1,6 +1,7 @@
 """windowkv: whole review windows chosen by a task-dependent score, shared by groups of layers (Zuo et al.)."""
 from kvcli.errors import KvcliError
 from kvcli.policies.base import Paper, Param, PolicySpec
+from kvcli.taskclass import resolve_task
 
 OBS_WINDOW_BY_TASK = {"localization": 16, "aggregation": 32}   # alpha, the paper's LLaMA3-8B values
 SCORE_BY_TASK = {"localization": "mean", "aggregation": "topp"}  # the paper's rule (the demo code swaps them)
@@ -80,7 +81,6 @@ def _resolve_instruction(p: dict, instruction: str | None) -> dict:
         raise KvcliError("policy 'windowkv': task=auto classifies the instruction, but none reached the policy "
                          "here (no question/instruction was given); pass --policy-arg task=localization (QA over "
                          "a document) or task=aggregation (summaries, few-shot, code)")
-    from kvcli.taskclass import resolve_task  # noqa: PLC0415 - loads its weights only when auto is asked for
 
     p = dict(p)
     p["task"] = resolve_task(str(instruction), who="policy 'windowkv': task=auto").task

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcli.errors import KvcliError
+from kvcli.models import read_model_info
 
 _LOADED: dict[tuple, "LoadedModel"] = {}
 
@@ -55,7 +56,6 @@ def _config(path: Path):
     `attention.key_length`, so a qwen3 model would get Qwen3Config's default head_dim (128) whatever the file says."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from kvcli.models import read_model_info  # noqa: PLC0415
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if hasattr(config, "head_dim"):

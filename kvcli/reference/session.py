@@ -20,10 +20,12 @@ import torch
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
+from kvcli.native.session import ContextFull
 from kvcli.plan import Observation, Plan, window_lengths
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
 from kvcli.reference.model import load
+from kvcli.templating import gguf_special_token_ids, render_chat
 
 OBSERVE_KINDS = ("window", "colsum", "kv")
 
@@ -120,14 +122,12 @@ class ReferenceSession:
 
     def special_tokens(self) -> dict:
         """Text of the GGUF's bos/eos/unk/pad tokens, the variables a chat template may use."""
-        from kvcli.templating import gguf_special_token_ids  # noqa: PLC0415
         n_vocab = len(self.tokenizer)
         return {name: self.tokenizer.convert_ids_to_tokens(tid)
                 for name, tid in gguf_special_token_ids(self.model_path).items() if 0 <= tid < n_vocab}
 
     def apply_chat_template(self, messages: list[dict], add_assistant: bool = True) -> str:
         """The GGUF's jinja chat template rendered by kvcli.templating, exactly as the native engine does."""
-        from kvcli.templating import render_chat  # noqa: PLC0415
         return render_chat(self.chat_template(), messages, add_generation_prompt=add_assistant,
                            special_tokens=self.special_tokens(), model=self.info.path.name)
 
@@ -159,7 +159,6 @@ class ReferenceSession:
         self.seqs[dst] = copy.deepcopy(self.seq(src))
 
     def _check_room(self, n_new: int) -> None:
-        from kvcli.native.session import ContextFull  # noqa: PLC0415 (the class generate() catches)
         if self.ctx is None:
             self.create_context(None)
         if self.cells_used() + n_new > self.n_ctx:
@@ -269,6 +268,16 @@ class ReferenceSession:
             raise KvcliError(f"cannot roll back {n_tokens} tokens of sequence {seq} (it has {st.next_pos} positions)")
         if n_tokens == 0:
             return
+        self.truncate(seq, st.next_pos - n_tokens)
+        st.prompt_tokens = min(st.prompt_tokens, st.next_pos + st.reindexed)
+
+    def truncate(self, seq: int, pos: int) -> None:
+        """Remove every entry of `seq` at position >= `pos` (the native engine's truncate): the sequence's last
+        slots, since the reference appends every token at the end. Unlike `rollback`, it leaves `prompt_tokens`."""
+        st = self.seq(seq)
+        n_tokens = st.next_pos - pos
+        if not 0 <= n_tokens <= min(st.next_pos, st.cells):
+            raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
         keep = st.cells - n_tokens
         for layer in st.cache.layers:
             layer.keys = layer.keys[:, :, :keep].contiguous()
@@ -276,8 +285,7 @@ class ReferenceSession:
         for s in st.slots:
             s.key_pos, s.bias = s.key_pos[:, :keep].contiguous(), s.bias[:, :keep].contiguous()
         st.cell_pos = st.cell_pos[:keep]
-        st.next_pos -= n_tokens
-        st.prompt_tokens = min(st.prompt_tokens, st.next_pos + st.reindexed)
+        st.next_pos = pos
         st.last_logits = None  # they belonged to a removed token
 
     def kept_positions(self, seq: int = 0) -> list[list[np.ndarray]]:

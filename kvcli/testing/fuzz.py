@@ -23,8 +23,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvcli.testing.tiny_gguf import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ("ok", "clean error", "internal", "crash", "hang")
@@ -65,7 +68,6 @@ class Fixtures:
 
 
 def write_fixtures(root: Path) -> Fixtures:
-    from kvcli.testing.tiny_gguf import write_tiny_llama  # noqa: PLC0415
     root.mkdir(parents=True, exist_ok=True)
     model = write_tiny_llama(root / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2, head_dim=16, n_ctx_train=512)
     fx = Fixtures(root, model)
@@ -269,7 +271,6 @@ def run_case(case: Case, fx: Fixtures, timeout: float) -> Outcome:
 def run(seed: int, n: int, workdir: Path, timeout: float = 60.0, log=None, jobs: int = 1, jsonl=None) -> dict:
     """Run n cases from `seed` (`jobs` at a time); returns the report (counts per class, the failures in
     full). `jsonl`: a file that gets one line per finished case, so an interrupted long run keeps its results."""
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
     fx = write_fixtures(workdir)
     outcomes = []
     sink = open(jsonl, "a", encoding="utf-8") if jsonl else None

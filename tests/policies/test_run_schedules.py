@@ -36,9 +36,9 @@ def doc(tmp_path_factory):
 
 def torch_plan(model, doc, policy) -> tuple[int, np.ndarray]:
     """(prompt tokens, n_kept) of the torch planner on a native observation of the prompt `run` builds."""
-    from kvcli.compress import make_plan, resolve_for_model
+    from kvcli.planning import make_plan, resolve_for_model
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import build_prompt
+    from kvcli.templating import build_prompt
     s = NativeSession(model, n_ctx=0)
     try:
         tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), QUESTION))

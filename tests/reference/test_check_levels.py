@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcli import compress, policies
+from kvcli import planning, policies
 from kvcli.check import CheckSettings, Thresholds, compare_plans, run_check
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
@@ -57,8 +57,8 @@ def test_l1_planners_agree_on_real_attention(tiny_prefilled, name):
         spec, params, _ = policies.prepare(name, {}, budget)
         kinds, w = spec.observe(params)
         o = obs.restrict(kinds, w)
-        nat = compress.make_plan(spec, params, budget, o, "native")
-        ref = compress.make_plan(spec, params, budget, o, "reference")
+        nat = planning.make_plan(spec, params, budget, o, "native")
+        ref = planning.make_plan(spec, params, budget, o, "reference")
         r = compare_plans(nat, ref, 1e-5)
         assert r["pass"], f"{name} @ {budget}: {r['first_difference']}"
         if name != "full":

@@ -9,11 +9,11 @@ import importlib
 
 from kvcli.errors import KvcliError
 from kvcli.plan import Observation, Plan
+from kvcli.policies import get
 
 
 def planner(name: str):
     """The `plan` function of a policy's reference implementation."""
-    from kvcli.policies import get  # noqa: PLC0415
     spec = get(name)
     if not spec.reference:
         raise KvcliError(f"policy '{spec.name}' has no reference (torch) implementation yet")
@@ -22,8 +22,7 @@ def planner(name: str):
 
 def reference_plan(name: str, params: dict | list | None, budget: int, obs: Observation) -> Plan:
     """Validate params with the registry, then run the torch planner (the argument order of
-    kvcli.compress.make_plan: name, parameters, budget, observation)."""
-    from kvcli.policies import get  # noqa: PLC0415
+    kvcli.planning.make_plan: name, parameters, budget, observation)."""
     spec = get(name)
     typed = spec.validate(params if params is not None else {})
     spec.check_budget(budget, typed)

@@ -1,0 +1,93 @@
+"""Between the policy registry and the drivers: a policy resolved for a model, one engine's planner run
+on an observation, and the report of a compressed prefill.
+
+Layers (each imports only the ones before it; tests/test_architecture.py checks there is no circle):
+policies (registry) -> planning (this module, kvcli.plan) -> drivers (compress, chunked, bench,
+evaluation, check) -> app (pipeline, chat, batch) -> commands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcli import policies
+from kvcli.errors import KvcliError
+from kvcli.models import read_model_info
+from kvcli.native.lib import native_plan
+from kvcli.plan import Observation, Plan
+from kvcli.policies.d2o import full_layer_set
+from kvcli.session import Session
+
+
+@dataclass
+class CompressReport:
+    policy: str
+    budget: int | None
+    n_tokens: int
+    prefill_s: float
+    compress_s: float = 0.0      # planning + applying, after the prefill
+    plan: Plan | None = None
+    note: str = ""
+    params: dict | None = None   # the resolved policy parameters (e.g. the task windowkv's auto picked)
+    chunk: int | None = None     # chunked prefill (kvcli/chunked.py): tokens per chunk
+    cap: int | None = None       # chunked: the most cells the sequence may hold while it is read
+    steps: list = field(default_factory=list)   # chunked: one ChunkStep per chunk
+    peak_cells: int | None = None                # most cells the sequence held while the prompt was read
+    scoring: str | None = None   # chunked: which queries scored the chunks ("question" or "chunk")
+
+    def as_stats(self) -> dict:
+        """The figures of the prefill that go into `--json` stats."""
+        out = {} if self.peak_cells is None else {"peak_kv_cells": self.peak_cells}
+        if self.chunk is not None:
+            out.update({"chunk": self.chunk, "chunks": len(self.steps), "cache_cap": self.cap,
+                        "chunk_scoring": self.scoring})
+        return out
+
+
+def resolve_policy(session: Session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
+    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`)."""
+    return resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
+
+
+def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
+    """(spec, params) of a compressing policy for the model at `model_path`: its arguments validated,
+    compresskv's offline calibration found for the model (or a warning says why not), windowkv's task=auto
+    classified, the parameters that depend on the model's shape checked against its header (d2o's full_layers):
+    before the model loads, not after the prefill. The one place a plan's policy is resolved: run, chat,
+    compress, batch, bench, eval and check."""
+    policies.get(policy)  # an unknown name is the first thing to report
+    if budget is None:
+        raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
+    if policy == "compresskv":  # its offline calibration is found for the model, or a warning says why not
+        from kvcli.calibration.compresskv import policy_args as calibrated_args  # noqa: PLC0415  (loads torch)
+        policy_args = calibrated_args(model_path, policy_args)
+    spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
+    if params.get("full_layers"):
+        full_layer_set(params["full_layers"], read_model_info(model_path).n_layer)
+    return spec, params
+
+
+def session_cells(session: Session, seq: int) -> int:
+    """Cells the sequence occupies, measured from the engine's cache."""
+    return int(session.stats(seq)["kv_cells"])
+
+
+def shape_observation(info, n: int) -> Observation:
+    """What a policy that observes nothing (streamingllm) plans from: the shapes and n slots' positions."""
+    return Observation(info.n_layer, info.n_head, info.n_head_kv, info.head_dim, n=n,
+                       positions=np.arange(n, dtype=np.int32))
+
+
+def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
+    """Run the planner of one engine: "native" (C++) or "reference" (torch; imported here, on first use:
+    it loads torch)."""
+    if planner == "native":
+        plan = native_plan(spec.name, params, budget, obs)
+    elif planner == "reference":
+        from kvcli.reference.policies import reference_plan  # noqa: PLC0415  (loads torch)
+        plan = reference_plan(spec.name, params, budget, obs)
+    else:
+        raise KvcliError(f"unknown planner '{planner}'")
+    plan.validate(obs.n, obs.head_dim)
+    return plan

@@ -1,0 +1,34 @@
+"""Policy notes shown by `kvcli policies --explain` that concern how the drivers use a policy."""
+from __future__ import annotations
+
+
+def chunked_note(spec) -> str:
+    """What a policy keeps across chunks (for `kvcli policies --explain`)."""
+    if spec.name == "full":
+        return ("Chunked prefill: not available (full keeps every token, so a document longer than the context "
+                "cannot be read; choose a compressing policy).")
+    carried = {
+        "streamingllm": "the sinks and the most recent entries: StreamingLLM's own streaming form",
+        "h2o": "column sums (the attention every entry received) are accumulated across chunks: a kept entry "
+               "carries its score from earlier chunks and adds the new chunk's queries' attention, H2O's "
+               "cumulative heavy hitters",
+        "d2o": "accumulated column sums as in h2o; evicted entries are merged into kept ones at every chunk; "
+               "merged entries keep their log-multiplicity bias and can be merged into again",
+        "spindlekv": "every chunk re-runs the selection; codebook rows made at an earlier chunk are entries like "
+                     "any other (their bias is kept) and may be replaced again",
+        "windowkv": "the task is classified once from the instruction; every step's window re-scores the "
+                    "held sentences/windows and the chunk's own",
+        "pyramidkv": "the layer schedule is applied at every chunk; the widest layer keeps more than the budget, "
+                     "so chunks shrink to keep the cache within budget + chunk",
+        "dynamickv": "the per-layer budgets are recomputed at every chunk from that step's window",
+        "compresskv": "the calibrated layer budgets and the semantic-retrieval heads' window scores at every chunk",
+    }.get(spec.name, "only the kept entries: every step's window re-scores everything held")
+    window = ("the chunk's queries (column sums of all of them)" if "colsum" in spec.needs else
+              "the question: the prompt's last window, prefilled after the chunk and rolled back "
+              "(--chunk-scoring question, the default; 'chunk' observes the chunk's own last window)"
+              if "window" in spec.needs else "positions only")
+    return ("Chunked prefill (--chunk N, automatic when the document does not fit the context or --max-cache): "
+            "after every chunk the policy plans over the kept entries + the chunk, to the same budget, observing "
+            f"{window}; the kept entries' positions are re-indexed to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). "
+            f"Carried across chunks: {carried}. The last chunk holds the question, so the last compression is the "
+            "one-prefill policy on the question's window.")

@@ -1,0 +1,171 @@
+"""The kvcli package imports downward only: no import circle, counting the
+imports inside functions as well as those at module level.
+
+The graph is built from the source with `ast`, so an import that runs only
+on some path (inside a function, under `if`, in `try`) counts like any other.
+Relative imports are resolved, and `from kvcli.x import y` counts as an import
+of `kvcli.x.y` when y is a submodule (otherwise of `kvcli.x`).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvcli
+
+PACKAGE = Path(kvcli.__file__).resolve().parent
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of the package, by dotted name (a package by its own name)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name of `from <level dots><target> import ...` inside `module`."""
+    if level == 0:
+        return target or ""
+    base = module.split(".")
+    if not is_package:
+        base.pop()
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest module of the package that `name` is or lies inside."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the kvcli modules it imports anywhere in its source."""
+    modules = module_names()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, is_package, node.level, node.module)
+                # `from a import b`: b is a submodule or a name inside a.
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                owner = _owner(target, modules)
+                if owner is not None and owner != module:
+                    edges.add(owner)
+        graph[module] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for succ in sorted(graph.get(node, ())):
+            if state.get(succ) == 1:
+                return path[path.index(succ):] + [succ]
+            if succ not in state:
+                found = visit(succ)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_resolution_of_relative_and_submodule_imports():
+    graph = import_graph()
+    # `from kvcli import policies` and `from kvcli.native import cache` name submodules; `from kvcli.errors
+    # import KvcliError` a name inside one.
+    assert {"kvcli.planning", "kvcli.policies", "kvcli.errors"} <= graph["kvcli.check"] | graph["kvcli.planning"]
+    assert "kvcli.native.cache" in graph["kvcli.bench"]
+    assert _resolve("kvcli.reference.policies", True, 3, "policies.base") == "kvcli.policies.base"
+    assert _resolve("kvcli.reference.compact", False, 1, "session") == "kvcli.reference.session"
+    assert _resolve("kvcli.reference.compact", False, 2, None) == "kvcli"
+    assert _owner("kvcli.commands.run.main", module_names()) == "kvcli.commands.run"
+
+
+def test_find_cycle_reports_the_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_circle_in_kvcli():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The layers of the package, lowest first: a module imports its own layer and the ones before it only
+# (docs/internals.md, "Module layers"). A module is in the layer of its longest listed prefix.
+LAYERS = [
+    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.plan", "kvcli.session", "kvcli.catalogue", "kvcli.models",
+                    "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.batching", "kvcli.taskclass",
+                    "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
+                    "kvcli.native.build"]),
+    ("policies", ["kvcli.policies"]),
+    ("engines", ["kvcli.native", "kvcli.reference", "kvcli.generate", "kvcli.kvc", "kvcli.evaluation.measure"]),
+    ("calibration", ["kvcli.calibration"]),
+    ("planning", ["kvcli.planning"]),
+    ("drivers", ["kvcli.compress", "kvcli.chunked", "kvcli.bench", "kvcli.check", "kvcli.evaluation.runner",
+                 "kvcli.evaluation.tasks"]),
+    ("app", ["kvcli.pipeline", "kvcli.chat", "kvcli.batch", "kvcli.batch_ray"]),
+    ("commands", ["kvcli.commands", "kvcli.cli"]),
+]
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{module} is in no layer: add it to LAYERS"
+    return rank
+
+
+def test_layers_import_downward_only():
+    graph = import_graph()
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+              for m, targets in sorted(graph.items()) for t in sorted(targets) if layer_of(t) > layer_of(m)]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+# Imported only inside the functions that use them, so that `kvcli --help`, `kvcli policies` and every
+# command that does not need them start without them (docs/internals.md, "Module layers").
+LAZY = ("torch", "transformers", "gguf", "jinja2", "tqdm", "matplotlib", "ray")
+
+
+def test_the_command_line_starts_without_the_heavy_dependencies():
+    code = ("import sys, kvcli.cli, kvcli.compress, kvcli.chat, kvcli.bench, kvcli.check; "
+            f"print(' '.join(m for m in {LAZY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.strip()
+    assert out == "", f"imported when the CLI starts: {out}"
