@@ -124,23 +124,6 @@ shapes shapes_of(const llama_kv_cache & kv) {
     return { hp.n_layer(), hp.n_head(L0.il), hp.n_head_kv(L0.il), hp.n_embd_head_k(L0.il), kv.get_size() };
 }
 
-// Sylvester construction, the same orthonormal, symmetric matrix llama.cpp rotates with
-std::vector<float> hadamard(int n) {
-    std::vector<float> h((size_t) n * n);
-    h[0] = 1.0f / sqrtf((float) n);
-    for (int s = 1; s < n; s *= 2) {
-        for (int i = 0; i < s; i++) {
-            for (int j = 0; j < s; j++) {
-                const float v = h[(size_t) i * n + j];
-                h[(size_t) (i + s) * n + j]       = v;
-                h[(size_t) i * n + j + s]         = v;
-                h[(size_t) (i + s) * n + j + s]   = -v;
-            }
-        }
-    }
-    return h;
-}
-
 // the rotation llama.cpp applies to K / V of this cache (0: none); see build_input_k_rot/v_rot
 int rot_size(const llama_kv_cache & kv, int which) {
     if (which == 0) {
@@ -156,8 +139,10 @@ int rot_size(const llama_kv_cache & kv, int which) {
     return kvcli_access::rot_v(kv) ? 64 : 0;
 }
 
-// y = H x on each block of n floats (H^2 = I, so this both rotates and un-rotates)
-void rotate(float * x, int64_t len, const std::vector<float> & H, int n) {
+// y = H x on each block of n floats, H the n x n Hadamard matrix llama.cpp rotates this cache with
+// (H^2 = I, so this both rotates and un-rotates)
+void rotate(const llama_kv_cache & kv, float * x, int64_t len, int n) {
+    const std::vector<float> & H = kvcli_access::hadamard(kv, n);
     std::vector<float> tmp(n);
     for (int64_t b = 0; b + n <= len; b += n) {
         for (int i = 0; i < n; ++i) {
@@ -287,17 +272,6 @@ void clear_bias_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells, u
         for (auto [c0, n] : runs_of(todo)) {
             push_bias(ext, ikv, n_head_kv, kv_size, c0, n);
         }
-    }
-}
-
-template <typename F>
-int32_t guarded(F && f) {
-    try {
-        kvcli_clear_error();
-        return f();
-    } catch (const std::exception & e) {
-        kvcli_set_error(e.what());
-        return -1;
     }
 }
 
@@ -475,14 +449,6 @@ void kvcli_state_write_suffix(const llama_kv_cache * kv, llama_io_write_i & io, 
 }
 
 namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
-// headers read by the prefix, applied once the cells are in place
-struct pending_seq {
-    llama_seq_id       seq;
-    kvcli_state_header header;
-    uint32_t           flags;
-};
-thread_local std::vector<pending_seq> g_pending_headers;
-
 [[noreturn]] void state_fail(const std::string & msg) {
     kvcli_set_error(msg);
     throw std::runtime_error(msg);
@@ -491,7 +457,10 @@ thread_local std::vector<pending_seq> g_pending_headers;
 using namespace kvcli_cache_detail;
 
 void kvcli_state_read_prefix(llama_kv_cache * kv, llama_io_read_i & io, llama_seq_id seq_id) {
-    g_pending_headers.clear();
+    if (kv->kvcli_ext) {
+        kv->kvcli_ext->pending_headers.clear(); // left by a read that failed between prefix and suffix
+    }
+    std::vector<kvcli_kv_ext::pending_header> headers;
     uint32_t magic = 0, format = 0;
     uint64_t fp = 0;
     io.read(&magic, sizeof(magic));
@@ -527,7 +496,7 @@ void kvcli_state_read_prefix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
         }
         h.policy[sizeof(h.policy) - 1] = 0;
         h.kvcli_version[sizeof(h.kvcli_version) - 1] = 0;
-        g_pending_headers.push_back({ seq_id == -1 ? s : seq_id, h, flags });
+        headers.push_back({ seq_id == -1 ? s : seq_id, h, flags });
     }
     if (n > 0) {
         try {
@@ -535,13 +504,16 @@ void kvcli_state_read_prefix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
         } catch (const std::exception & e) {
             state_fail(std::string("cannot load a compressed state here: ") + e.what());
         }
+        kvcli_ext_of(kv).pending_headers = std::move(headers);
     }
 }
 
 void kvcli_state_read_suffix(llama_kv_cache * kv, llama_io_read_i & io, llama_seq_id seq_id,
                              const llama_kv_cache::slot_info_vec_t & sinfos) {
-    auto headers = std::move(g_pending_headers);
-    g_pending_headers.clear();
+    std::vector<kvcli_kv_ext::pending_header> headers;
+    if (kv->kvcli_ext) {
+        headers.swap(kv->kvcli_ext->pending_headers);
+    }
     try {
         uint32_t magic = 0, flag = 0;
         io.read(&magic, sizeof(magic));
@@ -855,7 +827,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
         }
         ggml_backend_tensor_set(pos, pos_host.data(), 0, ggml_nbytes(pos));
         if (rot) {
-            const auto & H = kvcli_access::hadamard_k(*kv, nrot_had);
+            const auto & H = kvcli_access::hadamard(*kv, nrot_had);
             ggml_backend_tensor_set(rot, H.data(), 0, ggml_nbytes(rot));
         }
         for (auto & [m, c] : factors) {
@@ -1012,7 +984,6 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     }
 
     const int kr = rot_size(*kv, 0), vr = rot_size(*kv, 1);
-    const std::vector<float> Hk = kr ? hadamard(kr) : std::vector<float>(), Hv = vr ? hadamard(vr) : std::vector<float>();
 
     const uint32_t lo = src.front(), hi = src.back() + 1;
     const llama_pos n_next = cells.seq_pos_max(seq_id) + 1;
@@ -1087,7 +1058,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                 } else {
                     std::memcpy(tmp.data(), plan->replace_k + (size_t) r * hd, hd * sizeof(float));
                     if (kr) {
-                        rotate(tmp.data(), hd, Hk, kr);
+                        rotate(*kv, tmp.data(), hd, kr);
                     }
                     from_float_row(tk, tmp.data(), kd, hd);
                 }
@@ -1098,7 +1069,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                     } else {
                         std::memcpy(tmp.data(), plan->replace_v + (size_t) r * hd, hd * sizeof(float));
                         if (vr) {
-                            rotate(tmp.data(), hd, Hv, vr);
+                            rotate(*kv, tmp.data(), hd, vr);
                         }
                         from_float_row(tv, tmp.data(), vd, hd);
                     }
@@ -1176,16 +1147,16 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
 extern "C" {
 
 int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan) {
-    return guarded([&] { return apply_plan_impl(ctx, seq_id, plan, false, 0); });
+    return kvcli_guarded([&] { return apply_plan_impl(ctx, seq_id, plan, false, 0); });
 }
 
 int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan,
                                    int32_t p0) {
-    return guarded([&] { return apply_plan_impl(ctx, seq_id, plan, true, p0); });
+    return kvcli_guarded([&] { return apply_plan_impl(ctx, seq_id, plan, true, p0); });
 }
 
 int32_t kvcli_seq_is_reindexable(struct llama_context * ctx, kvcli_seq_id seq_id) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_check_seq(*kv, seq_id);
         return (int32_t) !(kv->kvcli_ext && kv->kvcli_ext->seqs[seq_id].off_cell);
@@ -1193,7 +1164,7 @@ int32_t kvcli_seq_is_reindexable(struct llama_context * ctx, kvcli_seq_id seq_id
 }
 
 int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_check_seq(*kv, seq_id);
         return (int32_t) (kv->kvcli_ext && kv->kvcli_ext->seqs[seq_id].compressed);
@@ -1201,11 +1172,11 @@ int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id)
 }
 
 int32_t kvcli_seq_n_slots(struct llama_context * ctx, kvcli_seq_id seq_id) {
-    return guarded([&] { return (int32_t) kvcli_seq_cells(*kvcli_cache_of(ctx), seq_id).size(); });
+    return kvcli_guarded([&] { return (int32_t) kvcli_seq_cells(*kvcli_cache_of(ctx), seq_id).size(); });
 }
 
 int32_t kvcli_seq_positions(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t * dst) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         const auto cs = kvcli_seq_cells(*kv, seq_id);
         if (!dst) {
@@ -1220,7 +1191,7 @@ int32_t kvcli_seq_positions(struct llama_context * ctx, kvcli_seq_id seq_id, int
 }
 
 int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t il, int32_t which, float * dst) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_require_supported(kv);
         const shapes sh = shapes_of(*kv);
@@ -1238,7 +1209,6 @@ int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32
         ggml_tensor * t = which == 0 ? L.k : L.v;
         const bool trans = which == 1 && kvcli_access::v_trans(*kv);
         const int nrot = rot_size(*kv, which);
-        const std::vector<float> H = nrot ? hadamard(nrot) : std::vector<float>();
         if (n == 0) {
             return 0;
         }
@@ -1252,7 +1222,7 @@ int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32
                 for (uint32_t h = 0; h < nkv; ++h) {
                     to_float_row(t->type, buf.data() + (size_t) (cs[i] - lo) * row_b + h * head_b, row.data(), hd);
                     if (nrot) {
-                        rotate(row.data(), hd, H, nrot);
+                        rotate(*kv, row.data(), hd, nrot);
                     }
                     std::memcpy(dst + ((size_t) h * n + i) * hd, row.data(), hd * sizeof(float));
                 }
@@ -1275,7 +1245,7 @@ int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32
 }
 
 int32_t kvcli_seq_set_header(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_state_header * h) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_check_seq(*kv, seq_id);
         if (!h) {
@@ -1295,7 +1265,7 @@ int32_t kvcli_seq_set_header(struct llama_context * ctx, kvcli_seq_id seq_id, co
 }
 
 int32_t kvcli_seq_get_header(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_state_header * h) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_check_seq(*kv, seq_id);
         if (!h) {
@@ -1312,7 +1282,7 @@ int32_t kvcli_seq_get_header(struct llama_context * ctx, kvcli_seq_id seq_id, st
 
 int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_stats * out,
                         int32_t * per_layer_cells, int32_t * per_head_entries) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         if (!out) {
             throw kvcli_error("out is NULL");
@@ -1392,7 +1362,7 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
 }
 
 int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out) {
-    return guarded([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         if (!out) {
             throw kvcli_error("out is NULL");

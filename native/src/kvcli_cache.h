@@ -49,6 +49,16 @@ struct kvcli_kv_ext {
 
     std::array<kvcli_seq_info, LLAMA_MAX_SEQ> seqs;
 
+    // a state being read: the sequence headers kvcli_state_read_prefix read, applied by
+    // kvcli_state_read_suffix once llama.cpp has placed the cells (both run inside one
+    // llama_kv_cache::state_read); empty otherwise
+    struct pending_header {
+        llama_seq_id       seq;
+        kvcli_state_header header;
+        uint32_t           flags;
+    };
+    std::vector<pending_header> pending_headers;
+
     bool any_compressed() const {
         for (const auto & s : seqs) {
             if (s.compressed) {
@@ -63,7 +73,7 @@ struct kvcli_kv_ext {
     llama_seq_id           obs_seq   = 0;
     int32_t                obs_kinds = 0;
     std::vector<llama_pos> win_pos0;                 // per window length: queries at positions >= win_pos0[i]
-    uint64_t               key_counter = 0;
+    uint64_t               key_counter = 0;          // graphs built while armed (kvcli_graph_key, kvcli_attn_hook)
     std::string            obs_error;                // set when an armed graph could not observe
 
     std::vector<kvcli_pending>      pending;         // per model layer
@@ -99,7 +109,8 @@ struct kvcli_access {
     static const llama_model & model(const llama_kv_cache & kv)     { return kv.model; }
     static const llama_hparams & hparams(const llama_kv_cache & kv) { return kv.hparams; }
     static bool   shared(const llama_kv_cache & kv)        { return kv.other != nullptr; }
-    static const std::vector<float> & hadamard_k(const llama_kv_cache & kv, int64_t n) { return kv.attn_rot_hadamard.at(n); }
+    // the n x n Hadamard matrix llama.cpp rotates K / V with (built for every power of two from 64 to the head size)
+    static const std::vector<float> & hadamard(const llama_kv_cache & kv, int64_t n) { return kv.attn_rot_hadamard.at(n); }
     // llama.cpp's own K-shift step for one K view: (dequantize, un-rotate,) RoPE by `shift`, (rotate, quantize)
     static ggml_tensor * rope_shift(const llama_kv_cache & kv, const llama_cparams & cparams, ggml_context * ctx,
                                     ggml_tensor * cur, ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
