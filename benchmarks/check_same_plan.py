@@ -3,9 +3,9 @@
 planner); (b) the reference engine applying the NATIVE plan (same kept sets, same merged rows), so the
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
 planner on it (L1 on the reference's observation)."""
-import json, sys, time, numpy as np
+import json, sys, numpy as np
 from kvcli import compress
-from kvcli.check import jaccard_per_layer, greedy_compare, restrict, compare_plans
+from kvcli.check import greedy_compare, restrict, compare_plans
 from kvcli.models import default_model_path
 from kvcli.reference.session import ReferenceSession
 from check_setup import native_prompt

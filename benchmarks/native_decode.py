@@ -105,7 +105,7 @@ def setup(label: str, model, toks, cache_type="f16", budget=None, window=0, thre
             t1 = time.perf_counter()
             obs = cache.read_observation(s.ctx, 0, s.info, ("window",))
             t2 = time.perf_counter()
-            plan = native_plan(spec.name, spec.render(params), budget, obs)
+            plan = native_plan(spec.name, params, budget, obs)
             t3 = time.perf_counter()
             s.apply_plan(plan)
             t4 = time.perf_counter()
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     finally:
         for _, s in setups:
             s.close()
-    full, snap = rows[0], rows[1]
+    snap = rows[1]
     # observation: the armed window decode minus the unarmed one (same session), plus reading it out
     obs_s = max(0.0, snap["window_decode_armed_s"] - snap["window_decode_s"]) + snap["read_obs_s"]
     snap["observe_s"] = round(obs_s, 4)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvcli.errors import KvcliError
+from kvcli.generate import Sampler, Sampling
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
 MAX_PARALLEL = 64       # sequences of one context when --parallel is not given
@@ -40,7 +41,8 @@ MIN_DOC_CELLS = 64      # a cache that leaves a document fewer cells than this a
 
 @dataclass
 class Settings:
-    """Everything a worker needs; `fingerprint` is the part that decides an answer."""
+    """Everything a worker needs; `fingerprint` is the part that decides an answer. The defaults are `kvcli
+    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading (kvcli/chunked.py)."""
 
     instruction: str
     model: str | None = None
@@ -48,8 +50,7 @@ class Settings:
     budget: int | None = None
     policy_args: dict = field(default_factory=dict)
     max_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
     system: str | None = None
     cache_type: str = "f16"
     chunk: int | None = None
@@ -67,24 +68,40 @@ class Settings:
         p = Path(model_path)
         what = {k: v for k, v in asdict(self).items() if k not in ("model", "parallel", "threads")}
         what["model"] = [p.name, p.stat().st_size]
-        if not self.temperature:
-            what.pop("seed")      # greedy: the seed changes nothing
+        if not self.sampling.temperature:   # greedy: the seed and the sampling filters change nothing
+            for name in ("seed", "top_k", "top_p", "min_p"):
+                what["sampling"].pop(name)
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def check_settings(settings: Settings) -> Path:
-    """Input errors before any document is read: the model, the policy and its arguments. Returns the
-    model's path."""
+    """Input errors before any document is read: the model, the policy and its arguments, the room a document
+    gets. Returns the model's path."""
     from kvcli.compress import resolve_for_model  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
     if not settings.instruction.strip():
         raise KvcliError("the instruction is empty")
+    settings.sampling.validate()
     path = resolve_model(settings.model)
     if settings.policy != "full":
         resolve_for_model(path, settings.policy, dict(settings.policy_args), settings.budget, settings.instruction)
     elif settings.policy_args:
         raise KvcliError("policy 'full' takes no --policy-arg")
+    document_cells(settings, path)
     return path
+
+
+def document_cells(settings: Settings, model_path) -> tuple[int, int]:
+    """(cells of the whole cache, cells one document may use: the model's context or the cache, less its answer)."""
+    from kvcli.models import read_model_info  # noqa: PLC0415
+    n_ctx_train = read_model_info(model_path).n_ctx_train
+    cells = settings.max_cache or n_ctx_train
+    doc = min(cells, n_ctx_train) - settings.max_tokens
+    if doc < MIN_DOC_CELLS:
+        raise KvcliError(f"--max-tokens {settings.max_tokens} leaves {max(doc, 0)} cells of the "
+                         f"{doc + settings.max_tokens}-cell context for a document: raise --max-cache or "
+                         "lower --max-tokens")
+    return cells, doc
 
 
 # ------------------------------------------------------------------------------ documents
@@ -252,17 +269,10 @@ class Worker:
     """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
 
     def __init__(self, settings: Settings):
-        from kvcli.models import read_model_info  # noqa: PLC0415
         from kvcli.native.session import NativeSession  # noqa: PLC0415
         self.settings = s = settings
         self.model_path = check_settings(settings)
-        self.cells = s.max_cache or read_model_info(self.model_path).n_ctx_train   # the whole cache
-        # one document gets at most the model's context, less its answer
-        self.doc_cells = min(self.cells, read_model_info(self.model_path).n_ctx_train) - s.max_tokens
-        if self.doc_cells < MIN_DOC_CELLS:
-            raise KvcliError(f"--max-tokens {s.max_tokens} leaves {max(self.doc_cells, 0)} cells of the "
-                             f"{self.doc_cells + s.max_tokens}-cell context for a document: raise --max-cache or "
-                             "lower --max-tokens")
+        self.cells, self.doc_cells = document_cells(s, self.model_path)   # the whole cache, one document's share
         self.session = NativeSession(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
                                      cache_type=s.cache_type, n_threads=s.threads)
         self.reader = None   # the reading context, grown to the largest document read so far
@@ -312,19 +322,17 @@ class Worker:
         from kvcli.pipeline import build_prompt  # noqa: PLC0415
         s, session = self.settings, self.session
         tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
-        try:
-            chunking = plan_chunking(len(tokens), s.max_tokens, session.n_ctx_train, s.policy, s.budget, s.chunk,
-                                     max_cache=self.doc_cells, cell_bytes=session.bytes_per_cell())
-        except KvcliError as e:  # its "--max-cache" is the room of one document here: say what that is
-            raise KvcliError(str(e).replace(f"--max-cache ({self.doc_cells} cells)",
-                                            f"the {self.doc_cells} cells a document may use (the model's context "
-                                            f"or --max-cache, less --max-tokens {s.max_tokens})")) from None
+        # read as `kvcli run` reads (in one go, or bounded reading in chunks of DEFAULT_CHUNK), within the cells
+        # one document may use: they stand for run's model context here
+        chunking = plan_chunking(len(tokens), s.max_tokens, self.doc_cells, s.policy, s.budget, s.chunk,
+                                 cell_bytes=session.bytes_per_cell(),
+                                 limit_name=f"the {self.doc_cells} cells a document may use (the model's context "
+                                            f"or --max-cache, less --max-tokens {s.max_tokens})")
         peak = chunking.cap if chunking.chunk else len(tokens)
         return _Ready(job, tokens, chunking, peak)
 
     def _admit(self, ready: _Ready, lock, slots: dict, emit) -> None:
         from kvcli.compress import prefill_and_compress  # noqa: PLC0415
-        from kvcli.generate import Sampler  # noqa: PLC0415
         s, session = self.settings, self.session
         seq = lock.free_seq()
         try:
@@ -342,7 +350,7 @@ class Worker:
             emit(error_line(ready.job, _why(e), s))
             return
         lock.hold(seq)
-        slots[seq] = _Slot(ready, report, cache, Sampler(temperature=s.temperature, seed=s.seed).start(session, s.max_tokens),
+        slots[seq] = _Slot(ready, report, cache, Sampler(s.sampling).start(session, s.max_tokens),
                            codecs.getincrementaldecoder("utf-8")("replace"), t0=time.perf_counter())
 
     def _step(self, lock, slots: dict, emit) -> None:
@@ -395,11 +403,12 @@ class Batch:
     """Lists, keys and reads the documents in order, skips those `results` holds, writes every line
     that comes back, and counts (the progress bar and the summary)."""
 
-    def __init__(self, settings: Settings, paths: list[str], results: ResultsFile, *, progress: bool = False):
+    def __init__(self, settings: Settings, paths: list[str], results: ResultsFile | None = None, *,
+                 progress: bool = False):
         self.settings = settings
         self.paths = paths
-        self.results = results
         self.fingerprint = settings.fingerprint(check_settings(settings))
+        self.results = results      # set before running: opened once the settings are known to be good
         self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self.t0 = time.perf_counter()
         self.ray_workers = None     # set by a run on Ray

@@ -224,7 +224,6 @@ class Bench:
                                        chunk=chunking.chunk if chunking else None,
                                        cap=chunking.cap if chunking else None, scoring=self.chunk_scoring)
             first = session.logits(0)
-            st = session.stats(0)
             row.update({
                 "prefill_s": rep.prefill_s, "prefill_tok_s": n / rep.prefill_s if rep.prefill_s > 0 else None,
                 "compress_s": rep.compress_s,

@@ -76,12 +76,14 @@ def _pad(n: int) -> int:
 
 
 def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, budget: int | None,
-                  chunk: int | None = None, max_cache: int | None = None, *, cell_bytes: int) -> Chunking:
+                  chunk: int | None = None, max_cache: int | None = None, *, cell_bytes: int,
+                  limit_name: str | None = None) -> Chunking:
     """Decide chunked or not, and the context size.
 
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
     `chunk`: None = automatic, 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
-    `cell_bytes`: K + V bytes of one uncompressed cell (the session's bytes_per_cell()).
+    `cell_bytes`: K + V bytes of one uncompressed cell (the session's bytes_per_cell()). `limit_name`: how
+    the errors name `n_ctx_train` when it stands for another limit (kvcli batch: the cells one document may use).
     Automatic (bounded reading by default): a compressing policy reads in chunks of DEFAULT_CHUNK whenever
     the prompt is longer than budget + DEFAULT_CHUNK and its full cache would take more than
     BOUNDED_ABOVE_BYTES, so the cache never holds more than budget + DEFAULT_CHUNK cells, whatever the
@@ -96,7 +98,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         if max_cache > n_ctx_train:
             raise KvcliError(f"--max-cache {max_cache} is larger than the model's context ({n_ctx_train} tokens)")
     limit = max_cache or n_ctx_train
-    where = f"--max-cache ({max_cache} cells)" if max_cache else f"the model's context ({n_ctx_train} tokens)"
+    where = f"--max-cache ({max_cache} cells)" if max_cache else \
+        limit_name or f"the model's context ({n_ctx_train} tokens)"
     if policy == "full":
         if chunk:
             raise KvcliError("chunked prefill compresses after every chunk: choose a compressing policy and --budget")
@@ -181,6 +184,45 @@ def chunk_sizes(n: int, cap: int, cells: int, chunk: int, min_tail: int) -> int:
     return take
 
 
+def next_chunk(left: int, cap: int, cells: int, chunk: int, window: int, probe: int, policy: str,
+               budget: int) -> tuple[int, int]:
+    """(tokens, spare) of the next chunk of a prompt with `left` tokens to read while the sequence holds
+    `cells`: a chunk before the last leaves `probe` cells of the cap (`spare`) to the question probe. A
+    chunk too short to read on (the widest layer took the room) is refused."""
+    take = chunk_sizes(left, cap, cells, chunk, max(window, 1))
+    spare = 0
+    if probe and take < left:
+        spare = probe
+        take = chunk_sizes(left, cap - spare, cells, chunk, max(window, 1))
+    if take < 1 or (take + spare < MIN_CHUNK and take < left):
+        raise KvcliError(f"policy '{policy}' keeps {cells} cells in its widest layer at budget {budget}, "
+                         f"leaving {cap - cells} of --max-cache/chunk room to read on: lower --budget or "
+                         "raise --chunk / --max-cache")
+    return take, spare
+
+
+def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chunk: int, cap: int, window: int,
+               probe: int, cells: int = 0) -> list[tuple[int, int]] | None:
+    """Replay the reading of `prefill_chunked` on the policy's layer schedule (`PolicySpec.widest`), before any
+    prefill: a policy whose widest layer leaves no room to read on is refused here, not after minutes of
+    prefill. Returns the (tokens, cells after) of every chunk (the last one's cells None where the scores decide
+    them: nothing is read after it), or None where the scores decide a width before the last chunk (the
+    reading then checks each chunk as it goes)."""
+    if spec.widest is None:
+        return None
+    steps, pos = [], 0
+    while pos < n_tokens:
+        take, _ = next_chunk(n_tokens - pos, cap, cells, chunk, window, probe, spec.name, budget)
+        pos += take
+        cells += take
+        if spec.compresses(cells, budget):
+            cells = spec.widest(params, n_layer, cells, budget)
+            if cells is None and pos < n_tokens:
+                return None
+        steps.append((take, cells))
+    return steps
+
+
 def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy_args: dict, chunk: int, *,
                     cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
                     instruction: str | None = None, on_step=None, on_cache=None, scoring: str = "question"):
@@ -211,16 +253,9 @@ def prefill_chunked(session, tokens: list[int], policy: str, budget: int, policy
     steps: list[ChunkStep] = []
     plan = None
     pos, cells, peak = 0, (_cells(session, seq) if seq in session.seqs else 0), 0
+    check_room(spec, params, i.n_layer, len(tokens), budget, chunk, cap, window, len(probe), cells)
     while pos < len(tokens):
-        take = chunk_sizes(len(tokens) - pos, cap, cells, chunk, max(window, 1))
-        spare = 0   # cells of the cap a chunk leaves to the question probe
-        if probe and pos + take < len(tokens):
-            spare = len(probe)
-            take = chunk_sizes(len(tokens) - pos, cap - spare, cells, chunk, max(window, 1))
-        if take < 1 or (take + spare < MIN_CHUNK and pos + take < len(tokens)):
-            raise KvcliError(f"policy '{policy}' keeps {cells} cells in its widest layer at budget {budget}, "
-                             f"leaving {cap - cells} of --max-cache/chunk room to read on: lower --budget or "
-                             "raise --chunk / --max-cache")
+        take, _ = next_chunk(len(tokens) - pos, cap, cells, chunk, window, len(probe), policy, budget)
         piece = tokens[pos: pos + take]
         last = pos + take == len(tokens)
         t1 = time.perf_counter()

@@ -41,19 +41,16 @@ class CompressReport:
 
 
 def resolve_policy(session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
-    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`), with the
-    parameters that depend on the model's shape checked too: before the prefill, not after it."""
-    spec, params = resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
-    if "full_layers" in params:
-        from kvcli.policies.d2o import full_layer_set  # noqa: PLC0415
-        full_layer_set(params["full_layers"], session.info.n_layer)
-    return spec, params
+    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`)."""
+    return resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
 
 
 def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
     """(spec, params) of a compressing policy for the model at `model_path`: its arguments validated,
     compresskv's offline calibration found for the model (or a warning says why not), windowkv's task=auto
-    classified. The one place a plan's policy is resolved: run, chat, compress, bench, eval and check."""
+    classified, the parameters that depend on the model's shape checked against its header (d2o's full_layers):
+    before the model loads, not after the prefill. The one place a plan's policy is resolved: run, chat,
+    compress, batch, bench, eval and check."""
     from kvcli import policies  # noqa: PLC0415
 
     policies.get(policy)  # an unknown name is the first thing to report
@@ -63,6 +60,10 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
         from kvcli.calibration.compresskv import policy_args as calibrated_args  # noqa: PLC0415
         policy_args = calibrated_args(model_path, policy_args)
     spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
+    if params.get("full_layers"):
+        from kvcli.models import read_model_info  # noqa: PLC0415
+        from kvcli.policies.d2o import full_layer_set  # noqa: PLC0415
+        full_layer_set(params["full_layers"], read_model_info(model_path).n_layer)
     return spec, params
 
 
@@ -118,7 +119,7 @@ def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     """Run the planner of one engine: "native" (C++) or "reference" (torch)."""
     if planner == "native":
         from kvcli.native.lib import native_plan  # noqa: PLC0415
-        plan = native_plan(spec.name, spec.render(params), budget, obs)
+        plan = native_plan(spec.name, params, budget, obs)
     elif planner == "reference":
         from kvcli.reference.policies import reference_plan  # noqa: PLC0415
         plan = reference_plan(spec.name, params, budget, obs)

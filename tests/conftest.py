@@ -44,3 +44,23 @@ def run_kvcli():
 def cli_runner():
     from click.testing import CliRunner
     return CliRunner()
+
+
+WORDS = "alpha beta gamma delta river stone light north code station log entry".split()
+
+
+@pytest.fixture(scope="session")
+def word_doc(tmp_path_factory):
+    """word_doc(n, seed) -> the path of a text of `n` words drawn (seeded) from a small vocabulary, written once
+    (the long documents of the tiny-model tests)."""
+    import random  # noqa: PLC0415
+    made = {}
+
+    def make(n: int, seed: int = 0):
+        if (n, seed) not in made:
+            rng = random.Random(seed)
+            p = tmp_path_factory.mktemp("words") / f"words-{n}-{seed}.txt"
+            p.write_text(" ".join(rng.choice(WORDS) for _ in range(n)), encoding="utf-8")
+            made[n, seed] = p
+        return made[n, seed]
+    return make

@@ -174,12 +174,16 @@ def test_bad_documents_get_error_lines_and_the_batch_goes_on(tiny, corpus, tmp_p
     (["--docs", "{docs}", "--policy", "snapkv", "--budget", "64", "--policy-arg", "window=zz"], "window"),
     (["--docs", "{docs}", "-i", " "], "the instruction is empty"),
     (["--docs", "{docs}", "--max-cache", "100", "-n", "64"], "leaves 36 cells"),
+    (["--docs", "{docs}", "--policy", "d2o", "--budget", "64", "--policy-arg", "full_layers=7"],
+     "full_layers item 7 is outside the model's"),
+    (["--docs", "{docs}", "--dry-base", "0.5"], "--dry-base: 0.5 is out of range"),
 ])
 def test_input_errors_are_one_line_and_exit_2(tiny, corpus, tmp_path, args, message):
     args = [str(corpus) if a == "{docs}" else a for a in args]
     r = kvcli("batch", "--model", tiny, "-i", "Summarise.", "--out", tmp_path / "o.jsonl", *args)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o.jsonl").exists()     # refused before --out is touched
 
 
 def test_the_results_file_is_checked_and_locked(tiny, corpus, tmp_path):
@@ -211,12 +215,13 @@ def test_ray_workers_give_the_local_answers(tiny, corpus, tmp_path):
     docs = sorted(corpus.iterdir())[:6]
     listing = "".join(f"{p}\n" for p in docs)
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    r = kvcli("batch", "--docs", "-", "--model", tiny, *SNAP, "--out", local, input=listing)
+    greedy = [*SNAP, "--dry-multiplier", "0"]    # plain argmax, no penalty: the answers are the logits' alone
+    r = kvcli("batch", "--docs", "-", "--model", tiny, *greedy, "--out", local, input=listing)
     assert r.returncode == 0, r.stderr
     # the Ray run resumes what a local run left: the first three documents are answered already
     done = local.read_text(encoding="utf-8").splitlines(keepends=True)[:3]
     on_ray.write_text("".join(done), encoding="utf-8")
-    r = kvcli("batch", "--docs", "-", "--model", tiny, *SNAP, "--out", on_ray, "--json",
+    r = kvcli("batch", "--docs", "-", "--model", tiny, *greedy, "--out", on_ray, "--json",
               "--ray", "local", "--ray-workers", 2, "--ray-cpus", 1, input=listing)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
@@ -226,6 +231,24 @@ def test_ray_workers_give_the_local_answers(tiny, corpus, tmp_path):
     assert set(a) == set(b) and len(a) == 6       # the same keys, each document once
     assert all(a[k]["answer"] == b[k]["answer"] for k in a)   # greedy: the same answers on Ray
     assert {d["stats"]["worker"] for d in lines(on_ray)[3:]} <= {"ray-0", "ray-1"}
+
+
+def test_batch_takes_the_flags_and_defaults_of_run():
+    """One declaration (kvcli/commands/options.py) for the policy, sampling, reading, cache-type and thread flags
+    of run and batch: the same names and the same defaults (batch used to decode plain greedy, with its own flags)."""
+    from kvcli.batch import Settings
+    from kvcli.cli import cli
+    from kvcli.generate import Sampling
+
+    def params(cmd):   # a default read from the config file or the environment is a callable
+        return {p.name: p.default() if callable(p.default) else p.default for p in cli.commands[cmd].params}
+    run, batch = params("run"), params("batch")
+    shared = ("policy", "budget", "policy_args", "max_tokens", "temperature", "seed", "top_k", "top_p", "min_p",
+              "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "dry_multiplier",
+              "dry_base", "dry_allowed_length", "dry_penalty_last_n", "chunk", "max_cache", "chunk_scoring",
+              "cache_type", "threads", "system")
+    assert {k: batch[k] for k in shared} == {k: run[k] for k in shared}
+    assert run["dry_multiplier"] == 0.8 and Settings("x").sampling == Sampling()
 
 
 def test_default_model_end_to_end_answers_as_run(default_model, tmp_path):
@@ -240,10 +263,8 @@ def test_default_model_end_to_end_answers_as_run(default_model, tmp_path):
     assert r.returncode == 0, r.stderr
     got = lines(out)
     assert len(got) == 2 and got[0]["sha256"] == got[1]["sha256"] and got[0]["key"] != got[1]["key"]
-    # like with like: batch decodes greedily and reads a document that fits the context in one go, so run
-    # without its default DRY penalty and without its bounded (chunked) reading
-    r = kvcli("run", "--doc", EXAMPLES / "solar-garden.txt", *common, "--dry-multiplier", "0", "--chunk", "0",
-              "--json", "Summarise this document.")
+    # batch has run's defaults: its sampling (greedy with the DRY penalty) and its reading
+    r = kvcli("run", "--doc", EXAMPLES / "solar-garden.txt", *common, "--json", "Summarise this document.")
     assert r.returncode == 0, r.stderr
     alone = json.loads(r.stdout)
     assert len(alone["answer"]) > 20

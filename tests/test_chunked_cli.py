@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import time
@@ -26,13 +25,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def long_doc(tmp_path_factory):
+def long_doc(word_doc):
     """About 2k tokens of the tiny model's tokenizer: four times its context."""
-    rng = random.Random(0)
-    words = "alpha beta gamma delta river stone light north code station log entry".split()
-    p = tmp_path_factory.mktemp("chunkdoc") / "long.txt"
-    p.write_text(" ".join(rng.choice(words) for _ in range(2000)), encoding="utf-8")
-    return p
+    return word_doc(2000, seed=0)
 
 
 def _run(cli_runner, *args):

@@ -4,7 +4,6 @@ session (chat, run --cache) keeps a KV buffer sized for what it holds, not for t
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -22,13 +21,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def doc(tmp_path_factory):
+def doc(word_doc):
     """About 3.5k tokens: longer than budget + the default chunk, so bounded reading turns on by itself."""
-    rng = random.Random(1)
-    words = "alpha beta gamma delta river stone light north code station log entry".split()
-    p = tmp_path_factory.mktemp("memdoc") / "doc.txt"
-    p.write_text(" ".join(rng.choice(words) for _ in range(3500)), encoding="utf-8")
-    return p
+    return word_doc(3500, seed=1)
 
 
 def _json(run_kvcli, *args):

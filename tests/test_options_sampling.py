@@ -7,8 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT  # noqa: F401 (the repository root on sys.path for kvcli)
-
 
 @pytest.mark.parametrize("args, line", [
     (["run", "--budget", "abc", "x"], "kvcli: error: --budget: 'abc' is not an integer"),

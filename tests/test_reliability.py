@@ -251,12 +251,13 @@ def _rebuild(src, dst, meta_edit=None, state_edit=None):
 
 
 @pytest.fixture(scope="module")
-def saved_kvc(tiny, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvc")
+def full_kvc(tiny, tmp_path_factory):
+    """A .kvc of the full policy (no kvcli sequence header in its state: the offsets below are simple)."""
+    d = tmp_path_factory.mktemp("kvcfull")
     doc = d / "d.txt"
     doc.write_text("alpha beta gamma delta. " * 20)
     out = d / "c.kvc"
-    r = kvcli("compress", "--doc", doc, "--model", tiny, "--policy", "snapkv", "--budget", "64", "-o", out, "-q")
+    r = kvcli("compress", "--doc", doc, "--model", tiny, "-o", out, "-q")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -281,8 +282,8 @@ def _set(path, value):
     (_set(["conversation", "turns"], [{"question": 1}]), "conversation.turns"),
     (_set(["policy_args"], "x=1"), "policy_args"),
 ])
-def test_kvc_metadata_is_checked_against_a_schema(tiny, saved_kvc, tmp_path, edit, field):
-    bad = _rebuild(saved_kvc, tmp_path / "bad.kvc", meta_edit=edit)
+def test_kvc_metadata_is_checked_against_a_schema(tiny, full_kvc, tmp_path, edit, field):
+    bad = _rebuild(full_kvc, tmp_path / "bad.kvc", meta_edit=edit)
     r = kvcli("run", "Hi", "--cache", bad, "--model", tiny, "-n", "2")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "corrupted" in r.stderr and field in r.stderr, r.stderr
@@ -303,15 +304,21 @@ def test_d2o_full_layers_out_of_range_is_refused_before_the_prefill(tiny, monkey
     s.close()
 
 
-@pytest.fixture(scope="module")
-def full_kvc(tiny, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvcfull")
-    doc = d / "d.txt"
+@pytest.mark.parametrize("command", [["run", "Hi", "--doc", "{doc}"], ["chat", "--doc", "{doc}"],
+                                     ["compress", "--doc", "{doc}", "-o", "{out}"],
+                                     ["batch", "--docs", "{doc}", "-i", "Hi", "-o", "{out}"]])
+def test_an_unsupported_architecture_is_refused_before_the_model_loads(tmp_path, command):
+    """The header alone (no tensors, so llama.cpp could not load it) is enough for the one-line refusal: every
+    command refuses before it loads the model or reads a document."""
+    from tests.test_architectures import _header_only
+    model = _header_only(tmp_path / "g.gguf", "gemma3")
+    doc = tmp_path / "d.txt"
     doc.write_text("alpha beta gamma delta. " * 20)
-    out = d / "c.kvc"
-    r = kvcli("compress", "--doc", doc, "--model", tiny, "-o", out, "-q")   # policy full: no kvcli sequence header
-    assert r.returncode == 0, r.stderr
-    return out
+    args = [str(a).format(doc=doc, out=tmp_path / "o.kvc") for a in command]
+    r = kvcli(*args, "--policy", "snapkv", "--budget", "64", "--model", model, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "unsupported architecture 'gemma3'" in r.stderr and "iSWA" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "g.gguf"]
 
 
 def _poke(offset: int, data: bytes):
@@ -334,3 +341,68 @@ def test_a_damaged_state_with_a_valid_digest_is_refused(tiny, full_kvc, tmp_path
     r = kvcli("run", "Hi", "--cache", bad, "--model", tiny, "-n", "2")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "corrupted (cache state" in r.stderr and message in r.stderr, r.stderr
+
+
+LONG_DOC = "alpha beta gamma delta. " * 150   # more than twice the longest chunk below (asserted)
+
+
+@pytest.mark.parametrize("policy, budget, args, chunk", [
+    ("pyramidkv", 128, {}, 128),                   # the widest layer keeps 242 of the 256-cell cap
+    ("windowkv", 96, {"task": "localization"}, 96),
+    ("d2o", 64, {"full_layers": "0"}, 128),        # a full layer keeps everything it reads
+])
+def test_a_layer_schedule_without_room_to_read_on_is_refused_before_the_prefill(tiny, monkeypatch, policy, budget,
+                                                                               args, chunk):
+    from kvcli.errors import KvcliError
+    from kvcli.native.session import NativeSession
+    from kvcli.pipeline import run_document
+    s = NativeSession(tiny, n_ctx=0)
+    prefilled = []
+    monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
+    with pytest.raises(KvcliError, match="in its widest layer at budget .* room to read on"):
+        run_document(s, LONG_DOC, "Hi", policy=policy, budget=budget, policy_args=args, max_tokens=2, chunk=chunk)
+    assert not prefilled
+    s.close()
+
+
+@pytest.mark.parametrize("policy, budget, args, chunk, refused", [
+    ("pyramidkv", 96, {}, 192, False),
+    ("pyramidkv", 64, {"schedule": "factory"}, 160, False),
+    ("windowkv", 64, {"task": "localization"}, 160, False),
+    ("spindlekv", 64, {"theta_k": "1"}, 128, False),
+    ("pyramidkv", 128, {}, 128, True),
+    ("pyramidkv", 64, {"schedule": "factory"}, 96, True),
+    ("windowkv", 96, {"task": "localization"}, 96, True),
+    ("d2o", 64, {"full_layers": "-1"}, 128, True),
+])
+@pytest.mark.parametrize("scoring", ["question", "chunk"])
+def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget, args, chunk, refused, scoring):
+    """check_room replays prefill_chunked on the layer schedule alone: the same chunks and cells as the real
+    reading of a document, and a refusal (the same line) exactly where the real reading stops."""
+    from kvcli import chunked
+    from kvcli.compress import resolve_policy
+    from kvcli.errors import KvcliError
+    from kvcli.native.session import NativeSession
+    from kvcli.pipeline import build_prompt
+    s = NativeSession(tiny, n_ctx=384)
+    tokens = s.tokenize(build_prompt(s, LONG_DOC, "Hi"))
+    assert len(tokens) > 2 * chunk
+    spec, params = resolve_policy(s, policy, args, budget, "Hi")
+    _, window = spec.observe(params)
+    probe = window if scoring == "question" and "window" in spec.needs else 0
+    try:
+        replayed = chunked.check_room(spec, params, s.info.n_layer, len(tokens), budget, chunk, budget + chunk,
+                                      window, probe)
+    except KvcliError as e:
+        replayed = str(e)
+    monkeypatch.setattr(chunked, "check_room", lambda *a, **k: None)   # the real reading, unchecked up front
+    try:
+        rep = chunked.prefill_chunked(s, tokens, policy, budget, args, chunk, instruction="Hi", scoring=scoring)
+        real = [(st.tokens, st.cells_after) for st in rep.steps]
+    except KvcliError as e:
+        real = str(e)
+    if isinstance(replayed, list) and replayed[-1][1] is None:   # the scores decide the last chunk's width
+        real[-1] = (real[-1][0], None)
+    assert replayed == real
+    assert isinstance(real, str) == refused
+    s.close()

@@ -157,10 +157,10 @@ def test_both_engines_plan_with_the_resolved_task():
     plans = {}
     for instruction, task in (("Write a summary of all the reviews.", "aggregation"),
                               ("When did the museum reopen?", "localization")):
-        _, params, text = P.prepare("windowkv", ["task=auto"], 96, instruction=instruction)
+        _, params, _ = P.prepare("windowkv", ["task=auto"], 96, instruction=instruction)
         assert params["task"] == task
-        nat, ref = native_plan("windowkv", text, 96, obs), reference_plan("windowkv", params, 96, obs)
-        explicit = native_plan("windowkv", P.prepare("windowkv", [f"task={task}"], 96)[2], 96, obs)
+        nat, ref = native_plan("windowkv", params, 96, obs), reference_plan("windowkv", params, 96, obs)
+        explicit = native_plan("windowkv", P.prepare("windowkv", [f"task={task}"], 96)[1], 96, obs)
         for other in (ref, explicit):
             assert np.array_equal(nat.n_kept, other.n_kept) and np.array_equal(nat.slots, other.slots)
         plans[task] = nat

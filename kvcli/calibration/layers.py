@@ -35,6 +35,7 @@ def shadow_sets(lm: LM, window_sums: list[torch.Tensor], srh: list[int], srh_k: 
                       window_sums=torch.stack(window_sums).to(torch.float32).numpy()[None], windows=(window,),
                       positions=np.arange(n, dtype=np.int32))
     params = SPEC.validate({"window": window, "kernel": kernel, "srh_k": srh_k, "srh": tuple(srh)})
+    SPEC.check_budget(budget, params)   # the planners do not repeat the registry's checks
     plan = compresskv_plan(obs, params, budget)
     return [torch.from_numpy(plan.kept(l, 0).astype(np.int64)) for l in range(lm.n_layer)]
 

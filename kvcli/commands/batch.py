@@ -7,9 +7,7 @@ import sys
 import click
 
 from kvcli import config
-from kvcli.commands.chat import policy_option
-from kvcli.commands.options import chunk_options, json_option, model_option
-from kvcli.commands.run import parse_policy_args
+from kvcli.commands.options import Request, json_option, model_option, request_options
 
 
 @click.command("batch")
@@ -21,19 +19,10 @@ from kvcli.commands.run import parse_policy_args
               help="Results, one JSON line per document (path, answer, stats, error), appended as each finishes. "
                    "Documents it already answers (same path, content and settings) are skipped.")
 @model_option
-@policy_option
-@click.option("--budget", "-b", type=int, default=config.default("budget"),
-              help="Entries kept per layer and KV head, observation window included. Default: $KVCLI_BUDGET.")
-@click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE", help="Policy parameter (repeatable).")
-@click.option("--max-tokens", "-n", type=click.IntRange(1, 100000), default=config.default("max_tokens", 256),
-              show_default="256", help="Most tokens of each answer (reserved in the cache for every held document).")
-@click.option("--temperature", "-t", type=click.FloatRange(0, 10), default=config.default("temperature", 0.0),
-              show_default="0", help="0 = greedy.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (each document starts from it).")
+# the flags and defaults of `kvcli run` (sampling: llama.cpp's chain, greedy with DRY; reading: kvcli/chunked.py)
+@request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=256,
+                 max_tokens_help="Most tokens of each answer (reserved in the cache for every held document).")
 @click.option("--system", default=config.default("system"), help="System message.")
-@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), default="f16", show_default=True,
-              help="llama.cpp KV cache type.")
-@chunk_options
 @click.option("--parallel", type=click.IntRange(0, 256), default=0, metavar="N",
               help="Most documents held and decoded at once. Default: as many as --max-cache holds (at most 64).")
 @click.option("--retry-errors", is_flag=True, help="Also redo the documents --out holds an error line for.")
@@ -46,9 +35,8 @@ from kvcli.commands.run import parse_policy_args
               help="CPU cores (and threads) of each Ray worker.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
-def batch_cmd(docs, instruction, out_path, model, policy, budget, policy_args, max_tokens, temperature, seed, system,
-              cache_type, chunk, max_cache, chunk_scoring, parallel, retry_errors, ray_address, ray_workers, ray_cpus,
-              quiet, as_json):
+def batch_cmd(req: Request, docs, instruction, out_path, model, system, parallel, retry_errors, ray_address, ray_workers,
+              ray_cpus, quiet, as_json):
     """Answer --instruction about every document of --docs into --out, one JSON line per document.
 
     The model is loaded once; its KV cache (--max-cache cells, default the model's context) is shared
@@ -66,15 +54,16 @@ def batch_cmd(docs, instruction, out_path, model, policy, budget, policy_args, m
     if ray_address:
         from kvcli.batch_ray import import_ray  # noqa: PLC0415
         import_ray()   # before any document is read: a missing extra is one line
-    settings = Settings(instruction=instruction, model=model or config.get("model"), policy=policy, budget=budget,
-                        policy_args=parse_policy_args(policy_args), max_tokens=max_tokens, temperature=temperature,
-                        seed=seed, system=system, cache_type=cache_type, chunk=chunk, chunk_scoring=chunk_scoring,
-                        max_cache=max_cache, parallel=parallel)
+    settings = Settings(instruction=instruction, model=model or config.get("model"), policy=req.policy,
+                        budget=req.budget, policy_args=req.policy_args, max_tokens=req.max_tokens,
+                        sampling=req.sampling, system=system, cache_type=req.cache_type, chunk=req.chunk,
+                        chunk_scoring=req.chunk_scoring, max_cache=req.max_cache, parallel=parallel,
+                        threads=req.threads)
     paths = list_documents(docs)
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-    results = ResultsFile(out_path, retry_errors=retry_errors, warn=log)
+    batch = Batch(settings, paths, progress=not quiet and sys.stderr.isatty())   # checks the model and policy
     try:
-        batch = Batch(settings, paths, results, progress=not quiet and sys.stderr.isatty())
+        batch.results = ResultsFile(out_path, retry_errors=retry_errors, warn=log)   # only then --out is touched
         try:
             if ray_address:
                 from kvcli import batch_ray  # noqa: PLC0415
@@ -82,14 +71,14 @@ def batch_cmd(docs, instruction, out_path, model, policy, budget, policy_args, m
             else:
                 batch.run_local()
         finally:
-            batch.close()
+            batch.results.close()
     finally:
-        results.close()
+        batch.close()
     s = batch.summary()
     if as_json:
         click.echo(json.dumps(s, ensure_ascii=False))
     elif not quiet:
-        label = f"{policy}{'' if settings.budget is None else f' @ {settings.budget}'}"
+        label = f"{req.policy}{'' if settings.budget is None else f' @ {settings.budget}'}"
         click.echo(f"[{label}] {s['documents']} documents: {s['answered']} answered, {s['errors']} errors, "
                    f"{s['skipped']} already in {out_path}; {s['prompt_tokens']} prompt + {s['generated_tokens']} "
                    f"answer tokens in {s['elapsed_s']:.1f}s", err=True)

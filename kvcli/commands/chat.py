@@ -7,7 +7,7 @@ import click
 from click.core import ParameterSource
 
 from kvcli import config
-from kvcli.commands.options import Request, model_option, policy_option, request_options  # noqa: F401 (batch)
+from kvcli.commands.options import Request, model_option, request_options
 from kvcli.errors import KvcliError
 
 

@@ -19,7 +19,8 @@ Groups:
     penalties   the repetition and DRY flags of `sampling` alone, off by default (eval: greedy decoding)
     cache_type  --cache-type (one of f16, q8_0, q4_0, f32)
     threads     --threads
-`defaults` overrides a group's default by parameter name (max_tokens=512, budget=256, policies="...").
+`defaults` overrides a group's default by parameter name (max_tokens=512, budget=256, policies="...") and a few
+help texts (max_tokens_help, chunk_help, cache_type_help, threads_help).
 Bad values are refused before any model loads, with one line (kvcli.errors.KvcliError, exit 2).
 """
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _sampling_options(d: dict, penalties_only: bool = False) -> list:
     sampling = [
         click.option("--max-tokens", "-n", type=click.IntRange(1, 100000),
                      default=config.default("max_tokens", d.get("max_tokens", 256)),
-                     show_default=str(d.get("max_tokens", 256)), help="Longest answer, in tokens."),
+                     show_default=str(d.get("max_tokens", 256)),
+                     help=d.get("max_tokens_help", "Longest answer, in tokens.")),
         num("temperature", float, "0 = greedy.", "-t"),
         num("seed", int, "Seed of the sampler's random choice (temperature > 0)."),
         num("top_k", int, "Top-k sampling (temperature > 0); 0 = the whole vocabulary."),
@@ -204,13 +206,6 @@ def _request(groups, kw: dict) -> Request:
             raise KvcliError("--budgets is needed for policies other than full")
         req.scoped_args = parse_scoped_args(kw.pop("policy_args"))
     return req
-
-
-def chunk_options(f):
-    """--chunk, --max-cache, --chunk-scoring as plain options (for a command not yet on request_options)."""
-    for opt in reversed(_group_options("chunking", {})):
-        f = opt(f)
-    return f
 
 
 def request_options(*groups: str, **defaults):

@@ -9,7 +9,6 @@ import click
 from kvcli import config
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
-from kvcli.policies.base import parse_policy_args  # noqa: F401 (kvcli batch imports it from here)
 
 
 def open_session(engine: str, model: str | None, **kw):

@@ -11,6 +11,7 @@ from ctypes import POINTER, c_char, c_char_p, c_float, c_int32, c_int64, c_void_
 
 import numpy as np
 
+from kvcli import policies
 from kvcli.errors import KvcliError
 from kvcli.native import load_llama_cpp
 from kvcli.plan import Observation, Plan
@@ -188,8 +189,14 @@ def obs_view(obs: Observation) -> tuple[ObsView, list]:
     return v, arrs + [windows]
 
 
-def native_plan(policy: str, params: str, budget: int, obs: Observation) -> Plan:
-    """Run the C++ planner of `policy` on `obs` (kvcli_plan_make)."""
+def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) -> Plan:
+    """Run the C++ planner of `policy` on `obs` (kvcli_plan_make).
+
+    `params` is the registry's validated dict (`PolicySpec.validate`; the budget checked with
+    `check_budget`): it is rendered here with the closed-form schedule of this observation
+    (`PolicySpec.native_params`). A str is passed to the C API as it is (tests of its own errors)."""
+    if isinstance(params, dict):
+        params = policies.get(policy).native_params(params, budget, obs.n_layer, obs.n)
     L = lib()
     ov, _keep = obs_view(obs)
     handle = L.kvcli_plan_make(policy.encode(), params.encode(), int(budget), ctypes.byref(ov))

@@ -5,8 +5,9 @@
     kvcli.policies.list_text()         -> `kvcli policies`, one line each
     kvcli.policies.explain_text(name)  -> `kvcli policies --explain NAME`
 
-Each policy is one module here (its PolicySpec: parameters, paper, deviations), one C++ file in
-native/src/policies/ and one torch file in kvcli/reference/policies/.
+Each policy is one module here (its PolicySpec: parameters with their defaults and ranges, the only
+ones; paper; deviations; closed-form schedules), one C++ file in native/src/policies/ (which declares no
+parameter) and one torch file in kvcli/reference/policies/.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def layout_note(name: str) -> str:
 
 def prepare(name: str, policy_args=None, budget: int | None = None,
             instruction: str | None = None) -> tuple[PolicySpec, dict, str]:
-    """Validate a policy choice from the command line: (spec, typed params, C params string).
+    """Validate a policy choice from the command line: (spec, typed params, the params as key=value text).
+    The native planner gets `spec.native_params(...)` at plan time (kvcli.native.lib.native_plan).
 
     `policy_args` is the list of --policy-arg "key=value" strings (or a dict). With `budget`, the
     budget-dependent checks run too (e.g. budget must exceed the window). `instruction` (the user's

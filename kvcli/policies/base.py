@@ -1,9 +1,11 @@
 """What a registry entry is: a policy's name, paper, parameters, needs and documented deviations.
 
-Both engines read these entries: the Python side validates `--policy-arg key=value` against
-`PolicySpec.params` and renders the result as the `key=value;key=value` string that the C++
-planner parses (native/src/plan/); the torch planner in kvcli/reference/policies/ takes the
-validated dict. Defaults live here AND in the C++ file of each policy; a test checks they agree.
+The one source of policy parameters: defaults, ranges and validation live here (and in each
+policy's module), nowhere else. `PolicySpec.validate` turns `--policy-arg key=value` into the typed,
+complete dict the torch planner (kvcli/reference/policies/) takes; `PolicySpec.native_params` renders
+the same dict, with the closed-form layer schedules computed here, as the `key=value;key=value` text
+the C++ planner (native/src/plan/) parses. The C++ side declares no parameter: no default, no range;
+a missing parameter is an error there.
 """
 from __future__ import annotations
 
@@ -142,6 +144,7 @@ class PolicySpec:
     params: tuple[Param, ...] = ()
     needs: tuple[str, ...] = ()                     # subset of ("window", "colsum", "kv")
     window_param: str | None = None                 # which parameter is the observation window w
+    budget_above: str | None = None                 # the parameter the budget must exceed (kept inside it)
     deviations: tuple[str, ...] = ()                # every documented difference from the paper/code
     budget_note: str = ("per-layer budgets sum to budget x n_layer; the observation window counts "
                         "inside the budget")
@@ -151,7 +154,16 @@ class PolicySpec:
     # fills values that depend on the instruction text (windowkv's task=auto), before `resolve`; gets
     # (params, instruction or None) and must raise KvcliError when it needs an instruction that is None
     resolve_instruction: Callable[[dict, str | None], dict] | None = None
-    check: Callable[[dict, int], None] | None = None  # budget-dependent checks (budget, params)
+    check: Callable[[dict, int], None] | None = None  # further budget-dependent checks (params, budget)
+    # the closed-form per-layer schedule, computed once here for the native planner:
+    # (params, budget, n_layer, n) -> {key: int or list of ints}, rendered after the parameters
+    # (params, n_layer, n, budget) -> the entries the widest (layer, KV head) of a plan over n > budget entries
+    # keeps, where the layer schedule alone decides it (None where the scores do): a document read in chunks
+    # is refused before its prefill when that leaves no room to read on (kvcli.chunked.check_room)
+    widest: Callable[[dict, int, int, int], int | None] | None = None
+    schedule: Callable[[dict, int, int, int], dict] | None = None
+    resolved_away: tuple[str, ...] = ()             # parameters the native planner never reads: `resolve` or
+                                                    # `schedule` turned them into others
 
     # -- parameters ---------------------------------------------------------------
     def param(self, name: str) -> Param:
@@ -186,13 +198,28 @@ class PolicySpec:
         return out
 
     def render(self, params: dict) -> str:
-        """The `key=value;key=value` string the C++ planner parses (kvcli_plan_make)."""
+        """The validated parameters as `key=value;key=value` text (every one of them)."""
         return ";".join(f"{p.name}={p.render(params[p.name])}" for p in self.params if p.name in params)
 
+    def native_params(self, params: dict, budget: int, n_layer: int, n: int) -> str:
+        """What the C++ planner (kvcli_plan_make) parses for an observation of n_layer layers and n slots:
+        every parameter it reads, resolved (it declares no default), then the closed-form schedule computed
+        here. `params` is the dict from `validate` (complete: the C++ side errs on a missing key)."""
+        items = {p.name: p.render(params[p.name]) for p in self.params if p.name not in self.resolved_away}
+        if self.schedule is not None:
+            for key, val in self.schedule(params, int(budget), int(n_layer), int(n)).items():
+                items[key] = ",".join(str(int(v)) for v in val) if isinstance(val, (list, tuple)) else str(int(val))
+        return ";".join(f"{k}={v}" for k, v in items.items())
+
     def check_budget(self, budget: int, params: dict) -> None:
-        """Budget-dependent validation (e.g. budget must exceed the window); KvcliError if not."""
+        """Budget-dependent validation, the only one (neither planner repeats it): budget >= 1 and larger
+        than the `budget_above` parameter (a window kept inside the budget), then `check`; KvcliError if not."""
         if int(budget) < 1:
             raise KvcliError(f"policy '{self.name}': budget must be >= 1 (got {budget})")
+        if self.budget_above is not None and int(budget) <= int(params[self.budget_above]):
+            key = self.budget_above
+            raise KvcliError(f"policy '{self.name}': budget {budget} must be larger than {key}={params[key]} (its "
+                             f"entries are kept inside the budget); lower it with --policy-arg {key}=N")
         if self.check is not None:
             self.check(params, int(budget))
 
@@ -279,13 +306,3 @@ def gqa_param(default: str = "mean") -> Param:
     return Param("gqa", "choice", default, "how the scores of the query heads that share a KV head are combined "
                  "into that KV head's score (selection is per KV head)",
                  paper_default="per query head (cache repeated to query heads)", choices=("mean", "max", "sum"))
-
-
-def needs_window_budget(policy: str, param: str = "window") -> Callable[[dict, int], None]:
-    def check(params: dict, budget: int) -> None:
-        w = int(params[param])
-        if budget <= w:
-            raise KvcliError(f"policy '{policy}': budget {budget} must be larger than {param}={w} "
-                             f"(the window is kept inside the budget); lower it with --policy-arg {param}=N")
-    return check
-

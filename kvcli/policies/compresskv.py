@@ -51,10 +51,27 @@ def allocate(scores, budget: int, min_budget: int = 32, max_factor: int = 3, mod
     return b
 
 
+def layer_budgets(p: dict, budget: int, n_layer: int) -> list[int]:
+    """Per-layer budgets (window included): Algorithm 1 over the calibration's layer_scores, or uniform."""
+    scores = p["layer_scores"]
+    if not scores:
+        return [budget] * n_layer
+    if len(scores) != n_layer:
+        raise KvcliError(f"policy 'compresskv': layer_scores has {len(scores)} values, the observation has "
+                         f"{n_layer} layers")
+    return allocate(scores, budget, p["min_budget"], p["max_factor"], p["allocator"])
+
+
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """Entries the widest layer keeps of n > budget: its calibrated budget B_l (window included), or all n where
+    B_l >= n (None for a calibration of another layer count: the planner refuses it)."""
+    if p["layer_scores"] and len(p["layer_scores"]) != n_layer:
+        return None
+    w = p["window"]
+    return max(n if n <= b else max(0, b - w) + w for b in layer_budgets(p, budget, n_layer))
+
+
 def _check(p: dict, budget: int) -> None:
-    if budget <= p["window"]:
-        raise KvcliError(f"policy 'compresskv': budget {budget} must be larger than window={p['window']}; lower it "
-                         "with --policy-arg window=N")
     if p["layer_scores"]:
         s = sum(p["layer_scores"])
         if abs(s - 1.0) > 1e-3:
@@ -91,6 +108,9 @@ SPEC = PolicySpec(
     ),
     needs=("window",),
     window_param="window",
+    budget_above="window",
+    schedule=lambda p, budget, n_layer, n: {"layer_budgets": layer_budgets(p, budget, n_layer)},
+    resolved_away=("layer_scores", "allocator", "min_budget", "max_factor"),
     budget_note="layer budgets (window included) sum to budget x n_layer (Algorithm 1); a layer whose budget "
                 "exceeds the prompt keeps the whole prompt and the difference is not handed to other layers",
     deviations=(
@@ -103,4 +123,5 @@ SPEC = PolicySpec(
         "compares each layer's own B_l with the prompt, so a short prompt can still be cut in low-budget layers",
     ),
     check=_check,
+    widest=widest,
 )

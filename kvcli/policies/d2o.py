@@ -3,7 +3,9 @@ their most similar kept key (Wan et al., D2O). Digest: ../shared/design/methods/
 
 The layer schedule (`layer_weights`, `layer_budgets`) is plain Python float arithmetic shared by the
 torch planner; native/src/policies/d2o.cpp performs the same IEEE operations in the same order
-(exp from the same libm), so both engines give the same integer budgets.
+(exp from the same libm), so both engines give the same integer budgets. Unlike the closed-form
+schedules of the other policies it cannot be handed to the native planner: its weights come from the
+observation the planner reads (docs/internals.md, "Policies").
 """
 from __future__ import annotations
 
@@ -127,6 +129,11 @@ def full_layer_set(full_layers, n_layer: int) -> list[int]:
     return sorted(out)
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """A layer in full_layers keeps all n entries; without one, the variance of the scores sets the widest."""
+    return n if full_layer_set(p["full_layers"], n_layer) else None
+
+
 def _check(p: dict, budget: int) -> None:
     if p["heavy"] + p["recent"] < 1:
         raise KvcliError("policy 'd2o': heavy + recent must be >= 1")
@@ -195,4 +202,5 @@ SPEC = PolicySpec(
         "row added (the code)",
     ),
     check=_check,
+    widest=widest,
 )

@@ -1,6 +1,6 @@
 """dynamickv: per-layer budgets from a global top-k over window scores, updated every m layers (Zhou et al.)."""
-from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, kernel_param, needs_window_budget, \
-    pool_param, window_param
+from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, kernel_param, pool_param, \
+    window_param
 
 SPEC = PolicySpec(
     name="dynamickv",
@@ -22,6 +22,7 @@ SPEC = PolicySpec(
     ),
     needs=("window",),
     window_param="window",
+    budget_above="window",
     budget_note="layer budgets come out of the progressive rule and sum to at most budget x n_layer: budget freed "
                 "by the shrink-only rule is not handed back (as in the authors' code)",
     deviations=(
@@ -35,5 +36,4 @@ SPEC = PolicySpec(
         "tokens); an update whose counts are all zero is skipped",
         "scores in float64 (the code sums in bf16/fp16); the global top-k breaks ties by (layer, head, slot)",
     ),
-    check=needs_window_budget("dynamickv"),
 )

@@ -1,5 +1,5 @@
 """h2o: heavy hitters by accumulated attention of all prefill queries + a recent window (Zhang et al.)."""
-from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, needs_window_budget
+from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param
 
 SPEC = PolicySpec(
     name="h2o",
@@ -24,5 +24,5 @@ SPEC = PolicySpec(
         "keeps per query head",
         "accumulated attention comes from the engine's colsum observation (float32), combined in float64",
     ),
-    check=needs_window_budget("h2o", "recent"),
+    budget_above="recent",
 )

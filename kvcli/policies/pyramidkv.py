@@ -1,6 +1,6 @@
 """pyramidkv: SnapKV selection with pyramid-shaped per-layer budgets (Cai et al., KVCache-Factory)."""
-from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, kernel_param, needs_window_budget, \
-    pool_param, window_param
+from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, kernel_param, pool_param, \
+    window_param
 
 
 def layer_budgets(n_layer: int, n: int, budget: int, window: int, beta: int, schedule: str = "exact") -> list[int]:
@@ -37,6 +37,11 @@ def layer_budgets(n_layer: int, n: int, budget: int, window: int, beta: int, sch
     return out
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int:
+    """Entries the widest layer keeps of n > budget (the schedule decides it: its prefix share + the window)."""
+    return max(layer_budgets(n_layer, n, budget, p["window"], p["beta"], p["schedule"])) + p["window"]
+
+
 SPEC = PolicySpec(
     name="pyramidkv",
     summary="SnapKV selection with pyramid per-layer budgets (more in lower layers)",
@@ -57,6 +62,10 @@ SPEC = PolicySpec(
     ),
     needs=("window",),
     window_param="window",
+    budget_above="window",
+    schedule=lambda p, budget, n_layer, n: {
+        "layer_budgets": layer_budgets(n_layer, n, budget, p["window"], p["beta"], p["schedule"])},
+    resolved_away=("beta", "schedule"),
     budget_note="average per layer = budget (window included) with the default schedule=exact; "
                 "schedule=factory (KVCache-Factory's rule) keeps more, measured from the live cache (SmolLM2-135M, "
                 "30 layers, 1,333-token prompt): 4,215 entries per KV head at budget 128 (mean 140.5, +9.8%), "
@@ -69,5 +78,5 @@ SPEC = PolicySpec(
         "schedule=exact (the default) is a kvcli addition: KVCache-Factory's floored step keeps more than the "
         "budget, which an equal-budget comparison cannot have; schedule=factory is its rule",
     ),
-    check=needs_window_budget("pyramidkv"),
+    widest=widest,
 )

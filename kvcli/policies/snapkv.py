@@ -1,6 +1,5 @@
 """snapkv: window attention, pooled, top-k per KV head + the observation window (Li et al.)."""
-from kvcli.policies.base import Paper, PolicySpec, gqa_param, kernel_param, needs_window_budget, pool_param, \
-    window_param
+from kvcli.policies.base import Paper, PolicySpec, gqa_param, kernel_param, pool_param, window_param
 
 SPEC = PolicySpec(
     name="snapkv",
@@ -17,6 +16,7 @@ SPEC = PolicySpec(
     ),
     needs=("window",),
     window_param="window",
+    budget_above="window",
     deviations=(
         "selection per KV head, scores of the query heads of a group combined by `gqa` (mean by default, as "
         "kvpress and KVCache-Factory's kv_head mode do); the paper and its code repeat the cache to every query "
@@ -25,5 +25,4 @@ SPEC = PolicySpec(
         "kvpress averages: same ranking); ties go to the lower slot",
         "kvpress differs by window 64, kernel 5, avg pooling: set window=64 kernel=5 pool=avg to reproduce it",
     ),
-    check=needs_window_budget("snapkv"),
 )

@@ -10,14 +10,13 @@ stores it). Under the one approximation "every member's key equals the shared ke
 the cell receives equals the sum of its members' and its output the members' mean value: exact
 softmax algebra, so the cache really shrinks by (kept entries - codebook rows).
 
-`layer_keep` is the linear schedule (Eq. 5-6) in plain Python floats, shared with the torch planner;
-native/src/policies/spindlekv.cpp does the same IEEE operations in the same order.
+`layer_keep` is the linear schedule (Eq. 5-6) in plain Python floats: the torch planner calls it and
+the native planner receives its result (`layer_keep`, PolicySpec.schedule).
 """
 from __future__ import annotations
 
 import math
 
-from kvcli.errors import KvcliError
 from kvcli.policies.base import Paper, Param, PolicySpec, gqa_param, kernel_param, pool_param, window_param
 
 
@@ -49,10 +48,21 @@ def layer_keep(n_layer: int, n: int, budget: int, window: int, beta: float, low_
     return out
 
 
-def _check(p: dict, budget: int) -> None:
-    if budget <= p["window"]:
-        raise KvcliError(f"policy 'spindlekv': budget {budget} must be larger than window={p['window']} (the window "
-                         "is kept inside the eviction budget); lower it with --policy-arg window=N")
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """Entries the widest layer keeps of n > budget when no key merges (theta_k >= 1); None otherwise: how
+    much the codebook merges depends on the keys."""
+    if p["theta_k"] < 1.0:
+        return None
+    w = p["window"]
+    return max(layer_keep(n_layer, n, budget, w, p["beta"], p["low_budget"])) + w
+
+
+
+def _schedule(p: dict, budget: int, n_layer: int, n: int) -> dict:
+    """For the native planner; a prompt that fits the budget is kept whole and needs none (layer_keep
+    divides by n - window)."""
+    return {"layer_keep": layer_keep(n_layer, n, budget, p["window"], p["beta"], p["low_budget"]) if n > budget
+            else ()}
 
 
 SPEC = PolicySpec(
@@ -116,5 +126,8 @@ SPEC = PolicySpec(
         "window attention summed in float64; cosine similarities in float64 from the float32 rows; ties (top-k "
         "and the greedy cover's maximum degree) go to the lower slot",
     ),
-    check=_check,
+    budget_above="window",
+    schedule=_schedule,
+    resolved_away=("beta", "low_budget"),
+    widest=widest,
 )

@@ -1,12 +1,5 @@
 """streamingllm: attention sinks + the most recent tokens (Xiao et al.)."""
-from kvcli.errors import KvcliError
 from kvcli.policies.base import Paper, Param, PolicySpec
-
-
-def _check(params: dict, budget: int) -> None:
-    if budget <= params["sinks"]:
-        raise KvcliError(f"policy 'streamingllm': budget {budget} must be larger than sinks={params['sinks']}")
-
 
 SPEC = PolicySpec(
     name="streamingllm",
@@ -22,5 +15,5 @@ SPEC = PolicySpec(
         "no key re-rotation: kept keys keep their original RoPE positions (kvpress's default; the paper "
         "re-numbers positions inside the cache)",
     ),
-    check=_check,
+    budget_above="sinks",
 )

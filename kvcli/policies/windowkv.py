@@ -36,6 +36,24 @@ def layer_budgets(n_layer: int, gamma: int, review_budget: int, lam: int) -> lis
     return [bg[l // gamma] for l in range(n_layer)]
 
 
+def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
+    """Entries the widest group keeps of n > budget: its whole review windows + the observation window; None
+    when that depends on whether the scores pick the last, partial review window."""
+    alpha, omega = p["window"], p["review_window"]
+    L = n - alpha                               # the review context, in N windows, the last one `last` long
+    N = -(-L // omega)
+    last = L - (N - 1) * omega
+    lo = hi = 0
+    for bud in group_budgets(n_layer, group_size(n_layer, p["shared_layers"]), budget - alpha, p["beta"]):
+        if L <= bud:
+            a = b = L
+        else:
+            k = max(N - (-(-(L - bud) // omega)), 0)   # windows kept (as the planners count them)
+            a, b = max(k * omega - (omega - last), 0), k * omega
+        lo, hi = max(lo, a), max(hi, b)
+    return lo + alpha if lo == hi else None
+
+
 def _resolve(p: dict) -> dict:
     p = dict(p)
     if p["window"] == 0:
@@ -47,10 +65,10 @@ def _resolve(p: dict) -> dict:
     return p
 
 
-def _check(p: dict, budget: int) -> None:
-    if budget <= p["window"]:
-        raise KvcliError(f"policy 'windowkv': budget {budget} must be larger than window={p['window']} (the "
-                         "observation window is kept inside the budget); lower it with --policy-arg window=N")
+def _schedule(p: dict, budget: int, n_layer: int, n: int) -> dict:
+    """For the native planner: the group size gamma and the group budgets (review budget = budget - window)."""
+    gamma = group_size(n_layer, p["shared_layers"])
+    return {"shared_layers": gamma, "group_budgets": group_budgets(n_layer, gamma, budget - p["window"], p["beta"])}
 
 
 def _resolve_instruction(p: dict, instruction: str | None) -> dict:
@@ -103,7 +121,10 @@ SPEC = PolicySpec(
                 "window; the schedule's integer floors make the average slightly above B",
     resolve_instruction=_resolve_instruction,
     resolve=_resolve,
-    check=_check,
+    budget_above="window",
+    schedule=_schedule,
+    resolved_away=("task", "beta"),   # the task became window and score; beta the group budgets
+    widest=widest,
     deviations=(
         "the budget includes the observation window (kvcli's convention): the authors' code adds alpha entries "
         "on top of B, kvcli feeds budget - window to the schedule",

@@ -2,7 +2,6 @@
 sessions over them. Every test runs the real patched library (KVCLI_LIB_DIR or the installed one)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 

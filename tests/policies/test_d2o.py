@@ -33,8 +33,8 @@ def assert_same(a, b):
 
 
 def both(args, budget, obs):
-    _, params, text = P.prepare("d2o", args, budget)
-    nat, ref = native_plan("d2o", text, budget, obs), reference_plan("d2o", params, budget, obs)
+    _, params, _ = P.prepare("d2o", args, budget)
+    nat, ref = native_plan("d2o", params, budget, obs), reference_plan("d2o", params, budget, obs)
     nat.validate(obs.n, obs.head_dim)
     ref.validate(obs.n, obs.head_dim)
     assert_same(nat, ref)
@@ -177,12 +177,6 @@ def test_engines_agree_on_random_observations(vi):
     assert merged > 0 or "merge=none" in VARIANTS[vi]
 
 
-def test_defaults_of_cpp_equal_the_registry():
-    obs = random_obs(3, 4, 6, 2, 200, kv=True)
-    _, _, text = P.prepare("d2o", [], 64)
-    assert_same(native_plan("d2o", "", 64, obs), native_plan("d2o", text, 64, obs))
-
-
 def test_short_prompt_is_kept_whole():
     obs = random_obs(2, 3, 6, 2, 50, kv=True)
     plan = both([], 64, obs)
@@ -191,20 +185,20 @@ def test_short_prompt_is_kept_whole():
 
 def test_errors_are_clear_in_both_engines():
     obs = random_obs(3, 3, 4, 2, 150, kv=True)
-    _, params, text = P.prepare("d2o", [], 64)
+    _, params, _ = P.prepare("d2o", [], 64)
     keys = obs.keys
     obs.keys = None
-    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
+    for run in (lambda: native_plan("d2o", params, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
         with pytest.raises(KvcliError, match="needs the kv observation"):
             run()
     obs.keys = keys.copy()
     obs.keys[1, 0, 5, 3] = np.nan
-    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
+    for run in (lambda: native_plan("d2o", params, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
         with pytest.raises(KvcliError, match="NaN"):
             run()
     obs.keys = keys
-    _, params, text = P.prepare("d2o", ["full_layers=3"], 64)
-    for run in (lambda: native_plan("d2o", text, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
+    _, params, _ = P.prepare("d2o", ["full_layers=3"], 64)
+    for run in (lambda: native_plan("d2o", params, 64, obs), lambda: reference_plan("d2o", params, 64, obs)):
         with pytest.raises(KvcliError, match="full_layers item 3 is outside the model's 3 layers"):
             run()
     with pytest.raises(KvcliError, match="heavy \\+ recent must be >= 1"):
@@ -221,17 +215,6 @@ def test_explain_says_prefill_only_and_lists_variants():
 # ---------------------------------------------------------------------------------------------
 # the plan in the real native cache (tiny random model, f32 cache: rows land exactly)
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_session(tmp_path_factory):
-    from kvcli.native.session import NativeSession
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    path = write_tiny_llama(tmp_path_factory.mktemp("merge") / "tiny.gguf", n_layer=3, n_head=4, n_head_kv=2,
-                            head_dim=16, seed=3)
-    s = NativeSession(path, n_ctx=512, cache_type="f32", flash_attn=False)
-    yield s
-    s.close()
-
-
 def compress_in_native_cache(session, policy: str, args: list, budget: int = 48, n: int = 180):
     """Prefill n tokens, compress with the native planner; check the cache holds the plan's rows.
 

@@ -22,8 +22,8 @@ from kvcli.reference.policies import reference_plan
 
 
 def plans(name, args, budget, obs):
-    _, params, text = P.prepare(name, args, budget)
-    nat, ref = native_plan(name, text, budget, obs), reference_plan(name, params, budget, obs)
+    _, params, _ = P.prepare(name, args, budget)
+    nat, ref = native_plan(name, params, budget, obs), reference_plan(name, params, budget, obs)
     assert np.array_equal(nat.n_kept, ref.n_kept) and np.array_equal(nat.slots, ref.slots)
     return nat
 
@@ -247,8 +247,8 @@ def test_compresskv_handmade_srh_vote():
     plan = plans("compresskv", base, 3, obs)        # no calibration: every head votes, tie -> lower slot
     assert kept(plan, 0, 0) == kept(plan, 0, 1) == [0, 6, 7]
     with pytest.raises(KvcliError, match=r"srh names query head 9, the model has 4"):
-        native_plan("compresskv", "window=2;srh_k=2;srh=1,9", 3, obs)
+        native_plan("compresskv", P.prepare("compresskv", ["window=2", "srh_k=2", "srh=1,9"], 3)[1], 3, obs)
     with pytest.raises(KvcliError, match=r"srh has 3 head ids, expected 1 layers x srh_k 2"):
-        native_plan("compresskv", "window=2;srh_k=2;srh=1,2,3", 3, obs)
+        native_plan("compresskv", P.prepare("compresskv", ["window=2", "srh_k=2", "srh=1,2,3"], 3)[1], 3, obs)
     with pytest.raises(KvcliError, match=r"srh has 3 head ids"):
         reference_plan("compresskv", ["window=2", "srh_k=2", "srh=1,2,3"], 3, obs)

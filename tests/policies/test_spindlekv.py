@@ -22,8 +22,8 @@ from kvcli.reference.policies import reference_plan
 
 
 def both(args, budget, obs):
-    _, params, text = P.prepare("spindlekv", args, budget)
-    nat, ref = native_plan("spindlekv", text, budget, obs), reference_plan("spindlekv", params, budget, obs)
+    _, params, _ = P.prepare("spindlekv", args, budget)
+    nat, ref = native_plan("spindlekv", params, budget, obs), reference_plan("spindlekv", params, budget, obs)
     nat.validate(obs.n, obs.head_dim)
     ref.validate(obs.n, obs.head_dim)
     assert_same(nat, ref)
@@ -151,12 +151,6 @@ def test_engines_agree_on_random_observations(vi):
             assert round(float(np.exp(plan.log_mult.astype(np.float64)).sum())) == n_head_kv * (sum(keep) + n_layer * w)
 
 
-def test_defaults_of_cpp_equal_the_registry():
-    obs = random_obs(3, 4, 6, 2, 200, kv=True)
-    _, _, text = P.prepare("spindlekv", [], 64)
-    assert_same(native_plan("spindlekv", "", 64, obs), native_plan("spindlekv", text, 64, obs))
-
-
 def test_short_prompt_is_kept_whole():
     obs = random_obs(2, 3, 6, 2, 50, kv=True)
     plan = both([], 64, obs)
@@ -165,15 +159,15 @@ def test_short_prompt_is_kept_whole():
 
 def test_errors_are_clear_in_both_engines():
     obs = random_obs(3, 3, 4, 2, 150, w=32, kv=True)
-    _, params, text = P.prepare("spindlekv", [], 64)
+    _, params, _ = P.prepare("spindlekv", [], 64)
     obs.values = None
-    for run in (lambda: native_plan("spindlekv", text, 64, obs), lambda: reference_plan("spindlekv", params, 64, obs)):
+    for run in (lambda: native_plan("spindlekv", params, 64, obs), lambda: reference_plan("spindlekv", params, 64, obs)):
         with pytest.raises(KvcliError, match="needs the kv observation"):
             run()
     with pytest.raises(KvcliError, match="budget 8 must be larger than window=8"):
         P.prepare("spindlekv", [], 8)
     with pytest.raises(KvcliError, match="budget 8 must be larger than window=8"):
-        native_plan("spindlekv", "", 8, obs)
+        reference_plan("spindlekv", params, 8, obs)   # the registry's check, the one both engines' callers run
 
 
 def test_explain_documents_the_storage_and_every_reconstruction_choice():
@@ -186,7 +180,7 @@ def test_explain_documents_the_storage_and_every_reconstruction_choice():
 # ---------------------------------------------------------------------------------------------
 # the codebook in the real native cache: fewer cells, measured bytes
 # ---------------------------------------------------------------------------------------------
-from test_d2o import compress_in_native_cache, tiny_session  # noqa: E402,F401  (fixture reused)
+from test_d2o import compress_in_native_cache  # noqa: E402
 
 
 def test_codebook_cells_shrink_the_native_cache(tiny_session):

@@ -39,12 +39,6 @@ def require_colsum(obs: Observation, policy: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(obs.colsum, dtype=np.float32))
 
 
-def require_budget_above(policy: str, budget: int, what: str, value: int) -> None:
-    if budget <= value:
-        raise KvcliError(f"policy '{policy}': budget {budget} must be larger than {what}={value} "
-                         "(it is kept inside the budget)")
-
-
 def window_sum(sums: torch.Tensor, length: int) -> torch.Tensor:
     """Attention each of the first `length` slots receives from the window queries (already summed by the
     engine: Observation.window_sums): [..., n] float32 -> [..., length] float64, as the C++ side reads it."""

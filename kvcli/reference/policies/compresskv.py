@@ -9,29 +9,24 @@ import torch
 
 from kvcli.errors import KvcliError
 from kvcli.plan import Observation, Plan
-from kvcli.policies.compresskv import allocate
-from kvcli.reference.policies._common import keep_all, plan_from_kept, pool1d, require_budget_above, \
+from kvcli.policies.compresskv import layer_budgets
+from kvcli.reference.policies._common import keep_all, plan_from_kept, pool1d, \
     require_window, topk_ascending, window_sum
 
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     w, k = params["window"], params["srh_k"]
-    srh, scores = list(params["srh"]), list(params["layer_scores"])
-    require_budget_above("compresskv", budget, "window", w)
+    srh = list(params["srh"])
     if srh and len(srh) != obs.n_layer * k:
         raise KvcliError(f"policy 'compresskv': srh has {len(srh)} head ids, expected {obs.n_layer} layers x srh_k "
                          f"{k} (calibration from another model?)")
     if srh and max(srh) >= obs.n_head:
         raise KvcliError(f"policy 'compresskv': srh names query head {max(srh)}, the model has {obs.n_head} "
                          "(calibration from another model?)")
-    if scores and len(scores) != obs.n_layer:
-        raise KvcliError(f"policy 'compresskv': layer_scores has {len(scores)} values, the observation has "
-                         f"{obs.n_layer} layers")
+    budgets = layer_budgets(params, budget, obs.n_layer)
     if obs.n <= budget:
         return keep_all(obs)
     window = require_window(obs, "compresskv", w)
-    budgets = allocate(scores, budget, params["min_budget"], params["max_factor"], params["allocator"]) \
-        if scores else [budget] * obs.n_layer
     prefix = obs.n - w
     kept = []
     for l in range(obs.n_layer):

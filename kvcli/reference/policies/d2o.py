@@ -69,7 +69,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
         return keep_all(obs)
     colsum = require_colsum(obs, "d2o")
     keys, values = require_kv(obs, "d2o")
-    L, H, G, n = obs.n_layer, obs.n_head_kv, obs.n_head // obs.n_head_kv, obs.n
+    L, H, n = obs.n_layer, obs.n_head_kv, obs.n
     check_nan(colsum.to(torch.float64))
 
     full = full_layer_set(params["full_layers"], L)

@@ -12,13 +12,12 @@ import math
 import torch
 
 from kvcli.plan import Observation, Plan
-from kvcli.reference.policies._common import keep_all, plan_from_kept, rank_desc, require_budget_above, \
+from kvcli.reference.policies._common import keep_all, plan_from_kept, rank_desc, \
     require_window, snap_scores
 
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     ws, m = params["window"], params["interval"]
-    require_budget_above("dynamickv", budget, "window", ws)
     if obs.n <= budget:
         return keep_all(obs)
     window = require_window(obs, "dynamickv", ws)

@@ -6,13 +6,12 @@ score[h, j] = combine over the query heads q of KV head h of colsum[q, j]
 import torch
 
 from kvcli.plan import Observation, Plan
-from kvcli.reference.policies._common import check_nan, gqa_combine, keep_all, plan_from_kept, require_budget_above, \
+from kvcli.reference.policies._common import check_nan, gqa_combine, keep_all, plan_from_kept, \
     require_colsum, topk_ascending
 
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     recent_n = params["recent"]
-    require_budget_above("h2o", budget, "recent", recent_n)
     if obs.n <= budget:
         return keep_all(obs)
     colsum = require_colsum(obs, "h2o")

@@ -7,13 +7,12 @@ The (budget - window) best prefix slots are kept, plus the window itself.
 import torch
 
 from kvcli.plan import Observation, Plan
-from kvcli.reference.policies._common import keep_all, plan_from_kept, require_budget_above, require_window, \
+from kvcli.reference.policies._common import keep_all, plan_from_kept, require_window, \
     snap_scores, topk_ascending
 
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     w = params["window"]
-    require_budget_above("snapkv", budget, "window", w)
     if obs.n <= budget:
         return keep_all(obs)
     window = require_window(obs, "snapkv", w)

@@ -21,7 +21,7 @@ import torch
 
 from kvcli.plan import Observation, Plan
 from kvcli.policies.spindlekv import layer_keep
-from kvcli.reference.policies._common import gqa_combine, keep_all, pool1d, require_budget_above, require_kv, \
+from kvcli.reference.policies._common import gqa_combine, keep_all, pool1d, require_kv, \
     require_window, topk_ascending, window_sum
 from kvcli.reference.policies.d2o import cosine, sq_norms
 
@@ -94,7 +94,6 @@ def codebook_cells(K: torch.Tensor, V: torch.Tensor, params: dict):
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     w = params["window"]
-    require_budget_above("spindlekv", budget, "window", w)
     if obs.n <= budget:
         return keep_all(obs)
     window = require_window(obs, "spindlekv", w)

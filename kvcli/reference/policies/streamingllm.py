@@ -2,12 +2,11 @@
 import torch
 
 from kvcli.plan import Observation, Plan
-from kvcli.reference.policies._common import keep_all, plan_from_kept, require_budget_above
+from kvcli.reference.policies._common import keep_all, plan_from_kept
 
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     sinks = params["sinks"]
-    require_budget_above("streamingllm", budget, "sinks", sinks)
     if obs.n <= budget:
         return keep_all(obs)
     kept = torch.cat([torch.arange(sinks), torch.arange(obs.n - (budget - sinks), obs.n)])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kvcli.plan import Observation, Plan
 from kvcli.policies.windowkv import group_budgets, group_size
-from kvcli.reference.policies._common import keep_all, plan_from_kept, require_budget_above, require_window, \
+from kvcli.reference.policies._common import keep_all, plan_from_kept, require_window, \
     topk_ascending, window_sum
 
 
@@ -42,7 +42,6 @@ def window_scores(t: torch.Tensor, omega: int, top_p: int, score: str) -> torch.
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
     alpha, omega = params["window"], params["review_window"]
-    require_budget_above("windowkv", budget, "window", alpha)
     if obs.n <= budget:
         return keep_all(obs)
     window = require_window(obs, "windowkv", alpha)

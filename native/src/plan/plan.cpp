@@ -72,58 +72,35 @@ Params::Params(const std::string & policy, const char * text) : policy_(policy) 
     }
 }
 
-int64_t Params::get_int(const std::string & key, int64_t def, int64_t lo, int64_t hi, bool odd) {
+const std::string & Params::value(const std::string & key) {
     known_.push_back(key);
     auto it = kv_.find(key);
-    if (it == kv_.end()) return def;
-    const std::string & v = it->second;
-    errno = 0;
-    char * end = nullptr;
-    long long x = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno == ERANGE) {
-        throw PlanError("policy '" + policy_ + "': parameter " + key + " must be an integer (got '" + v + "')");
+    if (it == kv_.end()) {
+        throw PlanError("policy '" + policy_ + "': parameter " + key + " is missing (the native planner declares no "
+                        "defaults: kvcli's registry passes every parameter, see PolicySpec.native_params)");
     }
-    if (x < lo || x > hi) {
-        throw PlanError("policy '" + policy_ + "': parameter " + key + " must be in [" + std::to_string(lo) + ", " +
-                        std::to_string(hi) + "] (got " + v + ")");
-    }
-    if (odd && x % 2 == 0) {
-        throw PlanError("policy '" + policy_ + "': parameter " + key + " must be odd (got " + v + ")");
-    }
-    return x;
+    return it->second;
 }
 
-double Params::get_float(const std::string & key, double def, double lo, double hi) {
-    known_.push_back(key);
-    auto it = kv_.find(key);
-    if (it == kv_.end()) return def;
-    const std::string & v = it->second;
-    char * end = nullptr;
-    double x = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !std::isfinite(x)) {
-        throw PlanError("policy '" + policy_ + "': parameter " + key + " must be a finite number (got '" + v + "')");
-    }
-    if (x < lo || x > hi) {
-        throw PlanError("policy '" + policy_ + "': parameter " + key + " out of range (got " + v + ")");
-    }
-    return x;
-}
-
-std::string Params::get_choice(const std::string & key, const std::string & def, const std::vector<std::string> & choices) {
-    known_.push_back(key);
-    auto it = kv_.find(key);
-    if (it == kv_.end()) return def;
-    std::string v = lower(it->second);
-    if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
-        std::string list;
-        for (const auto & c : choices) list += (list.empty() ? "" : ", ") + c;
-        throw PlanError("policy '" + policy_ + "': parameter " + key + " must be one of " + list + " (got '" +
-                        it->second + "')");
-    }
-    return v;
+PlanError Params::bad(const std::string & key, const std::string & what) const {
+    return PlanError("policy '" + policy_ + "': parameter " + key + " must be " + what);
 }
 
 namespace {
+// strtoll / strtod of a whole item; false when it is empty, has trailing characters or does not fit
+bool parse_int(const std::string & v, int64_t & x) {
+    errno = 0;
+    char * end = nullptr;
+    x = std::strtoll(v.c_str(), &end, 10);
+    return !v.empty() && *end == '\0' && errno != ERANGE;
+}
+
+bool parse_float(const std::string & v, double & x) {
+    char * end = nullptr;
+    x = std::strtod(v.c_str(), &end);
+    return !v.empty() && *end == '\0' && std::isfinite(x);
+}
+
 std::vector<std::string> split_list(const std::string & v) {
     std::vector<std::string> out;
     size_t pos = 0;
@@ -138,36 +115,36 @@ std::vector<std::string> split_list(const std::string & v) {
 }
 } // namespace
 
-std::vector<int64_t> Params::get_int_list(const std::string & key, int64_t lo, int64_t hi) {
-    known_.push_back(key);
-    std::vector<int64_t> out;
-    auto it = kv_.find(key);
-    if (it == kv_.end()) return out;
-    for (const auto & item : split_list(it->second)) {
-        errno = 0;
-        char * end = nullptr;
-        long long x = std::strtoll(item.c_str(), &end, 10);
-        if (*end != '\0' || errno == ERANGE || x < lo || x > hi) {
-            throw PlanError("policy '" + policy_ + "': parameter " + key + " must be a comma-separated list of "
-                            "integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "] (bad item '" + item + "')");
-        }
-        out.push_back(x);
-    }
-    return out;
+int64_t Params::get_int(const std::string & key) {
+    const std::string & v = value(key);
+    int64_t x = 0;
+    if (!parse_int(v, x)) throw bad(key, "an integer (got '" + v + "')");
+    return x;
 }
 
-std::vector<double> Params::get_float_list(const std::string & key, double lo, double hi) {
-    known_.push_back(key);
-    std::vector<double> out;
-    auto it = kv_.find(key);
-    if (it == kv_.end()) return out;
-    for (const auto & item : split_list(it->second)) {
-        char * end = nullptr;
-        double x = std::strtod(item.c_str(), &end);
-        if (*end != '\0' || !std::isfinite(x) || x < lo || x > hi) {
-            throw PlanError("policy '" + policy_ + "': parameter " + key + " must be a comma-separated list of "
-                            "numbers in range (bad item '" + item + "')");
-        }
+double Params::get_float(const std::string & key) {
+    const std::string & v = value(key);
+    double x = 0.0;
+    if (!parse_float(v, x)) throw bad(key, "a finite number (got '" + v + "')");
+    return x;
+}
+
+std::string Params::get_choice(const std::string & key, const std::vector<std::string> & choices) {
+    const std::string & raw = value(key);
+    std::string v = lower(raw);
+    if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
+        std::string list;
+        for (const auto & c : choices) list += (list.empty() ? "" : ", ") + c;
+        throw bad(key, "one of " + list + " (got '" + raw + "')");
+    }
+    return v;
+}
+
+std::vector<int64_t> Params::get_int_list(const std::string & key) {
+    std::vector<int64_t> out;
+    for (const auto & item : split_list(value(key))) {
+        int64_t x = 0;
+        if (!parse_int(item, x)) throw bad(key, "a comma-separated list of integers (bad item '" + item + "')");
         out.push_back(x);
     }
     return out;
@@ -265,7 +242,6 @@ struct kvcli_plan * kvcli_plan_make(const char * policy, const char * params, in
         if (it == policy_registry().end()) {
             throw PlanError("unknown policy '" + name + "'; the native planner has: " + names());
         }
-        if (budget < 1) throw PlanError("policy '" + name + "': budget must be >= 1 (got " + std::to_string(budget) + ")");
         validate_obs(obs);
         Obs o;
         o.n_layer = obs->n_layer; o.n_head = obs->n_head; o.n_head_kv = obs->n_head_kv;

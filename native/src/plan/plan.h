@@ -54,23 +54,28 @@ struct Obs {
     }
 };
 
-// Parsed "key=value;..." of one policy. A policy reads every parameter it knows (with its
-// default and bounds) and then calls finish(), which rejects keys it did not read.
+// Parsed "key=value;..." of one policy. The planner declares no parameter: kvcli's registry
+// (kvcli/policies/) resolves every default, validates every range once and passes every parameter,
+// closed-form layer schedules included (PolicySpec.native_params). A getter of a missing key, an
+// unparsable value or a choice outside the policy's vocabulary is a PlanError, never a default.
+// A policy reads every parameter and then calls finish(), which rejects keys it did not read.
+// Range checks stay in a policy only where an index or a division needs them (a comment says so).
 class Params {
 public:
     Params(const std::string & policy, const char * text);
-    int64_t     get_int(const std::string & key, int64_t def, int64_t lo, int64_t hi, bool odd = false);
-    double      get_float(const std::string & key, double def, double lo, double hi);
-    std::string get_choice(const std::string & key, const std::string & def, const std::vector<std::string> & choices);
-    // Comma-separated lists; absent or empty = empty list. Items checked against [lo, hi].
-    std::vector<int64_t> get_int_list(const std::string & key, int64_t lo, int64_t hi);
-    std::vector<double>  get_float_list(const std::string & key, double lo, double hi);
+    int64_t     get_int(const std::string & key);
+    double      get_float(const std::string & key);
+    std::string get_choice(const std::string & key, const std::vector<std::string> & choices);
+    // A comma-separated list; an empty value is the empty list.
+    std::vector<int64_t> get_int_list(const std::string & key);
     void        finish() const;
     const std::string & policy() const { return policy_; }
 private:
     std::string policy_;
     std::map<std::string, std::string> kv_;
     std::vector<std::string> known_;
+    const std::string & value(const std::string & key);   // records the key; PlanError when it is missing
+    PlanError bad(const std::string & key, const std::string & what) const;
 };
 
 // The plan being built: kept slots per (layer, kv head), ascending; optional log_mult and
@@ -110,7 +115,8 @@ void require_window(const Obs & obs, const std::string & policy, int w);
 void require_colsum(const Obs & obs, const std::string & policy);
 // keys and values present and free of NaN (merging policies).
 void require_kv(const Obs & obs, const std::string & policy);
-void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value);
+// A per-layer list handed over by the registry (a closed-form schedule) has one value per layer.
+void require_per_layer(const Obs & obs, const std::string & policy, const std::string & key, size_t size);
 
 // s[j] = (double) window_sums[window w][l][q][j], j < len: the attention slot j received from the last w
 // window queries, summed in the graph (float32, rows in decode order) or by the reference engine (float64,
@@ -124,7 +130,9 @@ std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_ma
 // Combine the scores of the query heads of one KV head: mean (sum in head order, then / G),
 // max, or sum.
 enum class Gqa { mean, max, sum };
-Gqa parse_gqa(const std::string & s);
+// The shared parameters: gqa (mean|max|sum) and pool (true for max, false for avg).
+Gqa read_gqa(Params & params);
+bool read_max_pool(Params & params);
 std::vector<double> gqa_combine(const std::vector<std::vector<double>> & per_q, Gqa mode);
 // The pooled, combined window score of KV head h in layer l over the first len slots.
 std::vector<double> snap_scores(const Obs & obs, int l, int h, int w, int len, int kernel, bool is_max, Gqa gqa);

@@ -13,7 +13,12 @@ namespace kvcli {
 
 namespace {
 // the first len values of a float32 row as doubles; NaN is an error (before pooling: max pooling would hide it)
-std::vector<double> row_scores(const float * row, int l, int len) {
+// Memory safety: a row holds n values, so len must lie in [0, n] (the registry's budget > window check
+// keeps every policy's prefix there; this guards a direct C API call).
+std::vector<double> row_scores(const float * row, int l, int len, int n) {
+    if (len < 0 || len > n) {
+        throw PlanError("scores of " + std::to_string(len) + " slots asked for, the observation has " + std::to_string(n));
+    }
     std::vector<double> s(static_cast<size_t>(len));
     for (int j = 0; j < len; j++) {
         s[j] = static_cast<double>(row[j]);
@@ -60,19 +65,19 @@ void require_kv(const Obs & obs, const std::string & policy) {
     }
 }
 
-void require_budget_above(const std::string & policy, int budget, const std::string & what, int64_t value) {
-    if (budget <= value) {
-        throw PlanError("policy '" + policy + "': budget " + std::to_string(budget) + " must be larger than " + what +
-                        "=" + std::to_string(value) + " (it is kept inside the budget)");
+void require_per_layer(const Obs & obs, const std::string & policy, const std::string & key, size_t size) {
+    if (size != static_cast<size_t>(obs.n_layer)) {
+        throw PlanError("policy '" + policy + "': " + key + " has " + std::to_string(size) + " values, the observation has " +
+                        std::to_string(obs.n_layer) + " layers");
     }
 }
 
 std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len) {
-    return row_scores(obs.window_sum_row(l, q, w), l, len);
+    return row_scores(obs.window_sum_row(l, q, w), l, len, obs.n);
 }
 
 std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len) {
-    return row_scores(obs.colsum_row(l, q), l, len);
+    return row_scores(obs.colsum_row(l, q), l, len, obs.n);
 }
 
 std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_max) {
@@ -97,11 +102,12 @@ std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_ma
     return out;
 }
 
-Gqa parse_gqa(const std::string & s) {
-    if (s == "mean") return Gqa::mean;
-    if (s == "max") return Gqa::max;
-    return Gqa::sum;
+Gqa read_gqa(Params & params) {
+    const std::string s = params.get_choice("gqa", {"mean", "max", "sum"});
+    return s == "mean" ? Gqa::mean : s == "max" ? Gqa::max : Gqa::sum;
 }
+
+bool read_max_pool(Params & params) { return params.get_choice("pool", {"max", "avg"}) == "max"; }
 
 std::vector<double> gqa_combine(const std::vector<std::vector<double>> & per_q, Gqa mode) {
     std::vector<double> out = per_q.at(0);

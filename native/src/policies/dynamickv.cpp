@@ -11,14 +11,14 @@
 namespace {
 
 void plan_dynamickv(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
-    const int ws = static_cast<int>(params.get_int("window", 8, 1, 4096));
-    const int kernel = static_cast<int>(params.get_int("kernel", 7, 1, 255, true));
-    const bool is_max = params.get_choice("pool", "avg", {"max", "avg"}) == "max";
-    const double r_max = params.get_float("r_max", 10.0, 1.0, 1000.0);
-    const int m = static_cast<int>(params.get_int("interval", 4, 1, 1024));
-    const auto gqa = kvcli::parse_gqa(params.get_choice("gqa", "mean", {"mean", "max", "sum"}));
+    const int ws = static_cast<int>(params.get_int("window"));
+    const int kernel = static_cast<int>(params.get_int("kernel"));
+    const bool is_max = kvcli::read_max_pool(params);
+    const double r_max = params.get_float("r_max");
+    const int m = static_cast<int>(params.get_int("interval"));
+    const auto gqa = kvcli::read_gqa(params);
     params.finish();
-    kvcli::require_budget_above("dynamickv", budget, "window", ws);
+    if (m < 1) throw kvcli::PlanError("policy 'dynamickv': interval must be >= 1");   // kept: l % m divides by it
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     kvcli::require_window(obs, "dynamickv", ws);
 
@@ -43,7 +43,8 @@ void plan_dynamickv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
 
         const int n_seen = l + 1;
         const int64_t M = static_cast<int64_t>(n_seen) * H * P;
-        const int64_t k = std::min<int64_t>(base * H * n_seen, M);
+        // clamped to [0, M] for memory safety (nth_element below); the registry's budget > window keeps base >= 1
+        const int64_t k = std::clamp<int64_t>(base * H * n_seen, 0, M);
         std::vector<int64_t> idx(static_cast<size_t>(M));
         std::iota(idx.begin(), idx.end(), 0);
         auto better = [&](int64_t a, int64_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };

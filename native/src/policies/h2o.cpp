@@ -4,10 +4,9 @@
 
 namespace {
 void plan_h2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
-    const int recent = static_cast<int>(params.get_int("recent", 32, 1, 4096));
-    const auto gqa = kvcli::parse_gqa(params.get_choice("gqa", "mean", {"mean", "max", "sum"}));
+    const int recent = static_cast<int>(params.get_int("recent"));
+    const auto gqa = kvcli::read_gqa(params);
     params.finish();
-    kvcli::require_budget_above("h2o", budget, "recent", recent);
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     kvcli::require_colsum(obs, "h2o");
     const int prefix = obs.n - recent, G = obs.group();

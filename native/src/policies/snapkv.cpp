@@ -1,16 +1,15 @@
 // snapkv: per KV head, the (budget - window) prefix slots with the highest pooled window attention
 // (summed over the window queries, pooled per query head, combined over the GQA group) + the window.
-// kvcli/policies/snapkv.py documents the parameters; kvcli/reference/policies/snapkv.py is the twin.
+// kvcli/policies/snapkv.py declares and validates the parameters; kvcli/reference/policies/snapkv.py is the twin.
 #include "plan/plan.h"
 
 namespace {
 void plan_snapkv(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
-    const int w = static_cast<int>(params.get_int("window", 32, 1, 4096));
-    const int kernel = static_cast<int>(params.get_int("kernel", 7, 1, 255, true));
-    const bool is_max = params.get_choice("pool", "max", {"max", "avg"}) == "max";
-    const auto gqa = kvcli::parse_gqa(params.get_choice("gqa", "mean", {"mean", "max", "sum"}));
+    const int w = static_cast<int>(params.get_int("window"));
+    const int kernel = static_cast<int>(params.get_int("kernel"));
+    const bool is_max = kvcli::read_max_pool(params);
+    const auto gqa = kvcli::read_gqa(params);
     params.finish();
-    kvcli::require_budget_above("snapkv", budget, "window", w);
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     kvcli::require_window(obs, "snapkv", w);
     const int prefix = obs.n - w;

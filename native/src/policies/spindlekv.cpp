@@ -1,8 +1,9 @@
 // spindlekv (prefill): window-attention eviction with the linear depth schedule (Eq. 5-7), then a
 // greedy similarity codebook per (layer, KV head) (Algorithm 1) whose key groups become single
 // cells with bias log(count): K = unit(exemplar key) x mean magnitude, V = mean of the members'
-// values rebuilt from the value codebook. Twins: kvcli/policies/spindlekv.py (parameters,
-// layer_keep) and kvcli/reference/policies/spindlekv.py. Digest: methods/spindlekv.md.
+// values rebuilt from the value codebook. The depth schedule is closed-form: kvcli/policies/spindlekv.py
+// (parameters, layer_keep) computes it once and hands it over as layer_keep. Twin:
+// kvcli/reference/policies/spindlekv.py. Digest: methods/spindlekv.md.
 // Float steps are the same IEEE operations, in the same order, as the Python twins.
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -17,30 +18,6 @@
 #include <cmath>
 
 namespace {
-
-std::vector<int64_t> layer_keep(int L, int64_t n, int64_t budget, int64_t window, double beta, bool shrink) {
-    const int64_t lc = n - window;
-    const double rc = static_cast<double>(budget - window) / static_cast<double>(lc);
-    const double alpha = (1.0 + beta) / 2.0;
-    double r0, rm;
-    if (rc > alpha) {
-        r0 = 1.0; rm = 2.0 * rc - 1.0;
-    } else if (rc > beta) {
-        r0 = 2.0 * rc - beta; rm = beta;
-    } else if (shrink) {
-        const double b = rc / 2.0;
-        r0 = 2.0 * rc - b; rm = b;
-    } else {
-        r0 = rc; rm = rc;
-    }
-    std::vector<int64_t> out(L);
-    for (int l = 0; l < L; l++) {
-        const double r = L == 1 ? rc : r0 + ((rm - r0) * static_cast<double>(l)) / static_cast<double>(L - 1);
-        const int64_t k = static_cast<int64_t>(std::floor(r * static_cast<double>(lc)));
-        out[l] = std::min<int64_t>(lc, std::max<int64_t>(0, k));
-    }
-    return out;
-}
 
 // Algorithm 1 with incremental degrees over the rows x[i] (float32, d wide): the exemplars in pick
 // order and each row's group. theta >= 1: no codebook, every row its own exemplar.
@@ -88,26 +65,24 @@ void greedy_cover(const std::vector<const float *> & x, int d, double theta, std
 }
 
 void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
-    const int w = static_cast<int>(params.get_int("window", 8, 1, 4096));
-    const int kernel = static_cast<int>(params.get_int("kernel", 1, 1, 255, true));
-    const bool is_max = params.get_choice("pool", "max", {"max", "avg"}) == "max";
-    const bool causal_count = params.get_choice("score_norm", "window", {"window", "causal_count"}) == "causal_count";
-    const double beta = params.get_float("beta", 0.05, 0.0, 0.5);
-    const bool shrink = params.get_choice("low_budget", "uniform", {"uniform", "shrink"}) == "shrink";
-    const double theta_k = params.get_float("theta_k", 0.98, -1.0, 1.0);
-    const double theta_v = params.get_float("theta_v", 0.95, -1.0, 1.0);
-    const bool scale_exemplar = params.get_choice("k_scale", "mean", {"mean", "exemplar"}) == "exemplar";
-    const int64_t cb_param = params.get_int("codebook_layers", 0, 0, 65536);
-    const auto gqa = kvcli::parse_gqa(params.get_choice("gqa", "mean", {"mean", "max", "sum"}));
+    const int w = static_cast<int>(params.get_int("window"));
+    const int kernel = static_cast<int>(params.get_int("kernel"));
+    const bool is_max = kvcli::read_max_pool(params);
+    const bool causal_count = params.get_choice("score_norm", {"window", "causal_count"}) == "causal_count";
+    const double theta_k = params.get_float("theta_k");
+    const double theta_v = params.get_float("theta_v");
+    const bool scale_exemplar = params.get_choice("k_scale", {"mean", "exemplar"}) == "exemplar";
+    const int64_t cb_param = params.get_int("codebook_layers");
+    const auto gqa = kvcli::read_gqa(params);
+    const auto keep = params.get_int_list("layer_keep");
     params.finish();
-    kvcli::require_budget_above("spindlekv", budget, "window", w);
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     kvcli::require_window(obs, "spindlekv", w);
     kvcli::require_kv(obs, "spindlekv");
+    kvcli::require_per_layer(obs, "spindlekv", "layer_keep", keep.size());   // memory: indexed by layer
 
     const int L = obs.n_layer, H = obs.n_head_kv, G = obs.group(), n = obs.n, D = obs.head_dim;
     const int prefix = n - w;
-    const auto keep = layer_keep(L, n, budget, w, beta, shrink);
     const int64_t cb_layers = cb_param == 0 ? L : cb_param;
     out.log_mult.assign(static_cast<size_t>(L) * H, {});
     int64_t offset = 0;

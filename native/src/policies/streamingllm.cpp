@@ -3,9 +3,8 @@
 
 namespace {
 void plan_streamingllm(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
-    const int sinks = static_cast<int>(params.get_int("sinks", 4, 0, 4096));
+    const int sinks = static_cast<int>(params.get_int("sinks"));
     params.finish();
-    kvcli::require_budget_above("streamingllm", budget, "sinks", sinks);
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     for (auto & k : out.kept) {
         kvcli::append_range(k, 0, sinks);

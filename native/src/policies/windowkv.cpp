@@ -1,61 +1,33 @@
 // windowkv: review windows of `review_window` consecutive tokens scored by the observation window
-// (mean or top-p mean over every query head), one index set per group of `shared_layers` layers,
-// group budgets as the authors' code computes them. Twin: kvcli/reference/policies/windowkv.py;
-// schedule and defaults: kvcli/policies/windowkv.py.
+// (mean or top-p mean over every query head), one index set per group of `shared_layers` layers.
+// Twin: kvcli/reference/policies/windowkv.py. The registry (kvcli/policies/windowkv.py) resolves task,
+// window, top_p, score and the group size, and computes the group budgets (the authors' schedule)
+// once: they arrive as group_budgets, one per group.
 #include "plan/plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace {
 
-int group_size(int n_layer, int shared_layers) {
-    if (shared_layers > 0) return std::min(shared_layers, n_layer);
-    int best = 1;
-    for (int d = 1; d <= n_layer; d++) {  // the divisor closest to n_layer / 4, the larger on a tie
-        if (n_layer % d) continue;
-        const int e = std::abs(4 * d - n_layer), eb = std::abs(4 * best - n_layer);
-        if (e < eb || (e == eb && d > best)) best = d;
-    }
-    return best;
-}
-
-// Floor division for possibly negative numerators (b_first - b_last < 0 when gamma > lambda), as Python's //.
-int64_t floordiv(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
-
-std::vector<int64_t> group_budgets(int n_layer, int gamma, int64_t B, int64_t lam) {
-    const int G = (n_layer + gamma - 1) / gamma;
-    if (G == 1) return {B};
-    const int64_t b_last = (B * gamma) / lam;
-    const int64_t b_first = 2 * B - b_last;
-    const int64_t step = floordiv(b_first - b_last, G - 1);
-    std::vector<int64_t> out;
-    for (int h = 0; h < G - 1; h++) out.push_back(std::max<int64_t>(0, b_first - h * step));
-    out.push_back(std::max<int64_t>(0, b_last));
-    return out;
-}
-
 void plan_windowkv(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
-    const std::string task = params.get_choice("task", "localization", {"localization", "aggregation"});
-    int alpha = static_cast<int>(params.get_int("window", 0, 0, 4096));
-    const int omega = static_cast<int>(params.get_int("review_window", 16, 1, 4096));
-    int top_p = static_cast<int>(params.get_int("top_p", 0, 0, 4096));
-    const int shared = static_cast<int>(params.get_int("shared_layers", 0, 0, 1024));
-    const int64_t lam = params.get_int("beta", 14, 1, 1000);
-    std::string score = params.get_choice("score", "auto", {"auto", "mean", "topp"});
+    const int alpha = static_cast<int>(params.get_int("window"));
+    const int omega = static_cast<int>(params.get_int("review_window"));
+    const int top_p = static_cast<int>(params.get_int("top_p"));
+    const int gamma = static_cast<int>(params.get_int("shared_layers"));
+    const bool topp = params.get_choice("score", {"mean", "topp"}) == "topp";
+    const auto bg = params.get_int_list("group_budgets");
     params.finish();
-    if (alpha == 0) alpha = task == "localization" ? 16 : 32;
-    if (top_p == 0) top_p = std::max(1, omega / 2);
-    if (score == "auto") score = task == "localization" ? "mean" : "topp";
-    const bool topp = score == "topp";
-
-    kvcli::require_budget_above("windowkv", budget, "window", alpha);
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     kvcli::require_window(obs, "windowkv", alpha);
+    // kept for memory safety: omega divides below, and each group's leader layer indexes the observation
+    if (omega < 1 || gamma < 1) throw kvcli::PlanError("policy 'windowkv': review_window and shared_layers must be >= 1");
+    if (bg.size() != static_cast<size_t>((obs.n_layer + gamma - 1) / gamma)) {
+        throw kvcli::PlanError("policy 'windowkv': group_budgets has " + std::to_string(bg.size()) + " values, " +
+                               std::to_string(obs.n_layer) + " layers in groups of " + std::to_string(gamma) + " need " +
+                               std::to_string((obs.n_layer + gamma - 1) / gamma));
+    }
 
     const int L = obs.n - alpha;                      // review context [0, L)
-    const int gamma = group_size(obs.n_layer, shared);
-    const auto bg = group_budgets(obs.n_layer, gamma, budget - alpha, lam);
     const int N = (L + omega - 1) / omega;            // review windows, the last may be partial
 
     for (size_t g = 0; g < bg.size(); g++) {
@@ -86,7 +58,7 @@ void plan_windowkv(const kvcli::Obs & obs, kvcli::Params & params, int budget, k
                 }
                 s[k] = acc / static_cast<double>(obs.n_head * cnt);
             }
-            const int64_t drop = floordiv(L - bud + omega - 1, omega);
+            const int64_t drop = (L - bud + omega - 1) / omega;   // L > bud here: a plain ceiling
             const int64_t keep_n = N - drop;
             if (keep_n > 0) {
                 for (int32_t k : kvcli::topk_ascending(s, keep_n, "windowkv")) {
