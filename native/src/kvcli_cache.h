@@ -1,4 +1,4 @@
-// kvcli cache internals (native/src/kvcli_cache.cpp, kvcli_graph.cpp): the per-cache extension state (slot bias,
+// kvcli cache internals (native/src/kvcli_{cache,compact,reindex,state,graph}.cpp): the per-cache extension state (slot bias,
 // per-sequence flags, observation captures) and the accessor our patch befriends.
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcli_internal.h"
@@ -49,6 +50,16 @@ struct kvcli_kv_ext {
 
     std::array<kvcli_seq_info, LLAMA_MAX_SEQ> seqs;
 
+    // a state being read: the sequence headers kvcli_state_read_prefix read, applied by
+    // kvcli_state_read_suffix once llama.cpp has placed the cells (both run inside one
+    // llama_kv_cache::state_read); empty otherwise
+    struct pending_header {
+        llama_seq_id       seq;
+        kvcli_state_header header;
+        uint32_t           flags;
+    };
+    std::vector<pending_header> pending_headers;
+
     bool any_compressed() const {
         for (const auto & s : seqs) {
             if (s.compressed) {
@@ -63,7 +74,7 @@ struct kvcli_kv_ext {
     llama_seq_id           obs_seq   = 0;
     int32_t                obs_kinds = 0;
     std::vector<llama_pos> win_pos0;                 // per window length: queries at positions >= win_pos0[i]
-    uint64_t               key_counter = 0;
+    uint64_t               key_counter = 0;          // graphs built while armed (kvcli_graph_key, kvcli_attn_hook)
     std::string            obs_error;                // set when an armed graph could not observe
 
     std::vector<kvcli_pending>      pending;         // per model layer
@@ -99,7 +110,8 @@ struct kvcli_access {
     static const llama_model & model(const llama_kv_cache & kv)     { return kv.model; }
     static const llama_hparams & hparams(const llama_kv_cache & kv) { return kv.hparams; }
     static bool   shared(const llama_kv_cache & kv)        { return kv.other != nullptr; }
-    static const std::vector<float> & hadamard_k(const llama_kv_cache & kv, int64_t n) { return kv.attn_rot_hadamard.at(n); }
+    // the n x n Hadamard matrix llama.cpp rotates K / V with (built for every power of two from 64 to the head size)
+    static const std::vector<float> & hadamard(const llama_kv_cache & kv, int64_t n) { return kv.attn_rot_hadamard.at(n); }
     // llama.cpp's own K-shift step for one K view: (dequantize, un-rotate,) RoPE by `shift`, (rotate, quantize)
     static ggml_tensor * rope_shift(const llama_kv_cache & kv, const llama_cparams & cparams, ggml_context * ctx,
                                     ggml_tensor * cur, ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
@@ -116,3 +128,41 @@ kvcli_kv_ext & kvcli_ext_of(llama_kv_cache * kv);
 // cells of seq_id in cell order (stream of seq_id)
 std::vector<uint32_t> kvcli_seq_cells(const llama_kv_cache & kv, llama_seq_id seq_id);
 void kvcli_check_seq(const llama_kv_cache & kv, llama_seq_id seq_id);
+
+// Shared by kvcli_cache.cpp, kvcli_compact.cpp, kvcli_reindex.cpp and kvcli_state.cpp (defined in
+// kvcli_cache.cpp unless named otherwise).
+namespace kvcli_cache_detail {
+
+struct shapes {
+    uint32_t n_layer_model; // hparams.n_layer
+    uint32_t n_head;
+    uint32_t n_head_kv;
+    uint32_t head_dim;
+    uint32_t kv_size;
+};
+shapes shapes_of(const llama_kv_cache & kv);
+
+// the rotation llama.cpp applies to K (which = 0) / V (1) of this cache, in floats per block (0: none)
+int rot_size(const llama_kv_cache & kv, int which);
+// y = H x on each block of n floats of x[0, len) with the cache's n x n Hadamard matrix (its own inverse)
+void rotate(const llama_kv_cache & kv, float * x, int64_t len, int n);
+// one row of a cache type <-> float32
+void to_float_row(ggml_type type, const void * src, float * dst, int64_t n);
+void from_float_row(ggml_type type, const float * src, void * dst, int64_t n);
+// contiguous runs of ascending cell indices: (first, count)
+std::vector<std::pair<uint32_t, uint32_t>> runs_of(const std::vector<uint32_t> & cells);
+
+// slot bias: allocate the per-layer tensors (and host mirrors) on first use
+void ensure_bias(llama_kv_cache * kv, kvcli_kv_ext & ext);
+// write bias_host[ikv] for cells [c0, c0+n) of every head to the tensor
+void push_bias(kvcli_kv_ext & ext, size_t ikv, uint32_t n_head_kv, uint32_t kv_size, uint32_t c0, uint32_t n);
+// zero the bias of cells (all layers, heads) and forget that they were biased
+void clear_bias_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells, uint32_t n_head_kv, uint32_t kv_size);
+
+// kvcli_reindex.cpp: throws when a layer's K cannot be re-rotated (checked before anything moves)
+void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext);
+// kvcli_reindex.cpp: re-rotate the K rows of cells `dst` by delta[il][j*n_head_kv + h] positions
+void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, const std::vector<uint32_t> & dst,
+                const std::vector<std::vector<int32_t>> & delta);
+
+} // namespace kvcli_cache_detail

@@ -105,7 +105,8 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
     auto & ext = *kv->kvcli_ext;
     const uint64_t bias = (!ext.bias.empty() && ext.any_compressed()) ? 1 : 0;
     if (ext.armed) {
-        return (++ext.key_counter << 1) | bias; // never equal to an earlier key: no graph reuse while observing
+        // nonzero, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
+        return ((ext.key_counter + 1) << 1) | bias;
     }
     return bias;
 }
@@ -119,6 +120,11 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
         return kq_mask;
     }
     auto & ext = *kv->kvcli_ext;
+    if (ext.armed) {
+        // the observation nodes built here hold this ubatch's rows: a later ubatch must build its own
+        // graph, so the key stored with this graph (taken before this call) must not match again
+        ++ext.key_counter;
+    }
     const auto & map_ids = kvcli_access::map_layer_ids(*kv);
     auto it = map_ids.find(il);
     if (it == map_ids.end() || k->ne[3] != 1 || kq_mask->ne[3] != 1) {
@@ -270,17 +276,6 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
 
 namespace kvcli_graph_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
-template <typename F>
-int32_t guarded_obs(F && f) {
-    try {
-        kvcli_clear_error();
-        return f();
-    } catch (const std::exception & e) {
-        kvcli_set_error(e.what());
-        return -1;
-    }
-}
-
 kvcli_kv_ext & observed(llama_context * ctx, llama_kv_cache ** kv_out = nullptr) {
     llama_kv_cache * kv = kvcli_cache_of(ctx);
     if (!kv->kvcli_ext) {
@@ -336,7 +331,7 @@ extern "C" {
 
 int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds, int32_t n_windows,
                             const int32_t * window_pos0) {
-    return guarded_obs([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_require_supported(kv);
         kvcli_check_seq(*kv, seq_id);
@@ -371,7 +366,7 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
 }
 
 int32_t kvcli_observe_end(struct llama_context * ctx) {
-    return guarded_obs([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         llama_synchronize(ctx);
         if (kv->kvcli_ext) {
@@ -383,7 +378,7 @@ int32_t kvcli_observe_end(struct llama_context * ctx) {
 }
 
 int32_t kvcli_observe_n_slots(struct llama_context * ctx) {
-    return guarded_obs([&] {
+    return kvcli_guarded([&] {
         llama_kv_cache * kv = nullptr;
         auto & ext = observed(ctx, &kv);
         return (int32_t) kvcli_seq_cells(*kv, ext.obs_seq).size();
@@ -391,7 +386,7 @@ int32_t kvcli_observe_n_slots(struct llama_context * ctx) {
 }
 
 int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw) {
-    return guarded_obs([&] {
+    return kvcli_guarded([&] {
         const auto & ext = observed(ctx);
         require_window_kind(ext);
         if (iw < 0 || (size_t) iw >= ext.win_rows.size()) {
@@ -402,7 +397,7 @@ int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw) {
 }
 
 int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, int32_t iw, float * dst) {
-    return guarded_obs([&] {
+    return kvcli_guarded([&] {
         const auto & ext = observed(ctx);
         require_window_kind(ext);
         return read_sums(ctx, true, il, iw, dst);
@@ -410,7 +405,7 @@ int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, in
 }
 
 int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst) {
-    return guarded_obs([&] {
+    return kvcli_guarded([&] {
         const auto & ext = observed(ctx);
         if (!(ext.obs_kinds & KVCLI_OBS_COLSUM)) {
             throw kvcli_error("column sums were not observed (kinds did not include KVCLI_OBS_COLSUM)");
