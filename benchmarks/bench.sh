@@ -18,7 +18,7 @@ REPEAT=${REPEAT:-3}
 # compresskv with the default model's shipped calibration, given explicitly so the figures do not depend on
 # where the calibration is looked up (kvcli/calibration/compresskv.py policy_args)
 mapfile -t CKV < <($PY -c "
-from kvcli.calibration.compresskv import policy_args
+from kvcli.calibration.lookup import policy_args
 from kvcli.models import default_model_path
 for k, v in policy_args(default_model_path(), {}).items(): print(f'--policy-arg=compresskv.{k}={v}')")
 # 1. 4k-token document: every policy x budget on f16, 16 tokens decoded 3 times per configuration; and batch

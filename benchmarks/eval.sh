@@ -11,7 +11,7 @@ THREADS=${THREADS:-1}  # the figures in docs/results.md: 1 thread (the machine w
 POLICIES=${1:-$($PY -c "from kvcli.policies import available; print(','.join(available()))")}
 # compresskv with the default model's shipped calibration, given explicitly (kvcli/calibration/compresskv.py)
 mapfile -t CKV < <($PY -c "
-from kvcli.calibration.compresskv import policy_args
+from kvcli.calibration.lookup import policy_args
 from kvcli.models import default_model_path
 for k, v in policy_args(default_model_path(), {}).items(): print(f'--policy-arg=compresskv.{k}={v}')")
 $PY -m kvcli.cli eval niah --threads "$THREADS" --policies "$POLICIES" "${CKV[@]}" --budgets 128,256,512 --lengths 1k \

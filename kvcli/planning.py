@@ -60,7 +60,7 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
     if budget is None:
         raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
     if policy == "compresskv":  # its offline calibration is found for the model, or a warning says why not
-        from kvcli.calibration.compresskv import policy_args as calibrated_args  # noqa: PLC0415  (loads torch)
+        from kvcli.calibration.lookup import policy_args as calibrated_args  # noqa: PLC0415  (reads a GGUF)
         policy_args = calibrated_args(model_path, policy_args)
     spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
     if params.get("full_layers"):

@@ -169,3 +169,14 @@ def test_the_command_line_starts_without_the_heavy_dependencies():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout.strip()
     assert out == "", f"imported when the CLI starts: {out}"
+
+
+def test_a_compresskv_run_reads_its_calibration_without_torch():
+    """The calibration side-car is applied with numpy and gguf only: before, resolving compresskv imported the
+    calibration tool (torch), 195 MB more peak RSS for `kvcli run --policy compresskv` than for snapkv."""
+    code = ("import sys; from kvcli.models import default_model_path; from kvcli.planning import resolve_for_model; "
+            "spec, params = resolve_for_model(default_model_path(), 'compresskv', {}, 128); "
+            "print(bool(params.get('layer_scores')), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.split()
+    assert out == ["True", "False"], out

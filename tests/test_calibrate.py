@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kvcli.calibration import store
-from kvcli.calibration.compresskv import Settings, calibrate, policy_args
+from kvcli.calibration.compresskv import Settings, calibrate
+from kvcli.calibration.lookup import policy_args
 from kvcli.errors import KvcliError
 from kvcli.testing.tiny_gguf import write_tiny_llama
 
@@ -262,13 +263,13 @@ def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibr
                   "--levels", "1", "--tokens", "2", "--json"],
     }
 
-    from kvcli.calibration import compresskv as ck
+    from kvcli.calibration import lookup
 
     def run_all():
         out = {}
         for name, args in commands.items():
             seen.clear()
-            monkeypatch.setattr(ck, "_WARNED", set())      # each command as a fresh process: it warns once
+            monkeypatch.setattr(lookup, "_WARNED", set())  # each command as a fresh process: it warns once
             r = cli_runner.invoke(cli, args)
             assert r.exit_code == 0, (name, r.output)
             out[name] = (set(seen), r.stderr, json.loads(r.stdout))
