@@ -179,7 +179,8 @@ def compare_arrays(native: np.ndarray, reference: np.ndarray) -> dict:
 
 
 def compare_observations(native: Observation, reference: Observation, th: Thresholds) -> dict:
-    """L2: every field both observations hold."""
+    """L2: every field both observations hold (K/V rows read whole: a planner reads one layer at a time)."""
+    native, reference = native.with_kv_arrays(), reference.with_kv_arrays()
     out: dict = {}
     if native.n != reference.n:
         raise KvcliError(f"the engines hold different numbers of slots: native {native.n}, reference {reference.n}")

@@ -5,6 +5,7 @@ consume a `Plan`; both planners (C++ and torch) map the first to the second.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -12,6 +13,10 @@ import numpy as np
 from kvcli.errors import KvcliError
 
 MAX_WINDOWS = 16   # window lengths one observation may hold (KVCLI_OBS_MAX_WINDOWS)
+
+# kv_reader(layer, keys_out, values_out): fills two float32 C-order arrays [n_head_kv, n, head_dim] with that
+# layer's K and V rows (kvcli_kv_reader in native/include/kvcli.h)
+KvReader = Callable[[int, np.ndarray, np.ndarray], None]
 
 
 @dataclass
@@ -29,6 +34,36 @@ class Observation:
     keys: np.ndarray | None = None          # [n_layer, n_head_kv, n, head_dim]
     values: np.ndarray | None = None        # [n_layer, n_head_kv, n, head_dim]
     positions: np.ndarray | None = None     # [n] int32
+    # instead of keys/values (the native engine): reads one layer's K/V rows on demand from the live cache,
+    # valid until the sequence changes; the planners hold one layer's rows at a time (`layer_kv`)
+    kv_reader: KvReader | None = None
+
+    @property
+    def has_kv(self) -> bool:
+        return (self.keys is not None and self.values is not None) or self.kv_reader is not None
+
+    def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s K and V rows, [n_head_kv, n, head_dim] float32 each: views of keys/values, or read
+        now by kv_reader."""
+        if self.keys is not None and self.values is not None:
+            return self.keys[layer], self.values[layer]
+        if self.kv_reader is None:
+            raise KvcliError("the observation holds no K/V rows (observe \"kv\")")
+        k = np.empty((self.n_head_kv, self.n, self.head_dim), np.float32)
+        v = np.empty_like(k)
+        self.kv_reader(int(layer), k, v)
+        return k, v
+
+    def with_kv_arrays(self) -> "Observation":
+        """This observation with keys/values as whole arrays, every layer read now (kvcli check's L2, tests):
+        n_layer times the memory a planner holds."""
+        if self.kv_reader is None or (self.keys is not None and self.values is not None):
+            return self
+        k = np.empty((self.n_layer, self.n_head_kv, self.n, self.head_dim), np.float32)
+        v = np.empty_like(k)
+        for il in range(self.n_layer):
+            self.kv_reader(il, k[il], v[il])
+        return replace(self, keys=k, values=v, kv_reader=None)
 
     def window_sum(self, w: int) -> np.ndarray | None:
         """[n_layer, n_head, n]: the attention each slot received from the last `w` prompt queries (a view),
@@ -43,7 +78,8 @@ class Observation:
         kinds = set(kinds)
         out = replace(self, window_sums=None, windows=(),
                       colsum=self.colsum if "colsum" in kinds else None,
-                      keys=self.keys if "kv" in kinds else None, values=self.values if "kv" in kinds else None)
+                      keys=self.keys if "kv" in kinds else None, values=self.values if "kv" in kinds else None,
+                      kv_reader=self.kv_reader if "kv" in kinds else None)
         if "window" in kinds:
             if window not in self.windows:
                 raise KvcliError(f"window {window} was not observed (the observation has {list(self.windows)})")

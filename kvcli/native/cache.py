@@ -105,24 +105,47 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
         for il in range(n_layer):
             L.check(L.kvcli_observe_read_colsum(ctx, il, cs[il].ctypes.data_as(F32P)), "reading column sums")
         obs.colsum = cs
-    if "kv" in kinds:
-        obs.keys, obs.values = read_kv(ctx, seq, shapes)
+    if "kv" in kinds:   # read one layer at a time, when a planner asks (Observation.kv_reader)
+        obs.kv_reader = KvReader(ctx, seq, shapes, obs.positions)
     obs.validate()
     return obs
 
 
-def read_kv(ctx, seq: int, shapes) -> tuple[np.ndarray, np.ndarray]:
-    """K and V rows of `seq`, float32 [n_layer, n_head_kv, n_slots, head_dim], dequantised and in
-    the model's space (any Hadamard rotation of a quantised cache undone); K is post-RoPE."""
+class KvReader:
+    """Observation.kv_reader of a native sequence: reads one layer's K/V rows from the cache when asked, so no
+    all-layer copy of the rows is ever made for planning. Refuses once the sequence no longer holds the
+    observed slots (compacted, rolled back, extended)."""
+
+    def __init__(self, ctx, seq: int, shapes, positions: np.ndarray):
+        self.ctx, self.seq, self.shapes, self.positions = ctx, int(seq), shapes, positions
+
+    def __call__(self, il: int, keys: np.ndarray, values: np.ndarray) -> None:
+        if not np.array_equal(seq_positions(self.ctx, self.seq), self.positions):
+            raise KvcliError(f"sequence {self.seq} changed since it was observed: its K/V rows can no longer be read")
+        read_kv_layer(self.ctx, self.seq, self.shapes, il, keys, values)
+
+
+def read_kv_layer(ctx, seq: int, shapes, il: int, keys: np.ndarray, values: np.ndarray) -> None:
+    """Layer `il`'s K and V rows of `seq` into keys and values (float32 C-order [n_head_kv, n_slots, head_dim]),
+    dequantised and in the model's space (any Hadamard rotation of a quantised cache undone); K is post-RoPE."""
     L = lib()
     n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
-    out = []
-    for which in (0, 1):
-        a = np.empty((int(shapes.n_layer), int(shapes.n_head_kv), n, int(shapes.head_dim)), np.float32)
-        for il in range(int(shapes.n_layer)):
-            L.check(L.kvcli_seq_read_kv(ctx, int(seq), il, which, a[il].ctypes.data_as(F32P)), "reading K/V rows")
-        out.append(a)
-    return out[0], out[1]
+    want = (int(shapes.n_head_kv), n, int(shapes.head_dim))
+    for which, out in ((0, keys), (1, values)):
+        if out.shape != want or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise KvcliError(f"K/V rows are read into float32 C-order arrays {list(want)}")
+        L.check(L.kvcli_seq_read_kv(_ctx(ctx), int(seq), int(il), which, out.ctypes.data_as(F32P)), "reading K/V rows")
+
+
+def read_kv(ctx, seq: int, shapes) -> tuple[np.ndarray, np.ndarray]:
+    """K and V rows of `seq`, float32 [n_layer, n_head_kv, n_slots, head_dim] (read_kv_layer of every layer)."""
+    L = lib()
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
+    keys = np.empty((int(shapes.n_layer), int(shapes.n_head_kv), n, int(shapes.head_dim)), np.float32)
+    values = np.empty_like(keys)
+    for il in range(int(shapes.n_layer)):
+        read_kv_layer(ctx, seq, shapes, il, keys[il], values[il])
+    return keys, values
 
 
 def seq_positions(ctx, seq: int) -> np.ndarray:

@@ -28,11 +28,15 @@ class PlanView(ctypes.Structure):
     ]
 
 
+KV_READER = ctypes.CFUNCTYPE(c_int32, c_void_p, c_int32, F32P, F32P)   # kvcli_kv_reader
+
+
 class ObsView(ctypes.Structure):
     _fields_ = [
         ("n_layer", c_int32), ("n_head", c_int32), ("n_head_kv", c_int32), ("head_dim", c_int32),
         ("n_slots", c_int32), ("n_windows", c_int32), ("windows", I32P),
         ("window_sums", F32P), ("colsum", F32P), ("keys", F32P), ("values", F32P),
+        ("read_kv", KV_READER), ("read_kv_user", c_void_p),
     ]
 
 
@@ -178,15 +182,35 @@ def plan_from_view(v: PlanView) -> Plan:
                 replace_entry=rep.astype(np.int32), replace_k=rk, replace_v=rv)
 
 
+class _KvCallback:
+    """Observation.kv_reader as a kvcli_kv_reader: the planner's buffers are filled in place. An exception
+    cannot cross the C planner: it is kept in `error` (raised by native_plan) and the planner gets 1."""
+
+    def __init__(self, obs: Observation):
+        self.reader, self.error = obs.kv_reader, None
+        self.shape = (obs.n_head_kv, obs.n, obs.head_dim)
+        self.fn = KV_READER(self)
+
+    def __call__(self, _user, il, keys, values) -> int:
+        try:
+            self.reader(int(il), np.ctypeslib.as_array(keys, self.shape), np.ctypeslib.as_array(values, self.shape))
+            return 0
+        except BaseException as e:   # noqa: BLE001  (re-raised by native_plan once the planner returns)
+            self.error = e
+            return 1
+
+
 def obs_view(obs: Observation) -> tuple[ObsView, list]:
     """An ObsView over the observation's arrays (no copy when they are float32 C-order, as both engines
-    return them); the returned list keeps them alive."""
+    return them), with its kv_reader as the planner's K/V reader when it holds no K/V arrays; the returned
+    list keeps them alive (the last item: the reader's callback, None without one)."""
     arrs = [None if a is None else np.ascontiguousarray(a, np.float32)
             for a in (obs.window_sums, obs.colsum, obs.keys, obs.values)]
     windows = np.asarray(obs.windows, np.int32)
+    cb = _KvCallback(obs) if obs.kv_reader is not None and (obs.keys is None or obs.values is None) else None
     v = ObsView(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, len(obs.windows), _i32(windows),
-                *[_f32(a) for a in arrs])
-    return v, arrs + [windows]
+                *[_f32(a) for a in arrs], cb.fn if cb else KV_READER(), None)
+    return v, arrs + [windows, cb]
 
 
 def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) -> Plan:
@@ -198,9 +222,11 @@ def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) 
     if isinstance(params, dict):
         params = policies.get(policy).native_params(params, budget, obs.n_layer, obs.n)
     L = lib()
-    ov, _keep = obs_view(obs)
+    ov, keep = obs_view(obs)
     handle = L.kvcli_plan_make(policy.encode(), params.encode(), int(budget), ctypes.byref(ov))
     if not handle:
+        if keep[-1] is not None and keep[-1].error is not None:   # the K/V reader failed: its own error
+            raise keep[-1].error
         raise KvcliError(f"native planner '{policy}' failed: {L.last_error() or 'unknown error'}")
     try:
         pv = PlanView()

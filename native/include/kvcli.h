@@ -171,6 +171,11 @@ KVCLI_API int32_t kvcli_attn_path_taken(struct llama_context * ctx, int32_t il);
 // ---------------------------------------------------------------------------------
 // Planning: a pure function of an observation; needs no model.
 // ---------------------------------------------------------------------------------
+// Reads layer `il`'s K and V rows of an observed sequence into keys and values ([n_head_kv][n_slots][head_dim]
+// float32 each, K post-RoPE, as kvcli_seq_read_kv); 0 on success, nonzero on failure. The planner of a merging
+// policy calls it once per layer it merges, so it holds one layer's rows at a time (Observation.kv_reader).
+typedef int32_t (*kvcli_kv_reader)(void * user, int32_t il, float * keys, float * values);
+
 struct kvcli_obs_view {
     int32_t         n_layer, n_head, n_head_kv, head_dim, n_slots, n_windows;
     const int32_t * windows;     // [n_windows]: distinct window lengths, or NULL when n_windows == 0
@@ -178,6 +183,8 @@ struct kvcli_obs_view {
     const float * colsum;     // [n_layer][n_head][n_slots] or NULL
     const float * keys;       // [n_layer][n_head_kv][n_slots][head_dim] or NULL
     const float * values;     // [n_layer][n_head_kv][n_slots][head_dim] or NULL
+    kvcli_kv_reader read_kv;  // when keys and values are NULL: the K/V rows, one layer at a time, or NULL
+    void *          read_kv_user;
 };
 
 struct kvcli_plan;  // opaque, owned by the library

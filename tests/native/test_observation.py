@@ -85,7 +85,7 @@ def test_window_and_colsum_equal_numpy_from_captured_q_and_k(tiny_model, flash_a
         c.decode(toks[n - 6:], n - 6)
         cache.observe_end(c.ctx)
         shapes = SimpleNamespace(n_layer=3, n_head=4, n_head_kv=2, head_dim=16)
-        obs = cache.read_observation(c.ctx, 0, shapes, ("window", "colsum", "kv"), windows)
+        obs = cache.read_observation(c.ctx, 0, shapes, ("window", "colsum", "kv"), windows).with_kv_arrays()
         assert obs.windows == windows and obs.window_sums.shape == (3, 3, 4, n) and obs.colsum.shape == (3, 4, n)
         causal = np.where(np.arange(n)[None, :] <= np.arange(n)[:, None], 0.0, -np.inf)
         for il in range(3):
@@ -161,7 +161,7 @@ def test_native_observation_equals_the_reference_engines(session_factory, tiny_m
     windows = (4, 8, 40)
     kinds = ("window", "colsum", "kv")
     s = session_factory(tiny_model, flash_attn=flash_attn, cache_type="f32", n_batch=32)
-    nat = s.prefill(toks, observe=kinds, window=windows)
+    nat = s.prefill(toks, observe=kinds, window=windows).with_kv_arrays()
     ref = ReferenceSession(tiny_model).prefill(toks, observe=kinds, window=windows)
     assert nat.windows == ref.windows == windows
     assert nat.window_sums.shape == ref.window_sums.shape == (3, 3, 4, 90)

@@ -46,7 +46,7 @@ def test_reindexed_rows_and_logits_equal_numpy_rope(session_factory, tiny_model,
     rng = np.random.default_rng(seed)
     ref = np_model(tiny_model)
     s = session_factory(tiny_model, flash_attn=False, cache_type="f32")
-    obs = s.prefill(prompt_tokens(N, seed), observe=("kv",))
+    obs = s.prefill(prompt_tokens(N, seed), observe=("kv",)).with_kv_arrays()
     plan = random_plan(rng, ref.n_layer, ref.n_head_kv, N, ref.head_dim, obs.keys, obs.values)
     assert len(set(plan.n_kept.reshape(-1).tolist())) > 1 and plan.replace_entry.size > 0
     s.apply_plan(plan, reindex=True)
@@ -316,7 +316,7 @@ def test_quantised_reindex_rotates_like_numpy(session_factory, tiny_model_64):
     rotation of the rows read before, up to the requantisation of the rotated row (2% of the row scale)."""
     ref = np_model(tiny_model_64)
     s = session_factory(tiny_model_64, flash_attn=True, cache_type="q8_0")
-    obs = s.prefill(prompt_tokens(N, 13), observe=("kv",))
+    obs = s.prefill(prompt_tokens(N, 13), observe=("kv",)).with_kv_arrays()
     plan = random_plan(np.random.default_rng(13), ref.n_layer, ref.n_head_kv, N, ref.head_dim, merge=False)
     s.apply_plan(plan, reindex=True)
     keys, _ = cache.read_kv(s.ctx, 0, s.info)

@@ -224,7 +224,7 @@ def compress_in_native_cache(session, policy: str, args: list, budget: int = 48,
     from kvcli.native import cache
     session.clear()
     toks = [int(t) for t in np.random.default_rng(n).integers(300, 5000, size=n)]
-    obs = session.prefill(toks, observe=("kv",))
+    obs = session.prefill(toks, observe=("kv",)).with_kv_arrays()
     session.clear()
     rep = prefill_and_compress(session, toks, policy, budget, P.get(policy).validate(args))
     plan = rep.plan

@@ -112,12 +112,18 @@ def topk_ascending(s: torch.Tensor, k: int, policy: str) -> torch.Tensor:
     return torch.sort(rank_desc(s, policy)[..., :k], dim=-1).values
 
 
-def require_kv(obs: Observation, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V rows ([n_layer, n_head_kv, n, head_dim] float32) of a merging policy."""
-    if obs.keys is None or obs.values is None:
+def require_kv(obs: Observation, policy: str) -> None:
+    """A merging policy's observation holds K/V rows (arrays or a reader); `layer_kv` reads them a layer at a time."""
+    if not obs.has_kv:
         raise KvcliError(f"policy '{policy}' needs the kv observation (observe \"kv\")")
-    keys = torch.from_numpy(np.ascontiguousarray(obs.keys, dtype=np.float32))
-    values = torch.from_numpy(np.ascontiguousarray(obs.values, dtype=np.float32))
+
+
+def layer_kv(obs: Observation, layer: int, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s K and V rows ([n_head_kv, n, head_dim] float32), NaN refused: the native planner's
+    Obs::layer_kv, called for the same layers."""
+    k, v = obs.layer_kv(layer)
+    keys = torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32))
+    values = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
     if torch.isnan(keys).any() or torch.isnan(values).any():
         raise KvcliError(f"policy '{policy}': the observation contains NaN (keys/values)")
     return keys, values

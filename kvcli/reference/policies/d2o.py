@@ -21,8 +21,8 @@ import torch
 
 from kvcli.plan import Observation, Plan
 from kvcli.policies.d2o import floor_entries, full_layer_set, layer_budgets, layer_weights, split
-from kvcli.reference.policies._common import check_nan, gqa_combine, keep_all, require_colsum, require_kv, \
-    topk_ascending
+from kvcli.reference.policies._common import check_nan, gqa_combine, keep_all, layer_kv, require_colsum, \
+    require_kv, topk_ascending
 
 
 def column_variance(colsum: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     if obs.n <= budget:
         return keep_all(obs)
     colsum = require_colsum(obs, "d2o")
-    keys, values = require_kv(obs, "d2o")
+    require_kv(obs, "d2o")
     L, H, n = obs.n_layer, obs.n_head_kv, obs.n
     check_nan(colsum.to(torch.float64))
 
@@ -119,6 +119,9 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     offsets = out.offsets()
     rep_entry, rep_k, rep_v = [], [], []
     for l in range(L):
+        if all(e.numel() == 0 for e in evicted[l]):
+            continue
+        keys, values = layer_kv(obs, l, "d2o")                            # this layer's rows only
         # best similarity of every evicted entry, per KV head
         matches = []
         for h in range(H):
@@ -126,7 +129,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
             if e.numel() == 0:
                 matches.append(None)
                 continue
-            K = keys[l, h].to(torch.float64)
+            K = keys[h].to(torch.float64)
             cos = cosine(K[e], K[c])
             j = torch.argmax(cos, dim=1)                                   # first maximum: lower kept slot
             u = cos[torch.arange(e.numel()), j]
@@ -152,8 +155,8 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
                 continue
             j, u = matches[h]
             e, c = evicted[l][h], kept[l][h]
-            K = keys[l, h].to(torch.float64)
-            V = values[l, h].to(torch.float64)
+            K = keys[h].to(torch.float64)
+            V = values[h].to(torch.float64)
             merged = u >= taus[h]
             src, tgt = e[merged], j[merged]
             if src.numel() == 0:

@@ -21,7 +21,7 @@ import torch
 
 from kvcli.plan import Observation, Plan
 from kvcli.policies.spindlekv import layer_keep
-from kvcli.reference.policies._common import gqa_combine, keep_all, pool1d, require_kv, \
+from kvcli.reference.policies._common import gqa_combine, keep_all, layer_kv, pool1d, require_kv, \
     require_window, topk_ascending, window_sum
 from kvcli.reference.policies.d2o import cosine, sq_norms
 
@@ -97,7 +97,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     if obs.n <= budget:
         return keep_all(obs)
     window = require_window(obs, "spindlekv", w)
-    keys, values = require_kv(obs, "spindlekv")
+    require_kv(obs, "spindlekv")
     L, H, n = obs.n_layer, obs.n_head_kv, obs.n
     prefix = n - w
     keep = layer_keep(L, n, budget, w, params["beta"], params["low_budget"])
@@ -107,6 +107,8 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     kept, log_mult, rep_entry, rep_k, rep_v = [], [], [], [], []
     offset = 0
     for l in range(L):
+        if l < cb_layers:   # this layer's rows only, read before its scores as the native planner does
+            keys, values = layer_kv(obs, l, "spindlekv")
         s = window_sum(window[l], prefix)                                   # [n_head, prefix]
         if params["score_norm"] == "causal_count":
             s = s / torch.arange(n, n - prefix, -1, dtype=torch.float64)
@@ -120,7 +122,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
                 row_m.append(np.zeros(slots.numel(), np.float32))
                 offset += slots.numel()
                 continue
-            cells, counts, repl = codebook_cells(keys[l, h, slots], values[l, h, slots], params)
+            cells, counts, repl = codebook_cells(keys[h, slots], values[h, slots], params)
             row_k.append(slots[cells].numpy().astype(np.int32))
             row_m.append(np.array([math.log(c) for c in counts], np.float32))
             for ci in sorted(repl):

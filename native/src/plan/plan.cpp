@@ -184,7 +184,7 @@ void validate_obs(const kvcli_obs_view * v) {
             if (v->windows[j] == v->windows[i]) throw PlanError("observation: window lengths must be distinct");
         }
     }
-    if ((v->keys || v->values) && v->head_dim < 1) throw PlanError("observation: head_dim must be >= 1");
+    if ((v->keys || v->read_kv) && v->head_dim < 1) throw PlanError("observation: head_dim must be >= 1");
 }
 
 // The plan must be well formed whatever the policy did: ascending slots inside [0, n).
@@ -248,6 +248,7 @@ struct kvcli_plan * kvcli_plan_make(const char * policy, const char * params, in
         o.head_dim = obs->head_dim; o.n = obs->n_slots;
         o.n_windows = obs->window_sums ? obs->n_windows : 0; o.windows = obs->windows;
         o.window_sums = obs->window_sums; o.colsum = obs->colsum; o.keys = obs->keys; o.values = obs->values;
+        o.read_kv = obs->read_kv; o.read_kv_user = obs->read_kv_user;
         Params p(name, params);
         PlanOut out;
         out.n_layer = o.n_layer;

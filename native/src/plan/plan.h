@@ -22,13 +22,33 @@ struct PlanError : std::runtime_error {
     explicit PlanError(const std::string & msg) : std::runtime_error(msg) {}
 };
 
+// One layer's K and V rows, [n_head_kv][n][head_dim] float32 each: views into the observation's arrays, or
+// buffers of its own filled by the observation's reader (Obs::layer_kv).
+struct LayerKV {
+    int n = 0, head_dim = 0;
+    const float * keys = nullptr;
+    const float * values = nullptr;
+    std::vector<float> k_buf, v_buf;   // the rows read by a reader (keys/values point into them)
+
+    LayerKV() = default;
+    LayerKV(const LayerKV &) = delete;              // keys/values may point into k_buf/v_buf
+    LayerKV & operator=(const LayerKV &) = delete;
+    LayerKV(LayerKV &&) = default;                  // a moved vector keeps its buffer
+    LayerKV & operator=(LayerKV &&) = default;
+
+    const float * key_row(int h, int j) const { return keys + (static_cast<size_t>(h) * n + j) * static_cast<size_t>(head_dim); }
+    const float * value_row(int h, int j) const { return values + (static_cast<size_t>(h) * n + j) * static_cast<size_t>(head_dim); }
+};
+
 struct Obs {
     int n_layer = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n = 0, n_windows = 0;
     const int32_t * windows = nullptr;     // [n_windows]: the window lengths of window_sums
     const float * window_sums = nullptr;   // [n_windows][n_layer][n_head][n]
     const float * colsum = nullptr;   // [n_layer][n_head][n]
-    const float * keys   = nullptr;   // [n_layer][n_head_kv][n][head_dim]
+    const float * keys   = nullptr;   // [n_layer][n_head_kv][n][head_dim], or NULL with a reader
     const float * values = nullptr;
+    int32_t (*read_kv)(void * user, int32_t il, float * keys, float * values) = nullptr;  // kvcli_kv_reader
+    void * read_kv_user = nullptr;
 
     int group() const { return n_head / n_head_kv; }
     // index of window length w in windows, -1 if it was not observed
@@ -46,12 +66,11 @@ struct Obs {
     const float * colsum_row(int l, int q) const {
         return colsum + (static_cast<size_t>(l) * n_head + q) * static_cast<size_t>(n);
     }
-    const float * key_row(int l, int h, int j) const {
-        return keys + ((static_cast<size_t>(l) * n_head_kv + h) * n + j) * static_cast<size_t>(head_dim);
-    }
-    const float * value_row(int l, int h, int j) const {
-        return values + ((static_cast<size_t>(l) * n_head_kv + h) * n + j) * static_cast<size_t>(head_dim);
-    }
+    bool has_kv() const { return (keys && values) || read_kv; }
+    // Layer l's K and V rows (require_kv first): views of keys/values, or read now by the reader. NaN is a
+    // PlanError naming the policy. Merging planners take one layer at a time, so a native observation never
+    // holds every layer's rows on the host (docs/internals.md, "Observation").
+    LayerKV layer_kv(int l, const std::string & policy) const;
 };
 
 // Parsed "key=value;..." of one policy. The planner declares no parameter: kvcli's registry
@@ -113,7 +132,7 @@ void append_range(std::vector<int32_t> & v, int a, int b);
 // Requirements, with clear errors naming the policy. require_window: the window sums of length w.
 void require_window(const Obs & obs, const std::string & policy, int w);
 void require_colsum(const Obs & obs, const std::string & policy);
-// keys and values present and free of NaN (merging policies).
+// keys and values (or their reader) present (merging policies); Obs::layer_kv checks each layer for NaN.
 void require_kv(const Obs & obs, const std::string & policy);
 // A per-layer list handed over by the registry (a closed-form schedule) has one value per layer.
 void require_per_layer(const Obs & obs, const std::string & policy, const std::string & key, size_t size);

@@ -56,13 +56,34 @@ void require_colsum(const Obs & obs, const std::string & policy) {
 }
 
 void require_kv(const Obs & obs, const std::string & policy) {
-    if (!obs.keys || !obs.values) throw PlanError("policy '" + policy + "' needs the kv observation (observe \"kv\")");
-    const size_t total = static_cast<size_t>(obs.n_layer) * obs.n_head_kv * obs.n * obs.head_dim;
-    for (size_t i = 0; i < total; i++) {
-        if (std::isnan(obs.keys[i]) || std::isnan(obs.values[i])) {
+    if (!obs.has_kv()) throw PlanError("policy '" + policy + "' needs the kv observation (observe \"kv\")");
+}
+
+LayerKV Obs::layer_kv(int l, const std::string & policy) const {
+    if (l < 0 || l >= n_layer) throw PlanError("policy '" + policy + "': K/V of layer " + std::to_string(l) + " asked for");
+    require_kv(*this, policy);
+    LayerKV out;
+    out.n = n;
+    out.head_dim = head_dim;
+    const size_t size = static_cast<size_t>(n_head_kv) * n * head_dim;
+    if (keys && values) {
+        out.keys = keys + static_cast<size_t>(l) * size;
+        out.values = values + static_cast<size_t>(l) * size;
+    } else {
+        out.k_buf.resize(size);
+        out.v_buf.resize(size);
+        if (read_kv(read_kv_user, l, out.k_buf.data(), out.v_buf.data()) != 0) {
+            throw PlanError("policy '" + policy + "': reading the K/V rows of layer " + std::to_string(l) + " failed");
+        }
+        out.keys = out.k_buf.data();
+        out.values = out.v_buf.data();
+    }
+    for (size_t i = 0; i < size; i++) {
+        if (std::isnan(out.keys[i]) || std::isnan(out.values[i])) {
             throw PlanError("policy '" + policy + "': the observation contains NaN (keys/values)");
         }
     }
+    return out;
 }
 
 void require_per_layer(const Obs & obs, const std::string & policy, const std::string & key, size_t size) {

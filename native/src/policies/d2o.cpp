@@ -227,6 +227,10 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
     for (size_t i = 0; i < static_cast<size_t>(L) * H; i++) offset[i + 1] = offset[i] + static_cast<int64_t>(out.kept[i].size());
 
     for (int l = 0; l < L; l++) {
+        bool evicts = false;
+        for (int h = 0; h < H; h++) evicts = evicts || !evicted[static_cast<size_t>(l) * H + h].empty();
+        if (!evicts) continue;
+        const auto kv = obs.layer_kv(l, "d2o");   // this layer's rows only
         std::vector<std::vector<int32_t>> best_j(H);
         std::vector<std::vector<double>> best_u(H);
         for (int h = 0; h < H; h++) {
@@ -234,16 +238,16 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
             const auto & c = out.at(l, h);
             if (e.empty()) continue;
             std::vector<double> cn(c.size());
-            for (size_t t = 0; t < c.size(); t++) cn[t] = std::sqrt(kvcli::sq_norm(obs.key_row(l, h, c[t]), D));
+            for (size_t t = 0; t < c.size(); t++) cn[t] = std::sqrt(kvcli::sq_norm(kv.key_row(h, c[t]), D));
             best_j[h].resize(e.size());
             best_u[h].resize(e.size());
             for (size_t i = 0; i < e.size(); i++) {
-                const float * ke = obs.key_row(l, h, e[i]);
+                const float * ke = kv.key_row(h, e[i]);
                 const double ne = std::sqrt(kvcli::sq_norm(ke, D));
                 double u = -std::numeric_limits<double>::infinity();
                 int32_t j = 0;
                 for (size_t t = 0; t < c.size(); t++) {
-                    const double s = kvcli::cosine(kvcli::dot(ke, obs.key_row(l, h, c[t]), D), ne, cn[t]);
+                    const double s = kvcli::cosine(kvcli::dot(ke, kv.key_row(h, c[t]), D), ne, cn[t]);
                     if (s > u) { u = s; j = static_cast<int32_t>(t); }   // strict: the first maximum wins
                 }
                 best_j[h][i] = j;
@@ -279,8 +283,8 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
             for (size_t t = 0; t < c.size(); t++) {
                 if (members[t].empty()) continue;
                 std::vector<double> nk(D), nv(D);
-                const float * kc = obs.key_row(l, h, c[t]);
-                const float * vc = obs.value_row(l, h, c[t]);
+                const float * kc = kv.key_row(h, c[t]);
+                const float * vc = kv.value_row(h, c[t]);
                 double z;
                 if (merge == "paper") {
                     const double self = std::exp(1.0);
@@ -289,8 +293,8 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
                     for (size_t i : members[t]) {
                         const double w = std::exp(best_u[h][i]);
                         z = z + w;
-                        const float * ki = obs.key_row(l, h, e[i]);
-                        const float * vi = obs.value_row(l, h, e[i]);
+                        const float * ki = kv.key_row(h, e[i]);
+                        const float * vi = kv.value_row(h, e[i]);
                         for (int d = 0; d < D; d++) { nk[d] = nk[d] + w * ki[d]; nv[d] = nv[d] + w * vi[d]; }
                     }
                 } else {  // code: scatter mean of u_i * x_i, the target included
@@ -298,8 +302,8 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
                     for (int d = 0; d < D; d++) { nk[d] = kc[d]; nv[d] = vc[d]; }
                     for (size_t i : members[t]) {
                         const double w = best_u[h][i];
-                        const float * ki = obs.key_row(l, h, e[i]);
-                        const float * vi = obs.value_row(l, h, e[i]);
+                        const float * ki = kv.key_row(h, e[i]);
+                        const float * vi = kv.value_row(h, e[i]);
                         for (int d = 0; d < D; d++) { nk[d] = nk[d] + w * ki[d]; nv[d] = nv[d] + w * vi[d]; }
                     }
                 }

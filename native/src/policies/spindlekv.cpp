@@ -87,6 +87,8 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
     out.log_mult.assign(static_cast<size_t>(L) * H, {});
     int64_t offset = 0;
     for (int l = 0; l < L; l++) {
+        kvcli::LayerKV kv;   // this layer's rows only, read where the codebook needs them
+        if (l < cb_layers) kv = obs.layer_kv(l, "spindlekv");
         for (int h = 0; h < H; h++) {
             std::vector<std::vector<double>> per_q;
             for (int g = 0; g < G; g++) {
@@ -110,8 +112,8 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
             std::vector<const float *> K(N), V(N);
             std::vector<double> k_norm(N), v_norm(N);
             for (int i = 0; i < N; i++) {
-                K[i] = obs.key_row(l, h, slots[i]);
-                V[i] = obs.value_row(l, h, slots[i]);
+                K[i] = kv.key_row(h, slots[i]);
+                V[i] = kv.value_row(h, slots[i]);
                 k_norm[i] = std::sqrt(kvcli::sq_norm(K[i], D));
                 v_norm[i] = std::sqrt(kvcli::sq_norm(V[i], D));
             }

@@ -1,0 +1,110 @@
+"""Issue #19: the K/V rows of merging policies (d2o, spindlekv) are observed one layer at a time.
+
+A native observation holds no all-layer K/V array: it carries a reader (Observation.kv_reader) that both
+planners call for one layer's rows when they merge in that layer. These tests pin that both planners read
+each layer at most once, in order, the same layers, and give the same plans as from whole arrays (L1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from policy_obs import random_obs
+from test_d2o import assert_same
+
+import kvcli.policies as P
+from kvcli.errors import KvcliError
+from kvcli.native.lib import native_plan
+from kvcli.plan import Observation
+from kvcli.reference.policies import reference_plan
+
+
+class Recorder:
+    """A kv_reader over whole arrays that records the layers asked for and the shapes it filled."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray, fail_at: int | None = None):
+        self.keys, self.values, self.fail_at, self.layers = keys, values, fail_at, []
+
+    def __call__(self, il: int, k: np.ndarray, v: np.ndarray) -> None:
+        assert k.shape == v.shape == self.keys.shape[1:] and k.dtype == v.dtype == np.float32
+        self.layers.append(il)
+        if il == self.fail_at:
+            raise KvcliError(f"layer {il} cannot be read")
+        k[...] = self.keys[il]
+        v[...] = self.values[il]
+
+
+def by_reader(obs: Observation, fail_at: int | None = None) -> tuple[Observation, Recorder]:
+    rec = Recorder(obs.keys, obs.values, fail_at)
+    return Observation(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, window_sums=obs.window_sums,
+                       windows=obs.windows, colsum=obs.colsum, positions=obs.positions, kv_reader=rec), rec
+
+
+@pytest.mark.parametrize("policy,args,layers", [
+    ("d2o", [], [0, 1, 2, 3]),
+    ("d2o", ["merge=code", "tau=layer", "full_layers=1"], [0, 2, 3]),   # a full layer evicts nothing: not read
+    ("d2o", ["merge=none"], []),
+    ("spindlekv", [], [0, 1, 2, 3]),
+    ("spindlekv", ["codebook_layers=2", "theta_k=0.3"], [0, 1]),
+])
+def test_both_planners_read_one_layer_at_a_time_and_plan_as_from_whole_arrays(policy, args, layers):
+    obs = random_obs(7, n_layer=4, n_head=6, n_head_kv=2, n=200, w=8, kv=True)
+    _, params, _ = P.prepare(policy, args, 64)
+    want = native_plan(policy, params, 64, obs)
+    assert_same(want, reference_plan(policy, params, 64, obs))
+    for planner in (native_plan, reference_plan):
+        lazy, rec = by_reader(obs)
+        got = planner(policy, params, 64, lazy)
+        assert rec.layers == layers, planner.__name__        # each merged layer once, in order, none other
+        assert_same(got, want)
+        if planner is native_plan:   # the same float inputs: the same rows, bit for bit
+            for x, y in ((got.replace_k, want.replace_k), (got.replace_v, want.replace_v)):
+                assert (x is None and y is None) or np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("policy", ["d2o", "spindlekv"])
+def test_a_failing_reader_is_the_planners_error(policy):
+    obs = random_obs(3, n_layer=3, n_head=4, n_head_kv=2, n=150, w=8, kv=True)
+    _, params, _ = P.prepare(policy, [], 64)
+    for planner in (native_plan, reference_plan):
+        lazy, rec = by_reader(obs, fail_at=1)
+        with pytest.raises(KvcliError, match="layer 1 cannot be read"):
+            planner(policy, params, 64, lazy)
+        assert rec.layers == [0, 1]                            # stopped at the failing layer
+
+
+def test_nan_in_a_read_layer_is_refused_by_both_planners():
+    obs = random_obs(4, n_layer=3, n_head=4, n_head_kv=2, n=150, w=8, kv=True)
+    obs.values = obs.values.copy()
+    obs.values[2, 1, 7, 0] = np.nan
+    _, params, _ = P.prepare("d2o", [], 64)
+    for planner in (native_plan, reference_plan):
+        lazy, rec = by_reader(obs)
+        with pytest.raises(KvcliError, match="NaN"):
+            planner("d2o", params, 64, lazy)
+        assert rec.layers == [0, 1, 2]
+
+
+@pytest.mark.parametrize("policy", ["d2o", "spindlekv"])
+def test_the_native_observation_holds_no_all_layer_kv(tiny_session, policy):
+    """The engine's observation reads K/V from the live cache when a planner asks, one layer at a time; the
+    plans match those from the whole arrays in both planners; once the sequence changes the reader refuses."""
+    from kvcli.native import cache
+    s = tiny_session
+    s.clear()
+    toks = [int(t) for t in np.random.default_rng(5).integers(300, 5000, size=160)]
+    spec, params, _ = P.prepare(policy, [], 48)
+    kinds, w = spec.observe(params)
+    obs = s.prefill(toks, observe=kinds, window=w)
+    assert obs.keys is None and obs.values is None and isinstance(obs.kv_reader, cache.KvReader)
+    whole = obs.with_kv_arrays()
+    assert whole.keys.shape == (3, 2, 160, 16) and whole.kv_reader is None
+    k1, v1 = obs.layer_kv(1)
+    assert np.array_equal(k1, whole.keys[1]) and np.array_equal(v1, whole.values[1])
+    plan = native_plan(policy, params, 48, obs)
+    assert_same(plan, native_plan(policy, params, 48, whole))
+    assert_same(plan, reference_plan(policy, params, 48, obs))
+    s.apply_plan(plan)
+    with pytest.raises(KvcliError, match="changed since it was observed"):
+        obs.layer_kv(0)
+    with pytest.raises(KvcliError, match="changed since it was observed"):
+        native_plan(policy, params, 48, obs)
