@@ -75,7 +75,8 @@ def observe_end(ctx) -> None:
 def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
     """The Observation of `seq` (docs/internals.md) for the kinds asked: window sums (of the window
     lengths `windows`, in the order observe_begin got their first positions) / colsum from the armed
-    decodes, kv (keys, values) read from the cache now, positions always."""
+    decodes (read once: the engine frees its copy as they are read), kv as a reader of the cache's rows
+    (`KvReader`), positions always."""
     kinds = set(kinds)
     _kinds_bits(kinds)
     L = lib()
@@ -90,21 +91,24 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
                              "was another sequence observed?")
     if "window" in kinds:
         windows = tuple(int(w) for w in windows)
-        sums = np.empty((len(windows), n_layer, n_head, n), np.float32)
         for iw, w in enumerate(windows):
             got = L.check(L.kvcli_observe_n_window(ctx, iw), "observation")
             if got != w:
                 raise KvcliError(f"window {w}: {got} window queries were observed (its first position lies "
                                  "outside the decoded tokens?)")
-            for il in range(n_layer):
-                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, sums[iw, il].ctypes.data_as(F32P)),
-                        "reading window sums")
-        obs.window_sums, obs.windows = sums, windows
+        obs.window_sums, obs.windows = np.empty((len(windows), n_layer, n_head, n), np.float32), windows
     if "colsum" in kinds:
-        cs = np.empty((n_layer, n_head, n), np.float32)
+        obs.colsum = np.empty((n_layer, n_head, n), np.float32)
+    if kinds & {"window", "colsum"}:
+        # layer by layer, each layer's accumulators released once copied: the host never holds both copies
         for il in range(n_layer):
-            L.check(L.kvcli_observe_read_colsum(ctx, il, cs[il].ctypes.data_as(F32P)), "reading column sums")
-        obs.colsum = cs
+            for iw in range(len(obs.windows)):
+                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, obs.window_sums[iw, il].ctypes.data_as(F32P)),
+                        "reading window sums")
+            if obs.colsum is not None:
+                L.check(L.kvcli_observe_read_colsum(ctx, il, obs.colsum[il].ctypes.data_as(F32P)),
+                        "reading column sums")
+            L.check(L.kvcli_observe_release(ctx, il), "releasing the observation")
     if "kv" in kinds:   # read one layer at a time, when a planner asks (Observation.kv_reader)
         obs.kv_reader = KvReader(ctx, seq, shapes, obs.positions)
     obs.validate()

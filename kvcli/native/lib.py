@@ -67,6 +67,7 @@ _SIGNATURES = {
     "kvcli_observe_n_window": (c_int32, [c_void_p, c_int32]),
     "kvcli_observe_read_window_sum": (c_int32, [c_void_p, c_int32, c_int32, F32P]),
     "kvcli_observe_read_colsum": (c_int32, [c_void_p, c_int32, F32P]),
+    "kvcli_observe_release": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_n_slots": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_read_kv": (c_int32, [c_void_p, c_int32, c_int32, c_int32, F32P]),
     "kvcli_seq_positions": (c_int32, [c_void_p, c_int32, I32P]),

@@ -47,7 +47,7 @@ enum kvcli_obs_kind {
 // KVCLI_OBS_COLSUM: every query of seq_id in an armed decode adds its row. Clears earlier captures.
 KVCLI_API int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds,
                                       int32_t n_windows, const int32_t * window_pos0);
-// Disarm. Captured data stays readable until the next kvcli_observe_begin.
+// Disarm. Captured data stays readable until the next kvcli_observe_begin (or kvcli_observe_release).
 KVCLI_API int32_t kvcli_observe_end(struct llama_context * ctx);
 // Slots of the observed sequence (its cells now, in cell order).
 KVCLI_API int32_t kvcli_observe_n_slots(struct llama_context * ctx);
@@ -57,6 +57,9 @@ KVCLI_API int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw)
 KVCLI_API int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, int32_t iw, float * dst);
 // dst: float[n_head][n_slots]             (Observation.colsum[il])
 KVCLI_API int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst);
+// Free layer il's accumulated sums (n_windows + 1 x n_head x the cache's size floats) once they are read, so the
+// host does not hold them next to their copy; il = -1: every layer. Reading a released layer is an error.
+KVCLI_API int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il);
 
 // ---------------------------------------------------------------------------------
 // Cache rows and layout of a sequence

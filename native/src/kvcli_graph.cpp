@@ -304,7 +304,7 @@ int32_t read_sums(llama_context * ctx, bool window, int32_t il, int32_t w, float
     const auto & acc = window ? ext.winsum : ext.colsum;
     if (acc.size() <= (size_t) il || acc[il].empty()) {
         throw kvcli_error("layer " + std::to_string(il) + " was not observed (no armed llama_decode held tokens "
-                          "of the observed sequence)");
+                          "of the observed sequence), or its sums were released (kvcli_observe_release)");
     }
     const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
     const int64_t n = cells.size(), n_head = hp.n_head(il);
@@ -401,6 +401,27 @@ int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, in
         const auto & ext = observed(ctx);
         require_window_kind(ext);
         return read_sums(ctx, true, il, iw, dst);
+    });
+}
+
+int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = nullptr;
+        auto & ext = observed(ctx, &kv);
+        const int32_t n_layer = (int32_t) kvcli_access::hparams(*kv).n_layer();
+        if (il < -1 || il >= n_layer) {
+            throw kvcli_error("kvcli_observe_release: bad layer " + std::to_string(il));
+        }
+        if (ext.armed) {
+            throw kvcli_error("kvcli_observe_release: the observation is still armed (call kvcli_observe_end first)");
+        }
+        const int32_t lo = il < 0 ? 0 : il, hi = il < 0 ? n_layer : il + 1;
+        for (auto * acc : {&ext.winsum, &ext.colsum}) {
+            for (int32_t l = lo; l < hi && (size_t) l < acc->size(); ++l) {
+                std::vector<float>().swap((*acc)[l]);   // clear() would keep the capacity
+            }
+        }
+        return 0;
     });
 }
 

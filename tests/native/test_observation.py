@@ -113,6 +113,9 @@ def test_observation_errors_are_clear(session_factory, tiny_model):
     assert obs.windows == (4,) and obs.window_sums.shape == (1, 3, 4, 30) and obs.colsum is None
     with pytest.raises(KvcliError, match="column sums were not observed"):
         cache.read_observation(s.ctx, 0, s.info, ("colsum",))
+    # the sums are read once: the engine frees its accumulators as they are copied out (issue #19)
+    with pytest.raises(KvcliError, match="sums were released"):
+        cache.read_observation(s.ctx, 0, s.info, ("window",), (4,))
     # a window length that was not observed, or one longer than the decoded tokens
     with pytest.raises(KvcliError, match="window 5: 4 window queries were observed"):
         cache.read_observation(s.ctx, 0, s.info, ("window",), (5,))
