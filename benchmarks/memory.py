@@ -23,12 +23,14 @@ POLICIES = ("streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv
 QUESTION = "What happened at the station? Answer in one sentence."
 
 
-def runs(budget: int) -> list[tuple[str, list[str]]]:
-    out = [("full", ["--policy", "full"]),
-           (f"snapkv@{budget}, one go (--chunk 0)", ["--policy", "snapkv", "--budget", str(budget), "--chunk", "0"])]
-    out += [(f"{p}@{budget}, bounded (default)", ["--policy", p, "--budget", str(budget)]) for p in POLICIES]
-    out.append((f"snapkv@{budget}, --max-cache 1024", ["--policy", "snapkv", "--budget", str(budget),
-                                                       "--max-cache", "1024"]))
+def runs(budget: int) -> list[tuple[str, str, list[str]]]:
+    """(key, label, arguments) of every run; `--only` takes keys or the policy names before their ':'."""
+    out = [("full", "full", ["--policy", "full"]),
+           ("snapkv:one-go", f"snapkv@{budget}, one go (--chunk 0)",
+            ["--policy", "snapkv", "--budget", str(budget), "--chunk", "0"])]
+    out += [(p, f"{p}@{budget}, bounded (default)", ["--policy", p, "--budget", str(budget)]) for p in POLICIES]
+    out.append(("snapkv:max-cache", f"snapkv@{budget}, --max-cache 1024",
+                ["--policy", "snapkv", "--budget", str(budget), "--max-cache", "1024"]))
     return out
 
 
@@ -68,13 +70,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("docs", nargs="+")
     ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--only", default=None, help="Comma-separated run labels' first words (e.g. full,snapkv).")
+    ap.add_argument("--only", default=None, help="Comma-separated runs: policy names (snapkv: its three runs) or "
+                    "keys (snapkv:one-go, snapkv:max-cache).")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     rows = []
     for d in a.docs:
-        for label, args in runs(a.budget):
-            if a.only and label.split("@")[0].split(",")[0] not in a.only.split(","):
+        for key, label, args in runs(a.budget):
+            if a.only and not {key, key.split(":")[0]} & set(a.only.split(",")):
                 continue
             rows.append(measure(Path(d).resolve(), label, args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
