@@ -167,7 +167,26 @@ def plan_view(plan: Plan, head_dim: int) -> tuple[PlanView, list]:
     return v, keep
 
 
-def plan_from_view(v: PlanView) -> Plan:
+class _NativePlan:
+    """Owns a kvcli_plan: freed when the last array viewing its rows goes (see `plan_from_view`)."""
+
+    def __init__(self, handle):
+        self.handle, self.free = handle, lib().kvcli_plan_free
+
+    def __del__(self):
+        self.free(self.handle)
+
+
+def _rows(ptr, r: int, head_dim: int, owner: _NativePlan) -> np.ndarray:
+    """[r, head_dim] float32 over the native plan's rows, no copy; the array keeps `owner` alive."""
+    buf = (c_float * (r * head_dim)).from_address(ctypes.addressof(ptr.contents))
+    buf.owner = owner
+    return np.frombuffer(buf, np.float32).reshape(r, head_dim)
+
+
+def plan_from_view(v: PlanView, owner: _NativePlan | None = None) -> Plan:
+    """The Plan of a view: small arrays copied; with `owner` (the native plan the view is of), the replacement
+    rows (merging policies: up to 2 x entries x head_dim floats) are views of its memory, not a second copy."""
     n_kept = np.ctypeslib.as_array(v.n_kept, (v.n_layer * v.n_head_kv,)).reshape(v.n_layer, v.n_head_kv).copy()
     total = int(n_kept.sum())
     slots = np.ctypeslib.as_array(v.slots, (total,)).copy() if total else np.zeros(0, np.int32)
@@ -175,8 +194,11 @@ def plan_from_view(v: PlanView) -> Plan:
     r = int(v.n_replace)
     if r:
         rep = np.ctypeslib.as_array(v.replace_entry, (r,)).copy()
-        rk = np.ctypeslib.as_array(v.replace_k, (r * v.head_dim,)).reshape(r, v.head_dim).copy()
-        rv = np.ctypeslib.as_array(v.replace_v, (r * v.head_dim,)).reshape(r, v.head_dim).copy()
+        if owner is not None:
+            rk, rv = _rows(v.replace_k, r, v.head_dim, owner), _rows(v.replace_v, r, v.head_dim, owner)
+        else:
+            rk = np.ctypeslib.as_array(v.replace_k, (r * v.head_dim,)).reshape(r, v.head_dim).copy()
+            rv = np.ctypeslib.as_array(v.replace_v, (r * v.head_dim,)).reshape(r, v.head_dim).copy()
     else:
         rep, rk, rv = np.zeros(0, np.int32), None, None
     return Plan(n_kept=n_kept.astype(np.int32), slots=slots.astype(np.int32), log_mult=log_mult,
@@ -229,9 +251,7 @@ def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) 
         if keep[-1] is not None and keep[-1].error is not None:   # the K/V reader failed: its own error
             raise keep[-1].error
         raise KvcliError(f"native planner '{policy}' failed: {L.last_error() or 'unknown error'}")
-    try:
-        pv = PlanView()
-        L.check(L.kvcli_plan_get(handle, ctypes.byref(pv)), "kvcli_plan_get")
-        return plan_from_view(pv)
-    finally:
-        L.kvcli_plan_free(handle)
+    owner = _NativePlan(handle)   # frees it once the plan's rows are gone
+    pv = PlanView()
+    L.check(L.kvcli_plan_get(handle, ctypes.byref(pv)), "kvcli_plan_get")
+    return plan_from_view(pv, owner)

@@ -108,3 +108,21 @@ def test_the_native_observation_holds_no_all_layer_kv(tiny_session, policy):
         obs.layer_kv(0)
     with pytest.raises(KvcliError, match="changed since it was observed"):
         native_plan(policy, params, 48, obs)
+
+
+def test_the_native_plans_rows_are_not_copied_and_outlive_the_plan():
+    """Merged rows (up to 2 x entries x head_dim floats) are views of the native plan's memory, which they keep
+    alive: no second copy while the plan is made, and still valid once the Plan object is gone."""
+    import gc
+    obs = random_obs(9, n_layer=3, n_head=4, n_head_kv=2, n=150, w=8, kv=True)
+    _, params, _ = P.prepare("d2o", [], 64)
+    plan = native_plan("d2o", params, 64, obs)
+    assert plan.replace_entry.size and not plan.replace_k.flags.owndata and not plan.replace_v.flags.owndata
+    want_k, want_v = reference_plan("d2o", params, 64, obs).replace_k, plan.replace_v.copy()
+    rk, rv = plan.replace_k, plan.replace_v
+    del plan
+    for _ in range(3):   # other plans reuse the freed memory if the rows did not keep theirs
+        native_plan("d2o", params, 64, random_obs(10, n_layer=3, n_head=4, n_head_kv=2, n=150, w=8, kv=True))
+        gc.collect()
+    np.testing.assert_allclose(rk, want_k, atol=1e-5, rtol=0)
+    assert np.array_equal(rv, want_v)

@@ -126,6 +126,9 @@ const std::map<std::string, PolicyFn> & policy_registry();
 
 // Every (l, h) keeps slots [0, n).
 void keep_all(const Obs & obs, PlanOut & out);
+// Room for up to `most` replacement rows (merging policies), so they are never copied while they grow: a
+// reservation is address space; only the rows written become resident.
+void reserve_replacements(PlanOut & out, int64_t most);
 // The slots [a, b) appended to v (v must end below a).
 void append_range(std::vector<int32_t> & v, int a, int b);
 

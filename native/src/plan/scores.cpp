@@ -35,6 +35,13 @@ void keep_all(const Obs & obs, PlanOut & out) {
     }
 }
 
+void reserve_replacements(PlanOut & out, int64_t most) {
+    const size_t r = static_cast<size_t>(std::max<int64_t>(0, most));
+    out.replace_entry.reserve(r);
+    out.replace_k.reserve(r * static_cast<size_t>(out.head_dim));
+    out.replace_v.reserve(r * static_cast<size_t>(out.head_dim));
+}
+
 void append_range(std::vector<int32_t> & v, int a, int b) {
     for (int j = a; j < b; j++) v.push_back(j);
 }

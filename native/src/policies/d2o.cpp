@@ -225,6 +225,7 @@ void plan_d2o(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli:
     // offsets of each (l, h) in the flattened slots
     std::vector<int64_t> offset(static_cast<size_t>(L) * H + 1, 0);
     for (size_t i = 0; i < static_cast<size_t>(L) * H; i++) offset[i + 1] = offset[i] + static_cast<int64_t>(out.kept[i].size());
+    kvcli::reserve_replacements(out, offset.back());   // at most one per kept entry: no growth copies
 
     for (int l = 0; l < L; l++) {
         bool evicts = false;

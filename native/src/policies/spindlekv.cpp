@@ -85,6 +85,9 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
     const int prefix = n - w;
     const int64_t cb_layers = cb_param == 0 ? L : cb_param;
     out.log_mult.assign(static_cast<size_t>(L) * H, {});
+    int64_t most = 0;   // replacement rows: at most one per entry kept by the codebook layers
+    for (int l = 0; l < L && l < cb_layers; l++) most += (std::max<int64_t>(0, keep[l]) + w) * H;
+    kvcli::reserve_replacements(out, most);
     int64_t offset = 0;
     for (int l = 0; l < L; l++) {
         kvcli::LayerKV kv;   // this layer's rows only, read where the codebook needs them
