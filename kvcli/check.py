@@ -367,17 +367,23 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     window = observed_windows(specs, names, settings.l2_window, n)
     n_ctx = -(-(n + settings.n_tokens + 8) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
-    log(f"{n} prompt tokens; loading the reference engine")
-    reference = ReferenceSession(model_path, n_ctx=2 * native.n_ctx, n_seq=2,  # base + one working copy
-                                 n_threads=settings.threads)
+    # L1 compares the two planners on the native observation: it needs no reference engine (and runs on models
+    # the reference engine does not, e.g. with sliding-window layers)
+    reference = None
+    if levels & {2, 3}:
+        log(f"{n} prompt tokens; loading the reference engine")
+        reference = ReferenceSession(model_path, n_ctx=2 * native.n_ctx, n_seq=2,  # base + one working copy
+                                     n_threads=settings.threads)
 
     report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
               "thresholds": th.as_dict(), "policies": []}
 
     # the reference prefills once, observing everything; each policy works on a copy of that sequence
-    log("reference prefill")
-    base_obs = reference.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
+    base_obs = None
+    if reference is not None:
+        log("reference prefill")
+        base_obs = reference.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
 
     if 2 in levels:
         log("L2: native prefill with observation")

@@ -207,6 +207,10 @@ def prefill_chunked(session: Session, tokens: list[int], policy: str, budget: in
     """
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
+    if getattr(session.info, "sliding_layers", ()):
+        # re-indexing moves the global layers' positions; llama.cpp's window cache would keep the old ones
+        raise KvcliError("chunked reading is not supported for models with sliding-window layers "
+                         f"({session.info.architecture}): read the prompt in one go (--chunk 0)")
     spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
     cap = cap or budget + chunk
     observe, window = spec.observe(params)

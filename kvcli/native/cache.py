@@ -72,10 +72,28 @@ def observe_end(ctx) -> None:
     L.check(L.kvcli_observe_end(_ctx(ctx)), "observe_end")
 
 
+def kv_layer_ids(shapes) -> list[int]:
+    """The model index of each of the `shapes.n_layer` layers kvcli compresses (ModelInfo.kv_layers; every
+    layer when the shapes do not say)."""
+    ids = list(getattr(shapes, "kv_layers", None) or range(int(shapes.n_layer)))
+    if len(ids) != int(shapes.n_layer):
+        raise KvcliError(f"{len(ids)} compressed layers listed for {shapes.n_layer}")
+    return ids
+
+
+def model_kv_layers(model, n_layer_model: int) -> tuple:
+    """The model layers llama.cpp keeps in the cache kvcli compresses (kvcli_model_kv_layers)."""
+    L = lib()
+    out = np.zeros(max(1, int(n_layer_model)), np.int32)
+    n = L.check(L.kvcli_model_kv_layers(model, out.ctypes.data_as(I32P)), "reading the model's layers")
+    return tuple(int(x) for x in out[:n])
+
+
 def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
     """The Observation of `seq` (docs/internals.md) for the kinds asked: window sums (of the window
     lengths `windows`, in the order observe_begin got their first positions) / colsum from the armed
-    decodes, kv (keys, values) read from the cache now, positions always."""
+    decodes, kv (keys, values) read from the cache now, positions always. Its layers are the ones kvcli
+    compresses (kv_layer_ids)."""
     kinds = set(kinds)
     _kinds_bits(kinds)
     L = lib()
@@ -96,14 +114,14 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
             if got != w:
                 raise KvcliError(f"window {w}: {got} window queries were observed (its first position lies "
                                  "outside the decoded tokens?)")
-            for il in range(n_layer):
-                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, sums[iw, il].ctypes.data_as(F32P)),
+            for i, il in enumerate(kv_layer_ids(shapes)):
+                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, sums[iw, i].ctypes.data_as(F32P)),
                         "reading window sums")
         obs.window_sums, obs.windows = sums, windows
     if "colsum" in kinds:
         cs = np.empty((n_layer, n_head, n), np.float32)
-        for il in range(n_layer):
-            L.check(L.kvcli_observe_read_colsum(ctx, il, cs[il].ctypes.data_as(F32P)), "reading column sums")
+        for i, il in enumerate(kv_layer_ids(shapes)):
+            L.check(L.kvcli_observe_read_colsum(ctx, il, cs[i].ctypes.data_as(F32P)), "reading column sums")
         obs.colsum = cs
     if "kv" in kinds:
         obs.keys, obs.values = read_kv(ctx, seq, shapes)
@@ -119,8 +137,8 @@ def read_kv(ctx, seq: int, shapes) -> tuple[np.ndarray, np.ndarray]:
     out = []
     for which in (0, 1):
         a = np.empty((int(shapes.n_layer), int(shapes.n_head_kv), n, int(shapes.head_dim)), np.float32)
-        for il in range(int(shapes.n_layer)):
-            L.check(L.kvcli_seq_read_kv(ctx, int(seq), il, which, a[il].ctypes.data_as(F32P)), "reading K/V rows")
+        for i, il in enumerate(kv_layer_ids(shapes)):
+            L.check(L.kvcli_seq_read_kv(ctx, int(seq), il, which, a[i].ctypes.data_as(F32P)), "reading K/V rows")
         out.append(a)
     return out[0], out[1]
 
@@ -181,13 +199,15 @@ def shift_positions(ctx, seq: int, p0: int, p1: int, delta: int) -> None:
 
 
 # ------------------------------------------------------------------------------ stats
-def stats(ctx, seq: int, n_layer: int, n_head_kv: int) -> dict:
-    """Measured from the live cache (seq = -1: the whole cache): cells, K/V/bias bytes held,
-    live (layer, kv head, cell) entries, cells per layer and entries per (layer, kv head)."""
+def stats(ctx, seq: int, n_layer_model: int, n_head_kv: int) -> dict:
+    """Measured from the live cache kvcli compresses (seq = -1: the whole cache): cells, K/V/bias bytes held,
+    live (layer, kv head, cell) entries, cells per model layer and entries per (model layer, kv head) (0 for
+    a sliding-window layer: its cells are in llama.cpp's other cache). `n_layer_model`: all the model's
+    layers (ModelInfo.n_layer_model)."""
     L = lib()
     s = Stats()
-    plc = np.zeros(int(n_layer), np.int32)
-    phe = np.zeros((int(n_layer), int(n_head_kv)), np.int32)
+    plc = np.zeros(int(n_layer_model), np.int32)
+    phe = np.zeros((int(n_layer_model), int(n_head_kv)), np.int32)
     L.check(L.kvcli_stats_get(_ctx(ctx), int(seq), ctypes.byref(s), plc.ctypes.data_as(I32P),
                               phe.ctypes.data_as(I32P)), "reading cache stats")
     return {"n_cells": int(s.n_cells), "k_bytes": int(s.k_bytes), "v_bytes": int(s.v_bytes),
