@@ -110,6 +110,8 @@ class NativeSession:
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = n_seq
         cparams.kv_unified = True  # one cell pool for all sequences: compressed ones free cells for others
+        # sliding-window layers: a window cache of window + batch cells (llama.cpp's default is one of n_ctx cells)
+        cparams.swa_full = not self.info.sliding_layers
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = CACHE_TYPES[cache_type]
         cparams.type_v = CACHE_TYPES[cache_type]
@@ -471,6 +473,13 @@ class NativeSession:
         st = self.seq(seq)
         if not 0 <= pos <= st.next_pos:
             raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
+        if self.info.sliding_layers and pos < st.next_pos:
+            # the window cache reuses the cells of its oldest positions: the next token's window must still be there
+            held_from = self.L.llama_memory_seq_pos_min(self.mem, seq)
+            if held_from > max(0, pos - self.info.sliding_window + 1):
+                raise KvcliError(f"cannot go back to position {pos} of sequence {seq}: the sliding-window layers' "
+                                 f"cache holds positions >= {held_from} only, and the next token's window starts at "
+                                 f"{max(0, pos - self.info.sliding_window + 1)}")
         if not self.L.llama_memory_seq_rm(self.mem, seq, pos, -1):
             raise KvcliError(f"llama.cpp refused to remove positions >= {pos} of sequence {seq}")
         st.next_pos = pos

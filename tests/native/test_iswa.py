@@ -150,3 +150,27 @@ def test_check_l1_runs_without_the_reference_engine(tiny_gemma):
     assert r["passed"] and all(e["l1"]["pass"] and e["l1"]["identical_budgets"] for e in r["policies"])
     with pytest.raises(KvcliError, match="the reference engine does not run models with sliding-window layers"):
         run_check(tiny_gemma, doc, ["snapkv"], CheckSettings(budget=64, n_tokens=4), Thresholds.tight())
+
+
+def test_the_window_cache_stays_bounded_and_a_deep_rollback_is_refused(session_factory, tiny_gemma):
+    """400 tokens through a window cache of 256 cells (llama.cpp: window + batch, rounded up to 256): it reuses
+    the cells of the oldest positions, the compressed global layers still match numpy, and going back to a
+    position whose window the cache no longer holds is refused."""
+    n = 400
+    ref = np_gemma3(tiny_gemma)
+    toks = prompt_tokens(n, 9)
+    s = session_factory(tiny_gemma, n_ctx=512, n_batch=64, flash_attn=False, cache_type="f32")
+    obs = s.prefill(toks, observe=("kv",))
+    plan = random_plan(np.random.default_rng(9), 2, 2, n, 16, obs.keys, obs.values, merge=False)
+    s.apply_plan(plan)
+    st = s.stats()
+    assert st["sliding_cells"] == 256 and st["kv_cells"] == plan.max_kept
+    kv, _ = ref.prefill(toks)
+    s.step({0: 4321})
+    _close(s.logits(), ref.step(4321, n, kv, entries_from_plan(plan, obs.keys, obs.values)))
+    with pytest.raises(KvcliError, match="the sliding-window layers' cache holds positions >= 145 only"):
+        s.truncate(0, 100)
+    s.truncate(0, n)   # back to before the decoded token: its window is held
+    s.step({0: 4321})
+    kv = [layer[:-1] for layer in kv]
+    _close(s.logits(), ref.step(4321, n, kv, entries_from_plan(plan, obs.keys, obs.values)))
