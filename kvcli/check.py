@@ -24,6 +24,9 @@ L3 compares the end result; its Jaccard is over the *original* prompt positions 
 still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
 B-k..B-1 and say nothing about which tokens were kept).
 
+L1 alone (`--levels 1`) loads no reference engine: it is how models the reference engine does not run (those
+with sliding-window layers, gemma3) are checked; asking them for L2/L3 is refused in one line.
+
 Both engines get the very same token ids (tokenised once, by the native engine). Thresholds are
 parameters (`Thresholds`, `kvcli check --threshold key=value`); their defaults are for the
 default model (SmolLM2-135M Q4_1) with the native engine as users run it (f16 cache, flash
@@ -44,6 +47,7 @@ import numpy as np
 from kvcli import chunked, planning, policies
 from kvcli.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
+from kvcli.models import read_model_info
 from kvcli.native.session import NativeSession
 from kvcli.templating import build_prompt
 from kvcli.plan import Observation, Plan
@@ -335,6 +339,10 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         raise KvcliError("levels must be a subset of 1,2,3")
     if settings.budget < 1:
         raise KvcliError(f"budget must be >= 1 (got {settings.budget})")
+    info = read_model_info(model_path)
+    if info.sliding_layers and levels & {2, 3}:
+        raise KvcliError(f"L2 and L3 compare with the reference engine, which does not run models with "
+                         f"sliding-window layers ({info.architecture}): check this model with --levels 1")
     if settings.n_tokens < 1:
         raise KvcliError("the number of greedy tokens must be >= 1")
     if not document or not document.strip():

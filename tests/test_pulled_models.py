@@ -77,6 +77,6 @@ def test_gemma_check_l1_passes_and_l2_l3_are_refused():
     assert r["passed"], table
     for e in r["policies"]:
         assert "error" not in e and e["l1"]["pass"] and e["l1"]["identical_budgets"], table
-    with pytest.raises(KvcliError, match="reference engine does not run models with sliding-window layers"):
+    with pytest.raises(KvcliError, match="does not run models with sliding-window layers .*: check this model with --levels 1"):
         run_check(path, DOC.read_text(), ["snapkv"], CheckSettings(budget=128, n_tokens=8, doc_tokens=2000),
                   Thresholds())
