@@ -374,6 +374,7 @@ class Conversation:
             "llama_commit": ident["llama_commit"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": {"hash": model_hash(Path(s.model_path)), "name": info.name, "path": str(s.model_path),
                       "n_layer": info.n_layer, "n_head_kv": info.n_head_kv, "head_dim": info.head_dim,
+                      "sliding_layers": list(info.sliding_layers),
                       "n_vocab": s.n_vocab},
             "cache_type": s.cache_type, "flash_attn": s.flash_attn,
             "policy": self.policy, "budget": self.budget, "policy_args": dict(self.policy_args),

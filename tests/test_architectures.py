@@ -61,6 +61,22 @@ def test_gemma3_compresses_its_global_layers_and_leaves_the_window(run_kvcli, tm
         in r.stderr
 
 
+def test_gemma3_kvc_file_answers_like_run(run_kvcli, tmp_path):
+    """A .kvc file of a gemma3 holds both caches (the compacted global one, the window) and answers as run does."""
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4, sliding_window=16, swa_pattern=2)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(SHORT_DOC)
+    args = ("--model", path, "--doc", doc, "--policy", "snapkv", "--budget", "48")
+    direct = run_kvcli("run", *args, "Summarise.", "-n", "6", "--json")
+    assert direct.returncode == 0, direct.stderr
+    out = tmp_path / "g.kvc"
+    c = run_kvcli("compress", *args, "--question", "Summarise.", "-o", out, "-q")
+    assert c.returncode == 0, c.stderr
+    cached = run_kvcli("run", "--cache", out, "Summarise.", "-n", "6", "--json")
+    assert cached.returncode == 0, cached.stderr
+    assert json.loads(cached.stdout)["answer"] == json.loads(direct.stdout)["answer"]
+
+
 def test_plain_prompt_without_chat_template(tmp_path):
     from kvcli.native.session import NativeSession
     from kvcli.templating import build_prompt
