@@ -3,7 +3,8 @@
 For each document and configuration, in a fresh native session sized for that document:
 
 1. prefill + compress through the one compression driver (`kvcli.compress`: `prefill_and_compress`, or
-   `Shared` for configurations that share a prefill): prefill tok/s, compression time and its share of prefill + compression;
+   `Shared` for configurations that share a prefill): prefill tok/s, compression time and its share of
+   prefill + compression;
 2. KV cells and bytes read from the live cache (`session.stats`), never computed from the budget;
 3. decode of exactly `gen` tokens, teacher-forced on the full-cache (f16) greedy continuation, so
    every configuration decodes the same tokens: decode tok/s (median of `repeat` runs, min-max; the

@@ -18,8 +18,8 @@ L3 end to end   each engine observes, plans with its own planner and compresses 
 Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver
 (kvcli/compress.py; its chunked loop is in kvcli/chunked.py): prefill a chunk, observe it (a window policy
 through the question probe, prefilled and rolled back, unless `chunk_scoring` is "chunk"), plan over
-everything held, compact with re-indexed positions. L1 is checked at every planning step: the torch planner on the native
-observation of that step must make the native plan. L2 compares the observations of the first chunk.
+everything held, compact with re-indexed positions. L1 is checked at every planning step: the torch
+planner on the native observation of that step must make the native plan. L2 compares the observations of the first chunk.
 L3 compares the end result; its Jaccard is over the *original* prompt positions each (layer, KV head)
 still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
 B-k..B-1 and say nothing about which tokens were kept).
