@@ -92,10 +92,11 @@ class Shared:
 
     The prefill observes what the configurations that compress the prompt need together (one window sum per
     window length: a policy with window w plans from the sums over the last w queries), and `observe` /
-    `window` besides (kvcli check's L2). `apply(cfg)` gives one configuration the prefilled sequence (put back
-    from a saved state for every one after the first), plans from the observation restricted to what its own
-    prefill would have observed (`Observation.restrict`) and applies its plan. `first`: the logits after the
-    prefill (a restored sequence's next token comes from them); `prefill_s`: the prefill's seconds.
+    `window` besides (kvcli check's L2). `apply(cfg)`, once for each of `cfgs`, in any order, gives it the
+    prefilled sequence (put back from a saved state for every one after the first), plans from the
+    observation restricted to what its own prefill would have observed (`Observation.restrict`) and applies
+    its plan. `first`: the logits after the prefill (a restored sequence's next token comes from them);
+    `prefill_s`: the prefill's seconds.
 
     A failing prefill is each configuration's error (`Applied.error`); when the observing prefill fails with
     a KvcliError, the prompt is prefilled again without observation for the configurations that need none.
