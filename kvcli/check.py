@@ -487,9 +487,10 @@ class Origins:
         for l, layer in enumerate(self.ids):
             row = []
             for h, ids in enumerate(layer):
-                k = ids[plan.kept(l, h)]               # a dead slot a plan picks stays dead (-1)
-                pad = np.full(width - k.size, -1, np.int64)
-                row.append(np.concatenate([pad, k] if reindexed else [k, pad]))
+                slots = np.full(width, -1, np.int64)   # a dead slot a plan picks stays dead (-1)
+                start = plan.first_slot(l, h, reindexed)
+                slots[start: start + plan.n_kept[l, h]] = ids[plan.kept(l, h)]
+                row.append(slots)
             out.append(row)
         self.ids, self.width = out, width
 

@@ -289,10 +289,8 @@ def _carry(colsum: np.ndarray, plan, group: int) -> np.ndarray:
     re-indexing compaction leaves them (query head q reads the entries of KV head q // group; the slots
     before a head's entries carry 0: they are dead)."""
     n_layer, n_head = colsum.shape[:2]
-    B = plan.max_kept
-    out = np.zeros((n_layer, n_head, B), dtype=np.float32)
+    out = np.zeros((n_layer, n_head, plan.max_kept), dtype=np.float32)
     for l in range(n_layer):
         for q in range(n_head):
-            kept = plan.kept(l, q // group)
-            out[l, q, B - kept.size:] = colsum[l, q, kept]
+            out[l, q, plan.first_slot(l, q // group, reindexed=True):] = colsum[l, q, plan.kept(l, q // group)]
     return out
