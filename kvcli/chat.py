@@ -176,7 +176,7 @@ class Conversation:
 
     def _measured_cells(self) -> int:
         info = self.session.info
-        return cache.stats(self.session.ctx, self.seq, info.n_layer, info.n_head_kv)["n_cells"]
+        return cache.stats(self.session.ctx, self.seq, info.n_layer_model, info.n_head_kv)["n_cells"]
 
     def _truncate(self, pos: int) -> None:
         """Remove every cell at position >= pos from the sequence."""
@@ -321,8 +321,8 @@ class Conversation:
     def stats(self) -> dict:
         info = self.session.info
         s = self.session.stats(self.seq)
-        live = cache.stats(self.session.ctx, self.seq, info.n_layer, info.n_head_kv)
-        s.update(live_entries=live["live_entries"], per_head_entries=live["per_head_entries"],
+        live = cache.stats(self.session.ctx, self.seq, info.n_layer_model, info.n_head_kv)
+        s.update(live_entries=live["live_entries"],
                  k_bytes=live["k_bytes"], v_bytes=live["v_bytes"], bias_bytes=live["bias_bytes"],
                  next_pos=self._st().next_pos, n_ctx=self.session.n_ctx, peak_rss_bytes=peak_rss_bytes())
         return s
@@ -357,9 +357,12 @@ class Conversation:
                 f"live entries {s['kv_bytes_live'] / 1e6:.2f} MB; process peak RSS "
                 + ("not measured" if s["peak_rss_bytes"] is None else f"{s['peak_rss_bytes'] / 1e6:.0f} MB"),
                 f"{'layer':>5} {'live cells':>10} {'entries per KV head':>22} {'bytes':>10}"]
-        for il in range(info.n_layer):
+        for il in range(len(s["per_layer_cells"])):
             heads = " ".join(str(x) for x in s["per_head_entries"][il])
-            rows.append(f"{il:>5} {s['per_layer_cells'][il]:>10} {heads:>22} {per_layer_bytes:>10,.0f}")
+            if il in info.sliding_layers:  # llama.cpp's window cache, not compressed
+                rows.append(f"{il:>5} {s['per_layer_cells'][il]:>10} {heads:>22} {'sliding':>10}")
+            else:
+                rows.append(f"{il:>5} {s['per_layer_cells'][il]:>10} {heads:>22} {per_layer_bytes:>10,.0f}")
         return "\n".join(rows)
 
     # ------------------------------------------------------------------ .kvc files
@@ -371,6 +374,7 @@ class Conversation:
             "llama_commit": ident["llama_commit"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": {"hash": model_hash(Path(s.model_path)), "name": info.name, "path": str(s.model_path),
                       "n_layer": info.n_layer, "n_head_kv": info.n_head_kv, "head_dim": info.head_dim,
+                      "sliding_layers": list(info.sliding_layers),
                       "n_vocab": s.n_vocab},
             "cache_type": s.cache_type, "flash_attn": s.flash_attn,
             "policy": self.policy, "budget": self.budget, "policy_args": dict(self.policy_args),

@@ -154,7 +154,8 @@ _TURN = {"question": _STR, "answer": _STR, "stopped": _STR, "tokens_in": _count,
 META_SCHEMA = {
     "kvcli_version": _STR, "native_state_format": _count, "llama_commit": _STR, "created": _STR,
     "model": {"hash": _STR, "name": _STR, "path": _STR, "n_layer": _POSITIVE, "n_head_kv": _POSITIVE,
-              "head_dim": _POSITIVE, "n_vocab": _POSITIVE},
+              "head_dim": _POSITIVE, "n_vocab": _POSITIVE,
+              "sliding_layers": lambda v: isinstance(v, list) and all(_count(x) for x in v)},
     "cache_type": _STR, "flash_attn": _BOOL, "policy": _STR, "budget": lambda v: v is None or _POSITIVE(v),
     "policy_args": _DICT, "resolved_params": lambda v: v is None or _DICT(v), "original_tokens": _POSITIVE,
     "mode": lambda v: v in ("question-aware", "question-agnostic"), "question": _OPT_STR, "system": _OPT_STR,
@@ -209,8 +210,9 @@ _GGML_FLOAT = {0: np.float32, 1: np.float16}    # the cache types whose rows are
 
 def check_state(kvc: KvcFile) -> None:
     """Read the cache state's layout (llama.cpp's llama_kv_cache::state_write with kvcli's prefix and bias suffix,
-    one stream) and check it against the metadata: cells, positions, layers, K/V row types and sizes, finite
-    values, the bias block's shape, and nothing after it. The digest only says the file is as written; this says
+    one stream; then, for a model with sliding-window layers, its window cache's) and check it against the
+    metadata: cells, positions, layers, K/V row types and sizes, finite values, the bias block's shape, and
+    nothing after it. The digest only says the file is as written; this says
     the state is one this file's header describes (a state rebuilt with a valid digest but damaged bytes)."""
     import gguf  # noqa: PLC0415
 
@@ -222,22 +224,26 @@ def check_state(kvc: KvcFile) -> None:
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
     row = n_head_kv * head_dim // block * size
     r = _Reader(kvc.state)
+    n_sliding = len(m["sliding_layers"])
 
     def bad(what: str):
         return KvcliError(f"{kvc.path} is corrupted (cache state: {what})")
-    try:
-        r.take(8)                                           # llama.cpp's io magic and the saved sequence's id
+
+    def cache_block(n_layer: int, window: bool) -> None:
+        """One llama_kv_cache's part: the compressed cache's (its cells are the header's, with its headers and
+        bias), or (window) the sliding-window layers' cache of a model with them (consecutive positions ending
+        where the sequence does, no header, no bias)."""
         if r.u("<I") != _STATE_MAGIC:
             raise bad("not a kvcli state")
         r.take(12)                                          # format, model fingerprint: the native load checks them
         n_headers = r.u("<I")
-        if n_headers > 1:
+        if n_headers > (0 if window else 1):
             raise bad(f"{n_headers} sequence headers for one sequence")
         r.take(n_headers * (4 + 56 + 4))                    # seq id, kvcli_state_header, flags
         if r.u("<I") != 1:
             raise bad("not one stream")
         cells = r.u("<I")
-        if cells != c["cells"]:
+        if not window and cells != c["cells"]:
             raise bad(f"{cells} cells, the header says {c['cells']}")
         pos = np.empty(cells, np.int64)
         for i in range(cells):
@@ -248,6 +254,8 @@ def check_state(kvc: KvcFile) -> None:
             r.take(4)
         if cells and (pos.min() < 0 or pos.max() != c["next_pos"] - 1 or np.unique(pos).size != cells):
             raise bad(f"cell positions are not distinct positions ending at {c['next_pos'] - 1}")
+        if window and cells and pos.max() - pos.min() + 1 != cells:
+            raise bad("the sliding-window cache's positions are not consecutive")
         v_trans, layers = r.u("<I"), r.u("<I")
         if layers != n_layer:
             raise bad(f"{layers} layers, the model has {n_layer}")
@@ -271,11 +279,17 @@ def check_state(kvc: KvcFile) -> None:
             raise bad("no bias block")
         if r.u("<I"):
             dims = (r.u("<I"), r.u("<I"), r.u("<I"))
-            if dims != (n_layer, n_head_kv, cells):
+            if window or dims != (n_layer, n_head_kv, cells):
                 raise bad(f"bias block of shape {dims}, expected {(n_layer, n_head_kv, cells)}")
             bias = np.frombuffer(r.take(4 * n_layer * n_head_kv * cells), np.float32)
             if np.isnan(bias).any() or (bias == np.inf).any():
                 raise bad("bias values that are not numbers")
+
+    try:
+        r.take(8)                                           # llama.cpp's io magic and the saved sequence's id
+        cache_block(n_layer, window=False)
+        if n_sliding:                                       # llama_kv_cache_iswa writes its window cache next
+            cache_block(n_sliding, window=True)
     except ValueError as e:
         raise bad(str(e)) from None
     if r.p != len(kvc.state):

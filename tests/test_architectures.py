@@ -22,7 +22,7 @@ def _header_only(path, arch):
     return path
 
 
-@pytest.mark.parametrize("arch,why", [("gemma3", "second KV cache (iSWA)"), ("gemma2", "soft-caps the scores"),
+@pytest.mark.parametrize("arch,why", [("gemma2", "soft-caps the scores"),
                                       ("mamba", "not one kvcli has been made to run")])
 def test_refused_architectures_say_what_is_missing(run_kvcli, tmp_path, arch, why):
     r = run_kvcli("info", _header_only(tmp_path / f"{arch}.gguf", arch))
@@ -32,7 +32,7 @@ def test_refused_architectures_say_what_is_missing(run_kvcli, tmp_path, arch, wh
     assert "kvcli supports llama, qwen2, qwen3, phi3" in line
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma3"])
 def test_run_compresses_each_architecture(run_kvcli, tmp_path, arch):
     path = write_tiny(tmp_path / f"{arch}.gguf", arch, n_layer=2)
     r = run_kvcli("run", "--model", path, "--doc", "-", "Summarise.", "--policy", "snapkv", "--budget", "48",
@@ -40,6 +40,41 @@ def test_run_compresses_each_architecture(run_kvcli, tmp_path, arch):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["stats"]
     assert s["prompt_tokens"] > 100 and s["kv_cells"] <= 48 + s["generated_tokens"]
+
+
+def test_gemma3_compresses_its_global_layers_and_leaves_the_window(run_kvcli, tmp_path):
+    """Layers 0 and 2 slide over 16 tokens (llama.cpp's window cache, left whole); 1 and 3 are compressed."""
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4, sliding_window=16, swa_pattern=2)
+    args = ("run", "--model", path, "--doc", "-", "Summarise.", "--policy", "snapkv", "--budget", "48", "--json",
+            "-n", "3")
+    r = run_kvcli(*args, input=SHORT_DOC)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["stats"]
+    assert s["sliding_layers"] == [0, 2] and s["sliding_window"] == 16
+    assert s["per_layer_cells"][1] == s["per_layer_cells"][3] == s["kv_cells"] <= 48 + s["generated_tokens"]
+    # llama.cpp's window cache holds at least the window (it reuses older cells only when it needs room)
+    sliding = s["per_layer_cells"][0]
+    assert 16 <= sliding == s["per_layer_cells"][2] == s["sliding_cells"] <= s["prompt_tokens"] + s["generated_tokens"]
+    r = run_kvcli(*args, "--engine", "reference", input=SHORT_DOC)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "the reference engine does not run models with sliding-window layers (gemma3: 2 of 4 layers slide)" \
+        in r.stderr
+
+
+def test_gemma3_kvc_file_answers_like_run(run_kvcli, tmp_path):
+    """A .kvc file of a gemma3 holds both caches (the compacted global one, the window) and answers as run does."""
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4, sliding_window=16, swa_pattern=2)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(SHORT_DOC)
+    args = ("--model", path, "--doc", doc, "--policy", "snapkv", "--budget", "48")
+    direct = run_kvcli("run", *args, "Summarise.", "-n", "6", "--json")
+    assert direct.returncode == 0, direct.stderr
+    out = tmp_path / "g.kvc"
+    c = run_kvcli("compress", *args, "--question", "Summarise.", "-o", out, "-q")
+    assert c.returncode == 0, c.stderr
+    cached = run_kvcli("run", "--cache", out, "Summarise.", "-n", "6", "--json")
+    assert cached.returncode == 0, cached.stderr
+    assert json.loads(cached.stdout)["answer"] == json.loads(direct.stdout)["answer"]
 
 
 def test_plain_prompt_without_chat_template(tmp_path):

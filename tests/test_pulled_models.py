@@ -10,6 +10,7 @@ from kvcli import catalogue, policies
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "examples" / "solar-garden.txt"
+LONG_DOC = ROOT / "examples" / "station-log.txt"
 
 
 def pulled(name: str) -> Path:
@@ -45,8 +46,37 @@ def test_qwen_check_passes_l1_l3_for_every_policy():
 
 
 @pytest.mark.slow
-def test_gemma_is_refused_in_one_line(run_kvcli):
+def test_gemma_run_compresses_the_global_layers(run_kvcli, tmp_path):
+    """gemma-3-270m: 15 of its 18 layers slide over 512 tokens (llama.cpp's window cache, left whole); snapkv at
+    128 compresses the 3 global layers of a 2k-token document."""
     pulled("gemma-3-270m")
-    r = run_kvcli("info", "gemma-3-270m")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "unsupported architecture 'gemma3'" in r.stderr and "iSWA" in r.stderr
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(LONG_DOC.read_text().split()[:1500]))
+    r = run_kvcli("run", "--model", "gemma-3-270m", "--doc", doc, "--policy", "snapkv", "--budget", "128",
+                  "--json", "-n", "16", "What happened on the station?", timeout=1800)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["stats"]
+    assert s["prompt_tokens"] > 1800 and s["kv_cells"] <= 128 + s["generated_tokens"]
+    assert s["sliding_layers"] == [il for il in range(18) if il % 6 != 5] and s["sliding_window"] == 512
+    for il in (5, 11, 17):
+        assert s["per_layer_cells"][il] <= 128 + s["generated_tokens"]
+    assert all(512 <= s["per_layer_cells"][il] < s["prompt_tokens"] for il in s["sliding_layers"])
+
+
+@pytest.mark.slow
+def test_gemma_check_l1_passes_and_l2_l3_are_refused():
+    """The planners agree on gemma-3-270m's own observation (L1); the reference engine does not run it."""
+    pulled("gemma-3-270m")
+    from kvcli.check import CheckSettings, Thresholds, run_check
+    from kvcli.commands.check import format_report
+    from kvcli.errors import KvcliError
+    path = catalogue.pulled_path("gemma-3-270m")
+    r = run_check(path, LONG_DOC.read_text(), ["snapkv", "pyramidkv"],
+                  CheckSettings(budget=128, n_tokens=8, doc_tokens=2000, levels=(1,)), Thresholds())
+    table = format_report(r)
+    assert r["passed"], table
+    for e in r["policies"]:
+        assert "error" not in e and e["l1"]["pass"] and e["l1"]["identical_budgets"], table
+    with pytest.raises(KvcliError, match="does not run models with sliding-window layers .*: check this model with --levels 1"):
+        run_check(path, DOC.read_text(), ["snapkv"], CheckSettings(budget=128, n_tokens=8, doc_tokens=2000),
+                  Thresholds())

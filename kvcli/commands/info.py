@@ -66,7 +66,10 @@ def info_cmd(model, as_json):
     m, n = out["model"], out["native"]
     rows = [
         ("model", m["path"]), ("name", m["name"]), ("architecture", m["architecture"]),
-        ("layers", m["n_layer"]), ("heads", m["n_head"]), ("kv heads", m["n_head_kv"]),
+        ("layers", m["n_layer"] if not m["sliding_layers"] else
+         f"{m['n_layer_model']} ({len(m['sliding_layers'])} slide over {m['sliding_window']} tokens, left whole; "
+         f"kvcli compresses {', '.join(map(str, m['kv_layers']))})"),
+        ("heads", m["n_head"]), ("kv heads", m["n_head_kv"]),
         ("head dim", m["head_dim"]), ("embedding", m["n_embd"]), ("context length", m["n_ctx_train"]),
         ("vocabulary", m["n_vocab"]), ("quantisation", m["file_type"]), ("file size", f"{m['size_bytes'] / 1e6:.1f} MB"),
         ("calibration", calib_text),

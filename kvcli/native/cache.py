@@ -72,11 +72,28 @@ def observe_end(ctx) -> None:
     L.check(L.kvcli_observe_end(_ctx(ctx)), "observe_end")
 
 
+def kv_layer_ids(shapes) -> list[int]:
+    """The model index of each of the `shapes.n_layer` layers kvcli compresses (ModelInfo.kv_layers; every
+    layer when the shapes do not say)."""
+    ids = list(getattr(shapes, "kv_layers", None) or range(int(shapes.n_layer)))
+    if len(ids) != int(shapes.n_layer):
+        raise KvcliError(f"{len(ids)} compressed layers listed for {shapes.n_layer}")
+    return ids
+
+
+def model_kv_layers(model, n_layer_model: int) -> tuple:
+    """The model layers llama.cpp keeps in the cache kvcli compresses (kvcli_model_kv_layers)."""
+    L = lib()
+    out = np.zeros(max(1, int(n_layer_model)), np.int32)
+    n = L.check(L.kvcli_model_kv_layers(model, out.ctypes.data_as(I32P)), "reading the model's layers")
+    return tuple(int(x) for x in out[:n])
+
+
 def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
     """The Observation of `seq` (docs/internals.md) for the kinds asked: window sums (of the window
     lengths `windows`, in the order observe_begin got their first positions) / colsum from the armed
     decodes (read once: the engine frees its copy as they are read), kv as a reader of the cache's rows
-    (`KvReader`), positions always."""
+    (`KvReader`), positions always. Its layers are the ones kvcli compresses (kv_layer_ids)."""
     kinds = set(kinds)
     _kinds_bits(kinds)
     L = lib()
@@ -101,12 +118,12 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
         obs.colsum = np.empty((n_layer, n_head, n), np.float32)
     if kinds & {"window", "colsum"}:
         # layer by layer, each layer's accumulators released once copied: the host never holds both copies
-        for il in range(n_layer):
+        for i, il in enumerate(kv_layer_ids(shapes)):
             for iw in range(len(obs.windows)):
-                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, obs.window_sums[iw, il].ctypes.data_as(F32P)),
+                L.check(L.kvcli_observe_read_window_sum(ctx, il, iw, obs.window_sums[iw, i].ctypes.data_as(F32P)),
                         "reading window sums")
             if obs.colsum is not None:
-                L.check(L.kvcli_observe_read_colsum(ctx, il, obs.colsum[il].ctypes.data_as(F32P)),
+                L.check(L.kvcli_observe_read_colsum(ctx, il, obs.colsum[i].ctypes.data_as(F32P)),
                         "reading column sums")
             L.check(L.kvcli_observe_release(ctx, il), "releasing the observation")
     if "kv" in kinds:   # read one layer at a time, when a planner asks (Observation.kv_reader)
@@ -130,15 +147,18 @@ class KvReader:
 
 
 def read_kv_layer(ctx, seq: int, shapes, il: int, keys: np.ndarray, values: np.ndarray) -> None:
-    """Layer `il`'s K and V rows of `seq` into keys and values (float32 C-order [n_head_kv, n_slots, head_dim]),
-    dequantised and in the model's space (any Hadamard rotation of a quantised cache undone); K is post-RoPE."""
+    """Compressed layer `il`'s (kv_layer_ids) K and V rows of `seq` into keys and values (float32 C-order
+    [n_head_kv, n_slots, head_dim]), dequantised and in the model's space (any Hadamard rotation of a quantised
+    cache undone); K is post-RoPE."""
     L = lib()
     n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
     want = (int(shapes.n_head_kv), n, int(shapes.head_dim))
+    model_il = kv_layer_ids(shapes)[il]
     for which, out in ((0, keys), (1, values)):
         if out.shape != want or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise KvcliError(f"K/V rows are read into float32 C-order arrays {list(want)}")
-        L.check(L.kvcli_seq_read_kv(_ctx(ctx), int(seq), int(il), which, out.ctypes.data_as(F32P)), "reading K/V rows")
+        L.check(L.kvcli_seq_read_kv(_ctx(ctx), int(seq), model_il, which, out.ctypes.data_as(F32P)),
+                "reading K/V rows")
 
 
 def read_kv(ctx, seq: int, shapes) -> tuple[np.ndarray, np.ndarray]:
@@ -208,13 +228,15 @@ def shift_positions(ctx, seq: int, p0: int, p1: int, delta: int) -> None:
 
 
 # ------------------------------------------------------------------------------ stats
-def stats(ctx, seq: int, n_layer: int, n_head_kv: int) -> dict:
-    """Measured from the live cache (seq = -1: the whole cache): cells, K/V/bias bytes held,
-    live (layer, kv head, cell) entries, cells per layer and entries per (layer, kv head)."""
+def stats(ctx, seq: int, n_layer_model: int, n_head_kv: int) -> dict:
+    """Measured from the live cache kvcli compresses (seq = -1: the whole cache): cells, K/V/bias bytes held,
+    live (layer, kv head, cell) entries, cells per model layer and entries per (model layer, kv head) (0 for
+    a sliding-window layer: its cells are in llama.cpp's other cache). `n_layer_model`: all the model's
+    layers (ModelInfo.n_layer_model)."""
     L = lib()
     s = Stats()
-    plc = np.zeros(int(n_layer), np.int32)
-    phe = np.zeros((int(n_layer), int(n_head_kv)), np.int32)
+    plc = np.zeros(int(n_layer_model), np.int32)
+    phe = np.zeros((int(n_layer_model), int(n_head_kv)), np.int32)
     L.check(L.kvcli_stats_get(_ctx(ctx), int(seq), ctypes.byref(s), plc.ctypes.data_as(I32P),
                               phe.ctypes.data_as(I32P)), "reading cache stats")
     return {"n_cells": int(s.n_cells), "k_bytes": int(s.k_bytes), "v_bytes": int(s.v_bytes),

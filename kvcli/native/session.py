@@ -11,6 +11,7 @@ import ctypes
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -66,6 +67,12 @@ class NativeSession:
         self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
             raise KvcliError(f"llama.cpp could not load {self.model_path} (set KVCLI_DEBUG=1 to see its log)")
+        layers = cache.model_kv_layers(self.model, self.info.n_layer_model)
+        if layers != self.info.kv_layers:
+            L.llama_model_free(self.model)
+            self.model = None
+            raise KvcliError(f"llama.cpp keeps layers {list(layers)} of {Path(self.model_path).name} in the cache "
+                             f"kvcli compresses, kvcli expected {list(self.info.kv_layers)}")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
@@ -103,6 +110,8 @@ class NativeSession:
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = n_seq
         cparams.kv_unified = True  # one cell pool for all sequences: compressed ones free cells for others
+        # sliding-window layers: a window cache of window + batch cells (llama.cpp's default is one of n_ctx cells)
+        cparams.swa_full = not self.info.sliding_layers
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = CACHE_TYPES[cache_type]
         cparams.type_v = CACHE_TYPES[cache_type]
@@ -348,8 +357,9 @@ class NativeSession:
                 self.seqs.pop(seq, None)
             raise
         if reindex:
-            B = plan.max_kept   # right-aligned: a (layer, head) keeping n holds positions B-n..B-1
-            st.kept_positions = [[np.arange(B - int(n), B, dtype=np.int32) for n in row] for row in plan.n_kept]
+            B = plan.max_kept   # right-aligned: positions equal the slots Plan.first_slot gives
+            st.kept_positions = [[np.arange(plan.first_slot(l, h, reindexed=True), B, dtype=np.int32)
+                                  for h in range(plan.n_head_kv)] for l in range(plan.n_layer)]
             st.reindexed += st.next_pos - plan.max_kept
             st.next_pos = plan.max_kept  # the last logits stay: they are the model's output for the last token
         else:
@@ -399,9 +409,22 @@ class NativeSession:
         """Cache figures measured from the live cache (kvcli_stats_get), plus timings."""
         st = self.seq(seq)
         i = self.info
-        live = cache.stats(self.ctx, seq, i.n_layer, i.n_head_kv)
+        live = cache.stats(self.ctx, seq, i.n_layer_model, i.n_head_kv)
         mem = cache.memory(self.ctx)
         kv_held = live["k_bytes"] + live["v_bytes"]
+        sliding = {}
+        if i.sliding_layers:
+            # llama.cpp's window cache of the sliding layers, which kvcli leaves whole: at least the window, more
+            # until it needs room (it reuses the cells of the lowest positions first), so its cells of `seq` hold
+            # consecutive positions and are counted from them
+            p0, p1 = self.L.llama_memory_seq_pos_min(self.mem, seq), self.L.llama_memory_seq_pos_max(self.mem, seq)
+            swa_cells = p1 - p0 + 1 if p0 >= 0 else 0
+            for il in i.sliding_layers:
+                live["per_layer_cells"][il] = swa_cells
+                live["per_head_entries"][il] = [swa_cells] * i.n_head_kv
+            sliding = {"sliding_layers": list(i.sliding_layers), "sliding_window": i.sliding_window,
+                       "sliding_cells": swa_cells,
+                       "sliding_bytes": swa_cells * i.sliding_cell_bytes(self.cache_type)}
         return {
             "kv_cells": live["n_cells"],
             "kv_bytes": kv_held + live["bias_bytes"],
@@ -413,10 +436,14 @@ class NativeSession:
             # what the context's KV cache allocated (all sequences, whatever they hold): K/V + slot-bias buffers
             "kv_bytes_allocated": mem["kv_bytes"] + mem["bias_bytes"],
             "kv_cells_allocated": mem["kv_size"],
-            # cells live in at least one KV head of the layer (cells are shared by all layers)
+            # per model layer, cells live in at least one KV head of the layer (cells are shared by the layers of
+            # a cache); a sliding layer (sliding_layers) counts the cells of llama.cpp's window cache
             "per_layer_cells": live["per_layer_cells"],
-            # live entries of each (layer, KV head): a plan's n_kept, plus the tokens decoded since
+            # live entries of each (model layer, KV head): a plan's n_kept, plus the tokens decoded since
             "per_head_entries": live["per_head_entries"],
+            # models with sliding-window layers: kv_cells, kv_bytes(_full) and the plans cover the global layers
+            # only; the sliding layers' window cache holds sliding_cells cells of sliding_bytes
+            **sliding,
             **{k: round(v, 4) for k, v in st.timings.items()},
         }
 
@@ -425,7 +452,7 @@ class NativeSession:
         compacted; None for a layer no such graph was built for yet."""
         L = lib()
         return [ATTN_PATHS.get(L.check(L.kvcli_attn_path_taken(self.ctx, il), "kvcli_attn_path_taken"))
-                for il in range(self.info.n_layer)]
+                for il in cache.kv_layer_ids(self.info)]
 
     # ------------------------------------------------------------------ rolling back, saving and restoring a sequence
     # (the one place outside prefill/step/apply_plan that changes a SeqState: bench, eval and .kvc loading use these)
@@ -447,6 +474,13 @@ class NativeSession:
         st = self.seq(seq)
         if not 0 <= pos <= st.next_pos:
             raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
+        if self.info.sliding_layers and pos < st.next_pos:
+            # the window cache reuses the cells of its oldest positions: the next token's window must still be there
+            held_from = self.L.llama_memory_seq_pos_min(self.mem, seq)
+            if held_from > max(0, pos - self.info.sliding_window + 1):
+                raise KvcliError(f"cannot go back to position {pos} of sequence {seq}: the sliding-window layers' "
+                                 f"cache holds positions >= {held_from} only, and the next token's window starts at "
+                                 f"{max(0, pos - self.info.sliding_window + 1)}")
         if not self.L.llama_memory_seq_rm(self.mem, seq, pos, -1):
             raise KvcliError(f"llama.cpp refused to remove positions >= {pos} of sequence {seq}")
         st.next_pos = pos
@@ -455,7 +489,7 @@ class NativeSession:
 
     def measured_cells(self, seq: int = 0) -> int:
         """Cells `seq` occupies, read from the live cache."""
-        return cache.stats(self.ctx, seq, self.info.n_layer, self.info.n_head_kv)["n_cells"]
+        return cache.stats(self.ctx, seq, self.info.n_layer_model, self.info.n_head_kv)["n_cells"]
 
     def save_seq(self, seq: int = 0) -> SeqSnapshot:
         """Everything needed to put `seq` back later, in this session or another one of the same model and

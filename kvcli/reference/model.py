@@ -44,6 +44,10 @@ PERMUTED_QK = ("llama",)
 
 def load(path) -> LoadedModel:
     path = Path(path).resolve()
+    info = read_model_info(path)
+    if info.sliding_layers:
+        raise KvcliError(f"the reference engine does not run models with sliding-window layers ({info.architecture}: "
+                         f"{len(info.sliding_layers)} of {info.n_layer_model} layers slide); use the native engine")
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _LOADED:

@@ -19,6 +19,7 @@ extern "C" {
 #endif
 
 struct llama_context;
+struct llama_model;
 typedef int32_t kvcli_seq_id;
 
 // ---------------------------------------------------------------------------------
@@ -149,6 +150,12 @@ struct kvcli_memory {
     int64_t bias_bytes;     // slot-bias buffer bytes (0 before the first compaction)
 };
 KVCLI_API int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out);
+
+// The model layers whose KV cache kvcli compresses, in order: every layer of a model without sliding-window
+// layers, the global (non-SWA) layers of one with them (their cache is the base cache of llama.cpp's
+// llama_kv_cache_iswa; the SWA layers keep llama.cpp's window cache). A plan's layer i is the i-th of them.
+// Writes them to il_out (room for n_layer, or NULL) and returns their number.
+KVCLI_API int32_t kvcli_model_kv_layers(const struct llama_model * model, int32_t * il_out);
 
 // ---------------------------------------------------------------------------------
 // Attention of compacted caches (native/src/README.md, "CUDA")

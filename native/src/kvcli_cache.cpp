@@ -34,8 +34,11 @@ llama_kv_cache * kvcli_cache_of(llama_context * ctx) {
     }
     auto * kv = dynamic_cast<llama_kv_cache *>(mem);
     if (!kv) {
-        throw kvcli_error("kvcli needs a plain KV cache (models with sliding-window, recurrent or hybrid "
-                          "memory are not supported)");
+        kv = kvcli_iswa_base(mem); // sliding-window models: kvcli compresses the non-SWA layers' cache
+    }
+    if (!kv) {
+        throw kvcli_error("kvcli needs a KV cache it can compact (models with recurrent or hybrid memory are "
+                          "not supported)");
     }
     return kv;
 }
@@ -49,8 +52,12 @@ void kvcli_require_supported(llama_kv_cache * kv) {
         throw kvcli_error("kvcli needs a unified KV cache (create the context with kv_unified=true "
                           "when n_seq_max > 1)");
     }
-    if (kvcli_access::n_swa(*kv) != 0 || hp.swa_type != LLAMA_SWA_TYPE_NONE) {
-        throw kvcli_error("sliding-window attention models are not supported by kvcli");
+    if (kvcli_access::n_swa(*kv) != 0 || kvcli_access::swa_type(*kv) != LLAMA_SWA_TYPE_NONE) {
+        throw kvcli_error("kvcli cannot compact a sliding-window KV cache (it compresses the global layers' "
+                          "cache of an iSWA model)");
+    }
+    if (kvcli_access::map_layer_ids(*kv).size() != kvcli_access::layers(*kv).size()) {
+        throw kvcli_error("this model's layers share KV caches; kvcli cannot compact them");
     }
     if (hp.n_pos_per_embd() != 1) {
         throw kvcli_error("multi-dimensional positions (M-RoPE) are not supported by kvcli");
@@ -111,7 +118,8 @@ namespace kvcli_cache_detail {
 shapes shapes_of(const llama_kv_cache & kv) {
     const auto & hp = kvcli_access::hparams(kv);
     const auto & L0 = kvcli_access::layers(kv)[0];
-    return { hp.n_layer(), hp.n_head(L0.il), hp.n_head_kv(L0.il), hp.n_embd_head_k(L0.il), kv.get_size() };
+    return { hp.n_layer(), (uint32_t) kvcli_access::layers(kv).size(), hp.n_head(L0.il), hp.n_head_kv(L0.il),
+             hp.n_embd_head_k(L0.il), kv.get_size() };
 }
 
 // the rotation llama.cpp applies to K / V of this cache (0: none); see build_input_k_rot/v_rot
@@ -547,8 +555,8 @@ int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out) 
         if (!out) {
             throw kvcli_error("out is NULL");
         }
-        int64_t kv_bytes = 0;
-        for (const auto & [buft, size] : kv->memory_breakdown()) {
+        int64_t kv_bytes = 0; // the context's whole memory: with sliding-window layers, both caches
+        for (const auto & [buft, size] : ctx->get_memory()->memory_breakdown()) {
             kv_bytes += (int64_t) size;
         }
         int64_t bias_bytes = 0;

@@ -104,6 +104,7 @@ struct kvcli_access {
     static bool   v_trans(const llama_kv_cache & kv)       { return kv.v_trans; }
     static uint32_t n_stream(const llama_kv_cache & kv)    { return kv.n_stream; }
     static uint32_t n_swa(const llama_kv_cache & kv)       { return kv.n_swa; }
+    static llama_swa_type swa_type(const llama_kv_cache & kv) { return kv.swa_type; }
     static bool   rot_k(const llama_kv_cache & kv)         { return kv.attn_rot_k; }
     static bool   rot_v(const llama_kv_cache & kv)         { return kv.attn_rot_v; }
     static int32_t head_k_all(const llama_kv_cache & kv)   { return kv.n_embd_head_k_all; }
@@ -120,8 +121,12 @@ struct kvcli_access {
     }
 };
 
-// the llama_kv_cache of a context, or an error naming why kvcli cannot use it
+// the llama_kv_cache of a context (the non-SWA cache of an iSWA model), or an error naming why kvcli cannot use it
 llama_kv_cache * kvcli_cache_of(llama_context * ctx);
+// kvcli_iswa.cpp: the non-SWA ("base") cache of an iSWA memory, nullptr for any other memory
+llama_kv_cache * kvcli_iswa_base(llama_memory_t mem);
+// kvcli_iswa.cpp: whether kv is the base cache of a model with sliding-window layers
+bool kvcli_is_iswa_base(const llama_kv_cache & kv);
 // the cache checks that compaction, bias and observation need (one stream, no SWA, plain attention)
 void kvcli_require_supported(llama_kv_cache * kv);
 kvcli_kv_ext & kvcli_ext_of(llama_kv_cache * kv);
@@ -135,6 +140,9 @@ namespace kvcli_cache_detail {
 
 struct shapes {
     uint32_t n_layer_model; // hparams.n_layer
+    // the layers a plan covers: the cache's own layers in model order (every model layer for a plain cache,
+    // the non-SWA layers of an iSWA model; plan layer i is cache layer i, kvcli_require_supported)
+    uint32_t n_layer_plan;
     uint32_t n_head;
     uint32_t n_head_kv;
     uint32_t head_dim;

@@ -15,11 +15,11 @@ void validate_plan(const kvcli_plan_view * p, const shapes & sh, uint32_t n_slot
     if (!p) {
         throw kvcli_error("plan is NULL");
     }
-    if ((uint32_t) p->n_layer != sh.n_layer_model || (uint32_t) p->n_head_kv != sh.n_head_kv ||
+    if ((uint32_t) p->n_layer != sh.n_layer_plan || (uint32_t) p->n_head_kv != sh.n_head_kv ||
         (uint32_t) p->head_dim != sh.head_dim) {
         throw kvcli_error("plan shape [" + std::to_string(p->n_layer) + " layers, " + std::to_string(p->n_head_kv) +
                           " kv heads, head_dim " + std::to_string(p->head_dim) + "] does not match the model [" +
-                          std::to_string(sh.n_layer_model) + ", " + std::to_string(sh.n_head_kv) + ", " +
+                          std::to_string(sh.n_layer_plan) + ", " + std::to_string(sh.n_head_kv) + ", " +
                           std::to_string(sh.head_dim) + "]");
     }
     if (!p->n_kept || (!p->slots && p->n_layer * p->n_head_kv > 0)) {
@@ -105,6 +105,10 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
                           "their original positions); it cannot be re-indexed: compact every step of it with "
                           "re-indexing, or none");
     }
+    if (reindex && kvcli_is_iswa_base(*kv)) {
+        // the SWA cache keeps the original positions, which the next token must continue
+        throw kvcli_error("re-indexing (a chunked read) is not supported for models with sliding-window layers");
+    }
     if (reindex && p0 < 0) {
         throw kvcli_error("re-indexing needs a first position p0 >= 0 (got " + std::to_string(p0) + ")");
     }
@@ -142,19 +146,20 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
         throw kvcli_error("a quantized V cache needs flash attention");
     }
 
-    // every model layer must be a cache layer of its own (no reuse): the plan is per model layer
-    std::vector<int32_t> ikv_of(sh.n_layer_model, -1);
-    for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
-        auto it = map_ids.find(il);
-        if (it == map_ids.end() || layers[it->second].il != il) {
-            throw kvcli_error("layer " + std::to_string(il) + " has no KV cache of its own; kvcli cannot compact it");
+    // plan layer i is cache layer i (shapes::n_layer_plan): every cache layer is its model layer's own
+    std::vector<int32_t> ikv_of(sh.n_layer_plan, -1);
+    for (uint32_t il = 0; il < sh.n_layer_plan; ++il) {
+        auto it = map_ids.find(layers[il].il);
+        if (it == map_ids.end() || it->second != il) {
+            throw kvcli_error("layer " + std::to_string(layers[il].il) + " has no KV cache of its own; kvcli cannot "
+                              "compact it");
         }
-        ikv_of[il] = it->second;
+        ikv_of[il] = il;
     }
 
-    std::vector<int64_t> off(sh.n_layer_model * nkv + 1, 0);
+    std::vector<int64_t> off(sh.n_layer_plan * nkv + 1, 0);
     int32_t B = 0;
-    for (size_t i = 0; i < (size_t) sh.n_layer_model * nkv; ++i) {
+    for (size_t i = 0; i < (size_t) sh.n_layer_plan * nkv; ++i) {
         off[i + 1] = off[i] + plan->n_kept[i];
         B = std::max(B, plan->n_kept[i]);
     }
@@ -181,7 +186,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
         order[e] = e;
     }
     if (reindex) {
-        for (size_t i = 0; i < (size_t) sh.n_layer_model * nkv; ++i) {
+        for (size_t i = 0; i < (size_t) sh.n_layer_plan * nkv; ++i) {
             std::stable_sort(order.begin() + off[i], order.begin() + off[i + 1], [&](int64_t a, int64_t b) {
                 return src_pos[plan->slots[a]] < src_pos[plan->slots[b]];
             });
@@ -194,8 +199,8 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     // the new slot bias composes with the old one: an entry keeps what it carried (a dead entry stays
     // -inf, a merged one its log-multiplicity) plus the plan's log_mult; computed before cells move
     ensure_bias(kv, ext);
-    std::vector<std::vector<float>> new_bias(sh.n_layer_model, std::vector<float>((size_t) nkv * B, -INFINITY));
-    for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
+    std::vector<std::vector<float>> new_bias(sh.n_layer_plan, std::vector<float>((size_t) nkv * B, -INFINITY));
+    for (uint32_t il = 0; il < sh.n_layer_plan; ++il) {
         const size_t ikv = ikv_of[il];
         for (uint32_t h = 0; h < nkv; ++h) {
             const int64_t o = off[(size_t) il * nkv + h];
@@ -249,8 +254,8 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     // sitting at its source slot's position (it replaces that row, in the same post-RoPE space)
     std::vector<std::vector<int32_t>> delta;
     if (reindex) {
-        delta.assign(sh.n_layer_model, std::vector<int32_t>((size_t) B * nkv, 0));
-        for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
+        delta.assign(sh.n_layer_plan, std::vector<int32_t>((size_t) B * nkv, 0));
+        for (uint32_t il = 0; il < sh.n_layer_plan; ++il) {
             for (uint32_t h = 0; h < nkv; ++h) {
                 const int64_t o = off[(size_t) il * nkv + h];
                 const int32_t n = plan->n_kept[(size_t) il * nkv + h];
@@ -264,7 +269,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
 
     std::vector<float> tmp(hd);
     std::vector<uint8_t> qbuf(std::max(k_head, v_head) + 64);
-    for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
+    for (uint32_t il = 0; il < sh.n_layer_plan; ++il) {
         const size_t ikv = ikv_of[il];
         read_old_rows(ikv);
         // K (and untransposed V): rows of B cells, built on host, written run by run
@@ -336,7 +341,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     kvcli_access::heads(*kv)[0] = dst.back() + 1;
 
     // slot bias: composed values for kept entries, -inf where a (layer, head) has fewer than B
-    for (uint32_t il = 0; il < sh.n_layer_model; ++il) {
+    for (uint32_t il = 0; il < sh.n_layer_plan; ++il) {
         const size_t ikv = ikv_of[il];
         for (uint32_t h = 0; h < nkv; ++h) {
             float * row = ext.bias_host[ikv].data() + (size_t) h * kv_size;

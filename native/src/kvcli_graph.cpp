@@ -234,6 +234,9 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
 void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     llama_memory_t mem = lctx->get_memory();
     auto * kv = mem ? dynamic_cast<llama_kv_cache *>(mem) : nullptr;
+    if (!kv && mem) {
+        kv = kvcli_iswa_base(mem);
+    }
     if (!kv || !kv->kvcli_ext || !kv->kvcli_ext->armed) {
         return;
     }

@@ -68,7 +68,7 @@ void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext 
 }
 
 // Re-rotate the K rows of cells `dst` (the compacted sequence) by per-(layer, cell, KV head) position
-// deltas: delta[il][j*n_head_kv + h] for cell dst[j]. Runs llama.cpp's K-shift step
+// deltas: delta[i][j*n_head_kv + h] for cell dst[j] in cache (= plan) layer i. Runs llama.cpp's K-shift step
 // (llama_kv_cache::build_rope_shift) in a graph of our own on a backend of the device holding each
 // layer's K, so quantized caches go through dequantize -> un-Hadamard -> RoPE -> Hadamard -> quantize
 // as llama.cpp's own context shift does. Only the runs of `dst` are viewed: other sequences' cells
@@ -95,7 +95,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
             continue; // this layer's K carries no position
         }
         bool any = false;
-        for (int32_t d : delta[il]) {
+        for (int32_t d : delta[ikv]) {
             any = any || d != 0;
         }
         if (!any) {
@@ -154,7 +154,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
         for (size_t gi = 0; gi < ikvs.size(); ++gi) {
             const auto & L = layers[ikvs[gi]];
             const uint32_t il = L.il;
-            std::copy(delta[il].begin(), delta[il].end(), pos_host.begin() + (ptrdiff_t) (gi * B * nkv));
+            std::copy(delta[ikvs[gi]].begin(), delta[ikvs[gi]].end(), pos_host.begin() + (ptrdiff_t) (gi * B * nkv));
             const uint32_t n_rot = hp.n_rot(il);
             const uint32_t n_embd_nope = hp.n_lora_kv > 0 ? hd - n_rot : 0;
             const size_t head_b = ggml_row_size(L.k->type, hd);

@@ -164,3 +164,96 @@ def prompt_tokens(n: int, seed: int = 0) -> list[int]:
     """n random token ids of the SmolLM2 vocabulary (the tiny models share it)."""
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(100, 40000, n)]
+
+
+class NpGemma3:
+    """An independent numpy forward pass of a tiny gemma3 GGUF (kvcli.testing.tiny_gguf, arch "gemma3"): the
+    embedding scaled by sqrt(n_embd), RMS norms of each head's Q and K, NEOX RoPE, Q scaled by 1/sqrt(head_dim),
+    post-attention and post-FFN norms, a GELU-gated FFN; layer il slides over the last `n_swa` positions
+    (llama.cpp's standard window: position p sees p' when p - p' < n_swa) unless il % pattern == pattern - 1,
+    and its RoPE base is then llama.cpp's default for sliding layers (10000)."""
+
+    def __init__(self, path):
+        import gguf  # noqa: PLC0415
+
+        r = gguf.GGUFReader(str(path))
+
+        def meta(key):
+            return r.fields[f"gemma3.{key}"].contents()
+
+        self.n_layer = int(meta("block_count"))
+        self.n_head = int(meta("attention.head_count"))
+        self.n_head_kv = int(meta("attention.head_count_kv"))
+        self.n_embd = int(meta("embedding_length"))
+        self.head_dim = int(meta("attention.key_length"))
+        self.eps = float(meta("attention.layer_norm_rms_epsilon"))
+        self.rope_base = float(meta("rope.freq_base"))
+        self.n_swa = int(meta("attention.sliding_window"))
+        pattern = int(meta("attention.sliding_window_pattern"))
+        self.sliding = [il % pattern < pattern - 1 for il in range(self.n_layer)]
+        self.global_layers = [il for il in range(self.n_layer) if not self.sliding[il]]
+        self.w = {t.name: np.array(t.data, dtype=np.float64) for t in r.tensors}
+
+    def _norm(self, x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
+
+    def _rope(self, x, pos, base):
+        """NEOX RoPE: rotate the pairs (i, i + d/2) of each head by pos * base^(-2i/d)."""
+        d = x.shape[-1]
+        theta = pos * base ** (-np.arange(0, d, 2) / d)
+        c, s = np.cos(theta), np.sin(theta)
+        x0, x1 = x[..., : d // 2], x[..., d // 2:]
+        return np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+
+    def _qkv(self, il, x, pos):
+        p = f"blk.{il}."
+        xn = self._norm(x, self.w[p + "attn_norm.weight"])
+        q = self._norm((self.w[p + "attn_q.weight"] @ xn).reshape(self.n_head, self.head_dim), self.w[p + "attn_q_norm.weight"])
+        k = self._norm((self.w[p + "attn_k.weight"] @ xn).reshape(self.n_head_kv, self.head_dim), self.w[p + "attn_k_norm.weight"])
+        v = (self.w[p + "attn_v.weight"] @ xn).reshape(self.n_head_kv, self.head_dim)
+        base = 10000.0 if self.sliding[il] else self.rope_base
+        return self._rope(q, pos, base) / np.sqrt(self.head_dim), self._rope(k, pos, base), v
+
+    def step(self, token: int, pos: int, kv: list, global_entries=None) -> np.ndarray:
+        """Logits of `token` at `pos`. kv[il]: the (position, K [n_head_kv, d], V) of every earlier token in layer
+        il (this token's are appended). A sliding layer attends to the window of kv[il]; a global layer to all of
+        kv[il], or, with global_entries, to global_entries[i][h] = (K [m, d], V [m, d], bias [m]) of its i-th
+        global layer (a compacted cache) plus the token itself."""
+        x = self.w["token_embd.weight"][token] * np.sqrt(self.n_embd)
+        g = self.n_head // self.n_head_kv
+        for il in range(self.n_layer):
+            p = f"blk.{il}."
+            q, k, v = self._qkv(il, x, pos)
+            kv[il].append((pos, k, v))
+            heads = []
+            for qh in range(self.n_head):
+                h = qh // g
+                if global_entries is not None and not self.sliding[il]:
+                    K, V, b = global_entries[self.global_layers.index(il)][h]
+                    keys, vals, bias = np.vstack([K, k[h][None]]), np.vstack([V, v[h][None]]), np.append(b, 0.0)
+                else:
+                    rows = [(kk[h], vv[h]) for pp, kk, vv in kv[il] if not self.sliding[il] or pos - pp < self.n_swa]
+                    keys, vals, bias = np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), 0.0
+                s = keys @ q[qh] + bias
+                s = np.exp(s - s.max())
+                heads.append((s / s.sum()) @ vals)
+            x = x + self._norm(self.w[p + "attn_output.weight"] @ np.concatenate(heads), self.w[p + "post_attention_norm.weight"])
+            xn = self._norm(x, self.w[p + "ffn_norm.weight"])
+            gate = self.w[p + "ffn_gate.weight"] @ xn
+            gelu = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+            ffn = self.w[p + "ffn_down.weight"] @ (gelu * (self.w[p + "ffn_up.weight"] @ xn))
+            x = x + self._norm(ffn, self.w[p + "post_ffw_norm.weight"])
+        return self.w["token_embd.weight"] @ self._norm(x, self.w["output_norm.weight"])
+
+    def prefill(self, tokens) -> tuple[list, np.ndarray]:
+        """(kv, logits of the last token) after reading `tokens` at positions 0, 1, ..."""
+        kv = [[] for _ in range(self.n_layer)]
+        logits = None
+        for pos, t in enumerate(tokens):
+            logits = self.step(t, pos, kv)
+        return kv, logits
+
+
+@functools.lru_cache(maxsize=2)
+def np_gemma3(path) -> NpGemma3:
+    return NpGemma3(path)
