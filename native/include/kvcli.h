@@ -107,6 +107,21 @@ KVCLI_API int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_
 KVCLI_API int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id,
                                              const struct kvcli_plan_view * plan, int32_t p0);
 
+// Compaction without a model (tests; native/src/kvcli_moves.h): the byte moves kvcli_apply_plan* make on one
+// kind of cache row, run on host buffers. type: a ggml_type; transposed: V of a cache without flash
+// attention; which: 0 = K (replacement rows from plan->replace_k), 1 = V (replace_v), written in `type`
+// without the Hadamard rotation a quantised cache adds. src: plan->n_layer blocks of n_src_cells cells, each
+// cell n_head_kv rows of row_size(type, head_dim) bytes (transposed: per block, element e = h*head_dim + d of
+// cell c at e*n_src_cells + c); slot_cells[n_slots]: the src cell of each slot of the sequence;
+// src_pos[n_slots]: their positions, which order the entries when reindex != 0 (as
+// kvcli_apply_plan_reindexed: right-aligned, padding first). dst: n_layer blocks of B = max(n_kept)
+// cells in the same layout; a cell no entry goes to is left as it is. src_size / dst_size (bytes) must
+// be exactly those. Returns B or < 0.
+KVCLI_API int32_t kvcli_compact_rows(const struct kvcli_plan_view * plan, int32_t type, int32_t transposed,
+                                     int32_t which, int32_t reindex, int32_t n_slots, const int32_t * slot_cells,
+                                     const int32_t * src_pos, int32_t n_src_cells, const void * src,
+                                     int64_t src_size, void * dst, int64_t dst_size);
+
 // Whether seq_id has been compacted (and so refuses K-shift / seq_add / seq_div).
 KVCLI_API int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id);
 // Whether every entry of seq_id sits at its cell's position (1), so kvcli_apply_plan_reindexed accepts it;
