@@ -76,6 +76,7 @@ _SIGNATURES = {
     "kvcli_seq_get_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
     "kvcli_stats_get": (c_int32, [c_void_p, c_int32, POINTER(Stats), I32P, I32P]),
     "kvcli_memory_get": (c_int32, [c_void_p, POINTER(Memory)]),
+    "kvcli_cells_with_bias": (c_int32, [c_void_p]),
     "kvcli_attn_path_choose": (c_int32, [c_int32, c_int32, c_char_p, c_int32]),
     "kvcli_attn_path_taken": (c_int32, [c_void_p, c_int32]),
     "kvcli_plan_make": (c_void_p, [c_char_p, c_char_p, c_int32, POINTER(ObsView)]),

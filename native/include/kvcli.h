@@ -152,6 +152,11 @@ struct kvcli_stats {
 KVCLI_API int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_stats * out,
                                   int32_t * per_layer_cells, int32_t * per_head_entries);
 
+// Cells of the whole cache that carry a slot-bias row (kvcli's per-cell metadata, native/src/kvcli_cells.h).
+// A cell loses its row when llama.cpp frees it (seq_rm, seq_keep, clear, overwrite), so every one of them is
+// held by a sequence. Returns the count (0 before the first compaction) or < 0.
+KVCLI_API int32_t kvcli_cells_with_bias(struct llama_context * ctx);
+
 // Memory the context's KV cache has allocated (whatever it holds): the K/V buffers llama.cpp sized for
 // kv_size cells, and kvcli's slot-bias buffers (allocated at the first compaction), in bytes as the
 // backend buffers report them.

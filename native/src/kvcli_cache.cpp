@@ -501,6 +501,17 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
     });
 }
 
+int32_t kvcli_cells_with_bias(struct llama_context * ctx) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        int32_t n = 0;
+        for (uint32_t c = 0; kv->kvcli_ext && c < kv->get_size(); ++c) {
+            n += kv->kvcli_ext->cells.biased(c);
+        }
+        return n;
+    });
+}
+
 int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out) {
     return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
