@@ -1,7 +1,8 @@
 // kvcli on the llama.cpp KV cache: what every part shares (the cache of a context, the support check,
-// the extension, a sequence's cells, row conversion and Hadamard rotation, the slot-bias tensors), the
+// the extension, a sequence's cells, Hadamard rotation, the slot-bias tensors and rm_cells), the
 // consistency hooks our patch calls from llama_kv_cache (seq_rm/seq_cp/seq_add/apply_ubatch) and the
-// C API that reads the cache (rows, positions, headers, stats, memory). Compaction: kvcli_compact.cpp;
+// C API that reads the cache (rows, positions, headers, stats, biased cells, memory). Per-cell and
+// per-sequence metadata: kvcli_cells.h; byte moves: kvcli_moves.cpp; compaction: kvcli_compact.cpp;
 // K re-rotation: kvcli_reindex.cpp; state save/load: kvcli_state.cpp; observation: kvcli_graph.cpp.
 //
 // Layout facts this file relies on (llama.cpp 0c1e57098, src/llama-kv-cache.cpp):

@@ -1,5 +1,6 @@
-// kvcli cache internals (native/src/kvcli_{cache,compact,reindex,state,graph}.cpp): the per-cache extension state (slot bias,
-// per-sequence flags, observation captures) and the accessor our patch befriends.
+// kvcli cache internals (native/src/kvcli_{cache,compact,reindex,state,graph}.cpp): the per-cache extension
+// state (slot-bias tensors, per-cell and per-sequence metadata in kvcli_cells.h, observation captures) and
+// the accessor our patch befriends.
 #pragma once
 
 #include "kvcli.h"
