@@ -31,7 +31,7 @@ struct compaction {
     std::vector<int32_t>    src_pos;  // their positions
     std::vector<size_t>     ikv_of;   // the cache layer of every model layer
     row_format              fk = {}, fv = {};
-    move_list               moves;                       // validate -> order
+    move_list               moves;                       // (order)
     std::vector<std::vector<float>> new_bias;            // per model layer: [n_head_kv][B] (compose_bias)
     std::vector<uint32_t>   dst;                         // the B cells the sequence keeps (take_cells)
     llama_pos               n_next = 0;                  // the position after the sequence's last
@@ -39,8 +39,8 @@ struct compaction {
     llama_kv_cells & cells() const { return kvcli_access::cells(*kv)[0]; }
 };
 
-// the cache, the sequence and the plan can be compacted as asked; throws before anything changes
-void validate(compaction & c) {
+// the cache and the sequence can be compacted as asked; gathers the sequence's cells and positions
+void check_sequence(compaction & c) {
     c.kv = kvcli_cache_of(c.ctx);
     kvcli_require_supported(c.kv);
     kvcli_check_seq(*c.kv, c.seq);
@@ -72,8 +72,10 @@ void validate(compaction & c) {
         }
         c.src_pos.push_back(c.cells().pos_get(cell));
     }
-    kvcli_moves::validate_plan(c.plan, c.sh.n_layer_model, c.sh.n_head_kv, c.sh.head_dim, c.src.size());
+}
 
+// the K/V rows of every model layer can be moved: formats, and a cache layer of its own per model layer
+void check_layers(compaction & c) {
     const auto & layers = kvcli_access::layers(*c.kv);
     c.fk = { layers[0].k->type, c.sh.head_dim, c.sh.n_head_kv, false };
     c.fv = { layers[0].v->type, c.sh.head_dim, c.sh.n_head_kv, kvcli_access::v_trans(*c.kv) };
@@ -89,6 +91,13 @@ void validate(compaction & c) {
         }
         c.ikv_of.push_back(it->second);
     }
+}
+
+// the cache, the sequence and the plan can be compacted as asked; throws before anything changes
+void validate(compaction & c) {
+    check_sequence(c);
+    kvcli_moves::validate_plan(c.plan, c.sh.n_layer_model, c.sh.n_head_kv, c.sh.head_dim, c.src.size());
+    check_layers(c);
     if (c.reindex) {
         require_rerotatable(c.ctx, c.kv, *c.ext);
     }
