@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from kvcli import chunked
+from kvcli.compress import prefill_and_compress
 from kvcli.check import Origins
 from kvcli.evaluation.runner import _greedy
 from kvcli.evaluation.tasks import niah_sample
@@ -42,8 +42,8 @@ def main(argv: list[str]) -> int:
             sess = NativeSession(model, n_ctx=2048, n_threads=2)
             o = Origins(sess.info.n_layer, sess.info.n_head_kv)
             t0 = time.perf_counter()
-            chunked.prefill_chunked(sess, toks, policy, BUDGET, {}, CHUNK, cap=BUDGET + CHUNK, scoring=sc,
-                                    on_step=lambda st, obs, plan: o.on_plan(obs.n, plan))
+            prefill_and_compress(sess, toks, policy, BUDGET, {}, chunk=CHUNK, cap=BUDGET + CHUNK, scoring=sc,
+                                 on_step=lambda st, obs, plan: o.on_plan(obs.n, plan))
             kept = o.kept(sess.stats(0)["kv_cells"])
             share = np.mean([np.isin(np.arange(a, b), h).mean() for layer in kept for h in layer])
             pred = _greedy(sess, sess.logits(0), s.max_tokens)

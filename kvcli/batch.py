@@ -34,13 +34,12 @@ from pathlib import Path
 
 from kvcli.batching import Lockstep
 from kvcli.chunked import plan_chunking
-from kvcli.compress import prefill_and_compress
+from kvcli.compress import prefill_and_compress, resolve
 from kvcli.documents import decode_text
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import read_model_info, resolve_model
 from kvcli.native.session import NativeSession
-from kvcli.planning import resolve_for_model
 from kvcli.templating import build_prompt
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -90,10 +89,7 @@ def check_settings(settings: Settings) -> Path:
         raise KvcliError("the instruction is empty")
     settings.sampling.validate()
     path = resolve_model(settings.model)
-    if settings.policy != "full":
-        resolve_for_model(path, settings.policy, dict(settings.policy_args), settings.budget, settings.instruction)
-    elif settings.policy_args:
-        raise KvcliError("policy 'full' takes no --policy-arg")
+    resolve(path, settings.policy, settings.budget, settings.policy_args, settings.instruction)
     document_cells(settings, path)
     return path
 

@@ -2,8 +2,9 @@
 
 For each document and configuration, in a fresh native session sized for that document:
 
-1. prefill + compress through `kvcli.compress.prefill_and_compress` (the one compression path):
-   prefill tok/s, compression time and its share of prefill + compression;
+1. prefill + compress through the one compression driver (`kvcli.compress`: `prefill_and_compress`, or
+   `Shared` for configurations that share a prefill): prefill tok/s, compression time and its share of
+   prefill + compression;
 2. KV cells and bytes read from the live cache (`session.stats`), never computed from the budget;
 3. decode of exactly `gen` tokens, teacher-forced on the full-cache (f16) greedy continuation, so
    every configuration decodes the same tokens: decode tok/s (median of `repeat` runs, min-max; the
@@ -43,10 +44,10 @@ from pathlib import Path
 import numpy as np
 
 import kvcli
-from kvcli import planning, policies
+from kvcli import policies
 from kvcli.batching import Lockstep
 from kvcli.chunked import plan_chunking
-from kvcli.compress import prefill_and_compress
+from kvcli.compress import Shared, prefill_and_compress, resolve
 from kvcli.documents import read_document
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine, spread
@@ -54,7 +55,6 @@ from kvcli.evaluation.report import write_text
 from kvcli.models import read_model_info
 from kvcli.native import cache
 from kvcli.native.session import NativeSession, SeqSnapshot
-from kvcli.planning import resolve_for_model
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -118,8 +118,6 @@ def configs(policies: list[str], budgets: list[int], cache_types: list[str]) -> 
 
 def availability(policy: str) -> str | None:
     """None when the native engine can run `policy`, else why not (reported in the results)."""
-    if policy == "full":
-        return None
     try:
         spec = policies.get(policy)
     except KvcliError:
@@ -178,9 +176,9 @@ class Bench:
         self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state file + what restoring it needs
         self._state_dir = None
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
-            if p != "full" and availability(p) is None:
+            if availability(p) is None:
                 for b in budgets:
-                    resolve_for_model(self.model_path, p, self.policy_args.get(p, {}), b)
+                    resolve(self.model_path, p, b, self.policy_args.get(p, {}))
 
     # -------------------------------------------------------------------------- sessions
     def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
@@ -238,10 +236,8 @@ class Bench:
                 row["note"] = rep.note
             self._decode_and_score(session, row, cfg, doc, first)
             row["status"] = "ok"
-        except KvcliError as e:
-            row["status"] = f"error: {e}"
         except Exception as e:  # a bug below kvcli bench: reported on its row, the other rows still run
-            row["status"] = f"internal error: {type(e).__name__}: {e}"
+            row["status"] = _status(e)
         finally:
             session.close()
         return row
@@ -283,7 +279,7 @@ class Bench:
     def measure_shared(self, cfgs: list[Config], doc: Doc, n_ctx_train: int) -> list[dict]:
         """Configurations of one cache type that observe the same way share one prefill, timed once:
         budgets never change the prefill. Each then restores the prefilled state, plans, applies its
-        plan (timed as its compression), decodes and is scored exactly as in `measure`."""
+        plan (timed as its compression; kvcli.compress.Shared), decodes and is scored exactly as in `measure`."""
         n = len(doc.tokens)
         rows, groups = {}, {}
         for cfg in cfgs:
@@ -294,25 +290,19 @@ class Bench:
             if why:
                 row["status"] = why
                 continue
-            prep = None
-            if cfg.policy != "full":
-                args = dict(self.policy_args.get(cfg.policy, {}))
-                spec, params = resolve_for_model(self.model_path, cfg.policy, args, cfg.budget)
-                if spec.compresses(n, cfg.budget):
-                    kinds, w = spec.observe(params)
-                    prep = (spec, params, tuple(sorted(kinds)), w)
-                else:
-                    row["note"] = f"no compression: the prompt ({n} tokens) fits the budget ({cfg.budget})"
-            key = (cfg.cache_type, prep[2] if prep else (), prep[3] if prep else 0)  # no observation: full's prefill
-            groups.setdefault(key, []).append((cfg, prep))
+            comp = resolve(self.model_path, cfg.policy, cfg.budget, self.policy_args.get(cfg.policy, {}))
+            if comp.fit_note(n):
+                row["note"] = comp.fit_note(n)
+            kinds, w = comp.observe if comp.compresses(n) else ((), 0)   # no observation: full's prefill
+            groups.setdefault((cfg.cache_type, tuple(sorted(kinds)), w), []).append((cfg, comp))
         for (ct, kinds, w), members in groups.items():
             self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds)}"
                                                                    f"{f' (window {w})' if w else ''}" if kinds else "")
                      + f" for {', '.join(c.label for c, _ in members)}")
-            self._run_group(members, doc, n_ctx_train, ct, kinds, w, rows)
+            self._run_group(members, doc, n_ctx_train, ct, rows)
         return [rows[c] for c in cfgs]
 
-    def _run_group(self, members, doc, n_ctx_train, ct, kinds, w, rows) -> None:
+    def _run_group(self, members, doc, n_ctx_train, ct, rows) -> None:
         n = len(doc.tokens)
         try:
             session = self._session(ct, context_cells(n, self.gen, n_ctx_train))
@@ -320,42 +310,26 @@ class Bench:
             for cfg, _ in members:
                 rows[cfg]["status"] = f"error: {e}"
             return
-        state = None
         try:
-            try:
-                t0 = time.perf_counter()
-                obs = session.prefill(doc.tokens, seq=0, observe=kinds, window=w)
-                prefill_s = time.perf_counter() - t0
-                if obs is None and any(p for _, p in members):  # nothing armed: positions are all a plan needs
-                    obs = cache.read_observation(session.ctx, 0, session.info, ())
-                first = session.logits(0)
-                if len(members) > 1:
-                    state = session.save_seq(0)
-            except Exception as e:
+            shared = Shared(session, doc.tokens, [comp for _, comp in members])
+            if shared.error is not None:
                 for cfg, _ in members:
-                    rows[cfg]["status"] = f"error: {e}" if isinstance(e, KvcliError) else \
-                        f"internal error: {type(e).__name__}: {e}"
+                    rows[cfg]["status"] = _status(shared.error)
                 return
-            for i, (cfg, prep) in enumerate(members):
+            for cfg, comp in members:
                 row = rows[cfg]
                 try:
-                    if i:
-                        session.restore_seq(state, 0)
-                    t1 = time.perf_counter()
-                    if prep is not None:
-                        spec, params, k, wi = prep
-                        sub = obs.restrict(k, wi)
-                        session.apply_plan(planning.make_plan(spec, params, cfg.budget, sub, session.engine), seq=0)
-                    compress_s = time.perf_counter() - t1
-                    row.update({"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "prefill_shared_by": len(members),
-                                "compress_s": compress_s, "compress_share": compress_s / (prefill_s + compress_s),
+                    applied = shared.apply(comp)
+                    if applied.error is not None:
+                        raise applied.error
+                    row.update({"prefill_s": shared.prefill_s, "prefill_tok_s": n / shared.prefill_s,
+                                "prefill_shared_by": len(members), "compress_s": applied.compress_s,
+                                "compress_share": applied.compress_s / (shared.prefill_s + applied.compress_s),
                                 **self._cache_figures(session, cfg)})
-                    self._decode_and_score(session, row, cfg, doc, first)
+                    self._decode_and_score(session, row, cfg, doc, shared.first)
                     row["status"] = "ok"
-                except KvcliError as e:
-                    row["status"] = f"error: {e}"
                 except Exception as e:  # a bug below kvcli bench: reported on its row
-                    row["status"] = f"internal error: {type(e).__name__}: {e}"
+                    row["status"] = _status(e)
                 self.log("  " + cfg.label + ": " + short_line(row))
         finally:
             session.close()
@@ -495,6 +469,11 @@ class Bench:
                              "instruction": self.instruction, "policy_args": self.policy_args,
                              "docs": [{"name": d.name, "tokens": len(d.tokens)} for d in self.docs]},
                 "rows": rows, "batch": batch}
+
+
+def _status(e: Exception) -> str:
+    """A row's status for what stopped it: an input or run error, or a bug below kvcli bench."""
+    return f"error: {e}" if isinstance(e, KvcliError) else f"internal error: {type(e).__name__}: {e}"
 
 
 def _decode(session, first_logits: np.ndarray, gen: int, forced: list[int] | None):

@@ -15,11 +15,11 @@ L3 end to end   each engine observes, plans with its own planner and compresses 
                 right after prefill predate the compression: the "next-token" comparison is the
                 one after the first decoded token, the first that reads the compressed caches.
 
-Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver of
-kvcli/chunked.py (prefill a chunk, observe it (a window policy through the question probe, prefilled
-and rolled back, unless `chunk_scoring` is "chunk"), plan over everything held, compact with
-re-indexed positions). L1 is checked at every planning step: the torch planner on the native
-observation of that step must make the native plan. L2 compares the observations of the first chunk.
+Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver
+(kvcli/compress.py; its chunked loop is in kvcli/chunked.py): prefill a chunk, observe it (a window policy
+through the question probe, prefilled and rolled back, unless `chunk_scoring` is "chunk"), plan over
+everything held, compact with re-indexed positions. L1 is checked at every planning step: the torch
+planner on the native observation of that step must make the native plan. L2 compares the observations of the first chunk.
 L3 compares the end result; its Jaccard is over the *original* prompt positions each (layer, KV head)
 still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
 B-k..B-1 and say nothing about which tokens were kept).
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from kvcli import chunked, planning, policies
+from kvcli import chunked, compress, planning, policies
 from kvcli.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
@@ -212,17 +212,10 @@ def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, .
     """The window lengths one observation must hold for L2 and every named policy's window (at most n)."""
     ws = {min(l2_window, n)}
     for p in names:
-        kinds, w = specs[p][0].observe(specs[p][1])
+        kinds, w = specs[p].observe
         if "window" in kinds:
             ws.add(min(w, n))
     return tuple(sorted(ws))
-
-
-def shapes_only(session, n: int) -> Observation:
-    """An observation with nothing observed (for policies that need nothing, e.g. full)."""
-    i = session.info
-    return Observation(n_layer=i.n_layer, n_head=i.n_head, n_head_kv=i.n_head_kv, head_dim=i.head_dim, n=n,
-                       positions=np.arange(n, dtype=np.int32))
 
 
 # --------------------------------------------------------------------------------- L3: end to end
@@ -342,13 +335,9 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if settings.chunk is not None:
         if settings.chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
-    specs = {}
-    for name in names:   # every bad policy parameter / budget is reported before any model is loaded
-        if name == "full":
-            spec, params, _ = policies.prepare(name, {}, settings.budget)
-        else:  # compresskv with the model's calibration, as run/bench/eval plan it
-            spec, params = planning.resolve_for_model(model_path, name, {}, settings.budget)
-        specs[name] = (spec, params)
+    # every bad policy parameter / budget is reported before any model is loaded (compresskv with the model's
+    # calibration, as run/bench/eval plan it)
+    specs = {name: compress.resolve(model_path, name, settings.budget) for name in names}
 
     t0 = time.perf_counter()
     if settings.threads is not None and settings.threads < 1:
@@ -368,16 +357,20 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     n_ctx = -(-(n + settings.n_tokens + 8) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
     log(f"{n} prompt tokens; loading the reference engine")
-    reference = ReferenceSession(model_path, n_ctx=2 * native.n_ctx, n_seq=2,  # base + one working copy
-                                 n_threads=settings.threads)
+    reference = ReferenceSession(model_path, n_ctx=native.n_ctx, n_threads=settings.threads)
 
     report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
               "thresholds": th.as_dict(), "policies": []}
 
-    # the reference prefills once, observing everything; each policy works on a copy of that sequence
+    # the reference prefills once, observing everything; each policy's L3 gets that prefill back (compress.Shared)
     log("reference prefill")
-    base_obs = reference.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
+    runnable = [c for c in specs.values() if c.spec.native and c.spec.reference]
+    shared = compress.Shared(reference, tokens, runnable if 3 in levels else [], observe=("window", "colsum", "kv"),
+                             window=window, planner="reference")
+    if shared.error is not None or shared.obs_error is not None:
+        raise shared.error or shared.obs_error
+    base_obs = shared.obs
 
     if 2 in levels:
         log("L2: native prefill with observation")
@@ -389,33 +382,30 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
             report["l2"] = {"pass": False, "error": str(e)}
 
     for name in names:
-        spec, params = specs[name]
-        entry = {"policy": name, "note": ""}
+        cfg = specs[name]
+        entry = {"policy": name, "note": cfg.fit_note(n)}
         report["policies"].append(entry)
-        if not (spec.native and spec.reference):
-            missing = "native" if not spec.native else "reference"
+        if not (cfg.spec.native and cfg.spec.reference):
+            missing = "native" if not cfg.spec.native else "reference"
             entry["skipped"] = f"no {missing} implementation"
             log(f"{name}: skipped ({entry['skipped']})")
             continue
         log(f"{name}: native prefill, L1 and L3")
-        kinds, w = spec.observe(params)
-        compresses = spec.compresses(n, settings.budget)
-        if name != "full" and not compresses:
-            entry["note"] = f"no compression: the prompt ({n} tokens) fits the budget ({settings.budget})"
+        l1_steps = []
+
+        def both_planners(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps):
+            if 1 in levels:
+                l1_steps.append(_l1(cfg, obs, plan_n, th))
+
         try:
             native.clear(0)
-            if kinds:
-                obs_n = native.prefill(tokens, seq=0, observe=kinds, window=w)
-            else:
-                native.prefill(tokens, seq=0)
-                obs_n = shapes_only(native, n)
-            # planned even when nothing is compressed: both planners must then keep everything
-            plan_n = planning.make_plan(spec, params, settings.budget, obs_n, "native")
-            if 1 in levels:
-                plan_t = planning.make_plan(spec, params, settings.budget, obs_n, "reference")
-                entry["l1"] = compare_plans(plan_n, plan_t, th.l1_merge_atol)
+            # the native engine observes, plans and compresses its own cache; planned even when nothing is
+            # compressed: both planners must then keep everything (L1 on the native plan's observation)
+            compress.compress_as(native, tokens, cfg, planner="native", plan_always=True, on_step=both_planners)
+            if l1_steps:
+                entry["l1"] = l1_steps[0]
             if 3 in levels:
-                entry["l3"] = _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses)
+                entry["l3"] = _level3(native, shared, cfg, settings, th)
         except KvcliError as e:
             entry["error"] = str(e)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -424,23 +414,30 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     return report
 
 
-def _level3(native, reference, spec, params, settings, th, base_obs, plan_n, compresses) -> dict:
-    # native: the plan its own planner made on its own observation
-    if compresses:  # (never for full: it keeps the cache as it is)
-        native.apply_plan(plan_n, seq=0)
-    # reference: a copy of the prefilled sequence, its own observation, its own planner
-    reference.copy_seq(0, 1)
-    kinds, w = spec.observe(params)
-    if compresses:
-        obs_r = base_obs.restrict(kinds, w)
-        plan_r = planning.make_plan(spec, params, settings.budget, obs_r, "reference")
-        reference.apply_plan(plan_r, seq=1)
-    jac = jaccard_per_layer(native.kept_positions(0), reference.kept_positions(1))
-    out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac}
-    out.update(greedy_compare(native, reference, settings.n_tokens, 0, 1))
+def _l1(cfg, obs, plan_n, th) -> dict:
+    """L1 of one planning step: the torch planner on the observation the native plan was made from."""
+    return compare_plans(plan_n, planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference"),
+                         th.l1_merge_atol)
+
+
+def _level3(native, shared, cfg, settings, th) -> dict:
+    """L3 of one policy: the native engine has compressed sequence 0 with its own plan; the reference engine's
+    prefill (`shared`) is given back to this configuration, planned from its own observation by its own planner
+    (never compressed for full: it keeps the cache as it is)."""
+    applied = shared.apply(cfg)
+    if applied.error is not None:
+        raise applied.error
+    jac = jaccard_per_layer(native.kept_positions(0), shared.session.kept_positions(0))
+    return _l3(native, shared.session, jac, settings, th)
+
+
+def _l3(native, reference, jac: list[float], settings, th, **extra) -> dict:
+    """The L3 figures after both engines compressed sequence 0: Jaccard of the kept positions, then the greedy
+    comparison, and whether they pass."""
+    out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac, **extra}
+    out.update(greedy_compare(native, reference, settings.n_tokens, 0, 0))
     out["pass"] = bool(out["jaccard_min"] >= th.l3_jaccard_min and out["kl"] <= th.l3_kl_max
                        and out["logits_max_abs"] <= th.l3_logits_atol and out["greedy_agree"] >= th.l3_greedy_min)
-    reference.clear(1)
     return out
 
 
@@ -476,9 +473,10 @@ class Origins:
         for l, layer in enumerate(self.ids):
             row = []
             for h, ids in enumerate(layer):
-                k = ids[plan.kept(l, h)]               # a dead slot a plan picks stays dead (-1)
-                pad = np.full(width - k.size, -1, np.int64)
-                row.append(np.concatenate([pad, k] if reindexed else [k, pad]))
+                slots = np.full(width, -1, np.int64)   # a dead slot a plan picks stays dead (-1)
+                start = plan.first_slot(l, h, reindexed)
+                slots[start: start + plan.n_kept[l, h]] = ids[plan.kept(l, h)]
+                row.append(slots)
             out.append(row)
         self.ids, self.width = out, width
 
@@ -506,7 +504,8 @@ def _merge_l1(steps: list[dict]) -> dict:
 
 
 def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0) -> dict:
-    """kvcli check --chunk: both engines read `tokens` with kvcli.chunked.prefill_chunked (see the module doc)."""
+    """kvcli check --chunk: both engines read `tokens` in chunks with the driver, kvcli.compress (see the module
+    doc)."""
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
     n, levels, chunk = len(tokens), set(settings.levels), settings.chunk
@@ -548,31 +547,30 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             report["l2"] = {"pass": False, "error": str(e)}
 
     for name in names:
-        spec, params = specs[name]
+        cfg = specs[name]
         entry = {"policy": name, "note": ""}
         report["policies"].append(entry)
-        if name == "full":
+        if name not in sizing:
             entry["skipped"] = "chunked prefill needs a compressing policy"
             continue
-        if not (spec.native and spec.reference):
-            entry["skipped"] = f"no {'native' if not spec.native else 'reference'} implementation"
+        if not (cfg.spec.native and cfg.spec.reference):
+            entry["skipped"] = f"no {'native' if not cfg.spec.native else 'reference'} implementation"
             log(f"{name}: skipped ({entry['skipped']})")
             continue
         log(f"{name}: chunked prefill in both engines, L1 at every step, L3")
-        cap = sizing[name].cap
+        reading = dict(instruction=settings.instruction, chunk=chunk, cap=sizing[name].cap,
+                       scoring=settings.chunk_scoring)
         try:
             l1_steps, origins_n = [], Origins(info.n_layer, info.n_head_kv)
 
-            def native_step(step, obs, plan_n, spec=spec, params=params, l1_steps=l1_steps, origins=origins_n):
+            def native_step(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps, origins=origins_n):
                 if 1 in levels:
-                    plan_t = planning.make_plan(spec, params, settings.budget, obs, "reference")
-                    l1_steps.append(compare_plans(plan_n, plan_t, th.l1_merge_atol))
+                    l1_steps.append(_l1(cfg, obs, plan_n, th))
                 origins.on_plan(obs.n, plan_n)
 
             native.clear(0)
-            rep_n = chunked.prefill_chunked(native, tokens, name, settings.budget, {}, chunk, cap=cap, seq=0,
-                                            planner="native", instruction=settings.instruction, on_step=native_step,
-                                            scoring=settings.chunk_scoring)
+            rep_n = compress.prefill_and_compress(native, tokens, name, settings.budget, {}, planner="native",
+                                                  on_step=native_step, **reading)
             entry["chunks"] = len(rep_n.steps)
             entry["steps"] = [[s.cells_before, s.cells_after] for s in rep_n.steps]
             if 1 in levels:
@@ -580,21 +578,14 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             if 3 in levels:
                 origins_r = Origins(info.n_layer, info.n_head_kv)
                 reference.clear(0)
-                rep_r = chunked.prefill_chunked(reference, tokens, name, settings.budget, {}, chunk, cap=cap, seq=0,
-                                                planner="reference", instruction=settings.instruction,
-                                                on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan),
-                                                scoring=settings.chunk_scoring)
+                rep_r = compress.prefill_and_compress(
+                    reference, tokens, name, settings.budget, {}, planner="reference",
+                    on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan), **reading)
                 kept_n = origins_n.kept(native.stats(0)["kv_cells"])
                 kept_r = origins_r.kept(reference.stats(0)["kv_cells"])
-                jac = jaccard_per_layer(kept_n, kept_r)
-                out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac,
-                       "peak_cells": [rep_n.peak_cells, rep_r.peak_cells],
-                       "reference_steps": [[s.cells_before, s.cells_after] for s in rep_r.steps]}
-                out.update(greedy_compare(native, reference, settings.n_tokens, 0, 0))
-                out["pass"] = bool(out["jaccard_min"] >= th.l3_jaccard_min and out["kl"] <= th.l3_kl_max
-                                   and out["logits_max_abs"] <= th.l3_logits_atol
-                                   and out["greedy_agree"] >= th.l3_greedy_min)
-                entry["l3"] = out
+                entry["l3"] = _l3(native, reference, jaccard_per_layer(kept_n, kept_r), settings, th,
+                                  peak_cells=[rep_n.peak_cells, rep_r.peak_cells],
+                                  reference_steps=[[s.cells_before, s.cells_after] for s in rep_r.steps])
         except KvcliError as e:
             entry["error"] = str(e)
     report["seconds"] = round(time.perf_counter() - t0, 2)

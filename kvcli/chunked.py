@@ -37,7 +37,7 @@ import numpy as np
 
 from kvcli import planning
 from kvcli.errors import KvcliError
-from kvcli.planning import CompressReport, resolve_policy, session_cells, shape_observation
+from kvcli.planning import CompressReport, Compression, session_cells, shape_observation
 from kvcli.session import Session
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
@@ -175,7 +175,7 @@ def next_chunk(left: int, cap: int, cells: int, chunk: int, window: int, probe: 
 
 def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chunk: int, cap: int, window: int,
                probe: int, cells: int = 0) -> list[tuple[int, int]] | None:
-    """Replay the reading of `prefill_chunked` on the policy's layer schedule (`PolicySpec.widest`), before any
+    """Replay the reading of `read_in_chunks` on the policy's layer schedule (`PolicySpec.widest`), before any
     prefill: a policy whose widest layer leaves no room to read on is refused here, not after minutes of
     prefill. Returns the (tokens, cells after) of every chunk (the last one's cells None where the scores decide
     them: nothing is read after it), or None where the scores decide a width before the last chunk (the
@@ -195,10 +195,11 @@ def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chu
     return steps
 
 
-def prefill_chunked(session: Session, tokens: list[int], policy: str, budget: int, policy_args: dict,
-                    chunk: int, *, cap: int | None = None, seq: int = 0, progress=None, planner: str | None = None,
-                    instruction: str | None = None, on_step=None, on_cache=None, scoring: str = "question"):
-    """Read `tokens` into `seq` in chunks, compressing to `budget` after each one (see the module doc).
+def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
+                   seq: int = 0, progress=None, planner: str | None = None, on_step=None, on_cache=None,
+                   scoring: str = "question") -> CompressReport:
+    """The chunked form of the driver (kvcli.compress.prefill_and_compress, the one caller): read `tokens` into
+    `seq` in chunks, compressing to `cfg.budget` after each one (see the module doc).
 
     `scoring`: "question" scores every chunk with the prompt's last window (a probe prefilled and rolled
     back), "chunk" with the chunk's own last window. `on_step(step, obs, plan)` is called after each
@@ -207,7 +208,7 @@ def prefill_chunked(session: Session, tokens: list[int], policy: str, budget: in
     """
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
-    spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
+    policy, budget, spec, params = cfg.policy, cfg.budget, cfg.spec, cfg.params
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
     if window > chunk:
@@ -284,10 +285,8 @@ def _carry(colsum: np.ndarray, plan, group: int) -> np.ndarray:
     re-indexing compaction leaves them (query head q reads the entries of KV head q // group; the slots
     before a head's entries carry 0: they are dead)."""
     n_layer, n_head = colsum.shape[:2]
-    B = plan.max_kept
-    out = np.zeros((n_layer, n_head, B), dtype=np.float32)
+    out = np.zeros((n_layer, n_head, plan.max_kept), dtype=np.float32)
     for l in range(n_layer):
         for q in range(n_head):
-            kept = plan.kept(l, q // group)
-            out[l, q, B - kept.size:] = colsum[l, q, kept]
+            out[l, q, plan.first_slot(l, q // group, reindexed=True):] = colsum[l, q, plan.kept(l, q // group)]
     return out

@@ -1,56 +1,155 @@
-"""Prefill -> observe -> plan -> apply: the one compression driver both engines share.
+"""Prefill -> observe -> plan -> apply: the one compression driver of every command.
 
 The session (native or reference) prefills and captures what the policy needs to observe;
 the planner of the same engine (C++ for native, torch for reference) turns the Observation
 into a Plan; the session applies it. Budget semantics: docs/internals.md.
+
+Two forms, one sequence of steps:
+- `prefill_and_compress` (`compress_as` for a configuration resolved already): one configuration, read in
+  one prefill or, with `chunk`, in chunks compressed after each (kvcli/chunked.py: `read_in_chunks`).
+  run, chat, compress, batch, pipeline, bench (a configuration measured alone, or read in chunks), eval
+  (documents read in chunks) and check (the native engine, both engines when chunked) call it.
+- `Shared`: one prefill serving several configurations. It observes what they all need; each one
+  (`Shared.apply`) puts the prefilled sequence back, plans from its part of the observation and applies
+  its plan, for the caller to decode or measure before the next. bench (configurations that observe
+  alike), eval (every configuration of a sample) and check (the reference engine) call it.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kvcli import planning
-from kvcli.chunked import prefill_chunked
+from kvcli.chunked import read_in_chunks
 from kvcli.errors import KvcliError
-from kvcli.planning import CompressReport, resolve_policy, session_cells, shape_observation
+from kvcli.plan import Plan
+from kvcli.planning import CompressReport, Compression, resolve, session_cells, shape_observation
 from kvcli.session import Session
 
 
 def prefill_and_compress(session: Session, tokens: list[int], policy: str, budget: int | None,
                          policy_args: dict, seq: int = 0, progress=None, planner: str | None = None,
                          instruction: str | None = None, chunk: int | None = None, cap: int | None = None,
-                         on_cache=None, scoring: str = "question") -> CompressReport:
+                         on_cache=None, scoring: str = "question", on_step=None) -> CompressReport:
     """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head.
 
     `instruction` is the user's question/instruction text: policies that adapt to the task
     (windowkv task=auto) classify it before planning. With `chunk`, a prompt longer than one chunk is
     read chunk by chunk, compressed after each (kvcli/chunked.py; `cap`: most cells while reading; `scoring`:
-    which queries score each chunk)."""
+    which queries score each chunk). The prefill time counts from this call (the policy's resolution in it)."""
     t0 = time.perf_counter()
-    if policy == "full":  # no compression: nothing to observe or plan
-        if policy_args:
-            raise KvcliError("policy 'full' takes no --policy-arg")
+    cfg = resolve(session.model_path, policy, budget, policy_args, instruction)
+    return compress_as(session, tokens, cfg, seq=seq, progress=progress, planner=planner, chunk=chunk, cap=cap,
+                       on_cache=on_cache, scoring=scoring, on_step=on_step, since=t0)
+
+
+def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: int = 0, progress=None,
+                planner: str | None = None, chunk: int | None = None, cap: int | None = None, on_cache=None,
+                scoring: str = "question", on_step=None, plan_always: bool = False,
+                since: float | None = None) -> CompressReport:
+    """`prefill_and_compress` of a configuration resolved already. `on_step(step, obs, plan)` is called with
+    each plan before it is applied (kvcli check runs the other planner there); `plan_always`: plan a
+    prompt that fits the budget too (nothing is applied: both planners must then keep everything)."""
+    t0 = time.perf_counter() if since is None else since
+    n = len(tokens)
+    if chunk and n > chunk and cfg.policy != "full":
+        return read_in_chunks(session, tokens, cfg, chunk, cap=cap, seq=seq, progress=progress, planner=planner,
+                              on_step=on_step, on_cache=on_cache, scoring=scoring)
+    compresses = cfg.compresses(n)
+    if not (compresses or plan_always):   # full, or a prompt within the budget: nothing to observe or plan
         session.prefill(tokens, seq=seq, progress=progress)
-        return CompressReport(policy, budget, len(tokens), time.perf_counter() - t0,
+        return CompressReport(cfg.policy, cfg.budget, n, time.perf_counter() - t0, note=cfg.fit_note(n),
                               peak_cells=session_cells(session, seq))
-    if chunk and len(tokens) > chunk:
-        return prefill_chunked(session, tokens, policy, budget, policy_args, chunk, cap=cap, seq=seq,
-                               progress=progress, planner=planner, instruction=instruction, on_cache=on_cache,
-                               scoring=scoring)
-    spec, params = resolve_policy(session, policy, policy_args, budget, instruction)
-    if not spec.compresses(len(tokens), budget):
-        session.prefill(tokens, seq=seq, progress=progress)
-        return CompressReport(policy, budget, len(tokens), time.perf_counter() - t0,
-                              note=f"no compression: the prompt ({len(tokens)} tokens) fits the budget ({budget})",
-                              peak_cells=session_cells(session, seq))
-    observe, window = spec.observe(params)
+    observe, window = cfg.observe
     obs = session.prefill(tokens, seq=seq, observe=observe, window=window, progress=progress)
     prefill_s = time.perf_counter() - t0
     peak = session_cells(session, seq)
     if obs is None:  # a policy that observes nothing (streamingllm) plans from the shapes alone
-        obs = shape_observation(session.info, len(tokens))
+        obs = shape_observation(session.info, n)
     t1 = time.perf_counter()
-    plan = planning.make_plan(spec, params, budget, obs, planner or session.engine)
+    plan = planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
+    if on_step is not None:
+        on_step(0, obs, plan)
     del obs  # K/V rows of a merging policy: freed before the compaction reads the cache (peak memory)
-    session.apply_plan(plan, seq=seq)
-    return CompressReport(policy, budget, len(tokens), prefill_s, time.perf_counter() - t1, plan, params=params,
-                          peak_cells=peak)
+    if compresses:
+        session.apply_plan(plan, seq=seq)
+    return CompressReport(cfg.policy, cfg.budget, n, prefill_s, time.perf_counter() - t1, plan, params=cfg.params,
+                          note=cfg.fit_note(n), peak_cells=peak)
+
+
+@dataclass
+class Applied:
+    """One configuration of a `Shared` prefill, applied (or why not: `error`, an exception to report)."""
+    cfg: Compression
+    plan: Plan | None = None
+    compress_s: float = 0.0      # planning + applying
+    note: str = ""
+    error: Exception | None = None
+
+
+class Shared:
+    """One prefill of `tokens` into `seq` serving every configuration of `cfgs`.
+
+    The prefill observes what the configurations that compress the prompt need together (one window sum per
+    window length: a policy with window w plans from the sums over the last w queries), and `observe` /
+    `window` besides (kvcli check's L2). `apply(cfg)`, once for each of `cfgs`, in any order, gives it the
+    prefilled sequence (put back from a saved state for every one after the first), plans from the
+    observation restricted to what its own prefill would have observed (`Observation.restrict`) and applies
+    its plan. `first`: the logits after the prefill (a restored sequence's next token comes from them);
+    `prefill_s`: the prefill's seconds.
+
+    A failing prefill is each configuration's error (`Applied.error`); when the observing prefill fails with
+    a KvcliError, the prompt is prefilled again without observation for the configurations that need none.
+    """
+
+    def __init__(self, session: Session, tokens: list[int], cfgs: list[Compression], *, seq: int = 0,
+                 observe=(), window=(), planner: str | None = None):
+        self.session, self.seq, self.n = session, seq, len(tokens)
+        self.planner = planner or session.engine
+        kinds, windows = set(observe), set((window,) if isinstance(window, int) else window)
+        for c in cfgs:
+            if c.compresses(self.n):
+                k, w = c.observe
+                kinds |= set(k)
+                if "window" in k:
+                    windows.add(w)
+        self.obs = self.first = self.state = self.error = self.obs_error = None
+        self.prefill_s, self.used = 0.0, False
+        try:
+            t0 = time.perf_counter()
+            try:
+                self.obs = session.prefill(tokens, seq=seq, observe=tuple(sorted(kinds)), window=tuple(sorted(windows)))
+            except KvcliError as e:
+                if not kinds or all(c.compresses(self.n) and c.observe[0] for c in cfgs):
+                    raise
+                self.obs_error = e   # reported for each configuration that needed the observation
+                session.clear(seq)
+                t0 = time.perf_counter()
+                session.prefill(tokens, seq=seq)
+            self.prefill_s = time.perf_counter() - t0
+            if self.obs is None:  # nothing observed: positions are all a plan needs (streamingllm)
+                self.obs = shape_observation(session.info, self.n)
+            self.first = session.logits(seq)
+            if len(cfgs) > 1:
+                self.state = session.save_seq(seq)
+        except Exception as e:  # noqa: BLE001 - each configuration reports it; the caller decides what stops
+            self.error = e
+
+    def apply(self, cfg: Compression) -> Applied:
+        if self.error is not None:
+            return Applied(cfg, error=self.error)
+        try:
+            if self.used:
+                self.session.restore_seq(self.state, self.seq)
+            self.used = True
+            if not cfg.compresses(self.n):
+                return Applied(cfg, note=cfg.fit_note(self.n))
+            kinds, window = cfg.observe
+            if self.obs_error is not None and kinds:
+                return Applied(cfg, error=self.obs_error)
+            t1 = time.perf_counter()
+            plan = planning.make_plan(cfg.spec, cfg.params, cfg.budget, self.obs.restrict(kinds, window), self.planner)
+            self.session.apply_plan(plan, seq=self.seq)
+            return Applied(cfg, plan, time.perf_counter() - t1)
+        except Exception as e:  # noqa: BLE001 - reported on this configuration; the next one restores the prefill
+            return Applied(cfg, error=e)

@@ -16,6 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import read_model_info
 from kvcli.native.lib import native_plan
 from kvcli.plan import Observation, Plan
+from kvcli.policies.base import PolicySpec
 from kvcli.policies.d2o import full_layer_set
 from kvcli.session import Session
 
@@ -45,9 +46,41 @@ class CompressReport:
         return out
 
 
-def resolve_policy(session: Session, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
-    """(spec, params) of a compressing policy for the session's model (see `resolve_for_model`)."""
-    return resolve_for_model(session.model_path, policy, policy_args, budget, instruction)
+@dataclass(frozen=True)
+class Compression:
+    """One configuration (policy at a budget) resolved for a model: what the driver (kvcli/compress.py)
+    prefills, plans and applies. `full` is one too: it observes nothing and never compresses."""
+    policy: str
+    budget: int | None
+    spec: PolicySpec
+    params: dict = field(hash=False, compare=False)
+
+    @property
+    def observe(self) -> tuple[tuple[str, ...], int]:
+        """(kinds, window) its prefill observes."""
+        return self.spec.observe(self.params)
+
+    def compresses(self, n: int) -> bool:
+        return self.spec.compresses(n, self.budget)
+
+    def fit_note(self, n: int) -> str:
+        """Why a prompt of n tokens is not compressed ("" when it is, and for `full`, which never is)."""
+        if self.compresses(n) or self.policy == "full":
+            return ""
+        return f"no compression: the prompt ({n} tokens) fits the budget ({self.budget})"
+
+
+def resolve(model_path, policy: str, budget: int | None, policy_args: dict | None = None,
+            instruction: str | None = None) -> Compression:
+    """The Compression of `policy` at `budget` for the model at `model_path` (see `resolve_for_model`); `full`
+    takes no argument and keeps every entry whatever the budget."""
+    if policy == "full":   # the one place it is told apart: it has no parameter and needs no budget
+        if policy_args:
+            raise KvcliError("policy 'full' takes no --policy-arg")
+        spec = policies.get(policy)
+        return Compression(policy, budget, spec, spec.validate({}))
+    spec, params = resolve_for_model(model_path, policy, dict(policy_args or {}), budget, instruction)
+    return Compression(policy, budget, spec, params)
 
 
 def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
@@ -55,7 +88,7 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
     compresskv's offline calibration found for the model (or a warning says why not), windowkv's task=auto
     classified, the parameters that depend on the model's shape checked against its header (d2o's full_layers):
     before the model loads, not after the prefill. The one place a plan's policy is resolved: run, chat,
-    compress, batch, bench, eval and check."""
+    compress, batch, bench, eval and check (through `resolve`)."""
     policies.get(policy)  # an unknown name is the first thing to report
     if budget is None:
         raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")

@@ -377,17 +377,18 @@ def test_a_layer_schedule_without_room_to_read_on_is_refused_before_the_prefill(
 ])
 @pytest.mark.parametrize("scoring", ["question", "chunk"])
 def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget, args, chunk, refused, scoring):
-    """check_room replays prefill_chunked on the layer schedule alone: the same chunks and cells as the real
+    """check_room replays the chunked reading on the layer schedule alone: the same chunks and cells as the real
     reading of a document, and a refusal (the same line) exactly where the real reading stops."""
     from kvcli import chunked
-    from kvcli.compress import resolve_policy
+    from kvcli.compress import prefill_and_compress
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
     from kvcli.pipeline import build_prompt
+    from kvcli.planning import resolve_for_model
     s = NativeSession(tiny, n_ctx=384)
     tokens = s.tokenize(build_prompt(s, LONG_DOC, "Hi"))
     assert len(tokens) > 2 * chunk
-    spec, params = resolve_policy(s, policy, args, budget, "Hi")
+    spec, params = resolve_for_model(s.model_path, policy, args, budget, "Hi")
     _, window = spec.observe(params)
     probe = window if scoring == "question" and "window" in spec.needs else 0
     try:
@@ -397,7 +398,7 @@ def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget,
         replayed = str(e)
     monkeypatch.setattr(chunked, "check_room", lambda *a, **k: None)   # the real reading, unchecked up front
     try:
-        rep = chunked.prefill_chunked(s, tokens, policy, budget, args, chunk, instruction="Hi", scoring=scoring)
+        rep = prefill_and_compress(s, tokens, policy, budget, args, instruction="Hi", chunk=chunk, scoring=scoring)
         real = [(st.tokens, st.cells_after) for st in rep.steps]
     except KvcliError as e:
         real = str(e)

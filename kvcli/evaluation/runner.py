@@ -3,7 +3,8 @@
 Every sample is scored with the full cache first and then with each policy x budget on the very same
 prompt, so each score can also be given as a fraction of the full cache's score on the same samples
 (the papers' headline form). One prefill per sample serves all configurations (see
-`compressed_variants`); planning and compaction are those of `kvcli.compress`. Decoding is greedy.
+`compressed_variants`); prefill, planning and compaction are those of the driver, `kvcli.compress`.
+Decoding is greedy.
 """
 from __future__ import annotations
 
@@ -13,17 +14,14 @@ import time
 
 import numpy as np
 
-from kvcli import planning
 from kvcli.bench import availability
 from kvcli.chunked import DEFAULT_CHUNK, MIN_CHUNK
-from kvcli.compress import prefill_and_compress
+from kvcli.compress import Shared, prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
 from kvcli.generate import Sampler
-from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession
-from kvcli.planning import resolve_for_model
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TRUNCATE = "truncate"     # the baseline for documents longer than the context: keep the head and the last tokens
@@ -50,9 +48,9 @@ def _check_policies(model_path, policies, budgets, policy_args) -> dict:
         w = availability(p)
         if w:
             why[p] = w
-        elif p != "full":
+        else:
             for b in budgets:
-                resolve_for_model(model_path, p, policy_args.get(p, {}), b)
+                resolve(model_path, p, b, policy_args.get(p, {}))
     return why
 
 
@@ -64,64 +62,27 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     """For each (policy, budget) of `cfgs`, leave sequence 0 of `session` holding `tokens` compressed by it,
     and yield (policy, budget, status, first_logits, note); decode from seq 0 before the next item.
 
-    One prefill serves every configuration of a sample: the observation is captured once with the
-    union of what the policies need (one window sum per window length the policies use: a policy with
-    window w plans from the sums over the last w queries), the uncompressed state is
-    saved, and each configuration restores it, plans with the native planner and applies its plan,
-    as `kvcli.compress.prefill_and_compress` does after its own prefill. `kvcli bench` does not
-    share prefills: it times each configuration's own.
+    One prefill serves every configuration of a sample (`kvcli.compress.Shared`): the observation is captured
+    once with the union of what the policies need (one window sum per window length the policies use: a
+    policy with window w plans from the sums over the last w queries), the uncompressed state is saved, and
+    each configuration restores it, plans with the native planner and applies its plan. `kvcli bench` shares
+    a prefill only between configurations that observe alike: it times each prefill.
     """
-    n = len(tokens)
-    prepared, kinds, windows = {}, set(), set()
-    for pol, bud in cfgs:
-        if pol == "full" or pol in unavailable:
-            continue
-        spec, params = resolve_for_model(session.model_path, pol, dict(policy_args.get(pol, {})), bud)
-        k, w = spec.observe(params)
-        prepared[(pol, bud)] = (spec, params, tuple(k), w)
-        if spec.compresses(n, bud):
-            kinds |= set(k)
-            if "window" in k:
-                windows.add(w)
+    resolved = {(pol, bud): resolve(session.model_path, pol, bud, policy_args.get(pol, {}))
+                for pol, bud in cfgs if pol not in unavailable}
     session.clear()
-    obs_error = None
-    try:
-        obs = session.prefill(tokens, seq=0, observe=tuple(sorted(kinds)), window=tuple(windows))
-    except KvcliError as e:  # reported for each configuration that needed the observation
-        if not kinds:
-            raise
-        obs_error, obs = f"error: {e}", None
-        session.clear()
-        session.prefill(tokens, seq=0)
-    if obs is None and obs_error is None:  # nothing armed: positions only (e.g. streamingllm)
-        obs = cache.read_observation(session.ctx, 0, session.info, ())
-    first = session.logits(0)
-    state = session.save_seq(0) if prepared else None
-    dirty = False
+    shared = Shared(session, tokens, list(resolved.values()), planner="native")
     for pol, bud in cfgs:
         if pol in unavailable:
             yield pol, bud, unavailable[pol], None, ""
             continue
-        try:
-            if dirty:
-                session.restore_seq(state, 0)
-            dirty = True
-            if pol == "full":
-                yield pol, bud, "ok", first, ""
-                continue
-            spec, params, k, w = prepared[(pol, bud)]
-            if not spec.compresses(n, bud):
-                yield pol, bud, "ok", first, f"no compression: the prompt ({n} tokens) fits the budget ({bud})"
-                continue
-            if obs_error and k:
-                yield pol, bud, obs_error, None, ""
-                continue
-            plan = planning.make_plan(spec, params, bud, obs.restrict(k, w), "native")
-            session.apply_plan(plan, seq=0)
-        except KvcliError as e:
-            yield pol, bud, f"error: {e}", None, ""
-            continue
-        yield pol, bud, "ok", first, ""
+        applied = shared.apply(resolved[(pol, bud)])
+        if applied.error is None:
+            yield pol, bud, "ok", shared.first, applied.note
+        elif isinstance(applied.error, KvcliError):
+            yield pol, bud, f"error: {applied.error}", None, ""
+        else:
+            raise applied.error
 
 
 def truncated(tokens: list[int], keep: int) -> list[int]:

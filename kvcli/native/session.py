@@ -348,8 +348,9 @@ class NativeSession:
                 self.seqs.pop(seq, None)
             raise
         if reindex:
-            B = plan.max_kept   # right-aligned: a (layer, head) keeping n holds positions B-n..B-1
-            st.kept_positions = [[np.arange(B - int(n), B, dtype=np.int32) for n in row] for row in plan.n_kept]
+            B = plan.max_kept   # right-aligned: positions equal the slots Plan.first_slot gives
+            st.kept_positions = [[np.arange(plan.first_slot(l, h, reindexed=True), B, dtype=np.int32)
+                                  for h in range(plan.n_head_kv)] for l in range(plan.n_layer)]
             st.reindexed += st.next_pos - plan.max_kept
             st.next_pos = plan.max_kept  # the last logits stay: they are the model's output for the last token
         else:

@@ -88,7 +88,7 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation |
         for h in range(n_head_kv):
             kept = torch.from_numpy(plan.kept(l, h).astype(np.int64))
             k = kept.numel()
-            start[h] = width - k if rotate is not None else 0
+            start[h] = plan.first_slot(l, h, reindexed=rotate is not None)
             entries = slice(start[h], start[h] + k)
             index[h, entries] = kept
             live[h, entries] = True

@@ -158,6 +158,18 @@ class ReferenceSession:
         self.seq(dst)
         self.seqs[dst] = copy.deepcopy(self.seq(src))
 
+    def save_seq(self, seq: int = 0) -> RefSeq:
+        """A copy of `seq` to put back later with `restore_seq` (what NativeSession.save_seq gives as a state)."""
+        return copy.deepcopy(self.seq(seq))
+
+    def restore_seq(self, snap: RefSeq, seq: int = 0) -> int:
+        """Replace `seq` by a copy of a saved one (its previous cells are dropped); returns the cells it occupies."""
+        if self.cells_used() - self.seq(seq).cells + snap.cells > self.n_ctx:
+            raise ContextFull(f"a {snap.cells}-cell sequence does not fit: {self.cells_used()} of {self.n_ctx} "
+                              "cells are in use")
+        self.seqs[seq] = copy.deepcopy(snap)
+        return snap.cells
+
     def _check_room(self, n_new: int) -> None:
         if self.ctx is None:
             self.create_context(None)

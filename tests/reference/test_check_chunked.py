@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import chunked
 from kvcli.check import CheckSettings, Origins, Thresholds, run_check
+from kvcli.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
 
@@ -35,8 +35,8 @@ def test_origins_follow_the_slots_through_chunked_compactions(tiny_gguf, policy)
     ref = ReferenceSession(tiny_gguf)
     toks = ref.tokenize(DOC)[:300]
     origins = Origins(ref.info.n_layer, ref.info.n_head_kv)
-    rep = chunked.prefill_chunked(_NoReindex(ref), toks, policy, 40, {}, 80, planner="reference",
-                                  on_step=lambda step, obs, plan: origins.on_plan(obs.n, plan, reindexed=False))
+    rep = prefill_and_compress(_NoReindex(ref), toks, policy, 40, {}, chunk=80, planner="reference",
+                               on_step=lambda step, obs, plan: origins.on_plan(obs.n, plan, reindexed=False))
     assert len(rep.steps) >= 3
     want = ref.kept_positions()
     got = origins.kept(ref.stats()["kv_cells"])
