@@ -244,6 +244,12 @@ def stats(ctx, seq: int, n_layer_model: int, n_head_kv: int) -> dict:
             "per_layer_cells": plc.tolist(), "per_head_entries": phe.tolist()}
 
 
+def cells_with_bias(ctx) -> int:
+    """Cells of the whole cache that carry a slot-bias row (kvcli_cells_with_bias): all held by a sequence."""
+    L = lib()
+    return int(L.check(L.kvcli_cells_with_bias(_ctx(ctx)), "kvcli_cells_with_bias"))
+
+
 def memory(ctx) -> dict:
     """What the context's KV cache has allocated, whatever it holds (kvcli_memory_get): the cells it was
     sized for, its K/V buffer bytes and kvcli's slot-bias buffer bytes, as the backend buffers report them."""

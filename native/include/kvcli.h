@@ -111,6 +111,21 @@ KVCLI_API int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_
 KVCLI_API int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id,
                                              const struct kvcli_plan_view * plan, int32_t p0);
 
+// Compaction without a model (tests; native/src/kvcli_moves.h): the byte moves kvcli_apply_plan* make on one
+// kind of cache row, run on host buffers. type: a ggml_type; transposed: V of a cache without flash
+// attention; which: 0 = K (replacement rows from plan->replace_k), 1 = V (replace_v), written in `type`
+// without the Hadamard rotation a quantised cache adds. src: plan->n_layer blocks of n_src_cells cells, each
+// cell n_head_kv rows of row_size(type, head_dim) bytes (transposed: per block, element e = h*head_dim + d of
+// cell c at e*n_src_cells + c); slot_cells[n_slots]: the src cell of each slot of the sequence;
+// src_pos[n_slots]: their positions, which order the entries when reindex != 0 (as
+// kvcli_apply_plan_reindexed: right-aligned, padding first). dst: n_layer blocks of B = max(n_kept)
+// cells in the same layout; a cell no entry goes to is left as it is. src_size / dst_size (bytes) must
+// be exactly those. Returns B or < 0.
+KVCLI_API int32_t kvcli_compact_rows(const struct kvcli_plan_view * plan, int32_t type, int32_t transposed,
+                                     int32_t which, int32_t reindex, int32_t n_slots, const int32_t * slot_cells,
+                                     const int32_t * src_pos, int32_t n_src_cells, const void * src,
+                                     int64_t src_size, void * dst, int64_t dst_size);
+
 // Whether seq_id has been compacted (and so refuses K-shift / seq_add / seq_div).
 KVCLI_API int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id);
 // Whether every entry of seq_id sits at its cell's position (1), so kvcli_apply_plan_reindexed accepts it;
@@ -140,6 +155,11 @@ struct kvcli_stats {
 // per_layer_cells: int32[n_layer] or NULL; per_head_entries: int32[n_layer * n_head_kv] or NULL
 KVCLI_API int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct kvcli_stats * out,
                                   int32_t * per_layer_cells, int32_t * per_head_entries);
+
+// Cells of the whole cache that carry a slot-bias row (kvcli's per-cell metadata, native/src/kvcli_cells.h).
+// A cell loses its row when llama.cpp frees it (seq_rm, seq_keep, clear, overwrite), so every one of them is
+// held by a sequence. Returns the count (0 before the first compaction) or < 0.
+KVCLI_API int32_t kvcli_cells_with_bias(struct llama_context * ctx);
 
 // Memory the context's KV cache has allocated (whatever it holds): the K/V buffers llama.cpp sized for
 // kv_size cells, and kvcli's slot-bias buffers (allocated at the first compaction), in bytes as the

@@ -106,7 +106,7 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     auto & ext = *kv->kvcli_ext;
     const auto & map_ids = kvcli_access::map_layer_ids(*kv);
     const auto it = map_ids.find(il);
-    if (ext.bias.empty() || !ext.any_compressed() || it == map_ids.end()) {
+    if (ext.bias.empty() || !ext.cells.any_compressed() || it == map_ids.end()) {
         return nullptr; // no slot bias: llama.cpp's attention as it is (observation only)
     }
     const path_choice c = choose(flash_attn, on_cpu(k));

@@ -1,7 +1,8 @@
 // kvcli on the llama.cpp KV cache: what every part shares (the cache of a context, the support check,
-// the extension, a sequence's cells, row conversion and Hadamard rotation, the slot-bias tensors), the
+// the extension, a sequence's cells, Hadamard rotation, the slot-bias tensors and rm_cells), the
 // consistency hooks our patch calls from llama_kv_cache (seq_rm/seq_cp/seq_add/apply_ubatch) and the
-// C API that reads the cache (rows, positions, headers, stats, memory). Compaction: kvcli_compact.cpp;
+// C API that reads the cache (rows, positions, headers, stats, biased cells, memory). Per-cell and
+// per-sequence metadata: kvcli_cells.h; byte moves: kvcli_moves.cpp; compaction: kvcli_compact.cpp;
 // K re-rotation: kvcli_reindex.cpp; state save/load: kvcli_state.cpp; observation: kvcli_graph.cpp.
 //
 // Layout facts this file relies on (llama.cpp 0c1e57098, src/llama-kv-cache.cpp):
@@ -140,43 +141,7 @@ int rot_size(const llama_kv_cache & kv, int which) {
 // y = H x on each block of n floats, H the n x n Hadamard matrix llama.cpp rotates this cache with
 // (H^2 = I, so this both rotates and un-rotates)
 void rotate(const llama_kv_cache & kv, float * x, int64_t len, int n) {
-    const std::vector<float> & H = kvcli_access::hadamard(kv, n);
-    std::vector<float> tmp(n);
-    for (int64_t b = 0; b + n <= len; b += n) {
-        for (int i = 0; i < n; ++i) {
-            float acc = 0.0f;
-            const float * row = H.data() + (size_t) i * n;
-            for (int k = 0; k < n; ++k) {
-                acc += row[k] * x[b + k];
-            }
-            tmp[i] = acc;
-        }
-        std::memcpy(x + b, tmp.data(), n * sizeof(float));
-    }
-}
-
-void to_float_row(ggml_type type, const void * src, float * dst, int64_t n) {
-    const auto * tr = ggml_get_type_traits(type);
-    if (type == GGML_TYPE_F32) {
-        std::memcpy(dst, src, n * sizeof(float));
-    } else if (tr->to_float) {
-        tr->to_float(src, dst, n);
-    } else {
-        throw kvcli_error(std::string("cannot dequantize cache type ") + ggml_type_name(type));
-    }
-}
-
-void from_float_row(ggml_type type, const float * src, void * dst, int64_t n) {
-    switch (type) {
-        case GGML_TYPE_F32:  std::memcpy(dst, src, n * sizeof(float)); return;
-        case GGML_TYPE_F16:  ggml_fp32_to_fp16_row(src, (ggml_fp16_t *) dst, n); return;
-        case GGML_TYPE_BF16: ggml_fp32_to_bf16_row(src, (ggml_bf16_t *) dst, n); return;
-        default: break;
-    }
-    if (!ggml_is_quantized(type) || ggml_quantize_requires_imatrix(type)) {
-        throw kvcli_error(std::string("cannot write replacement rows into cache type ") + ggml_type_name(type));
-    }
-    ggml_quantize_chunk(type, src, dst, 0, 1, n, nullptr);
+    kvcli_moves::hadamard_blocks(kvcli_access::hadamard(kv, n).data(), n, x, len);
 }
 
 // contiguous runs of ascending cell indices: (first, count)
@@ -236,43 +201,34 @@ void ensure_bias(llama_kv_cache * kv, kvcli_kv_ext & ext) {
     ext.bias_ctxs = std::move(owned);
     ext.bias_bufs = std::move(bufs);
     ext.bias      = std::move(bias);
-    ext.bias_host.assign(layers.size(), std::vector<float>((size_t) sh.kv_size * sh.n_head_kv, 0.0f));
-    ext.biased.assign(sh.kv_size, 0);
+    ext.cells.init_bias(layers.size(), sh.n_head_kv, sh.kv_size);
 }
 
-// write bias_host[ikv] for cells [c0, c0+n) of every head to the tensor
-void push_bias(kvcli_kv_ext & ext, size_t ikv, uint32_t n_head_kv, uint32_t kv_size, uint32_t c0, uint32_t n) {
-    for (uint32_t h = 0; h < n_head_kv; ++h) {
-        const size_t off = (size_t) h * kv_size + c0;
-        ggml_backend_tensor_set(ext.bias[ikv], ext.bias_host[ikv].data() + off, off * sizeof(float), n * sizeof(float));
-    }
-}
-
-// zero the bias of cells (all layers, heads) and forget that they were biased
-void clear_bias_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells, uint32_t n_head_kv, uint32_t kv_size) {
-    std::vector<uint32_t> todo;
-    for (uint32_t c : cells) {
-        if (c < ext.biased.size() && ext.biased[c]) {
-            todo.push_back(c);
-            ext.biased[c] = 0;
-        }
-    }
-    if (todo.empty()) {
-        return;
-    }
-    std::sort(todo.begin(), todo.end());
+void upload_bias(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells) {
+    const auto runs = runs_of(cells);
     for (size_t ikv = 0; ikv < ext.bias.size(); ++ikv) {
-        for (uint32_t h = 0; h < n_head_kv; ++h) {
-            for (uint32_t c : todo) {
-                ext.bias_host[ikv][(size_t) h * kv_size + c] = 0.0f;
+        for (uint32_t h = 0; h < ext.cells.n_head_kv(); ++h) {
+            const size_t row = (size_t) h * ext.bias[ikv]->ne[0]; // the tensor is [kv_size, n_head_kv]
+            for (auto [c0, n] : runs) {
+                ggml_backend_tensor_set(ext.bias[ikv], ext.cells.bias_run(ikv, h, c0, n), (row + c0) * sizeof(float),
+                                        n * sizeof(float));
             }
         }
-        for (auto [c0, n] : runs_of(todo)) {
-            push_bias(ext, ikv, n_head_kv, kv_size, c0, n);
-        }
     }
 }
 
+void rm_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells) {
+    std::vector<uint32_t> todo;
+    for (uint32_t c : cells) {
+        if (ext.cells.biased(c)) {
+            ext.cells.rm(c);
+            todo.push_back(c);
+        }
+    }
+    std::sort(todo.begin(), todo.end());
+    todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
+    upload_bias(ext, todo);
+}
 
 } // namespace kvcli_cache_detail
 using namespace kvcli_cache_detail;
@@ -288,11 +244,24 @@ void kvcli_on_cells_freed(llama_kv_cache * kv) {
     auto & ext = *kv->kvcli_ext;
     const auto & s2s = kvcli_access::seq_to_stream(*kv);
     for (llama_seq_id s = 0; s < LLAMA_MAX_SEQ; ++s) {
-        if (ext.seqs[s].compressed && (size_t) s < s2s.size() &&
+        if (ext.cells.seq(s).compressed && (size_t) s < s2s.size() &&
             kvcli_access::cells(*kv)[s2s[s]].seq_pos_min(s) < 0) {
-            ext.seqs[s] = kvcli_seq_info{}; // an emptied sequence starts afresh
+            ext.cells.seq_reset(s); // an emptied sequence starts afresh
         }
     }
+    if (ext.bias.empty()) {
+        return;
+    }
+    // the cells llama.cpp has just freed (seq_rm, seq_keep, clear) lose their bias too (bias exists only
+    // for single-stream caches)
+    const auto & cells = kvcli_access::cells(*kv)[0];
+    std::vector<uint32_t> freed;
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (ext.cells.biased(c) && cells.is_empty(c)) {
+            freed.push_back(c);
+        }
+    }
+    rm_cells(ext, freed);
 }
 
 void kvcli_on_seq_cp(llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst) {
@@ -301,8 +270,8 @@ void kvcli_on_seq_cp(llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst) {
     }
     auto & ext = *kv->kvcli_ext;
     // the cells are shared, so is their bias: the copy is compressed like its source
-    if (ext.seqs[src].compressed) {
-        ext.seqs[dst] = ext.seqs[src];
+    if (ext.cells.seq(src).compressed) {
+        ext.cells.seq(dst) = ext.cells.seq(src);
     }
 }
 
@@ -311,24 +280,17 @@ void kvcli_on_apply_ubatch(llama_kv_cache * kv, const std::vector<llama_seq_id> 
     if (!kv->kvcli_ext || kv->kvcli_ext->bias.empty()) {
         return;
     }
-    auto & ext = *kv->kvcli_ext;
-    const shapes sh = shapes_of(*kv);
+    // llama.cpp overwrites these cells (a cell still in use is freed first): a freed cell has no bias
+    // already, one freed here loses it now
     for (size_t s = 0; s < strm.size() && s < idxs.size(); ++s) {
-        if (strm[s] != 0) {
-            continue; // bias exists only for single-stream caches
-        }
-        bool any = false;
-        for (uint32_t c : idxs[s]) {
-            any = any || (c < ext.biased.size() && ext.biased[c]);
-        }
-        if (any) {
-            clear_bias_cells(ext, idxs[s], sh.n_head_kv, sh.kv_size);
+        if (strm[s] == 0) { // bias exists only for single-stream caches
+            rm_cells(*kv->kvcli_ext, idxs[s]);
         }
     }
 }
 
 bool kvcli_refuse_shift(llama_kv_cache * kv, llama_seq_id seq_id, const char * op) {
-    if (!kv->kvcli_ext || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || !kv->kvcli_ext->seqs[seq_id].compressed) {
+    if (!kv->kvcli_ext || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || !kv->kvcli_ext->cells.seq(seq_id).compressed) {
         return false;
     }
     const std::string msg = std::string(op) + " refused: sequence " + std::to_string(seq_id) +
@@ -347,7 +309,7 @@ int32_t kvcli_seq_is_reindexable(struct llama_context * ctx, kvcli_seq_id seq_id
     return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_check_seq(*kv, seq_id);
-        return (int32_t) !(kv->kvcli_ext && kv->kvcli_ext->seqs[seq_id].off_cell);
+        return (int32_t) !(kv->kvcli_ext && kv->kvcli_ext->cells.seq(seq_id).off_cell);
     });
 }
 
@@ -355,7 +317,7 @@ int32_t kvcli_seq_is_compressed(struct llama_context * ctx, kvcli_seq_id seq_id)
     return kvcli_guarded([&] {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_check_seq(*kv, seq_id);
-        return (int32_t) (kv->kvcli_ext && kv->kvcli_ext->seqs[seq_id].compressed);
+        return (int32_t) (kv->kvcli_ext && kv->kvcli_ext->cells.seq(seq_id).compressed);
     });
 }
 
@@ -440,14 +402,14 @@ int32_t kvcli_seq_set_header(struct llama_context * ctx, kvcli_seq_id seq_id, co
             throw kvcli_error("header is NULL");
         }
         auto & ext = kvcli_ext_of(kv);
-        if (!ext.seqs[seq_id].compressed) {
+        if (!ext.cells.seq(seq_id).compressed) {
             throw kvcli_error("sequence " + std::to_string(seq_id) + " is not compressed; a header describes a compaction");
         }
         kvcli_state_header c = *h;
         c.policy[sizeof(c.policy) - 1] = 0;
         std::memset(c.kvcli_version, 0, sizeof(c.kvcli_version));
         std::strncpy(c.kvcli_version, kvcli_version(), sizeof(c.kvcli_version) - 1);
-        ext.seqs[seq_id].header = c;
+        ext.cells.seq(seq_id).header = c;
         return 0;
     });
 }
@@ -459,11 +421,11 @@ int32_t kvcli_seq_get_header(struct llama_context * ctx, kvcli_seq_id seq_id, st
         if (!h) {
             throw kvcli_error("header is NULL");
         }
-        if (!kv->kvcli_ext || !kv->kvcli_ext->seqs[seq_id].compressed) {
+        if (!kv->kvcli_ext || !kv->kvcli_ext->cells.seq(seq_id).compressed) {
             std::memset(h, 0, sizeof(*h));
             return 0;
         }
-        *h = kv->kvcli_ext->seqs[seq_id].header;
+        *h = kv->kvcli_ext->cells.seq(seq_id).header;
         return 1;
     });
 }
@@ -504,7 +466,6 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
         }
         const kvcli_kv_ext * ext = kv->kvcli_ext && !kv->kvcli_ext->bias.empty() ? kv->kvcli_ext.get() : nullptr;
         const uint32_t n_layer = hp.n_layer();
-        const uint32_t kv_size = kv->get_size();
         std::vector<int32_t> plc(n_layer, 0), phe;
         int64_t live = 0, biased_cells = 0;
         // per-head counts need uniform head counts (checked when bias exists; else count n_head_kv(il))
@@ -512,7 +473,7 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
         phe.assign((size_t) n_layer * nkv0, 0);
         const auto & map_ids = kvcli_access::map_layer_ids(*kv);
         for (auto [s, c] : held) {
-            const bool b = ext && s == 0 && ext->biased[c];
+            const bool b = ext && s == 0 && ext->cells.biased(c);
             biased_cells += b;
             for (uint32_t il = 0; il < n_layer; ++il) {
                 auto it = map_ids.find(il);
@@ -522,7 +483,7 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
                 const uint32_t nkv = hp.n_head_kv(il);
                 bool any = false;
                 for (uint32_t h = 0; h < nkv; ++h) {
-                    const bool is_live = !b || ext->bias_host[it->second][(size_t) h * kv_size + c] != -INFINITY;
+                    const bool is_live = !b || ext->cells.bias(it->second, h, c) != -INFINITY;
                     if (is_live) {
                         ++live;
                         any = true;
@@ -546,6 +507,17 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
             std::copy(phe.begin(), phe.end(), per_head_entries);
         }
         return (int32_t) held.size();
+    });
+}
+
+int32_t kvcli_cells_with_bias(struct llama_context * ctx) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        int32_t n = 0;
+        for (uint32_t c = 0; kv->kvcli_ext && c < kv->get_size(); ++c) {
+            n += kv->kvcli_ext->cells.biased(c);
+        }
+        return n;
     });
 }
 

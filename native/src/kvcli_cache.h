@@ -1,5 +1,6 @@
-// kvcli cache internals (native/src/kvcli_{cache,compact,reindex,state,graph}.cpp): the per-cache extension state (slot bias,
-// per-sequence flags, observation captures) and the accessor our patch befriends.
+// kvcli cache internals (native/src/kvcli_{cache,compact,reindex,state,graph}.cpp): the per-cache extension
+// state (slot-bias tensors, per-cell and per-sequence metadata in kvcli_cells.h, observation captures) and
+// the accessor our patch befriends.
 #pragma once
 
 #include "kvcli.h"
@@ -18,21 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "kvcli_cells.h"
 #include "kvcli_internal.h"
-
-// an error for the caller: becomes kvcli_last_error() and a negative return code
-struct kvcli_error : std::runtime_error {
-    using std::runtime_error::runtime_error;
-};
-
-struct kvcli_seq_info {
-    bool               compressed = false;
-    // set by a plain compaction (kvcli_apply_plan): entries keep their original RoPE positions while
-    // their cells sit at n-B..n-1, so "entry position == cell position" no longer holds and
-    // re-indexing (which rotates from the cell position) must be refused until the sequence is emptied
-    bool               off_cell   = false;
-    kvcli_state_header header     = {};
-};
+#include "kvcli_moves.h"
 
 // graph outputs of the ubatch being computed, per model layer
 struct kvcli_pending {
@@ -45,10 +34,9 @@ struct kvcli_kv_ext {
     std::vector<ggml_context_ptr>        bias_ctxs;
     std::vector<ggml_backend_buffer_ptr> bias_bufs;
     std::vector<ggml_tensor *>           bias;       // indexed like the cache's layers
-    std::vector<std::vector<float>>      bias_host;  // mirror of bias, [n_head_kv][kv_size]
-    std::vector<uint8_t>                 biased;     // per cell: carries a bias row that is not all zero
 
-    std::array<kvcli_seq_info, LLAMA_MAX_SEQ> seqs;
+    // per cell: the host mirror of bias and whether it carries a row; per sequence: flags and header
+    kvcli_cells cells;
 
     // a state being read: the sequence headers kvcli_state_read_prefix read, applied by
     // kvcli_state_read_suffix once llama.cpp has placed the cells (both run inside one
@@ -59,15 +47,6 @@ struct kvcli_kv_ext {
         uint32_t           flags;
     };
     std::vector<pending_header> pending_headers;
-
-    bool any_compressed() const {
-        for (const auto & s : seqs) {
-            if (s.compressed) {
-                return true;
-            }
-        }
-        return false;
-    }
 
     // observation
     bool                   armed     = false;
@@ -154,18 +133,17 @@ shapes shapes_of(const llama_kv_cache & kv);
 int rot_size(const llama_kv_cache & kv, int which);
 // y = H x on each block of n floats of x[0, len) with the cache's n x n Hadamard matrix (its own inverse)
 void rotate(const llama_kv_cache & kv, float * x, int64_t len, int n);
-// one row of a cache type <-> float32
-void to_float_row(ggml_type type, const void * src, float * dst, int64_t n);
-void from_float_row(ggml_type type, const float * src, void * dst, int64_t n);
+using kvcli_moves::from_float_row;
+using kvcli_moves::to_float_row;
 // contiguous runs of ascending cell indices: (first, count)
 std::vector<std::pair<uint32_t, uint32_t>> runs_of(const std::vector<uint32_t> & cells);
 
-// slot bias: allocate the per-layer tensors (and host mirrors) on first use
+// slot bias: allocate the per-layer tensors (and ext.cells' host values) on first use
 void ensure_bias(llama_kv_cache * kv, kvcli_kv_ext & ext);
-// write bias_host[ikv] for cells [c0, c0+n) of every head to the tensor
-void push_bias(kvcli_kv_ext & ext, size_t ikv, uint32_t n_head_kv, uint32_t kv_size, uint32_t c0, uint32_t n);
-// zero the bias of cells (all layers, heads) and forget that they were biased
-void clear_bias_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells, uint32_t n_head_kv, uint32_t kv_size);
+// write ext.cells' bias values of the given ascending cells (every layer and KV head) to the tensors
+void upload_bias(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells);
+// the cells were freed: ext.cells.rm(c) for each, and the tensors follow
+void rm_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells);
 
 // kvcli_reindex.cpp: throws when a layer's K cannot be re-rotated (checked before anything moves)
 void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext);

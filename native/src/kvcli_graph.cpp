@@ -106,7 +106,7 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
         return 0;
     }
     auto & ext = *kv->kvcli_ext;
-    const uint64_t bias = (!ext.bias.empty() && ext.any_compressed()) ? 1 : 0;
+    const uint64_t bias = (!ext.bias.empty() && ext.cells.any_compressed()) ? 1 : 0;
     if (ext.armed) {
         // nonzero, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
         return ((ext.key_counter + 1) << 1) | bias;
@@ -136,7 +136,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     const int64_t n_kv = k->ne[2], n_head = q->ne[1], n_tps = kq_mask->ne[1];
     ggml_tensor * bias = nullptr;
     ggml_tensor * mask = kq_mask;
-    if (!ext.bias.empty() && ext.any_compressed()) {
+    if (!ext.bias.empty() && ext.cells.any_compressed()) {
         bias = bias_per_query_head(ctx0, ext.bias[it->second], n_kv, n_head);
         mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, n_tps, n_head, 1), bias);
     }

@@ -3,7 +3,13 @@
 
 #include <cstdint>
 #include <exception>
+#include <stdexcept>
 #include <string>
+
+// an error for the caller: becomes kvcli_last_error() and a negative return code
+struct kvcli_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
 
 // Set / clear the message returned by kvcli_last_error() on this thread.
 void kvcli_set_error(const std::string & msg);

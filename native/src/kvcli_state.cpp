@@ -70,7 +70,7 @@ void kvcli_state_write_prefix(const llama_kv_cache * kv, llama_io_write_i & io, 
     std::vector<llama_seq_id> seqs;
     if (kv->kvcli_ext) {
         for (llama_seq_id s = 0; s < LLAMA_MAX_SEQ; ++s) {
-            if (kv->kvcli_ext->seqs[s].compressed && (seq_id == -1 || s == seq_id)) {
+            if (kv->kvcli_ext->cells.seq(s).compressed && (seq_id == -1 || s == seq_id)) {
                 seqs.push_back(s);
             }
         }
@@ -79,8 +79,9 @@ void kvcli_state_write_prefix(const llama_kv_cache * kv, llama_io_write_i & io, 
     io.write(&n, sizeof(n));
     for (llama_seq_id s : seqs) {
         io.write(&s, sizeof(s));
-        io.write(&kv->kvcli_ext->seqs[s].header, sizeof(kvcli_state_header));
-        const uint32_t flags = kv->kvcli_ext->seqs[s].off_cell ? STATE_SEQ_OFF_CELL : 0; // format 2
+        const kvcli_seq_info & info = kv->kvcli_ext->cells.seq(s);
+        io.write(&info.header, sizeof(kvcli_state_header));
+        const uint32_t flags = info.off_cell ? STATE_SEQ_OFF_CELL : 0; // format 2
         io.write(&flags, sizeof(flags));
     }
 }
@@ -102,7 +103,7 @@ void kvcli_state_write_suffix(const llama_kv_cache * kv, llama_io_write_i & io, 
     }
     bool any = false;
     for (uint32_t c : cells) {
-        any = any || kv->kvcli_ext->biased[c];
+        any = any || kv->kvcli_ext->cells.biased(c);
     }
     const uint32_t flag = any ? 1 : 0;
     io.write(&flag, sizeof(flag));
@@ -118,7 +119,7 @@ void kvcli_state_write_suffix(const llama_kv_cache * kv, llama_io_write_i & io, 
     for (uint32_t ikv = 0; ikv < n_layer; ++ikv) {
         for (uint32_t h = 0; h < sh.n_head_kv; ++h) {
             for (uint32_t i = 0; i < n_cells; ++i) {
-                row[i] = kv->kvcli_ext->bias_host[ikv][(size_t) h * sh.kv_size + cells[i]];
+                row[i] = kv->kvcli_ext->cells.bias(ikv, h, cells[i]);
             }
             io.write(row.data(), row.size() * sizeof(float));
         }
@@ -227,44 +228,35 @@ void kvcli_state_read_suffix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
                         if (std::isnan(row[i]) || row[i] == INFINITY) {
                             state_fail("corrupted cache state (invalid slot-bias value)");
                         }
-                        ext.bias_host[ikv][(size_t) h * sh.kv_size + cells[i]] = row[i];
+                        ext.cells.set_bias(ikv, h, cells[i], row[i]);
                     }
                 }
             }
             std::vector<uint32_t> sorted = cells;
             std::sort(sorted.begin(), sorted.end());
-            for (uint32_t c : sorted) {
-                ext.biased[c] = 1;
-            }
-            for (uint32_t ikv = 0; ikv < n_layer; ++ikv) {
-                for (auto [c0, n] : runs_of(sorted)) {
-                    push_bias(ext, ikv, n_head_kv, sh.kv_size, c0, n);
-                }
-            }
+            upload_bias(ext, sorted);
         } else if (kv->kvcli_ext && !kv->kvcli_ext->bias.empty()) {
-            // an uncompressed state: restored cells must not inherit a stale bias
-            std::vector<uint32_t> sorted = cells;
-            std::sort(sorted.begin(), sorted.end());
-            const shapes sh = shapes_of(*kv);
-            clear_bias_cells(*kv->kvcli_ext, sorted, sh.n_head_kv, sh.kv_size);
+            // an uncompressed state: restored cells carry no bias (a whole-cache restore places cells
+            // without apply_ubatch)
+            rm_cells(*kv->kvcli_ext, cells);
         }
         if (!headers.empty() && flag == 0) {
             state_fail("corrupted cache state (compressed sequence without slot bias)");
         }
         if (seq_id != -1 && kv->kvcli_ext) {
-            kv->kvcli_ext->seqs[seq_id] = kvcli_seq_info{};
+            kv->kvcli_ext->cells.seq_reset(seq_id);
         }
         for (const auto & p : headers) {
-            auto & ext = kvcli_ext_of(kv);
-            ext.seqs[p.seq].compressed = true;
-            ext.seqs[p.seq].off_cell   = (p.flags & STATE_SEQ_OFF_CELL) != 0;
-            ext.seqs[p.seq].header     = p.header;
+            kvcli_seq_info & info = kvcli_ext_of(kv).cells.seq(p.seq);
+            info.compressed = true;
+            info.off_cell   = (p.flags & STATE_SEQ_OFF_CELL) != 0;
+            info.header     = p.header;
         }
     } catch (const std::exception & e) {
         kvcli_set_error(e.what());
         kv->state_clear(seq_id);
         if (kv->kvcli_ext && seq_id != -1) {
-            kv->kvcli_ext->seqs[seq_id] = kvcli_seq_info{};
+            kv->kvcli_ext->cells.seq_reset(seq_id);
         }
         throw;
     }
