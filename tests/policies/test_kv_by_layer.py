@@ -126,3 +126,27 @@ def test_the_native_plans_rows_are_not_copied_and_outlive_the_plan():
         gc.collect()
     np.testing.assert_allclose(rk, want_k, atol=1e-5, rtol=0)
     assert np.array_equal(rv, want_v)
+
+
+def test_one_shared_prefill_serves_merging_policies_from_the_restored_sequence(tiny_session):
+    """kvcli.compress.Shared plans each configuration after putting the prefilled sequence back: the K/V reader
+    reads the restored rows, and each plan equals that of the configuration's own prefill."""
+    from kvcli.compress import Shared, compress_as, resolve
+    from kvcli.native.session import NativeSession
+    s = tiny_session
+    s.clear()
+    toks = [int(t) for t in np.random.default_rng(8).integers(300, 5000, size=160)]
+    cfgs = [resolve(s.model_path, p, 48, args) for p, args in (("d2o", {}), ("spindlekv", {"theta_k": 0.3}),
+                                                              ("d2o", {"merge": "code"}))]
+    shared = Shared(s, toks, cfgs)
+    assert shared.error is None and shared.obs.keys is None and shared.obs.kv_reader is not None
+    alone = NativeSession(s.model_path, n_ctx=512, cache_type="f32", flash_attn=False)
+    try:
+        for cfg in cfgs:
+            applied = shared.apply(cfg)
+            assert applied.error is None, applied.error
+            alone.clear()
+            assert_same(applied.plan, compress_as(alone, toks, cfg).plan)
+            assert applied.plan.replace_entry.size
+    finally:
+        alone.close()
