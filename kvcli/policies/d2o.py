@@ -1,5 +1,5 @@
 """d2o: variance-based layer budgets, H2O-style eviction per KV head, evicted entries merged into
-their most similar kept key (Wan et al., D2O). Digest: ../shared/design/methods/d2o.md.
+their most similar kept key (Wan et al., D2O). Digest: docs/design/methods/d2o.md.
 
 The layer schedule (`layer_weights`, `layer_budgets`) is plain Python float arithmetic shared by the
 torch planner; native/src/policies/d2o.cpp performs the same IEEE operations in the same order

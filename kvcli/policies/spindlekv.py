@@ -1,6 +1,6 @@
 """spindlekv: window-attention eviction with a linear depth schedule, then a per-request similarity
 codebook whose groups are merged into single cells (Tang et al., SpindleKV).
-Digest: ../shared/design/methods/spindlekv.md.
+Digest: docs/design/methods/spindlekv.md.
 
 How kvcli stores the codebook (the cheap honest route within the plan format): the kept entries of a
 (layer, KV head) whose keys share a key-codebook row become ONE cell with a log-multiplicity bias

@@ -1,5 +1,5 @@
 """d2o (prefill): layer budgets from the variance of accumulated attention, H2O-style eviction per KV
-head, and every evicted entry close enough to a kept key merged into it (digest: methods/d2o.md).
+head, and every evicted entry close enough to a kept key merged into it (digest: docs/design/methods/d2o.md).
 
 1. sigma2[l]   = mean over query heads q of Var_j(colsum[l, q, j])      (Eq. 4, population variance)
 2. C_l         = layer_budgets(softmax_l(1/sigma2), budget x L)          (Eq. 5, 13-16)

@@ -5,7 +5,7 @@ Per layer l and KV head h, s[l, h, j] is SnapKV's pooled window score of prefix 
 seen so far are counted per layer; each layer's share of that count becomes its share of the
 total budget (base = budget - window, total = base x n_layer), and a layer's budget can only
 shrink. At the end each (l, h) keeps its budget's best prefix slots plus the window.
-(Digest: methods/dynamickv.md §2.3; this is the per-KV-head variant.)
+(Digest: docs/design/methods/dynamickv.md §2.3; this is the per-KV-head variant.)
 """
 import math
 

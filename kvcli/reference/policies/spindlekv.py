@@ -1,5 +1,5 @@
 """spindlekv (prefill): eviction by window attention with a linear depth schedule, then a similarity
-codebook per (layer, KV head) whose groups become single cells (digest: methods/spindlekv.md).
+codebook per (layer, KV head) whose groups become single cells (digest: docs/design/methods/spindlekv.md).
 
 1. score[h, j]  = combine over the group's query heads of pool(sum over the window queries of
                   attention on j) (score_norm=causal_count: each sum divided by n - j first)

@@ -2,7 +2,7 @@
 // per-KV-head eviction keeping sinks, heavy hitters and a recent window, and every evicted entry
 // whose key is similar enough to a kept key merged into it (Eq. 9-12) as replacement K/V rows.
 // Twins: kvcli/policies/d2o.py (parameters, layer_weights / layer_budgets / split) and
-// kvcli/reference/policies/d2o.py. Digest: methods/d2o.md. Every float step below is the same
+// kvcli/reference/policies/d2o.py. Digest: docs/design/methods/d2o.md. Every float step below is the same
 // IEEE operation on the same operands as the Python twin (no contraction into fused multiply-adds).
 #if defined(__clang__)
 #pragma clang fp contract(off)

@@ -1,7 +1,7 @@
 // dynamickv: per-layer budgets from a global top-k over the pooled window scores of every layer
 // seen so far, recomputed every `interval` layers (and at the last), shrink-only; per KV head.
 // The schedule is replayed after prefill over the saved scores (equivalent: prefill attention is
-// never compressed). Twin: kvcli/reference/policies/dynamickv.py. Digest: methods/dynamickv.md §2.3.
+// never compressed). Twin: kvcli/reference/policies/dynamickv.py. Digest: docs/design/methods/dynamickv.md §2.3.
 #include "plan/plan.h"
 
 #include <algorithm>

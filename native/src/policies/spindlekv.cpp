@@ -3,7 +3,7 @@
 // cells with bias log(count): K = unit(exemplar key) x mean magnitude, V = mean of the members'
 // values rebuilt from the value codebook. The depth schedule is closed-form: kvcli/policies/spindlekv.py
 // (parameters, layer_keep) computes it once and hands it over as layer_keep. Twin:
-// kvcli/reference/policies/spindlekv.py. Digest: methods/spindlekv.md.
+// kvcli/reference/policies/spindlekv.py. Digest: docs/design/methods/spindlekv.md.
 // Float steps are the same IEEE operations, in the same order, as the Python twins.
 #if defined(__clang__)
 #pragma clang fp contract(off)
