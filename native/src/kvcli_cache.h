@@ -1,6 +1,6 @@
 // kvcli cache internals (native/src/kvcli_{cache,compact,reindex,state,graph}.cpp): the per-cache extension
-// state (slot-bias tensors, per-cell and per-sequence metadata in kvcli_cells.h, observation captures) and
-// the accessor our patch befriends.
+// state (slot-bias tensors, per-cell and per-sequence metadata in kvcli_cells.h, observation state in
+// kvcli_observation.h) and the accessor our patch befriends.
 #pragma once
 
 #include "kvcli.h"
@@ -22,12 +22,7 @@
 #include "kvcli_cells.h"
 #include "kvcli_internal.h"
 #include "kvcli_moves.h"
-
-// graph outputs of the ubatch being computed, per model layer
-struct kvcli_pending {
-    ggml_tensor * win = nullptr;     // F32 [n_windows, n_kv, n_head]: window rows summed per window length
-    ggml_tensor * col = nullptr;     // F32 [1, n_kv, n_head]
-};
+#include "kvcli_observation.h"
 
 struct kvcli_kv_ext {
     // slot bias: per KV-cache layer, F32 [kv_size, n_head_kv], allocated at the first compaction
@@ -48,19 +43,8 @@ struct kvcli_kv_ext {
     };
     std::vector<pending_header> pending_headers;
 
-    // observation
-    bool                   armed     = false;
-    llama_seq_id           obs_seq   = 0;
-    int32_t                obs_kinds = 0;
-    std::vector<llama_pos> win_pos0;                 // per window length: queries at positions >= win_pos0[i]
-    uint64_t               key_counter = 0;          // graphs built while armed (kvcli_graph_key, kvcli_attn_hook)
-    std::string            obs_error;                // set when an armed graph could not observe
-
-    std::vector<kvcli_pending>      pending;         // per model layer
-    std::vector<int32_t>            win_rows;        // per window length: query rows summed so far
-    std::vector<std::vector<float>> winsum;          // per model layer: [n_windows][n_head][kv_size]
-    std::vector<std::vector<float>> colsum;          // per model layer: [n_head][kv_size]
-    bool                            have_colsum = false;
+    // observation: what an armed llama_decode captures (kvcli_observation.h, kvcli_graph.cpp)
+    kvcli_observation obs;
 
     // attention path (KVCLI_ATTN_PATH_*) each model layer took in the last graph built with a compacted
     // sequence (kvcli_attention.cpp); 0 = not built yet

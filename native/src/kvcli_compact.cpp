@@ -46,7 +46,7 @@ void check_sequence(compaction & c) {
     kvcli_check_seq(*c.kv, c.seq);
     llama_synchronize(c.ctx);
     c.ext = &kvcli_ext_of(c.kv);
-    if (c.ext->armed) {
+    if (c.ext->obs.armed) {
         throw kvcli_error("observation is still armed: call kvcli_observe_end before applying a plan");
     }
     if (c.reindex && c.ext->cells.seq(c.seq).off_cell) {

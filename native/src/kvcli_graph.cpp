@@ -107,9 +107,9 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
     }
     auto & ext = *kv->kvcli_ext;
     const uint64_t bias = (!ext.bias.empty() && ext.cells.any_compressed()) ? 1 : 0;
-    if (ext.armed) {
+    if (ext.obs.armed) {
         // nonzero, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
-        return ((ext.key_counter + 1) << 1) | bias;
+        return ((ext.obs.key_counter + 1) << 1) | bias;
     }
     return bias;
 }
@@ -123,10 +123,10 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
         return kq_mask;
     }
     auto & ext = *kv->kvcli_ext;
-    if (ext.armed) {
+    if (ext.obs.armed) {
         // the observation nodes built here hold this ubatch's rows: a later ubatch must build its own
         // graph, so the key stored with this graph (taken before this call) must not match again
-        ++ext.key_counter;
+        ++ext.obs.key_counter;
     }
     const auto & map_ids = kvcli_access::map_layer_ids(*kv);
     auto it = map_ids.find(il);
@@ -140,15 +140,15 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
         bias = bias_per_query_head(ctx0, ext.bias[it->second], n_kv, n_head);
         mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, n_tps, n_head, 1), bias);
     }
-    if (!ext.armed) {
+    if (!ext.obs.armed) {
         return mask;
     }
-    if (ext.pending.size() <= (size_t) il) {
-        ext.pending.resize(il + 1);
+    if (ext.obs.pending.size() <= (size_t) il) {
+        ext.obs.pending.resize(il + 1);
     }
-    ext.pending[il] = kvcli_pending{};
+    ext.obs.pending[il] = kvcli_pending{};
     if (kq_b) {
-        ext.obs_error = "this model adds a KQ bias in attention; kvcli observation does not support it";
+        ext.obs.error = "this model adds a KQ bias in attention; kvcli observation does not support it";
         return mask;
     }
     if (q->ne[2] != (int64_t) ubatch.n_tokens || n_tps != (int64_t) ubatch.n_tokens) {
@@ -163,23 +163,23 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     // KQ product), reduced over the rows by out_prod with a 0/1 selection: out[i, c, h] =
     // sum_r sel[i, r] * p[c, r, h], rows added in ubatch order in float32. out_prod reads the rows in
     // place: no transposed copy of the probabilities.
-    if ((ext.obs_kinds & KVCLI_OBS_WINDOW) && !ext.win_pos0.empty()) {
-        const llama_pos first = *std::min_element(ext.win_pos0.begin(), ext.win_pos0.end());
+    if ((ext.obs.kinds & KVCLI_OBS_WINDOW) && !ext.obs.win_pos0.empty()) {
+        const llama_pos first = *std::min_element(ext.obs.win_pos0.begin(), ext.obs.win_pos0.end());
         std::vector<llama_pos> win_pos;
         for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-            if (row_in_seq(ubatch, i, ext.obs_seq) && ubatch.pos[i] >= first) {
+            if (row_in_seq(ubatch, i, ext.obs.seq) && ubatch.pos[i] >= first) {
                 inp->win_rows.push_back((int32_t) i);
                 win_pos.push_back(ubatch.pos[i]);
             }
         }
         if (!inp->win_rows.empty()) {
-            const int64_t n_win = inp->win_rows.size(), hd = q->ne[0], n_w = ext.win_pos0.size();
+            const int64_t n_win = inp->win_rows.size(), hd = q->ne[0], n_w = ext.obs.win_pos0.size();
             inp->win_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, n_win);
             ggml_set_input(inp->win_idx);
             inp->win_w.assign(n_w * n_win, 0.0f);
             for (int64_t r = 0; r < n_win; ++r) {
                 for (int64_t w = 0; w < n_w; ++w) {
-                    inp->win_w[r * n_w + w] = win_pos[r] >= ext.win_pos0[w] ? 1.0f : 0.0f;
+                    inp->win_w[r * n_w + w] = win_pos[r] >= ext.obs.win_pos0[w] ? 1.0f : 0.0f;
                 }
             }
             inp->win_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_w, n_win);
@@ -201,11 +201,11 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             pend.win = ws;
         }
     }
-    if (ext.obs_kinds & KVCLI_OBS_COLSUM) {
+    if (ext.obs.kinds & KVCLI_OBS_COLSUM) {
         inp->col_w.assign(ubatch.n_tokens, 0.0f);
         bool any = false;
         for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-            if (row_in_seq(ubatch, i, ext.obs_seq)) {
+            if (row_in_seq(ubatch, i, ext.obs.seq)) {
                 inp->col_w[i] = 1.0f;
                 any = true;
             }
@@ -226,7 +226,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     } else {
         inp->col_w.clear();
     }
-    ext.pending[il] = std::move(pend);
+    ext.obs.pending[il] = std::move(pend);
     res->add_input(std::move(inp));
     return mask;
 }
@@ -237,12 +237,12 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     if (!kv && mem) {
         kv = kvcli_iswa_base(mem);
     }
-    if (!kv || !kv->kvcli_ext || !kv->kvcli_ext->armed) {
+    if (!kv || !kv->kvcli_ext || !kv->kvcli_ext->obs.armed) {
         return;
     }
     auto & ext = *kv->kvcli_ext;
     bool any = false;
-    for (const auto & p : ext.pending) {
+    for (const auto & p : ext.obs.pending) {
         any = any || p.win || p.col;
     }
     if (!any) {
@@ -254,23 +254,23 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
 
     // window rows counted once per ubatch (every layer saw the same rows)
     bool counted = false;
-    for (uint32_t il = 0; il < ext.pending.size() && il < n_layer; ++il) {
-        auto & p = ext.pending[il];
+    for (uint32_t il = 0; il < ext.obs.pending.size() && il < n_layer; ++il) {
+        auto & p = ext.obs.pending[il];
         if (p.win) {
             const int64_t n_w = p.win->ne[0], n_kv = p.win->ne[1], n_head = p.win->ne[2];
             if (!counted) {
                 for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
                     for (int64_t w = 0; w < n_w; ++w) {
-                        ext.win_rows[w] += row_in_seq(ubatch, i, ext.obs_seq) && ubatch.pos[i] >= ext.win_pos0[w];
+                        ext.obs.win_rows[w] += row_in_seq(ubatch, i, ext.obs.seq) && ubatch.pos[i] >= ext.obs.win_pos0[w];
                     }
                 }
                 counted = true;
             }
-            accumulate(p.win, ext.winsum, il, n_layer, n_w, n_kv, n_head, kv_size);
+            accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, n_kv, n_head, kv_size);
         }
         if (p.col) {
-            accumulate(p.col, ext.colsum, il, n_layer, 1, p.col->ne[1], p.col->ne[2], kv_size);
-            ext.have_colsum = true;
+            accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.col->ne[1], p.col->ne[2], kv_size);
+            ext.obs.have_colsum = true;
         }
         p = kvcli_pending{};
     }
@@ -287,8 +287,8 @@ kvcli_kv_ext & observed(llama_context * ctx, llama_kv_cache ** kv_out = nullptr)
     if (!kv->kvcli_ext) {
         throw kvcli_error("nothing was observed on this context (call kvcli_observe_begin first)");
     }
-    if (!kv->kvcli_ext->obs_error.empty()) {
-        throw kvcli_error(kv->kvcli_ext->obs_error);
+    if (!kv->kvcli_ext->obs.error.empty()) {
+        throw kvcli_error(kv->kvcli_ext->obs.error);
     }
     if (kv_out) {
         *kv_out = kv;
@@ -302,17 +302,17 @@ int32_t read_sums(llama_context * ctx, bool window, int32_t il, int32_t w, float
     llama_kv_cache * kv = nullptr;
     auto & ext = observed(ctx, &kv);
     const auto & hp = kvcli_access::hparams(*kv);
-    const int32_t n_w = window ? (int32_t) ext.win_pos0.size() : 1;
+    const int32_t n_w = window ? (int32_t) ext.obs.win_pos0.size() : 1;
     if (il < 0 || (uint32_t) il >= hp.n_layer() || w < 0 || w >= n_w || !dst) {
         throw kvcli_error(std::string(window ? "kvcli_observe_read_window_sum" : "kvcli_observe_read_colsum") +
                           ": bad layer, window index or dst");
     }
-    const auto & acc = window ? ext.winsum : ext.colsum;
+    const auto & acc = window ? ext.obs.winsum : ext.obs.colsum;
     if (acc.size() <= (size_t) il || acc[il].empty()) {
         throw kvcli_error("layer " + std::to_string(il) + " was not observed (no armed llama_decode held tokens "
                           "of the observed sequence), or its sums were released (kvcli_observe_release)");
     }
-    const auto cells = kvcli_seq_cells(*kv, ext.obs_seq);
+    const auto cells = kvcli_seq_cells(*kv, ext.obs.seq);
     const int64_t n = cells.size(), n_head = hp.n_head(il);
     const uint32_t kv_size = kv->get_size();
     const float * src = acc[il].data() + (size_t) w * n_head * kv_size;
@@ -325,7 +325,7 @@ int32_t read_sums(llama_context * ctx, bool window, int32_t il, int32_t w, float
 }
 
 void require_window_kind(const kvcli_kv_ext & ext) {
-    if (!(ext.obs_kinds & KVCLI_OBS_WINDOW)) {
+    if (!(ext.obs.kinds & KVCLI_OBS_WINDOW)) {
         throw kvcli_error("window attention was not observed (kinds did not include KVCLI_OBS_WINDOW)");
     }
 }
@@ -357,16 +357,16 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
         }
         llama_synchronize(ctx);
         auto & ext = kvcli_ext_of(kv);
-        ext.armed     = true;
-        ext.obs_seq   = seq_id;
-        ext.obs_kinds = kinds;
-        ext.win_pos0.assign(window_pos0, window_pos0 + n_windows);
-        ext.win_rows.assign(n_windows, 0);
-        ext.obs_error.clear();
-        ext.pending.clear();
-        ext.winsum.clear();
-        ext.colsum.clear();
-        ext.have_colsum = false;
+        ext.obs.armed     = true;
+        ext.obs.seq   = seq_id;
+        ext.obs.kinds = kinds;
+        ext.obs.win_pos0.assign(window_pos0, window_pos0 + n_windows);
+        ext.obs.win_rows.assign(n_windows, 0);
+        ext.obs.error.clear();
+        ext.obs.pending.clear();
+        ext.obs.winsum.clear();
+        ext.obs.colsum.clear();
+        ext.obs.have_colsum = false;
         return 0;
     });
 }
@@ -376,8 +376,8 @@ int32_t kvcli_observe_end(struct llama_context * ctx) {
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         llama_synchronize(ctx);
         if (kv->kvcli_ext) {
-            kv->kvcli_ext->armed = false;
-            kv->kvcli_ext->pending.clear();
+            kv->kvcli_ext->obs.armed = false;
+            kv->kvcli_ext->obs.pending.clear();
         }
         return 0;
     });
@@ -387,7 +387,7 @@ int32_t kvcli_observe_n_slots(struct llama_context * ctx) {
     return kvcli_guarded([&] {
         llama_kv_cache * kv = nullptr;
         auto & ext = observed(ctx, &kv);
-        return (int32_t) kvcli_seq_cells(*kv, ext.obs_seq).size();
+        return (int32_t) kvcli_seq_cells(*kv, ext.obs.seq).size();
     });
 }
 
@@ -395,10 +395,10 @@ int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw) {
     return kvcli_guarded([&] {
         const auto & ext = observed(ctx);
         require_window_kind(ext);
-        if (iw < 0 || (size_t) iw >= ext.win_rows.size()) {
+        if (iw < 0 || (size_t) iw >= ext.obs.win_rows.size()) {
             throw kvcli_error("kvcli_observe_n_window: bad window index");
         }
-        return ext.win_rows[iw];
+        return ext.obs.win_rows[iw];
     });
 }
 
@@ -418,11 +418,11 @@ int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il) {
         if (il < -1 || il >= n_layer) {
             throw kvcli_error("kvcli_observe_release: bad layer " + std::to_string(il));
         }
-        if (ext.armed) {
+        if (ext.obs.armed) {
             throw kvcli_error("kvcli_observe_release: the observation is still armed (call kvcli_observe_end first)");
         }
         const int32_t lo = il < 0 ? 0 : il, hi = il < 0 ? n_layer : il + 1;
-        for (auto * acc : {&ext.winsum, &ext.colsum}) {
+        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum}) {
             for (int32_t l = lo; l < hi && (size_t) l < acc->size(); ++l) {
                 std::vector<float>().swap((*acc)[l]);   // clear() would keep the capacity
             }
@@ -440,10 +440,10 @@ int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il) {
 int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst) {
     return kvcli_guarded([&] {
         const auto & ext = observed(ctx);
-        if (!(ext.obs_kinds & KVCLI_OBS_COLSUM)) {
+        if (!(ext.obs.kinds & KVCLI_OBS_COLSUM)) {
             throw kvcli_error("column sums were not observed (kinds did not include KVCLI_OBS_COLSUM)");
         }
-        if (!ext.have_colsum) {
+        if (!ext.obs.have_colsum) {
             throw kvcli_error("no column sums were captured (no armed llama_decode held tokens of the observed sequence)");
         }
         return read_sums(ctx, false, il, 0, dst);

@@ -26,7 +26,7 @@ def test_truncated_cells_lose_their_bias_and_a_new_token_in_one_attends_normally
     rng = np.random.default_rng(21)
     ref = np_model(tiny_model)
     s = session_factory(tiny_model, flash_attn=False, cache_type="f32")
-    obs = s.prefill(prompt_tokens(N, 21), observe=("kv",))
+    obs = s.prefill(prompt_tokens(N, 21), observe=("kv",)).with_kv_arrays()
     plan = random_plan(rng, ref.n_layer, ref.n_head_kv, N, ref.head_dim, obs.keys, obs.values)
     assert cache.cells_with_bias(s.ctx) == 0
     s.apply_plan(plan)

@@ -35,7 +35,7 @@ def test_the_plan_covers_the_global_layers(session_factory, tiny_gemma):
     s = session_factory(tiny_gemma)
     i = s.info
     assert (i.n_layer, i.n_layer_model, i.kv_layers, i.sliding_layers, i.sliding_window) == (2, 4, (1, 3), (0, 2), 16)
-    obs = s.prefill(prompt_tokens(N), observe=("window", "colsum", "kv"), window=8)
+    obs = s.prefill(prompt_tokens(N), observe=("window", "colsum", "kv"), window=8).with_kv_arrays()
     assert obs.window_sums.shape == (1, 2, 4, N) and obs.colsum.shape == (2, 4, N)
     assert obs.keys.shape == (2, 2, N, 16)
     # each query's attention over the global layers' cells sums to one: 8 window queries, N queries in all
@@ -63,7 +63,7 @@ def test_random_plans_on_the_global_layers_match_numpy(session_factory, tiny_gem
     ref = np_gemma3(tiny_gemma)
     toks = prompt_tokens(N, seed)
     s = session_factory(tiny_gemma, flash_attn=False, cache_type="f32")
-    obs = s.prefill(toks, observe=("kv",))
+    obs = s.prefill(toks, observe=("kv",)).with_kv_arrays()
     plan = random_plan(rng, 2, 2, N, 16, obs.keys, obs.values)
     assert plan.replace_entry.size > 0 and len(set(plan.n_kept.reshape(-1).tolist())) > 1
     s.apply_plan(plan)
@@ -119,7 +119,7 @@ def test_snapkv_keeps_the_budget_and_decodes_past_the_window(session_factory, ti
 def test_state_of_a_compressed_sequence_round_trips(session_factory, tiny_gemma):
     """A saved state holds both caches: the compacted global one (with its slot bias) and the window."""
     s = session_factory(tiny_gemma)
-    obs = s.prefill(prompt_tokens(N), observe=("kv",))
+    obs = s.prefill(prompt_tokens(N), observe=("kv",)).with_kv_arrays()
     s.apply_plan(random_plan(np.random.default_rng(5), 2, 2, N, 16, obs.keys, obs.values))
     snap = s.save_seq(0)
     t = session_factory(tiny_gemma)
@@ -160,7 +160,7 @@ def test_the_window_cache_stays_bounded_and_a_deep_rollback_is_refused(session_f
     ref = np_gemma3(tiny_gemma)
     toks = prompt_tokens(n, 9)
     s = session_factory(tiny_gemma, n_ctx=512, n_batch=64, flash_attn=False, cache_type="f32")
-    obs = s.prefill(toks, observe=("kv",))
+    obs = s.prefill(toks, observe=("kv",)).with_kv_arrays()
     plan = random_plan(np.random.default_rng(9), 2, 2, n, 16, obs.keys, obs.values, merge=False)
     s.apply_plan(plan)
     st = s.stats()

@@ -1,0 +1,33 @@
+// Observation state of one KV cache, owned by the graph code (kvcli_graph.cpp): what an armed llama_decode
+// adds to the graphs it builds (per-layer window / column sum nodes) and what kvcli_graph.cpp accumulates on
+// the host from them after each ubatch. The cache extension (kvcli_cache.h) only holds one of these.
+#pragma once
+
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct ggml_tensor;
+
+// graph outputs of the ubatch being computed, per model layer
+struct kvcli_pending {
+    ggml_tensor * win = nullptr;     // F32 [n_windows, n_kv, n_head]: window rows summed per window length
+    ggml_tensor * col = nullptr;     // F32 [1, n_kv, n_head]
+};
+
+struct kvcli_observation {
+    bool                   armed       = false;
+    llama_seq_id           seq         = 0;      // the observed sequence
+    int32_t                kinds       = 0;      // KVCLI_OBS_* bits
+    std::vector<llama_pos> win_pos0;             // per window length: queries at positions >= win_pos0[i]
+    uint64_t               key_counter = 0;      // graphs built while armed (kvcli_graph_key, kvcli_attn_hook)
+    std::string            error;                // set when an armed graph could not observe
+
+    std::vector<kvcli_pending>      pending;     // per model layer
+    std::vector<int32_t>            win_rows;    // per window length: query rows summed so far
+    std::vector<std::vector<float>> winsum;      // per model layer: [n_windows][n_head][kv_size]
+    std::vector<std::vector<float>> colsum;      // per model layer: [n_head][kv_size]
+    bool                            have_colsum = false;
+};
