@@ -103,7 +103,7 @@ def setup(label: str, model, toks, cache_type="f16", budget=None, window=0, thre
             from kvcli.native.lib import native_plan  # noqa: PLC0415
             spec, params, _ = policies.prepare("snapkv", {}, budget)
             t1 = time.perf_counter()
-            obs = cache.read_observation(s.ctx, 0, s.info, ("window",))
+            obs = cache.read_observation(s.ctx, 0, s.info, ("window",), windows=(window,))
             t2 = time.perf_counter()
             plan = native_plan(spec.name, params, budget, obs)
             t3 = time.perf_counter()
@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=32, help="tokens per decode round")
     ap.add_argument("--rounds", type=int, default=5, help="decode rounds (interleaved over the configurations)")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: KVCLI_THREADS or all cores)")
+    ap.add_argument("--no-quantized", action="store_true",
+                    help="skip the q8_0 / q4_0 full caches (their prefill is most of the run's time)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the rows and the machine to this file")
     a = ap.parse_args(argv)
@@ -164,9 +166,9 @@ def main(argv=None) -> int:
     t = a.threads
     setups = [setup("full", model, long_toks, window=w, threads=t),
               setup(f"snapkv {a.budget}", model, long_toks, budget=a.budget, window=w, threads=t),
-              setup("full 512", model, short_toks, threads=t),
-              setup("full q8_0", model, long_toks, cache_type="q8_0", threads=t),
-              setup("full q4_0", model, long_toks, cache_type="q4_0", threads=t)]
+              setup("full 512", model, short_toks, threads=t)]
+    if not a.no_quantized:
+        setups += [setup(f"full {ct}", model, long_toks, cache_type=ct, threads=t) for ct in ("q8_0", "q4_0")]
     rows = [r for r, _ in setups]
     try:
         for r, d in zip(rows, decode_rounds([s for _, s in setups], a.decode, a.rounds)):
