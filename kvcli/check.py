@@ -24,8 +24,9 @@ L3 compares the end result; its Jaccard is over the *original* prompt positions 
 still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
 B-k..B-1 and say nothing about which tokens were kept).
 
-L1 alone (`--levels 1`) loads no reference engine: it is how models the reference engine does not run (those
-with sliding-window layers, gemma3) are checked; asking them for L2/L3 is refused in one line.
+L1 alone (`--levels 1`) loads no reference engine. Models with sliding-window layers (gemma3) are checked at
+every level, on the layers kvcli compresses (ModelInfo.kv_layers: observations, plans, kept positions); the
+sliding layers take part through the logits only (L3), both engines masking them to their window.
 
 Both engines get the very same token ids (tokenised once, by the native engine). Thresholds are
 parameters (`Thresholds`, `kvcli check --threshold key=value`); their defaults are for the
@@ -47,7 +48,6 @@ import numpy as np
 from kvcli import chunked, compress, planning, policies
 from kvcli.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
-from kvcli.models import read_model_info
 from kvcli.native.session import NativeSession
 from kvcli.templating import build_prompt
 from kvcli.plan import Observation, Plan
@@ -333,10 +333,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         raise KvcliError("levels must be a subset of 1,2,3")
     if settings.budget < 1:
         raise KvcliError(f"budget must be >= 1 (got {settings.budget})")
-    info = read_model_info(model_path)
-    if info.sliding_layers and levels & {2, 3}:
-        raise KvcliError(f"L2 and L3 compare with the reference engine, which does not run models with "
-                         f"sliding-window layers ({info.architecture}): check this model with --levels 1")
     if settings.n_tokens < 1:
         raise KvcliError("the number of greedy tokens must be >= 1")
     if not document or not document.strip():
@@ -365,8 +361,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     window = observed_windows(specs, names, settings.l2_window, n)
     n_ctx = -(-(n + settings.n_tokens + 8) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
-    # L1 compares the two planners on the native observation: it needs no reference engine (and runs on models
-    # the reference engine does not, e.g. with sliding-window layers)
+    # L1 compares the two planners on the native observation: it needs no reference engine
     reference = None
     if levels & {2, 3}:
         log(f"{n} prompt tokens; loading the reference engine")

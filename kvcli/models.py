@@ -283,6 +283,15 @@ def read_model_info(path: Path) -> ModelInfo:
     return info
 
 
+def header_values(path: Path) -> dict:
+    """The scalar keys of a GGUF header (arrays as None, except kvcli.* keys and sliding-window patterns), read
+    directly: what a loader may need beyond ModelInfo."""
+    try:
+        return dict(_Header(Path(path)).values)
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise KvcliError(f"cannot parse GGUF {Path(path).name} (truncated or corrupted?): {e}") from None
+
+
 def _sliding_layers(arch: str, n_layer: int, values: dict) -> tuple:
     """The layers llama.cpp runs with a sliding window (its load_swa_pattern): none unless the architecture
     has them (SLIDING_PATTERN) and the file gives a window; then the file's per-layer pattern, its period, or

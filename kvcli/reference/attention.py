@@ -4,15 +4,19 @@ transformers lets a model use a registered attention function (`AttentionInterfa
 registered as "kvcli" and does, for one layer, exactly what llama.cpp's patched `build_attn`
 does:
 
-    logits[q, j] = (Q[q] . K[j]) / sqrt(head_dim) + bias[kv(q), j]    (-inf where pos[j] > pos[q])
+    logits[q, j] = (Q[q] . K[j]) * scale + bias[kv(q), j]    (-inf where pos[j] > pos[q])
     P = softmax(logits)            output = P @ V
 
-where `bias` is the slot bias of docs/internals.md (0 for a live entry, -inf for a slot this KV
-head does not use, log(m) for an entry standing for m merged tokens) and `pos` the original
-position of each (KV head, slot). Q and K arrive post-RoPE (the model's attention rotates them before it
-calls us), so what we see is what the native engine observes.
+where `scale` is the model's (1/sqrt(head_dim) for most), `bias` the slot bias of docs/internals.md (0 for a
+live entry, -inf for a slot this KV head does not use, log(m) for an entry standing for m merged tokens) and
+`pos` the original position of each (KV head, slot). Q and K arrive post-RoPE (the model's attention rotates
+them before it calls us), so what we see is what the native engine observes.
 
-While an `Observer` is armed (prefill only), the same P is also reduced as it is computed, block of
+A sliding-window layer (gemma3's; `LayerSlots.sliding_window` = n) also masks the entries a query no longer
+sees, as llama.cpp's iSWA cache does (LLAMA_SWA_TYPE_STANDARD, `is_masked_swa`): -inf where
+pos[q] - pos[j] >= n. Such a layer is never compacted nor observed: it keeps every entry, the window is the mask's.
+
+While an `Observer` is armed (prefill only), the same P of each layer it observes is also reduced as it is computed, block of
 queries by block: the rows of the window queries summed per window length (`Observation.window_sums`)
 and the column sums over every query (`Observation.colsum`), both in float64. Nothing is recomputed
 for the observation (it is the attention itself) and no attention row is kept.
@@ -37,10 +41,12 @@ class LayerSlots:
 
     key_pos: torch.Tensor    # int64 [n_head_kv, L]: original position of each entry
     bias: torch.Tensor       # float32 [n_head_kv, L]: 0, -inf or log(m)
+    sliding_window: int = 0  # n > 0: a sliding-window layer, a query at p sees the entries at p - n < p' <= p
 
     @classmethod
-    def empty(cls, n_head_kv: int) -> "LayerSlots":
-        return cls(torch.zeros(n_head_kv, 0, dtype=torch.int64), torch.zeros(n_head_kv, 0, dtype=torch.float32))
+    def empty(cls, n_head_kv: int, sliding_window: int = 0) -> "LayerSlots":
+        return cls(torch.zeros(n_head_kv, 0, dtype=torch.int64), torch.zeros(n_head_kv, 0, dtype=torch.float32),
+                   sliding_window)
 
     @property
     def n_slots(self) -> int:
@@ -61,21 +67,26 @@ class LayerSlots:
 @dataclass
 class Observer:
     """Reduces the attention probabilities of one prefill: per window length, the rows of its window
-    queries summed; the column sums over every query. Both per layer, [n_head, L] float64."""
+    queries summed; the column sums over every query. Both per observed layer, [n_head, L] float64."""
 
-    n_layer: int
+    layers: tuple                                      # model layers observed (ModelInfo.kv_layers), in order
     kinds: frozenset
     window_pos0: tuple = ()                            # per window length: queries at positions >= this
-    window: list = field(default_factory=list)         # per window length, per layer: [n_head, L] float64
-    colsum: list = field(default_factory=list)         # per layer: [n_head, L] float64
+    window: list = field(default_factory=list)         # per window length, per observed layer: [n_head, L] float64
+    colsum: list = field(default_factory=list)         # per observed layer: [n_head, L] float64
 
     def __post_init__(self):
-        self.window = [[None] * self.n_layer for _ in self.window_pos0]
-        self.colsum = [None] * self.n_layer
+        self.index = {il: i for i, il in enumerate(self.layers)}
+        self.window = [[None] * len(self.layers) for _ in self.window_pos0]
+        self.colsum = [None] * len(self.layers)
+
+    def observes(self, layer: int) -> bool:
+        return layer in self.index
 
     def record(self, layer: int, probs: torch.Tensor, q_pos: torch.Tensor) -> None:
-        """probs: [n_head, rows, L] for queries at positions q_pos [rows]. float64 sums: the reference
-        should not add rounding."""
+        """probs: [n_head, rows, L] of model layer `layer` for queries at positions q_pos [rows]. float64 sums:
+        the reference should not add rounding."""
+        layer = self.index[layer]
         if "window" in self.kinds:
             for i, pos0 in enumerate(self.window_pos0):
                 rows = q_pos >= pos0
@@ -93,7 +104,7 @@ def _add(acc: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
 class ForwardState:
     """What one forward pass of one sequence needs: its slots per layer, query positions, observer."""
 
-    layers: list                       # LayerSlots per layer
+    layers: list                       # LayerSlots per model layer
     q_pos: torch.Tensor                # int64 [q_len]
     observer: Observer | None = None
 
@@ -117,8 +128,8 @@ def active(state: ForwardState):
 def kvcli_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
     """transformers attention interface: query [1, n_head, q, d], key/value [1, n_head_kv, L, d]
     (the whole cache of this layer, new tokens included). Returns ([1, q, n_head, d], None).
-    `attention_mask` is ignored: causality comes from the slot positions, which stay right after
-    a compaction when slot index and position no longer agree."""
+    `attention_mask` (and transformers' `sliding_window`) is ignored: causality and the window come from the slot
+    positions, which stay right after a compaction when slot index and position no longer agree."""
     st = _ACTIVE
     if st is None:
         raise RuntimeError("the kvcli attention runs only inside a ReferenceSession forward pass")
@@ -137,17 +148,20 @@ def kvcli_attention(module, query, key, value, attention_mask, scaling: float, d
     v = value[0].repeat_interleave(group, dim=0)
     bias = slots.bias.repeat_interleave(group, dim=0)[:, None, :]        # [n_head, 1, L]
     key_pos = slots.key_pos.repeat_interleave(group, dim=0)[:, None, :]  # [n_head, 1, L]
+    observer = st.observer if st.observer is not None and st.observer.observes(layer) else None
 
     out = torch.empty_like(q)
     for r0 in range(0, q.shape[1], QUERY_CHUNK):
         r1 = min(r0 + QUERY_CHUNK, q.shape[1])
-        pos = st.q_pos[r0:r1]
+        pos = st.q_pos[r0:r1][None, :, None]
+        masked = key_pos > pos
+        if slots.sliding_window:
+            masked |= pos - key_pos >= slots.sliding_window
         logits = torch.matmul(q[:, r0:r1], k.transpose(1, 2)) * scaling + bias
-        logits = logits.masked_fill(key_pos > pos[None, :, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits.masked_fill(masked, float("-inf")), dim=-1)
         out[:, r0:r1] = torch.matmul(probs, v)
-        if st.observer is not None:
-            st.observer.record(layer, probs, pos)
+        if observer is not None:
+            observer.record(layer, probs, st.q_pos[r0:r1])
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 

@@ -1,7 +1,9 @@
 """Applying a Plan to the reference engine's cache (docs/internals.md, "Plan"), with optional re-indexing.
 
 The cache of layer `l` is transformers' DynamicCache layer: K and V of shape
-[1, n_head_kv, L, head_dim], plus our `LayerSlots` (position and bias of each (KV head, slot)).
+[1, n_head_kv, L, head_dim], plus our `LayerSlots` (position and bias of each (KV head, slot)). A plan's
+layer l is the model layer `layers[l]` (ModelInfo.kv_layers: the global layers of a model with sliding-window
+layers, which are never compacted; every layer otherwise).
 
 Layout: the native cache's. A plan rewrites *every* layer into B = `plan.max_kept` slots (the
 widest (layer, head) of the whole model: llama.cpp's cells are shared by all layers). Slot j of
@@ -54,32 +56,36 @@ class KeyRotation:
         self.rotary = model.model.rotary_emb
         # the rotate_half of the model's own modelling code (transformers' (j, j + d/2) pairing)
         self.rotate_half = sys.modules[type(model).__module__].rotate_half
-        self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0) or 1.0)
+        # a rotary embedding per layer type (gemma3): compacted layers are global ones
+        self.kwargs = {"layer_type": "full_attention"} if hasattr(self.rotary, "layer_types") else {}
+        prefix = "full_attention_" if self.kwargs else ""
+        self.scaling = float(getattr(self.rotary, prefix + "attention_scaling", 1.0) or 1.0)
 
     def __call__(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """keys: [n_head_kv, L, head_dim] in transformers' order; delta: int64 [n_head_kv, L]."""
         h, n, d = keys.shape
         if n == 0:
             return keys
-        cos, sin = self.rotary(keys.reshape(1, h * n, d), delta.reshape(1, h * n))
+        cos, sin = self.rotary(keys.reshape(1, h * n, d), delta.reshape(1, h * n), **self.kwargs)
         cos = (cos[0] / self.scaling).reshape(h, n, d).to(keys.dtype)
         sin = (sin[0] / self.scaling).reshape(h, n, d).to(keys.dtype)
         return keys * cos + self.rotate_half(keys) * sin
 
 
 def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation | None = None,
-               qk_permuted: bool = True) -> None:
-    """Rewrite every layer of `cache` (a DynamicCache) and `slots` as the plan says, in place.
-    With `rotate`, the kept entries are re-indexed (see the module doc). `qk_permuted`: the model's K
-    dimension order differs from llama.cpp's (llama; see hf_to_gguf_dims)."""
+               qk_permuted: bool = True, layers=None) -> None:
+    """Rewrite the layers of `cache` (a DynamicCache) and `slots` that the plan covers as it says, in place:
+    `layers[l]` is the model layer of the plan's layer l (default: l). With `rotate`, the kept entries are
+    re-indexed (see the module doc). `qk_permuted`: the model's K dimension order differs from llama.cpp's
+    (llama; see hf_to_gguf_dims)."""
     log_mult = None if plan.log_mult is None else torch.from_numpy(plan.log_mult.astype(np.float32))
     offsets = plan.offsets()
     rep_layer, rep_head, rep_j = (a[plan.replace_entry] for a in entry_locations(plan)) \
         if plan.replace_entry.size else (np.zeros(0, np.int64),) * 3
     width = plan.max_kept                       # every layer: the widest (layer, head) of the model
 
-    for l in range(plan.n_layer):
-        layer = cache.layers[l]
+    for l, il in enumerate(range(plan.n_layer) if layers is None else layers):
+        layer = cache.layers[il]
         n_head_kv, head_dim = layer.keys.shape[1], layer.keys.shape[3]
         index = torch.zeros(n_head_kv, width, dtype=torch.int64)        # padding reads slot 0 ...
         live = torch.zeros(n_head_kv, width, dtype=torch.bool)          # ... and is then cleared
@@ -96,7 +102,7 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation |
                 off = int(offsets[l, h])
                 added[h, entries] = log_mult[off: off + k]
         # bias composes: an entry keeps what it carried (log(m) of an earlier merge, -inf if dead)
-        bias = torch.where(live, slots[l].bias.gather(1, index) + added, torch.tensor(float("-inf")))
+        bias = torch.where(live, slots[il].bias.gather(1, index) + added, torch.tensor(float("-inf")))
         rows = index[:, :, None].expand(-1, -1, head_dim)
         keys = layer.keys[0].gather(1, rows) * live[:, :, None]         # dead padding: zero rows, as native
         values = layer.values[0].gather(1, rows) * live[:, :, None]
@@ -105,11 +111,11 @@ def apply_plan(cache, slots: list[LayerSlots], plan: Plan, rotate: KeyRotation |
             # plans carry K rows in llama.cpp's dimension order (Observation.keys): back to ours
             keys[h, j] = gguf_to_hf_dims(torch.from_numpy(plan.replace_k[r].astype(np.float32)), qk_permuted)
             values[h, j] = torch.from_numpy(plan.replace_v[r].astype(np.float32))
-        key_pos = slots[l].key_pos.gather(1, index)
+        key_pos = slots[il].key_pos.gather(1, index)
         if rotate is not None:
             new_pos = torch.arange(width, dtype=torch.int64).expand(n_head_kv, -1).contiguous()
             keys = rotate(keys, torch.where(live, new_pos - key_pos, 0))
             key_pos = new_pos
         layer.keys = keys.unsqueeze(0).contiguous()
         layer.values = values.unsqueeze(0).contiguous()
-        slots[l] = LayerSlots(key_pos=key_pos, bias=bias)
+        slots[il] = LayerSlots(key_pos=key_pos, bias=bias)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcli.errors import KvcliError
-from kvcli.models import read_model_info
+from kvcli.models import header_values, read_model_info
 
 _LOADED: dict[tuple, "LoadedModel"] = {}
 
@@ -35,8 +35,8 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftex
 
 
 # transformers model types of the architectures kvcli.models accepts; every one calls the registered
-# attention function with post-RoPE Q/K and the module's layer_idx
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3")
+# attention function with post-RoPE Q/K and the module's layer_idx (the model's layer index)
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text")
 # llama.cpp's converter permutes Q/K rows only where llama.cpp rotates adjacent pairs ("normal" RoPE);
 # the others (NEOX RoPE) keep transformers' (j, j + d/2) order in the file
 PERMUTED_QK = ("llama",)
@@ -44,10 +44,6 @@ PERMUTED_QK = ("llama",)
 
 def load(path) -> LoadedModel:
     path = Path(path).resolve()
-    info = read_model_info(path)
-    if info.sliding_layers:
-        raise KvcliError(f"the reference engine does not run models with sliding-window layers ({info.architecture}: "
-                         f"{len(info.sliding_layers)} of {info.n_layer_model} layers slide); use the native engine")
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _LOADED:
@@ -56,15 +52,66 @@ def load(path) -> LoadedModel:
 
 
 def _config(path: Path):
-    """transformers' config of the GGUF, with the head size the file states: its GGUF mapping does not read
-    `attention.key_length`, so a qwen3 model would get Qwen3Config's default head_dim (128) whatever the file says."""
+    """transformers' config of the GGUF, corrected where its GGUF mapping reads the file otherwise than llama.cpp:
+    the head size (it does not read `attention.key_length`, so a qwen3 model would get Qwen3Config's default
+    head_dim, 128, whatever the file says) and, for gemma3, `_gemma3_config`."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    info = read_model_info(path)
     if hasattr(config, "head_dim"):
-        config.head_dim = read_model_info(path).head_dim
+        config.head_dim = info.head_dim
+    if info.architecture == "gemma3":
+        _gemma3_config(config, info)
     return config
+
+
+# llama.cpp's gemma3 model type with another attention scale (src/models/gemma3.cpp: LLM_TYPE_27B, 62 layers)
+GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_config(config, info) -> None:
+    """What llama.cpp's gemma3 loader (src/models/gemma3.cpp, llama_model::load_hparams) reads and transformers'
+    GGUF mapping does not (transformers 5.23 takes every layer as sliding with Gemma3TextConfig's period of 6
+    counted the other way round, 256 as query_pre_attn_scalar, 10000 as the sliding layers' RoPE base and no
+    RoPE scaling nor final soft-capping):
+    - which layers slide: kvcli.models reads them as llama.cpp does (`sliding_layers`); the window is the file's;
+    - Q is scaled by 1/sqrt(head_dim), by 1/sqrt(n_embd / n_head) for the 27B model only;
+    - RoPE: the global layers rotate with `rope.freq_base` and the file's linear scaling factor, the sliding
+      ones with `rope.freq_base_swa` (default 10000) unscaled (llama.cpp's rope_freq_scale_train_swa is 1);
+    - `final_logit_softcapping` when the file has one; no attention soft-capping (llama.cpp's gemma3 has none)."""
+    meta = gguf_scalars(info.path, ("rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor",
+                                    "rope.scale_linear", "final_logit_softcapping", "rope.dimension_count"))
+    rot = int(meta.get("rope.dimension_count") or info.head_dim)
+    if rot != info.head_dim:
+        raise KvcliError(f"the reference engine rotates whole heads: {info.path.name} rotates {rot} of "
+                         f"{info.head_dim} dimensions")
+    config.layer_types = ["sliding_attention" if il in info.sliding_layers else "full_attention"
+                          for il in range(info.n_layer_model)]
+    if info.sliding_window:
+        config.sliding_window = info.sliding_window
+    config.query_pre_attn_scalar = (info.n_embd // info.n_head if info.n_layer_model == GEMMA3_27B_LAYERS
+                                    else info.head_dim)
+    config.attn_logit_softcapping = None
+    config.final_logit_softcapping = float(meta["final_logit_softcapping"]) \
+        if meta.get("final_logit_softcapping") else None
+    factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0)
+    scaling = str(meta.get("rope.scaling.type") or "linear")
+    full = {"rope_type": "default", "rope_theta": float(info.rope_theta)}
+    if factor not in (0.0, 1.0):
+        if scaling != "linear":
+            raise KvcliError(f"the reference engine does not reproduce {scaling} RoPE scaling ({info.path.name})")
+        full = {"rope_type": "linear", "factor": factor, "rope_theta": float(info.rope_theta)}
+    sliding = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa") or 10000.0)}
+    config.rope_parameters = {"full_attention": full, "sliding_attention": sliding}
+
+
+def gguf_scalars(path: Path, names) -> dict:
+    """The `{architecture}.NAME` scalars of a GGUF header that are present."""
+    info = read_model_info(path)
+    values = header_values(path)
+    return {n: values[f"{info.architecture}.{n}"] for n in names
+            if values.get(f"{info.architecture}.{n}") is not None}
 
 
 def _load(path: Path) -> LoadedModel:

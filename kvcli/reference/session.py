@@ -8,6 +8,13 @@ uncompressed length), exactly as in the native engine. A compaction with `reinde
 gives the kept entries the positions B-k..B-1 (right-aligned; K re-rotated in torch) and decoding continues at B,
 the widest head's count, again as the native engine does. A compressed sequence can be observed
 and compacted again (chunked prefill). One sequence is processed at a time; clarity beats speed.
+
+A model with sliding-window layers (gemma3) is run as the native engine runs it: observations, plans,
+compaction and the sequence's cells cover its global layers (ModelInfo.kv_layers; the plan's layer l is model
+layer kv_layers[l]); the sliding layers are never observed nor compacted and attend over their window
+(kvcli/reference/attention.py). Unlike llama.cpp's window cache, they keep every entry (the window is the
+mask's), so any position can be rolled back to; re-indexing is refused, as natively (the window layers keep
+their positions).
 """
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ OBSERVE_KINDS = ("window", "colsum", "kv")
 @dataclass
 class RefSeq:
     cache: object                     # transformers DynamicCache
-    slots: list                       # LayerSlots per layer
+    slots: list                       # LayerSlots per model layer
+    kv_layers: tuple                  # the model layers plans cover (ModelInfo.kv_layers)
     next_pos: int = 0                 # position of the next token (the uncompressed length, or B after reindexing)
     reindexed: int = 0                # positions re-indexing gave back
     last_logits: np.ndarray | None = None
@@ -49,8 +57,8 @@ class RefSeq:
 
     @property
     def cells(self) -> int:
-        """Cells the sequence occupies: every layer has the same slots (the native cache's layout)."""
-        return max((s.n_slots for s in self.slots), default=0)
+        """Cells the sequence occupies: every layer plans cover has the same slots (the native cache's layout)."""
+        return max((self.slots[il].n_slots for il in self.kv_layers), default=0)
 
     @property
     def tokens_read(self) -> int:
@@ -70,7 +78,7 @@ class ReferenceSession:
         self.qk_permuted = loaded.qk_permuted
         cfg = self.model.config
         if (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) != \
-                (self.info.n_layer, self.info.n_head, self.info.n_head_kv):
+                (self.info.n_layer_model, self.info.n_head, self.info.n_head_kv):
             raise KvcliError(f"transformers read other shapes from {self.model_path} than its GGUF header")
         self.n_vocab = int(cfg.vocab_size)
         self.n_ctx_train = self.info.n_ctx_train
@@ -137,8 +145,11 @@ class ReferenceSession:
             raise KvcliError(f"sequence {seq} out of range (this session holds {self.n_seq})")
         if seq not in self.seqs:
             from transformers import DynamicCache  # noqa: PLC0415
-            self.seqs[seq] = RefSeq(cache=DynamicCache(config=self.model.config),
-                                    slots=[LayerSlots.empty(self.info.n_head_kv) for _ in range(self.info.n_layer)])
+            i = self.info
+            # every layer keeps every entry (no config: transformers would make sliding layers drop the old ones)
+            self.seqs[seq] = RefSeq(cache=DynamicCache(), kv_layers=i.kv_layers,
+                                    slots=[LayerSlots.empty(i.n_head_kv, i.sliding_window if il in i.sliding_layers
+                                                            else 0) for il in range(i.n_layer_model)])
         return self.seqs[seq]
 
     def cells_used(self) -> int:
@@ -201,7 +212,7 @@ class ReferenceSession:
         windows = window_lengths(window, len(tokens)) if "window" in observe else ()
         self._check_room(len(tokens))
         kinds = frozenset(observe) & {"window", "colsum"}
-        observer = Observer(self.info.n_layer, kinds, tuple(st.next_pos + len(tokens) - w for w in windows)) \
+        observer = Observer(self.info.kv_layers, kinds, tuple(st.next_pos + len(tokens) - w for w in windows)) \
             if kinds else None
         t0 = time.perf_counter()
         self._forward(st, tokens, observer)
@@ -223,9 +234,10 @@ class ReferenceSession:
             obs.colsum = torch.stack(observer.colsum).to(torch.float32).numpy()
         if "kv" in observe:
             # K in llama.cpp's dimension order, as the native engine reports it (see hf_to_gguf_dims)
-            keys = torch.stack([layer.keys[0] for layer in st.cache.layers])
+            layers = [st.cache.layers[il] for il in i.kv_layers]
+            keys = torch.stack([layer.keys[0] for layer in layers])
             obs.keys = hf_to_gguf_dims(keys, self.qk_permuted).to(torch.float32).numpy()
-            obs.values = torch.stack([layer.values[0] for layer in st.cache.layers]).to(torch.float32).numpy()
+            obs.values = torch.stack([layer.values[0] for layer in layers]).to(torch.float32).numpy()
         obs.validate()
         return obs
 
@@ -250,6 +262,9 @@ class ReferenceSession:
         if reindex and not st.reindexable:
             raise KvcliError(f"sequence {seq} was compacted without re-indexing: its entries' positions differ per "
                              "layer and head from its cells' positions, so it cannot be re-indexed")
+        if reindex and self.info.sliding_layers:
+            # the sliding layers keep the original positions, which the next token must continue (as natively)
+            raise KvcliError("re-indexing (a chunked read) is not supported for models with sliding-window layers")
         if (plan.n_layer, plan.n_head_kv) != (self.info.n_layer, self.info.n_head_kv):
             raise KvcliError(f"plan is for {plan.n_layer} layers x {plan.n_head_kv} KV heads, the model has "
                              f"{self.info.n_layer} x {self.info.n_head_kv}")
@@ -260,7 +275,8 @@ class ReferenceSession:
         t0 = time.perf_counter()
         if self._rotation is None and reindex:
             self._rotation = compact.KeyRotation(self.model)
-        compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None, self.qk_permuted)
+        compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None, self.qk_permuted,
+                           self.info.kv_layers)
         width = plan.max_kept
         if reindex:
             st.reindexed += st.next_pos - width
@@ -284,19 +300,18 @@ class ReferenceSession:
         st.prompt_tokens = min(st.prompt_tokens, st.next_pos + st.reindexed)
 
     def truncate(self, seq: int, pos: int) -> None:
-        """Remove every entry of `seq` at position >= `pos` (the native engine's truncate): the sequence's last
+        """Remove every entry of `seq` at position >= `pos` (the native engine's truncate): each layer's last
         slots, since the reference appends every token at the end. Unlike `rollback`, it leaves `prompt_tokens`."""
         st = self.seq(seq)
         n_tokens = st.next_pos - pos
         if not 0 <= n_tokens <= min(st.next_pos, st.cells):
             raise KvcliError(f"cannot truncate sequence {seq} at position {pos} (it has {st.next_pos} positions)")
-        keep = st.cells - n_tokens
-        for layer in st.cache.layers:
+        st.cell_pos = st.cell_pos[:st.cells - n_tokens]
+        for layer, s in zip(st.cache.layers, st.slots):
+            keep = s.n_slots - n_tokens
             layer.keys = layer.keys[:, :, :keep].contiguous()
             layer.values = layer.values[:, :, :keep].contiguous()
-        for s in st.slots:
             s.key_pos, s.bias = s.key_pos[:, :keep].contiguous(), s.bias[:, :keep].contiguous()
-        st.cell_pos = st.cell_pos[:keep]
         st.next_pos = pos
         st.last_logits = None  # they belonged to a removed token
 
@@ -305,7 +320,7 @@ class ReferenceSession:
         original positions, or B-k..B-1 after a re-indexing compaction."""
         st = self.seq(seq)
         return [[s.key_pos[h][torch.isfinite(s.bias[h])].to(torch.int32).numpy() for h in range(s.key_pos.shape[0])]
-                for s in st.slots]
+                for s in (st.slots[il] for il in st.kv_layers)]
 
     # ------------------------------------------------------------------ stats
     def bytes_per_cell(self) -> int:
@@ -325,19 +340,35 @@ class ReferenceSession:
         return int(sum(seen.values()))
 
     def stats(self, seq: int = 0) -> dict:
-        """Sizes measured from the tensors the cache holds (float32 K and V, float32 bias)."""
+        """Sizes measured from the tensors the cache holds (float32 K and V, float32 bias). As the native engine's:
+        kv_cells, kv_bytes, kv_bytes_full and kv_bytes_live cover the layers plans cover; per_layer_cells lists
+        every model layer, and a model with sliding-window layers adds sliding_layers, sliding_window,
+        sliding_cells and sliding_bytes: what the sliding layers hold (here every entry; the window is the
+        attention mask's, see the module doc)."""
         st = self.seq(seq)
-        kv = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                 for layer in st.cache.layers if layer.keys is not None)
-        bias = sum(s.bias.numel() * s.bias.element_size() for s in st.slots) if st.compressed else 0
         i = self.info
+        layers = [(st.cache.layers[il], st.slots[il]) for il in i.kv_layers if il < len(st.cache.layers)]
+        kv = sum(_kv_bytes(layer) for layer, _ in layers)
+        bias = sum(s.bias.numel() * s.bias.element_size() for _, s in layers) if st.compressed else 0
         full = st.tokens_read * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
-        live = sum(int(torch.isfinite(s.bias).sum()) for s in st.slots)   # live (layer, KV head, slot) entries
+        live = sum(int(torch.isfinite(s.bias).sum()) for _, s in layers)   # live (layer, KV head, slot) entries
+        sliding = {}
+        if i.sliding_layers:
+            cells = st.slots[i.sliding_layers[0]].n_slots
+            sliding = {"sliding_layers": list(i.sliding_layers), "sliding_window": i.sliding_window,
+                       "sliding_cells": cells, "sliding_bytes": cells * i.sliding_cell_bytes("f32")}
         return {"kv_cells": st.cells, "kv_bytes": int(kv + bias), "kv_bytes_full": int(full),
                 "kv_bytes_live": live * i.head_dim * 2 * 4,
                 "kv_bytes_allocated": self.bytes_allocated(), "kv_cells_allocated": self.n_ctx,
                 "per_layer_cells": [s.n_live_slots for s in st.slots],
+                **sliding,
                 **{k: round(v, 4) for k, v in st.timings.items()}}
+
+
+def _kv_bytes(layer) -> int:
+    if layer.keys is None:
+        return 0
+    return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
 _BYTE_DECODER: dict | None = None

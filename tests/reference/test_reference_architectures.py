@@ -3,6 +3,10 @@ L2 observation, L3 compacted decoding) at float32 accuracy, as on the tiny llama
 
 qwen2 adds Q/K/V projection biases, qwen3 RMS-normalises each head's Q and K before RoPE, phi3 fuses QKV
 and gate/up; all three rotate with NEOX RoPE, so their K rows are in the same order in both engines.
+gemma3 has sliding-window layers (here layers 0 and 2 slide over 32 tokens of a 300-token document; 1 and 3
+are global and the only ones compressed) and a GELU FFN: its reference model computes GELU as llama.cpp's CPU
+backend does (kvcli.testing.ggml_gelu: an f16 table), or the engines would differ by ~2e-4 before kvcli
+does anything.
 """
 from __future__ import annotations
 
@@ -17,14 +21,24 @@ from kvcli.testing.tiny_gguf import ARCHITECTURES, write_tiny
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "examples" / "solar-garden.txt").read_text()
 BOTH = [name for name, spec in policies.REGISTRY.items() if spec.native and spec.reference]
+SHAPES = {"gemma3": dict(n_layer=4, sliding_window=32, swa_pattern=2)}
 
 
-# llama: test_check_levels.py; gemma3 (sliding-window layers) runs in the native engine only: tests/native/test_iswa.py
-# checks it against a numpy forward pass
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in ("llama", "gemma3")])
+def tiny_model(tmp_path_factory, arch):
+    """The tiny model of `arch`, its reference model with llama.cpp's CPU GELU where it has a GELU FFN."""
+    from kvcli.reference.model import load
+    from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
+    path = write_tiny(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, **SHAPES.get(arch, {}))
+    if arch == "gemma3":
+        use_ggml_cpu_gelu(load(path).model)   # the model object every ReferenceSession of this file shares
+    return path
+
+
+# llama: test_check_levels.py
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
 def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
     from kvcli.commands.check import format_report
-    path = write_tiny(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch)
+    path = tiny_model(tmp_path_factory, arch)
     settings = CheckSettings(budget=96, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=300)
     r = run_check(path, DOC, BOTH, settings, Thresholds.tight())
     table = format_report(r)
@@ -34,3 +48,6 @@ def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
         assert e["l1"]["pass"] and e["l3"]["pass"], table
         assert e["l3"]["greedy_agree"] == 1.0, table
     assert r["passed"], table
+    if arch == "gemma3":   # the plans, observations and kept positions cover the two global layers
+        assert r["prompt_tokens"] > 32 * 4
+        assert all(len(e["l3"]["jaccard_per_layer"]) == 2 for e in r["policies"]), table
