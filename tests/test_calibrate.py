@@ -377,6 +377,17 @@ def test_bad_settings_are_refused(tiny, tmp_path, cli_runner):
         assert r.exit_code == 2 and msg in r.output, r.output
 
 
+def test_models_with_sliding_window_layers_are_refused(tmp_path, cli_runner):
+    """Calibration scores every model layer; gemma3's plans cover its global layers only: refused in one line
+    (the reference engine runs the model since it masks sliding layers to their window)."""
+    from kvcli.cli import cli
+    from kvcli.testing.tiny_gguf import write_tiny
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4)
+    r = cli_runner.invoke(cli, ["calibrate", "compresskv", "--model", str(path), "-o", str(tmp_path / "o.gguf")])
+    assert r.exit_code == 2, r.output
+    assert "compresskv calibration does not support models with sliding-window layers yet (gemma3: 2 of 4" in r.output
+
+
 # ------------------------------------------------------------------------------- the default model
 def test_rouge1_recall():
     from kvcli.calibration.probes import rouge1_recall

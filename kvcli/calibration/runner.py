@@ -45,7 +45,13 @@ class LM:
 
 
 def load_lm(model_path) -> LM:
+    from kvcli.models import read_model_info  # noqa: PLC0415
     from kvcli.reference.model import load  # noqa: PLC0415
+    info = read_model_info(model_path)
+    if info.sliding_layers:
+        # its hooks score every model layer with eager attention; plans cover the global layers only
+        raise KvcliError(f"compresskv calibration does not support models with sliding-window layers yet "
+                         f"({info.architecture}: {len(info.sliding_layers)} of {info.n_layer_model} layers slide)")
     loaded = load(model_path)
     cfg = loaded.model.config
     if getattr(loaded.tokenizer, "chat_template", None) is None:

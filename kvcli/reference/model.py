@@ -31,7 +31,7 @@ class LoadedModel:
 # The tokens llama.cpp's vocabulary loader marks as end-of-generation by their text (the common
 # ones of its list in src/llama-vocab.cpp); the GGUF's eos id is always one.
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-             "<|end_of_text|>", "<EOT>")
+             "<|end_of_text|>", "<EOT>", "</s>", "<eos>")
 
 
 # transformers model types of the architectures kvcli.models accepts; every one calls the registered
