@@ -180,6 +180,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             if b + chunk + 64 > n_ctx_train:
                 raise KvcliError(f"budget {b} + chunk {chunk} do not fit the model's context ({n_ctx_train})")
     records, t_start, where = [], time.perf_counter(), machine(threads)
+    interrupted = False
     try:
         for L in lengths:
             plan = []
@@ -219,9 +220,11 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                                   f"{'-' if r['score'] is None else round(r['score'])}" for r in row))
             finally:
                 session.close()
+    except KeyboardInterrupt:   # Ctrl-C: the samples scored so far are the result (the command exits 130)
+        interrupted = True
     finally:
         tok.close()
-    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where,
+    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where, "interrupted": interrupted,
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent",
