@@ -1,12 +1,12 @@
 """Models with sliding-window layers (gemma3; llama.cpp keeps those layers in the second cache of
 llama_kv_cache_iswa): kvcli compresses the global layers' cache and leaves the window cache whole. Checked
-against an independent numpy forward pass of a tiny random gemma3 (tests/native/npref.py, NpGemma3): 4 layers,
+against an independent numpy forward pass of a tiny random gemma3 (tests/native/npref.py, NpGemma): 4 layers,
 layers 0 and 2 slide over 16 tokens, 1 and 3 are global."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from npref import entries_from_plan, np_gemma3, prompt_tokens, random_plan
+from npref import entries_from_plan, np_gemma, prompt_tokens, random_plan
 
 from kvcli.errors import KvcliError
 from kvcli.native import cache
@@ -45,7 +45,7 @@ def test_the_plan_covers_the_global_layers(session_factory, tiny_gemma):
 
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_uncompressed_cache_matches_numpy(session_factory, tiny_gemma, flash_attn):
-    ref = np_gemma3(tiny_gemma)
+    ref = np_gemma(tiny_gemma)
     toks = prompt_tokens(N)
     s = session_factory(tiny_gemma, flash_attn=flash_attn, cache_type="f32")
     s.prefill(toks)
@@ -60,7 +60,7 @@ def test_random_plans_on_the_global_layers_match_numpy(session_factory, tiny_gem
     """Per-layer/per-head counts, merged rows and log(m) bias in the global layers; the sliding layers still
     see their whole window: llama.cpp's next-token logits equal numpy's over exactly those entries."""
     rng = np.random.default_rng(seed)
-    ref = np_gemma3(tiny_gemma)
+    ref = np_gemma(tiny_gemma)
     toks = prompt_tokens(N, seed)
     s = session_factory(tiny_gemma, flash_attn=False, cache_type="f32")
     obs = s.prefill(toks, observe=("kv",)).with_kv_arrays()
@@ -157,7 +157,7 @@ def test_the_window_cache_stays_bounded_and_a_deep_rollback_is_refused(session_f
     the cells of the oldest positions, the compressed global layers still match numpy, and going back to a
     position whose window the cache no longer holds is refused."""
     n = 400
-    ref = np_gemma3(tiny_gemma)
+    ref = np_gemma(tiny_gemma)
     toks = prompt_tokens(n, 9)
     s = session_factory(tiny_gemma, n_ctx=512, n_batch=64, flash_attn=False, cache_type="f32")
     obs = s.prefill(toks, observe=("kv",)).with_kv_arrays()
