@@ -278,3 +278,25 @@ class NpGemma:
 @functools.lru_cache(maxsize=2)
 def np_gemma(path) -> NpGemma:
     return NpGemma(path)
+
+
+def apply_random_plan(session, ref: NpGemma, n: int, seed: int):
+    """Prefill n random tokens (seeded) into `session`, apply to its global layers a random plan with per-layer and
+    per-head counts, merged rows and log(m) bias, and read the same tokens with numpy: (plan, kv, entries), kv and
+    entries as NpGemma.step takes them."""
+    rng = np.random.default_rng(seed)
+    toks = prompt_tokens(n, seed)
+    obs = session.prefill(toks, observe=("kv",)).with_kv_arrays()
+    plan = random_plan(rng, len(ref.global_layers), ref.n_head_kv, n, ref.head_dim, obs.keys, obs.values)
+    assert plan.replace_entry.size > 0 and len(set(plan.n_kept.reshape(-1).tolist())) > 1
+    session.apply_plan(plan)
+    kv, _ = ref.prefill(toks)
+    return plan, kv, entries_from_plan(plan, obs.keys, obs.values)
+
+
+def assert_gemma_logits_close(got, want):
+    """llama.cpp's logits against NpGemma's: llama.cpp's CPU GELU reads an f16 table, so they agree to ~1e-3 of the
+    logits' scale, not to float precision; and on the greedy token."""
+    got = np.asarray(got, np.float64)
+    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+    assert int(np.argmax(got)) == int(np.argmax(want))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from npref import np_gemma, prompt_tokens
+from npref import assert_gemma_logits_close as _close, np_gemma, prompt_tokens
 
 from kvcli import chunked, planning
 from kvcli.errors import KvcliError
@@ -14,22 +14,8 @@ from kvcli.errors import KvcliError
 WINDOW = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny
-    return write_tiny(tmp_path_factory.mktemp("gemma") / "gemma3.gguf", "gemma3", n_layer=4, n_head=4, n_head_kv=2,
-                      head_dim=16, sliding_window=WINDOW, swa_pattern=2, seed=3)
-
-
 def _session(session_factory, path, n_ctx=256):
     return session_factory(path, n_ctx=n_ctx, n_batch=32, flash_attn=False, cache_type="f32")
-
-
-def _close(got, want):
-    got = np.asarray(got, np.float64)
-    # llama.cpp's CPU GELU reads an f16 table: agreement to ~1e-3 of the logits' scale, not to float precision
-    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
-    assert int(np.argmax(got)) == int(np.argmax(want))
 
 
 def _read(session, tokens, budget, chunk, scoring):
