@@ -128,14 +128,16 @@ def test_reindexing_is_refused_in_one_line(session_factory, tiny_gemma):
     assert not cache.is_compressed(s.ctx, 0) and s.stats()["kv_cells"] == N
 
 
-def test_check_l1_runs_without_the_reference_engine(tiny_gemma):
+@pytest.mark.parametrize("model", ["tiny_gemma", "tiny_gemma2"])
+def test_check_l1_runs_without_the_reference_engine(request, model):
     from kvcli.check import CheckSettings, Thresholds, run_check
+    path = request.getfixturevalue(model)
     doc = "The garden has three solar panels and a small pond with six fish. " * 20
-    r = run_check(tiny_gemma, doc, ["snapkv", "pyramidkv"], CheckSettings(budget=64, n_tokens=4, levels=(1,)),
+    r = run_check(path, doc, ["snapkv", "pyramidkv"], CheckSettings(budget=64, n_tokens=4, levels=(1,)),
                   Thresholds.tight())
     assert r["passed"] and all(e["l1"]["pass"] and e["l1"]["identical_budgets"] for e in r["policies"])
     with pytest.raises(KvcliError, match="does not run models with sliding-window layers .*: check this model with --levels 1"):
-        run_check(tiny_gemma, doc, ["snapkv"], CheckSettings(budget=64, n_tokens=4), Thresholds.tight())
+        run_check(path, doc, ["snapkv"], CheckSettings(budget=64, n_tokens=4), Thresholds.tight())
 
 
 def test_the_window_cache_stays_bounded_and_a_deep_rollback_is_refused(session_factory, tiny_gemma):
