@@ -17,7 +17,7 @@ from kvcli.models import resolve_model
 
 CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
-              "baseline.")
+              "baseline: the first 32 tokens and the last budget - 32 (and, read in chunks, the context's worth).")
 
 
 def shared_options(default_lengths: str, chunked: bool = True):
