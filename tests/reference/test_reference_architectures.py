@@ -19,9 +19,9 @@ DOC = (ROOT / "examples" / "solar-garden.txt").read_text()
 BOTH = [name for name, spec in policies.REGISTRY.items() if spec.native and spec.reference]
 
 
-# llama: test_check_levels.py; gemma3 (sliding-window layers) runs in the native engine only: tests/native/test_iswa.py
-# checks it against a numpy forward pass
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in ("llama", "gemma3")])
+# llama: test_check_levels.py; gemma2/gemma3 (sliding-window layers) run in the native engine only:
+# tests/native/test_iswa.py and test_gemma2.py check them against a numpy forward pass
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in ("llama", "gemma2", "gemma3")])
 def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
     from kvcli.commands.check import format_report
     path = write_tiny(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch)
