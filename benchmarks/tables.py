@@ -2,8 +2,12 @@
 """Markdown tables for docs/results.md from the JSON that kvcli bench / kvcli eval wrote.
 
     python benchmarks/tables.py benchmarks/results/bench.json [more.json ...]
+    python benchmarks/tables.py --merge eval-r0.json eval-r1.json ...   # eval runs of one setting, pooled
 
-Prints the tables; numbers are copied from the measurements, only rounded.
+Prints the tables; numbers are copied from the measurements, only rounded. --merge pools the per-prompt
+records of several `kvcli eval niah/ruler` runs (e.g. rounds with other seeds or depths) into one table per task
+and one over all tasks: policy x budget, mean score with its standard error over the prompts, the prompt count,
+and the fraction of the full cache's score on the same prompts.
 """
 from __future__ import annotations
 
@@ -81,9 +85,49 @@ def eval_tables(res: dict) -> str:
     return "\n".join(out)
 
 
+def merged_eval_tables(results: list[dict]) -> str:
+    recs = [dict(r, run=i) for i, res in enumerate(results) for r in res["records"]]
+    lengths = sorted({r["length"] for r in recs})
+    budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
+    full = {(r["run"], r["task"], r["length"], r.get("depth"), r["sample"]): r["score"]
+            for r in recs if r["policy"] == "full" and r["score"] is not None}
+    out = []
+    for L in lengths:
+        for task in [*sorted({r["task"] for r in recs}), "all tasks"]:
+            rs = [r for r in recs if r["length"] == L and task in (r["task"], "all tasks")]
+            n_full = [v for k, v in full.items() if k[2] == L and task in (k[1], "all tasks")]
+            out.append(f"**{task}, {L} tokens**: full cache {sum(n_full) / max(1, len(n_full)):.0f}% over "
+                       f"{len(n_full)} prompts; cells: mean score % +- standard error (fraction of full)\n")
+            out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+            out.append("|---|" + "---|" * len(budgets))
+            for pol in dict.fromkeys(r["policy"] for r in rs if r["policy"] != "full"):
+                cells = []
+                for b in budgets:
+                    m = [r for r in rs if r["policy"] == pol and r["budget"] == b]
+                    ok = [r for r in m if r["score"] is not None]
+                    if not m:
+                        cells.append("")
+                        continue
+                    if len(ok) < len(m):
+                        cells.append(f"{len(m) - len(ok)} of {len(m)}: {m[0]['status']}"[:60])
+                        continue
+                    sc = [r["score"] for r in ok]
+                    mean = sum(sc) / len(sc)
+                    se = (sum((x - mean) ** 2 for x in sc) / (len(sc) - 1) / len(sc)) ** 0.5 if len(sc) > 1 else 0.0
+                    base = [full.get((r["run"], r["task"], r["length"], r.get("depth"), r["sample"])) for r in ok]
+                    frac = (mean / (sum(base) / len(base))) if all(v is not None for v in base) and sum(base) else None
+                    cells.append(f"{mean:.0f} +- {se:.0f} ({_f(frac, '{:.2f}')})")
+                out.append(f"| {pol} | " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
+    if sys.argv[1] == "--merge":
+        print(merged_eval_tables([json.load(open(p)) for p in sys.argv[2:]]))
+        return
     for path in sys.argv[1:]:
         res = json.load(open(path))
         print(f"<!-- {path} -->")

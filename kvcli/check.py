@@ -18,14 +18,15 @@ L3 end to end   each engine observes, plans with its own planner and compresses 
 Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver
 (kvcli/compress.py; its chunked loop is in kvcli/chunked.py): prefill a chunk, observe it (a window policy
 through the question probe, prefilled and rolled back, unless `chunk_scoring` is "chunk"), plan over
-everything held, compact with re-indexed positions. L1 is checked at every planning step: the torch
-planner on the native observation of that step must make the native plan. L2 compares the observations of the first chunk.
+everything held, compact with re-indexed positions (a model with sliding-window layers: keeping them). L1 is
+checked at every planning step: the torch planner on the native observation of that step must make the native
+plan. L2 compares the observations of the first chunk.
 L3 compares the end result; its Jaccard is over the *original* prompt positions each (layer, KV head)
 still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
 B-k..B-1 and say nothing about which tokens were kept).
 
-L1 alone (`--levels 1`) loads no reference engine. Models with sliding-window layers (gemma3) are checked at
-every level, on the layers kvcli compresses (ModelInfo.kv_layers: observations, plans, kept positions); the
+L1 alone (`--levels 1`) loads no reference engine. Models with sliding-window layers (gemma2, gemma3) are checked
+at every level, on the layers kvcli compresses (ModelInfo.kv_layers: observations, plans, kept positions); the
 sliding layers take part through the logits only (L3), both engines masking them to their window.
 
 Both engines get the very same token ids (tokenised once, by the native engine). Thresholds are
@@ -537,6 +538,7 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
     log(f"{n} prompt tokens in chunks of {chunk}; loading the reference engine")
     reference = ReferenceSession(model_path, n_ctx=n_ctx, n_threads=settings.threads)
     info = native.info
+    reindexed = not chunked.keeps_positions(info)   # sliding-window models keep positions
     report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget, "chunk": chunk,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
               "thresholds": th.as_dict(), "policies": []}
@@ -576,7 +578,7 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             def native_step(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps, origins=origins_n):
                 if 1 in levels:
                     l1_steps.append(_l1(cfg, obs, plan_n, th))
-                origins.on_plan(obs.n, plan_n)
+                origins.on_plan(obs.n, plan_n, reindexed)
 
             native.clear(0)
             rep_n = compress.prefill_and_compress(native, tokens, name, settings.budget, {}, planner="native",
@@ -590,7 +592,7 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
                 reference.clear(0)
                 rep_r = compress.prefill_and_compress(
                     reference, tokens, name, settings.budget, {}, planner="reference",
-                    on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan), **reading)
+                    on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan, reindexed), **reading)
                 kept_n = origins_n.kept(native.stats(0)["kv_cells"])
                 kept_r = origins_r.kept(reference.stats(0)["kv_cells"])
                 entry["l3"] = _l3(native, reference, jaccard_per_layer(kept_n, kept_r), settings, th,

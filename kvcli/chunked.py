@@ -8,6 +8,14 @@ by the engine), so positions never grow past budget + chunk and the model never 
 what it was trained on. The last chunk holds the question, so the last compression is the usual
 one, driven by the question's window.
 
+Models with sliding-window layers (gemma2/gemma3) are read in chunks WITHOUT re-indexing: llama.cpp's window
+cache keeps the sliding layers' positions (re-indexing the global layers would leave them behind, and shifting
+the window cache back could not keep positions >= 0 once the budget is below the window), so every compaction
+keeps the entries' own positions, as the one-go read does, and the document must fit the model's trained
+context (`keeps_positions`). The memory bound holds all the same: the global layers' cache never holds more than
+budget + chunk cells, and llama.cpp bounds the window cache by the window (it reuses the cells of positions no
+query can see any more).
+
 Which queries score a chunk (`scoring`), for the policies that observe a window:
 - "question" (default): the prompt's own last window (the question and the assistant turn's start,
   in the question-aware layout) is prefilled after the chunk as a probe, observed, and rolled back
@@ -208,10 +216,12 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     """
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
-    if getattr(session.info, "sliding_layers", ()):
-        # re-indexing moves the global layers' positions; llama.cpp's window cache would keep the old ones
-        raise KvcliError("chunked reading is not supported for models with sliding-window layers "
-                         f"({session.info.architecture}): read the prompt in one go (--chunk 0)")
+    reindex = not keeps_positions(session.info)
+    first_pos = session.seqs[seq].next_pos if seq in session.seqs else 0
+    if not reindex and first_pos + len(tokens) >= session.n_ctx_train:
+        raise KvcliError(f"the prompt is {len(tokens)} tokens, more than the model's context ({session.n_ctx_train} "
+                         f"tokens) allows: a model with sliding-window layers ({session.info.architecture}) is read "
+                         "in chunks without re-indexing its positions")
     policy, budget, spec, params = cfg.policy, cfg.budget, cfg.spec, cfg.params
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
@@ -251,9 +261,9 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             plan = planning.make_plan(spec, params, budget, obs, planner or session.engine)
             if on_step is not None:
                 on_step(len(steps), obs, plan)
-            session.apply_plan(plan, seq=seq, reindex=True)
+            session.apply_plan(plan, seq=seq, reindex=reindex)
             if carry_colsum:
-                carried = _carry(obs.colsum, plan, group)
+                carried = _carry(obs.colsum, plan, group, reindex)
         compress_s += time.perf_counter() - t2
         cells = session_cells(session, seq)
         steps.append(ChunkStep(pos, take, before, cells))
@@ -284,13 +294,21 @@ def _probe(session: Session, seq: int, probe: list[int], obs):
     return obs
 
 
-def _carry(colsum: np.ndarray, plan, group: int) -> np.ndarray:
-    """The accumulated column sums of the entries the plan kept, in their new slots: right-aligned, as a
-    re-indexing compaction leaves them (query head q reads the entries of KV head q // group; the slots
-    before a head's entries carry 0: they are dead)."""
+def keeps_positions(info) -> bool:
+    """Whether chunked reading keeps the entries' positions (no re-indexing): models with sliding-window layers,
+    whose window cache llama.cpp keeps at the document's own positions (see the module doc)."""
+    return bool(getattr(info, "sliding_layers", ()))
+
+
+def _carry(colsum: np.ndarray, plan, group: int, reindexed: bool) -> np.ndarray:
+    """The accumulated column sums of the entries the plan kept, in their new slots (Plan.first_slot: right-aligned
+    after a re-indexing compaction, from slot 0 after one without; query head q reads the entries of KV head
+    q // group; the other slots carry 0: they are dead)."""
     n_layer, n_head = colsum.shape[:2]
     out = np.zeros((n_layer, n_head, plan.max_kept), dtype=np.float32)
     for l in range(n_layer):
         for q in range(n_head):
-            out[l, q, plan.first_slot(l, q // group, reindexed=True):] = colsum[l, q, plan.kept(l, q // group)]
+            kept = plan.kept(l, q // group)
+            start = plan.first_slot(l, q // group, reindexed)
+            out[l, q, start: start + kept.size] = colsum[l, q, kept]
     return out

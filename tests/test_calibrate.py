@@ -417,3 +417,14 @@ def test_shipped_calibration_is_found_for_the_default_model(default_model, no_en
     assert cal.probes_ok > 0 and (cal.n_layer, cal.n_head) == (30, 9)
     args = policy_args(default_model, {}, warn=lambda m: pytest.fail(m))
     assert len(args["srh"].split(",")) == 30 * 4
+
+
+def test_every_shipped_calibration_reads_and_is_named_by_its_model_hash():
+    """kvcli/data/ ships the default model's and qwen2.5-coder-0.5b's: each must pass the reader's checks and
+    carry the model hash it is found by (`<stem>.<hash>.kvcal.gguf`), or compresskv would never find it."""
+    shipped = sorted(store.DATA_DIR.glob("*" + store.SUFFIX))
+    assert len(shipped) >= 2
+    for p in shipped:
+        cal = store.read(p)
+        assert p.name.endswith(f".{cal.model_hash}{store.SUFFIX}"), p.name
+        assert 0 < cal.probes_ok <= cal.probes and cal.layer_scores.shape == (cal.n_layer,)

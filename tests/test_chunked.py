@@ -107,10 +107,14 @@ def test_carried_column_sums_follow_the_kept_entries_per_kv_head():
     # 1 layer, 4 query heads over 2 KV heads (group 2), 5 slots
     colsum = np.arange(20, dtype=np.float32).reshape(1, 4, 5)
     plan = Plan.from_lists([[np.array([0, 3, 4]), np.array([1])]])
-    out = _carry(colsum, plan, group=2)
+    out = _carry(colsum, plan, group=2, reindexed=True)
     assert out.shape == (1, 4, 3)
     np.testing.assert_array_equal(out[0, 0], colsum[0, 0, [0, 3, 4]])
     np.testing.assert_array_equal(out[0, 1], colsum[0, 1, [0, 3, 4]])
     # right-aligned as a re-indexing compaction leaves them: the dead slots come first and carry nothing
     np.testing.assert_array_equal(out[0, 2], [0, 0, colsum[0, 2, 1]])
     np.testing.assert_array_equal(out[0, 3], [0, 0, colsum[0, 3, 1]])
+    # without re-indexing (models with sliding-window layers) the kept entries start at slot 0, dead slots after
+    out = _carry(colsum, plan, group=2, reindexed=False)
+    np.testing.assert_array_equal(out[0, 0], colsum[0, 0, [0, 3, 4]])
+    np.testing.assert_array_equal(out[0, 2], [colsum[0, 2, 1], 0, 0])

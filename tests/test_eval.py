@@ -97,6 +97,41 @@ def test_eval_ruler_tasks_tiny(cli_runner, tiny):
     assert len(set(cwe["answers"])) == 10
 
 
+def test_eval_truncate_baseline_in_one_go(cli_runner, tiny):
+    """A prompt that fits the context: `truncate` runs once per budget (its own prefill of the first 32 and the
+    last budget - 32 tokens) beside the shared-prefill policies, never as a context's worth (that is full)."""
+    res = _run(cli_runner, "niah", "--model", str(tiny), "--policies", "full,snapkv,truncate", "--budgets", "64,128",
+               "--lengths", "300", "--depths", "0.5")
+    got = [(r["policy"], r["budget"]) for r in res["records"]]
+    assert sorted(got, key=str) == sorted([("full", None), ("snapkv", 64), ("snapkv", 128), ("truncate", 64),
+                                           ("truncate", 128)], key=str)
+    assert all(r["status"] == "ok" and r["score"] in (0.0, 100.0) for r in res["records"])
+    assert {c["budget"] for c in res["summary"] if c["policy"] == "truncate"} == {64, 128}
+
+
+def test_eval_interrupted_keeps_what_it_scored(cli_runner, tiny, tmp_path, monkeypatch):
+    """Ctrl-C during a long evaluation: the samples scored so far are written (--json-out) and the exit is 130."""
+    from kvcli.evaluation import runner
+    real, calls = runner._greedy, []
+
+    def greedy_then_interrupt(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:       # the second sample's first configuration
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "_greedy", greedy_then_interrupt)
+    out = tmp_path / "part.json"
+    r = cli_runner.invoke(cli, ["eval", "niah", "--model", str(tiny), "--policies", "full,snapkv", "--budgets", "64",
+                                "--lengths", "300", "--depths", "0.2,0.8", "--json-out", str(out)])
+    assert r.exit_code == 130
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True
+    # the configuration being decoded when the interrupt came is not a result
+    assert [(x["depth"], x["policy"]) for x in res["records"]] == [(0.2, "full"), (0.2, "snapkv")]
+    assert all(x["status"] == "ok" and x["score"] in (0.0, 100.0) for x in res["records"])
+
+
 def test_eval_fidelity_tiny(cli_runner, tiny, tmp_path):
     doc = tmp_path / "d.txt"
     doc.write_text(" ".join(f"line {i} of the report says the pump ran for {i % 7} hours." for i in range(60)))

@@ -311,13 +311,13 @@ def test_an_unsupported_architecture_is_refused_before_the_model_loads(tmp_path,
     """The header alone (no tensors, so llama.cpp could not load it) is enough for the one-line refusal: every
     command refuses before it loads the model or reads a document."""
     from tests.test_architectures import _header_only
-    model = _header_only(tmp_path / "g.gguf", "gemma2")
+    model = _header_only(tmp_path / "g.gguf", "gemma3n")
     doc = tmp_path / "d.txt"
     doc.write_text("alpha beta gamma delta. " * 20)
     args = [str(a).format(doc=doc, out=tmp_path / "o.kvc") for a in command]
     r = kvcli(*args, "--policy", "snapkv", "--budget", "64", "--model", model, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "unsupported architecture 'gemma2'" in r.stderr and "soft-caps" in r.stderr, r.stderr
+    assert "unsupported architecture 'gemma3n'" in r.stderr and "shared KV layers" in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "g.gguf"]
 
 

@@ -17,7 +17,7 @@ from kvcli.models import resolve_model
 
 CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
-              "baseline.")
+              "baseline: the first 32 tokens and the last budget - 32 (and, read in chunks, the context's worth).")
 
 
 def shared_options(default_lengths: str, chunked: bool = True):
@@ -46,6 +46,11 @@ def _prepare(model, lengths, plot_path):
 
 
 def _finish(result, as_json, json_path, plot_path, quiet, plot):
+    """Print and write the result; an interrupted evaluation writes what it scored, then exits 130."""
+    if result.get("interrupted") and not result["records"]:
+        raise KeyboardInterrupt
+    if result.get("interrupted"):
+        log_stderr(f"interrupted: {len(result['records'])} results of the samples read so far are kept")
     if as_json:
         click.echo(json.dumps(result, default=_jsonable))
     else:
@@ -56,6 +61,8 @@ def _finish(result, as_json, json_path, plot_path, quiet, plot):
         plot(result, plot_path)
         if not quiet:
             log_stderr(f"plot written to {plot_path}")
+    if result.get("interrupted"):
+        raise KeyboardInterrupt
 
 
 @click.group("eval")

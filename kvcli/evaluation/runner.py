@@ -28,12 +28,13 @@ TRUNCATE = "truncate"     # the baseline for documents longer than the context: 
 TRUNCATE_HEAD = 32        # prompt tokens kept from the start (chat template + title), as llama.cpp's --keep
 
 
-def eval_configs(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
-    """(policy, budget) pairs, full first; `truncate` runs once with the context's worth of tokens and once per
-    budget (the same memory as the compressed caches)."""
+def eval_configs(policies: list[str], budgets: list[int], long: bool = True) -> list[tuple[str, int | None]]:
+    """(policy, budget) pairs, full first; `truncate` runs once per budget (the same memory as the compressed
+    caches) and, for documents read in chunks (`long`), once with the context's worth of tokens (for a prompt
+    that fits the context that would be the full cache)."""
     out = [("full", None)]
     for p in policies:
-        for b in ([None] if p == "full" else [None, *budgets] if p == TRUNCATE else budgets):
+        for b in ([None] if p == "full" else [*([None] if long else []), *budgets] if p == TRUNCATE else budgets):
             if (p, b) not in out:
                 out.append((p, b))
     return out
@@ -67,14 +68,20 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     policy with window w plans from the sums over the last w queries), the uncompressed state is saved, and
     each configuration restores it, plans with the native planner and applies its plan. `kvcli bench` shares
     a prefill only between configurations that observe alike: it times each prefill.
+    `truncate` at budget b is its own prefill of the b tokens `truncated` keeps, after the shared ones.
     """
     resolved = {(pol, bud): resolve(session.model_path, pol, bud, policy_args.get(pol, {}))
-                for pol, bud in cfgs if pol not in unavailable}
+                for pol, bud in cfgs if pol not in unavailable and pol != TRUNCATE}
     session.clear()
     shared = Shared(session, tokens, list(resolved.values()), planner="native")
-    for pol, bud in cfgs:
+    for pol, bud in sorted(cfgs, key=lambda c: c[0] == TRUNCATE):
         if pol in unavailable:
             yield pol, bud, unavailable[pol], None, ""
+            continue
+        if pol == TRUNCATE:
+            session.clear()
+            session.prefill(truncated(tokens, bud), seq=0)
+            yield pol, bud, "ok", session.logits(0), ""
             continue
         applied = shared.apply(resolved[(pol, bud)])
         if applied.error is None:
@@ -161,13 +168,10 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     if samples < 1:
         raise KvcliError("--samples must be >= 1")
     unavailable = _check_policies(model_path, policies, budgets, policy_args)
-    cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
     n_ctx_train = tok.n_ctx_train
     long = bool(chunk) or any(L + 64 > n_ctx_train for L in lengths)
-    if TRUNCATE in policies and not long:
-        raise KvcliError("policy 'truncate' is the baseline for documents read in chunks: give --chunk N or "
-                         "lengths beyond the model's context")
+    cfgs = eval_configs(policies, budgets, long)
     if long:
         chunk = chunk or DEFAULT_CHUNK
         if chunk < MIN_CHUNK:
@@ -176,6 +180,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             if b + chunk + 64 > n_ctx_train:
                 raise KvcliError(f"budget {b} + chunk {chunk} do not fit the model's context ({n_ctx_train})")
     records, t_start, where = [], time.perf_counter(), machine(threads)
+    interrupted = False
     try:
         for L in lengths:
             plan = []
@@ -215,9 +220,11 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                                   f"{'-' if r['score'] is None else round(r['score'])}" for r in row))
             finally:
                 session.close()
+    except KeyboardInterrupt:   # Ctrl-C: the samples scored so far are the result (the command exits 130)
+        interrupted = True
     finally:
         tok.close()
-    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where,
+    return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where, "interrupted": interrupted,
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent",

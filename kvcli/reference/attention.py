@@ -12,12 +12,16 @@ live entry, -inf for a slot this KV head does not use, log(m) for an entry stand
 `pos` the original position of each (KV head, slot). Q and K arrive post-RoPE (the model's attention rotates
 them before it calls us), so what we see is what the native engine observes.
 
-A sliding-window layer (gemma3's; `LayerSlots.sliding_window` = n) also masks the entries a query no longer
-sees, as llama.cpp's iSWA cache does (LLAMA_SWA_TYPE_STANDARD, `is_masked_swa`): -inf where
+A model that soft-caps its attention scores (gemma2: transformers passes `softcap`) caps them first,
+(Q . K) * scale -> cap * tanh(. / cap), and adds the bias after the cap, as llama.cpp does (the bias is part of
+its mask), so the observation is made of the capped scores too.
+
+A sliding-window layer (gemma2's, gemma3's; `LayerSlots.sliding_window` = n) also masks the entries a query
+no longer sees, as llama.cpp's iSWA cache does (LLAMA_SWA_TYPE_STANDARD, `is_masked_swa`): -inf where
 pos[q] - pos[j] >= n. Such a layer is never compacted nor observed: it keeps every entry, the window is the mask's.
 
-While an `Observer` is armed (prefill only), the same P of each layer it observes is also reduced as it is computed, block of
-queries by block: the rows of the window queries summed per window length (`Observation.window_sums`)
+While an `Observer` is armed (prefill only), the same P of each layer it observes is also reduced as it is
+computed, block of queries by block: the rows of the window queries summed per window length (`Observation.window_sums`)
 and the column sums over every query (`Observation.colsum`), both in float64. Nothing is recomputed
 for the observation (it is the attention itself) and no attention row is kept.
 
@@ -125,7 +129,8 @@ def active(state: ForwardState):
         _ACTIVE = None
 
 
-def kvcli_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+def kvcli_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                    softcap: float | None = None, **kwargs):
     """transformers attention interface: query [1, n_head, q, d], key/value [1, n_head_kv, L, d]
     (the whole cache of this layer, new tokens included). Returns ([1, q, n_head, d], None).
     `attention_mask` (and transformers' `sliding_window`) is ignored: causality and the window come from the slot
@@ -157,8 +162,10 @@ def kvcli_attention(module, query, key, value, attention_mask, scaling: float, d
         masked = key_pos > pos
         if slots.sliding_window:
             masked |= pos - key_pos >= slots.sliding_window
-        logits = torch.matmul(q[:, r0:r1], k.transpose(1, 2)) * scaling + bias
-        probs = torch.softmax(logits.masked_fill(masked, float("-inf")), dim=-1)
+        logits = torch.matmul(q[:, r0:r1], k.transpose(1, 2)) * scaling
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        probs = torch.softmax((logits + bias).masked_fill(masked, float("-inf")), dim=-1)
         out[:, r0:r1] = torch.matmul(probs, v)
         if observer is not None:
             observer.record(layer, probs, st.q_pos[r0:r1])

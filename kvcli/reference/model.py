@@ -36,7 +36,7 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftex
 
 # transformers model types of the architectures kvcli.models accepts; every one calls the registered
 # attention function with post-RoPE Q/K and the module's layer_idx (the model's layer index)
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # llama.cpp's converter permutes Q/K rows only where llama.cpp rotates adjacent pairs ("normal" RoPE);
 # the others (NEOX RoPE) keep transformers' (j, j + d/2) order in the file
 PERMUTED_QK = ("llama",)
@@ -54,34 +54,38 @@ def load(path) -> LoadedModel:
 def _config(path: Path):
     """transformers' config of the GGUF, corrected where its GGUF mapping reads the file otherwise than llama.cpp:
     the head size (it does not read `attention.key_length`, so a qwen3 model would get Qwen3Config's default
-    head_dim, 128, whatever the file says) and, for gemma3, `_gemma3_config`."""
+    head_dim, 128, whatever the file says) and, for gemma2/gemma3, `_gemma_config`."""
     from transformers import AutoConfig  # noqa: PLC0415
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     info = read_model_info(path)
     if hasattr(config, "head_dim"):
         config.head_dim = info.head_dim
-    if info.architecture == "gemma3":
-        _gemma3_config(config, info)
+    if info.architecture in GEMMA_27B_LAYERS:
+        _gemma_config(config, info)
     return config
 
 
-# llama.cpp's gemma3 model type with another attention scale (src/models/gemma3.cpp: LLM_TYPE_27B, 62 layers)
-GEMMA3_27B_LAYERS = 62
+# llama.cpp's gemma model types with another attention scale (src/models/gemma2.cpp, gemma3.cpp: LLM_TYPE_27B)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's defaults where a gemma2 file has no soft-capping keys (llama_hparams)
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
-def _gemma3_config(config, info) -> None:
-    """What llama.cpp's gemma3 loader (src/models/gemma3.cpp, llama_model::load_hparams) reads and transformers'
-    GGUF mapping does not (transformers 5.23 takes every layer as sliding with Gemma3TextConfig's period of 6
-    counted the other way round, 256 as query_pre_attn_scalar, 10000 as the sliding layers' RoPE base and no
-    RoPE scaling nor final soft-capping):
+def _gemma_config(config, info) -> None:
+    """What llama.cpp's gemma2/gemma3 loaders (src/models/gemma2.cpp, gemma3.cpp, llama_model::load_hparams) read
+    and transformers' GGUF mapping does not (transformers 5.23 takes a tiny gemma3's every layer as sliding, its
+    period of 6 counted the other way round, 256 as query_pre_attn_scalar, 10000 as gemma3's sliding RoPE base,
+    neither RoPE scaling nor the file's soft-capping):
     - which layers slide: kvcli.models reads them as llama.cpp does (`sliding_layers`); the window is the file's;
-    - Q is scaled by 1/sqrt(head_dim), by 1/sqrt(n_embd / n_head) for the 27B model only;
-    - RoPE: the global layers rotate with `rope.freq_base` and the file's linear scaling factor, the sliding
-      ones with `rope.freq_base_swa` (default 10000) unscaled (llama.cpp's rope_freq_scale_train_swa is 1);
-    - `final_logit_softcapping` when the file has one; no attention soft-capping (llama.cpp's gemma3 has none)."""
+    - Q is scaled by 1/sqrt(head_dim), by 1/sqrt(n_embd / n_head) for the 27B models only;
+    - gemma3: the global layers rotate with `rope.freq_base` and the file's linear scaling factor, the sliding
+      ones with `rope.freq_base_swa` (default 10000) unscaled (its rope_freq_scale_train_swa is 1);
+      `final_logit_softcapping` when the file has one; no attention soft-capping;
+    - gemma2: every layer rotates alike (its sliding base and scale default to the global ones); the attention
+      scores and the logits are soft-capped, with the file's caps or llama.cpp's defaults (50, 30)."""
     meta = gguf_scalars(info.path, ("rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor",
-                                    "rope.scale_linear", "final_logit_softcapping", "rope.dimension_count"))
+                                    "rope.scale_linear", "rope.dimension_count", *GEMMA2_SOFTCAPS))
     rot = int(meta.get("rope.dimension_count") or info.head_dim)
     if rot != info.head_dim:
         raise KvcliError(f"the reference engine rotates whole heads: {info.path.name} rotates {rot} of "
@@ -90,11 +94,8 @@ def _gemma3_config(config, info) -> None:
                           for il in range(info.n_layer_model)]
     if info.sliding_window:
         config.sliding_window = info.sliding_window
-    config.query_pre_attn_scalar = (info.n_embd // info.n_head if info.n_layer_model == GEMMA3_27B_LAYERS
-                                    else info.head_dim)
-    config.attn_logit_softcapping = None
-    config.final_logit_softcapping = float(meta["final_logit_softcapping"]) \
-        if meta.get("final_logit_softcapping") else None
+    config.query_pre_attn_scalar = (info.n_embd // info.n_head
+                                    if info.n_layer_model == GEMMA_27B_LAYERS[info.architecture] else info.head_dim)
     factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0)
     scaling = str(meta.get("rope.scaling.type") or "linear")
     full = {"rope_type": "default", "rope_theta": float(info.rope_theta)}
@@ -102,6 +103,17 @@ def _gemma3_config(config, info) -> None:
         if scaling != "linear":
             raise KvcliError(f"the reference engine does not reproduce {scaling} RoPE scaling ({info.path.name})")
         full = {"rope_type": "linear", "factor": factor, "rope_theta": float(info.rope_theta)}
+    if info.architecture == "gemma2":
+        if float(meta.get("rope.freq_base_swa", info.rope_theta)) != float(info.rope_theta):
+            raise KvcliError(f"the reference engine rotates every layer of a gemma2 model alike: {info.path.name} "
+                             "gives its sliding layers another RoPE base")
+        for key, default in GEMMA2_SOFTCAPS.items():
+            setattr(config, key, float(meta.get(key, default)))
+        config.rope_parameters = full
+        return
+    config.attn_logit_softcapping = None
+    config.final_logit_softcapping = float(meta["final_logit_softcapping"]) \
+        if meta.get("final_logit_softcapping") else None
     sliding = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa") or 10000.0)}
     config.rope_parameters = {"full_attention": full, "sliding_attention": sliding}
 

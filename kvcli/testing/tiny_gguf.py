@@ -6,8 +6,9 @@
 
 The model has the architecture of your choice (ARCHITECTURES: llama; qwen2 with Q/K/V biases;
 qwen3 with Q/K RMS norms; phi3 with fused QKV and gate/up matrices; gemma3 with Q/K norms, post-attention and
-post-FFN norms and sliding-window layers: `sliding_window` tokens, every `swa_pattern`-th layer global), GQA
-shapes of your choice and random weights,
+post-FFN norms and sliding-window layers: `sliding_window` tokens, every `swa_pattern`-th layer global; gemma2
+with gemma3's layout less the Q/K norms, plus attention and final logit soft-capping), GQA shapes of your choice
+and random weights,
 but the *tokenizer of the default SmolLM2 model* (every `tokenizer.*` key is copied from
 its GGUF), so it tokenises, templates and detokenises exactly like the real model. The
 vocabulary (49152 tokens) dominates the file size: about 13 MB at n_embd=64 in f32.
@@ -54,7 +55,8 @@ def _tokenizer_fields(source: str) -> tuple:
     return tuple(out), vocab
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SLIDING = ("gemma2", "gemma3")
 
 
 def write_tiny_llama(path, **kwargs) -> Path:
@@ -66,7 +68,8 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
                      n_ff: int = 64, n_ctx_train: int = 2048, seed: int = 0, dtype: str = "f32",
                      rope_theta: float = 10000.0, rms_eps: float = 1e-5, tied: bool = True,
                      qk_scale: float = 2.0, tokenizer_from=None, chat_template: str | None = None,
-                     sliding_window: int = 32, swa_pattern: int = 2) -> Path:
+                     sliding_window: int = 32, swa_pattern: int = 2, attn_softcap: float = 4.0,
+                     final_softcap: float = 8.0) -> Path:
     """Write a random GGUF of architecture `arch` (one of ARCHITECTURES) to `path` and return it.
 
     n_embd is n_head * head_dim. `dtype` is "f32" or "f16" for the matrices (norm weights
@@ -74,8 +77,10 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
     token embedding (like SmolLM2). `qk_scale` multiplies the Q/K projections so attention is
     peaked rather than uniform, which makes token selection by attention meaningful.
     `chat_template` replaces the copied tokenizer.chat_template ("" leaves the model without one).
-    gemma3 only: layer il slides over `sliding_window` tokens unless il % swa_pattern == swa_pattern - 1
-    (llama.cpp's rule; the real models have a period of 6).
+    gemma2/gemma3 only: layer il slides over `sliding_window` tokens unless il % swa_pattern == swa_pattern - 1
+    (llama.cpp's rule; the real models have a period of 6 (gemma3) or 2 (gemma2)).
+    gemma2 only: attention scores are soft-capped to `attn_softcap` * tanh(s / attn_softcap), the logits to
+    `final_softcap` (Gemma 2 ships 50 and 30; the tiny defaults are small so that the caps change the result).
     """
     import gguf  # noqa: PLC0415
 
@@ -117,11 +122,14 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(float(rms_eps))
     w.add_rope_dimension_count(head_dim)
-    if arch == "gemma3":
+    if arch in SLIDING:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_sliding_window(int(sliding_window))
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", int(swa_pattern))
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(float(attn_softcap))
+        w.add_final_logit_softcapping(float(final_softcap))
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in fields:
@@ -154,7 +162,7 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
             w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
             w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
         w.add_tensor(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
-        if arch == "gemma3":    # norms of the attention and FFN outputs, before the residual add
+        if arch in SLIDING:     # norms of the attention and FFN outputs, before the residual add
             w.add_tensor(p + "post_attention_norm.weight", norm(n_embd))
             w.add_tensor(p + "post_ffw_norm.weight", norm(n_embd))
         w.add_tensor(p + "ffn_norm.weight", norm(n_embd))

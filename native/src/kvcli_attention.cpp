@@ -65,9 +65,10 @@ bool on_cpu(const ggml_tensor * t) {
 }
 
 // q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed),
-// kq_mask [n_kv, n_tps, 1, 1] F16, bias [kv_size, n_head_kv] F32 -> [hd_v * n_head, n_tokens]
+// kq_mask [n_kv, n_tps, 1, 1] F16, bias [kv_size, n_head_kv] F32 -> [hd_v * n_head, n_tokens];
+// soft_cap: llama.cpp's logit_softcap of flash attention (0: none)
 ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                              ggml_tensor * kq_mask, ggml_tensor * bias, float kq_scale, int il) {
+                              ggml_tensor * kq_mask, ggml_tensor * bias, float kq_scale, float soft_cap, int il) {
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tokens = q->ne[2];
     const int64_t n_head_kv = k->ne[1], n_kv = k->ne[2], g = n_head / n_head_kv;
 
@@ -86,7 +87,7 @@ ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor 
     ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, 1, n_head_kv, bias->nb[1], bias->nb[1], bias->nb[1], 0);
     ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, kq_mask->ne[1], 1, n_head_kv), b);
 
-    ggml_tensor * cur = ggml_flash_attn_ext(ctx0, q, k, v, mask, kq_scale, 0.0f, 0.0f);
+    ggml_tensor * cur = ggml_flash_attn_ext(ctx0, q, k, v, mask, kq_scale, 0.0f, soft_cap);
     ggml_prec_set_acc(cur, GGML_PREC_F32);
     ggml_format_name(cur, "kvcli_split_fa-%d", il);
     // [hd_v, g, n_tokens, n_head_kv] -> [hd_v * (g, n_head_kv), n_tokens]: llama.cpp's head order h*g + r
@@ -123,7 +124,13 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
         ext.attn_path.resize(il + 1, 0);
     }
     ext.attn_path[il] = split ? KVCLI_ATTN_PATH_SPLIT : KVCLI_ATTN_PATH_MASK;
-    return split ? split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], kq_scale, il) : nullptr;
+    if (!split) {
+        return nullptr;
+    }
+    // soft-capping (gemma2) as build_attn_mha passes it: the slot bias, in the mask, is added after the cap
+    const auto & hp = kvcli_access::hparams(*kv);
+    return split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], kq_scale,
+                           hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f, il);
 }
 
 extern "C" {

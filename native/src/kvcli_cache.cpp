@@ -63,8 +63,11 @@ void kvcli_require_supported(llama_kv_cache * kv) {
     if (hp.n_pos_per_embd() != 1) {
         throw kvcli_error("multi-dimensional positions (M-RoPE) are not supported by kvcli");
     }
-    if (hp.attn_soft_cap || hp.use_alibi || hp.f_max_alibi_bias > 0.0f) {
-        throw kvcli_error("attention soft-capping / ALiBi models are not supported by kvcli");
+    // attention soft-capping (gemma2) is reproduced: the observation caps its scores (kvcli_graph.cpp), the split
+    // path passes the cap to flash attention (kvcli_attention.cpp) and the slot bias is part of the mask, added
+    // after the cap as llama.cpp adds its mask
+    if (hp.use_alibi || hp.f_max_alibi_bias > 0.0f) {
+        throw kvcli_error("ALiBi models are not supported by kvcli");
     }
     if (hp.is_mla()) {
         throw kvcli_error("MLA attention is not supported by kvcli");

@@ -4,6 +4,8 @@
 // reduced in the graph, layer by layer: only [n_windows or 1, n_kv, n_head] floats per layer and
 // ubatch reach the host, never the attention rows themselves.
 //
+// Soft-capped attention (gemma2): the observation caps the scores as llama.cpp does, before the mask (soft_cap).
+//
 // Shapes (one stream, kvcli_require_supported): q [head_dim, n_head, n_tokens] (rotated like K
 // when the cache rotates), k view [head_dim, n_head_kv, n_kv, 1], kq_mask [n_kv, n_tokens, 1, 1]
 // (F16 with flash attention, else F32), bias[l] [kv_size, n_head_kv] F32.
@@ -94,6 +96,16 @@ void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t
     }
 }
 
+// llama.cpp's attention soft-capping of the raw scores (gemma2; build_attn_mha without flash attention):
+// cap * tanh(kq / cap), before soft_max_ext adds the mask (+ the slot bias) and applies kq_scale. Flash attention
+// caps kq * kq_scale instead: the two agree when kq_scale is 1 (kvcli_attn_hook refuses to observe otherwise).
+ggml_tensor * soft_cap(ggml_context * ctx0, ggml_tensor * kq, float cap) {
+    if (cap == 0.0f) {
+        return kq;
+    }
+    return ggml_scale(ctx0, ggml_tanh(ctx0, ggml_scale(ctx0, kq, 1.0f / cap)), cap);
+}
+
 } } // namespace kvcli_graph_detail
 using namespace kvcli_graph_detail;
 
@@ -154,6 +166,13 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     if (q->ne[2] != (int64_t) ubatch.n_tokens || n_tps != (int64_t) ubatch.n_tokens) {
         return mask; // not a plain decode graph
     }
+    const auto & hp = kvcli_access::hparams(*kv);
+    const float cap = hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f;
+    if (cap != 0.0f && kq_scale != 1.0f) {
+        ext.obs.error = "this model soft-caps attention scores with a KQ scale other than 1, where llama.cpp's "
+                        "attention paths differ; kvcli observation does not support it";
+        return mask;
+    }
 
     auto inp = std::make_unique<obs_input>();
     kvcli_pending pend;
@@ -189,6 +208,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, hd, n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, q2);                                    // [n_kv, n_win, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
+            kq = soft_cap(ctx0, kq, cap);
             ggml_tensor * mw = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, kq_mask, n_kv, n_tps), inp->win_idx); // F32
             if (bias) {
                 mw = ggml_add(ctx0, ggml_repeat_4d(ctx0, mw, n_kv, n_win, n_head, 1), bias);
@@ -216,7 +236,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             ggml_tensor * qq = ggml_permute(ctx0, q, 0, 2, 1, 3);       // [hd, n_tps, n_head]
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);             // [n_kv, n_tps, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
-            ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, 0.0f);
+            ggml_tensor * p  = ggml_soft_max_ext(ctx0, soft_cap(ctx0, kq, cap), mask, kq_scale, 0.0f);
             ggml_tensor * cs = ggml_out_prod(ctx0, inp->col_sel, p);   // [1, n_kv, n_head]
             ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
             ggml_set_output(cs);

@@ -29,6 +29,27 @@ def other_tiny_model(tmp_path_factory):
                             head_dim=16, seed=7)
 
 
+GEMMA_WINDOW = 16   # the sliding window of tiny_gemma and tiny_gemma2
+
+
+def _tiny_sliding(tmp_path_factory, arch: str, seed: int):
+    from kvcli.testing.tiny_gguf import write_tiny
+    return write_tiny(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, n_layer=4, n_head=4, n_head_kv=2,
+                      head_dim=16, sliding_window=GEMMA_WINDOW, swa_pattern=2, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory):
+    """A tiny gemma3: 4 layers, 0 and 2 slide over 16 tokens, 1 and 3 are global (tests/native/npref.py: NpGemma)."""
+    return _tiny_sliding(tmp_path_factory, "gemma3", 3)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory):
+    """A tiny gemma2 of the same layout, with attention and final logit soft caps of 4 and 8."""
+    return _tiny_sliding(tmp_path_factory, "gemma2", 4)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _model_info_once():
     """read_model_info parses the whole GGUF header in Python (~10 s for the 49k-token vocabulary);

@@ -166,20 +166,24 @@ def prompt_tokens(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(100, 40000, n)]
 
 
-class NpGemma3:
-    """An independent numpy forward pass of a tiny gemma3 GGUF (kvcli.testing.tiny_gguf, arch "gemma3"): the
-    embedding scaled by sqrt(n_embd), RMS norms of each head's Q and K, NEOX RoPE, Q scaled by 1/sqrt(head_dim),
-    post-attention and post-FFN norms, a GELU-gated FFN; layer il slides over the last `n_swa` positions
-    (llama.cpp's standard window: position p sees p' when p - p' < n_swa) unless il % pattern == pattern - 1,
-    and its RoPE base is then llama.cpp's default for sliding layers (10000)."""
+class NpGemma:
+    """An independent numpy forward pass of a tiny gemma3 or gemma2 GGUF (kvcli.testing.tiny_gguf): the embedding
+    scaled by sqrt(n_embd), NEOX RoPE, Q scaled by 1/sqrt(head_dim), post-attention and post-FFN norms, a
+    GELU-gated FFN; layer il slides over the last `n_swa` positions (llama.cpp's standard window: position p sees
+    p' when p - p' < n_swa) unless il % pattern == pattern - 1.
+    gemma3: RMS norms of each head's Q and K; a sliding layer's RoPE base is llama.cpp's default for them (10000).
+    gemma2: one RoPE base; the attention scores are soft-capped, cap * tanh(s / cap), before the mask (the bias of
+    a compacted entry) is added, as llama.cpp does, and so are the logits (`final_logit_softcapping`)."""
 
     def __init__(self, path):
         import gguf  # noqa: PLC0415
 
         r = gguf.GGUFReader(str(path))
+        self.arch = str(r.fields["general.architecture"].contents())
 
-        def meta(key):
-            return r.fields[f"gemma3.{key}"].contents()
+        def meta(key, default=None):
+            f = r.fields.get(f"{self.arch}.{key}")
+            return default if f is None else f.contents()
 
         self.n_layer = int(meta("block_count"))
         self.n_head = int(meta("attention.head_count"))
@@ -188,6 +192,9 @@ class NpGemma3:
         self.head_dim = int(meta("attention.key_length"))
         self.eps = float(meta("attention.layer_norm_rms_epsilon"))
         self.rope_base = float(meta("rope.freq_base"))
+        self.rope_base_swa = 10000.0 if self.arch == "gemma3" else self.rope_base
+        self.attn_cap = float(meta("attn_logit_softcapping", 0.0))
+        self.final_cap = float(meta("final_logit_softcapping", 0.0))
         self.n_swa = int(meta("attention.sliding_window"))
         pattern = int(meta("attention.sliding_window_pattern"))
         self.sliding = [il % pattern < pattern - 1 for il in range(self.n_layer)]
@@ -196,6 +203,10 @@ class NpGemma3:
 
     def _norm(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
+
+    @staticmethod
+    def _cap(x, cap):
+        return cap * np.tanh(x / cap) if cap else x
 
     def _rope(self, x, pos, base):
         """NEOX RoPE: rotate the pairs (i, i + d/2) of each head by pos * base^(-2i/d)."""
@@ -208,24 +219,27 @@ class NpGemma3:
     def _qkv(self, il, x, pos):
         p = f"blk.{il}."
         xn = self._norm(x, self.w[p + "attn_norm.weight"])
-        q = self._norm((self.w[p + "attn_q.weight"] @ xn).reshape(self.n_head, self.head_dim), self.w[p + "attn_q_norm.weight"])
-        k = self._norm((self.w[p + "attn_k.weight"] @ xn).reshape(self.n_head_kv, self.head_dim), self.w[p + "attn_k_norm.weight"])
+        q = (self.w[p + "attn_q.weight"] @ xn).reshape(self.n_head, self.head_dim)
+        k = (self.w[p + "attn_k.weight"] @ xn).reshape(self.n_head_kv, self.head_dim)
+        if self.arch == "gemma3":
+            q, k = self._norm(q, self.w[p + "attn_q_norm.weight"]), self._norm(k, self.w[p + "attn_k_norm.weight"])
         v = (self.w[p + "attn_v.weight"] @ xn).reshape(self.n_head_kv, self.head_dim)
-        base = 10000.0 if self.sliding[il] else self.rope_base
+        base = self.rope_base_swa if self.sliding[il] else self.rope_base
         return self._rope(q, pos, base) / np.sqrt(self.head_dim), self._rope(k, pos, base), v
 
-    def step(self, token: int, pos: int, kv: list, global_entries=None) -> np.ndarray:
+    def step(self, token: int, pos: int, kv: list, global_entries=None, record=None) -> np.ndarray:
         """Logits of `token` at `pos`. kv[il]: the (position, K [n_head_kv, d], V) of every earlier token in layer
         il (this token's are appended). A sliding layer attends to the window of kv[il]; a global layer to all of
         kv[il], or, with global_entries, to global_entries[i][h] = (K [m, d], V [m, d], bias [m]) of its i-th
-        global layer (a compacted cache) plus the token itself."""
+        global layer (a compacted cache) plus the token itself. record: a list that receives, per global layer,
+        the attention probabilities of each query head (the earlier entries, then the token itself)."""
         x = self.w["token_embd.weight"][token] * np.sqrt(self.n_embd)
         g = self.n_head // self.n_head_kv
         for il in range(self.n_layer):
             p = f"blk.{il}."
             q, k, v = self._qkv(il, x, pos)
             kv[il].append((pos, k, v))
-            heads = []
+            heads, probs = [], []
             for qh in range(self.n_head):
                 h = qh // g
                 if global_entries is not None and not self.sliding[il]:
@@ -234,26 +248,55 @@ class NpGemma3:
                 else:
                     rows = [(kk[h], vv[h]) for pp, kk, vv in kv[il] if not self.sliding[il] or pos - pp < self.n_swa]
                     keys, vals, bias = np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), 0.0
-                s = keys @ q[qh] + bias
+                s = self._cap(keys @ q[qh], self.attn_cap) + bias
                 s = np.exp(s - s.max())
-                heads.append((s / s.sum()) @ vals)
+                probs.append(s / s.sum())
+                heads.append(probs[-1] @ vals)
+            if record is not None and not self.sliding[il]:
+                record.append(probs)
             x = x + self._norm(self.w[p + "attn_output.weight"] @ np.concatenate(heads), self.w[p + "post_attention_norm.weight"])
             xn = self._norm(x, self.w[p + "ffn_norm.weight"])
             gate = self.w[p + "ffn_gate.weight"] @ xn
             gelu = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
             ffn = self.w[p + "ffn_down.weight"] @ (gelu * (self.w[p + "ffn_up.weight"] @ xn))
             x = x + self._norm(ffn, self.w[p + "post_ffw_norm.weight"])
-        return self.w["token_embd.weight"] @ self._norm(x, self.w["output_norm.weight"])
+        return self._cap(self.w["token_embd.weight"] @ self._norm(x, self.w["output_norm.weight"]), self.final_cap)
 
-    def prefill(self, tokens) -> tuple[list, np.ndarray]:
-        """(kv, logits of the last token) after reading `tokens` at positions 0, 1, ..."""
+    def prefill(self, tokens, records=None) -> tuple[list, np.ndarray]:
+        """(kv, logits of the last token) after reading `tokens` at positions 0, 1, ...; records: a list that
+        receives each token's `record` (step)."""
         kv = [[] for _ in range(self.n_layer)]
         logits = None
         for pos, t in enumerate(tokens):
-            logits = self.step(t, pos, kv)
+            rec = [] if records is not None else None
+            logits = self.step(t, pos, kv, record=rec)
+            if records is not None:
+                records.append(rec)
         return kv, logits
 
 
 @functools.lru_cache(maxsize=2)
-def np_gemma3(path) -> NpGemma3:
-    return NpGemma3(path)
+def np_gemma(path) -> NpGemma:
+    return NpGemma(path)
+
+
+def apply_random_plan(session, ref: NpGemma, n: int, seed: int):
+    """Prefill n random tokens (seeded) into `session`, apply to its global layers a random plan with per-layer and
+    per-head counts, merged rows and log(m) bias, and read the same tokens with numpy: (plan, kv, entries), kv and
+    entries as NpGemma.step takes them."""
+    rng = np.random.default_rng(seed)
+    toks = prompt_tokens(n, seed)
+    obs = session.prefill(toks, observe=("kv",)).with_kv_arrays()
+    plan = random_plan(rng, len(ref.global_layers), ref.n_head_kv, n, ref.head_dim, obs.keys, obs.values)
+    assert plan.replace_entry.size > 0 and len(set(plan.n_kept.reshape(-1).tolist())) > 1
+    session.apply_plan(plan)
+    kv, _ = ref.prefill(toks)
+    return plan, kv, entries_from_plan(plan, obs.keys, obs.values)
+
+
+def assert_gemma_logits_close(got, want):
+    """llama.cpp's logits against NpGemma's: llama.cpp's CPU GELU reads an f16 table, so they agree to ~1e-3 of the
+    logits' scale, not to float precision; and on the greedy token."""
+    got = np.asarray(got, np.float64)
+    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+    assert int(np.argmax(got)) == int(np.argmax(want))

@@ -1,12 +1,13 @@
 """Models with sliding-window layers (gemma3; llama.cpp keeps those layers in the second cache of
 llama_kv_cache_iswa): kvcli compresses the global layers' cache and leaves the window cache whole. Checked
-against an independent numpy forward pass of a tiny random gemma3 (tests/native/npref.py, NpGemma3): 4 layers,
+against an independent numpy forward pass of a tiny random gemma3 (tests/native/npref.py, NpGemma): 4 layers,
 layers 0 and 2 slide over 16 tokens, 1 and 3 are global."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from npref import entries_from_plan, np_gemma3, prompt_tokens, random_plan
+from npref import apply_random_plan, entries_from_plan, np_gemma, prompt_tokens, random_plan
+from npref import assert_gemma_logits_close as _close
 
 from kvcli.errors import KvcliError
 from kvcli.native import cache
@@ -15,20 +16,6 @@ from kvcli.plan import Plan
 
 N = 48
 WINDOW = 16
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny
-    return write_tiny(tmp_path_factory.mktemp("gemma") / "gemma3.gguf", "gemma3", n_layer=4, n_head=4, n_head_kv=2,
-                      head_dim=16, sliding_window=WINDOW, swa_pattern=2, seed=3)
-
-
-def _close(got, want):
-    got = np.asarray(got, np.float64)
-    # llama.cpp's CPU GELU reads an f16 table: agreement to ~1e-3 of the logits' scale, not to float precision
-    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
-    assert int(np.argmax(got)) == int(np.argmax(want))
 
 
 def test_the_plan_covers_the_global_layers(session_factory, tiny_gemma):
@@ -43,11 +30,14 @@ def test_the_plan_covers_the_global_layers(session_factory, tiny_gemma):
     np.testing.assert_allclose(obs.colsum.sum(axis=-1), N, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model", ["tiny_gemma", "tiny_gemma2"])
 @pytest.mark.parametrize("flash_attn", [False, True])
-def test_uncompressed_cache_matches_numpy(session_factory, tiny_gemma, flash_attn):
-    ref = np_gemma3(tiny_gemma)
+def test_uncompressed_cache_matches_numpy(session_factory, request, model, flash_attn):
+    """gemma3, and gemma2 with its attention and final logit soft caps (tests/native/test_gemma2.py)."""
+    path = request.getfixturevalue(model)
+    ref = np_gemma(path)
     toks = prompt_tokens(N)
-    s = session_factory(tiny_gemma, flash_attn=flash_attn, cache_type="f32")
+    s = session_factory(path, flash_attn=flash_attn, cache_type="f32")
     s.prefill(toks)
     kv, want = ref.prefill(toks)
     _close(s.logits(), want)
@@ -59,17 +49,11 @@ def test_uncompressed_cache_matches_numpy(session_factory, tiny_gemma, flash_att
 def test_random_plans_on_the_global_layers_match_numpy(session_factory, tiny_gemma, seed):
     """Per-layer/per-head counts, merged rows and log(m) bias in the global layers; the sliding layers still
     see their whole window: llama.cpp's next-token logits equal numpy's over exactly those entries."""
-    rng = np.random.default_rng(seed)
-    ref = np_gemma3(tiny_gemma)
-    toks = prompt_tokens(N, seed)
+    ref = np_gemma(tiny_gemma)
     s = session_factory(tiny_gemma, flash_attn=False, cache_type="f32")
-    obs = s.prefill(toks, observe=("kv",)).with_kv_arrays()
-    plan = random_plan(rng, 2, 2, N, 16, obs.keys, obs.values)
-    assert plan.replace_entry.size > 0 and len(set(plan.n_kept.reshape(-1).tolist())) > 1
-    s.apply_plan(plan)
-    kv, _ = ref.prefill(toks)
+    plan, kv, entries = apply_random_plan(s, ref, N, seed)
     s.step({0: 1234})
-    _close(s.logits(), ref.step(1234, N, kv, entries_from_plan(plan, obs.keys, obs.values)))
+    _close(s.logits(), ref.step(1234, N, kv, entries))
 
     st = s.stats()
     assert st["kv_cells"] == plan.max_kept + 1
@@ -82,12 +66,14 @@ def test_random_plans_on_the_global_layers_match_numpy(session_factory, tiny_gem
     assert st["sliding_cells"] == st["per_layer_cells"][0] and st["sliding_bytes"] > 0
 
 
+@pytest.mark.parametrize("model", ["tiny_gemma", "tiny_gemma2"])
 @pytest.mark.parametrize("flash_attn,cache_type", [(False, "f32"), (True, "f16"), (False, "f16")])
-def test_identity_plan_keeps_the_greedy_continuation(session_factory, tiny_gemma, flash_attn, cache_type):
+def test_identity_plan_keeps_the_greedy_continuation(session_factory, request, model, flash_attn, cache_type):
+    path = request.getfixturevalue(model)
     toks = prompt_tokens(N)
-    ref = session_factory(tiny_gemma, flash_attn=flash_attn, cache_type=cache_type)
+    ref = session_factory(path, flash_attn=flash_attn, cache_type=cache_type)
     ref.prefill(toks)
-    s = session_factory(tiny_gemma, flash_attn=flash_attn, cache_type=cache_type)
+    s = session_factory(path, flash_attn=flash_attn, cache_type=cache_type)
     s.prefill(toks)
     s.apply_plan(Plan.keep_all(2, 2, N))
     assert cache.is_compressed(s.ctx, 0)
@@ -142,12 +128,14 @@ def test_reindexing_is_refused_in_one_line(session_factory, tiny_gemma):
     assert not cache.is_compressed(s.ctx, 0) and s.stats()["kv_cells"] == N
 
 
-def test_check_l1_runs_without_the_reference_engine(tiny_gemma):
+@pytest.mark.parametrize("model", ["tiny_gemma", "tiny_gemma2"])
+def test_check_l1_runs_without_the_reference_engine(request, model):
     """L1 alone on the global layers' observation (L2/L3 against the reference engine:
     tests/reference/test_reference_architectures.py)."""
     from kvcli.check import CheckSettings, Thresholds, run_check
+    path = request.getfixturevalue(model)
     doc = "The garden has three solar panels and a small pond with six fish. " * 20
-    r = run_check(tiny_gemma, doc, ["snapkv", "pyramidkv"], CheckSettings(budget=64, n_tokens=4, levels=(1,)),
+    r = run_check(path, doc, ["snapkv", "pyramidkv"], CheckSettings(budget=64, n_tokens=4, levels=(1,)),
                   Thresholds.tight())
     assert r["passed"] and all(e["l1"]["pass"] and e["l1"]["identical_budgets"] for e in r["policies"])
 
@@ -157,7 +145,7 @@ def test_the_window_cache_stays_bounded_and_a_deep_rollback_is_refused(session_f
     the cells of the oldest positions, the compressed global layers still match numpy, and going back to a
     position whose window the cache no longer holds is refused."""
     n = 400
-    ref = np_gemma3(tiny_gemma)
+    ref = np_gemma(tiny_gemma)
     toks = prompt_tokens(n, 9)
     s = session_factory(tiny_gemma, n_ctx=512, n_batch=64, flash_attn=False, cache_type="f32")
     obs = s.prefill(toks, observe=("kv",)).with_kv_arrays()

@@ -65,6 +65,29 @@ def test_check_chunked_on_tiny_model_tight(tiny_gguf):
     assert r["passed"] and "chunks of 96" in table
 
 
+def test_check_chunked_on_tiny_sliding_model_tight(tmp_path):
+    """A model with sliding-window layers (gemma3: layers 0 and 2 slide over 32 tokens) is read in chunks without
+    re-indexing, in both engines: identical plans at every step on its 2 global layers, the same end result.
+    Its reference model computes GELU as llama.cpp's CPU backend does (test_reference_architectures.py says why)."""
+    from kvcli.commands.check import format_report
+    from kvcli.reference.model import load
+    from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
+    from kvcli.testing.tiny_gguf import write_tiny
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4, sliding_window=32, swa_pattern=2)
+    use_ggml_cpu_gelu(load(path).model)
+    settings = CheckSettings(budget=48, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=320, chunk=96)
+    r = run_check(path, DOC, ["snapkv", "h2o", "streamingllm"], settings, Thresholds.tight())
+    table = format_report(r)
+    assert r["l2"]["pass"], table
+    for e in r["policies"]:
+        assert "error" not in e, table
+        assert e["chunks"] >= 3 and e["l1"]["steps"] >= 3 and e["l1"]["pass"], table
+        l3 = e["l3"]
+        assert l3["pass"] and l3["greedy_agree"] == 1.0 and len(l3["jaccard_per_layer"]) == 2, table
+        assert e["steps"] == l3["reference_steps"], table
+    assert r["passed"], table
+
+
 def test_check_chunked_bad_input(tiny_gguf):
     with pytest.raises(KvcliError, match="fits in one chunk"):
         run_check(tiny_gguf, DOC, ["snapkv"], CheckSettings(budget=48, doc_tokens=100, chunk=512))

@@ -3,10 +3,10 @@ L2 observation, L3 compacted decoding) at float32 accuracy, as on the tiny llama
 
 qwen2 adds Q/K/V projection biases, qwen3 RMS-normalises each head's Q and K before RoPE, phi3 fuses QKV
 and gate/up; all three rotate with NEOX RoPE, so their K rows are in the same order in both engines.
-gemma3 has sliding-window layers (here layers 0 and 2 slide over 32 tokens of a 300-token document; 1 and 3
-are global and the only ones compressed) and a GELU FFN: its reference model computes GELU as llama.cpp's CPU
-backend does (kvcli.testing.ggml_gelu: an f16 table), or the engines would differ by ~2e-4 before kvcli
-does anything.
+gemma2 and gemma3 have sliding-window layers (here layers 0 and 2 slide over 32 tokens of a 300-token document;
+1 and 3 are global and the only ones compressed), gemma2 soft-caps its attention scores (cap 4 in the tiny model)
+and both have GELU FFNs: their reference models compute GELU as llama.cpp's CPU backend does
+(kvcli.testing.ggml_gelu: an f16 table), or the engines would differ by ~2e-4 before kvcli does anything.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import pytest
 
 from kvcli import policies
 from kvcli.check import CheckSettings, Thresholds, run_check
-from kvcli.testing.tiny_gguf import ARCHITECTURES, write_tiny
+from kvcli.testing.tiny_gguf import ARCHITECTURES, SLIDING, write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "examples" / "solar-garden.txt").read_text()
 BOTH = [name for name, spec in policies.REGISTRY.items() if spec.native and spec.reference]
-SHAPES = {"gemma3": dict(n_layer=4, sliding_window=32, swa_pattern=2)}
+SHAPES = {arch: dict(n_layer=4, sliding_window=32, swa_pattern=2) for arch in SLIDING}
 
 
 def tiny_model(tmp_path_factory, arch):
@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory, arch):
     from kvcli.reference.model import load
     from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
     path = write_tiny(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, **SHAPES.get(arch, {}))
-    if arch == "gemma3":
+    if arch in SLIDING:   # the gemmas: GELU FFNs
         use_ggml_cpu_gelu(load(path).model)   # the model object every ReferenceSession of this file shares
     return path
 
@@ -48,6 +48,6 @@ def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
         assert e["l1"]["pass"] and e["l3"]["pass"], table
         assert e["l3"]["greedy_agree"] == 1.0, table
     assert r["passed"], table
-    if arch == "gemma3":   # the plans, observations and kept positions cover the two global layers
+    if arch in SLIDING:   # the plans, observations and kept positions cover the two global layers
         assert r["prompt_tokens"] > 32 * 4
         assert all(len(e["l3"]["jaccard_per_layer"]) == 2 for e in r["policies"]), table

@@ -1,7 +1,8 @@
-"""The reference engine on a model with sliding-window layers (a tiny random gemma3: 4 layers, layers 0 and 2
-slide over 16 tokens, 1 and 3 are global), checked against the independent numpy forward pass of
-tests/native/npref.py (NpGemma3): the sliding layers attend over their window only, plans, observations and
-compaction cover the global layers only, as in the native engine (tests/native/test_iswa.py)."""
+"""The reference engine on models with sliding-window layers (tiny random gemma3 and gemma2: 4 layers, layers 0
+and 2 slide over 16 tokens, 1 and 3 are global; gemma2 soft-caps its attention scores and logits), checked against
+the independent numpy forward pass of tests/native/npref.py (NpGemma): the sliding layers attend over their window
+only, plans, observations and compaction cover the global layers only, as in the native engine
+(tests/native/test_iswa.py, test_gemma2.py)."""
 from __future__ import annotations
 
 import sys
@@ -15,17 +16,17 @@ from kvcli.plan import Plan
 from kvcli.reference.session import ReferenceSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))
-from npref import entries_from_plan, np_gemma3, prompt_tokens, random_plan  # noqa: E402
+from npref import apply_random_plan, np_gemma, prompt_tokens  # noqa: E402
 
 N = 48
 WINDOW = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def tiny_gemma(tmp_path_factory, request):
     from kvcli.testing.tiny_gguf import write_tiny
-    return write_tiny(tmp_path_factory.mktemp("gemma") / "gemma3.gguf", "gemma3", n_layer=4, n_head=4, n_head_kv=2,
-                      head_dim=16, sliding_window=WINDOW, swa_pattern=2, seed=3)
+    return write_tiny(tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf", request.param, n_layer=4,
+                      n_head=4, n_head_kv=2, head_dim=16, sliding_window=WINDOW, swa_pattern=2, seed=3)
 
 
 def _close(got, want):
@@ -34,17 +35,21 @@ def _close(got, want):
 
 
 def test_transformers_config_follows_llama_cpp(tiny_gemma):
-    """Which layers slide, the window, the Q scale and the RoPE bases as llama.cpp reads the file (transformers'
-    own GGUF mapping makes every layer of this model sliding and scales Q by 1/sqrt(256))."""
+    """Which layers slide, the window, the Q scale, the RoPE bases and the soft-caps as llama.cpp reads the file
+    (transformers' own GGUF mapping makes every layer of the gemma3 sliding, scales Q by 1/sqrt(256) and gives
+    gemma2 Gemma 2's caps, 50 and 30)."""
     cfg = ReferenceSession(tiny_gemma).model.config
     assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2
     assert cfg.sliding_window == WINDOW and cfg.query_pre_attn_scalar == 16
-    assert cfg.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
-    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
+    if cfg.model_type == "gemma2":
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (4.0, 8.0)
+    else:
+        assert cfg.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+        assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
 
 
 def test_logits_match_numpy_past_the_window(tiny_gemma):
-    ref = np_gemma3(tiny_gemma)
+    ref = np_gemma(tiny_gemma)
     toks = prompt_tokens(N)
     s = ReferenceSession(tiny_gemma)
     s.prefill(toks)
@@ -56,29 +61,29 @@ def test_logits_match_numpy_past_the_window(tiny_gemma):
 
 
 def test_observation_covers_the_global_layers(tiny_gemma):
+    """The window sums and column sums of the global layers are numpy's attention probabilities (gemma2: of the
+    soft-capped scores) summed."""
     s = ReferenceSession(tiny_gemma)
-    obs = s.prefill(prompt_tokens(N), observe=("window", "colsum", "kv"), window=8)
+    toks = prompt_tokens(N)
+    obs = s.prefill(toks, observe=("window", "colsum", "kv"), window=8)
     assert (obs.n_layer, obs.n) == (2, N)
     assert obs.window_sums.shape == (1, 2, 4, N) and obs.colsum.shape == (2, 4, N) and obs.keys.shape == (2, 2, N, 16)
-    # each query's attention over the global layers' whole cache sums to one: 8 window queries, N queries in all
-    np.testing.assert_allclose(obs.window_sums.sum(axis=-1), 8.0, rtol=1e-5)
-    np.testing.assert_allclose(obs.colsum.sum(axis=-1), N, rtol=1e-5)
+    records = []
+    np_gemma(tiny_gemma).prefill(toks, records)
+    probs = np.zeros((N, 2, 4, N))       # [query, global layer, head, key]
+    for pos, rec in enumerate(records):
+        probs[pos, :, :, : pos + 1] = np.array(rec)
+    np.testing.assert_allclose(obs.colsum, probs.sum(axis=0), atol=1e-5)
+    np.testing.assert_allclose(obs.window_sums[0], probs[N - 8:].sum(axis=0), atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_plans_on_the_global_layers_match_numpy(tiny_gemma, seed):
     """Per-layer/per-head counts, merged rows and log(m) bias in the global layers; the sliding layers still see
     their whole window, and keep it while decoding on."""
-    rng = np.random.default_rng(seed)
-    ref = np_gemma3(tiny_gemma)
-    toks = prompt_tokens(N, seed)
+    ref = np_gemma(tiny_gemma)
     s = ReferenceSession(tiny_gemma)
-    obs = s.prefill(toks, observe=("kv",))
-    plan = random_plan(rng, 2, 2, N, 16, obs.keys, obs.values)
-    assert plan.replace_entry.size > 0 and len(set(plan.n_kept.reshape(-1).tolist())) > 1
-    s.apply_plan(plan)
-    kv, _ = ref.prefill(toks)
-    entries = entries_from_plan(plan, obs.keys, obs.values)
+    plan, kv, entries = apply_random_plan(s, ref, N, seed)
     s.step({0: 1234})
     _close(s.logits(), ref.step(1234, N, kv, entries))
 
@@ -93,7 +98,7 @@ def test_random_plans_on_the_global_layers_match_numpy(tiny_gemma, seed):
 
 def test_rollback_past_a_compaction_and_the_window(tiny_gemma):
     """Decoding 2 windows on a compacted sequence, then rolling back: the next token sees what it saw before."""
-    ref = np_gemma3(tiny_gemma)
+    ref = np_gemma(tiny_gemma)
     toks = prompt_tokens(N, 4)
     s = ReferenceSession(tiny_gemma)
     s.prefill(toks)
