@@ -104,10 +104,11 @@ def test_calibration_round_trips_through_kvcli_info(calibrated, tiny, no_env, mo
     assert "none (compresskv falls back" in r.stdout
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_probe_attention_equals_the_reference_engine_observation(tiny, arch, tmp_path):
     """The hook's recomputed post-RoPE queries give the attention the reference engine observes
-    (qwen2: Q bias; qwen3: Q norm; phi3: fused QKV)."""
+    (qwen2: Q bias; qwen3: Q norm; phi3: fused QKV; gemma3: Q norm, Q scale, the global layers' RoPE, and
+    only its global layers hooked)."""
     import torch
 
     from kvcli.testing.tiny_gguf import write_tiny
@@ -124,7 +125,8 @@ def test_probe_attention_equals_the_reference_engine_observation(tiny, arch, tmp
         Runner(lm, lambda l, q, K, V, m: got.__setitem__(l, attention_probs(lm, q, K, m.scaling))).start(tokens, 3)
     sess = ReferenceSession(tiny, n_ctx=0)
     obs = sess.prefill(tokens, observe=("window",), window=3)
-    mine = torch.stack([got[l].double().sum(dim=1) for l in range(3)]).float().numpy()[None]   # window sums
+    assert sorted(got) == list(range(lm.n_layer)) and lm.n_layer == sess.info.n_layer
+    mine = torch.stack([got[l].double().sum(dim=1) for l in range(lm.n_layer)]).float().numpy()[None]  # window sums
     assert mine.shape == obs.window_sums.shape and obs.windows == (3,)
     assert np.max(np.abs(mine - obs.window_sums)) < 3 * 1e-5      # 3 rows of probabilities within 1e-5 each
 
@@ -377,15 +379,28 @@ def test_bad_settings_are_refused(tiny, tmp_path, cli_runner):
         assert r.exit_code == 2 and msg in r.output, r.output
 
 
-def test_models_with_sliding_window_layers_are_refused(tmp_path, cli_runner):
-    """Calibration scores every model layer; gemma3's plans cover its global layers only: refused in one line
-    (the reference engine runs the model since it masks sliding layers to their window)."""
+def test_sliding_window_model_calibrates_its_global_layers(tmp_path, cli_runner, no_env):
+    """gemma3: plans cover the global layers, so the heads and the layer profile are theirs (2 of 4 here), and
+    compresskv then plans with that calibration; gemma2 (soft-capped scores) is refused in one line."""
     from kvcli.cli import cli
+    from kvcli.models import read_model_info
     from kvcli.testing.tiny_gguf import write_tiny
     path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4)
-    r = cli_runner.invoke(cli, ["calibrate", "compresskv", "--model", str(path), "-o", str(tmp_path / "o.gguf")])
-    assert r.exit_code == 2, r.output
-    assert "compresskv calibration does not support models with sliding-window layers yet (gemma3: 2 of 4" in r.output
+    info = read_model_info(path)
+    assert info.n_layer == 2 and info.n_layer_model == 4
+    out = store.sidecar_path(path)
+    r = cli_runner.invoke(cli, ["calibrate", "compresskv", "--model", str(path), "--lengths", "160", "--depths", "2",
+                                "--needles", "1", "--samples", "1", "--gen-tokens", "4", "--max-new-tokens", "4",
+                                "--quiet"])
+    assert r.exit_code == 0, r.output
+    cal = store.find(path)
+    assert cal.source == str(out) and (cal.n_layer, cal.n_head) == (2, info.n_head)
+    assert cal.head_scores.shape == (2, info.n_head) and abs(cal.layer_scores.sum() - 1) < 1e-9
+    args = policy_args(path, {}, warn=lambda m: None)   # a random model answers no probe: every head scores
+    assert len(args["layer_scores"].split(",")) == 2
+    g2 = write_tiny(tmp_path / "gemma2.gguf", "gemma2", n_layer=4)
+    r = cli_runner.invoke(cli, ["calibrate", "compresskv", "--model", str(g2), "-o", str(tmp_path / "g2.gguf")])
+    assert r.exit_code == 2 and "does not support gemma2 yet" in r.output, r.output
 
 
 # ------------------------------------------------------------------------------- the default model

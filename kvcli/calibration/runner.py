@@ -28,6 +28,9 @@ class LM:
     n_head: int
     n_head_kv: int
     head_dim: int
+    # model index of each layer kvcli compresses (ModelInfo.kv_layers): every layer, or a sliding-window model's
+    # global ones; calibration scores and squeezes these (layer l of its arrays is model layer layers[l])
+    layers: tuple = ()
 
     @property
     def group(self) -> int:
@@ -48,17 +51,17 @@ def load_lm(model_path) -> LM:
     from kvcli.models import read_model_info  # noqa: PLC0415
     from kvcli.reference.model import load  # noqa: PLC0415
     info = read_model_info(model_path)
-    if info.sliding_layers:
-        # its hooks score every model layer with eager attention; plans cover the global layers only
-        raise KvcliError(f"compresskv calibration does not support models with sliding-window layers yet "
-                         f"({info.architecture}: {len(info.sliding_layers)} of {info.n_layer_model} layers slide)")
+    if info.architecture == "gemma2":
+        # the probes run with fused attention (sdpa), which has no soft-capping
+        raise KvcliError("compresskv calibration does not support gemma2 yet: its attention soft-caps the scores, "
+                         "which the fused attention calibration runs with does not")
     loaded = load(model_path)
     cfg = loaded.model.config
     if getattr(loaded.tokenizer, "chat_template", None) is None:
         raise KvcliError(f"{model_path} has no chat template: calibration prompts need one")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return LM(loaded.model, loaded.tokenizer, loaded.eog_ids, int(cfg.num_hidden_layers),
-              int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(head_dim))
+    return LM(loaded.model, loaded.tokenizer, loaded.eog_ids, info.n_layer, int(cfg.num_attention_heads),
+              int(cfg.num_key_value_heads), int(head_dim), tuple(info.kv_layers))
 
 
 @contextlib.contextmanager
@@ -79,17 +82,20 @@ LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, object], None
 class QueryHook:
     """Forward hooks on each attention module. After the module ran (the cache now holds this
     step's keys), `fn(layer, q, K, V, module)` gets the last `rows` post-RoPE queries
-    q [n_head, rows, d] and the layer's whole cache K, V [n_head_kv, n, d]."""
+    q [n_head, rows, d] and the layer's whole cache K, V [n_head_kv, n, d]; `layer` counts the compressed
+    layers only (a sliding-window layer is not hooked: kvcli never compresses it)."""
 
     def __init__(self, lm: LM, fn: LayerFn):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: PLC0415
         self.lm, self.fn, self.rows = lm, fn, 1
+        self._plan_layer = {il: l for l, il in enumerate(lm.layers)}
         self._rope = apply_rotary_pos_emb
         self._handles = []
 
     def __enter__(self):
-        for layer in self.lm.model.model.layers:
-            self._handles.append(layer.self_attn.register_forward_hook(self._hook, with_kwargs=True))
+        for il, layer in enumerate(self.lm.model.model.layers):
+            if il in self._plan_layer:
+                self._handles.append(layer.self_attn.register_forward_hook(self._hook, with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
@@ -106,7 +112,7 @@ class QueryHook:
         q = _queries(module, hs[:, -r:], d)
         q, _ = self._rope(q, q, cos[:, -r:], sin[:, -r:])
         layer = cache.layers[module.layer_idx]
-        self.fn(module.layer_idx, q[0], layer.keys[0], layer.values[0], module)
+        self.fn(self._plan_layer[module.layer_idx], q[0], layer.keys[0], layer.values[0], module)
 
 
 def _queries(module, x: torch.Tensor, d: int) -> torch.Tensor:
