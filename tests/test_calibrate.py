@@ -381,11 +381,13 @@ def test_bad_settings_are_refused(tiny, tmp_path, cli_runner):
 
 def test_sliding_window_model_calibrates_its_global_layers(tmp_path, cli_runner, no_env):
     """gemma3: plans cover the global layers, so the heads and the layer profile are theirs (2 of 4 here), and
-    compresskv then plans with that calibration; gemma2 (soft-capped scores) is refused in one line."""
+    compresskv then plans with that calibration; gemma2 (soft-capped scores) is refused in one line. The model
+    has no chat template: the probes use the plain-completion prompt `kvcli run` gives it."""
     from kvcli.cli import cli
     from kvcli.models import read_model_info
     from kvcli.testing.tiny_gguf import write_tiny
-    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4)
+    # without a chat template, as gemma-3-270m: the probes get kvcli's plain-completion prompt
+    path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4, chat_template="")
     info = read_model_info(path)
     assert info.n_layer == 2 and info.n_layer_model == 4
     out = store.sidecar_path(path)

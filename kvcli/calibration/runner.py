@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from kvcli.errors import KvcliError
-from kvcli.templating import render_chat
+from kvcli.templating import plain_prompt, render_chat
 
 
 @dataclass
@@ -31,12 +31,17 @@ class LM:
     # model index of each layer kvcli compresses (ModelInfo.kv_layers): every layer, or a sliding-window model's
     # global ones; calibration scores and squeezes these (layer l of its arrays is model layer layers[l])
     layers: tuple = ()
+    model_path: str = ""
 
     @property
     def group(self) -> int:
         return self.n_head // self.n_head_kv
 
     def template(self, user: str) -> str:
+        """The prompt `kvcli run` would give the model: its chat template, or the plain-completion prompt of a
+        model without one (gemma-3-270m)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return plain_prompt(self.model_path, self.tokenizer.bos_token, user)
         return render_chat(self.tokenizer.chat_template, [{"role": "user", "content": user}],
                            special_tokens=self.tokenizer.special_tokens_map)
 
@@ -57,11 +62,9 @@ def load_lm(model_path) -> LM:
                          "which the fused attention calibration runs with does not")
     loaded = load(model_path)
     cfg = loaded.model.config
-    if getattr(loaded.tokenizer, "chat_template", None) is None:
-        raise KvcliError(f"{model_path} has no chat template: calibration prompts need one")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return LM(loaded.model, loaded.tokenizer, loaded.eog_ids, info.n_layer, int(cfg.num_attention_heads),
-              int(cfg.num_key_value_heads), int(head_dim), tuple(info.kv_layers))
+              int(cfg.num_key_value_heads), int(head_dim), tuple(info.kv_layers), str(model_path))
 
 
 @contextlib.contextmanager
