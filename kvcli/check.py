@@ -7,6 +7,11 @@ L2 observation  each engine computes the observation from the same GGUF and toke
                 sums (of every window length the check needs, divided by that length: the mean
                 attention of a window query), column sums, K and V rows. Reported: max abs and
                 relative error (relative = max abs error / max abs value of the reference array).
+                A K/V row beyond its threshold is allowed (at most `l2_kv_sensitive_rows` of them)
+                only where the native engine at its other precision setting (f32 cache without
+                flash attention, or f16 with) moves that row at least as far: a token so sensitive
+                to llama.cpp's own precision choices says nothing about kvcli (report: the rows,
+                both distances).
 L3 end to end   each engine observes, plans with its own planner and compresses its own cache;
                 then: Jaccard of the kept positions per layer (mean over KV heads), next-token
                 logits (max abs error, KL(native || reference)), and greedy agreement over N tokens
@@ -70,6 +75,12 @@ class Thresholds:
     #                                 per-probability differences, 0.090, before observations were reduced)
     l2_colsum_rtol: float = 0.05    # L2: max abs difference of column sums / max column sum
     l2_kv_rtol: float = 0.1         # L2: max abs difference of K (and of V) rows / max abs K (V) value
+    # L2: the fraction of K (V) rows that may exceed l2_kv_rtol, each only where the native engine's other
+    # precision setting (f32 cache without flash attention vs f16 cache with it) moves that row at least as
+    # far as the engines differ there: a token whose K llama.cpp's own precision choices move by more than
+    # the threshold (measured: one row of 6,042 on gemma-3-270m, 2,014 tokens) is not an engine disagreement.
+    # A wrong mapping, mask or position moves most rows, in both precision settings alike.
+    l2_kv_sensitive_rows: float = 0.001
     l3_jaccard_min: float = 0.7     # L3: lowest per-layer Jaccard of kept positions (mean over KV heads)
     l3_kl_max: float = 0.05         # L3: KL(native || reference) of the next-token distribution, nats
     l3_logits_atol: float = 3.0     # L3: max abs difference of the next-token logits
@@ -80,6 +91,8 @@ class Thresholds:
         "l2_window_atol": "L2: window attention summed over the window queries / window length (max abs)",
         "l2_colsum_rtol": "L2: column sums (max abs / max column sum)",
         "l2_kv_rtol": "L2: K and V rows (max abs / max abs value)",
+        "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where the native engine's "
+                                "own other precision setting moves the row as far (0: none)",
         "l3_jaccard_min": "L3: lowest per-layer Jaccard of kept positions (minimum)",
         "l3_kl_max": "L3: KL(native || reference) of the next-token distribution (maximum)",
         "l3_logits_atol": "L3: next-token logits (max abs)",
@@ -89,7 +102,8 @@ class Thresholds:
     @classmethod
     def tight(cls) -> "Thresholds":
         """For float32 GGUFs checked with an f32 cache and flash attention off (the tests' tiny models)."""
-        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_kv_rtol=1e-4, l3_jaccard_min=0.95,
+        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_kv_rtol=1e-4, l2_kv_sensitive_rows=0.0,
+                   l3_jaccard_min=0.95,
                    l3_kl_max=1e-6, l3_logits_atol=1e-3, l3_greedy_min=1.0)
 
     def with_overrides(self, items) -> "Thresholds":
@@ -183,8 +197,12 @@ def compare_arrays(native: np.ndarray, reference: np.ndarray) -> dict:
     return {"max_abs": err, "rel": err / scale if scale > 0 else err, "mean_abs": mean, "scale": scale}
 
 
-def compare_observations(native: Observation, reference: Observation, th: Thresholds) -> dict:
-    """L2: every field both observations hold (K/V rows read whole: a planner reads one layer at a time)."""
+def compare_observations(native: Observation, reference: Observation, th: Thresholds,
+                         precision_twin=None) -> dict:
+    """L2: every field both observations hold (K/V rows read whole: a planner reads one layer at a time).
+
+    `precision_twin`: a callable giving the native engine's observation of the same tokens at its other
+    precision setting (called only when a few K/V rows exceed `l2_kv_rtol`, see `l2_kv_sensitive_rows`)."""
     native, reference = native.with_kv_arrays(), reference.with_kv_arrays()
     out: dict = {}
     if native.n != reference.n:
@@ -201,17 +219,78 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         r = compare_arrays(native.colsum, reference.colsum)
         r["pass"] = r["rel"] <= th.l2_colsum_rtol
         out["colsum"] = r
+    twin: list = []   # the twin observation, taken at most once
+
+    def twin_rows(name):
+        if precision_twin is None:
+            return None
+        if not twin:
+            twin.append(precision_twin().with_kv_arrays())
+        return getattr(twin[0], name)
+
     for name in ("keys", "values"):
         a, b = getattr(native, name), getattr(reference, name)
         if a is not None and b is not None:
-            r = compare_arrays(a, b)
-            r["pass"] = r["rel"] <= th.l2_kv_rtol
-            out[name] = r
+            out[name] = compare_kv_rows(a, b, th, lambda name=name: twin_rows(name))
     if native.positions is not None and reference.positions is not None:
         out["positions_equal"] = bool(np.array_equal(native.positions, reference.positions))
     out["pass"] = bool(out.get("positions_equal", True)) and all(
         v["pass"] for k, v in out.items() if isinstance(v, dict))
     return out
+
+
+def compare_kv_rows(native: np.ndarray, reference: np.ndarray, th: Thresholds, twin_rows) -> dict:
+    """L2 for K (or V) rows [layer, kv head, slot, dim]: passes when every row is within `l2_kv_rtol` x the
+    largest reference value, or when the few rows beyond it (at most `l2_kv_sensitive_rows` of them) are
+    precision-sensitive: `twin_rows()` (the native rows at the engine's other precision setting) differs from
+    the native rows there at least as much as the reference does."""
+    r = compare_arrays(native, reference)
+    err = np.abs(native.astype(np.float64) - reference).max(axis=-1) if native.size else np.zeros(0)
+    over = np.argwhere(err > th.l2_kv_rtol * r["scale"])
+    r["rows"], r["rows_over"] = int(err.size), int(len(over))
+    r["pass"] = not len(over)
+    if len(over) and len(over) <= th.l2_kv_sensitive_rows * err.size:
+        twin = twin_rows()
+        if twin is not None:
+            spread = np.abs(native.astype(np.float64) - twin).max(axis=-1)
+            rows = [{"layer": int(il), "kv_head": int(h), "slot": int(p), "engines": float(err[il, h, p]),
+                     "native_precision": float(spread[il, h, p])} for il, h, p in over]
+            r["rows_over_detail"] = rows[:10]
+            r["pass"] = all(x["native_precision"] >= x["engines"] for x in rows)
+    return r
+
+
+def _note_twin(l2: dict, twin: "PrecisionTwin", info) -> None:
+    """Name the twin's setting in the L2 report and give each row beyond the threshold its model layer."""
+    if not twin.used:
+        return
+    l2["precision_twin"] = twin.setting
+    for name in ("keys", "values"):
+        for row in l2.get(name, {}).get("rows_over_detail", []):
+            row["model_layer"] = info.kv_layers[row["layer"]] if info.kv_layers else row["layer"]
+
+
+class PrecisionTwin:
+    """The native engine's K/V observation of `tokens` at its other precision setting: an f32 cache without
+    flash attention for a check run with anything else, an f16 cache with flash attention for one run with
+    that (L2's `l2_kv_sensitive_rows`). A fresh context, taken only when called."""
+
+    def __init__(self, model_path, tokens, settings, n_ctx):
+        plain = settings.cache_type == "f32" and not settings.flash_attn
+        self.cache_type, self.flash_attn = ("f16", True) if plain else ("f32", False)
+        self.setting = f"{self.cache_type} cache, flash attention {'on' if self.flash_attn else 'off'}"
+        self.model_path, self.tokens, self.threads, self.n_ctx = model_path, tokens, settings.threads, n_ctx
+        self.used = False
+
+    def __call__(self) -> Observation:
+        self.used = True
+        session = NativeSession(self.model_path, n_ctx=0, cache_type=self.cache_type, flash_attn=self.flash_attn,
+                                n_threads=self.threads)
+        try:
+            session.create_context(self.n_ctx)
+            return session.prefill(self.tokens, seq=0, observe=("kv",)).with_kv_arrays()
+        finally:
+            session.close()
 
 
 def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, ...]:
@@ -388,7 +467,9 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         try:
             native.clear(0)
             nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
-            report["l2"] = compare_observations(nat_obs, base_obs, th)
+            twin = PrecisionTwin(model_path, tokens, settings, native.n_ctx)
+            report["l2"] = compare_observations(nat_obs, base_obs, th, twin)
+            _note_twin(report["l2"], twin, native.info)
         except KvcliError as e:
             report["l2"] = {"pass": False, "error": str(e)}
 
@@ -553,8 +634,10 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             kinds = ("window", "colsum", "kv")
             nat_obs = native.prefill(first, seq=0, observe=kinds, window=window)
             ref_obs = reference.prefill(first, seq=0, observe=kinds, window=window)
-            report["l2"] = compare_observations(nat_obs, ref_obs, th)
+            twin = PrecisionTwin(model_path, first, settings, native.n_ctx)
+            report["l2"] = compare_observations(nat_obs, ref_obs, th, twin)
             report["l2"]["tokens"] = len(first)
+            _note_twin(report["l2"], twin, native.info)
         except KvcliError as e:
             report["l2"] = {"pass": False, "error": str(e)}
 

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from kvcli.check import Thresholds, compare_observations, compare_plans, jaccard_per_layer, logits_distance
+from kvcli.check import (Thresholds, compare_kv_rows, compare_observations, compare_plans, jaccard_per_layer,
+                         logits_distance)
 from kvcli.errors import KvcliError
 from kvcli.plan import Observation, Plan
 
@@ -159,3 +160,44 @@ def test_check_threads_reach_both_engines(cli_runner, tiny_model, tmp_path, monk
         torch.set_num_threads(before)
     bad = cli_runner.invoke(cli, ["check", "--model", str(tiny_model), "--threads", "0"])
     assert bad.exit_code == 2
+
+
+def _kv(seed=0, shape=(2, 2, 500, 8)):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_l2_kv_rows_beyond_the_threshold_pass_only_where_native_precision_moves_them_as_far():
+    """One row past l2_kv_rtol passes when the native engine's other precision setting moves it at least as far
+    (a precision-sensitive token), and fails when it does not (an engine disagreement)."""
+    ref = _kv()
+    nat = ref.copy()
+    nat[1, 0, 17] += 0.5 * np.abs(ref).max()          # one row of 2,000 off by half the scale
+    twin_far, twin_near = nat.copy(), nat.copy()
+    twin_far[1, 0, 17] -= 0.9 * np.abs(ref).max()     # the native engine itself moves it further
+    twin_near[1, 0, 17] -= 0.1 * np.abs(ref).max()
+    th = Thresholds()
+    r = compare_kv_rows(nat, ref, th, lambda: twin_far)
+    assert r["pass"] and r["rows_over"] == 1 and r["rows"] == 2000 and r["rel"] == pytest.approx(0.5, rel=1e-5)
+    assert r["rows_over_detail"][0]["slot"] == 17 and r["rows_over_detail"][0]["layer"] == 1
+    assert not compare_kv_rows(nat, ref, th, lambda: twin_near)["pass"]
+    assert not compare_kv_rows(nat, ref, th, lambda: None)["pass"]      # no twin: no allowance
+
+
+def test_l2_kv_rows_systematic_error_fails_without_asking_the_twin():
+    """A wrong mapping or position moves most rows: beyond the allowed fraction the twin is never consulted, and
+    the tight thresholds allow no row at all."""
+    ref = _kv()
+    wrong = ref[:, ::-1].copy()                        # KV heads swapped
+
+    def twin():
+        raise AssertionError("the twin must not be taken")
+    r = compare_kv_rows(wrong, ref, Thresholds(), twin)
+    assert not r["pass"] and r["rows_over"] > 100
+    nat = ref.copy()
+    nat[0, 1, 3] += 1e-2
+    assert not compare_kv_rows(nat, ref, Thresholds.tight(), twin)["pass"]
+    # and the allowance is one in a thousand rows by default: three rows of 2,000 are already too many
+    nat = ref.copy()
+    nat[0, 0, 1:4] += np.abs(ref).max()
+    assert not compare_kv_rows(nat, ref, Thresholds(), twin)["pass"]
+    assert compare_kv_rows(nat, ref, Thresholds(l2_kv_sensitive_rows=0.01), lambda: ref * 3)["pass"]

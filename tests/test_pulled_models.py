@@ -65,22 +65,18 @@ def test_gemma_run_compresses_the_global_layers(run_kvcli, tmp_path):
 
 @pytest.mark.slow
 def test_gemma_check_passes():
-    """The planners agree on gemma-3-270m's own observation of a 2k-token document (L1, the native engine alone);
-    on a 600-token one, the reference engine observes what the native engine does (L2) and both decode alike after
-    compressing the 3 global layers (L3). About 2.5 min, most of it transformers loading the GGUF."""
+    """kvcli check on gemma-3-270m and a 2k-token document, every level, snapkv and pyramidkv: identical plans (L1),
+    the engines' observations close (L2: one K row of ~6,000 is beyond the threshold, where llama.cpp's own f32
+    setting moves it four times as far; docs/models.md), both decode alike after compressing the 3 global layers
+    (L3). About 3.5 min on 1 thread, most of it the reference engine."""
     pulled("gemma-3-270m")
     from kvcli.check import CheckSettings, Thresholds, run_check
     from kvcli.commands.check import format_report
     path = catalogue.pulled_path("gemma-3-270m")
     r = run_check(path, LONG_DOC.read_text(), ["snapkv", "pyramidkv"],
-                  CheckSettings(budget=128, n_tokens=8, doc_tokens=2000, levels=(1,)), Thresholds())
-    table = format_report(r)
-    assert r["passed"], table
-    for e in r["policies"]:
-        assert "error" not in e and e["l1"]["pass"] and e["l1"]["identical_budgets"], table
-    r = run_check(path, DOC.read_text(), ["snapkv"], CheckSettings(budget=128, n_tokens=8, doc_tokens=600),
-                  Thresholds())
+                  CheckSettings(budget=128, doc_tokens=2000, threads=1), Thresholds())
     table = format_report(r)
     assert r["passed"] and r["l2"]["pass"], table
-    e = r["policies"][0]
-    assert "error" not in e and e["l1"]["pass"] and e["l3"]["pass"] and len(e["l3"]["jaccard_per_layer"]) == 3, table
+    for e in r["policies"]:
+        assert "error" not in e and e["l1"]["pass"] and e["l1"]["identical_budgets"], table
+        assert e["l3"]["pass"] and len(e["l3"]["jaccard_per_layer"]) == 3, table

@@ -37,6 +37,20 @@ def _levels(text: str) -> tuple:
     return levels
 
 
+def _rows_over(v: dict, l2: dict) -> str:
+    """For K/V rows beyond the threshold: how many, and how far the native engine's other precision moves them."""
+    if not v.get("rows_over"):
+        return ""
+    text = f" ({v['rows_over']} of {v['rows']} rows beyond the threshold"
+    detail = v.get("rows_over_detail")
+    if detail:
+        worst = max(detail, key=lambda x: x["engines"])
+        text += (f"; worst: layer {worst.get('model_layer', worst['layer'])} slot {worst['slot']}, engines differ by {worst['engines']:.3g}, "
+                 f"the native engine at {l2.get('precision_twin', 'its other precision')} by "
+                 f"{worst['native_precision']:.3g}")
+    return text + ")"
+
+
 def format_report(r: dict) -> str:
     """A readable table of the report of kvcli.check.run_check."""
     ok = lambda b: "pass" if b else "FAIL"  # noqa: E731
@@ -49,7 +63,7 @@ def format_report(r: dict) -> str:
         if "error" in l2:
             out.append(f"L2 observation: FAIL ({l2['error']})")
         else:
-            parts = [f"{k} max abs {v['max_abs']:.2e} rel {v['rel']:.2e} {ok(v['pass'])}"
+            parts = [f"{k} max abs {v['max_abs']:.2e} rel {v['rel']:.2e} {ok(v['pass'])}" + _rows_over(v, l2)
                      for k, v in l2.items() if isinstance(v, dict)]
             what = f" (first chunk, {l2['tokens']} tokens)" if "tokens" in l2 else ""
             out.append(f"L2 observation{what}: {ok(l2['pass'])}")

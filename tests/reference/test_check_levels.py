@@ -117,3 +117,19 @@ def test_check_default_model_realistic(default_model):
         assert "error" not in e, table
         assert e["l1"]["pass"], table
     assert r["passed"], table
+
+
+def test_l2_precision_twin_is_the_native_engine_at_its_other_setting(tiny_gguf):
+    """With a threshold nothing meets and every row allowed, L2 takes the native engine's observation at its other
+    precision (f16 cache with flash attention for a check run at f32 without): the real twin path, whose rows
+    differ from the f32 ones by f16 rounding, far below the engines' agreement on a float32 model."""
+    needs_native_cache()
+    settings = CheckSettings(budget=96, n_tokens=4, cache_type="f32", flash_attn=False, doc_tokens=120, levels=(2,))
+    th = Thresholds.tight().with_overrides({"l2_kv_rtol": 0, "l2_kv_sensitive_rows": 1})
+    r = run_check(tiny_gguf, DOC, ["snapkv"], settings, th)
+    keys = r["l2"]["keys"]
+    assert r["l2"]["precision_twin"] == "f16 cache, flash attention on"
+    assert keys["rows_over"] > 0 and keys["rows_over_detail"]
+    row = keys["rows_over_detail"][0]
+    assert row["model_layer"] == row["layer"]          # a model without sliding layers: plan layer = model layer
+    assert 0 < row["native_precision"] < 0.05           # f16 rounding of the twin's cache, not a different model
