@@ -1,17 +1,18 @@
-"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_layer_swap.py BUDGET POLICY [DOC [DOC_TOKENS]]
+"""Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_layer_swap.py BUDGET POLICY [DOC [DOC_TOKENS]]
 (docs/results.md, "Native vs reference engine"). pyramidkv @256: is the first-token KL a property of the plans? In the NATIVE engine only: the native
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""
-import json, sys, numpy as np
+import json, os, sys, numpy as np
 from kvcli import planning
 from kvcli.check import logits_distance
-from kvcli.models import default_model_path
+from kvcli.models import default_model_path, resolve_model
 from kvcli.plan import Plan
 from kvcli.reference.session import ReferenceSession
 from check_setup import native_prompt
 
 budget, name = int(sys.argv[1]), sys.argv[2]
-mp = default_model_path()
+mp = resolve_model(os.environ.get("KVCLI_MODEL"))   # a path or a pulled model's name; default: the bundled model
+tag_model = "" if mp == default_model_path() else f"-{mp.stem}"
 nat, toks, tag = native_prompt(sys.argv, mp, budget)
 n = len(toks)
 spec, params = planning.resolve_for_model(mp, name, {}, budget)
@@ -77,4 +78,4 @@ for l in range(pn.n_layer):
     diff = sum(len(set(a.tolist()) ^ set(b.tolist())) for a, b in zip(kn[l], kr[l]))
     res.append((l, k, e, diff))
     print(f"  layer {l:2d}: {diff:3d} entries differ; KL vs native plan {k:.4f}, max abs {e:.3f}", flush=True)
-json.dump({"kl": kl, "err": err, "layers": res}, open(f"benchmarks/results/check-layer-swap-{name}-{budget}{tag}.json", "w"))
+json.dump({"kl": kl, "err": err, "layers": res}, open(f"benchmarks/results/check-layer-swap-{name}-{budget}{tag_model}{tag}.json", "w"))

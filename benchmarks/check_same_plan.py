@@ -1,17 +1,18 @@
-"""Usage: KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_same_plan.py BUDGET POLICY[,POLICY] [DOC [DOC_TOKENS]]
+"""Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_same_plan.py BUDGET POLICY[,POLICY] [DOC [DOC_TOKENS]]
 (docs/results.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli check does it (each engine its own observation and
 planner); (b) the reference engine applying the NATIVE plan (same kept sets, same merged rows), so the
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
 planner on it (L1 on the reference's observation)."""
-import json, sys, numpy as np
+import json, os, sys, numpy as np
 from kvcli import planning
-from kvcli.check import greedy_compare, restrict, compare_plans
-from kvcli.models import default_model_path
+from kvcli.check import greedy_compare, compare_plans
+from kvcli.models import default_model_path, resolve_model
 from kvcli.reference.session import ReferenceSession
 from check_setup import native_prompt
 
 budget = int(sys.argv[1]); names = sys.argv[2].split(",")
-mp = default_model_path()
+mp = resolve_model(os.environ.get("KVCLI_MODEL"))   # a path or a pulled model's name; default: the bundled model
+tag_model = "" if mp == default_model_path() else f"-{mp.stem}"
 nat, toks, tag = native_prompt(sys.argv, mp, budget)
 n = len(toks)
 ref = ReferenceSession(mp, n_ctx=2 * nat.n_ctx, n_seq=2)
@@ -24,7 +25,7 @@ for name in names:
     nat.clear(0)
     obs_n = nat.prefill(toks, seq=0, observe=kinds, window=w)
     pn = planning.make_plan(spec, params, budget, obs_n, "native")
-    obs_r = restrict(base, kinds, w)
+    obs_r = base.restrict(kinds, w)
     pr = planning.make_plan(spec, params, budget, obs_r, "reference")
     pr_native = planning.make_plan(spec, params, budget, obs_r, "native")
     d = {"budgets_equal": bool(np.array_equal(pn.n_kept, pr.n_kept)),
@@ -43,4 +44,4 @@ for name in names:
           "| own plans: KL %.4f maxabs %.3f greedy %.3f prefix %d klmax %.4f" % tuple(d["own_plans"][k] for k in ("kl", "logits_max_abs", "greedy_agree", "greedy_prefix", "kl_max")),
           "| same plan: KL %.4f maxabs %.3f greedy %.3f prefix %d klmax %.4f" % tuple(d["same_native_plan"][k] for k in ("kl", "logits_max_abs", "greedy_agree", "greedy_prefix", "kl_max")),
           file=sys.stderr, flush=True)
-json.dump(out, open(f"benchmarks/results/check-same-plan-{budget}{tag}.json", "w"), indent=1)
+json.dump(out, open(f"benchmarks/results/check-same-plan-{budget}{tag_model}{tag}.json", "w"), indent=1)
