@@ -38,6 +38,8 @@ MISSING = {
     "qwen3moe": "mixture-of-experts models have not been checked against the reference engine",
 }
 GGUF_MAGIC = b"GGUF"
+# the values of `{arch}.rope.scaling.type` llama.cpp reads (src/llama-model.cpp, LLAMA_ROPE_SCALING_TYPES)
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
 
 def default_model_path() -> Path | None:
@@ -138,6 +140,10 @@ def check_gguf(path: Path) -> None:
     if magic != GGUF_MAGIC:
         raise KvcliError(f"not a GGUF file (bad magic {magic!r}): {path}")
     info = read_model_info(path)
+    scaling = header_values(path).get(f"{info.architecture}.rope.scaling.type")
+    if scaling is not None and scaling not in ROPE_SCALING_TYPES:   # llama.cpp would abort on it (GGML_ASSERT)
+        raise KvcliError(f"{path.name}: unknown RoPE scaling type {scaling!r} (llama.cpp knows "
+                         f"{', '.join(ROPE_SCALING_TYPES)})")
     if info.architecture not in SUPPORTED_ARCHITECTURES:
         why = MISSING.get(info.architecture, "it is not one kvcli has been made to run in both engines")
         raise KvcliError(f"unsupported architecture '{info.architecture}' in {path.name}: {why} (kvcli supports "
@@ -289,6 +295,19 @@ def header_values(path: Path) -> dict:
         return dict(_Header(Path(path)).values)
     except (ValueError, OSError, UnicodeDecodeError) as e:
         raise KvcliError(f"cannot parse GGUF {Path(path).name} (truncated or corrupted?): {e}") from None
+
+
+def read_f32_tensor(path: Path, name: str) -> np.ndarray | None:
+    """A small F32/F16 tensor of a GGUF (e.g. RoPE factors) as float32, or None when the file has none so named."""
+    hdr = _Header(Path(path))
+    for tname, dims, ttype, offset in hdr.tensors:
+        if tname == name:
+            if ttype not in (0, 1):   # GGML_TYPE_F32, GGML_TYPE_F16
+                raise KvcliError(f"GGUF {Path(path).name}: tensor {name} is neither F32 nor F16")
+            n = int(np.prod(dims))
+            return np.fromfile(path, dtype="<f4" if ttype == 0 else "<f2", count=n,
+                               offset=hdr.data_start + offset).astype(np.float32)
+    return None
 
 
 def _sliding_layers(arch: str, n_layer: int, values: dict) -> tuple:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcli.errors import KvcliError
-from kvcli.models import header_values, read_model_info
+from kvcli.models import header_values, read_f32_tensor, read_model_info
 
 _LOADED: dict[tuple, "LoadedModel"] = {}
 
@@ -63,7 +63,56 @@ def _config(path: Path):
         config.head_dim = info.head_dim
     if info.architecture in GEMMA_27B_LAYERS:
         _gemma_config(config, info)
+    else:
+        config.rope_parameters = _rope_parameters(info)
     return config
+
+
+# Architectures whose llama.cpp graph divides each RoPE frequency by the file's `rope_freqs` tensor (ggml_rope_ext's
+# freq_factors; src/models/llama.cpp): the converter writes it for every Llama 3.1/3.2/3.3 (rope_type "llama3").
+# qwen2/qwen3/gemma pass no factors; phi3 has LongRoPE's pair of tensors instead.
+ROPE_FREQS_ARCHS = ("llama",)
+
+
+def _rope_parameters(info) -> dict:
+    """transformers' rope_parameters for RoPE as llama.cpp computes it from the file (llama_model::load_hparams,
+    llama_context: freq_scale = 1 / `rope.scaling.factor`, or the older `rope.scale_linear`), where transformers'
+    GGUF mapping reads only `rope.freq_base`. Linear scaling (theta * freq_scale) is transformers' "linear" type
+    exactly; YaRN and LongRoPE are refused: llama.cpp's YaRN takes its constants from its own defaults, not the
+    file, and its K-shift scales the re-rotated K by YaRN's magnitude again, and LongRoPE picks its factors by the
+    native context size; the native engine runs both. The `rope_freqs` factors are applied by `_apply_rope_freqs`."""
+    meta = gguf_scalars(info.path, ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear"))
+    scaling = str(meta.get("rope.scaling.type") or "linear")     # llama.cpp's default
+    factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0)
+    has_long = read_f32_tensor(info.path, "rope_factors_long.weight") is not None
+    if scaling == "longrope" or (info.architecture == "phi3" and has_long):
+        raise KvcliError(f"{info.path.name}: LongRoPE scaling (rope_factors_long/short) is not supported by the "
+                         "reference engine (the native engine runs it)")
+    if scaling == "yarn":
+        raise KvcliError(f"{info.path.name}: YaRN RoPE scaling is not supported by the reference engine "
+                         "(the native engine runs it)")
+    if scaling not in ("none", "linear"):
+        raise KvcliError(f"{info.path.name}: RoPE scaling type {scaling!r} is not supported by the reference engine")
+    if scaling == "none" or factor in (0.0, 1.0):
+        return {"rope_type": "default", "rope_theta": float(info.rope_theta)}
+    return {"rope_type": "linear", "factor": factor, "rope_theta": float(info.rope_theta)}
+
+
+def _apply_rope_freqs(model, info) -> None:
+    """llama.cpp rotates pair i by theta_i / rope_freqs[i] (ggml_rope_cache_init): transformers has no rope type that
+    takes the file's factors (its "llama3" type recomputes them from constants the GGUF does not keep), so the
+    rotary embedding's inverse frequencies are divided by them after loading. Its K re-rotation (KeyRotation) uses
+    the same embedding, as llama.cpp's K-shift uses the same factors."""
+    factors = read_f32_tensor(info.path, "rope_freqs.weight") if info.architecture in ROPE_FREQS_ARCHS else None
+    if factors is None:
+        return
+    rotary = model.model.rotary_emb
+    if factors.shape != rotary.inv_freq.shape:
+        raise KvcliError(f"{info.path.name}: rope_freqs has {factors.size} factors, not head_dim / 2 = "
+                         f"{rotary.inv_freq.numel()}")
+    import torch  # noqa: PLC0415
+    for name in ("inv_freq", "original_inv_freq"):
+        setattr(rotary, name, getattr(rotary, name) / torch.from_numpy(factors))
 
 
 # llama.cpp's gemma model types with another attention scale (src/models/gemma2.cpp, gemma3.cpp: LLM_TYPE_27B)
@@ -84,8 +133,7 @@ def _gemma_config(config, info) -> None:
       `final_logit_softcapping` when the file has one; no attention soft-capping;
     - gemma2: every layer rotates alike (its sliding base and scale default to the global ones); the attention
       scores and the logits are soft-capped, with the file's caps or llama.cpp's defaults (50, 30)."""
-    meta = gguf_scalars(info.path, ("rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor",
-                                    "rope.scale_linear", "rope.dimension_count", *GEMMA2_SOFTCAPS))
+    meta = gguf_scalars(info.path, ("rope.freq_base_swa", "rope.dimension_count", *GEMMA2_SOFTCAPS))
     rot = int(meta.get("rope.dimension_count") or info.head_dim)
     if rot != info.head_dim:
         raise KvcliError(f"the reference engine rotates whole heads: {info.path.name} rotates {rot} of "
@@ -96,13 +144,7 @@ def _gemma_config(config, info) -> None:
         config.sliding_window = info.sliding_window
     config.query_pre_attn_scalar = (info.n_embd // info.n_head
                                     if info.n_layer_model == GEMMA_27B_LAYERS[info.architecture] else info.head_dim)
-    factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0)
-    scaling = str(meta.get("rope.scaling.type") or "linear")
-    full = {"rope_type": "default", "rope_theta": float(info.rope_theta)}
-    if factor not in (0.0, 1.0):
-        if scaling != "linear":
-            raise KvcliError(f"the reference engine does not reproduce {scaling} RoPE scaling ({info.path.name})")
-        full = {"rope_type": "linear", "factor": factor, "rope_theta": float(info.rope_theta)}
+    full = _rope_parameters(info)
     if info.architecture == "gemma2":
         if float(meta.get("rope.freq_base_swa", info.rope_theta)) != float(info.rope_theta):
             raise KvcliError(f"the reference engine rotates every layer of a gemma2 model alike: {info.path.name} "
@@ -140,15 +182,19 @@ def _load(path: Path) -> LoadedModel:
     transformers.utils.logging.disable_progress_bar()
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar ignores the verbosity setting
+            config = _config(path)
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                         attn_implementation=attn, config=_config(path))
+                                                         attn_implementation=attn, config=config)
+    except KvcliError:
+        raise
     except Exception as e:  # transformers raises many kinds for a GGUF it cannot convert
         raise KvcliError(f"transformers could not load {path.name}: {str(e).splitlines()[0][:200]}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
         transformers.utils.logging.enable_progress_bar()
     model.eval()
+    _apply_rope_freqs(model, read_model_info(path))
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise KvcliError(f"the reference engine supports {', '.join(MODEL_TYPES)} models, {path.name} is {model_type}")

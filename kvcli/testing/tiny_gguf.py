@@ -69,7 +69,8 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
                      rope_theta: float = 10000.0, rms_eps: float = 1e-5, tied: bool = True,
                      qk_scale: float = 2.0, tokenizer_from=None, chat_template: str | None = None,
                      sliding_window: int = 32, swa_pattern: int = 2, attn_softcap: float = 4.0,
-                     final_softcap: float = 8.0) -> Path:
+                     final_softcap: float = 8.0, rope_scaling: dict | None = None,
+                     rope_tensors: dict | None = None) -> Path:
     """Write a random GGUF of architecture `arch` (one of ARCHITECTURES) to `path` and return it.
 
     n_embd is n_head * head_dim. `dtype` is "f32" or "f16" for the matrices (norm weights
@@ -81,6 +82,9 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
     (llama.cpp's rule; the real models have a period of 6 (gemma3) or 2 (gemma2)).
     gemma2 only: attention scores are soft-capped to `attn_softcap` * tanh(s / attn_softcap), the logits to
     `final_softcap` (Gemma 2 ships 50 and 30; the tiny defaults are small so that the caps change the result).
+    `rope_scaling`: `{arch}.rope.scaling.KEY` keys to write, e.g. {"type": "linear", "factor": 4.0} (str, float, int);
+    `rope_tensors`: RoPE factor tensors, head_dim / 2 floats each, e.g. {"rope_freqs": llama3_rope_freqs(16)}
+    (what llama.cpp's converter writes for Llama 3.x) or phi3's {"rope_factors_long": .., "rope_factors_short": ..}.
     """
     import gguf  # noqa: PLC0415
 
@@ -130,6 +134,9 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
     if arch == "gemma2":
         w.add_attn_logit_softcapping(float(attn_softcap))
         w.add_final_logit_softcapping(float(final_softcap))
+    for key, value in (rope_scaling or {}).items():
+        add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
+        add(f"{arch}.rope.scaling.{key}", value)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in fields:
@@ -172,6 +179,8 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
             w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
             w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
         w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+    for name, factors in (rope_tensors or {}).items():
+        w.add_tensor(f"{name}.weight", np.asarray(factors, dtype=np.float32))
     w.add_tensor("output_norm.weight", norm(n_embd))
     if not tied:
         w.add_tensor("output.weight", mat(n_vocab, n_embd))
@@ -181,3 +190,17 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_freqs(head_dim: int, rope_theta: float = 10000.0, factor: float = 8.0, low_freq_factor: float = 1.0,
+                      high_freq_factor: float = 4.0, original_context: int = 64) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a Llama 3.x model (rope_type "llama3",
+    conversion/llama.py generate_extra_tensors): per frequency, 1 (short wavelengths), `factor` (long ones) or a
+    smooth blend. A small `original_context` makes the factors matter within a few hundred tokens."""
+    freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_context / high_freq_factor, 1.0,
+                   np.where(wavelen > original_context / low_freq_factor, factor, blend))
+    return out.astype(np.float32)
