@@ -48,8 +48,10 @@ class KeyRotation:
 
     RoPE rotations compose (R(p + d) = R(d) R(p)), so a K row rotated at position p becomes the row
     rotated at p + d by one more rotation of angle d * inv_freq. cos/sin come from the model's
-    `rotary_emb` (its rope type, theta and scaling); they carry the rope type's attention scaling,
-    which the stored row already has once, so it is divided out here.
+    `rotary_emb` (its rope type, theta, scaling and the file's factors, kvcli/reference/model.py). They carry
+    its attention scaling (YaRN's mscale, `rope.scaling.attn_factor`; 1 otherwise), which the stored row already
+    has once: it is kept, because llama.cpp's K-shift (build_rope_shift, which the native re-indexing runs) passes
+    the same mscale to ggml_rope_ext and so scales a shifted K row by it again.
     """
 
     def __init__(self, model):
@@ -58,8 +60,6 @@ class KeyRotation:
         self.rotate_half = sys.modules[type(model).__module__].rotate_half
         # a rotary embedding per layer type (gemma3): compacted layers are global ones
         self.kwargs = {"layer_type": "full_attention"} if hasattr(self.rotary, "layer_types") else {}
-        prefix = "full_attention_" if self.kwargs else ""
-        self.scaling = float(getattr(self.rotary, prefix + "attention_scaling", 1.0) or 1.0)
 
     def __call__(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """keys: [n_head_kv, L, head_dim] in transformers' order; delta: int64 [n_head_kv, L]."""
@@ -67,8 +67,8 @@ class KeyRotation:
         if n == 0:
             return keys
         cos, sin = self.rotary(keys.reshape(1, h * n, d), delta.reshape(1, h * n), **self.kwargs)
-        cos = (cos[0] / self.scaling).reshape(h, n, d).to(keys.dtype)
-        sin = (sin[0] / self.scaling).reshape(h, n, d).to(keys.dtype)
+        cos = cos[0].reshape(h, n, d).to(keys.dtype)
+        sin = sin[0].reshape(h, n, d).to(keys.dtype)
         return keys * cos + self.rotate_half(keys) * sin
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,51 +69,65 @@ def _config(path: Path):
     return config
 
 
+def _rope_parameters(info) -> dict:
+    """transformers' rope_parameters for RoPE as llama.cpp computes it from the file (llama_model::load_hparams and
+    llama_context's constructor; ggml's rope_yarn), where transformers' GGUF mapping reads only `rope.freq_base`:
+    - freq_scale = 1 / `rope.scaling.factor` (or the older `rope.scale_linear`): transformers' "linear" type;
+    - YaRN: llama.cpp takes beta_fast 32, beta_slow 1 and ext_factor 1 from its defaults (it does not read the file's
+      yarn_* keys for these architectures), the original context from `rope.scaling.original_context_length` (else
+      the trained one), and scales cos/sin by `rope.scaling.attn_factor` x (1 + 0.1 ln factor): transformers'
+      "yarn" type with those values;
+    - LongRoPE is refused: llama.cpp picks its long or short factors by the native context size.
+    A `rope.scaling.attn_factor` outside YaRN scales cos/sin alike (`_apply_file_rope`); so do `rope_freqs`."""
+    meta = gguf_scalars(info.path, ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+                                    "rope.scaling.original_context_length", "rope.scaling.attn_factor"))
+    scaling = str(meta.get("rope.scaling.type") or "linear")     # llama.cpp's default
+    factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0) or 1.0
+    theta = float(info.rope_theta)
+    if scaling == "longrope" or (info.architecture == "phi3" and
+                                 read_f32_tensor(info.path, "rope_factors_long.weight") is not None):
+        raise KvcliError(f"{info.path.name}: LongRoPE scaling (rope_factors_long/short) is not supported by the "
+                         "reference engine (the native engine runs it)")
+    if scaling not in ("none", "linear", "yarn"):
+        raise KvcliError(f"{info.path.name}: RoPE scaling type {scaling!r} is not supported by the reference engine")
+    if scaling == "yarn":
+        attn = float(meta.get("rope.scaling.attn_factor", 1.0))
+        return {"rope_type": "yarn", "rope_theta": theta, "factor": factor, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length")
+                                                        or info.n_ctx_train),
+                "attention_factor": attn * (1.0 + 0.1 * math.log(factor) if factor > 1.0 else 1.0)}
+    if scaling == "none" or factor == 1.0:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+
+
 # Architectures whose llama.cpp graph divides each RoPE frequency by the file's `rope_freqs` tensor (ggml_rope_ext's
 # freq_factors; src/models/llama.cpp): the converter writes it for every Llama 3.1/3.2/3.3 (rope_type "llama3").
 # qwen2/qwen3/gemma pass no factors; phi3 has LongRoPE's pair of tensors instead.
 ROPE_FREQS_ARCHS = ("llama",)
 
 
-def _rope_parameters(info) -> dict:
-    """transformers' rope_parameters for RoPE as llama.cpp computes it from the file (llama_model::load_hparams,
-    llama_context: freq_scale = 1 / `rope.scaling.factor`, or the older `rope.scale_linear`), where transformers'
-    GGUF mapping reads only `rope.freq_base`. Linear scaling (theta * freq_scale) is transformers' "linear" type
-    exactly; YaRN and LongRoPE are refused: llama.cpp's YaRN takes its constants from its own defaults, not the
-    file, and its K-shift scales the re-rotated K by YaRN's magnitude again, and LongRoPE picks its factors by the
-    native context size; the native engine runs both. The `rope_freqs` factors are applied by `_apply_rope_freqs`."""
-    meta = gguf_scalars(info.path, ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear"))
-    scaling = str(meta.get("rope.scaling.type") or "linear")     # llama.cpp's default
-    factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0)
-    has_long = read_f32_tensor(info.path, "rope_factors_long.weight") is not None
-    if scaling == "longrope" or (info.architecture == "phi3" and has_long):
-        raise KvcliError(f"{info.path.name}: LongRoPE scaling (rope_factors_long/short) is not supported by the "
-                         "reference engine (the native engine runs it)")
-    if scaling == "yarn":
-        raise KvcliError(f"{info.path.name}: YaRN RoPE scaling is not supported by the reference engine "
-                         "(the native engine runs it)")
-    if scaling not in ("none", "linear"):
-        raise KvcliError(f"{info.path.name}: RoPE scaling type {scaling!r} is not supported by the reference engine")
-    if scaling == "none" or factor in (0.0, 1.0):
-        return {"rope_type": "default", "rope_theta": float(info.rope_theta)}
-    return {"rope_type": "linear", "factor": factor, "rope_theta": float(info.rope_theta)}
-
-
-def _apply_rope_freqs(model, info) -> None:
-    """llama.cpp rotates pair i by theta_i / rope_freqs[i] (ggml_rope_cache_init): transformers has no rope type that
-    takes the file's factors (its "llama3" type recomputes them from constants the GGUF does not keep), so the
-    rotary embedding's inverse frequencies are divided by them after loading. Its K re-rotation (KeyRotation) uses
-    the same embedding, as llama.cpp's K-shift uses the same factors."""
-    factors = read_f32_tensor(info.path, "rope_freqs.weight") if info.architecture in ROPE_FREQS_ARCHS else None
-    if factors is None:
-        return
-    rotary = model.model.rotary_emb
-    if factors.shape != rotary.inv_freq.shape:
-        raise KvcliError(f"{info.path.name}: rope_freqs has {factors.size} factors, not head_dim / 2 = "
-                         f"{rotary.inv_freq.numel()}")
+def _apply_file_rope(model, info) -> None:
+    """What llama.cpp's RoPE takes from the file and no transformers rope type does, set on the loaded model's rotary
+    embedding: pair i rotates by theta_i / rope_freqs[i] (ggml_rope_cache_init; transformers' "llama3" type would
+    recompute the factors from constants the GGUF does not keep), and outside YaRN cos/sin are scaled by
+    `rope.scaling.attn_factor` (llama.cpp's mscale). K re-rotation (KeyRotation) uses the same embedding, as
+    llama.cpp's K-shift uses the same factors and mscale."""
     import torch  # noqa: PLC0415
-    for name in ("inv_freq", "original_inv_freq"):
-        setattr(rotary, name, getattr(rotary, name) / torch.from_numpy(factors))
+    rotary = model.model.rotary_emb
+    factors = read_f32_tensor(info.path, "rope_freqs.weight") if info.architecture in ROPE_FREQS_ARCHS else None
+    if factors is not None:
+        if factors.shape != rotary.inv_freq.shape:
+            raise KvcliError(f"{info.path.name}: rope_freqs has {factors.size} factors, not head_dim / 2 = "
+                             f"{rotary.inv_freq.numel()}")
+        for name in ("inv_freq", "original_inv_freq"):
+            setattr(rotary, name, getattr(rotary, name) / torch.from_numpy(factors))
+    attn = float(gguf_scalars(info.path, ("rope.scaling.attn_factor",)).get("rope.scaling.attn_factor", 1.0))
+    if attn != 1.0 and model.config.rope_parameters.get("rope_type") != "yarn":   # YaRN's is in attention_factor
+        if info.architecture in GEMMA_27B_LAYERS:
+            raise KvcliError(f"{info.path.name}: the reference engine does not scale a gemma model's RoPE by "
+                             "rope.scaling.attn_factor")
+        rotary.attention_scaling = attn
 
 
 # llama.cpp's gemma model types with another attention scale (src/models/gemma2.cpp, gemma3.cpp: LLM_TYPE_27B)
@@ -145,6 +160,9 @@ def _gemma_config(config, info) -> None:
     config.query_pre_attn_scalar = (info.n_embd // info.n_head
                                     if info.n_layer_model == GEMMA_27B_LAYERS[info.architecture] else info.head_dim)
     full = _rope_parameters(info)
+    if full["rope_type"] == "yarn":
+        raise KvcliError(f"{info.path.name}: YaRN RoPE scaling is not supported by the reference engine for "
+                         f"{info.architecture} (the native engine runs it)")
     if info.architecture == "gemma2":
         if float(meta.get("rope.freq_base_swa", info.rope_theta)) != float(info.rope_theta):
             raise KvcliError(f"the reference engine rotates every layer of a gemma2 model alike: {info.path.name} "
@@ -194,7 +212,7 @@ def _load(path: Path) -> LoadedModel:
         transformers.logging.set_verbosity(verbosity)
         transformers.utils.logging.enable_progress_bar()
     model.eval()
-    _apply_rope_freqs(model, read_model_info(path))
+    _apply_file_rope(model, read_model_info(path))
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise KvcliError(f"the reference engine supports {', '.join(MODEL_TYPES)} models, {path.name} is {model_type}")

@@ -3,8 +3,9 @@
 transformers' GGUF loader reads `rope.freq_base` only: it ignores the `rope_freqs` tensor every Llama 3.x GGUF carries
 (each frequency divided by its factor) and `rope.scaling.type` / `rope.scaling.factor`. On tiny random llamas with
 llama3-style factors (small original context, so that they matter within 300 tokens) and with linear scaling, the
-engines agree at the tight thresholds, re-indexed chunked reading included (llama.cpp's K-shift applies the same
-factors); without the correction they do not (the control). YaRN, LongRoPE and unknown types are refused in one line.
+engines agree at the tight thresholds, and with YaRN, re-indexed chunked reading included (llama.cpp's K-shift
+applies the same factors); without the correction they do not (the control). LongRoPE, YaRN on gemma and unknown
+types are refused in one line.
 """
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "examples" / "solar-garden.txt").read_text()
 POLICIES = ["snapkv", "h2o", "pyramidkv"]
 FREQS = {"rope_freqs": llama3_rope_freqs(16)}          # 1, 1.29, 7.67, then 8 for the 5 lowest frequencies
+# YaRN with an original context of 64: the ramp between extrapolated and interpolated frequencies covers pairs 0-3
+YARN = {"type": "yarn", "factor": 4.0, "original_context_length": 64, "attn_factor": 1.1}
 VARIANTS = {
     "rope_freqs": dict(rope_tensors=FREQS),
     "linear": dict(rope_scaling={"type": "linear", "factor": 4.0}),
-    "rope_freqs+linear": dict(rope_tensors=FREQS, rope_scaling={"type": "linear", "factor": 4.0}),
+    "rope_freqs+linear+attn_factor": dict(rope_tensors=FREQS,
+                                          rope_scaling={"type": "linear", "factor": 4.0, "attn_factor": 1.2}),
+    "yarn": dict(rope_scaling=YARN),
 }
 SETTINGS = CheckSettings(budget=96, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=300)
 
@@ -45,25 +50,25 @@ def test_engines_agree_with_scaled_rope(tmp_path, variant):
     assert r["passed"], table
 
 
-def test_without_the_correction_the_engines_disagree(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", ["rope_freqs", "linear", "yarn"])
+def test_without_the_correction_the_engines_disagree(tmp_path, monkeypatch, variant):
     """The control: a reference model that takes RoPE as transformers' GGUF mapping gives it (no factors, no
     scaling) rotates K differently from llama.cpp by far more than the tight thresholds allow."""
     from kvcli.reference import model as ref_model
-    path = write_tiny(tmp_path / "tiny.gguf", "llama", **VARIANTS["rope_freqs"])
-    monkeypatch.setattr(ref_model, "_apply_rope_freqs", lambda model, info: None)
-    r = run_check(path, DOC, ["snapkv"], SETTINGS, Thresholds.tight())
-    assert not r["l2"]["pass"] and r["l2"]["keys"]["rel"] > 0.1, tight_report(r)
-    path = write_tiny(tmp_path / "linear.gguf", "llama", **VARIANTS["linear"])
+    path = write_tiny(tmp_path / "tiny.gguf", "llama", **VARIANTS[variant])
+    monkeypatch.setattr(ref_model, "_apply_file_rope", lambda model, info: None)
     monkeypatch.setattr(ref_model, "_rope_parameters",
                         lambda info: {"rope_type": "default", "rope_theta": float(info.rope_theta)})
     r = run_check(path, DOC, ["snapkv"], SETTINGS, Thresholds.tight())
     assert not r["l2"]["pass"] and r["l2"]["keys"]["rel"] > 0.1, tight_report(r)
 
 
-def test_chunked_reading_with_rope_freqs(tmp_path):
+@pytest.mark.parametrize("variant", ["rope_freqs+linear+attn_factor", "yarn"])
+def test_chunked_reading_with_scaled_rope(tmp_path, variant):
     """Chunked reading re-indexes the kept entries after every chunk: llama.cpp's K-shift (build_rope_shift, run
-    by kvcli_reindex.cpp) re-rotates K with the model's rope_freqs, the reference with the same rotary embedding."""
-    path = write_tiny(tmp_path / "tiny.gguf", "llama", **VARIANTS["rope_freqs+linear"])
+    by kvcli_reindex.cpp) re-rotates K with the model's rope_freqs, scaling and mscale, the reference with the same
+    rotary embedding (KeyRotation: the mscale applied again, as llama.cpp does)."""
+    path = write_tiny(tmp_path / "tiny.gguf", "llama", **VARIANTS[variant])
     settings = CheckSettings(budget=48, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=320, chunk=96)
     r = run_check(path, DOC, ["snapkv", "h2o"], settings, Thresholds.tight())
     table = tight_report(r)
@@ -75,8 +80,8 @@ def test_chunked_reading_with_rope_freqs(tmp_path):
 
 
 REFUSED = {
-    "yarn": (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_context_length": 512}),
-             "YaRN RoPE scaling is not supported by the reference engine"),
+    "yarn-gemma3": (dict(arch="gemma3", n_layer=4, rope_scaling=YARN),
+                    "YaRN RoPE scaling is not supported by the reference engine for gemma3"),
     "longrope": (dict(arch="phi3", rope_scaling={"type": "longrope", "original_context_length": 512,
                                                  "attn_factor": 1.2},
                       rope_tensors={"rope_factors_long": [1.0, 2, 4, 8, 8, 8, 8, 8],
@@ -86,7 +91,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("kind", list(REFUSED))
-def test_reference_refuses_yarn_and_longrope_the_native_engine_runs_them(tmp_path, run_kvcli, kind):
+def test_reference_refuses_longrope_and_gemma_yarn_the_native_engine_runs_them(tmp_path, run_kvcli, kind):
     kwargs, message = REFUSED[kind]
     path = write_tiny(tmp_path / f"{kind}.gguf", kwargs.pop("arch", "llama"), **kwargs)
     for args in (["run", "--engine", "reference", "-n", "2", "Hello"],
