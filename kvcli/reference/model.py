@@ -221,3 +221,13 @@ def _load(path: Path) -> LoadedModel:
     if tok.eos_token_id is not None:
         eog.add(int(tok.eos_token_id))
     return LoadedModel(model=model, tokenizer=tok, eog_ids=frozenset(eog), qk_permuted=model_type in PERMUTED_QK)
+
+
+def forward_cached(model, ids, position_ids, cache):
+    """`model(...)` for the last logit of `ids` at `position_ids`, appending to `cache`. transformers 5.24
+    renamed the cache argument (past_key_values -> cache, the old name deprecated): pass the name this
+    version's forward declares, so neither version warns."""
+    import inspect  # noqa: PLC0415
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    return model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{name: cache})

@@ -31,7 +31,7 @@ from kvcli.native.session import ContextFull
 from kvcli.plan import Observation, Plan, window_lengths
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
-from kvcli.reference.model import load
+from kvcli.reference.model import forward_cached, load
 from kvcli.templating import gguf_special_token_ids, render_chat
 
 OBSERVE_KINDS = ("window", "colsum", "kv")
@@ -194,8 +194,7 @@ class ReferenceSession:
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.n_vocab):
             raise KvcliError(f"token id out of range [0, {self.n_vocab})")
         with torch.no_grad(), active(ForwardState(layers=st.slots, q_pos=pos, observer=observer)):
-            out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=st.cache, use_cache=True,
-                             logits_to_keep=1)
+            out = forward_cached(self.model, ids, pos[None], st.cache)
         st.last_logits = out.logits[0, -1].to(torch.float32).numpy().copy()
         st.cell_pos = torch.cat([st.cell_pos, pos])
         st.next_pos += len(tokens)
