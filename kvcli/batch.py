@@ -285,6 +285,9 @@ class Worker:
     def _reader(self, peak: int):
         """A reading context of at least `peak` + 1 cells (padded to 256), on the shared session's model."""
         need = -(-(peak + 1) // 256) * 256
+        lr = self.session.longrope
+        if lr and self.session.rope_regime == "long":   # its K rows move to the shared cache: the same RoPE factors
+            need = max(need, lr.long_ctx())
         if self.reader is None:
             self.reader = self.session.sibling(need)
         elif self.reader.n_ctx < need:

@@ -385,7 +385,7 @@ class Conversation:
             "compressed": bool(cache.is_compressed(s.ctx, self.seq)),
             "conversation": {"reset_pos": self.reset_mark[0], "reset_cells": self.reset_mark[1],
                              "next_pos": st.next_pos, "cells": st.cells, "reindexed": st.reindexed,
-                             "tail": self.tail,
+                             "rope": s.rope_regime, "tail": self.tail,
                              "pending": self.pending, "turns": [t.__dict__ for t in self.turns]},
         }
         kept = st.kept_positions
@@ -423,12 +423,15 @@ class Conversation:
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
         # sized for what the file holds + TURN_ROOM, not for the document it was compressed from
         # (recompressing with /policy or /budget reallocates for the document first)
-        session.create_context(min(session.n_ctx_train, -(-(int(c["cells"]) + TURN_ROOM) // CTX_PAD) * CTX_PAD))
+        n_ctx = min(session.n_ctx_train, -(-(int(c["cells"]) + TURN_ROOM) // CTX_PAD) * CTX_PAD)
+        if c.get("rope") == "long" and session.longrope:   # a LongRoPE cache read with the long factors keeps them
+            n_ctx = max(n_ctx, session.longrope.long_ctx())
+        session.create_context(n_ctx)
         conv.model_s = time.perf_counter() - t1
         t2 = time.perf_counter()
         snap = SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
                            prompt_tokens=len(conv.prefix_tokens), kept_positions=f.kept_positions,
-                           reindexed=int(c.get("reindexed", 0)))
+                           reindexed=int(c.get("reindexed", 0)), rope=c.get("rope"))
         try:
             session.restore_seq(snap, seq)  # checks the cells and the last position against the file's
         except KvcliError as e:

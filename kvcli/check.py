@@ -447,7 +447,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         log(f"{n} prompt tokens; loading the reference engine")
         reference = ReferenceSession(model_path, n_ctx=native.n_ctx, n_threads=settings.threads)
 
-    report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget,
+    report = {"model": str(model_path), "prompt_tokens": n, "n_ctx": native.n_ctx, "budget": settings.budget,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
               "thresholds": th.as_dict(), "policies": []}
 
@@ -617,10 +617,11 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
     n_ctx = max(c.n_ctx for c in sizing.values())
     native.create_context(n_ctx)
     log(f"{n} prompt tokens in chunks of {chunk}; loading the reference engine")
-    reference = ReferenceSession(model_path, n_ctx=n_ctx, n_threads=settings.threads)
+    reference = ReferenceSession(model_path, n_ctx=native.n_ctx, n_threads=settings.threads)
     info = native.info
     reindexed = not chunked.keeps_positions(info)   # sliding-window models keep positions
-    report = {"model": str(model_path), "prompt_tokens": n, "budget": settings.budget, "chunk": chunk,
+    report = {"model": str(model_path), "prompt_tokens": n, "n_ctx": native.n_ctx, "budget": settings.budget,
+              "chunk": chunk,
               "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
               "thresholds": th.as_dict(), "policies": []}
 

@@ -149,6 +149,18 @@ def _count(v) -> bool:
 _STR, _OPT_STR = (lambda v: isinstance(v, str)), (lambda v: v is None or isinstance(v, str))
 _BOOL, _DICT = (lambda v: isinstance(v, bool)), (lambda v: isinstance(v, dict))
 _POSITIVE = (lambda v: _count(v) and v > 0)
+
+
+class _Optional:
+    """A field that files written before it existed lack."""
+
+    def __init__(self, rule):
+        self.rule = rule
+
+    def __call__(self, v) -> bool:
+        return self.rule(v)
+
+
 _TURN = {"question": _STR, "answer": _STR, "stopped": _STR, "tokens_in": _count, "tokens_out": _count}
 # what Conversation.to_kvc writes (chat.py), field by field: a file is input, checked before any field is used
 META_SCHEMA = {
@@ -161,7 +173,7 @@ META_SCHEMA = {
     "mode": lambda v: v in ("question-aware", "question-agnostic"), "question": _OPT_STR, "system": _OPT_STR,
     "document": _STR, "generic_suffix": _OPT_STR, "compressed": _BOOL,
     "conversation": {"reset_pos": _count, "reset_cells": _count, "next_pos": _POSITIVE, "cells": _POSITIVE,
-                     "reindexed": _count, "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
+                     "reindexed": _count, "rope": _Optional(lambda v: v in (None, "short", "long")), "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
                      "turns": lambda v: isinstance(v, list) and all(_matches(t, _TURN) == "" for t in v)},
 }
 
@@ -170,10 +182,13 @@ def _matches(value, schema, where: str = "") -> str:
     """'' when `value` fits `schema` (a dict of fields -> schema or predicate), else the first field that does not."""
     if not isinstance(value, dict):
         return where or "the metadata"
-    if set(value) != set(schema):
-        odd = sorted(set(schema) - set(value)) or sorted(set(value) - set(schema))
+    required = {k for k, rule in schema.items() if not isinstance(rule, _Optional)}
+    odd = sorted(required - set(value)) or sorted(set(value) - set(schema))
+    if odd:
         return f"{where}{'.' if where else ''}{odd[0]} ({'missing' if odd[0] in schema else 'unexpected'})"
     for key, rule in schema.items():
+        if key not in value:
+            continue
         name = f"{where}{'.' if where else ''}{key}"
         bad = _matches(value[key], rule, name) if isinstance(rule, dict) else ("" if rule(value[key]) else name)
         if bad:

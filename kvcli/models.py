@@ -310,6 +310,51 @@ def read_f32_tensor(path: Path, name: str) -> np.ndarray | None:
     return None
 
 
+@dataclass(frozen=True)
+class LongRope:
+    """phi3's LongRoPE factors as llama.cpp applies them (llama_model::get_rope_factors): every RoPE frequency is
+    divided by the long factors in a context of more than `n_ctx_orig` cells, by the short ones otherwise, in
+    the K-shift too. The choice follows the context's size, not the positions: kvcli's compressed caches hold
+    positions beyond their cells, so the sessions guard what llama.cpp does not (NativeSession.check_rope)."""
+    short: np.ndarray | None
+    long: np.ndarray | None
+    n_ctx_orig: int
+
+    def regime(self, n_ctx: int) -> str:
+        return "long" if n_ctx > self.n_ctx_orig else "short"
+
+    def factors(self, n_ctx: int) -> np.ndarray | None:
+        return self.long if self.regime(n_ctx) == "long" else self.short
+
+    def long_ctx(self) -> int:
+        """The smallest context (a multiple of 256 cells) that rotates with the long factors."""
+        return (self.n_ctx_orig // 256 + 1) * 256
+
+    def position_error(self, name: str, n_ctx: int, pos: int) -> KvcliError:
+        return KvcliError(f"{name}: LongRoPE model: in a context of {n_ctx} cells llama.cpp rotates with the short "
+                          f"RoPE factors, which cover positions below {self.n_ctx_orig}, and this sequence reaches "
+                          f"position {pos} (a compressed cache keeps its positions): read the document in chunks "
+                          "(--chunk), whose re-indexing keeps positions within the context")
+
+
+def longrope(path: Path) -> LongRope | None:
+    """The LongRoPE factor pair of a phi3 GGUF (`rope_factors_long/short.weight`, Phi-3/3.5 with a 128k context),
+    or None: llama.cpp loads the pair for phi3 only (src/models/phi3.cpp) and prefers `rope_freqs` to it."""
+    path = Path(path)
+    info = read_model_info(path)
+    if info.architecture != "phi3" or read_f32_tensor(path, "rope_freqs.weight") is not None:
+        return None
+    short = read_f32_tensor(path, "rope_factors_short.weight")
+    long = read_f32_tensor(path, "rope_factors_long.weight")
+    if short is None and long is None:
+        return None
+    for name, f in (("rope_factors_short", short), ("rope_factors_long", long)):
+        if f is not None and f.size != info.head_dim // 2:
+            raise KvcliError(f"{path.name}: {name} has {f.size} factors, not head_dim / 2 = {info.head_dim // 2}")
+    orig = header_values(path).get(f"{info.architecture}.rope.scaling.original_context_length")
+    return LongRope(short=short, long=long, n_ctx_orig=int(orig or info.n_ctx_train))
+
+
 def _sliding_layers(arch: str, n_layer: int, values: dict) -> tuple:
     """The layers llama.cpp runs with a sliding window (its load_swa_pattern): none unless the architecture
     has them (SLIDING_PATTERN) and the file gives a window; then the file's per-layer pattern, its period, or

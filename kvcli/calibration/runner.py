@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from kvcli.errors import KvcliError
-from kvcli.reference.model import forward_cached
+from kvcli.reference.model import forward_cached, use_rope_context
 from kvcli.templating import plain_prompt, render_chat
 
 
@@ -33,6 +33,7 @@ class LM:
     # global ones; calibration scores and squeezes these (layer l of its arrays is model layer layers[l])
     layers: tuple = ()
     model_path: str = ""
+    loaded: object = None    # kvcli.reference.model.LoadedModel (LongRoPE factors per context)
 
     @property
     def group(self) -> int:
@@ -65,7 +66,7 @@ def load_lm(model_path) -> LM:
     cfg = loaded.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return LM(loaded.model, loaded.tokenizer, loaded.eog_ids, info.n_layer, int(cfg.num_attention_heads),
-              int(cfg.num_key_value_heads), int(head_dim), tuple(info.kv_layers), str(model_path))
+              int(cfg.num_key_value_heads), int(head_dim), tuple(info.kv_layers), str(model_path), loaded)
 
 
 @contextlib.contextmanager
@@ -161,6 +162,8 @@ class Runner:
         from transformers import DynamicCache  # noqa: PLC0415
         self.cache = DynamicCache(config=self.lm.model.config)
         self.n = 0
+        # a LongRoPE model rotates as in a context sized to the prompt, what `kvcli run` reads it in
+        use_rope_context(self.lm.loaded, len(tokens))
         return self._forward(tokens, rows)
 
     def step(self, token: int) -> int:

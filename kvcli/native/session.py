@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.models import ModelInfo, read_model_info
+from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp
 from kvcli.native.lib import ATTN_PATHS, attn_path, lib
 from kvcli.plan import window_lengths
@@ -55,6 +55,7 @@ class NativeSession:
         L = self.L
         self.model_path = str(model_path)
         self.info: ModelInfo = read_model_info(model_path)
+        self.longrope = longrope(model_path)    # phi3's LongRoPE pair: the context's size picks the factors
         if cache_type not in CACHE_TYPES:
             raise KvcliError(f"unknown cache type '{cache_type}': choose from {', '.join(CACHE_TYPES)}")
         if cache_type.startswith("q") and not flash_attn:
@@ -78,6 +79,7 @@ class NativeSession:
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.ctx = None
         self.n_ctx = 0              # cells of the context, once create_context made it
+        self.rope_regime = None     # LongRoPE models: "short" or "long", the factors the context rotates with
         self._batch = None
         self.seqs: dict[int, SeqState] = {}
         self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
@@ -91,8 +93,8 @@ class NativeSession:
         with save_seq / restore_seq. Closing it keeps the model; close it before this one."""
         s = object.__new__(NativeSession)
         s.__dict__.update({k: v for k, v in self.__dict__.items()
-                           if k in ("L", "model_path", "info", "cache_type", "flash_attn", "attn_path", "model",
-                                    "vocab", "n_vocab", "n_ctx_train")})
+                           if k in ("L", "model_path", "info", "longrope", "cache_type", "flash_attn", "attn_path",
+                                    "model", "vocab", "n_vocab", "n_ctx_train")})
         s.ctx, s._batch, s.seqs, s._owns_model = None, None, {}, False
         s._ctx_opts = dict(self._ctx_opts, n_seq=n_seq)
         s.create_context(n_ctx)
@@ -125,6 +127,7 @@ class NativeSession:
             self.model = None
             raise KvcliError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.n_ctx = L.llama_n_ctx(self.ctx)
+        self.rope_regime = self.longrope.regime(self.n_ctx) if self.longrope else None
         self.n_batch = n_batch
         self.n_seq = n_seq
         self.mem = L.llama_get_memory(self.ctx)
@@ -136,9 +139,11 @@ class NativeSession:
         compression this gives back the cells a long-lived session no longer needs (the buffer was sized for
         the whole document). The sequences must fit: their cells are checked before anything is freed."""
         n_ctx = int(n_ctx)
+        held = {s: st for s, st in self.seqs.items() if st.cells > 0}
+        if self.longrope and held:
+            n_ctx = self._same_rope(n_ctx)
         if n_ctx == self.n_ctx:
             return
-        held = {s: st for s, st in self.seqs.items() if st.cells > 0}
         need = sum(self.measured_cells(s) for s in held)
         if need > n_ctx:
             raise KvcliError(f"cannot resize the context to {n_ctx} cells: its sequences hold {need}")
@@ -149,6 +154,26 @@ class NativeSession:
         for s, (snap, timings) in snaps.items():
             self.restore_seq(snap, s)
             self.seqs[s].timings = timings
+
+    def _same_rope(self, n_ctx: int) -> int:
+        """A LongRoPE model's cached K rows are rotated with the factors of the context they were decoded in:
+        a context that keeps them must use the same ones. Shrinking a long-factor context stops at the smallest
+        long one; growing a short-factor one past the original context cannot keep them."""
+        lr = self.longrope
+        if lr.regime(n_ctx) == self.rope_regime:
+            return n_ctx
+        if self.rope_regime == "long":
+            return max(n_ctx, lr.long_ctx())
+        raise KvcliError(f"{Path(self.model_path).name}: LongRoPE model: a context of {n_ctx} cells would rotate "
+                         f"with the long RoPE factors, the cached entries were rotated with the short ones (a "
+                         f"context of at most {lr.n_ctx_orig} cells)")
+
+    def check_rope(self, max_pos: int) -> None:
+        """Refuse a position the context's RoPE factors do not cover: llama.cpp rotates a LongRoPE model with
+        its short factors in a context of at most n_ctx_orig cells, whatever the positions; a compressed cache
+        (positions beyond its cells) could otherwise go past them without a word."""
+        if self.rope_regime == "short" and max_pos >= self.longrope.n_ctx_orig:
+            raise self.longrope.position_error(Path(self.model_path).name, self.n_ctx, max_pos)
 
     # ------------------------------------------------------------------ lifecycle
     def _free_context(self) -> None:
@@ -309,6 +334,8 @@ class NativeSession:
         in the cache but before next_pos counts them; any exception before the bookkeeping is complete
         therefore removes the batch's cells again (positions >= the old next_pos), so the cache and its
         bookkeeping never disagree by a token."""
+        if self.rope_regime:
+            self.check_rope(max(pos for _, pos, _, _ in entries))
         saved = {}
         for _, _, s, _ in entries:
             st = self.seq(s)
@@ -497,13 +524,17 @@ class NativeSession:
         st = self.seq(seq)
         return SeqSnapshot(state=cache.get_state(self.ctx, seq), next_pos=st.next_pos, cells=self.measured_cells(seq),
                            prompt_tokens=st.prompt_tokens, kept_positions=st.kept_positions, reindexed=st.reindexed,
-                           last_logits=None if st.last_logits is None else st.last_logits.copy())
+                           last_logits=None if st.last_logits is None else st.last_logits.copy(),
+                           rope=self.rope_regime)
 
     def restore_seq(self, snap: SeqSnapshot, seq: int = 0) -> int:
         """Replace `seq` by a snapshot (its previous cells are dropped); returns the cells it occupies.
         The loaded cache is checked against the snapshot: its last position must be next_pos - 1 and,
         when the snapshot knows them, its cells must match."""
         self.seq(seq)  # range check
+        if snap.rope and self.rope_regime and snap.rope != self.rope_regime:
+            raise KvcliError(f"the sequence was rotated with the {snap.rope} LongRoPE factors, a context of "
+                             f"{self.n_ctx} cells rotates with the {self.rope_regime} ones")
         if self.cells_used() - self.seqs[seq].cells + (snap.cells or 0) > self.n_ctx:
             raise ContextFull(f"a {snap.cells}-cell sequence does not fit: {self.cells_used()} of {self.n_ctx} "
                               "cells are in use")
@@ -536,6 +567,7 @@ class SeqSnapshot:
     kept_positions: list | None = None
     last_logits: np.ndarray | None = None
     reindexed: int = 0   # SeqState.reindexed: positions re-indexing gave back
+    rope: str | None = None   # a LongRoPE model's factors the K rows were rotated with ("short"/"long")
 
 
 def default_threads() -> int:

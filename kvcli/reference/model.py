@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcli.errors import KvcliError
-from kvcli.models import header_values, read_f32_tensor, read_model_info
+from kvcli.models import LongRope, header_values, longrope, read_f32_tensor, read_model_info
 
 _LOADED: dict[tuple, "LoadedModel"] = {}
 
@@ -27,6 +27,8 @@ class LoadedModel:
     tokenizer: object      # transformers tokenizer rebuilt from the GGUF
     eog_ids: frozenset     # end-of-generation tokens, as llama.cpp's vocabulary marks them
     qk_permuted: bool      # the GGUF's Q/K rows are permuted for llama.cpp's "normal" RoPE (see hf_to_gguf_dims)
+    longrope: LongRope | None = None   # phi3's LongRoPE pair: the context's size picks the factors (use_rope_context)
+    inv_freq: object = None            # the rotary embedding's inverse frequencies before LongRoPE's factors
 
 
 # The tokens llama.cpp's vocabulary loader marks as end-of-generation by their text (the common
@@ -77,18 +79,15 @@ def _rope_parameters(info) -> dict:
       yarn_* keys for these architectures), the original context from `rope.scaling.original_context_length` (else
       the trained one), and scales cos/sin by `rope.scaling.attn_factor` x (1 + 0.1 ln factor): transformers'
       "yarn" type with those values;
-    - LongRoPE is refused: llama.cpp picks its long or short factors by the native context size.
+    - LongRoPE (phi3's `rope_factors_long/short`; type "longrope" or none): no frequency scaling beyond a file's factor;
+      the factors are applied per context (use_rope_context), the attn_factor as outside YaRN.
     A `rope.scaling.attn_factor` outside YaRN scales cos/sin alike (`_apply_file_rope`); so do `rope_freqs`."""
     meta = gguf_scalars(info.path, ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
                                     "rope.scaling.original_context_length", "rope.scaling.attn_factor"))
     scaling = str(meta.get("rope.scaling.type") or "linear")     # llama.cpp's default
     factor = float(meta.get("rope.scaling.factor") or meta.get("rope.scale_linear") or 0.0) or 1.0
     theta = float(info.rope_theta)
-    if scaling == "longrope" or (info.architecture == "phi3" and
-                                 read_f32_tensor(info.path, "rope_factors_long.weight") is not None):
-        raise KvcliError(f"{info.path.name}: LongRoPE scaling (rope_factors_long/short) is not supported by the "
-                         "reference engine (the native engine runs it)")
-    if scaling not in ("none", "linear", "yarn"):
+    if scaling not in ("none", "linear", "yarn", "longrope"):
         raise KvcliError(f"{info.path.name}: RoPE scaling type {scaling!r} is not supported by the reference engine")
     if scaling == "yarn":
         attn = float(meta.get("rope.scaling.attn_factor", 1.0))
@@ -212,7 +211,8 @@ def _load(path: Path) -> LoadedModel:
         transformers.logging.set_verbosity(verbosity)
         transformers.utils.logging.enable_progress_bar()
     model.eval()
-    _apply_file_rope(model, read_model_info(path))
+    info = read_model_info(path)
+    _apply_file_rope(model, info)
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise KvcliError(f"the reference engine supports {', '.join(MODEL_TYPES)} models, {path.name} is {model_type}")
@@ -220,7 +220,31 @@ def _load(path: Path) -> LoadedModel:
     eog = {i for t, i in vocab.items() if t in EOG_TEXTS}
     if tok.eos_token_id is not None:
         eog.add(int(tok.eos_token_id))
-    return LoadedModel(model=model, tokenizer=tok, eog_ids=frozenset(eog), qk_permuted=model_type in PERMUTED_QK)
+    loaded = LoadedModel(model=model, tokenizer=tok, eog_ids=frozenset(eog), qk_permuted=model_type in PERMUTED_QK,
+                         longrope=longrope(path))
+    if loaded.longrope:
+        loaded.inv_freq = model.model.rotary_emb.inv_freq.clone()
+        use_rope_context(loaded, info.n_ctx_train)
+    return loaded
+
+
+def use_rope_context(loaded: LoadedModel, n_ctx: int) -> None:
+    """Rotate as llama.cpp does in a context of `n_ctx` cells: a LongRoPE model's frequencies divided by its long
+    factors above the original context, by its short ones otherwise (llama_model::get_rope_factors). The weights
+    are shared by a process's sessions, so each sets its own context's factors before it runs the model."""
+    lr = loaded.longrope
+    if lr is None:
+        return
+    import torch  # noqa: PLC0415
+    rotary = loaded.model.model.rotary_emb
+    regime = lr.regime(n_ctx)
+    if getattr(rotary, "kvcli_rope", None) == regime:
+        return
+    factors = lr.factors(n_ctx)
+    inv_freq = loaded.inv_freq if factors is None else loaded.inv_freq / torch.from_numpy(factors)
+    for name in ("inv_freq", "original_inv_freq"):
+        setattr(rotary, name, inv_freq.clone())
+    rotary.kvcli_rope = regime
 
 
 def forward_cached(model, ids, position_ids, cache):

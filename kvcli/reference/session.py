@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from kvcli.native.session import ContextFull
 from kvcli.plan import Observation, Plan, window_lengths
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
-from kvcli.reference.model import forward_cached, load
+from kvcli.reference.model import forward_cached, load, use_rope_context
 from kvcli.templating import gguf_special_token_ids, render_chat
 
 OBSERVE_KINDS = ("window", "colsum", "kv")
@@ -74,6 +75,7 @@ class ReferenceSession:
         self.model_path = str(model_path)
         self.info: ModelInfo = read_model_info(model_path)
         loaded = load(model_path)
+        self._loaded = loaded
         self.model, self.tokenizer, self.eog_ids = loaded.model, loaded.tokenizer, loaded.eog_ids
         self.qk_permuted = loaded.qk_permuted
         cfg = self.model.config
@@ -187,9 +189,20 @@ class ReferenceSession:
         if self.cells_used() + n_new > self.n_ctx:
             raise ContextFull(f"{n_new} more tokens do not fit: {self.cells_used()} of {self.n_ctx} cells are in use")
 
+    def _use_rope(self, max_pos: int) -> None:
+        """A LongRoPE model's factors for this context, as the native engine's (and its guard: positions the short
+        factors do not cover are refused, NativeSession.check_rope)."""
+        lr = self._loaded.longrope
+        if lr is None:
+            return
+        if lr.regime(self.n_ctx) == "short" and max_pos >= lr.n_ctx_orig:
+            raise lr.position_error(Path(self.model_path).name, self.n_ctx, max_pos)
+        use_rope_context(self._loaded, self.n_ctx)
+
     def _forward(self, st: RefSeq, tokens: list[int], observer: Observer | None = None) -> None:
         """One forward pass of `tokens` at positions next_pos.. through the whole model."""
         pos = torch.arange(st.next_pos, st.next_pos + len(tokens), dtype=torch.int64)
+        self._use_rope(st.next_pos + len(tokens) - 1)
         ids = torch.tensor([tokens], dtype=torch.int64)
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.n_vocab):
             raise KvcliError(f"token id out of range [0, {self.n_vocab})")
@@ -272,6 +285,7 @@ class ReferenceSession:
         except ValueError as e:
             raise KvcliError(str(e)) from None
         t0 = time.perf_counter()
+        self._use_rope(st.next_pos - 1)
         if self._rotation is None and reindex:
             self._rotation = compact.KeyRotation(self.model)
         compact.apply_plan(st.cache, st.slots, plan, self._rotation if reindex else None, self.qk_permuted,

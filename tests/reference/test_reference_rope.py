@@ -4,8 +4,9 @@ transformers' GGUF loader reads `rope.freq_base` only: it ignores the `rope_freq
 (each frequency divided by its factor) and `rope.scaling.type` / `rope.scaling.factor`. On tiny random llamas with
 llama3-style factors (small original context, so that they matter within 300 tokens) and with linear scaling, the
 engines agree at the tight thresholds, and with YaRN, re-indexed chunked reading included (llama.cpp's K-shift
-applies the same factors); without the correction they do not (the control). LongRoPE, YaRN on gemma and unknown
-types are refused in one line.
+applies the same factors); without the correction they do not (the control). phi3's LongRoPE: the engines agree with
+the short factors (a context within the original one) and the long ones (a larger context), and not with the other
+pair (the control). YaRN on gemma and unknown types are refused in one line.
 """
 from __future__ import annotations
 
@@ -79,19 +80,68 @@ def test_chunked_reading_with_scaled_rope(tmp_path, variant):
     assert r["passed"], table
 
 
+# phi3's LongRoPE pair (Phi-3/3.5 128k): llama.cpp divides each frequency by the long factors in a context of more
+# cells than the original context, by the short ones otherwise; Phi's converter writes rope.scaling.attn_factor
+LONGROPE = {"rope_factors_long": [1.0, 1.5, 2, 4, 8, 8, 8, 8], "rope_factors_short": [1.0, 1, 1.2, 1.5, 2, 2, 2, 2]}
+# the check's context holds the 300-token document and the answer (512 cells): long factors above an original
+# context of 128, short ones within 2048
+LONGROPE_REGIMES = {"short": 2048, "long": 128}
+
+
+def write_longrope(path, orig: int, **kwargs) -> Path:
+    return write_tiny(path, "phi3", rope_scaling={"original_context_length": orig, "attn_factor": 1.2},
+                      rope_tensors=LONGROPE, **kwargs)
+
+
+@pytest.mark.parametrize("regime", list(LONGROPE_REGIMES))
+def test_engines_agree_with_longrope(tmp_path, regime):
+    from kvcli.models import longrope
+    path = write_longrope(tmp_path / "phi3.gguf", LONGROPE_REGIMES[regime])
+    r = run_check(path, DOC, POLICIES, SETTINGS, Thresholds.tight())
+    table = tight_report(r)
+    assert longrope(path).regime(r["n_ctx"]) == regime, r["n_ctx"]
+    assert r["l2"]["pass"] and r["l2"]["keys"]["rel"] <= 1e-4, table
+    for e in r["policies"]:
+        assert "error" not in e, table
+        assert e["l1"]["pass"] and e["l3"]["pass"] and e["l3"]["greedy_agree"] == 1.0, table
+    assert r["passed"], table
+
+
+@pytest.mark.parametrize("regime", list(LONGROPE_REGIMES))
+def test_longrope_with_the_other_factors_the_engines_disagree(tmp_path, monkeypatch, regime):
+    """The control: a reference engine that took the other pair of factors than llama.cpp does for the context."""
+    from kvcli.models import LongRope
+    path = write_longrope(tmp_path / "phi3.gguf", LONGROPE_REGIMES[regime])
+    monkeypatch.setattr(LongRope, "factors", lambda self, n_ctx: self.short if self.regime(n_ctx) == "long"
+                        else self.long)
+    r = run_check(path, DOC, ["snapkv"], SETTINGS, Thresholds.tight())
+    assert not r["l2"]["pass"] and r["l2"]["keys"]["rel"] > 0.01, tight_report(r)
+
+
+def test_chunked_reading_with_longrope(tmp_path):
+    """A document longer than the original context, read in chunks into a context within it: re-indexing keeps the
+    positions below the context's cells, so the short factors cover them (what the native guard's message advises);
+    the K-shift uses the same factors in both engines."""
+    from kvcli.models import longrope
+    path = write_longrope(tmp_path / "phi3.gguf", 256)
+    settings = CheckSettings(budget=48, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=320, chunk=96)
+    r = run_check(path, DOC, ["snapkv", "h2o"], settings, Thresholds.tight())
+    table = tight_report(r)
+    assert longrope(path).regime(r["n_ctx"]) == "short" and r["prompt_tokens"] > 256, (r["n_ctx"], r["prompt_tokens"])
+    for e in r["policies"]:
+        assert "error" not in e, table
+        assert e["chunks"] >= 3 and e["l1"]["pass"] and e["l3"]["pass"] and e["l3"]["greedy_agree"] == 1.0, table
+    assert r["passed"], table
+
+
 REFUSED = {
     "yarn-gemma3": (dict(arch="gemma3", n_layer=4, rope_scaling=YARN),
                     "YaRN RoPE scaling is not supported by the reference engine for gemma3"),
-    "longrope": (dict(arch="phi3", rope_scaling={"type": "longrope", "original_context_length": 512,
-                                                 "attn_factor": 1.2},
-                      rope_tensors={"rope_factors_long": [1.0, 2, 4, 8, 8, 8, 8, 8],
-                                    "rope_factors_short": [1.0, 1, 1, 2, 2, 2, 2, 2]}),
-                 "LongRoPE scaling (rope_factors_long/short) is not supported by the reference engine"),
 }
 
 
 @pytest.mark.parametrize("kind", list(REFUSED))
-def test_reference_refuses_longrope_and_gemma_yarn_the_native_engine_runs_them(tmp_path, run_kvcli, kind):
+def test_reference_refuses_gemma_yarn_the_native_engine_runs_it(tmp_path, run_kvcli, kind):
     kwargs, message = REFUSED[kind]
     path = write_tiny(tmp_path / f"{kind}.gguf", kwargs.pop("arch", "llama"), **kwargs)
     for args in (["run", "--engine", "reference", "-n", "2", "Hello"],
