@@ -173,7 +173,8 @@ META_SCHEMA = {
     "mode": lambda v: v in ("question-aware", "question-agnostic"), "question": _OPT_STR, "system": _OPT_STR,
     "document": _STR, "generic_suffix": _OPT_STR, "compressed": _BOOL,
     "conversation": {"reset_pos": _count, "reset_cells": _count, "next_pos": _POSITIVE, "cells": _POSITIVE,
-                     "reindexed": _count, "rope": _Optional(lambda v: v in (None, "short", "long")), "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
+                     "reindexed": _count, "rope": _Optional(lambda v: v in (None, "short", "long")),
+                     "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
                      "turns": lambda v: isinstance(v, list) and all(_matches(t, _TURN) == "" for t in v)},
 }
 

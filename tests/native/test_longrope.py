@@ -123,3 +123,16 @@ def test_batch_reads_each_document_with_the_shared_caches_factors(tmp_path, run_
     assert p.returncode == 0, p.stderr
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 2 and all(not x.get("error") for x in lines), lines
+
+
+def test_kvc_schema_takes_files_without_the_rope_field():
+    """Files written before `conversation.rope` existed still load; a bad value is refused."""
+    from kvcli import kvc as kvc_file
+    conv = {"reset_pos": 0, "reset_cells": 0, "next_pos": 5, "cells": 5, "reindexed": 0, "tail": "user",
+            "pending": False, "turns": []}
+    schema = kvc_file.META_SCHEMA["conversation"]
+    assert kvc_file._matches(conv, schema) == ""
+    assert kvc_file._matches({**conv, "rope": "long"}, schema) == ""
+    assert kvc_file._matches({**conv, "rope": "medium"}, schema, "conversation") == "conversation.rope"
+    del conv["tail"]
+    assert kvc_file._matches(conv, schema, "conversation") == "conversation.tail (missing)"
