@@ -315,7 +315,7 @@ class LongRope:
     """phi3's LongRoPE factors as llama.cpp applies them (llama_model::get_rope_factors): every RoPE frequency is
     divided by the long factors in a context of more than `n_ctx_orig` cells, by the short ones otherwise, in
     the K-shift too. The choice follows the context's size, not the positions: kvcli's compressed caches hold
-    positions beyond their cells, so the sessions guard what llama.cpp does not (NativeSession.check_rope)."""
+    positions beyond their cells, so the sessions guard what llama.cpp does not (check_position)."""
     short: np.ndarray | None
     long: np.ndarray | None
     n_ctx_orig: int
@@ -330,11 +330,14 @@ class LongRope:
         """The smallest context (a multiple of 256 cells) that rotates with the long factors."""
         return (self.n_ctx_orig // 256 + 1) * 256
 
-    def position_error(self, name: str, n_ctx: int, pos: int) -> KvcliError:
-        return KvcliError(f"{name}: LongRoPE model: in a context of {n_ctx} cells llama.cpp rotates with the short "
-                          f"RoPE factors, which cover positions below {self.n_ctx_orig}, and this sequence reaches "
-                          f"position {pos} (a compressed cache keeps its positions): read the document in chunks "
-                          "(--chunk), whose re-indexing keeps positions within the context")
+    def check_position(self, name: str, n_ctx: int, pos: int) -> None:
+        """Refuse a position the context's factors do not cover: the short ones (a context of at most n_ctx_orig
+        cells) stop at n_ctx_orig, and a compressed cache holds positions beyond its cells."""
+        if self.regime(n_ctx) == "short" and pos >= self.n_ctx_orig:
+            raise KvcliError(f"{name}: LongRoPE model: in a context of {n_ctx} cells llama.cpp rotates with the "
+                             f"short RoPE factors, which cover positions below {self.n_ctx_orig}, and this sequence "
+                             f"reaches position {pos} (a compressed cache keeps its positions): read the document in "
+                             "chunks (--chunk), whose re-indexing keeps positions within the context")
 
 
 def longrope(path: Path) -> LongRope | None:

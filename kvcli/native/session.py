@@ -79,7 +79,6 @@ class NativeSession:
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.ctx = None
         self.n_ctx = 0              # cells of the context, once create_context made it
-        self.rope_regime = None     # LongRoPE models: "short" or "long", the factors the context rotates with
         self._batch = None
         self.seqs: dict[int, SeqState] = {}
         self._ctx_opts = dict(n_seq=n_seq, n_batch=n_batch, n_threads=n_threads)
@@ -127,7 +126,6 @@ class NativeSession:
             self.model = None
             raise KvcliError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.n_ctx = L.llama_n_ctx(self.ctx)
-        self.rope_regime = self.longrope.regime(self.n_ctx) if self.longrope else None
         self.n_batch = n_batch
         self.n_seq = n_seq
         self.mem = L.llama_get_memory(self.ctx)
@@ -168,12 +166,10 @@ class NativeSession:
                          f"with the long RoPE factors, the cached entries were rotated with the short ones (a "
                          f"context of at most {lr.n_ctx_orig} cells)")
 
-    def check_rope(self, max_pos: int) -> None:
-        """Refuse a position the context's RoPE factors do not cover: llama.cpp rotates a LongRoPE model with
-        its short factors in a context of at most n_ctx_orig cells, whatever the positions; a compressed cache
-        (positions beyond its cells) could otherwise go past them without a word."""
-        if self.rope_regime == "short" and max_pos >= self.longrope.n_ctx_orig:
-            raise self.longrope.position_error(Path(self.model_path).name, self.n_ctx, max_pos)
+    @property
+    def rope_regime(self) -> str | None:
+        """A LongRoPE model's factors in this context ("short" or "long"), else None."""
+        return self.longrope.regime(self.n_ctx) if self.longrope and self.n_ctx else None
 
     # ------------------------------------------------------------------ lifecycle
     def _free_context(self) -> None:
@@ -334,8 +330,8 @@ class NativeSession:
         in the cache but before next_pos counts them; any exception before the bookkeeping is complete
         therefore removes the batch's cells again (positions >= the old next_pos), so the cache and its
         bookkeeping never disagree by a token."""
-        if self.rope_regime:
-            self.check_rope(max(pos for _, pos, _, _ in entries))
+        if self.longrope:   # llama.cpp picks the factors by cells, whatever the positions (LongRope)
+            self.longrope.check_position(Path(self.model_path).name, self.n_ctx, max(p for _, p, _, _ in entries))
         saved = {}
         for _, _, s, _ in entries:
             st = self.seq(s)

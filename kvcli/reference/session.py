@@ -190,13 +190,12 @@ class ReferenceSession:
             raise ContextFull(f"{n_new} more tokens do not fit: {self.cells_used()} of {self.n_ctx} cells are in use")
 
     def _use_rope(self, max_pos: int) -> None:
-        """A LongRoPE model's factors for this context, as the native engine's (and its guard: positions the short
-        factors do not cover are refused, NativeSession.check_rope)."""
+        """A LongRoPE model's factors for this context, as the native engine's, with its guard (positions the short
+        factors do not cover are refused)."""
         lr = self._loaded.longrope
         if lr is None:
             return
-        if lr.regime(self.n_ctx) == "short" and max_pos >= lr.n_ctx_orig:
-            raise lr.position_error(Path(self.model_path).name, self.n_ctx, max_pos)
+        lr.check_position(Path(self.model_path).name, self.n_ctx, max_pos)
         use_rope_context(self._loaded, self.n_ctx)
 
     def _forward(self, st: RefSeq, tokens: list[int], observer: Observer | None = None) -> None:
