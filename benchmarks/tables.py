@@ -7,7 +7,10 @@
 Prints the tables; numbers are copied from the measurements, only rounded. --merge pools the per-prompt
 records of several `kvcli eval niah/ruler` runs (e.g. rounds with other seeds or depths) into one table per task
 and one over all tasks: policy x budget, mean score with its standard error over the prompts, the prompt count,
-and the fraction of the full cache's score on the same prompts.
+and the fraction of the full cache's score on the same prompts. Fidelity runs (`kvcli eval fidelity`, e.g. one
+per document) pool the same way: per length, policy x budget, mean perplexity over the documents as a ratio to
+the full cache's mean on the same documents (as `kvcli eval fidelity` summarises several --docs), the lowest and
+highest single-document ratio, and the mean KL to full.
 """
 from __future__ import annotations
 
@@ -122,11 +125,49 @@ def merged_eval_tables(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def merged_fidelity_tables(results: list[dict]) -> str:
+    recs = [dict(r, run=i) for i, res in enumerate(results) for r in res["records"]]
+    full = {(r["run"], r["doc"], r["length"]): r["ppl"] for r in recs if r["policy"] == "full" and r["ppl"] is not None}
+    budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
+    out = []
+    for L in sorted({r["length"] for r in recs}):
+        docs = sorted({(r["run"], r["doc"]) for r in recs if r["length"] == L})
+        base = [full.get((run, doc, L)) for run, doc in docs]
+        out.append(f"**fidelity, {L} tokens + continuation, {len(docs)} document{'s' if len(docs) > 1 else ''}**: full cache perplexity "
+                   + ", ".join(_f(b, "{:.2f}") for b in base)
+                   + "; cells: ratio of mean perplexity to full's (lowest–highest single document) [mean KL]\n")
+        out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+        out.append("|---|" + "---|" * len(budgets))
+        for pol in dict.fromkeys(r["policy"] for r in recs if r["length"] == L and r["policy"] != "full"):
+            cells = []
+            for b in budgets:
+                m = [r for r in recs if (r["length"], r["policy"], r["budget"]) == (L, pol, b)]
+                ok = [r for r in m if r["ppl"] is not None and full.get((r["run"], r["doc"], L))]
+                if not m:
+                    cells.append("")
+                elif len(ok) < len(m):
+                    cells.append(f"{len(m) - len(ok)} of {len(m)}: {m[0]['status']}"[:60])
+                else:
+                    bases = [full[(r["run"], r["doc"], L)] for r in ok]
+                    ratio = sum(r["ppl"] for r in ok) / sum(bases)
+                    each = [r["ppl"] / f for r, f in zip(ok, bases)]
+                    kl = [r["kl_mean"] for r in ok if r.get("kl_mean") is not None]
+                    cells.append(f"{ratio:.2f} ({min(each):.2f}–{max(each):.2f}) "
+                                 f"[{_f(sum(kl) / len(kl) if kl else None, '{:.2f}')}]")
+            out.append(f"| {pol} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     if sys.argv[1] == "--merge":
-        print(merged_eval_tables([json.load(open(p)) for p in sys.argv[2:]]))
+        results = [json.load(open(p)) for p in sys.argv[2:]]
+        kinds = {res["task"] == "fidelity" for res in results}
+        if len(kinds) > 1:
+            sys.exit("tables.py --merge: give either fidelity runs or niah/ruler runs, not both")
+        print(merged_fidelity_tables(results) if kinds == {True} else merged_eval_tables(results))
         return
     for path in sys.argv[1:]:
         res = json.load(open(path))
