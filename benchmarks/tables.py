@@ -3,6 +3,7 @@
 
     python benchmarks/tables.py benchmarks/results/bench.json [more.json ...]
     python benchmarks/tables.py --merge eval-r0.json eval-r1.json ...   # eval runs of one setting, pooled
+    python benchmarks/tables.py --merge ruler-4k-r*.json ruler-8k-r*.json --plot ruler.png   # and a figure
 
 Prints the tables; numbers are copied from the measurements, only rounded. --merge pools the per-prompt
 records of several `kvcli eval niah/ruler` runs (e.g. rounds with other seeds or depths) into one table per task
@@ -14,8 +15,9 @@ highest single-document ratio, and the mean KL to full.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+from pathlib import Path
 
 
 def _f(v, fmt):
@@ -88,91 +90,177 @@ def eval_tables(res: dict) -> str:
     return "\n".join(out)
 
 
-def merged_eval_tables(results: list[dict]) -> str:
+def pool_scores(results: list[dict]) -> tuple[dict, dict]:
+    """Per (length, task or "all tasks", policy, budget): mean score, standard error, prompt count and fraction of
+    the full cache's mean on the same prompts (or a status string when some prompt failed); and the full cache's
+    scores per (length, task)."""
     recs = [dict(r, run=i) for i, res in enumerate(results) for r in res["records"]]
-    lengths = sorted({r["length"] for r in recs})
-    budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
     full = {(r["run"], r["task"], r["length"], r.get("depth"), r["sample"]): r["score"]
             for r in recs if r["policy"] == "full" and r["score"] is not None}
-    out = []
-    for L in lengths:
+    cells, full_scores = {}, {}
+    for L in sorted({r["length"] for r in recs}):
         for task in [*sorted({r["task"] for r in recs}), "all tasks"]:
             rs = [r for r in recs if r["length"] == L and task in (r["task"], "all tasks")]
-            n_full = [v for k, v in full.items() if k[2] == L and task in (k[1], "all tasks")]
-            out.append(f"**{task}, {L} tokens**: full cache {sum(n_full) / max(1, len(n_full)):.0f}% over "
-                       f"{len(n_full)} prompts; cells: mean score % +- standard error (fraction of full)\n")
-            out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
-            out.append("|---|" + "---|" * len(budgets))
-            for pol in dict.fromkeys(r["policy"] for r in rs if r["policy"] != "full"):
-                cells = []
-                for b in budgets:
-                    m = [r for r in rs if r["policy"] == pol and r["budget"] == b]
-                    ok = [r for r in m if r["score"] is not None]
-                    if not m:
-                        cells.append("")
-                        continue
-                    if len(ok) < len(m):
-                        cells.append(f"{len(m) - len(ok)} of {len(m)}: {m[0]['status']}"[:60])
-                        continue
-                    sc = [r["score"] for r in ok]
-                    mean = sum(sc) / len(sc)
-                    se = (sum((x - mean) ** 2 for x in sc) / (len(sc) - 1) / len(sc)) ** 0.5 if len(sc) > 1 else 0.0
-                    base = [full.get((r["run"], r["task"], r["length"], r.get("depth"), r["sample"])) for r in ok]
-                    frac = (mean / (sum(base) / len(base))) if all(v is not None for v in base) and sum(base) else None
-                    cells.append(f"{mean:.0f} +- {se:.0f} ({_f(frac, '{:.2f}')})")
-                out.append(f"| {pol} | " + " | ".join(cells) + " |")
-            out.append("")
+            full_scores[(L, task)] = [v for k, v in full.items() if k[2] == L and task in (k[1], "all tasks")]
+            for pol, b in dict.fromkeys((r["policy"], r["budget"]) for r in rs if r["policy"] != "full"):
+                m = [r for r in rs if r["policy"] == pol and r["budget"] == b]
+                ok = [r for r in m if r["score"] is not None]
+                if len(ok) < len(m):
+                    cells[(L, task, pol, b)] = f"{len(m) - len(ok)} of {len(m)}: {m[0]['status']}"[:60]
+                    continue
+                sc = [r["score"] for r in ok]
+                mean = sum(sc) / len(sc)
+                se = (sum((x - mean) ** 2 for x in sc) / (len(sc) - 1) / len(sc)) ** 0.5 if len(sc) > 1 else 0.0
+                base = [full.get((r["run"], r["task"], r["length"], r.get("depth"), r["sample"])) for r in ok]
+                frac = (mean / (sum(base) / len(base))) if all(v is not None for v in base) and sum(base) else None
+                cells[(L, task, pol, b)] = (mean, se, len(sc), frac)
+    return cells, full_scores
+
+
+def merged_eval_tables(results: list[dict]) -> str:
+    cells, full_scores = pool_scores(results)
+    budgets = sorted({k[3] for k in cells if k[3] is not None})
+    out = []
+    for L, task in full_scores:
+        n_full = full_scores[(L, task)]
+        out.append(f"**{task}, {L} tokens**: full cache {sum(n_full) / max(1, len(n_full)):.0f}% over "
+                   f"{len(n_full)} prompts; cells: mean score % +- standard error (fraction of full)\n")
+        out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+        out.append("|---|" + "---|" * len(budgets))
+        for pol in dict.fromkeys(k[2] for k in cells if k[:2] == (L, task)):
+            row = []
+            for b in budgets:
+                c = cells.get((L, task, pol, b), "")
+                row.append(c if isinstance(c, str) else f"{c[0]:.0f} +- {c[1]:.0f} ({_f(c[3], '{:.2f}')})")
+            out.append(f"| {pol} | " + " | ".join(row) + " |")
+        out.append("")
     return "\n".join(out)
 
 
-def merged_fidelity_tables(results: list[dict]) -> str:
+def plot_panels(series: dict, reference: dict, path: str, *, title: str, ylabel: str, log_y: bool = False) -> None:
+    """One panel per length (the keys of `reference`: length -> (y of the full cache, panel title)). `series` maps
+    (length, policy, budget) -> (y, y_below, y_above): a line per policy over the budgets with those error bars."""
+    from kvcli.evaluation.report import pyplot, save_png  # noqa: PLC0415
+    policies = list(dict.fromkeys(k[1] for k in series))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(reference), figsize=(4.6 * len(reference), 4), squeeze=False)
+    for ax, (L, (full_y, panel)) in zip(axes.flat, sorted(reference.items())):
+        ax.axhline(full_y, color="k", ls="--", lw=1, label="full")
+        for i, pol in enumerate(policies):
+            pts = sorted((k[2], v) for k, v in series.items() if k[:2] == (L, pol))
+            if pts:  # ten colours, the eleventh policy dotted; each policy nudged sideways so error bars stay apart
+                nudge = 2 ** (0.015 * (i - len(policies) / 2))
+                ax.errorbar([b * nudge for b, _ in pts], [v[0] for _, v in pts],
+                            yerr=[[v[1] for _, v in pts], [v[2] for _, v in pts]], marker="o", ms=3, capsize=2, lw=1,
+                            color=f"C{i % 10}", ls="-" if i < 10 else ":", label=pol)
+        ax.set(title=panel, xlabel="budget (cells per layer)", ylabel=ylabel)
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        budgets = sorted({k[2] for k in series if k[0] == L})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.905, 0.5), fontsize=8)
+    fig.subplots_adjust(right=0.9)
+    fig.suptitle(title)
+    save_png(fig, path)
+    plt.close(fig)
+
+
+def plot_merged_eval(results: list[dict], path: str) -> None:
+    """Mean score over all tasks vs budget, standard error as bars, the full cache's mean on the same prompts."""
+    cells, full_scores = pool_scores(results)
+    series = {(L, pol, b): (v[0], v[1], v[1]) for (L, task, pol, b), v in cells.items()
+              if task == "all tasks" and not isinstance(v, str)}
+    reference = {L: (sum(f) / len(f), f"{L} tokens, {len(f)} prompts")
+                 for (L, task), f in full_scores.items() if task == "all tasks"}
+    plot_panels(series, reference, path, ylabel="score % (mean +- s.e.)",
+                title=f"{Path(results[0]['model']).stem}: RULER-style tasks, prompts pooled over rounds")
+
+
+def plot_merged_fidelity(results: list[dict], path: str) -> None:
+    """Perplexity ratio to full vs budget (log), bars from the lowest to the highest single-document ratio."""
+    cells, full_ppl = pool_fidelity(results)
+    series = {k: (v[0], v[0] - v[1], v[2] - v[0]) for k, v in cells.items() if not isinstance(v, str)}
+    reference = {L: (1.0, f"{L} tokens + continuation, {len(f)} doc{'s' if len(f) > 1 else ''}")
+                 for L, f in full_ppl.items()}
+    plot_panels(series, reference, path, ylabel="continuation perplexity / full's", log_y=True,
+                title=f"{Path(results[0]['model']).stem}: fidelity on raw text, documents pooled")
+
+
+def pool_fidelity(results: list[dict]) -> tuple[dict, dict]:
+    """Per (length, policy, budget): the mean perplexity over the documents divided by the full cache's mean on
+    them (as `kvcli eval fidelity` summarises several --docs), the lowest and highest single-document ratio and the
+    mean KL to full (or a status string when some document failed); and the full cache's perplexity per document
+    for each length."""
     recs = [dict(r, run=i) for i, res in enumerate(results) for r in res["records"]]
     full = {(r["run"], r["doc"], r["length"]): r["ppl"] for r in recs if r["policy"] == "full" and r["ppl"] is not None}
-    budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
-    out = []
+    cells, full_ppl = {}, {}
     for L in sorted({r["length"] for r in recs}):
         docs = sorted({(r["run"], r["doc"]) for r in recs if r["length"] == L})
-        base = [full.get((run, doc, L)) for run, doc in docs]
-        out.append(f"**fidelity, {L} tokens + continuation, {len(docs)} document{'s' if len(docs) > 1 else ''}**: full cache perplexity "
-                   + ", ".join(_f(b, "{:.2f}") for b in base)
+        full_ppl[L] = [full.get((run, doc, L)) for run, doc in docs]
+        for pol, b in dict.fromkeys((r["policy"], r["budget"]) for r in recs if r["length"] == L and r["policy"] != "full"):
+            m = [r for r in recs if (r["length"], r["policy"], r["budget"]) == (L, pol, b)]
+            ok = [r for r in m if r["ppl"] is not None and full.get((r["run"], r["doc"], L))]
+            if len(ok) < len(m):
+                cells[(L, pol, b)] = f"{len(m) - len(ok)} of {len(m)}: {m[0]['status']}"[:60]
+                continue
+            bases = [full[(r["run"], r["doc"], L)] for r in ok]
+            each = [r["ppl"] / f for r, f in zip(ok, bases)]
+            kl = [r["kl_mean"] for r in ok if r.get("kl_mean") is not None]
+            cells[(L, pol, b)] = (sum(r["ppl"] for r in ok) / sum(bases), min(each), max(each),
+                                  sum(kl) / len(kl) if kl else None)
+    return cells, full_ppl
+
+
+def merged_fidelity_tables(results: list[dict]) -> str:
+    cells, full_ppl = pool_fidelity(results)
+    budgets = sorted({k[2] for k in cells if k[2] is not None})
+    out = []
+    for L, base in full_ppl.items():
+        out.append(f"**fidelity, {L} tokens + continuation, {len(base)} document{'s' if len(base) > 1 else ''}**: "
+                   "full cache perplexity " + ", ".join(_f(v, "{:.2f}") for v in base)
                    + "; cells: ratio of mean perplexity to full's (lowest–highest single document) [mean KL]\n")
         out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
-        for pol in dict.fromkeys(r["policy"] for r in recs if r["length"] == L and r["policy"] != "full"):
-            cells = []
+        for pol in dict.fromkeys(k[1] for k in cells if k[0] == L):
+            row = []
             for b in budgets:
-                m = [r for r in recs if (r["length"], r["policy"], r["budget"]) == (L, pol, b)]
-                ok = [r for r in m if r["ppl"] is not None and full.get((r["run"], r["doc"], L))]
-                if not m:
-                    cells.append("")
-                elif len(ok) < len(m):
-                    cells.append(f"{len(m) - len(ok)} of {len(m)}: {m[0]['status']}"[:60])
-                else:
-                    bases = [full[(r["run"], r["doc"], L)] for r in ok]
-                    ratio = sum(r["ppl"] for r in ok) / sum(bases)
-                    each = [r["ppl"] / f for r, f in zip(ok, bases)]
-                    kl = [r["kl_mean"] for r in ok if r.get("kl_mean") is not None]
-                    cells.append(f"{ratio:.2f} ({min(each):.2f}–{max(each):.2f}) "
-                                 f"[{_f(sum(kl) / len(kl) if kl else None, '{:.2f}')}]")
-            out.append(f"| {pol} | " + " | ".join(cells) + " |")
+                c = cells.get((L, pol, b), "")
+                row.append(c if isinstance(c, str) else f"{c[0]:.2f} ({c[1]:.2f}–{c[2]:.2f}) [{_f(c[3], '{:.2f}')}]")
+            out.append(f"| {pol} | " + " | ".join(row) + " |")
         out.append("")
     return "\n".join(out)
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    if sys.argv[1] == "--merge":
-        results = [json.load(open(p)) for p in sys.argv[2:]]
-        kinds = {res["task"] == "fidelity" for res in results}
-        if len(kinds) > 1:
-            sys.exit("tables.py --merge: give either fidelity runs or niah/ruler runs, not both")
-        print(merged_fidelity_tables(results) if kinds == {True} else merged_eval_tables(results))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", help="JSON written by kvcli bench / kvcli eval --json-out")
+    ap.add_argument("--merge", action="store_true", help="pool several eval runs into one table per setting")
+    ap.add_argument("--plot", metavar="PNG", help="with --merge: score (or perplexity ratio) vs budget, one panel per length")
+    args = ap.parse_args()
+    if args.plot:
+        from kvcli.errors import KvcliError  # noqa: PLC0415
+        from kvcli.evaluation.report import check_png  # noqa: PLC0415
+        try:
+            check_png(args.plot)
+        except KvcliError as e:
+            ap.error(str(e))
+    results = [json.load(open(p)) for p in args.files]
+    if not args.merge:
+        if args.plot:
+            ap.error("--plot needs --merge")
+        for path, res in zip(args.files, results):
+            print(f"<!-- {path} -->")
+            print(bench_tables(res) if res["kind"] == "bench" else eval_tables(res))
         return
-    for path in sys.argv[1:]:
-        res = json.load(open(path))
-        print(f"<!-- {path} -->")
-        print(bench_tables(res) if res["kind"] == "bench" else eval_tables(res))
+    kinds = {res["task"] == "fidelity" for res in results}
+    if len(kinds) > 1 or any(res["kind"] != "eval" for res in results):
+        ap.error("--merge takes either fidelity runs or niah/ruler runs of kvcli eval, not a mix")
+    fidelity = kinds == {True}
+    print(merged_fidelity_tables(results) if fidelity else merged_eval_tables(results))
+    if args.plot:
+        (plot_merged_fidelity if fidelity else plot_merged_eval)(results, args.plot)
 
 
 if __name__ == "__main__":

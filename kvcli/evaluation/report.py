@@ -35,14 +35,14 @@ def check_png(path: str | None) -> None:
         raise KvcliError(f"cannot write {path}: the folder {p.parent} does not exist")
 
 
-def _plt():
+def pyplot():
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     return plt
 
 
-def _save(fig, path: str) -> None:
+def save_png(fig, path: str) -> None:
     p = Path(path).expanduser()
     tmp = p.with_name(f".{p.stem}.tmp{os.getpid()}.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
@@ -54,7 +54,7 @@ def plot_bench(result: dict, path: str) -> None:
     """Three panels: decode tok/s vs budget, greedy agreement vs budget (one line per policy and cache
     type, full caches as horizontal lines), and KV bytes per configuration as bars. One document:
     the longest benchmarked (figures of several documents are not averaged into one line)."""
-    plt = _plt()
+    plt = pyplot()
     rows = [r for r in result["rows"] if r.get("status") == "ok"]
     if not rows:
         raise KvcliError("nothing to plot: no configuration was measured")
@@ -88,14 +88,14 @@ def plot_bench(result: dict, path: str) -> None:
     axes[2].set(title="KV bytes measured in the cache", xlabel="MB")
     fig.suptitle(f"kvcli bench: {Path(result['model']).name}, {rows[0]['prompt_tokens']}-token prompt, "
                  f"{rows[0]['gen_tokens']} generated tokens")
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
     if result.get("batch") and any("aggregate_tok_s" in b for b in result["batch"]):
         plot_batch(result, str(Path(path).with_name(Path(path).stem + "-batch.png")))
 
 
 def plot_batch(result: dict, path: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     bs = [b for b in result["batch"] if "aggregate_tok_s" in b]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.35 * len(bs) + 1.8))
     y = range(len(bs))
@@ -108,14 +108,14 @@ def plot_batch(result: dict, path: str) -> None:
     axes[1].set_yticks(y, [""] * len(bs))
     axes[1].invert_yaxis()
     axes[1].set(title="aggregate decode, all held decoded in one batch", xlabel="tok/s")
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ eval
 def plot_niah(result: dict, path: str) -> None:
     """One heat map (length x depth, colour = score) per policy x budget."""
-    plt = _plt()
+    plt = pyplot()
     cells = result["cells"]
     keys = []
     for c in cells:
@@ -151,13 +151,13 @@ def plot_niah(result: dict, path: str) -> None:
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label="score (%)")
     fig.suptitle(f"needle in a haystack: {Path(result['model']).name}")
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
 
 
 def plot_scores(result: dict, path: str, metric: str = "score", ylabel: str = "score (%)") -> None:
     """score (or another metric) vs budget, one line per policy x length; full cache as dashed lines."""
-    plt = _plt()
+    plt = pyplot()
     summary = [s for s in result["summary"] if s.get(metric) is not None]
     if not summary:
         raise KvcliError("nothing to plot: no score was measured")
@@ -181,5 +181,5 @@ def plot_scores(result: dict, path: str, metric: str = "score", ylabel: str = "s
             ax.set_xscale("log", base=2)
         ax.legend(fontsize=6)
     fig.suptitle(f"kvcli eval {result['task']}: {Path(result['model']).name}")
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
