@@ -17,7 +17,7 @@ POLICIES=full,truncate,streamingllm,snapkv,h2o,pyramidkv,windowkv,dynamickv,comp
 # seed:depth per round
 ROUNDS_4k="0:0.25 1:0.75 2:0.5 3:0.1 4:0.9"
 ROUNDS_8k="0:0.5 1:0.25 2:0.75 3:0.1 4:0.9 5:0.4 6:0.6"
-ROUNDS_16k="0:0.5 1:0.25 2:0.75 3:0.1 4:0.9 5:0.4"
+ROUNDS_16k="0:0.5 1:0.25 2:0.75 3:0.1 4:0.9 5:0.4"   # 0-4 measured; 5 not yet (docs/results.md)
 mkdir -p "$OUT"
 $PY -m kvcli.cli models pull "$MODEL" >/dev/null
 for L in ${1:-4k 8k 16k fidelity}; do
@@ -33,7 +33,7 @@ for L in ${1:-4k 8k 16k fidelity}; do
       $PY -m kvcli.cli eval fidelity --model "$MODEL" --threads "$THREADS" --policies "${POLICIES/truncate,/}" \
           --budgets 128,256,512 --lengths 8k,16k --docs "$doc" --cont 64 --json-out "$json"
     done
-    $PY benchmarks/tables.py --merge "$OUT"/fidelity-8k16k*.json
+    $PY benchmarks/tables.py --merge "$OUT"/fidelity-*.json
     continue
   fi
   rounds=ROUNDS_$L
@@ -46,4 +46,10 @@ for L in ${1:-4k 8k 16k fidelity}; do
         --lengths "$L" --tasks "$tasks" --depths "$depth" --samples 1 --seed "$seed" --json-out "$OUT/ruler-$L-r$seed.json"
   done
   $PY benchmarks/tables.py --merge "$OUT"/ruler-$L-r*.json
+done
+# the figures in docs/results.md, from every round and document measured so far
+for kind in ruler fidelity; do
+  if compgen -G "$OUT/$kind-*.json" >/dev/null; then
+    $PY benchmarks/tables.py --merge "$OUT"/$kind-*.json --plot "$OUT/$kind.png" >/dev/null
+  fi
 done
