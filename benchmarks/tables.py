@@ -160,7 +160,8 @@ def plot_panels(series: dict, reference: dict, path: str, *, title: str, ylabel:
         budgets = sorted({k[2] for k in series if k[0] == L})
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.xaxis.set_minor_locator(plt.NullLocator())
-    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.905, 0.5), fontsize=8)
+    legend = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}  # every panel's
+    fig.legend(legend.values(), legend.keys(), loc="center left", bbox_to_anchor=(0.905, 0.5), fontsize=8)
     fig.subplots_adjust(right=0.9)
     fig.suptitle(title)
     save_png(fig, path)
