@@ -3,8 +3,8 @@
 # budgets 128/256/512 plus plain truncation, and fidelity at 4k/8k/16k. This is how the tables in docs/results.md
 # ("Quality on qwen2.5-coder-0.5b") were measured: in rounds of one prompt per task, each round with its own seed
 # and needle depth, merged afterwards; a round whose JSON exists is skipped, so the script resumes and more rounds
-# can be added to ROUNDS_* (cost on the 2-core project machine, 2 threads: ~6 min / ~18 min / ~50 min per round at
-# 4k / 8k / 16k).
+# can be added to ROUNDS_* (cost on the 2-core project machine, 2 threads: ~6 min / ~18 min / ~20-60 min per round at
+# 4k / 8k / 16k; 16k took 20 min per round on a freshly set-up machine with nothing beside it).
 #   benchmarks/eval_qwen.sh [LENGTHS]        # e.g. "16k"; default "4k 8k 16k fidelity"
 # Needs: kvcli models pull qwen2.5-coder-0.5b. compresskv uses the shipped calibration for this model.
 set -euo pipefail
@@ -17,7 +17,7 @@ POLICIES=full,truncate,streamingllm,snapkv,h2o,pyramidkv,windowkv,dynamickv,comp
 # seed:depth per round
 ROUNDS_4k="0:0.25 1:0.75 2:0.5 3:0.1 4:0.9"
 ROUNDS_8k="0:0.5 1:0.25 2:0.75 3:0.1 4:0.9 5:0.4 6:0.6"
-ROUNDS_16k="0:0.5 1:0.25 2:0.75 3:0.1 4:0.9 5:0.4"   # 0-4 measured; 5 not yet (docs/results.md)
+ROUNDS_16k="0:0.5 1:0.25 2:0.75 3:0.1 4:0.9 5:0.4 6:0.6 7:0.3"
 mkdir -p "$OUT"
 $PY -m kvcli.cli models pull "$MODEL" >/dev/null
 for L in ${1:-4k 8k 16k fidelity}; do
