@@ -170,12 +170,17 @@ def test_native_observation_equals_the_reference_engines(session_factory, tiny_m
     assert nat.window_sums.shape == ref.window_sums.shape == (3, 3, 4, 90)
     assert nat.window_sums.dtype == np.float32 and nat.window_sums.flags.c_contiguous
     # Layer 0 sees the same f32 Q and K in both engines. Under flash attention llama.cpp casts f32 K/V to
-    # f16 for the attention op itself (build_attn_mha), so from layer 1 on the native hidden states carry
+    # f16 for the attention op itself (build_attn_mha), and its CPU kernel rounds Q to f16 and sums the
+    # output in an f16 buffer (ggml-cpu ops.cpp, VKQ16), so from layer 1 on the native hidden states carry
     # f16 rounding the f32 reference does not: the later layers agree to that precision, not float32's.
-    deep = 2e-6 if not flash_attn else 1e-3
+    # That error is relative to the probability (measured on an AVX-512 build: up to 2.2% of sums above
+    # 0.01, e.g. 0.3898 vs 0.3938), hence an rtol; a flash-only observation bug (head, scale, mask) would
+    # move sums by their own size.
+    deep, deep_rtol = (2e-6, 0.0) if not flash_attn else (1e-3, 3e-2)
     for i, w in enumerate(windows):
         np.testing.assert_allclose(nat.window_sums[i][0], ref.window_sums[i][0], atol=w * 2e-6)
-        np.testing.assert_allclose(nat.window_sums[i][1:], ref.window_sums[i][1:], atol=w * deep)
+        np.testing.assert_allclose(nat.window_sums[i][1:], ref.window_sums[i][1:], atol=w * deep,
+                                   rtol=deep_rtol)
         np.testing.assert_allclose(nat.window_sums[i].sum(-1), w, rtol=1e-5)   # every query spends one unit
     np.testing.assert_allclose(nat.colsum[0], ref.colsum[0], atol=1e-4)
     np.testing.assert_allclose(nat.colsum[1:], ref.colsum[1:], atol=1e-4 if not flash_attn else 90 * 1e-3)
