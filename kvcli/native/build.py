@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import shutil
 import site
 import subprocess
@@ -232,6 +233,21 @@ def cuda_cmake_args(arch: str | None) -> tuple[dict[str, str], list[str]]:
     return flags, rpaths
 
 
+def no_amx_flags() -> dict[str, str]:
+    """Compiler flags that keep ggml's AMX kernels out of a native x86 build. -march=native turns them on where the
+    CPU lists AMX (Sapphire Rapids and later), and on such a VM here (kernel 6.18, Firecracker) the first prompt
+    crashed in ggml_backend_amx_mul_mat (SIGSEGV, llama.cpp 0c1e57098): the guest lists AMX but its tile state
+    is not usable. The AVX-512 kernels are used instead. GCC applies an explicit -mno-* whatever -march says."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return {}
+    off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    probe = subprocess.run(["cc", *off.split(), "-x", "c", "-E", "-", "-o", os.devnull], input=b"",
+                           capture_output=True)
+    if probe.returncode != 0:   # a compiler too old to know AMX cannot emit it either
+        return {}
+    return {"CMAKE_C_FLAGS": off, "CMAKE_CXX_FLAGS": off}
+
+
 def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs: int | None = None,
           cuda_arch: str | None = None) -> Path:
     """Build (or reuse) the library; return the directory holding libllama.so."""
@@ -242,6 +258,7 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
         "KVCLI_SANITIZE": "ON" if sanitize else "OFF",
         "CMAKE_BUILD_TYPE": "RelWithDebInfo" if sanitize else "Release",
     }
+    flags.update(no_amx_flags())
     rpath = "$ORIGIN"
     if cuda:
         cuda_flags, cuda_rpaths = cuda_cmake_args(cuda_arch)
