@@ -8,7 +8,7 @@ import click
 
 from kvcli.calibration import store
 from kvcli.calibration.store import rank_heads
-from kvcli.commands.options import json_option, model_option
+from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.policies.compresskv import SPEC, allocate
@@ -58,8 +58,11 @@ def calibrate_group():
               help="Answer length limit per probe.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated texts and needles.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
+@request_options("threads", threads_help="CPU threads of torch (the calibration runs the reference engine). "
+                 "Default: torch's own.")
 @json_option
-def compresskv_cmd(model, out, lengths, depths, needles, samples, gen_tokens, max_new_tokens, seed, quiet, as_json):
+def compresskv_cmd(req: Request, model, out, lengths, depths, needles, samples, gen_tokens, max_new_tokens, seed,
+                   quiet, as_json):
     """Find the semantic retrieval heads and the layer error profile of a model (CompressKV's offline step).
 
     Runs needle-in-a-haystack probes and calibration texts (generated locally) through the reference
@@ -70,6 +73,9 @@ def compresskv_cmd(model, out, lengths, depths, needles, samples, gen_tokens, ma
     path = resolve_model(model)
     s = Settings(lengths=parse_lengths(lengths), depths=depths, needles=needles, samples=samples,
                  gen_tokens=gen_tokens, max_new_tokens=max_new_tokens, seed=seed)
+    if req.threads:
+        import torch  # noqa: PLC0415
+        torch.set_num_threads(req.threads)
     warn = (lambda msg: None) if quiet else (lambda msg: click.echo(f"kvcli: {msg}", err=True))
     try:
         cal = calibrate(path, out, s, progress=not quiet, warn=warn)

@@ -43,11 +43,12 @@ def explicit_budget(policy: str, budget: int | None, question: str | None, polic
 def open_conversation(*, docs, cache_path, model, req: Request, system, question, show_progress: bool, quiet: bool):
     """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
     if cache_path:
-        conv = Conversation.from_kvc(cache_path, model=model)
+        conv = Conversation.from_kvc(cache_path, model=model, n_threads=req.threads)
     else:
         document = read_documents(list(docs))
         explicit_budget(req.policy, req.budget, question, req.policy_args)
-        session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type)
+        session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type,
+                                n_threads=req.threads)
         conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
                             system=system, question=question, chunk=req.chunk, max_cache=req.max_cache,
                             chunk_scoring=req.chunk_scoring)
@@ -68,7 +69,7 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
 @click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
               help="A compressed document written by kvcli compress or /save (instead of --doc).")
 @model_option
-@request_options("policy", "sampling", "cache_type", "chunking", max_tokens=512,
+@request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=512,
                  cache_type_help="llama.cpp KV cache type (a --cache file brings its own).")
 @click.option("--question", "question_opt", metavar="TEXT",
               help="Compress for this question (question-aware); the same as giving QUESTION.")

@@ -119,17 +119,17 @@ def format_report(r: dict) -> str:
 @click.option("--tokens", "-n", "n_tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
               help="Greedy tokens compared in L3.")
 @click.option("--levels", default="1,2,3", show_default=True, help="Levels to run.")
-@click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
-              help="Native KV cache type (f32 with --no-flash-attn gives the tightest agreement).")
 @click.option("--flash-attn/--no-flash-attn", default=True, show_default=True, help="Native flash attention.")
-@request_options("chunk", "threads", chunk_help="Read the prompt in chunks of N tokens in both engines (chunked "
+@request_options("cache_type", "chunk", "threads", cache_types=("f16", "f32", "q8_0"),
+                 cache_type_help="Native KV cache type (f32 with --no-flash-attn gives the tightest agreement).",
+                 chunk_help="Read the prompt in chunks of N tokens in both engines (chunked "
                  "prefill with re-indexed positions); L1 is then checked at every planning step.",
                  threads_help="CPU threads of both engines (default: all cores natively, torch's default).")
 @click.option("--threshold", "thresholds", multiple=True, metavar="KEY=VALUE", help="Override a threshold.")
 @click.option("--tight", is_flag=True, help="Thresholds for float32 GGUFs checked with --cache-type f32 "
                                               "--no-flash-attn (engines agree to ~1e-5).")
 @json_option
-def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_tokens, levels, cache_type, flash_attn,
+def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_tokens, levels, flash_attn,
               thresholds, tight, as_json):
     """Check the native engine against the PyTorch reference engine on one document.
 
@@ -155,7 +155,7 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
         doc = str(EXAMPLE_DOC)
     document = read_document(doc)
     path = resolve_model(model)
-    settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=cache_type, flash_attn=flash_attn,
+    settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=req.cache_type, flash_attn=flash_attn,
                              levels=level_set, doc_tokens=doc_tokens, chunk=chunk, chunk_scoring=req.chunk_scoring,
                              threads=req.threads)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None

@@ -19,7 +19,7 @@ from kvcli.outfile import check_target
               help="Document(s) to compress ('-' for stdin; several are joined with their names). Default: stdin.")
 @click.option("--output", "-o", "out_path", required=True, metavar="FILE.kvc", help="Where to write the cache file.")
 @model_option
-@request_options("policy", "cache_type", "chunking")
+@request_options("policy", "cache_type", "chunking", "threads")
 @click.option("--question", metavar="TEXT", help="Compress for this question (question-aware); without it the "
               "document is compressed with a generic instruction (question-agnostic).")
 @click.option("--system", default=config.default("system"), help="System message (before the document).")

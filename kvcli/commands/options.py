@@ -36,16 +36,27 @@ from kvcli.evaluation.measure import parse_int_list, parse_list
 from kvcli.generate import Sampler, Sampling
 from kvcli.policies import parse_policy_args
 
-model_option = click.option("--model", "-m", metavar="PATH.gguf|NAME", default=None,
-                            help="GGUF model file, or the name of a pulled model (kvcli models). Default: "
-                                 "$KVCLI_MODEL, else the bundled SmolLM2-135M-Instruct Q4_1.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
-                              help="CPU threads of llama.cpp. Default: $KVCLI_THREADS, else the CPUs this process "
-                                   "may use (affinity, cgroup quota). On a busy machine fewer threads are faster: "
-                                   "ggml's threads spin at every node while one waits for a core.")
+class SharedOption(click.Option):
+    """An option built here, in the one module of the shared flags (tests/test_command_flags.py checks that every
+    command that loads a model takes its shared flags from here, with the same help)."""
 
-chunk_scoring_option = click.option(
+
+def shared_option(*decls, **attrs):
+    """click.option for the shared flags: the same option class, so that a command's shared flags can be told
+    from its own."""
+    return click.option(*decls, cls=SharedOption, **attrs)
+
+
+model_option = shared_option("--model", "-m", metavar="PATH.gguf|NAME", default=None,
+                             help="GGUF model file, or the name of a pulled model (kvcli models). Default: "
+                                  "$KVCLI_MODEL, else the bundled SmolLM2-135M-Instruct Q4_1.")
+json_option = shared_option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+threads_option = shared_option("--threads", type=click.IntRange(1, 1024), default=None,
+                               help="CPU threads of llama.cpp. Default: $KVCLI_THREADS, else the CPUs this process "
+                                    "may use (affinity, cgroup quota). On a busy machine fewer threads are faster: "
+                                    "ggml's threads spin at every node while one waits for a core.")
+
+chunk_scoring_option = shared_option(
     "--chunk-scoring", type=click.Choice(["question", "chunk"]), default="question", show_default=True,
     help="For a document read in chunks, the queries that score each chunk (window policies): 'question' = the "
          "prompt's last window (the question), prefilled after the chunk and rolled back, as FINCH does; "
@@ -59,9 +70,10 @@ def complete_policy(ctx, param, incomplete):
     return [n for n in policies.available() if n.startswith(incomplete.lower())]
 
 
-policy_option = click.option("--policy", "-p", default=config.default("policy", "full"), shell_complete=complete_policy,
-                             help="KV-cache policy (kvcli policies lists them). Default: $KVCLI_POLICY, else the "
-                                  "config file, else full.")
+policy_option = shared_option("--policy", "-p", default=config.default("policy", "full"),
+                              shell_complete=complete_policy,
+                              help="KV-cache policy (kvcli policies lists them). Default: $KVCLI_POLICY, else the "
+                                   "config file, else full.")
 
 
 @dataclass
@@ -109,14 +121,14 @@ def _sampling_options(d: dict, penalties_only: bool = False) -> list:
         decls = [f"--{name.replace('_', '-')}"] + ([short] if short else [])
         value = d.get(name, getattr(s, name))
         default = config.default(name, value) if name in config.KEYS else value
-        return click.option(*decls, name, type=typ, default=default,
-                            show_default=str(value) if name in config.KEYS else True, help=help_)
+        return shared_option(*decls, name, type=typ, default=default,
+                             show_default=str(value) if name in config.KEYS else True, help=help_)
 
     sampling = [
-        click.option("--max-tokens", "-n", type=click.IntRange(1, 100000),
-                     default=config.default("max_tokens", d.get("max_tokens", 256)),
-                     show_default=str(d.get("max_tokens", 256)),
-                     help=d.get("max_tokens_help", "Longest answer, in tokens.")),
+        shared_option("--max-tokens", "-n", type=click.IntRange(1, 100000),
+                      default=config.default("max_tokens", d.get("max_tokens", 256)),
+                      show_default=str(d.get("max_tokens", 256)),
+                      help=d.get("max_tokens_help", "Longest answer, in tokens.")),
         num("temperature", float, "0 = greedy.", "-t"),
         num("seed", int, "Seed of the sampler's random choice (temperature > 0)."),
         num("top_k", int, "Top-k sampling (temperature > 0); 0 = the whole vocabulary."),
@@ -139,37 +151,38 @@ def _sampling_options(d: dict, penalties_only: bool = False) -> list:
 def _group_options(group: str, d: dict) -> list:
     if group == "policy":
         return [policy_option,
-                click.option("--budget", "-b", type=click.IntRange(1), default=d.get("budget", config.default("budget")),
-                             show_default="budget" in d,
-                             help="Entries kept per layer and KV head, observation window included. Default: "
-                                  "$KVCLI_BUDGET."),
-                click.option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE",
-                             help="Policy parameter (repeatable).")]
+                shared_option("--budget", "-b", type=click.IntRange(1),
+                              default=d.get("budget", config.default("budget")),
+                              show_default="budget" in d,
+                              help="Entries kept per layer and KV head, observation window included. Default: "
+                                   "$KVCLI_BUDGET."),
+                shared_option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE",
+                              help="Policy parameter (repeatable).")]
     if group == "policies":
-        return [click.option("--policies", default=d.get("policies", "full,snapkv"), show_default=True,
-                             help="Comma-separated policies."),
-                click.option("--budgets", default="128,256,512", show_default=True,
-                             help="Comma-separated budgets (entries kept per layer and KV head)."),
-                click.option("--policy-arg", "policy_args", multiple=True, metavar="POLICY.KEY=VALUE",
-                             help="Policy parameter, e.g. snapkv.window=32 (repeatable).")]
+        return [shared_option("--policies", default=d.get("policies", "full,snapkv"), show_default=True,
+                              help="Comma-separated policies."),
+                shared_option("--budgets", default="128,256,512", show_default=True,
+                              help="Comma-separated budgets (entries kept per layer and KV head)."),
+                shared_option("--policy-arg", "policy_args", multiple=True, metavar="POLICY.KEY=VALUE",
+                              help="Policy parameter, e.g. snapkv.window=32 (repeatable).")]
     if group in ("chunking", "chunk"):
-        out = [click.option("--chunk", type=click.IntRange(0), default=None, metavar="N", help=d.get("chunk_help") or
-                            "Read the document in chunks of N tokens, compressing to --budget after each and "
-                            "re-indexing positions (peak cache: budget + N). Default: on, with 1024, when the "
-                            "document does not fit the model's context or --max-cache; 0 = off.")]
+        out = [shared_option("--chunk", type=click.IntRange(0), default=None, metavar="N", help=d.get("chunk_help") or
+                             "Read the document in chunks of N tokens, compressing to --budget after each and "
+                             "re-indexing positions (peak cache: budget + N). Default: on, with 1024, when the "
+                             "document does not fit the model's context or --max-cache; 0 = off.")]
         if group == "chunking":
-            out.append(click.option("--max-cache", type=click.IntRange(1), default=None, metavar="CELLS",
-                                    help="Most cells the KV cache may hold; a longer document is read in chunks "
-                                         "and compressed after each."))
+            out.append(shared_option("--max-cache", type=click.IntRange(1), default=None, metavar="CELLS",
+                                     help="Most cells the KV cache may hold; a longer document is read in chunks "
+                                          "and compressed after each."))
         return out + [chunk_scoring_option]
     if group in ("sampling", "penalties"):
         return _sampling_options(d, penalties_only=group == "penalties")
     if group == "cache_type":
-        return [click.option("--cache-type", type=click.Choice(d.get("cache_types", CACHE_TYPES)), default="f16",
-                             show_default=True, help=d.get("cache_type_help", "llama.cpp KV cache type."))]
+        return [shared_option("--cache-type", type=click.Choice(d.get("cache_types", CACHE_TYPES)), default="f16",
+                              show_default=True, help=d.get("cache_type_help", "llama.cpp KV cache type."))]
     if group == "threads":
         return [threads_option] if "threads_help" not in d else \
-            [click.option("--threads", type=click.IntRange(1, 1024), default=None, help=d["threads_help"])]
+            [shared_option("--threads", type=click.IntRange(1, 1024), default=None, help=d["threads_help"])]
     raise ValueError(f"unknown option group '{group}'")
 
 

@@ -72,7 +72,7 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop "
                              f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
-        result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream)
+        result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream, n_threads=req.threads)
     else:
         document = read_documents(list(docs))
         session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
@@ -104,9 +104,9 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
         click.echo("kvcli: the context filled up before the answer ended", err=True)
 
 
-def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text):
+def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text, n_threads: int | None = None):
     """Load a .kvc file and answer one question after its compressed document (and conversation)."""
-    conv = Conversation.from_kvc(cache_path, model=model)
+    conv = Conversation.from_kvc(cache_path, model=model, n_threads=n_threads)
     pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
     s = conv.stats()
