@@ -16,6 +16,19 @@ Prompt layout (see docs/terminal.md):
   question-agnostic setting: compress the context alone, ask afterwards). Each question is then
   a new user turn appended after the compressed prefix.
 
+- re-selected (the default of `kvcli chat` with a compressing policy; kvcli/reselect.py): the document's full
+  cache is read once and stored in a file; every question is answered from a cache compressed for it. The prompt
+  of a question is the whole conversation, laid out as `run` lays out one question:
+
+      [ system, user: document + first question ][ assistant: answer ][ user: question ] ... [ user: new question ]
+
+  restored from the stored document up to its last STORE_TAIL tokens, the rest (the document's end, the earlier
+  turns, the new question) prefilled with observation, and the whole compressed to the budget by the policy,
+  the new question's window scoring every entry: earlier turns are compressed with the document (they compete
+  for the budget like any entry; the queries of a follow-up attend to them, so what it refers to is kept).
+  Each re-selection costs a prefill of the turns so far over the full cache: a long conversation makes it
+  slower, /reset makes it short again.
+
 Turns are templated with the model's own chat template: the text between turns is read off
 renderings of probe conversations (TurnFormat), so any template llama.cpp applies works.
 `/reset` removes every cell after the prefix (`session.truncate` at the prefix's end position: llama_memory_seq_rm
@@ -32,21 +45,21 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli import __version__, compress, config, kvc, policies
+from kvcli import __version__, compress, config, kvc, planning, policies
 from kvcli.chunked import plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import generate
-from kvcli.models import model_hash, resolve_model
+from kvcli.models import resolve_model
 from kvcli.native import cache
-from kvcli.native.lib import identity
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
+from kvcli.reselect import STORE_TAIL, StoredDocument, common_prefix
 
 GENERIC_SUFFIX = "Read the document above carefully: questions about it follow."
 CTX_PAD = 256
 TURN_ROOM = 2048          # cells (and positions) kept free for the conversation after the prefix
-AWARE, AGNOSTIC = "question-aware", "question-agnostic"
+AWARE, AGNOSTIC, RESELECTED = "question-aware", "question-agnostic", "re-selected"
 # the memory figures every --json output carries (run, chat, compress): docs/internals.md, "Memory figures"
 MEMORY_STATS = ("kv_bytes_allocated", "kv_cells_allocated", "kv_bytes_live", "peak_rss_bytes")
 
@@ -153,19 +166,33 @@ class Conversation:
     resolved_params: dict | None = None   # the policy parameters as resolved when a loaded file was compressed
     load_s: float | None = None          # reading + checking + restoring a .kvc file (not the model)
     model_s: float | None = None          # loading the model and allocating the context, for a .kvc file
+    reselect: bool = False                # re-select the cache for every question from the stored full cache
+    store_path: Path | None = None        # re-selected: where the document's full cache is stored (kept at close)
+    store: StoredDocument | None = None
+    last_reselection: object = None       # re-selected: the Reselection of the last question
+    notify: object = None                 # re-selected: called with a line to tell the user (the store re-read)
+    prompt_len: int = 0                   # re-selected: tokens of the last question's whole prompt
 
     def __post_init__(self):
         if self.policy == "full":
             self.budget = None
+            self.reselect = False
+        if self.reselect and self.question:
+            raise KvcliError("re-selection compresses for every question as it comes: a question given before the "
+                             "document is read is only its first one (ask it, or use --compress-once)")
         self.fmt = self.fmt or TurnFormat.probe(self.session, self.system)
         if not self.prefix_tokens:
             self.prefix_tokens = self.session.tokenize(self.prefix_text())
 
     @property
     def mode(self) -> str:
+        if self.reselect:
+            return RESELECTED
         return AWARE if self.question else AGNOSTIC
 
     def prefix_text(self) -> str:
+        if self.reselect:   # the part every question's prompt starts with
+            return self.fmt.head + self.document.strip()
         if self.question:
             return self.fmt.head + user_content(self.document, self.question) + self.fmt.after_user
         return self.fmt.head + user_content(self.document, GENERIC_SUFFIX)
@@ -192,10 +219,93 @@ class Conversation:
         if self.session.ctx is None:
             self.session.create_context(self.chunking().n_ctx)
 
+    # ------------------------------------------------------------------ re-selection
+    def read_store(self, progress=None):
+        """Re-selected: read the document once and store its full cache (kvcli/reselect.py), in a context that
+        holds the whole document and TURN_ROOM for the conversation."""
+        n = len(self.prefix_tokens)
+        limit = self.session.n_ctx_train
+        if n + STORE_TAIL + 64 > limit:
+            raise KvcliError(f"the document is {n} tokens, too long for re-selection, which keeps its full cache in "
+                             f"the model's context ({limit} tokens): use --compress-once (read in bounded chunks)")
+        if self.chunk:
+            raise KvcliError("re-selection reads the document in one prefill: --chunk needs --compress-once")
+        cfg = self._cfg(None)
+        want = min(limit, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD)
+        if self.max_cache is not None and n + STORE_TAIL + 64 > self.max_cache:
+            raise KvcliError(f"re-selection holds the document's full cache ({n} cells), more than --max-cache "
+                             f"{self.max_cache}: use --compress-once to read it in bounded chunks")
+        if self.max_cache is not None:
+            want = min(want, self.max_cache)
+        if self.session.ctx is None:
+            self.session.create_context(want)
+        elif self.session.n_ctx < want:
+            self.session.clear(self.seq)
+            self.session.resize_context(want)
+        if self.store is not None:
+            self.store.close()
+        named = self.store_path is not None
+        self.store = StoredDocument.read(self.session, self.prefix_tokens, seq=self.seq,
+                                         colsum="colsum" in cfg.observe[0], path=self.store_path, keep=named,
+                                         progress=progress, meta={"document": self.document, "system": self.system})
+        self.report = planning.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
+        self.turns, self.last_reselection, self.prompt_len = [], None, 0
+        return self.report
+
+    def _cfg(self, question: str | None):
+        """The policy resolved for the model (windowkv's task=auto classifies the question)."""
+        return planning.resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
+
+    def conversation_text(self, question: str) -> str:
+        """The whole prompt of a question: the document and the first question in one user turn (as `run` lays out
+        one question), then every earlier answer and question, then the new one."""
+        turns = [t for t in self.turns if t.answer or t.stopped != "interrupted"]
+        qs = [t.question for t in turns] + [question]
+        text = self.fmt.head + user_content(self.document, qs[0]) + self.fmt.after_user
+        for t, q in zip(turns, qs[1:]):
+            text += t.answer + self.fmt.assistant_to_user + q + self.fmt.after_user
+        return text
+
+    def _ask_reselected(self, question: str, max_tokens: int, sampler, on_text):
+        prompt = self.session.tokenize(self.conversation_text(question))
+        before = self.prompt_len + (self.turns[-1].tokens_out if self.turns else 0)
+        if len(prompt) + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
+            raise ContextFullError(f"the conversation ({len(prompt)} tokens with the document) does not fit the "
+                                   f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
+        cfg = self._cfg(question)
+        if self.store.path is not None and not self.store.path.exists():  # deleted while chatting
+            if self.notify:
+                self.notify(f"[the stored cache {self.store.path} is gone: reading the document again]")
+            self.store.keep = False
+            self.read_store_keeping_turns()
+        if "colsum" in cfg.observe[0] and self.store.colsum is None:
+            if self.notify:
+                self.notify(f"[policy {self.policy} scores by column sums: reading the document again to store them]")
+            self.read_store_keeping_turns()
+        try:
+            self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq)
+        except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
+            self.session.clear(self.seq)
+            raise
+        limit = min(max_tokens, self.room())
+        gen = generate(self.session, limit, sampler, seq=self.seq, on_text=on_text)
+        if gen.stopped == "length" and limit < max_tokens:
+            gen.stopped = "context_full"
+        self.turns.append(Turn(question, gen.text, gen.stopped, max(0, len(prompt) - before), len(gen.tokens)))
+        self.prompt_len = len(prompt)
+        return gen
+
+    def read_store_keeping_turns(self) -> None:
+        turns = self.turns
+        self.read_store()
+        self.turns = turns
+
     # ------------------------------------------------------------------ compression
     def compress(self, progress=None, on_cache=None):
         """Prefill the prefix and compress it (kvcli.compress.prefill_and_compress), in chunks when it is longer
-        than the context allows."""
+        than the context allows; re-selected: read the document and store its full cache (`read_store`)."""
+        if self.reselect:
+            return self.read_store(progress)
         chunking = self.chunking()
         if self.session.ctx is not None and self.session.n_ctx < chunking.n_ctx:
             # the context was fitted to an earlier compressed prefix (or a .kvc file): reading needs more
@@ -253,6 +363,22 @@ class Conversation:
             new_args = policy_args if policy_args is not None else (
                 self.policy_args if new_policy == self.policy else {})
             policies.prepare(new_policy, new_args, new_budget, instruction=self.question)
+        if self.reselect:   # nothing to read again: the next question is re-selected with the new choice
+            if new_policy == "full":
+                raise KvcliError("re-selection needs a compressing policy: /policy NAME N")
+            fields = dict(self.__dict__)
+            self.policy, self.budget, self.policy_args = new_policy, new_budget, dict(new_args)
+            try:
+                cfg = self._cfg(None)
+                if "colsum" in cfg.observe[0] and self.store.colsum is None:
+                    if self.notify:
+                        self.notify(f"[policy {self.policy} scores by column sums: reading the document again to "
+                                    "store them]")
+                    self.read_store_keeping_turns()
+            except BaseException:
+                self.__dict__.update(fields)
+                raise
+            return self.report
         # snapshot: the sequence's state (a few MB) with its bookkeeping, and the conversation's fields
         snap, fields = self.session.save_seq(self.seq), dict(self.__dict__)
         self.policy, self.budget, self.policy_args = new_policy, new_budget, dict(new_args)
@@ -265,6 +391,9 @@ class Conversation:
 
     def reset(self) -> None:
         """Back to the compressed document: every turn's cells are removed."""
+        if self.reselect:   # the next question starts again from the stored document
+            self.turns, self.last_reselection, self.prompt_len = [], None, 0
+            return
         pos, cells = self.reset_mark
         self._truncate(pos)
         if self._st().cells != cells:
@@ -287,6 +416,8 @@ class Conversation:
         question = question.strip()
         if not question:
             raise KvcliError("the question is empty")
+        if self.reselect:
+            return self._ask_reselected(question, max_tokens, sampler, on_text)
         st = self._st()
         mark = st.next_pos
         n_in = 0
@@ -325,6 +456,12 @@ class Conversation:
         s.update(live_entries=live["live_entries"],
                  k_bytes=live["k_bytes"], v_bytes=live["v_bytes"], bias_bytes=live["bias_bytes"],
                  next_pos=self._st().next_pos, n_ctx=self.session.n_ctx, peak_rss_bytes=peak_rss_bytes())
+        s["mode"] = self.mode
+        if self.reselect and self.store is not None:
+            s.update(store_bytes=self.store.nbytes, store_path=str(self.store.path) if self.store.path else None,
+                     document_read_s=round(self.store.read_s, 4))
+            if self.last_reselection is not None:
+                s.update(self.last_reselection.as_stats())
         return s
 
     def summary_line(self) -> str:
@@ -334,6 +471,16 @@ class Conversation:
         n = len(self.prefix_tokens)
         full_entries = n * info.n_layer * info.n_head_kv
         label = self.policy if self.budget is None else f"{self.policy} @ {self.budget}"
+        if self.reselect:
+            st = self.store
+            where = f" in {st.path}" + ("" if st.keep else " (deleted at exit)") if st.path else " in memory"
+            line = (f"[{label}, re-selected per question] {n} tokens read in {st.read_s:.2f}s; full cache stored "
+                    f"({st.nbytes / 1e6:.2f} MB{where}); each question is answered from {self.budget} entries per "
+                    "layer and KV head chosen for it")
+            if self.load_s is not None:
+                line = (f"[{label}, re-selected per question] {n} tokens stored in {st.path} ({st.nbytes / 1e6:.2f} "
+                        f"MB; {len(self.turns)} turn(s)); loaded in {self.load_s:.2f}s (+ model {self.model_s:.2f}s)")
+            return line
         saved = 1 - s["kv_bytes"] / s["kv_bytes_full"] if s["kv_bytes_full"] else 0.0
         line = (f"[{label}, {self.mode}] {n} tokens -> {s['kv_cells']} cells, {s['live_entries']:,} of "
                 f"{full_entries:,} entries kept; {s['kv_bytes'] / 1e6:.2f} MB of {s['kv_bytes_full'] / 1e6:.2f} MB "
@@ -357,6 +504,16 @@ class Conversation:
                 f"live entries {s['kv_bytes_live'] / 1e6:.2f} MB; process peak RSS "
                 + ("not measured" if s["peak_rss_bytes"] is None else f"{s['peak_rss_bytes'] / 1e6:.0f} MB"),
                 f"{'layer':>5} {'live cells':>10} {'entries per KV head':>22} {'bytes':>10}"]
+        if self.reselect:
+            r = self.last_reselection
+            rows.insert(0, f"mode: re-selected per question; document read once in {self.store.read_s:.2f}s, full "
+                           f"cache stored: {self.store.nbytes / 1e6:.2f} MB "
+                           f"({self.store.path or 'in memory'}); last re-selection: "
+                           + ("none yet" if r is None else
+                              f"{r.total_s:.2f}s (restore {r.restore_s:.2f}s of {r.restored} entries, prefill "
+                              f"{r.prefill_s:.2f}s of {r.prefilled} tokens, plan and compaction {r.plan_s:.2f}s)"))
+        else:
+            rows.insert(0, f"mode: {self.mode}, compressed once")
         for il in range(len(s["per_layer_cells"])):
             heads = " ".join(str(x) for x in s["per_head_entries"][il])
             if il in info.sliding_layers:  # llama.cpp's window cache, not compressed
@@ -367,16 +524,9 @@ class Conversation:
 
     # ------------------------------------------------------------------ .kvc files
     def to_kvc(self):
-        s, info, st = self.session, self.session.info, self._st()
-        ident = identity()
-        meta = {
-            "kvcli_version": __version__, "native_state_format": ident["state_format"],
-            "llama_commit": ident["llama_commit"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": {"hash": model_hash(Path(s.model_path)), "name": info.name, "path": str(s.model_path),
-                      "n_layer": info.n_layer, "n_head_kv": info.n_head_kv, "head_dim": info.head_dim,
-                      "sliding_layers": list(info.sliding_layers),
-                      "n_vocab": s.n_vocab},
-            "cache_type": s.cache_type, "flash_attn": s.flash_attn,
+        s, st = self.session, self._st()
+        meta = kvc.base_meta(s)
+        meta.update({
             "policy": self.policy, "budget": self.budget, "policy_args": dict(self.policy_args),
             "resolved_params": _jsonable(getattr(self.report, "params", None)) if self.report else self.resolved_params,
             "original_tokens": len(self.prefix_tokens), "mode": self.mode, "question": self.question,
@@ -387,14 +537,64 @@ class Conversation:
                              "next_pos": st.next_pos, "cells": st.cells, "reindexed": st.reindexed,
                              "rope": s.rope_regime, "tail": self.tail,
                              "pending": self.pending, "turns": [t.__dict__ for t in self.turns]},
-        }
+        })
         kept = st.kept_positions
         return kvc.KvcFile(meta=meta, prefix_tokens=np.asarray(self.prefix_tokens, np.int32),
                            state=cache.get_state(s.ctx, self.seq), kept_positions=kept,
                            prefix_logits=self.prefix_logits)
 
     def save(self, path, force: bool = True) -> int:
+        if self.reselect:   # the document's full cache and the turns: `kvcli chat --cache FILE` re-selects from it
+            return self.store.save_as(path, self.session, [t.__dict__ for t in self.turns])
         return kvc.write(path, self.to_kvc(), force=force)
+
+    def close(self) -> None:
+        """Delete the stored document's cache unless it is kept."""
+        if self.store is not None:
+            self.store.close()
+
+    @classmethod
+    def from_store(cls, path, *, policy: str, budget: int, policy_args: dict | None = None, model: str | None = None,
+                   seq: int = 0, n_threads: int | None = None, cache_type: str | None = None):
+        """A re-selected conversation over a stored full document cache (kvcli compress --store, /save of a
+        re-selected chat, or any uncompressed .kvc file): the document is not read again."""
+        t0 = time.perf_counter()
+        f = kvc.read(path)
+        kvc.check_versions(f)
+        kvc.check_meta(f)
+        m = f.meta
+        if m["compressed"]:
+            raise KvcliError(f"{path} holds a compressed cache ({m['policy']} @ {m['budget']}): --policy/--budget "
+                             "re-select from a document's full cache (kvcli compress --store); drop them to use it")
+        recorded = Path(m["model"]["path"])
+        model_path = resolve_model(recorded) if model is None and recorded.is_file() else \
+            resolve_model(model or config.get("model"))
+        kvc.check_model(f, model_path)
+        if cache_type is not None and cache_type != m["cache_type"]:
+            raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
+        del f
+        t1 = time.perf_counter()
+        session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                                n_threads=n_threads)
+        store = StoredDocument.from_file(path, session)
+        conv = cls(session, store.meta["document"], policy=policy, budget=budget, policy_args=dict(policy_args or {}),
+                   system=store.meta.get("system"), seq=seq, reselect=True)
+        # a file of `compress --store` holds the document's tokens; one of `compress --policy full` holds the
+        # generic instruction after them too, whose entries are cut off at every question (StoredDocument.restore)
+        if common_prefix(conv.prefix_tokens, store.tokens) < min(len(conv.prefix_tokens), store.split) - STORE_TAIL:
+            raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
+        conv.store = store
+        cfg = conv._cfg(None)   # the policy checked now, not at the first question
+        if "colsum" in cfg.observe[0] and store.colsum is None:
+            raise KvcliError(f"{path} holds no column sums, which policy '{policy}' scores by: store it with "
+                             "kvcli compress --store --policy " + policy)
+        n = len(conv.prefix_tokens)
+        session.create_context(min(session.n_ctx_train, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD))
+        conv.model_s = time.perf_counter() - t1
+        conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
+        conv.report = planning.CompressReport(policy, budget, n, 0.0, params=cfg.params)
+        conv.load_s = t1 - t0
+        return conv
 
     @classmethod
     def from_kvc(cls, path, model: str | None = None, seq: int = 0, n_threads: int | None = None):
@@ -451,9 +651,10 @@ class Conversation:
 HELP = """commands:
   /stats                   cells, entries and bytes per layer, measured from the cache
   /save FILE               write the compressed document and this conversation to FILE (.kvc)
-  /reset                   forget the conversation, back to the compressed document
-  /policy P [N] [k=v ...]  recompress the original document with policy P, budget N (drops the conversation)
-  /budget N                recompress the original document with budget N (drops the conversation)
+  /reset                   forget the conversation, back to the compressed (or stored) document
+  /policy P [N] [k=v ...]  policy P, budget N from now on: re-selected, for the next question; compressed once,
+                           the original document is compressed again (drops the conversation)
+  /budget N                budget N from now on (compressed once: recompresses, drops the conversation)
   /help                    this text
   /quit                    leave (Ctrl-D too); Ctrl-C interrupts an answer"""
 
@@ -518,6 +719,7 @@ class Repl:
         self.progress_factory = progress_factory
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.n_answers = 0
+        conv.notify = self.say
 
     def say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -537,8 +739,12 @@ class Repl:
         self.n_answers += 1
         if self.jsonl:
             s = self.conv.stats()
+            extra = {"mode": self.conv.mode}
+            if self.conv.reselect:
+                extra.update(store_bytes=s["store_bytes"], **self.conv.last_reselection.as_stats())
             self._write(json.dumps({"question": question, "answer": gen.text, "stopped": gen.stopped,
-                                    "prompt_tokens": pos0 + self.conv.turns[-1].tokens_in,
+                                    "prompt_tokens": self.conv.prompt_len if self.conv.reselect
+                                    else pos0 + self.conv.turns[-1].tokens_in, **extra,
                                     "generated_tokens": len(gen.tokens), "kv_cells": self.conv._st().cells,
                                     "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
                                     **{k: s[k] for k in MEMORY_STATS}},
@@ -558,6 +764,9 @@ class Repl:
             self.say(f"[stopped at --max-tokens {self.max_tokens}]")
         if not self.quiet and self.interactive:
             rate = f", {gen.decode_tok_s:.1f} tok/s" if gen.decode_tok_s else ""
+            r = self.conv.last_reselection if self.conv.reselect else None
+            if r is not None:
+                rate += f"; re-selected in {r.total_s:.2f}s"
             self.say(f"[{len(gen.tokens)} tokens{rate}; {self.conv.session.cells_used()}/{self.conv.session.n_ctx} "
                      "cells in use]")
 

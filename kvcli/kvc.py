@@ -10,6 +10,8 @@ Layout (little endian):
     kept_counts     int32    [n_layer * n_head_kv] entries kept per (layer, KV head) (compressed only)
     kept_positions  int32    their original positions, concatenated in (layer, head) order
     prefix_logits   float32  logits after the prompt's last token (only when an answer to it is still due)
+    colsum          float32  [n_layer * n_head * split] attention column sums of the stored queries (a stored
+                             document read for a column-sum policy: kvcli/reselect.py)
     state           uint8    llama_state_seq_get_data of the sequence: cells, K/V rows, and (our
                              native patch) the slot bias and header of a compressed sequence
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +52,7 @@ class KvcFile:
     state: bytes
     kept_positions: list[list[np.ndarray]] | None = None
     prefix_logits: np.ndarray | None = None
+    colsum: np.ndarray | None = None     # a stored document's column sums [n_layer, n_head, split]
     path: Path | None = field(default=None, compare=False)
 
     # ---------------------------------------------------------------- encoding
@@ -62,6 +66,8 @@ class KvcFile:
                         .astype(np.int32).tobytes()))
         if self.prefix_logits is not None:
             out.append(("prefix_logits", "float32", np.ascontiguousarray(self.prefix_logits, np.float32).tobytes()))
+        if self.colsum is not None:
+            out.append(("colsum", "float32", np.ascontiguousarray(self.colsum, np.float32).tobytes()))
         out.append(("state", "uint8", bytes(self.state)))
         return out
 
@@ -137,9 +143,44 @@ def read(path) -> KvcFile:
         offs = np.concatenate([[0], np.cumsum(counts)])
         kept = [[flat[offs[l * n_head_kv + h]:offs[l * n_head_kv + h + 1]] for h in range(n_head_kv)]
                 for l in range(n_layer)]
+    colsum = blobs.get("colsum")
+    if colsum is not None:
+        st, model = meta.get("store"), meta.get("model")
+        try:
+            shape = (int(model["n_layer"]), int(st["n_head"]), int(st["split"]))
+        except (TypeError, KeyError, ValueError):
+            raise KvcliError(f"{path} is corrupted (column sums without their shape)") from None
+        if colsum.size != shape[0] * shape[1] * shape[2]:
+            raise KvcliError(f"{path} is corrupted (column sums do not match the model's shape)")
+        colsum = colsum.reshape(shape)
     meta.pop("blobs")
     return KvcFile(meta=meta, prefix_tokens=blobs["prefix_tokens"], state=bytes(blobs["state"]),
-                   kept_positions=kept, prefix_logits=blobs.get("prefix_logits"), path=path)
+                   kept_positions=kept, prefix_logits=blobs.get("prefix_logits"), colsum=colsum, path=path)
+
+
+def base_meta(session) -> dict:
+    """The header fields every .kvc file of a native session starts with: versions and the model it is bound to."""
+    info = session.info
+    ident = identity()
+    return {
+        "kvcli_version": __version__, "native_state_format": ident["state_format"],
+        "llama_commit": ident["llama_commit"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": {"hash": model_hash(Path(session.model_path)), "name": info.name, "path": str(session.model_path),
+                  "n_layer": info.n_layer, "n_head_kv": info.n_head_kv, "head_dim": info.head_dim,
+                  "sliding_layers": list(info.sliding_layers), "n_vocab": session.n_vocab},
+        "cache_type": session.cache_type, "flash_attn": session.flash_attn,
+    }
+
+
+def load_checked(path, model_path) -> KvcFile:
+    """Read a .kvc file and refuse it in one line unless it is whole, of this build, well formed and made for
+    the model at `model_path`."""
+    f = read(path)
+    check_versions(f)
+    check_meta(f)
+    check_state(f)
+    check_model(f, model_path)
+    return f
 
 
 def _count(v) -> bool:
@@ -176,6 +217,8 @@ META_SCHEMA = {
                      "reindexed": _count, "rope": _Optional(lambda v: v in (None, "short", "long")),
                      "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
                      "turns": lambda v: isinstance(v, list) and all(_matches(t, _TURN) == "" for t in v)},
+    # a stored document (kvcli/reselect.py): its cells are the prompt's first `split` tokens, uncompressed
+    "store": _Optional(lambda v: _matches(v, {"split": _POSITIVE, "n_head": _POSITIVE, "colsum": _BOOL}) == ""),
 }
 
 

@@ -107,9 +107,11 @@ PROMPT = r"\n> "
 
 def test_repl_through_a_terminal(tmp_path, chat_env, doc):
     """Two turns, /stats, /save, Ctrl-C during an answer (the chat goes on), /quit; then the saved
-    conversation reopens with --cache and Ctrl-D leaves."""
+    conversation reopens with --cache and Ctrl-D leaves. (Compressed once; the re-selected REPL:
+    tests/test_reselect.py.)"""
     saved = tmp_path / "talk.kvc"
-    p = Pty([*KVCLI, "chat", "--doc", str(doc), "--policy", "snapkv", "--budget", "128", "-n", "40"], chat_env)
+    p = Pty([*KVCLI, "chat", "--doc", str(doc), "--policy", "snapkv", "--budget", "128", "-n", "40",
+             "--compress-once"], chat_env)
     try:
         p.expect(r"\[snapkv @ 128, question-agnostic\] \d+ tokens -> \d+ cells")
         p.expect(PROMPT)

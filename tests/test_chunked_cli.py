@@ -121,7 +121,8 @@ def test_chat_over_a_document_longer_than_the_context(run_kvcli, tiny, long_doc,
     for k in ("KVCLI_POLICY", "KVCLI_BUDGET", "KVCLI_MODEL", "KVCLI_CONFIG", "KVCLI_HISTORY"):
         env.pop(k, None)
     r = run_kvcli("chat", "--model", tiny, "--doc", long_doc, "--policy", "snapkv", "--budget", BUDGET, "-n", 4,
-                  "--json", input="First?\nSecond?\n", env=env)
+                  "--json", "--compress-once", input="First?\nSecond?\n", env=env)
+    assert r.returncode == 0, r.stderr
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["question"] for x in rows] == ["First?", "Second?"]

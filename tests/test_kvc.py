@@ -103,7 +103,7 @@ def test_compress_then_cache_matches_in_memory(run_kvcli, tmp_path, policy):
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC, encoding="utf-8")
     questions = "\n".join(QUESTIONS) + "\n"
-    mem = run_kvcli("chat", "--doc", doc, *policy, "-n", "12", input=questions)
+    mem = run_kvcli("chat", "--doc", doc, *policy, "-n", "12", "--compress-once", input=questions)
     assert mem.returncode == 0, mem.stderr
     assert "question-agnostic" in mem.stderr
     out = tmp_path / "doc.kvc"

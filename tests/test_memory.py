@@ -84,7 +84,7 @@ def test_compress_and_run_cache_report_memory_and_load_into_a_small_context(run_
 
 def test_chat_json_lines_carry_the_memory_figures(run_kvcli, tiny, doc):
     r = run_kvcli("chat", "--doc", str(doc), "--model", str(tiny), "--policy", "snapkv", "--budget", "64",
-                  "-n", "3", "--json", input="First?\nSecond?\n")
+                  "-n", "3", "--json", "--compress-once", input="First?\nSecond?\n")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -13,6 +14,7 @@ from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
+from kvcli.outfile import check_target
 from kvcli.pipeline import Progress, progress_bar
 
 
@@ -40,18 +42,26 @@ def explicit_budget(policy: str, budget: int | None, question: str | None, polic
         policies.prepare(policy, policy_args, budget, instruction=question)
 
 
-def open_conversation(*, docs, cache_path, model, req: Request, system, question, show_progress: bool, quiet: bool):
-    """A Conversation from --doc (prefilled and compressed now, with a summary on stderr) or --cache."""
-    if cache_path:
+def open_conversation(*, docs, cache_path, model, req: Request, system, question, show_progress: bool, quiet: bool,
+                      reselect: bool = False, store: str | None = None):
+    """A Conversation from --doc (prefilled and compressed now, or read and stored for re-selection, with a summary
+    on stderr) or --cache (a compressed file, or with `reselect` a stored full cache)."""
+    if cache_path and reselect:
+        conv = Conversation.from_store(cache_path, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
+                                       model=model, n_threads=req.threads)
+    elif cache_path:
         conv = Conversation.from_kvc(cache_path, model=model, n_threads=req.threads)
     else:
         document = read_documents(list(docs))
         explicit_budget(req.policy, req.budget, question, req.policy_args)
+        if store:
+            check_target(store)
         session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type,
                                 n_threads=req.threads)
         conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
-                            system=system, question=question, chunk=req.chunk, max_cache=req.max_cache,
-                            chunk_scoring=req.chunk_scoring)
+                            system=system, question=None if reselect else question, chunk=req.chunk,
+                            max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, reselect=reselect,
+                            store_path=Path(store).expanduser() if store else None)
         progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
             conv.compress(progress=progress.update, on_cache=progress.cache)
@@ -74,26 +84,50 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
 @click.option("--question", "question_opt", metavar="TEXT",
               help="Compress for this question (question-aware); the same as giving QUESTION.")
 @click.option("--system", default=config.default("system"), help="System message (before the document).")
+@click.option("--compress-once", is_flag=True, help="Compress the document once, before the questions (question-"
+              "agnostic, or for QUESTION), and answer every question from that cache, instead of re-selecting the "
+              "cache for every question from the stored full cache (the default with a compressing policy).")
+@click.option("--store", "store", metavar="FILE.kvc", default=None,
+              help="Re-selection: keep the document's full cache in FILE (reused later with --cache FILE --policy P "
+              "--budget N) instead of a temporary file in kvcli's cache folder, deleted at exit.")
 @click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
               "(/reset before each one) instead of keeping the conversation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="With stdin piped: one JSON object per answer, one per line.")
 @click.pass_context
-def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt, system, fresh, quiet, as_json):
-    """Chat about a document whose KV cache is compressed once by --policy.
+def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt, system, compress_once, store,
+             fresh, quiet, as_json):
+    """Chat about a document whose KV cache is compressed by --policy to --budget.
+
+    Re-selected (the default with a compressing policy): the document is read once and its full cache
+    stored in a file; every question is answered from a cache compressed for that question (restore,
+    prefill the question with observation, plan, compact), so later questions find what they need.
+    --compress-once compresses the document once before the questions instead: QUESTION (or
+    --question) is placed after the document before compressing (question-aware); without one the
+    document is compressed with a generic instruction (question-agnostic). The summary line says which.
 
     On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
     interrupts an answer, Ctrl-D leaves). With standard input piped: one question per line, one
     answer block per question on stdout (blank line between blocks), so it scripts.
-
-    QUESTION (or --question) is asked first and placed after the document before compressing
-    (question-aware); without one the document is compressed with a generic instruction
-    (question-agnostic). The summary line says which.
     """
     if question and question_opt and question.strip() != question_opt.strip():
         raise KvcliError("give the question either as QUESTION or as --question, not two different ones")
     question = (question or question_opt or "").strip() or None
-    if cache_path:
+    reselect = not compress_once and req.policy != "full"
+    if store and not reselect:
+        raise KvcliError("--store keeps the full cache of re-selection: drop it, or --compress-once, or choose a "
+                         "compressing policy")
+    if cache_path and explicit(ctx, "policy", "budget") and not compress_once:
+        reselect = True   # a stored full cache, re-selected with the policy given
+        clash = [c for c in explicit(ctx, *FLAGS) if c not in ("policy", "budget", "policy_args")]
+        if clash:
+            raise KvcliError(f"--cache brings its own document: drop {FLAGS[clash[0]]}")
+        if req.policy == "full" or req.budget is None:
+            raise KvcliError("re-selecting from --cache needs a compressing --policy and --budget N")
+        if store:
+            raise KvcliError("--cache brings its own stored document: drop --store")
+    elif cache_path:
+        reselect = False
         clash = explicit(ctx, *FLAGS)
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop {FLAGS[clash[0]]}")
@@ -105,13 +139,17 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
     if as_json and interactive:
         raise KvcliError("--json is for piped use (stdin not a terminal): one JSON object per answer")
     conv = open_conversation(docs=docs, cache_path=cache_path, model=model, req=req, system=system,
-                             question=question, show_progress=not quiet and sys.stderr.isatty(), quiet=quiet)
-    if cache_path and conv.pending and not question and not quiet:
-        click.echo(f"[compressed for the question: {conv.question}]", err=True)
-    repl = Repl(conv, max_tokens=req.max_tokens, sampler=req.sampler(),
-                interactive=interactive, quiet=quiet, fresh=fresh, jsonl=as_json,
-                progress_factory=progress_factory(not quiet and sys.stderr.isatty(), "recompress"))
-    repl.run(first=question)
+                             question=question, show_progress=not quiet and sys.stderr.isatty(), quiet=quiet,
+                             reselect=reselect, store=store)
+    try:
+        if cache_path and conv.pending and not question and not quiet:
+            click.echo(f"[compressed for the question: {conv.question}]", err=True)
+        repl = Repl(conv, max_tokens=req.max_tokens, sampler=req.sampler(),
+                    interactive=interactive, quiet=quiet, fresh=fresh, jsonl=as_json,
+                    progress_factory=progress_factory(not quiet and sys.stderr.isatty(), "recompress"))
+        repl.run(first=question)
+    finally:
+        conv.close()   # the temporary stored cache goes; a --store FILE stays
 
 
 COMMANDS = [chat_cmd]

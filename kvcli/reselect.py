@@ -1,0 +1,248 @@
+"""Re-selection: a document's full cache read once, stored, and compressed again for every question.
+
+A cache compressed before the questions are known keeps what a generic instruction attends to, and loses what
+later questions need (docs/results.md, "Many questions over one document"). Re-selection keeps the document's
+full cache where memory is cheap (a file, `StoredDocument`) and, for each question:
+
+    restore the stored entries (positions 0..r-1)  ->  prefill the rest of the prompt (the document's last
+    tokens, the conversation, the new question) with observation armed  ->  plan with the policy  ->  compact
+
+so every answer is given from a cache compressed for its own question, as `kvcli run` compresses for its one
+question, at the cost of a short prefill over the full cache instead of a new read of the document.
+
+What is stored: the cache of the prompt's first `split` tokens (the chat template's head and the document, less
+its last `tail` tokens), and, when a column-sum policy (h2o, d2o) is used, the attention column sums of those
+`split` queries. The observation of a re-selection is then what one prefill of the whole prompt observes:
+- window sums: the last `window` queries all lie in the prefilled rest (`tail` >= window, else the restored part
+  is cut back, `restore_point`), and they attend to every restored key as they would have;
+- column sums: the stored sums of the first `split` queries plus those of the prefilled rest (queries are
+  causal: the stored ones never saw what follows them), so a column-sum policy must restore exactly `split`;
+- K/V rows: read from the cache as restored.
+(tests/test_reselect.py checks both engines against `run`'s single prefill: L2 for the observation, L1 for the plan.)
+
+The stored file is a `.kvc` file of the full cache with a "store" section (kvcli/kvc.py): model-bound,
+checksummed, written atomically; `kvcli compress --store` writes one, and `kvcli run/chat --cache FILE --policy P
+--budget N` re-select from it. A plain `kvcli compress --policy full` file re-selects too (no column sums: window
+policies only).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvcli import kvc, planning
+from kvcli.errors import KvcliError
+from kvcli.planning import Compression
+from kvcli.session import Session
+
+STORE_TAIL = 64   # document tokens re-read with every question: room for every default observation window
+
+
+def store_dir() -> Path:
+    """Where stored document caches live unless a path is named: $KVCLI_CACHE/documents (~/.cache/kvcli)."""
+    root = Path(os.environ.get("KVCLI_CACHE", Path.home() / ".cache" / "kvcli")) / "documents"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass
+class Reselection:
+    """What one re-selection did and cost (seconds)."""
+    restored: int            # stored entries put back (positions 0..restored-1)
+    prefilled: int           # prompt tokens prefilled with observation after them
+    n_tokens: int            # the whole prompt
+    restore_s: float
+    prefill_s: float
+    plan_s: float            # planning + compaction
+    plan: object = None
+
+    @property
+    def total_s(self) -> float:
+        return self.restore_s + self.prefill_s + self.plan_s
+
+    def as_stats(self) -> dict:
+        return {"reselect_s": round(self.total_s, 4), "reselect_restore_s": round(self.restore_s, 4),
+                "reselect_prefill_s": round(self.prefill_s, 4), "reselect_plan_s": round(self.plan_s, 4),
+                "reselect_restored_tokens": self.restored, "reselect_prefilled_tokens": self.prefilled}
+
+
+@dataclass
+class StoredDocument:
+    """The full cache of a prompt's first `split` tokens, kept in a file (native engine) or in memory.
+
+    `tokens`: the stored tokens (the prompt's common prefix); `colsum`: [n_layer, n_head, split] attention column
+    sums of those queries, or None when none were observed; `path`: the file; `keep`: leave it at close()."""
+    tokens: list[int]
+    split: int
+    colsum: np.ndarray | None = None
+    path: Path | None = None
+    snapshot: object = None          # in memory instead of a file (the reference engine)
+    nbytes: int = 0                  # bytes of the stored cache state
+    read_s: float = 0.0              # the one prefill of the document
+    keep: bool = True
+    meta: dict = field(default_factory=dict)   # what the file's .kvc header carries besides (document, system)
+
+    # ------------------------------------------------------------------ reading once
+    @classmethod
+    def read(cls, session: Session, tokens: list[int], *, split: int | None = None, seq: int = 0,
+             colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None
+             ) -> "StoredDocument":
+        """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
+        to `path` (a .kvc file; None: a new file in store_dir()) for the native engine, in memory for the
+        reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards."""
+        split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
+        if not 0 < split <= len(tokens):
+            raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
+        t0 = time.perf_counter()
+        if seq in getattr(session, "seqs", {}):
+            session.clear(seq)
+        obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else (), progress=progress)
+        read_s = time.perf_counter() - t0
+        sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split],
+                                                                                   np.float32)
+        snap = session.save_seq(seq)
+        session.clear(seq)
+        store = cls(tokens=list(tokens[:split]), split=split, colsum=sums, read_s=read_s, keep=keep,
+                    meta=dict(meta or {}))
+        if session.engine != "native":
+            store.snapshot, store.path = snap, None
+            return store
+        store.nbytes = len(snap.state)
+        if path is None:
+            digest = hashlib.sha256(np.asarray(tokens[:split], np.int32).tobytes()).hexdigest()[:12]
+            path = store_dir() / f"{Path(session.model_path).stem}.{digest}.{os.getpid()}.kvc"
+        store.path = Path(path)
+        kvc.write(store.path, store.to_kvc(session, snap.state))
+        return store
+
+    def to_kvc(self, session, state: bytes) -> kvc.KvcFile:
+        m = self.meta
+        meta = kvc.base_meta(session)
+        meta.update({"policy": "full", "budget": None, "policy_args": {}, "resolved_params": None,
+                     "original_tokens": len(self.tokens), "mode": "question-agnostic", "question": None,
+                     "system": m.get("system"), "document": m.get("document", ""), "generic_suffix": None,
+                     "compressed": False,
+                     "conversation": {"reset_pos": self.split, "reset_cells": self.split, "next_pos": self.split,
+                                      "cells": self.split, "reindexed": 0, "rope": session.rope_regime,
+                                      "tail": "user", "pending": False, "turns": list(m.get("turns", []))},
+                     "store": {"split": self.split, "n_head": session.info.n_head,
+                               "colsum": self.colsum is not None}})
+        return kvc.KvcFile(meta=meta, prefix_tokens=np.asarray(self.tokens, np.int32), state=state,
+                           colsum=self.colsum)
+
+    @classmethod
+    def from_file(cls, path, session) -> "StoredDocument":
+        """A stored document (or any uncompressed .kvc file: its cells are the stored tokens) for `session`'s
+        model; refused in one line when it is compressed, corrupt, truncated or another model's."""
+        f = kvc.load_checked(path, session.model_path)
+        if f.meta["compressed"] or f.meta["conversation"]["cells"] != f.meta["conversation"]["next_pos"]:
+            raise KvcliError(f"{path} holds a compressed cache: re-selection needs a document's full cache "
+                             "(kvcli compress --store)")
+        st = f.meta.get("store") or {}
+        n = int(f.meta["conversation"]["next_pos"])
+        if len(f.prefix_tokens) < n:
+            raise KvcliError(f"{path} is corrupted (fewer prompt tokens than stored cells)")
+        return cls(tokens=[int(t) for t in f.prefix_tokens[:n]], split=n, colsum=f.colsum, path=Path(path),
+                   nbytes=len(f.state), keep=True,
+                   meta={"document": f.meta["document"], "system": f.meta.get("system"),
+                         "turns": f.meta["conversation"].get("turns", []), "store": bool(st)})
+
+    # ------------------------------------------------------------------ per question
+    def restore_point(self, n_prompt: int, cfg: Compression) -> int:
+        """How many stored entries to put back for a prompt of n_prompt tokens: all `split`, or fewer when the
+        policy's window reaches into them (a column-sum policy cannot be cut back: its sums are split's)."""
+        kinds, window = cfg.observe
+        r = self.split
+        if "window" in kinds and n_prompt - r < window:
+            if "colsum" in kinds:
+                raise KvcliError(f"the policy's window ({window}) reaches into the stored document, whose column "
+                                 f"sums cover its first {self.split} tokens: lower window=")
+            r = max(0, n_prompt - window)
+        return r
+
+    def restore(self, session: Session, seq: int, upto: int) -> None:
+        """Put the stored entries of positions 0..upto-1 back into `seq` (its previous cells are dropped)."""
+        if self.snapshot is not None:
+            snap = self.snapshot
+        else:
+            if self.path is None or not self.path.exists():
+                raise StoreMissing(f"the stored document cache {self.path} is gone")
+            f = kvc.read(self.path)
+            from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
+            c = f.meta["conversation"]
+            snap = SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
+                               prompt_tokens=int(c["next_pos"]), rope=c.get("rope"))
+        session.restore_seq(snap, seq)
+        if upto < self.split:
+            session.truncate(seq, upto)
+
+    def reselect(self, session: Session, prompt: list[int], cfg: Compression, *, seq: int = 0,
+                 progress=None, on_step=None) -> Reselection:
+        """Restore, prefill the rest of `prompt` with the observation `cfg` needs, plan and compact: `seq` then
+        holds `prompt` compressed for its own last tokens (the question), ready to decode. `on_step(obs, plan)`
+        is called before the plan is applied (tests compare the observation with `run`'s)."""
+        n = len(prompt)
+        same = common_prefix(self.tokens, prompt)
+        if same < self.split and "colsum" in cfg.observe[0]:
+            raise KvcliError("the prompt does not start with the stored document's tokens")
+        r = min(self.restore_point(n, cfg), same)
+        if r >= n:
+            raise KvcliError("the prompt ends inside the stored document: nothing to ask")
+        if "colsum" in cfg.observe[0] and self.colsum is None:
+            raise NoColsum(f"policy '{cfg.policy}' scores by column sums, which the stored document lacks")
+        t0 = time.perf_counter()
+        self.restore(session, seq, r)
+        t1 = time.perf_counter()
+        compresses = cfg.compresses(n)
+        kinds, window = cfg.observe if compresses else ((), 0)
+        obs = session.prefill(list(prompt[r:]), seq=seq, observe=kinds, window=window, progress=progress)
+        t2 = time.perf_counter()
+        plan = None
+        if compresses:
+            if obs is None:   # a policy that observes nothing (streamingllm) plans from positions alone
+                obs = planning.shape_observation(session.info, n)
+            if obs.colsum is not None:
+                obs.colsum = obs.colsum.copy()
+                obs.colsum[:, :, :self.split] += self.colsum
+            plan = planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
+            if on_step is not None:
+                on_step(obs, plan)
+            del obs
+            session.apply_plan(plan, seq=seq)
+        return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
+                           plan_s=time.perf_counter() - t2, plan=plan)
+
+    # ------------------------------------------------------------------ lifetime
+    def save_as(self, path, session, turns: list | None = None) -> int:
+        """Write the stored document (and the conversation's turns) to `path`; returns its size."""
+        if self.snapshot is not None:
+            raise KvcliError("this stored document is held in memory (reference engine): nothing to save")
+        f = kvc.read(self.path)
+        f.meta["conversation"]["turns"] = list(turns or [])
+        return kvc.write(path, f)
+
+    def close(self) -> None:
+        """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache)."""
+        if self.path is not None and not self.keep:
+            self.path.unlink(missing_ok=True)
+        self.snapshot = None
+
+
+class StoreMissing(KvcliError):
+    """The stored document's file disappeared."""
+
+
+class NoColsum(KvcliError):
+    """A column-sum policy asked of a stored document read without column sums."""
