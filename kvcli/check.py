@@ -12,13 +12,22 @@ L2 observation  each engine computes the observation from the same GGUF and toke
                 flash attention, or f16 with) moves that row at least as far: a token so sensitive
                 to llama.cpp's own precision choices says nothing about kvcli (report: the rows,
                 both distances).
-L3 end to end   each engine observes, plans with its own planner and compresses its own cache;
-                then: Jaccard of the kept positions per layer (mean over KV heads), next-token
-                logits (max abs error, KL(native || reference)), and greedy agreement over N tokens
-                (teacher-forced: both engines are fed the native engine's greedy tokens, and each
-                step counts when the reference's argmax is the same token). The logits present
-                right after prefill predate the compression: the "next-token" comparison is the
-                one after the first decoded token, the first that reads the compressed caches.
+L3 end to end   two verdicts, after each engine compressed its cache:
+  arithmetic    (the engine verdict) the reference engine applies the NATIVE plan (same kept sets, same merged
+                rows) to its own prefill, so both hold one and the same compressed cache: next-token logits
+                (max abs error, KL(native || reference)) and greedy agreement over N tokens (teacher-forced:
+                both engines are fed the native engine's greedy tokens, and each step counts when the
+                reference's argmax is the same token), within limits stated per native cache type
+                (`Thresholds.arithmetic`). Must hold for every policy: only the engines' arithmetic differs.
+  plan agreement (the policy's sensitivity) each engine plans from its own observation with its own planner:
+                Jaccard of the kept positions per layer and KV head, the layer budgets, how far from the
+                budget's boundary (in the policy's own score) the decisions lie on which the plans differ
+                (`selection_margins`), and the same logits/greedy comparison with each engine decoding its own
+                plan. A policy whose plans flip on near-ties of its score (the engines' observations differ
+                within L2's limits) misses here without any engine being wrong: reported, and failing the
+                exit status only with `strict_plans` (`kvcli check --strict-plans`).
+                The logits present right after prefill predate the compression: the "next-token" comparison
+                is the one after the first decoded token, the first that reads the compressed caches.
 
 Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver
 (kvcli/compress.py; its chunked loop is in kvcli/chunked.py): prefill a chunk, observe it (a window policy
@@ -26,9 +35,11 @@ through the question probe, prefilled and rolled back, unless `chunk_scoring` is
 everything held, compact with re-indexed positions (a model with sliding-window layers: keeping them). L1 is
 checked at every planning step: the torch planner on the native observation of that step must make the native
 plan. L2 compares the observations of the first chunk.
-L3 compares the end result; its Jaccard is over the *original* prompt positions each (layer, KV head)
-still holds, followed through each engine's own plans (after re-indexing, the engines' positions are
-B-k..B-1 and say nothing about which tokens were kept).
+L3's arithmetic verdict has the reference engine read the prompt in the same chunks with the native engine's plan
+at every step (a replaying planner); plan agreement compares the end results of each engine's own plans, its
+Jaccard over the *original* prompt positions each (layer, KV head) still holds, followed through each engine's
+own plans (after re-indexing, the engines' positions are B-k..B-1 and say nothing about which tokens were kept);
+its selection margins are not computed for a chunked read.
 
 L1 alone (`--levels 1`) loads no reference engine. Models with sliding-window layers (gemma2, gemma3) are checked
 at every level, on the layers kvcli compresses (ModelInfo.kv_layers: observations, plans, kept positions); the
@@ -81,10 +92,25 @@ class Thresholds:
     # the threshold (measured: one row of 6,042 on gemma-3-270m, 2,014 tokens) is not an engine disagreement.
     # A wrong mapping, mask or position moves most rows, in both precision settings alike.
     l2_kv_sensitive_rows: float = 0.001
-    l3_jaccard_min: float = 0.7     # L3: lowest per-layer Jaccard of kept positions (mean over KV heads)
-    l3_kl_max: float = 0.05         # L3: KL(native || reference) of the next-token distribution, nats
-    l3_logits_atol: float = 3.0     # L3: max abs difference of the next-token logits
-    l3_greedy_min: float = 0.75     # L3: fraction of greedy steps where both engines pick the same token
+    # L3 arithmetic (the engine verdict): both engines decode the SAME plan (the native planner's), so the only
+    # difference left is their arithmetic; per native cache type (the reference is float32 throughout). Measured
+    # on the default model (Q4_1; docs/internals.md "kvcli check"): the native engine's 8-bit activations and its
+    # cache's rounding against float32 give next-token KL up to ~0.02 with an f16 or f32 cache, logits max abs up
+    # to ~1.7; q8_0 rounds K and V to 8 bits besides. A wrong mask, position, head mapping or compaction gives
+    # KL of order one.
+    l3_kl_max_f32: float = 0.03     # L3: KL(native || reference), nats, same plan, native f32 cache
+    l3_kl_max_f16: float = 0.03     # ... native f16 cache (the product setting)
+    l3_kl_max_q8_0: float = 0.06    # ... native q8_0 cache
+    l3_logits_atol_f32: float = 3.0   # L3: next-token logits max abs, same plan, per cache type
+    l3_logits_atol_f16: float = 3.0
+    l3_logits_atol_q8_0: float = 4.0
+    l3_greedy_min: float = 0.75     # L3: teacher-forced greedy agreement, same plan
+    # Plan agreement (the policy's sensitivity, not an engine verdict): each engine plans from its own
+    # observation; the plans and what they decode are compared. Reported; fails the exit code only with
+    # --strict-plans (see run_check's doc).
+    plan_jaccard_min: float = 0.7   # plans: lowest per-layer Jaccard of kept positions (mean over KV heads)
+    plan_kl_max: float = 0.05       # plans: KL(native || reference) of the next token, each engine its own plan
+    plan_greedy_min: float = 0.75   # plans: teacher-forced greedy agreement, each engine its own plan
 
     DOCS = {
         "l1_merge_atol": "L1: merged K/V rows and log_mult, native vs torch planner (max abs)",
@@ -93,18 +119,39 @@ class Thresholds:
         "l2_kv_rtol": "L2: K and V rows (max abs / max abs value)",
         "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where the native engine's "
                                 "own other precision setting moves the row as far (0: none)",
-        "l3_jaccard_min": "L3: lowest per-layer Jaccard of kept positions (minimum)",
-        "l3_kl_max": "L3: KL(native || reference) of the next-token distribution (maximum)",
-        "l3_logits_atol": "L3: next-token logits (max abs)",
-        "l3_greedy_min": "L3: teacher-forced greedy agreement over N tokens (minimum fraction)",
+        "l3_kl_max_f32": "L3 arithmetic (same plan in both engines): next-token KL(native || reference), "
+                         "native f32 cache (maximum; l3_kl_max=X sets every cache type)",
+        "l3_kl_max_f16": "L3 arithmetic: the same, native f16 cache",
+        "l3_kl_max_q8_0": "L3 arithmetic: the same, native q8_0 cache",
+        "l3_logits_atol_f32": "L3 arithmetic: next-token logits max abs, native f32 cache (l3_logits_atol=X: "
+                              "every cache type)",
+        "l3_logits_atol_f16": "L3 arithmetic: the same, native f16 cache",
+        "l3_logits_atol_q8_0": "L3 arithmetic: the same, native q8_0 cache",
+        "l3_greedy_min": "L3 arithmetic: teacher-forced greedy agreement over N tokens (minimum fraction)",
+        "plan_jaccard_min": "plan agreement (own plans): lowest per-layer Jaccard of kept positions (minimum)",
+        "plan_kl_max": "plan agreement: next-token KL, each engine decoding its own plan (maximum)",
+        "plan_greedy_min": "plan agreement: greedy agreement, each engine decoding its own plan (minimum)",
     }
+    # names of earlier releases: one value for every cache type (l3_*) or the plan figure it became
+    ALIASES = {"l3_kl_max": ("l3_kl_max_f32", "l3_kl_max_f16", "l3_kl_max_q8_0"),
+               "l3_logits_atol": ("l3_logits_atol_f32", "l3_logits_atol_f16", "l3_logits_atol_q8_0"),
+               "l3_jaccard_min": ("plan_jaccard_min",)}
+    CACHE_TYPES = ("f32", "f16", "q8_0")
 
     @classmethod
     def tight(cls) -> "Thresholds":
         """For float32 GGUFs checked with an f32 cache and flash attention off (the tests' tiny models)."""
         return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_kv_rtol=1e-4, l2_kv_sensitive_rows=0.0,
-                   l3_jaccard_min=0.95,
-                   l3_kl_max=1e-6, l3_logits_atol=1e-3, l3_greedy_min=1.0)
+                   l3_kl_max_f32=1e-6, l3_kl_max_f16=1e-6, l3_kl_max_q8_0=1e-6, l3_logits_atol_f32=1e-3,
+                   l3_logits_atol_f16=1e-3, l3_logits_atol_q8_0=1e-3, l3_greedy_min=1.0,
+                   plan_jaccard_min=0.95, plan_kl_max=1e-6, plan_greedy_min=1.0)
+
+    def arithmetic(self, cache_type: str) -> dict:
+        """The L3 arithmetic limits for a native cache type."""
+        if cache_type not in self.CACHE_TYPES:
+            raise KvcliError(f"no L3 thresholds for cache type '{cache_type}' (known: {', '.join(self.CACHE_TYPES)})")
+        return {"kl_max": getattr(self, f"l3_kl_max_{cache_type}"),
+                "logits_atol": getattr(self, f"l3_logits_atol_{cache_type}"), "greedy_min": self.l3_greedy_min}
 
     def with_overrides(self, items) -> "Thresholds":
         """Apply "key=value" strings (or a dict); a clear error for an unknown key or a bad number."""
@@ -112,6 +159,10 @@ class Thresholds:
         names = {f.name for f in fields(self)}
         out = copy.copy(self)
         for key, value in pairs:
+            if key in self.ALIASES:
+                for k in self.ALIASES[key]:
+                    out = out.with_overrides({k: value})
+                continue
             if key not in names:
                 raise KvcliError(f"unknown threshold '{key}'; valid: {', '.join(sorted(names))}")
             try:
@@ -306,7 +357,8 @@ def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, .
 # --------------------------------------------------------------------------------- L3: end to end
 
 
-def jaccard_per_layer(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> list[float]:
+def jaccard_per_head(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> list[list[float]]:
+    """Jaccard of the kept positions of every (layer, KV head)."""
     out = []
     for la, lb in zip(a, b):
         js = []
@@ -314,7 +366,89 @@ def jaccard_per_layer(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> l
             sa, sb = set(np.asarray(ha).tolist()), set(np.asarray(hb).tolist())
             union = len(sa | sb)
             js.append(len(sa & sb) / union if union else 1.0)
-        out.append(float(np.mean(js)))
+        out.append(js)
+    return out
+
+
+def jaccard_per_layer(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> list[float]:
+    """Jaccard of the kept positions per layer (mean over KV heads)."""
+    return [float(np.mean(js)) for js in jaccard_per_head(a, b)]
+
+
+def selection_margins(native_calls: list, reference_calls: list) -> dict:
+    """Plan agreement's sensitivity figure: how far from the budget's boundary, in the policy's own score, the
+    decisions lie on which the engines' plans differ.
+
+    `native_calls` / `reference_calls`: the (scores, k) of every top-k selection the torch planner made from the
+    native engine's observation and from the reference engine's (kvcli.reference.policies._common.recording),
+    in the planner's order: the i-th of each is the same decision (a layer, or a layer's KV head: a row of
+    scores). The torch planner on the native observation makes the native plan (L1). For a row whose kept
+    sets differ, each flipped entry (kept by one engine only) has
+      gap   how far its native score must move to cross the native cut (down to the first evicted score for an
+            entry the native plan keeps, up to the last kept one for an entry it evicts), relative to the cut
+            score (the mean of those two);
+      rank  how many places from the cut it ranks in the native order (1: next to it);
+    and the row has `delta`, the engines' largest score difference on its flipped entries (same scale). With the
+    same budget in both engines a flip is a near-tie: its gap is at most two flipped entries' score differences
+    together (at most 2 x delta; `beyond_near_tie` counts the flips that are not); a row whose budget k differs
+    took its budget from the observation (d2o, dynamickv: counted in `rows_budget_differs`; a d2o row whose
+    candidates differ in number as well is counted there without a gap)."""
+    out = {"selections": len(native_calls), "rows": 0, "rows_differing": 0, "rows_budget_differs": 0,
+           "flipped": 0, "gap_max": 0.0, "rank_max": 0, "delta_max": 0.0, "beyond_near_tie": 0,
+           "first": None, "comparable": True}
+    if len(native_calls) != len(reference_calls):
+        out.update(comparable=False, why=f"the planner made {len(native_calls)} selections on the native observation "
+                                         f"and {len(reference_calls)} on the reference one")
+        return out
+    for i, ((sn, kn), (sr, kr)) in enumerate(zip(native_calls, reference_calls)):
+        if sn.shape[:-1] != sr.shape[:-1]:
+            out.update(comparable=False, why=f"selection {i}: scores of shape {sn.shape} vs {sr.shape}")
+            return out
+        if sn.shape != sr.shape:   # a policy whose candidates follow its budget (d2o's prefix n - recent)
+            rows = int(np.prod(sn.shape[:-1]))
+            out["rows"] += rows
+            out["rows_differing"] += rows
+            out["rows_budget_differs"] += rows
+            continue
+        a_rows, b_rows = sn.reshape(-1, sn.shape[-1]), sr.reshape(-1, sr.shape[-1])
+        n = a_rows.shape[1]
+        for r in range(a_rows.shape[0]):
+            a, b = a_rows[r], b_rows[r]
+            k1 = int(np.ravel(kn)[r] if np.ndim(kn) else kn)
+            k2 = int(np.ravel(kr)[r] if np.ndim(kr) else kr)
+            order_n, order_r = np.argsort(-a, kind="stable"), np.argsort(-b, kind="stable")
+            set_n, set_r = set(order_n[:k1].tolist()), set(order_r[:k2].tolist())
+            out["rows"] += 1
+            if set_n == set_r:
+                continue
+            out["rows_differing"] += 1
+            out["rows_budget_differs"] += k1 != k2
+            rank = np.empty(n, np.int64)
+            rank[order_n] = np.arange(n)
+            last_kept = a[order_n[k1 - 1]] if k1 > 0 else np.inf
+            first_out = a[order_n[k1]] if k1 < n else -np.inf
+            cut = abs(float(np.mean([x for x in (last_kept, first_out) if np.isfinite(x)])))
+            scale = max(cut, 1e-12 * float(np.abs(a).max()), 1e-300)
+            flipped = sorted(set_n ^ set_r)
+            delta = float(np.abs(a[flipped] - b[flipped]).max()) / scale
+            gaps, ranks = [], []
+            for j in flipped:
+                if j in set_n:
+                    gaps.append((a[j] - first_out) / scale)
+                    ranks.append(int(k1 - rank[j]))
+                else:
+                    gaps.append((last_kept - a[j]) / scale)
+                    ranks.append(int(rank[j] - k1 + 1))
+            gaps = [float(g) if np.isfinite(g) else float("inf") for g in gaps]
+            out["flipped"] += len(gaps)
+            out["gap_max"] = max(out["gap_max"], max(gaps))
+            out["rank_max"] = max(out["rank_max"], max(ranks))
+            out["delta_max"] = max(out["delta_max"], delta)
+            if k1 == k2:
+                out["beyond_near_tie"] += sum(g > 2 * delta for g in gaps)
+            if out["first"] is None:
+                out["first"] = {"selection": i, "row": r, "budget": [k1, k2], "flipped": len(gaps),
+                                "gap": max(gaps), "rank": max(ranks), "delta": delta}
     return out
 
 
@@ -374,6 +508,7 @@ class CheckSettings:
     chunk: int | None = None        # chunked prefill in chunks of this many tokens (None: one prefill)
     chunk_scoring: str = "question"   # chunked: which queries score each chunk (kvcli/chunked.py)
     threads: int | None = None      # CPU threads of both engines (None: the native default, torch's own)
+    strict_plans: bool = False      # a plan-agreement miss fails the check too (default: reported only)
 
 
 def policies_to_check(names) -> list[str]:
@@ -461,6 +596,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         if shared.error is not None or shared.obs_error is not None:
             raise shared.error or shared.obs_error
         base_obs = shared.obs
+        if shared.state is None:   # L3 puts the prefill back for each policy's second comparison
+            shared.state = reference.save_seq(0)
 
     if 2 in levels:
         log("L2: native prefill with observation")
@@ -483,11 +620,18 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
             log(f"{name}: skipped ({entry['skipped']})")
             continue
         log(f"{name}: native prefill, L1 and L3")
-        l1_steps = []
+        l1_steps, planned = [], {}
 
-        def both_planners(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps):
-            if 1 in levels:
-                l1_steps.append(_l1(cfg, obs, plan_n, th))
+        def both_planners(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps, planned=planned):
+            # the torch planner on the native observation (L1), its selections recorded for plan agreement
+            from kvcli.reference.policies._common import recording  # noqa: PLC0415
+            planned["plan"] = plan_n
+            with recording() as calls:
+                if 1 in levels:
+                    l1_steps.append(_l1(cfg, obs, plan_n, th))
+                elif cfg.compresses(obs.n):
+                    planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference")
+            planned["calls"] = calls
 
         try:
             native.clear(0)
@@ -497,7 +641,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
             if l1_steps:
                 entry["l1"] = l1_steps[0]
             if 3 in levels:
-                entry["l3"] = _level3(native, shared, cfg, settings, th)
+                entry["l3"], entry["plans"] = _level3(native, shared, cfg, settings, th, planned["plan"],
+                                                      planned.get("calls"))
         except KvcliError as e:
             entry["error"] = str(e)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -512,25 +657,107 @@ def _l1(cfg, obs, plan_n, th) -> dict:
                          th.l1_merge_atol)
 
 
-def _level3(native, shared, cfg, settings, th) -> dict:
-    """L3 of one policy: the native engine has compressed sequence 0 with its own plan; the reference engine's
-    prefill (`shared`) is given back to this configuration, planned from its own observation by its own planner
-    (never compressed for full: it keeps the cache as it is)."""
-    applied = shared.apply(cfg)
+def _level3(native, shared, cfg, settings, th, plan_n, calls_n) -> tuple[dict, dict]:
+    """L3 of one policy, after the native engine compressed sequence 0 with its own plan `plan_n` (made from the
+    observation on which the torch planner's selections were `calls_n`; None: not recorded).
+
+    Arithmetic: the reference engine's prefill (`shared`) gets the *native* plan, and both decode: the engines'
+    arithmetic on one compressed cache. Plan agreement: the reference prefill is given back to this
+    configuration, planned from its own observation by its own planner (`shared.apply`), and both decode again
+    (the native engine from its compressed state, saved before)."""
+    ref, n = shared.session, shared.n
+    if shared.used:
+        ref.restore_seq(shared.state, shared.seq)
+    shared.used = True
+    compresses = cfg.compresses(n)
+    if compresses:
+        ref.apply_plan(plan_n, seq=shared.seq)
+    if not compresses:   # full, or a prompt within the budget: one comparison serves both verdicts
+        arith = _arithmetic(native, ref, settings, th)
+        plans = _plans(native, ref, jaccard_per_head(native.kept_positions(0), ref.kept_positions(0)), settings, th,
+                       own=arith, margins=None)
+        return arith, plans
+    state_n = native.save_seq(0)
+    arith = _arithmetic(native, ref, settings, th)
+    native.restore_seq(state_n, 0)
+    from kvcli.reference.policies._common import recording  # noqa: PLC0415
+    with recording() as calls_r:
+        applied = shared.apply(cfg)
     if applied.error is not None:
         raise applied.error
-    jac = jaccard_per_layer(native.kept_positions(0), shared.session.kept_positions(0))
-    return _l3(native, shared.session, jac, settings, th)
+    jac = jaccard_per_head(native.kept_positions(0), ref.kept_positions(0))
+    margins = selection_margins(calls_n, calls_r) if calls_n is not None else None
+    plans = _plans(native, ref, jac, settings, th, margins=margins, budgets=(plan_n, applied.plan))
+    return arith, plans
 
 
-def _l3(native, reference, jac: list[float], settings, th, **extra) -> dict:
-    """The L3 figures after both engines compressed sequence 0: Jaccard of the kept positions, then the greedy
-    comparison, and whether they pass."""
-    out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac, **extra}
+def _arithmetic(native, reference, settings, th, **extra) -> dict:
+    """L3 arithmetic: both engines hold the same plan's cache; decode and compare with the cache type's limits."""
+    limits = th.arithmetic(settings.cache_type)
+    out = {"plan": "native", "cache_type": settings.cache_type, "limits": limits, **extra}
     out.update(greedy_compare(native, reference, settings.n_tokens, 0, 0))
-    out["pass"] = bool(out["jaccard_min"] >= th.l3_jaccard_min and out["kl"] <= th.l3_kl_max
-                       and out["logits_max_abs"] <= th.l3_logits_atol and out["greedy_agree"] >= th.l3_greedy_min)
+    out["pass"] = bool(out["kl"] <= limits["kl_max"] and out["logits_max_abs"] <= limits["logits_atol"]
+                       and out["greedy_agree"] >= limits["greedy_min"])
     return out
+
+
+def _plans(native, reference, jac_heads: list[list[float]], settings, th, own: dict | None = None,
+           margins: dict | None = None, budgets=None, **extra) -> dict:
+    """Plan agreement after each engine compressed sequence 0 with its own plan: the kept positions per layer and
+    KV head, the layer budgets, the sensitivity figure (`selection_margins`), and both engines decoding their own
+    plans (`own`: that comparison made already)."""
+    jac = [float(np.mean(js)) for js in jac_heads]
+    out = {"jaccard_min": min(jac), "jaccard_mean": float(np.mean(jac)), "jaccard_per_layer": jac,
+           "jaccard_per_head": jac_heads, **extra}
+    if budgets is not None and budgets[1] is not None:
+        a, b = np.asarray(budgets[0].n_kept), np.asarray(budgets[1].n_kept)
+        out["budgets_equal"] = bool(np.array_equal(a, b))
+        out["layers_budget_differs"] = int((a != b).any(axis=1).sum())
+        out["budget_max_diff"] = int(np.abs(a.astype(np.int64) - b).max()) if a.size else 0
+    if margins is not None:
+        out["margins"] = margins
+    own = own if own is not None else greedy_compare(native, reference, settings.n_tokens, 0, 0)
+    out.update({k: v for k, v in own.items() if k not in ("pass", "plan", "cache_type", "limits")})
+    out["pass"] = bool(out["jaccard_min"] >= th.plan_jaccard_min and out["kl"] <= th.plan_kl_max
+                       and out["greedy_agree"] >= th.plan_greedy_min)
+    out["sensitivity"] = plan_sensitivity(out)
+    return out
+
+
+def plan_sensitivity(p: dict) -> str:
+    """One line: what the plan-agreement figures say about the policy (empty when the plans agree)."""
+    if p["pass"]:
+        return ""
+    parts = []
+    if p["jaccard_min"] < 1.0:
+        parts.append(f"kept sets overlap {p['jaccard_min']:.3f} (worst layer)")
+    m = p.get("margins")
+    if m and m.get("comparable") and m["rows_differing"]:
+        text = (f"{m['rows_differing']} of {m['rows']} selections differ, {m['flipped']} entries flipped, "
+                f"the farthest {m['gap_max']:.2g} x the cut score from the cut (rank {m['rank_max']}), the engines' "
+                f"scores of flipped entries up to {m['delta_max']:.2g} x the cut score apart")
+        if m["rows_budget_differs"]:
+            text += f"; {m['rows_budget_differs']} took a different budget from the observation"
+        if m["beyond_near_tie"]:
+            text += f"; {m['beyond_near_tie']} flips beyond the engines' score difference"
+        parts.append(text)
+    elif m and not m.get("comparable"):
+        parts.append(f"selections not comparable ({m.get('why')})")
+    elif m and p["jaccard_min"] < 1.0 and not p.get("layers_budget_differs"):
+        parts.append("the planners' selections agree on both observations, yet the caches keep different positions: "
+                     "the engines apply a plan differently (see L3 arithmetic)")
+    if p.get("layers_budget_differs"):
+        parts.append(f"{p['layers_budget_differs']} layers' budgets differ (by up to {p['budget_max_diff']})")
+    parts.append(f"own plans decode with KL {p['kl']:.3g}, greedy {p['greedy_agree'] * 100:.1f}%")
+    if m and m.get("comparable") and m["rows_differing"] and not m["beyond_near_tie"] and not m["rows_budget_differs"]:
+        kind = "near-ties"
+    elif (m and m.get("rows_budget_differs")) or p.get("layers_budget_differs"):
+        kind = "budget allocation"
+    elif m and m.get("comparable") and not m["rows_differing"] and p["jaccard_min"] < 1.0:
+        kind = "not the plans"
+    else:
+        kind = "plans"
+    return f"sensitive ({kind}): " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------- chunked prefill
@@ -657,12 +884,13 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
         reading = dict(instruction=settings.instruction, chunk=chunk, cap=sizing[name].cap,
                        scoring=settings.chunk_scoring)
         try:
-            l1_steps, origins_n = [], Origins(info.n_layer, info.n_head_kv)
+            l1_steps, origins_n, plans_n = [], Origins(info.n_layer, info.n_head_kv), []
 
-            def native_step(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps, origins=origins_n):
+            def native_step(step, obs, plan_n, cfg=cfg, l1_steps=l1_steps, origins=origins_n, plans_n=plans_n):
                 if 1 in levels:
                     l1_steps.append(_l1(cfg, obs, plan_n, th))
                 origins.on_plan(obs.n, plan_n, reindexed)
+                plans_n.append(plan_n)
 
             native.clear(0)
             rep_n = compress.prefill_and_compress(native, tokens, name, settings.budget, {}, planner="native",
@@ -672,16 +900,34 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             if 1 in levels:
                 entry["l1"] = _merge_l1(l1_steps)
             if 3 in levels:
+                kept_n = origins_n.kept(native.stats(0)["kv_cells"])
+                state_n = native.save_seq(0)
+                # arithmetic: the reference engine reads the prompt in the same chunks with the native plans
+                replay = iter(plans_n)
+
+                def native_plans(spec, params, budget, obs, replay=replay):
+                    plan = next(replay, None)
+                    if plan is None:
+                        raise KvcliError("the reference engine planned more steps than the native engine")
+                    return plan
+
+                reference.clear(0)
+                rep_a = compress.prefill_and_compress(reference, tokens, name, settings.budget, {},
+                                                      planner=native_plans, **reading)
+                entry["l3"] = _arithmetic(native, reference, settings, th, peak_cells=[rep_n.peak_cells,
+                                                                                      rep_a.peak_cells])
+                native.restore_seq(state_n, 0)
+                # plan agreement: the reference engine reads them with its own plans
                 origins_r = Origins(info.n_layer, info.n_head_kv)
                 reference.clear(0)
                 rep_r = compress.prefill_and_compress(
                     reference, tokens, name, settings.budget, {}, planner="reference",
                     on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan, reindexed), **reading)
-                kept_n = origins_n.kept(native.stats(0)["kv_cells"])
                 kept_r = origins_r.kept(reference.stats(0)["kv_cells"])
-                entry["l3"] = _l3(native, reference, jaccard_per_layer(kept_n, kept_r), settings, th,
-                                  peak_cells=[rep_n.peak_cells, rep_r.peak_cells],
-                                  reference_steps=[[s.cells_before, s.cells_after] for s in rep_r.steps])
+                entry["plans"] = _plans(native, reference, jaccard_per_head(kept_n, kept_r), settings, th,
+                                        peak_cells=[rep_n.peak_cells, rep_r.peak_cells],
+                                        reference_steps=[[s.cells_before, s.cells_after] for s in rep_r.steps])
+                entry["l3"]["reference_steps"] = [[s.cells_before, s.cells_after] for s in rep_a.steps]
         except KvcliError as e:
             entry["error"] = str(e)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -690,11 +936,18 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
 
 
 def _passed(report: dict) -> bool:
+    """The exit status: the engine verdicts (L1, L2, L3 arithmetic) and no errors; a plan-agreement miss only with
+    `strict_plans`. Also fills report["plans_agree"] and report["plan_sensitive"] (the policies that missed)."""
     ok = report.get("l2", {"pass": True})["pass"]
+    report["plan_sensitive"] = [e["policy"] for e in report["policies"] if "plans" in e and not e["plans"]["pass"]]
+    report["plans_agree"] = not report["plan_sensitive"]
     for e in report["policies"]:
         if "error" in e:
             ok = False
         for lvl in ("l1", "l3"):
             if lvl in e and not e[lvl]["pass"]:
                 ok = False
+    report["engines_agree"] = bool(ok)
+    if report["settings"].get("strict_plans") and not report["plans_agree"]:
+        ok = False
     return bool(ok)

@@ -114,8 +114,11 @@ def shape_observation(info, n: int) -> Observation:
 
 def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     """Run the planner of one engine: "native" (C++) or "reference" (torch; imported here, on first use:
-    it loads torch)."""
-    if planner == "native":
+    it loads torch), or a callable `planner(spec, params, budget, obs) -> Plan` (kvcli check's arithmetic verdict
+    replays the native engine's plans in the reference engine's chunked reading)."""
+    if callable(planner):
+        plan = planner(spec, params, budget, obs)
+    elif planner == "native":
         plan = native_plan(spec.name, params, budget, obs)
     elif planner == "reference":
         from kvcli.reference.policies import reference_plan  # noqa: PLC0415  (loads torch)

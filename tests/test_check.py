@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from kvcli.check import (Thresholds, compare_kv_rows, compare_observations, compare_plans, jaccard_per_layer,
-                         logits_distance)
+from kvcli.check import (Thresholds, compare_kv_rows, compare_observations, compare_plans, jaccard_per_head,
+                         jaccard_per_layer, logits_distance, plan_sensitivity, selection_margins)
 from kvcli.errors import KvcliError
 from kvcli.plan import Observation, Plan
 
@@ -109,8 +109,14 @@ def test_l3_metrics():
 
 
 def test_threshold_overrides():
-    t = Thresholds().with_overrides(["l3_kl_max=0.5", "l1_merge_atol=1e-6"])
-    assert t.l3_kl_max == 0.5 and t.l1_merge_atol == 1e-6 and Thresholds().l3_kl_max != 0.5
+    t = Thresholds().with_overrides(["l3_kl_max_f16=0.5", "l1_merge_atol=1e-6"])
+    assert t.l3_kl_max_f16 == 0.5 and t.l1_merge_atol == 1e-6 and Thresholds().l3_kl_max_f16 != 0.5
+    assert t.arithmetic("f16")["kl_max"] == 0.5 and t.arithmetic("f32")["kl_max"] == Thresholds().l3_kl_max_f32
+    # the names of earlier releases: one value for every cache type, and the Jaccard that became plan agreement's
+    t = Thresholds().with_overrides(["l3_kl_max=0.2", "l3_jaccard_min=0.5"])
+    assert all(t.arithmetic(c)["kl_max"] == 0.2 for c in Thresholds.CACHE_TYPES) and t.plan_jaccard_min == 0.5
+    with pytest.raises(KvcliError, match="cache type"):
+        t.arithmetic("q4_0")
     for bad, msg in (["nope=1"], "unknown threshold"), (["l3_kl_max=x"], "number"), (["l3_kl_max"], "key=value"), \
             (["l3_kl_max=-1"], ">= 0"):
         with pytest.raises(KvcliError, match=msg):
@@ -201,3 +207,50 @@ def test_l2_kv_rows_systematic_error_fails_without_asking_the_twin():
     nat[0, 0, 1:4] += np.abs(ref).max()
     assert not compare_kv_rows(nat, ref, Thresholds(), twin)["pass"]
     assert compare_kv_rows(nat, ref, Thresholds(l2_kv_sensitive_rows=0.01), lambda: ref * 3)["pass"]
+
+
+def test_selection_margins_measure_flips_from_the_cut():
+    """Plan agreement's sensitivity figure: two observations whose scores swap a near-tie at the cut give one
+    differing selection with two flipped entries, each a small gap from the cut in the policy's score and rank 1;
+    a budget taken from the observation is told apart; identical scores give nothing."""
+    s = np.array([[9.0, 5.0, 4.0, 3.99, 1.0, 0.5]])          # one row, k = 3 keeps slots 0, 1, 2
+    r = selection_margins([(s, 3)], [(s.copy(), 3)])
+    assert r["rows"] == 1 and r["rows_differing"] == 0 and r["flipped"] == 0 and r["first"] is None
+    t = s.copy()
+    t[0, 3] = 4.01                                              # the reference engine's scores swap 2 and 3
+    r = selection_margins([(s, 3)], [(t, 3)])
+    assert r["rows_differing"] == 1 and r["flipped"] == 2 and r["rank_max"] == 1
+    cut = (4.0 + 3.99) / 2
+    assert r["gap_max"] == pytest.approx(0.01 / cut) and r["delta_max"] == pytest.approx(0.02 / cut)
+    assert r["beyond_near_tie"] == 0 and r["rows_budget_differs"] == 0 and r["first"]["budget"] == [3, 3]
+    # a budget of 4 in the reference engine: the row differs because its k does
+    r = selection_margins([(s, 3)], [(s.copy(), 4)])
+    assert r["rows_differing"] == 1 and r["rows_budget_differs"] == 1 and r["flipped"] == 1
+    # a flip far from the cut (what a broken observation gives) shows as a large gap and rank, and a score
+    # difference as large
+    u = s.copy()
+    u[0, 0], u[0, 5] = 0.4, 9.0                                # slots 0 and 5 exchanged
+    r = selection_margins([(s, 3)], [(u, 3)])
+    assert r["flipped"] == 2 and r["rank_max"] == 3 and r["gap_max"] > 1 and r["delta_max"] > 2
+    # leading dimensions are rows of their own (a layer's KV heads), k per call; mismatched calls are reported
+    two = np.stack([s[0], s[0]])
+    r = selection_margins([(two, 3)], [(np.stack([s[0], t[0]]), 3)])
+    assert r["rows"] == 2 and r["rows_differing"] == 1 and r["first"]["row"] == 1
+    assert not selection_margins([(s, 3)], [])["comparable"]
+    assert not selection_margins([(s, 3)], [(two, 3)])["comparable"]
+
+
+def test_plan_sensitivity_line():
+    base = {"pass": False, "jaccard_min": 0.9, "kl": 0.2, "greedy_agree": 0.875}
+    m = selection_margins([(np.array([[9.0, 5.0, 4.0, 3.99, 1.0]]), 3)], [(np.array([[9.0, 5.0, 3.99, 4.0, 1.0]]), 3)])
+    line = plan_sensitivity({**base, "margins": m})
+    assert line.startswith("sensitive (near-ties)") and "1 of 1 selections differ" in line and "KL 0.2" in line
+    assert plan_sensitivity({**base, "margins": None, "layers_budget_differs": 2, "budget_max_diff": 3}) \
+        .startswith("sensitive (budget allocation)")
+    assert plan_sensitivity({**base, "pass": True}) == ""
+
+
+def test_jaccard_per_head():
+    a = [[np.array([0, 1, 2, 3]), np.array([0, 5])]]
+    b = [[np.array([0, 1, 2, 4]), np.array([0, 5])]]
+    assert jaccard_per_head(a, b) == [[pytest.approx(3 / 5), 1.0]]

@@ -79,4 +79,4 @@ def test_gemma_check_passes():
     assert r["passed"] and r["l2"]["pass"], table
     for e in r["policies"]:
         assert "error" not in e and e["l1"]["pass"] and e["l1"]["identical_budgets"], table
-        assert e["l3"]["pass"] and len(e["l3"]["jaccard_per_layer"]) == 3, table
+        assert e["l3"]["pass"] and len(e["plans"]["jaccard_per_layer"]) == 3, table

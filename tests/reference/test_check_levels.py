@@ -79,7 +79,72 @@ def test_check_all_levels_on_tiny_model_tight(tiny_gguf):
     assert r["passed"]
     assert r["l2"]["window"]["max_abs"] < 1e-4 and r["l2"]["keys"]["rel"] < 1e-5
     for e in r["policies"]:
-        assert e["l3"]["greedy_agree"] == 1.0 and e["l3"]["jaccard_min"] >= 0.95
+        assert e["l3"]["greedy_agree"] == 1.0 and e["l3"]["plan"] == "native" and e["l3"]["cache_type"] == "f32"
+        assert e["plans"]["pass"] and e["plans"]["jaccard_min"] >= 0.95 and not e["plans"]["sensitivity"]
+        assert len(e["plans"]["jaccard_per_head"]) == 3 and len(e["plans"]["jaccard_per_head"][0]) == 2
+    assert r["engines_agree"] and r["plans_agree"] and r["plan_sensitive"] == []
+
+
+def _tiny_check(tiny_gguf, policies_, **kw):
+    settings = CheckSettings(budget=96, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=300, **kw)
+    # L2's window sums may differ by the perturbation below; every other limit is the tight one
+    return run_check(tiny_gguf, DOC, policies_, settings, Thresholds.tight().with_overrides({"l2_window_atol": 0.1}))
+
+
+def test_plan_sensitivity_is_reported_apart_from_the_engines(tiny_gguf, monkeypatch):
+    """The reference engine's window sums moved by 0.1% (noise, as the engines' precision gives on real models):
+    snapkv's plans then flip near-ties of its score, and on this random model two swapped entries move the next
+    token far. The engine verdicts pass (L1, L2, L3 arithmetic: the native plan decodes alike in both engines);
+    plan agreement misses and says it is near-ties, measured; the check passes unless strict_plans."""
+    needs_native_cache()
+    from kvcli.commands.check import format_report
+    prefill = ReferenceSession.prefill
+
+    def noisy(self, tokens, seq=0, observe=(), window=0, **kw):
+        obs = prefill(self, tokens, seq=seq, observe=observe, window=window, **kw)
+        if obs is not None and obs.window_sums is not None:
+            noise = np.random.default_rng(0).standard_normal(obs.window_sums.shape)
+            obs.window_sums = (obs.window_sums * (1 + 1e-3 * noise)).astype(np.float32)
+        return obs
+    monkeypatch.setattr(ReferenceSession, "prefill", noisy)
+    r = _tiny_check(tiny_gguf, ["snapkv", "h2o"])
+    table = format_report(r)
+    snap, h2o = r["policies"]
+    assert r["l2"]["pass"] and all(e["l1"]["pass"] and e["l3"]["pass"] for e in r["policies"]), table
+    assert h2o["plans"]["pass"], table                  # column sums were not perturbed: the same plans
+    p = snap["plans"]
+    assert not p["pass"] and p["jaccard_min"] < 1.0, table
+    m = p["margins"]
+    assert m["comparable"] and m["rows_differing"] >= 1 and m["rows_budget_differs"] == 0, table
+    assert m["gap_max"] <= 2 * m["delta_max"] < 0.05 and m["beyond_near_tie"] == 0, table   # flips at the cut
+    assert p["sensitivity"].startswith("sensitive (near-ties)"), table
+    assert r["engines_agree"] and r["passed"] and r["plan_sensitive"] == ["snapkv"] and not r["plans_agree"]
+    assert "PLAN SENSITIVITY: 1 policy" in table and "snapkv" in table.split("PLAN SENSITIVITY")[1]
+    assert "ENGINES: pass" in table and "RESULT: pass" in table
+    strict = _tiny_check(tiny_gguf, ["snapkv"], strict_plans=True)
+    assert strict["engines_agree"] and not strict["passed"]
+
+
+def test_arithmetic_verdict_fails_on_a_perturbed_compaction(tiny_gguf, monkeypatch):
+    """The control: a reference engine that applies every plan one entry short (it evicts the first kept entry
+    of each layer and KV head, a compaction off by one) fails L3's arithmetic verdict, with the same native plan
+    in both engines, while L1 and L2 still pass. The exit status fails."""
+    needs_native_cache()
+    from kvcli.commands.check import format_report
+    from kvcli.plan import Plan
+    apply = ReferenceSession.apply_plan
+
+    def short(self, plan, seq=0, reindex=False):
+        cut = Plan.from_lists([[plan.kept(l, h)[1:] for h in range(plan.n_head_kv)] for l in range(plan.n_layer)])
+        return apply(self, cut, seq=seq, reindex=reindex)
+    monkeypatch.setattr(ReferenceSession, "apply_plan", short)
+    r = _tiny_check(tiny_gguf, ["snapkv", "h2o"])
+    table = format_report(r)
+    assert r["l2"]["pass"], table
+    for e in r["policies"]:
+        assert e["l1"]["pass"] and not e["l3"]["pass"], table
+        assert e["l3"]["kl"] > Thresholds.tight().l3_kl_max_f32 or e["l3"]["logits_max_abs"] > 1e-3, table
+    assert not r["engines_agree"] and not r["passed"] and "ENGINES: FAIL" in table and "RESULT: FAIL" in table
 
 
 def test_reference_full_reproduces_native_full_greedy(default_model):

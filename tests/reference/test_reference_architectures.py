@@ -50,4 +50,4 @@ def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
     assert r["passed"], table
     if arch in SLIDING:   # the plans, observations and kept positions cover the two global layers
         assert r["prompt_tokens"] > 32 * 4
-        assert all(len(e["l3"]["jaccard_per_layer"]) == 2 for e in r["policies"]), table
+        assert all(len(e["plans"]["jaccard_per_layer"]) == 2 for e in r["policies"]), table

@@ -109,7 +109,31 @@ def rank_desc(s: torch.Tensor, policy: str) -> torch.Tensor:
 def topk_ascending(s: torch.Tensor, k: int, policy: str) -> torch.Tensor:
     """The k best indices along the last axis (ties: lower index), returned ascending."""
     k = max(0, min(int(k), s.shape[-1]))
+    record_selection(s, k)
     return torch.sort(rank_desc(s, policy)[..., :k], dim=-1).values
+
+
+# kvcli check's plan agreement (kvcli.check.selection_margins): while `recording()` is active, every top-k
+# selection a torch planner makes is kept as (scores, k), in the order the planner makes them, so that the
+# selections of one policy on two observations can be compared decision by decision.
+_recorders: list[list] = []
+
+
+def record_selection(s: torch.Tensor, k) -> None:
+    """Note one selection: the best `k` (an int, or one per leading row) of `s` along its last axis."""
+    if _recorders:
+        _recorders[-1].append((s.detach().to(torch.float64).cpu().numpy().copy(), k))
+
+
+class recording:
+    """`with recording() as calls:` collects the (scores, k) of every selection made inside."""
+
+    def __enter__(self) -> list:
+        _recorders.append([])
+        return _recorders[-1]
+
+    def __exit__(self, *exc) -> None:
+        _recorders.pop()
 
 
 def require_kv(obs: Observation, policy: str) -> None:

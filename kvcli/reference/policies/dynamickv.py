@@ -13,7 +13,7 @@ import torch
 
 from kvcli.plan import Observation, Plan
 from kvcli.reference.policies._common import keep_all, plan_from_kept, rank_desc, \
-    require_window, snap_scores
+    record_selection, require_window, snap_scores
 
 
 def plan(obs: Observation, params: dict, budget: int) -> Plan:
@@ -57,5 +57,7 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
             cur[j] = min(cur[j], Zp[j], P)           # shrink only (the code's slice never grows a layer)
 
     recent = torch.arange(P, obs.n)
+    for l in range(L):
+        record_selection(scores[l], cur[l])
     kept = [[torch.cat([torch.sort(ranks[l][h, :cur[l]]).values, recent]) for h in range(H)] for l in range(L)]
     return plan_from_kept(kept)
