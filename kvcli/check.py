@@ -98,9 +98,9 @@ class Thresholds:
     # cache's rounding against float32 give next-token KL up to ~0.02 with an f16 or f32 cache, logits max abs up
     # to ~1.7; q8_0 rounds K and V to 8 bits besides. A wrong mask, position, head mapping or compaction gives
     # KL of order one.
-    l3_kl_max_f32: float = 0.03     # L3: KL(native || reference), nats, same plan, native f32 cache
-    l3_kl_max_f16: float = 0.03     # ... native f16 cache (the product setting)
-    l3_kl_max_q8_0: float = 0.06    # ... native q8_0 cache
+    l3_kl_max_f32: float = 0.05     # L3: KL(native || reference), nats, same plan, native f32 cache
+    l3_kl_max_f16: float = 0.05     # ... native f16 cache (the product setting)
+    l3_kl_max_q8_0: float = 0.1     # ... native q8_0 cache
     l3_logits_atol_f32: float = 3.0   # L3: next-token logits max abs, same plan, per cache type
     l3_logits_atol_f16: float = 3.0
     l3_logits_atol_q8_0: float = 4.0
