@@ -55,8 +55,8 @@ from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
 from kvcli.reselect import STORE_TAIL, StoredDocument, common_prefix
+from kvcli.templating import GENERIC_SUFFIX
 
-GENERIC_SUFFIX = "Read the document above carefully: questions about it follow."
 CTX_PAD = 256
 TURN_ROOM = 2048          # cells (and positions) kept free for the conversation after the prefix
 AWARE, AGNOSTIC, RESELECTED = "question-aware", "question-agnostic", "re-selected"
@@ -174,9 +174,8 @@ class Conversation:
     prompt_len: int = 0                   # re-selected: tokens of the last question's whole prompt
 
     def __post_init__(self):
-        if self.policy == "full":
-            self.budget = None
-            self.reselect = False
+        if self.policy == "full":   # re-selected with `full` (kvcli run's several questions): the whole stored
+            self.budget = None      # document restored for every question, no plan
         if self.reselect and self.question:
             raise KvcliError("re-selection compresses for every question as it comes: a question given before the "
                              "document is read is only its first one (ask it, or use --compress-once)")

@@ -120,6 +120,10 @@ def plain_prompt(model_path, bos_text: str | None, text: str, system: str | None
     return bos + "\n\n".join(p for p in (system, text) if p) + PLAIN_ANSWER_CUE
 
 
+# the instruction after a document compressed before any question (question-agnostic): its window scores the entries
+GENERIC_SUFFIX = "Read the document above carefully: questions about it follow."
+
+
 def user_message(document: str | None, instruction: str) -> str:
     return f"{document.strip()}\n\n{instruction.strip()}" if document else instruction.strip()
 

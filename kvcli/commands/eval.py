@@ -9,6 +9,7 @@ import click
 from kvcli.bench import _jsonable, load_docs, log_stderr
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
+from kvcli.evaluation.chat import MODES as CHAT_MODES, chat_table, plot_chat, run_chat_eval
 from kvcli.evaluation.measure import parse_float_list, parse_list, parse_size
 from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_text
 from kvcli.evaluation.runner import run_fidelity, run_generation_eval, summary_table
@@ -133,6 +134,36 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
                           log=None if quiet else log_stderr)
     _finish(result, as_json, json_path, plot_path, quiet,
             lambda r, p: plot_scores(r, p, metric="ppl", ylabel="perplexity of the continuation"))
+
+
+@eval_group.command("chat")
+@shared_options("4k", chunked=False)
+@click.option("--documents", type=click.IntRange(1, 1000), default=2, show_default=True,
+              help="Documents per length (each a logbook with --facts planted facts).")
+@click.option("--facts", type=click.IntRange(1, 20), default=6, show_default=True,
+              help="Facts planted per document at spread depths; one question each, asked in one conversation.")
+@click.option("--modes", default=",".join(CHAT_MODES), show_default=True,
+              help="full: full cache; once: compressed before the questions (question-agnostic); reselect: "
+              "re-selected for every question from the stored full cache (kvcli chat's default); run: each question "
+              "compressed alone, question-aware (the document read again per question).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def chat_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, documents, facts, modes, seed):
+    """Many questions over one document, asked in one conversation, scored per question (SCBench's multi-turn
+    mode), for each way of compressing: full, once, reselect and run."""
+    path, lens = _prepare(model, lengths, plot_path)
+    ms = parse_list(modes, "--modes", lambda s: s.lower())
+    result = run_chat_eval(path, req.policies, req.budgets, lens, documents, facts, ms, cache_type=req.cache_type,
+                           policy_args=req.scoped_args, threads=req.threads, seed=seed,
+                           log=None if quiet else log_stderr)
+    if result.get("interrupted") and not result["records"]:
+        raise KeyboardInterrupt
+    click.echo(json.dumps(result, default=_jsonable) if as_json else chat_table(result))
+    if json_path:
+        write_text(json_path, json.dumps(result, indent=1, default=_jsonable))
+    if plot_path:
+        plot_chat(result, plot_path)
+    if result.get("interrupted"):
+        raise KeyboardInterrupt
 
 
 COMMANDS = [eval_group]

@@ -1,0 +1,294 @@
+"""`kvcli eval chat`: many questions over one document, asked in one conversation (SCBench's multi-turn mode).
+
+Each document is a station logbook (kvcli/evaluation/logbook.py) with `facts` facts planted at spread depths; its
+questions are asked one after the other, each scored by string match of the planted value. Modes, on the same
+documents and questions:
+
+- `full`: the full cache, the conversation appended after the document (what a chat without compression does).
+- `once`: compressed once before any question (question-agnostic: the document followed by kvcli's generic
+  instruction, whose window scores the entries; `kvcli chat --compress-once`), then every question appended,
+  with the earlier turns, after the compressed document.
+- `reselect`: the document's full cache read once and stored; every question is answered from a cache
+  re-selected for it (kvcli/reselect.py: `kvcli chat`'s default): restore, prefill the rest of the conversation
+  with observation, plan, compact.
+- `run`: question-aware compression of each question alone (`kvcli run` once per question): the document read
+  again for every question. The upper mark of what per-question compression can score.
+
+One prefill serves every configuration where the configurations see the same tokens (`Shared`): once per
+document for `once`, once per question for `run`; `reselect` reads the document once for all. Decoding is greedy.
+The prompt of every mode is rendered with the model's own chat template, as the app renders it.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from kvcli.compress import Shared, resolve
+from kvcli.errors import KvcliError
+from kvcli.evaluation import logbook as md
+from kvcli.evaluation.measure import machine, peak_rss_bytes
+from kvcli.evaluation.runner import _greedy
+from kvcli.evaluation.tasks import _fit, string_match_all
+from kvcli.native.session import NativeSession
+from kvcli.reselect import StoredDocument
+from kvcli.templating import GENERIC_SUFFIX, user_message
+
+MODES = ("full", "once", "reselect", "run")
+ROOM = 1024     # cells for the conversation after the document
+
+
+def make_chat_document(session, length: int, facts: int, seed: int) -> tuple[str, list[dict], int]:
+    """A logbook of about `length` tokens (templated with its first question) with `facts` facts at depths
+    (i + 0.5) / facts; returns (text, planted facts, tokens of the first question's prompt)."""
+    depths = [round((i + 0.5) / facts, 3) for i in range(facts)]
+
+    def build(words):
+        text, planted = md.make_document(words, seed=seed, depths=depths)
+        return render(session, text, [], planted[0]["question"]), (text, planted)
+
+    _, n_tok, (text, planted) = _fit(build, length, lambda p: len(session.tokenize(p)), int(length / 1.35))
+    return text, planted, n_tok
+
+
+def ask(question: str) -> str:
+    return f"{question} Answer with the number only."
+
+
+def render(session, document: str, history: list[tuple[str, str]], question: str, agnostic: bool = False) -> str:
+    """The conversation's prompt: question-aware, the document and the first question in one user turn (as `run`
+    and re-selection lay it out); agnostic, the document and the generic instruction, then every question as its
+    own turn (as compress-once chat lays it out)."""
+    qs = [q for q, _ in history] + [question]
+    if agnostic:
+        msgs = [{"role": "user", "content": user_message(document, GENERIC_SUFFIX)}, {"role": "user", "content": qs[0]}]
+    else:
+        msgs = [{"role": "user", "content": user_message(document, qs[0])}]
+    for (_, a), q in zip(history, qs[1:]):
+        msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": q}]
+    return session.apply_chat_template(msgs, add_assistant=True)
+
+
+def prefix_text(session, document: str, agnostic: bool) -> str:
+    """The prompt every question's prompt starts with: the template's head and the document (agnostic: and the
+    generic instruction)."""
+    text = render(session, document, [], "KVCLIPROBEQUESTION", agnostic)
+    end = document.strip()
+    cut = text.index(end) + len(end)
+    if agnostic:
+        cut = text.index(GENERIC_SUFFIX, cut) + len(GENERIC_SUFFIX)
+    return text[:cut]
+
+
+def _record(mode, cfg_key, doc_i, q_i, fact, text, n_tokens, **extra) -> dict:
+    return {"mode": mode, "policy": cfg_key[0], "budget": cfg_key[1], "doc": doc_i, "question": q_i,
+            "depth": fact["depth"], "answer_expected": fact["answer"], "prediction": text.strip()[:80],
+            "score": 100.0 * string_match_all(text, [fact["answer"]]), "n_tokens": n_tokens, **extra}
+
+
+def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: list[int], documents: int,
+                  facts: int = 6, modes=MODES, *, cache_type: str = "f16", policy_args: dict | None = None,
+                  threads: int | None = None, seed: int = 0, max_tokens: int = 12, log=None) -> dict:
+    log = log or (lambda m: None)
+    policy_args = policy_args or {}
+    for m in modes:
+        if m not in MODES:
+            raise KvcliError(f"unknown mode '{m}': choose from {', '.join(MODES)}")
+    if documents < 1 or facts < 1:
+        raise KvcliError("--documents and --facts must be >= 1")
+    keys = [(p, b) for p in policies if p != "full" for b in budgets]
+    cfgs = {k: resolve(model_path, k[0], k[1], policy_args.get(k[0], {})) for k in keys}
+    full = resolve(model_path, "full", None)
+    tok = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
+    records, reads, t_start, interrupted = [], [], time.perf_counter(), False
+    try:
+        for L in lengths:
+            if L + ROOM > tok.n_ctx_train:
+                raise KvcliError(f"length {L} + {ROOM} conversation cells exceed the model's context "
+                                 f"({tok.n_ctx_train}): re-selection keeps the document's full cache")
+            session = NativeSession(model_path, n_ctx=-(-(L + ROOM) // 256) * 256, cache_type=cache_type,
+                                    n_threads=threads)
+            try:
+                for d in range(documents):
+                    doc_seed = seed * 1000 + d
+                    text, planted, n_tok = make_chat_document(tok, L, facts, doc_seed)
+                    log(f"[{L} tokens, document {d + 1}/{documents}: {n_tok} tokens, {facts} questions]")
+                    for mode in modes:
+                        t0 = time.perf_counter()
+                        out = MODE_RUNNERS[mode](session, text, planted, cfgs, full, max_tokens)
+                        for r in out["records"]:
+                            r.update(length=L, doc=d, doc_tokens=n_tok)
+                        records += out["records"]
+                        if "read_s" in out:
+                            reads.append({"length": L, "doc": d, "mode": mode, "read_s": round(out["read_s"], 3),
+                                          "store_bytes": out.get("store_bytes")})
+                        log(f"  {mode}: {time.perf_counter() - t0:.1f}s, " + ", ".join(
+                            f"{p}{'' if b is None else f'@{b}'} {np.mean([r['score'] for r in out['records'] if (r['policy'], r['budget']) == (p, b)]):.0f}"
+                            for p, b in sorted({(r['policy'], r['budget']) for r in out['records']},
+                                               key=lambda k: (k[0], k[1] or 0))))
+            finally:
+                session.close()
+    except KeyboardInterrupt:
+        interrupted = True
+    tok.close()
+    return {"kind": "chat", "model": str(model_path), "policies": policies, "budgets": budgets, "lengths": lengths,
+            "documents": documents, "facts": facts, "modes": list(modes), "records": records, "reads": reads,
+            "summary": summarise(records), "machine": machine(threads), "peak_rss_bytes": peak_rss_bytes(),
+            "seconds": round(time.perf_counter() - t_start, 1), "interrupted": interrupted}
+
+
+# ------------------------------------------------------------------------------ the modes
+def _mode_full(session, text, planted, cfgs, full, max_tokens):
+    """The full cache with the conversation appended: `once` with the full cache."""
+    return _mode_once(session, text, planted, {}, full, max_tokens, mode="full")
+
+
+def _mode_once(session, text, planted, cfgs, full, max_tokens, mode="once"):
+    prefix = prefix_text(session, text, agnostic=True)
+    tokens = session.tokenize(prefix)
+    todo = {("full", None): full} if mode == "full" else cfgs
+    session.clear()
+    t0 = time.perf_counter()
+    shared = Shared(session, tokens, list(todo.values()), planner="native")
+    read_s = time.perf_counter() - t0
+    if shared.error is not None:
+        raise shared.error
+    recs = []
+    for key, cfg in todo.items():
+        applied = shared.apply(cfg)
+        if applied.error is not None:
+            raise applied.error
+        mark = session.seq(0).next_pos
+        history = []
+        for i, fact in enumerate(planted):
+            q = ask(fact["question"])
+            full_text = render(session, text, history, q, agnostic=True)
+            if not full_text.startswith(prefix):
+                raise KvcliError("the chat template does not extend the agnostic prefix")
+            session.truncate(0, mark)
+            t1 = time.perf_counter()
+            session.prefill(session.tokenize(full_text[len(prefix):]), seq=0)
+            t2 = time.perf_counter()
+            answer = _greedy(session, session.logits(0), max_tokens)
+            recs.append(_record(mode, key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
+                                answer_s=round(time.perf_counter() - t2, 4), kv_cells=int(session.stats(0)["kv_cells"])))
+            history.append((q, answer.strip()))
+        session.truncate(0, mark)
+    return {"records": recs, "read_s": read_s}
+
+
+def _mode_reselect(session, text, planted, cfgs, full, max_tokens):
+    session.clear()
+    tokens = session.tokenize(prefix_text(session, text, agnostic=False))
+    colsum = any("colsum" in c.observe[0] for c in cfgs.values())
+    store = StoredDocument.read(session, tokens, colsum=colsum)
+    recs = []
+    try:
+        for key, cfg in cfgs.items():
+            history = []
+            for i, fact in enumerate(planted):
+                q = ask(fact["question"])
+                prompt = session.tokenize(render(session, text, history, q))
+                r = store.reselect(session, prompt, cfg)
+                t2 = time.perf_counter()
+                answer = _greedy(session, session.logits(0), max_tokens)
+                recs.append(_record("reselect", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
+                                    reselect_prefilled=r.prefilled, answer_s=round(time.perf_counter() - t2, 4),
+                                    kv_cells=int(session.stats(0)["kv_cells"])))
+                history.append((q, answer.strip()))
+                session.clear(0)
+    finally:
+        store.close()
+    return {"records": recs, "read_s": store.read_s, "store_bytes": store.nbytes}
+
+
+def _mode_run(session, text, planted, cfgs, full, max_tokens):
+    recs = []
+    for i, fact in enumerate(planted):
+        q = ask(fact["question"])
+        tokens = session.tokenize(render(session, text, [], q))
+        session.clear()
+        t0 = time.perf_counter()
+        shared = Shared(session, tokens, list(cfgs.values()), planner="native")
+        prefill_s = time.perf_counter() - t0
+        if shared.error is not None:
+            raise shared.error
+        for key, cfg in cfgs.items():
+            applied = shared.apply(cfg)
+            if applied.error is not None:
+                raise applied.error
+            answer = _greedy(session, shared.first, max_tokens)
+            recs.append(_record("run", key, 0, i, fact, answer, len(tokens), read_s=round(prefill_s, 3),
+                                kv_cells=int(session.stats(0)["kv_cells"])))
+    return {"records": recs}
+
+
+MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "reselect": _mode_reselect, "run": _mode_run}
+
+
+# ------------------------------------------------------------------------------ results
+def summarise(records: list[dict]) -> list[dict]:
+    """Per length x mode x policy x budget: mean score over every question of every document, its standard
+    error (questions as the unit), and the mean seconds per question where measured."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["length"], r["mode"], r["policy"], r["budget"]), []).append(r)
+    out = []
+    for (L, mode, pol, bud), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]),
+                                                                           kv[0][2], kv[0][3] or 0)):
+        s = np.array([r["score"] for r in rs], np.float64)
+        row = {"length": L, "mode": mode, "policy": pol, "budget": bud, "questions": len(rs),
+               "documents": len({r["doc"] for r in rs}), "score": round(float(s.mean()), 1),
+               "stderr": round(float(s.std(ddof=1) / math.sqrt(len(s))), 1) if len(s) > 1 else None}
+        for k in ("reselect_s", "answer_s", "question_prefill_s"):
+            v = [r[k] for r in rs if k in r]
+            if v:
+                row[k] = round(float(np.mean(v)), 3)
+        out.append(row)
+    return out
+
+
+def chat_table(result: dict) -> str:
+    lines = [f"{'length':>6} {'mode':>9} {'policy':>12} {'budget':>6} {'score':>6} {'s.e.':>5} {'n':>4} "
+             f"{'s/question':>10}"]
+    for r in result["summary"]:
+        per_q = r.get("reselect_s", 0) + r.get("answer_s", 0) if "reselect_s" in r else \
+            r.get("question_prefill_s", 0) + r.get("answer_s", 0) if "answer_s" in r else None
+        lines.append(f"{r['length']:>6} {r['mode']:>9} {r['policy']:>12} {r['budget'] or '-':>6} {r['score']:>6.1f} "
+                     f"{r['stderr'] if r['stderr'] is not None else '-':>5} {r['questions']:>4} "
+                     f"{'-' if per_q is None else f'{per_q:.2f}':>10}")
+    for x in result.get("reads", []):
+        lines.append(f"read of document {x['doc']} at {x['length']} ({x['mode']}): {x['read_s']:.1f}s"
+                     + (f", stored {x['store_bytes'] / 1e6:.1f} MB" if x.get("store_bytes") else ""))
+    return "\n".join(lines)
+
+
+def plot_chat(result: dict, path: str) -> None:
+    """Score per policy and budget, one bar per mode, one panel per length."""
+    from kvcli.evaluation.report import pyplot, save_png  # noqa: PLC0415
+    plt = pyplot()
+    lengths = sorted({r["length"] for r in result["summary"]})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4), squeeze=False)
+    for ax, L in zip(axes[0], lengths):
+        rows = [r for r in result["summary"] if r["length"] == L]
+        full = [r for r in rows if r["mode"] == "full"]
+        keys = sorted({(r["policy"], r["budget"]) for r in rows if r["mode"] != "full"}, key=lambda k: (k[0], k[1]))
+        modes = [m for m in ("once", "reselect", "run") if any(r["mode"] == m for r in rows)]
+        width = 0.8 / max(1, len(modes))
+        for j, m in enumerate(modes):
+            ys, es = [], []
+            for k in keys:
+                hit = [r for r in rows if r["mode"] == m and (r["policy"], r["budget"]) == k]
+                ys.append(hit[0]["score"] if hit else np.nan)
+                es.append((hit[0]["stderr"] or 0) if hit else 0)
+            ax.bar(np.arange(len(keys)) + j * width, ys, width, yerr=es, label=m, capsize=2)
+        if full:
+            ax.axhline(full[0]["score"], color="k", linestyle="--", label="full cache")
+        ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2)
+        ax.set_xticklabels([f"{p}\n{b}" for p, b in keys], fontsize=7)
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{L} tokens, {result['documents']} documents x {result['facts']} questions")
+        ax.set_ylabel("correct answers (%)")
+        ax.legend(fontsize=7)
+    save_png(fig, path)
