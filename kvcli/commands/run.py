@@ -91,6 +91,8 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
     if not quiet and not as_json:
         s = result.stats
         kept = f"{s['kv_cells']} cells, {s['kv_bytes'] / 1e6:.2f} MB of {s['kv_bytes_full'] / 1e6:.2f} MB"
+        if s["kv_bytes_full"] and s["kv_bytes"] < s["kv_bytes_full"]:
+            kept += f" ({1 - s['kv_bytes'] / s['kv_bytes_full']:.1%} saved)"
         where = f", from {cache_path}, loaded in {s['load_s']:.2f}s" if cache_path else ""
         click.echo(f"[{result.policy}{'' if result.budget is None else f' @ {result.budget}'}{where}] "
                    f"{s['prompt_tokens']} prompt tokens"
