@@ -22,7 +22,8 @@ Prompt layout (see docs/terminal.md):
 
       [ system, user: document + first question ][ assistant: answer ][ user: question ] ... [ user: new question ]
 
-  restored from the stored document up to its last STORE_TAIL tokens, the rest (the document's end, the earlier
+  restored from the stored document (less its last STORE_TAIL tokens, or the policy's window), the rest (the
+  document's end, the earlier
   turns, the new question) prefilled with observation, and the whole compressed to the budget by the policy,
   the new question's window scoring every entry: earlier turns are compressed with the document (they compete
   for the budget like any entry; the queries of a follow-up attend to them, so what it refers to is kept).
@@ -219,9 +220,10 @@ class Conversation:
             self.session.create_context(self.chunking().n_ctx)
 
     # ------------------------------------------------------------------ re-selection
-    def read_store(self, progress=None):
+    def read_store(self, progress=None, colsum: bool | None = None):
         """Re-selected: read the document once and store its full cache (kvcli/reselect.py), in a context that
-        holds the whole document and TURN_ROOM for the conversation."""
+        holds the whole document and TURN_ROOM for the conversation; with the column sums the policy scores by
+        (`colsum` True/False: with or without them, whatever the policy: kvcli compress --store)."""
         n = len(self.prefix_tokens)
         limit = self.session.n_ctx_train
         if n + STORE_TAIL + 64 > limit:
@@ -245,7 +247,8 @@ class Conversation:
             self.store.close()
         named = self.store_path is not None
         self.store = StoredDocument.read(self.session, self.prefix_tokens, seq=self.seq,
-                                         colsum="colsum" in cfg.observe[0], path=self.store_path, keep=named,
+                                         colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
+                                         path=self.store_path, keep=named,
                                          progress=progress, meta={"document": self.document, "system": self.system})
         self.report = planning.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0

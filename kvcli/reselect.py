@@ -11,10 +11,10 @@ so every answer is given from a cache compressed for its own question, as `kvcli
 question, at the cost of a short prefill over the full cache instead of a new read of the document.
 
 What is stored: the cache of the prompt's first `split` tokens (the chat template's head and the document, less
-its last `tail` tokens), and, when a column-sum policy (h2o, d2o) is used, the attention column sums of those
+its last STORE_TAIL tokens), and, when a column-sum policy (h2o, d2o) is used, the attention column sums of those
 `split` queries. The observation of a re-selection is then what one prefill of the whole prompt observes:
-- window sums: the last `window` queries all lie in the prefilled rest (`tail` >= window, else the restored part
-  is cut back, `restore_point`), and they attend to every restored key as they would have;
+- window sums: the last `window` queries all lie in the prefilled rest (the restored part is cut back where the
+  window reaches into it, `restore_point`), and they attend to every restored key as they would have;
 - column sums: the stored sums of the first `split` queries plus those of the prefilled rest (queries are
   causal: the stored ones never saw what follows them), so a column-sum policy must restore exactly `split`;
 - K/V rows: read from the cache as restored.
@@ -40,7 +40,10 @@ from kvcli.errors import KvcliError
 from kvcli.planning import Compression
 from kvcli.session import Session
 
-STORE_TAIL = 64   # document tokens re-read with every question: room for every default observation window
+# document tokens left out of the store and re-read with every question: the tokenizer may merge the document's
+# last tokens with what follows it ("\n\n" + the question). A policy whose window reaches further back has the
+# restored entries cut back to make room for it (`restore_point`).
+STORE_TAIL = 8
 
 
 def store_dir() -> Path:

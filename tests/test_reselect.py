@@ -72,7 +72,9 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     seen = {}
     r = conv.store.reselect(session, prompt, cfg, seq=0, on_step=lambda obs, plan: seen.update(
         obs=obs.with_kv_arrays() if obs.has_kv else obs, plan=plan))
-    assert r.restored == conv.store.split and r.prefilled == len(prompt) - conv.store.split
+    kinds, window = cfg.observe
+    assert r.restored == (min(conv.store.split, len(prompt) - window) if "window" in kinds else conv.store.split)
+    assert r.prefilled == len(prompt) - r.restored
     ran = run_observation(session, prompt, cfg)
     ran = ran.with_kv_arrays() if ran.has_kv else ran
     l2 = compare_observations(ran, seen["obs"], Thresholds())
