@@ -134,8 +134,8 @@ LAYERS = [
     ("engines", ["kvcli.native", "kvcli.reference", "kvcli.generate", "kvcli.kvc", "kvcli.evaluation.measure"]),
     ("calibration", ["kvcli.calibration"]),
     ("planning", ["kvcli.planning"]),
-    ("drivers", ["kvcli.compress", "kvcli.chunked", "kvcli.bench", "kvcli.check", "kvcli.evaluation.runner",
-                 "kvcli.evaluation.tasks"]),
+    ("drivers", ["kvcli.compress", "kvcli.chunked", "kvcli.reselect", "kvcli.bench", "kvcli.check",
+                 "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat"]),
     ("app", ["kvcli.pipeline", "kvcli.chat", "kvcli.batch", "kvcli.batch_ray"]),
     ("commands", ["kvcli.commands", "kvcli.cli"]),
 ]
