@@ -249,10 +249,17 @@ class Conversation:
         self.store = StoredDocument.read(self.session, self.prefix_tokens, seq=self.seq,
                                          colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
                                          path=self.store_path, keep=named,
-                                         progress=progress, meta={"document": self.document, "system": self.system})
+                                         progress=progress, meta={"document": self.document, "system": self.system},
+                                         in_memory_if_unwritable=self._say)
         self.report = planning.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
+
+    def _say(self, line: str) -> None:
+        if self.notify:
+            self.notify(f"[{line}]")
+        else:
+            print(f"kvcli: {line}", file=sys.stderr, flush=True)
 
     def _cfg(self, question: str | None):
         """The policy resolved for the model (windowkv's task=auto classifies the question)."""

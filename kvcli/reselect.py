@@ -100,11 +100,13 @@ class StoredDocument:
     # ------------------------------------------------------------------ reading once
     @classmethod
     def read(cls, session: Session, tokens: list[int], *, split: int | None = None, seq: int = 0,
-             colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None
-             ) -> "StoredDocument":
+             colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None,
+             in_memory_if_unwritable=None) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
         to `path` (a .kvc file; None: a new file in store_dir()) for the native engine, in memory for the
-        reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards."""
+        reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
+        A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
+        called with the one-line reason and the cache is kept in memory instead."""
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
@@ -127,7 +129,13 @@ class StoredDocument:
             digest = hashlib.sha256(np.asarray(tokens[:split], np.int32).tobytes()).hexdigest()[:12]
             path = store_dir() / f"{Path(session.model_path).stem}.{digest}.{os.getpid()}.kvc"
         store.path = Path(path)
-        kvc.write(store.path, store.to_kvc(session, snap.state))
+        try:
+            kvc.write(store.path, store.to_kvc(session, snap.state))
+        except KvcliError as e:
+            if in_memory_if_unwritable is None:
+                raise
+            in_memory_if_unwritable(f"{e}: the document's full cache is kept in memory instead")
+            store.snapshot, store.path = snap, None
         return store
 
     def to_kvc(self, session, state: bytes) -> kvc.KvcFile:
@@ -231,7 +239,10 @@ class StoredDocument:
     def save_as(self, path, session, turns: list | None = None) -> int:
         """Write the stored document (and the conversation's turns) to `path`; returns its size."""
         if self.snapshot is not None:
-            raise KvcliError("this stored document is held in memory (reference engine): nothing to save")
+            if not hasattr(self.snapshot, "state"):
+                raise KvcliError("this stored document is held in memory by the reference engine: nothing to save")
+            self.meta["turns"] = list(turns or [])
+            return kvc.write(path, self.to_kvc(session, self.snapshot.state))
         f = kvc.read(self.path)
         f.meta["conversation"]["turns"] = list(turns or [])
         return kvc.write(path, f)

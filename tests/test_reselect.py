@@ -300,3 +300,34 @@ def test_chat_command_reselects_by_default_and_stores(run_kvcli, tiny, tmp_path,
         bad = run_kvcli("chat", "--model", tiny, *args, input="", env=env)
         lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
         assert bad.returncode == 2 and len(lines) == 1 and msg in lines[0], bad.stderr
+
+
+def test_unwritable_store_is_said_and_kept_in_memory(tiny, monkeypatch, tmp_path):
+    """A disk that is full when the cache is stored (at the start, or when a deleted store is read again): one
+    line, the full cache kept in memory, the chat goes on and answers as it would from the file."""
+    from kvcli import kvc
+    from kvcli.chat import Conversation
+    conv = conversation(tiny)
+    q = "Which code did the river station log?"
+    first = conv.ask(q, 6).text
+    said = []
+    conv.notify = said.append
+    real = kvc.write
+
+    def full_disk(path, *a, **k):
+        raise KvcliError(f"cannot write {path}: No space left on device")
+
+    monkeypatch.setattr(kvc, "write", full_disk)
+    conv.store.path.unlink()   # deleted while chatting, and the disk is full when it is read again
+    conv.reset()
+    assert conv.ask(q, 6).text == first
+    assert any("gone" in x for x in said) and any("No space left" in x and "memory" in x for x in said)
+    assert conv.store.path is None and conv.store.snapshot is not None
+    monkeypatch.setattr(kvc, "write", real)
+    out = tmp_path / "saved.kvc"
+    conv.save(out)   # /save writes it from memory
+    again = Conversation.from_store(out, policy="snapkv", budget=48, model=str(tiny))
+    assert len(again.turns) == 1
+    again.reset()
+    assert again.ask(q, 6).text == first
+    conv.close()
