@@ -158,6 +158,20 @@ def read(path) -> KvcFile:
                    kept_positions=kept, prefix_logits=blobs.get("prefix_logits"), colsum=colsum, path=path)
 
 
+def peek_meta(path) -> dict | None:
+    """The meta of a .kvc file from its head alone, unchecked (None when it is not readable as one): what kind of
+    file it is, before `read` checks the whole of it (kvcli run --cache: a stored document or a compressed one)."""
+    try:
+        with open(path, "rb") as fh:
+            magic, _, _, meta_len = _HEAD.unpack(fh.read(_HEAD.size))
+            if magic != MAGIC or meta_len > 1 << 30:
+                return None
+            meta = json.loads(fh.read(meta_len).decode("utf-8"))
+    except (OSError, struct.error, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def base_meta(session) -> dict:
     """The header fields every .kvc file of a native session starts with: versions and the model it is bound to."""
     info = session.info

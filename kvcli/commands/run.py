@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
-from kvcli import config, outfile
-from kvcli.chat import MEMORY_STATS, Conversation
-from kvcli.commands.chat import FLAGS, explicit
+from kvcli import config, kvc, outfile
+from kvcli.chat import MEMORY_STATS, RESELECTED, Conversation
+from kvcli.commands.chat import FLAGS, explicit, explicit_budget
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
-from kvcli.pipeline import RunResult, run_document
+from kvcli.pipeline import Progress, RunResult, run_document
+from kvcli.reselect import STORE_TAIL
 
 
 def open_session(engine: str, model: str | None, **kw):
@@ -34,12 +36,20 @@ def write_atomic(path: str, text: str) -> None:
 
 
 @click.command("run")
-@click.argument("instruction")
+@click.argument("instruction", required=False)
 @click.option("--doc", "docs", multiple=True, metavar="FILE",
               help="Document(s) to read ('-' for stdin; several are joined with their names). Default: stdin.")
 @model_option
 @click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
-              help="Answer from a compressed document written by kvcli compress (instead of --doc / stdin).")
+              help="Answer from a .kvc file written by kvcli compress (instead of --doc / stdin): a compressed "
+              "document, or a stored full cache (compress --store), which --policy P --budget N compress again for "
+              "every question (without them it is answered whole).")
+@click.option("--question", "question_opts", multiple=True, metavar="TEXT",
+              help="A question about the document (repeatable; besides or instead of INSTRUCTION). Several questions "
+              "are answered one after the other, each alone, the document read once: its full cache is stored (a "
+              "temporary file in kvcli's cache folder) and compressed again for every question (re-selection).")
+@click.option("--questions", "questions_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Questions, one per line (blank lines skipped), as --question.")
 @request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=256,
                  cache_type_help="llama.cpp KV cache type (native engine).")
 @click.option("--system", default=config.default("system"), help="System message.")
@@ -50,15 +60,24 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
 @click.pass_context
-def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_template, engine, out_path, quiet,
-            as_json):
+def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, questions_file, model, system,
+            no_template, engine, out_path, quiet, as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
-    given, or from a compressed --cache FILE.kvc. Only the answer goes to stdout.
+    given, or from a --cache FILE.kvc (a compressed document, or a stored full cache). Only the
+    answer goes to stdout.
+
+    Several questions (INSTRUCTION, --question, --questions FILE) are answered one after the other,
+    each alone, one answer block per question on stdout (a blank line between blocks; --json: one
+    object with "answers"). The document is read once (zero times from --cache): with a compressing
+    policy its full cache is compressed again for every question, as if each were asked alone.
     """
-    if not instruction.strip():
-        raise KvcliError("the instruction is empty")
+    questions = gather_questions(instruction, question_opts, questions_file)
+    if len(questions) > 1 or (cache_path and explicit(ctx, "policy", "budget", "policy_args")):
+        return run_questions(ctx, req, questions, docs, cache_path, model, system, no_template, engine, out_path,
+                             quiet, as_json)
+    instruction = questions[0]
     if out_path:
         try:
             check_target(out_path)   # before the work, not after it
@@ -72,7 +91,12 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop "
                              f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
+        meta = kvc.peek_meta(cache_path)
+        if meta and meta.get("store") and not meta.get("compressed"):   # a stored document: answered whole
+            return run_questions(ctx, req, questions, docs, cache_path, model, system, no_template, engine, out_path,
+                                 quiet, as_json)
         result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream, n_threads=req.threads)
+        result.stats["document_reads"] = 0
     else:
         document = read_documents(list(docs))
         session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
@@ -81,6 +105,7 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, model, system, no_
                               policy_args=req.policy_args, max_tokens=req.max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=req.chunk,
                               max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, template=not no_template)
+        result.stats["document_reads"] = 1
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:
@@ -122,6 +147,176 @@ def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text, n_t
              "original_tokens": len(conv.prefix_tokens), **{k: s[k] for k in MEMORY_STATS}}
     return RunResult(answer=gen.text, model=str(conv.session.model_path), policy=conv.policy, budget=conv.budget,
                      stats=stats, stopped=gen.stopped)
+
+
+# ---------------------------------------------------------------------------------- several questions
+def gather_questions(instruction, question_opts, questions_file) -> list[str]:
+    """INSTRUCTION, then every --question, then the lines of --questions FILE; refused in one line when none is
+    given or one is empty."""
+    out = []
+    if instruction is not None:
+        if not instruction.strip():
+            raise KvcliError("the instruction is empty")
+        out.append(instruction.strip())
+    for q in question_opts:
+        if not q.strip():
+            raise KvcliError("--question is empty")
+        out.append(q.strip())
+    if questions_file:
+        try:
+            text = Path(questions_file).expanduser().read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise KvcliError(f"--questions: no such file: {questions_file}") from None
+        except UnicodeDecodeError:
+            raise KvcliError(f"--questions {questions_file}: not UTF-8 text") from None
+        except OSError as e:
+            raise KvcliError(f"--questions: cannot read {questions_file}: {e.strerror}") from None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise KvcliError(f"--questions {questions_file} holds no question (one per line)")
+        out += lines
+    if not out:
+        raise KvcliError("no question: give INSTRUCTION, --question TEXT or --questions FILE")
+    return out
+
+
+def open_questions_conversation(ctx, req: Request, docs, cache_path, model, system, no_template, engine, quiet):
+    """The Conversation several questions are answered from, and how many times the document was read for it:
+    --cache FILE --policy P --budget N: a stored full cache, re-selected (0); --cache FILE alone: a stored full
+    cache answered whole, or a compressed file as it is (0); --doc: read once and stored, re-selected (1)."""
+    if cache_path:
+        policy_given = explicit(ctx, "policy", "budget", "policy_args")
+        meta = kvc.peek_meta(cache_path)
+        store = bool(meta and meta.get("store") and not meta.get("compressed"))
+        if policy_given or store:
+            clash = [c for c in explicit(ctx, *FLAGS, "engine") if c not in ("policy", "budget", "policy_args")]
+            if clash:
+                raise KvcliError(f"--cache brings its own document: drop "
+                                 f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
+            policy = req.policy if policy_given else "full"
+            budget = req.budget if policy != "full" else None
+            explicit_budget(policy, budget, None, req.policy_args)
+            conv = Conversation.from_store(cache_path, policy=policy, budget=budget, policy_args=req.policy_args,
+                                           model=model, n_threads=req.threads)
+        else:
+            clash = explicit(ctx, *FLAGS, "engine")
+            if clash:
+                raise KvcliError(f"--cache brings its own document and compression: drop "
+                                 f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
+            conv = Conversation.from_kvc(cache_path, model=model, n_threads=req.threads)
+        return conv, 0
+    if engine != "native":
+        raise KvcliError("several questions re-select from the document's stored cache in the native engine: drop "
+                         "--engine reference, or ask one question")
+    if no_template:
+        raise KvcliError("several questions are laid out with the model's chat template: drop --no-template, or ask "
+                         "one question")
+    if req.chunk:
+        raise KvcliError("several questions read the document in one prefill and keep its full cache: drop --chunk, "
+                         "or ask one question")
+    explicit_budget(req.policy, req.budget, None, req.policy_args)
+    document = read_documents(list(docs))
+    session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
+    try:
+        conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
+                            system=system, reselect=True, max_cache=req.max_cache)
+        n, limit = len(conv.prefix_tokens), session.n_ctx_train
+        if n + STORE_TAIL + 64 > limit:
+            raise KvcliError(f"the document is {n} tokens: several questions keep its full cache, which must fit the "
+                             f"model's context ({limit} tokens); ask one question per kvcli run (read in chunks)")
+        if req.max_cache is not None and n + STORE_TAIL + 64 > req.max_cache:
+            raise KvcliError(f"the document is {n} tokens: several questions keep its full cache, more than "
+                             f"--max-cache {req.max_cache}; ask one question per kvcli run (read in chunks)")
+        progress = Progress(n, not quiet and sys.stderr.isatty() and n > session.n_batch)
+        try:
+            conv.read_store(progress=progress.update)
+        finally:
+            progress.close()
+    except BaseException:
+        session.close()
+        raise
+    return conv, 1
+
+
+def run_questions(ctx, req: Request, questions, docs, cache_path, model, system, no_template, engine, out_path,
+                  quiet, as_json):
+    """Answer every question alone from one document read at most once (see open_questions_conversation)."""
+    if out_path:
+        try:
+            check_target(out_path)
+        except KvcliError as e:
+            raise KvcliError(f"--out: {e}") from None
+    model = model or config.get("model")
+    conv, reads = open_questions_conversation(ctx, req, docs, cache_path, model, system, no_template, engine, quiet)
+    sampler = req.sampler()
+    answers, stopped = [], None
+    try:
+        for i, q in enumerate(questions):
+            if conv.turns:
+                conv.reset()   # each question alone: the answers do not see each other
+            if not as_json and i:
+                sys.stdout.write("\n")   # a blank line between answer blocks
+            pos0 = conv.session.seq(conv.seq).tokens_read
+            gen = conv.ask(q, req.max_tokens, sampler,
+                           on_text=None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())))
+            if not as_json:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            s = conv.stats()
+            row = {"prompt_tokens": conv.prompt_len if conv.reselect else pos0 + conv.turns[-1].tokens_in,
+                   "generated_tokens": len(gen.tokens), "kv_cells": s["kv_cells"], "kv_bytes": s["kv_bytes"],
+                   "kv_bytes_full": s["kv_bytes_full"], "decode_s": round(gen.decode_s, 4),
+                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None}
+            if conv.reselect and conv.last_reselection is not None:
+                row.update(conv.last_reselection.as_stats())
+            answers.append({"question": q, "answer": gen.text, "stopped": gen.stopped, "stats": row})
+            if gen.stopped in ("interrupted", "context_full"):
+                stopped = gen.stopped
+                break
+        s = conv.stats()
+        store = conv.store if conv.reselect else None
+        mode = "restored" if conv.reselect and conv.budget is None else conv.mode   # full: the whole stored cache
+        stats = {"document_reads": reads, "questions": len(questions), "answered": len(answers),
+                 "mode": mode, "original_tokens": len(conv.prefix_tokens),
+                 "read_s": round(store.read_s, 4) if store is not None and reads else 0.0,
+                 "load_s": round(conv.load_s, 4) if conv.load_s is not None else None,
+                 "model_s": round(conv.model_s, 4) if conv.model_s is not None else None,
+                 "store_bytes": store.nbytes if store is not None else None,
+                 "reselect_s": round(sum(a["stats"].get("reselect_s", 0.0) for a in answers), 4),
+                 "generated_tokens": sum(a["stats"]["generated_tokens"] for a in answers),
+                 **{k: s[k] for k in MEMORY_STATS}}
+    finally:
+        conv.close()   # a temporary stored cache goes; a --cache file stays
+    label = conv.policy if conv.budget is None else f"{conv.policy} @ {conv.budget}"
+    if as_json:
+        if len(questions) == 1:   # the one-answer object of kvcli run, with the re-selection's figures
+            a = answers[0]
+            click.echo(json.dumps({"answer": a["answer"], "model": str(conv.session.model_path), "policy": conv.policy,
+                                   "budget": conv.budget, "stopped": a["stopped"], "stats": {**a["stats"], **stats}},
+                                  ensure_ascii=False))
+        else:
+            click.echo(json.dumps({"model": str(conv.session.model_path), "policy": conv.policy, "budget": conv.budget,
+                                   "answers": answers, "stats": stats}, ensure_ascii=False))
+    if out_path:
+        write_atomic(out_path, "\n\n".join(a["answer"] for a in answers) + "\n")
+    if not quiet and not as_json:
+        if not conv.reselect:
+            how = f"each answered alone after the {conv.mode} compressed cache"
+        elif conv.budget is None:
+            how = "each answered from the whole stored document"
+        else:
+            how = f"each answered from a cache re-selected for it ({stats['reselect_s']:.2f}s of re-selection in all)"
+        if reads:
+            read = (f"document read once in {stats['read_s']:.2f}s and stored ({stats['store_bytes'] / 1e6:.2f} MB, "
+                    "deleted at exit)")
+        else:
+            read = f"document read 0 times: {cache_path} loaded in {stats['load_s'] or 0:.2f}s"
+        click.echo(f"[{label}, {mode}] {stats['original_tokens']} tokens; {read}; {len(answers)} of "
+                   f"{len(questions)} question(s), {how}; {stats['generated_tokens']} answer tokens", err=True)
+    if stopped == "interrupted":
+        raise KeyboardInterrupt
+    if stopped == "context_full":
+        raise KvcliError("the context filled up before an answer ended: lower --max-tokens")
 
 
 COMMANDS = [run_cmd]

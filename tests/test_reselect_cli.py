@@ -1,0 +1,213 @@
+"""Stored documents answer new questions (issue 30, deliverable 3) on tiny random models, through the CLI:
+
+- `kvcli compress --store` writes a document's full cache (with column sums for h2o/d2o, or --colsum);
+- `kvcli run --cache FILE --policy P --budget N` re-selects from it: the document is read zero times;
+- `kvcli run` with several questions (INSTRUCTION, --question, --questions FILE) reads the document once and
+  answers each question alone, as a `kvcli run` of that question alone answers it (re-selection of a question
+  over the stored document gives exactly run's prompt and plan: tests/test_reselect.py);
+- bad combinations, and corrupt, truncated or foreign stored files, are refused in one line (exit 2).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcli.cli import cli
+
+DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i, w in
+               enumerate(["north", "south", "river", "stone", "light", "delta", "gamma", "alpha"] * 6))
+QS = ["Which code did the river station log?", "And the stone station?", "What is entry 7?"]
+ASK = [QS[0], "--question", QS[1], "--question", QS[2]]   # INSTRUCTION and two --question
+ASK2 = ["--question", QS[0], "--question", QS[1]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=16, n_ctx_train=2048)
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory):
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny2") / "other.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=16, n_ctx_train=2048, seed=7)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("docs")
+    (d / "doc.txt").write_text(DOC, encoding="utf-8")
+    (d / "qs.txt").write_text(f"{QS[1]}\n\n  {QS[2]}  \n", encoding="utf-8")
+    (d / "long.txt").write_text(DOC * 8, encoding="utf-8")
+    (d / "empty.txt").write_text("\n \n", encoding="utf-8")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
+    return tmp_path / "kvcache"
+
+
+def kvcli(cli_runner, *args):
+    return cli_runner.invoke(cli, [str(a) for a in args])
+
+
+def ok_json(r):
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def one_line_error(r, message):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2, r.output
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def single(cli_runner, tiny, doc, question, *policy):
+    """The answer of a `kvcli run` of one question (the document read for it)."""
+    return ok_json(kvcli(cli_runner, "run", "--model", tiny, "--doc", doc, *policy, "-n", 6, "--json", question))
+
+
+@pytest.fixture(scope="module")
+def singles():
+    return {}
+
+
+def run_answers(cli_runner, tiny, files, singles, policy):
+    key = tuple(policy)
+    if key not in singles:
+        singles[key] = [single(cli_runner, tiny, files / "doc.txt", q, *policy)["answer"] for q in QS]
+    return singles[key]
+
+
+# ------------------------------------------------------------------------------ several questions, one read
+@pytest.mark.parametrize("policy", [("-p", "snapkv", "-b", 48), ("-p", "h2o", "-b", 48), ("-p", "full")])
+def test_several_questions_read_the_document_once_and_answer_as_run(cli_runner, tiny, files, singles, cache_dir,
+                                                                     policy):
+    r = ok_json(kvcli(cli_runner, "run", "--model", tiny, "--doc", files / "doc.txt", *policy, "-n", 6, "--json",
+                      QS[0], "--questions", files / "qs.txt"))
+    s = r["stats"]
+    assert s["document_reads"] == 1 and s["questions"] == 3 and s["answered"] == 3 and s["read_s"] > 0
+    assert s["store_bytes"] > 0
+    assert [a["question"] for a in r["answers"]] == QS
+    # each answered alone: what `kvcli run` answers for that question alone
+    assert [a["answer"] for a in r["answers"]] == run_answers(cli_runner, tiny, files, singles, policy)
+    for a in r["answers"]:
+        if policy[1] == "full":
+            assert s["mode"] == "restored" and a["stats"]["kv_cells"] >= a["stats"]["prompt_tokens"]
+        else:
+            assert s["mode"] == "re-selected" and a["stats"]["kv_cells"] <= 48 + 6 and a["stats"]["reselect_s"] > 0
+    assert not any((cache_dir / "documents").iterdir())   # the temporary store is gone at exit
+
+
+def test_plain_output_is_one_block_per_question(cli_runner, tiny, files, singles):
+    r = kvcli(cli_runner, "run", "--model", tiny, "--doc", files / "doc.txt", "-p", "snapkv", "-b", 48, "-n", 6,
+              "--question", QS[0], "--question", QS[1], "--question", QS[2])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "\n\n".join(run_answers(cli_runner, tiny, files, singles, ("-p", "snapkv", "-b", 48))) + "\n"
+    assert "document read once" in r.stderr and "3 of 3 question(s)" in r.stderr
+
+
+# ------------------------------------------------------------------------------ stored documents
+def test_stored_document_answers_without_reading(cli_runner, tiny, files, singles, tmp_path):
+    store = tmp_path / "doc.kvc"
+    c = ok_json(kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", "-o", store,
+                      "--json", "-q"))
+    assert c["mode"] == "stored" and c["colsum"] is False and c["file_bytes"] == store.stat().st_size
+    assert c["stored_tokens"] > 0 and c["stats"]["store_bytes"] > 0 and c["stats"]["read_s"] > 0
+    r = ok_json(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "-n", 6, "--json",
+                      "--question", QS[0], "--questions", files / "qs.txt"))
+    assert r["stats"]["document_reads"] == 0 and r["stats"]["read_s"] == 0 and r["stats"]["load_s"] > 0
+    assert [a["answer"] for a in r["answers"]] == run_answers(cli_runner, tiny, files, singles,
+                                                              ("-p", "snapkv", "-b", 48))
+    assert store.exists()   # a --cache file stays
+    # one question: run's one-answer object
+    one = ok_json(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "-n", 6, "--json", QS[2]))
+    assert one["answer"] == r["answers"][2]["answer"] and one["stats"]["document_reads"] == 0
+    # without --policy: the whole stored document, as `--policy full` answers
+    full = ok_json(kvcli(cli_runner, "run", "--cache", store, "-n", 6, "--json", "--questions", files / "qs.txt"))
+    assert full["stats"]["mode"] == "restored" and full["stats"]["document_reads"] == 0
+    assert [a["answer"] for a in full["answers"]] == run_answers(cli_runner, tiny, files, singles, ("-p", "full"))[1:]
+    # a column-sum policy needs the sums: refused on this file, answered from one stored with them
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, "-p", "h2o", "-b", 48, QS[0]), "no column sums")
+    with_sums = tmp_path / "sums.kvc"
+    c = ok_json(kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", "--policy",
+                      "h2o", "-o", with_sums, "--json", "-q"))
+    assert c["colsum"] is True and c["file_bytes"] > store.stat().st_size
+    h = ok_json(kvcli(cli_runner, "run", "--cache", with_sums, "-p", "h2o", "-b", 48, "-n", 6, "--json", *ASK))
+    assert [a["answer"] for a in h["answers"]] == run_answers(cli_runner, tiny, files, singles, ("-p", "h2o", "-b", 48))
+
+
+def test_compressed_cache_keeps_its_behaviour(cli_runner, tiny, files, tmp_path):
+    """A compressed .kvc file answers several questions, each alone after its compressed document, as one `run
+    --cache` answers each; policy flags are refused with it."""
+    path = tmp_path / "once.kvc"
+    kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "-p", "snapkv", "-b", 48, "-o", path,
+          "-q")
+    r = ok_json(kvcli(cli_runner, "run", "--cache", path, "-n", 6, "--json", *ASK))
+    assert r["stats"]["document_reads"] == 0 and r["stats"]["mode"] == "question-agnostic"
+    each = [ok_json(kvcli(cli_runner, "run", "--cache", path, "-n", 6, "--json", q)) for q in QS]
+    assert [a["answer"] for a in r["answers"]] == [e["answer"] for e in each]
+    assert all(e["stats"]["document_reads"] == 0 for e in each)
+    one_line_error(kvcli(cli_runner, "run", "--cache", path, "-p", "snapkv", "-b", 48, QS[0]), "compressed cache")
+    one_line_error(kvcli(cli_runner, "run", "--cache", path, "-p", "snapkv", "-b", 48, *ASK), "compressed cache")
+
+
+def test_single_run_counts_its_read(cli_runner, tiny, files):
+    assert single(cli_runner, tiny, files / "doc.txt", QS[0], "-p", "snapkv", "-b", 48)["stats"]["document_reads"] == 1
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_bad_stored_files_are_refused_in_one_line(cli_runner, tiny, other_tiny, files, tmp_path):
+    store = tmp_path / "doc.kvc"
+    kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", "-o", store, "-q")
+    raw = store.read_bytes()
+    foreign = ["--model", other_tiny, "-p", "snapkv", "-b", 48]
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, *foreign, *ASK), "was compressed for model")
+    cut = tmp_path / "cut.kvc"
+    cut.write_bytes(raw[: len(raw) // 2])
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(raw[:-100] + bytes(b ^ 0xFF for b in raw[-100:-50]) + raw[-50:])
+    junk = tmp_path / "junk.kvc"
+    junk.write_bytes(b"not a cache at all")
+    for path, msg in ((cut, "truncated"), (bad, "corrupted"), (junk, "not a kvcli .kvc file")):
+        one_line_error(kvcli(cli_runner, "run", "--cache", path, "-p", "snapkv", "-b", 48, *ASK), msg)
+        one_line_error(kvcli(cli_runner, "run", "--cache", path, *ASK), msg)
+        one_line_error(kvcli(cli_runner, "run", "--cache", path, QS[0]), msg)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--doc", "DOC"], "no question"),
+    (["run", "--doc", "DOC", "--question", " "], "--question is empty"),
+    (["run", "--doc", "DOC", "  "], "the instruction is empty"),
+    (["run", "--doc", "DOC", "--questions", "NOPE"], "no such file"),
+    (["run", "--doc", "DOC", "--questions", "EMPTY"], "holds no question"),
+    (["run", "--doc", "DOC", "--engine", "reference", *ASK2], "drop --engine reference"),
+    (["run", "--doc", "DOC", "--no-template", *ASK2], "drop --no-template"),
+    (["run", "--doc", "DOC", "-p", "snapkv", "-b", "48", "--chunk", "128", *ASK2], "drop --chunk"),
+    (["run", "--doc", "DOC", "-p", "snapkv", *ASK2], "needs --budget"),
+    (["run", "--doc", "LONG", "-p", "snapkv", "-b", "48", *ASK2], "ask one question per kvcli run"),
+    (["compress", "--doc", "DOC", "-o", "OUT", "--colsum"], "add --store"),
+    (["compress", "--doc", "DOC", "-o", "OUT", "--store", "--question", "q"], "drop --question"),
+    (["compress", "--doc", "DOC", "-o", "OUT", "--store", "-p", "snapkv", "-b", "48"], "drop --budget"),
+    (["compress", "--doc", "DOC", "-o", "OUT", "--store", "--chunk", "128"], "drop --chunk"),
+    (["compress", "--doc", "LONG", "-o", "OUT", "--store"], "compress it with a policy instead"),
+])
+def test_bad_combinations_one_line(cli_runner, tiny, files, tmp_path, args, message):
+    names = {"DOC": files / "doc.txt", "LONG": files / "long.txt", "EMPTY": files / "empty.txt",
+             "NOPE": tmp_path / "nope.txt", "OUT": tmp_path / "out.kvc"}
+    r = kvcli(cli_runner, args[0], "--model", tiny, *[names.get(a, a) for a in args[1:]])
+    one_line_error(r, message)
+    assert not (tmp_path / "out.kvc").exists()
+
+
+def test_cache_refuses_document_flags(cli_runner, tiny, files, tmp_path):
+    store = tmp_path / "doc.kvc"
+    kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", "-o", store, "-q")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "--doc", files / "doc.txt",
+                         *ASK), "drop --doc")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, "--system", "x", *ASK), "drop --system")
