@@ -2,7 +2,9 @@
 (docs/results.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli check does it (each engine its own observation and
 planner); (b) the reference engine applying the NATIVE plan (same kept sets, same merged rows), so the
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch
-planner on it (L1 on the reference's observation)."""
+planner on it (L1 on the reference's observation).
+`kvcli check` itself now reports (a) as plan agreement and (b) as L3's arithmetic verdict (docs/internals.md, "kvcli
+check"); this script stays for (c) and for comparing both on one prefill."""
 import json, os, sys, numpy as np
 from kvcli import planning
 from kvcli.check import greedy_compare, compare_plans
