@@ -35,9 +35,9 @@ def test_eval_chat_modes_tiny(cli_runner, tiny, tmp_path, monkeypatch):
     summary = {(s["mode"], s["policy"]): s for s in res["summary"]}
     assert summary[("reselect", "snapkv")]["questions"] == 6 and summary[("reselect", "snapkv")]["documents"] == 2
     assert summary[("reselect", "snapkv")]["reselect_s"] > 0
-    # one stored read per document for re-selection, deleted afterwards
-    assert sum(x["mode"] == "reselect" for x in res["reads"]) == 2
-    assert all(x["store_bytes"] > 0 for x in res["reads"] if x["mode"] == "reselect")
+    # one stored read per document serves full, once and reselect; the store is deleted afterwards
+    assert [x["mode"] for x in res["reads"]] == ["store", "store"]
+    assert all(x["store_bytes"] > 0 for x in res["reads"])
     assert not any((tmp_path / "cache" / "documents").iterdir())
     # the first question of each document has no history: re-selected = question-aware run, same answer
     for d in (0, 1):
@@ -52,3 +52,34 @@ def test_eval_chat_refuses_a_length_beyond_the_context(cli_runner, tiny):
     r = cli_runner.invoke(cli, ["eval", "chat", "--model", str(tiny), "--policies", "snapkv", "--budgets", "48",
                                 "--lengths", "4k"])
     assert r.exit_code == 2 and "exceed the model's context" in r.output
+
+
+def test_once_mode_compresses_as_compress_once_chat(tiny, tmp_path, monkeypatch):
+    """The eval's `once` mode (re-selected once from the store for the generic instruction) keeps the entries
+    `kvcli chat --compress-once` keeps (the document read with the generic instruction, then compressed), and the
+    first question's next-token logits agree (a random model's greedy text is too flat to compare)."""
+    import numpy as np
+
+    from kvcli.chat import Conversation
+    from kvcli.compress import resolve
+    from kvcli.evaluation.chat import make_chat_document, prefix_text, render
+    from kvcli.native.session import NativeSession
+    from kvcli.reselect import StoredDocument
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    s = NativeSession(tiny, n_ctx=2048)
+    text, planted, _ = make_chat_document(s, 600, 2, 0)
+    store = StoredDocument.read(s, s.tokenize(prefix_text(s, text, False)))
+    agnostic = prefix_text(s, text, True)
+    seen = {}
+    store.reselect(s, s.tokenize(agnostic), resolve(tiny, "snapkv", 48), on_step=lambda o, plan: seen.update(plan=plan))
+    q = planted[0]["question"]
+    s.prefill(s.tokenize(render(s, text, [], q, agnostic=True)[len(agnostic):]), seq=0)
+    store.close()
+    conv = Conversation(NativeSession(tiny, n_ctx=0), text, policy="snapkv", budget=48)
+    conv.compress()
+    plan = conv.report.plan
+    assert all(np.array_equal(plan.kept(l, h), seen["plan"].kept(l, h))
+               for l in range(plan.n_layer) for h in range(plan.n_head_kv))
+    conv.session.prefill(conv.session.tokenize(conv.fmt.user_to_user + q + conv.fmt.after_user), seq=0)
+    a, b = conv.session.logits(0), s.logits(0)
+    assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max()

@@ -14,9 +14,13 @@ documents and questions:
 - `run`: question-aware compression of each question alone (`kvcli run` once per question): the document read
   again for every question. The upper mark of what per-question compression can score.
 
-One prefill serves every configuration where the configurations see the same tokens (`Shared`): once per
-document for `once`, once per question for `run`; `reselect` reads the document once for all. Decoding is greedy.
-The prompt of every mode is rendered with the model's own chat template, as the app renders it.
+The document is read once per document for `full`, `once` and `reselect` together: its full cache is stored
+(kvcli/reselect.py) and each of them starts from it. `once` re-selects once, for the generic instruction (the
+agnostic prefix: the document followed by it, observed as one prefill of it observes, tests/test_reselect.py),
+and appends the questions after that cache; `full` restores the whole document and appends the conversation.
+`run` reads the document again for every question, as `kvcli run` does: one prefill per question serves every
+configuration (`Shared`). Decoding is greedy. The prompt of every mode is rendered with the model's own chat
+template, as the app renders it.
 """
 from __future__ import annotations
 
@@ -114,19 +118,29 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                     doc_seed = seed * 1000 + d
                     text, planted, n_tok = make_chat_document(tok, L, facts, doc_seed)
                     log(f"[{L} tokens, document {d + 1}/{documents}: {n_tok} tokens, {facts} questions]")
-                    for mode in modes:
-                        t0 = time.perf_counter()
-                        out = MODE_RUNNERS[mode](session, text, planted, cfgs, full, max_tokens)
-                        for r in out["records"]:
-                            r.update(length=L, doc=d, doc_tokens=n_tok)
-                        records += out["records"]
-                        if "read_s" in out:
-                            reads.append({"length": L, "doc": d, "mode": mode, "read_s": round(out["read_s"], 3),
-                                          "store_bytes": out.get("store_bytes")})
+                    store = None
+                    if set(modes) & {"full", "once", "reselect"}:
+                        session.clear()
+                        store = StoredDocument.read(session, session.tokenize(prefix_text(session, text, False)),
+                                                    colsum=any("colsum" in c.observe[0] for c in cfgs.values()))
+                        reads.append({"length": L, "doc": d, "mode": "store", "read_s": round(store.read_s, 3),
+                                      "store_bytes": store.nbytes, "stored_tokens": store.split})
+                    try:
+                        for mode in modes:
+                            t0 = time.perf_counter()
+                            out = MODE_RUNNERS[mode](session, text, planted, cfgs, full, max_tokens, store)
+                            for r in out["records"]:
+                                r.update(length=L, doc=d, doc_tokens=n_tok)
+                            records += out["records"]
+                            if "read_s" in out:
+                                reads.append({"length": L, "doc": d, "mode": mode, "read_s": round(out["read_s"], 3)})
                         log(f"  {mode}: {time.perf_counter() - t0:.1f}s, " + ", ".join(
                             f"{p}{'' if b is None else f'@{b}'} {np.mean([r['score'] for r in out['records'] if (r['policy'], r['budget']) == (p, b)]):.0f}"
                             for p, b in sorted({(r['policy'], r['budget']) for r in out['records']},
                                                key=lambda k: (k[0], k[1] or 0))))
+                    finally:
+                        if store is not None:
+                            store.close()
             finally:
                 session.close()
     except KeyboardInterrupt:
@@ -139,26 +153,17 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
 
 
 # ------------------------------------------------------------------------------ the modes
-def _mode_full(session, text, planted, cfgs, full, max_tokens):
+def _mode_full(session, text, planted, cfgs, full, max_tokens, store):
     """The full cache with the conversation appended: `once` with the full cache."""
-    return _mode_once(session, text, planted, {}, full, max_tokens, mode="full")
+    return _mode_once(session, text, planted, {("full", None): full}, full, max_tokens, store, mode="full")
 
 
-def _mode_once(session, text, planted, cfgs, full, max_tokens, mode="once"):
+def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once"):
     prefix = prefix_text(session, text, agnostic=True)
     tokens = session.tokenize(prefix)
-    todo = {("full", None): full} if mode == "full" else cfgs
-    session.clear()
-    t0 = time.perf_counter()
-    shared = Shared(session, tokens, list(todo.values()), planner="native")
-    read_s = time.perf_counter() - t0
-    if shared.error is not None:
-        raise shared.error
     recs = []
-    for key, cfg in todo.items():
-        applied = shared.apply(cfg)
-        if applied.error is not None:
-            raise applied.error
+    for key, cfg in cfgs.items():
+        store.reselect(session, tokens, cfg)   # compressed for the generic instruction, before any question
         mark = session.seq(0).next_pos
         history = []
         for i, fact in enumerate(planted):
@@ -174,36 +179,29 @@ def _mode_once(session, text, planted, cfgs, full, max_tokens, mode="once"):
             recs.append(_record(mode, key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
                                 answer_s=round(time.perf_counter() - t2, 4), kv_cells=int(session.stats(0)["kv_cells"])))
             history.append((q, answer.strip()))
-        session.truncate(0, mark)
-    return {"records": recs, "read_s": read_s}
+        session.clear(0)
+    return {"records": recs}
 
 
-def _mode_reselect(session, text, planted, cfgs, full, max_tokens):
-    session.clear()
-    tokens = session.tokenize(prefix_text(session, text, agnostic=False))
-    colsum = any("colsum" in c.observe[0] for c in cfgs.values())
-    store = StoredDocument.read(session, tokens, colsum=colsum)
+def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store):
     recs = []
-    try:
-        for key, cfg in cfgs.items():
-            history = []
-            for i, fact in enumerate(planted):
-                q = ask(fact["question"])
-                prompt = session.tokenize(render(session, text, history, q))
-                r = store.reselect(session, prompt, cfg)
-                t2 = time.perf_counter()
-                answer = _greedy(session, session.logits(0), max_tokens)
-                recs.append(_record("reselect", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
-                                    reselect_prefilled=r.prefilled, answer_s=round(time.perf_counter() - t2, 4),
-                                    kv_cells=int(session.stats(0)["kv_cells"])))
-                history.append((q, answer.strip()))
-                session.clear(0)
-    finally:
-        store.close()
-    return {"records": recs, "read_s": store.read_s, "store_bytes": store.nbytes}
+    for key, cfg in cfgs.items():
+        history = []
+        for i, fact in enumerate(planted):
+            q = ask(fact["question"])
+            prompt = session.tokenize(render(session, text, history, q))
+            r = store.reselect(session, prompt, cfg)
+            t2 = time.perf_counter()
+            answer = _greedy(session, session.logits(0), max_tokens)
+            recs.append(_record("reselect", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
+                                reselect_prefilled=r.prefilled, answer_s=round(time.perf_counter() - t2, 4),
+                                kv_cells=int(session.stats(0)["kv_cells"])))
+            history.append((q, answer.strip()))
+            session.clear(0)
+    return {"records": recs}
 
 
-def _mode_run(session, text, planted, cfgs, full, max_tokens):
+def _mode_run(session, text, planted, cfgs, full, max_tokens, store):
     recs = []
     for i, fact in enumerate(planted):
         q = ask(fact["question"])
@@ -261,6 +259,7 @@ def chat_table(result: dict) -> str:
     for x in result.get("reads", []):
         lines.append(f"read of document {x['doc']} at {x['length']} ({x['mode']}): {x['read_s']:.1f}s"
                      + (f", stored {x['store_bytes'] / 1e6:.1f} MB" if x.get("store_bytes") else ""))
+
     return "\n".join(lines)
 
 
