@@ -18,6 +18,14 @@ line carries a key (the document's absolute path + its content's SHA-256 + the s
 answer); a re-run with the same file skips the keys it holds, and drops a torn last line a kill left.
 A document that fails (unreadable, not text, too long for `full`, ...) gets a line with its error and
 the batch goes on. The same worker runs on every node of a Ray cluster (kvcli/batch_ray.py).
+
+Several questions per document (`Settings.questions`): one job and one result line per (document, question),
+keyed by the question too. A worker reads a document once for its questions (they come one after the other):
+its full cache is stored (kvcli/reselect.py, a temporary file in kvcli's cache folder, deleted when the worker
+moves to the next document) and each question is re-selected from it: restore, prefill the prompt's rest with
+observation, plan, compact, exactly the prompt `kvcli run` reads for that question. A document too long to be
+read in one prefill is read again for each question (in chunks, as `kvcli run` reads it). On Ray, the questions
+of one document may go to several workers: each reads it once.
 """
 from __future__ import annotations
 
@@ -40,6 +48,8 @@ from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import read_model_info, resolve_model
 from kvcli.native.session import NativeSession
+from kvcli.planning import resolve as resolve_policy
+from kvcli.reselect import STORE_TAIL, Reselection, StoredDocument, common_prefix
 from kvcli.templating import build_prompt
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -66,6 +76,7 @@ class Settings:
     max_cache: int | None = None     # cells of the whole cache (all documents); None: the model's context
     parallel: int = 0                # most documents held at once; 0: as many as fit (up to MAX_PARALLEL)
     threads: int | None = None
+    questions: list[str] = field(default_factory=list)   # several questions per document (instruction "")
 
     def __post_init__(self):
         if self.policy == "full":
@@ -74,7 +85,8 @@ class Settings:
     def fingerprint(self, model_path) -> str:
         """A digest of what decides an answer (the model file by name and size, not by where it lies)."""
         p = Path(model_path)
-        what = {k: v for k, v in asdict(self).items() if k not in ("model", "parallel", "threads")}
+        # the questions are not in it: each line's key holds its own (a question added later keeps the others')
+        what = {k: v for k, v in asdict(self).items() if k not in ("model", "parallel", "threads", "questions")}
         what["model"] = [p.name, p.stat().st_size]
         if not self.sampling.temperature:   # greedy: the seed and the sampling filters change nothing
             for name in ("seed", "top_k", "top_p", "min_p"):
@@ -85,11 +97,14 @@ class Settings:
 def check_settings(settings: Settings) -> Path:
     """Input errors before any document is read: the model, the policy and its arguments, the room a document
     gets. Returns the model's path."""
-    if not settings.instruction.strip():
+    if not settings.instruction.strip() and not settings.questions:
         raise KvcliError("the instruction is empty")
+    if any(not q.strip() for q in settings.questions):
+        raise KvcliError("a question is empty")
     settings.sampling.validate()
     path = resolve_model(settings.model)
-    resolve(path, settings.policy, settings.budget, settings.policy_args, settings.instruction)
+    resolve(path, settings.policy, settings.budget, settings.policy_args,
+            settings.questions[0] if settings.questions else settings.instruction)
     document_cells(settings, path)
     return path
 
@@ -153,6 +168,13 @@ class Job:
     sha256: str | None
     text: str | None = None
     error: str | None = None
+    question: str | None = None   # several questions per document: this job's (else the settings' instruction)
+
+
+def question_job(job: Job, question: str) -> Job:
+    """The job of one question about a read document, keyed by the question too."""
+    key = hashlib.sha256(json.dumps([job.key, question]).encode()).hexdigest()[:32]
+    return Job(job.path, key, job.sha256, job.text, job.error, question)
 
 
 def read_job(path: str, fingerprint: str) -> Job:
@@ -179,8 +201,11 @@ def read_job(path: str, fingerprint: str) -> Job:
 
 
 def error_line(job: Job, error: str, settings: Settings) -> dict:
-    return {"path": job.path, "sha256": job.sha256, "key": job.key, "answer": None, "error": error,
+    line = {"path": job.path, "sha256": job.sha256, "key": job.key, "answer": None, "error": error,
             "policy": settings.policy, "budget": settings.budget}
+    if job.question is not None:
+        line["question"] = job.question
+    return line
 
 
 # ------------------------------------------------------------------------------ the results file
@@ -249,6 +274,7 @@ class _Ready:
     tokens: list
     chunking: object
     peak: int           # cells the document needs while it is prefilled (and compressed)
+    stored: bool = False   # one of several questions: re-selected from the document's stored full cache
 
 
 @dataclass
@@ -263,6 +289,7 @@ class _Slot:
     t0: float = 0.0
     steps: int = 0      # decode steps it took part in
     together: int = 0   # sum over those steps of the sequences decoded in each
+    read_s: float | None = None   # re-selected: the document's one read, on the question that made it (else 0)
 
 
 class Worker:
@@ -275,8 +302,12 @@ class Worker:
         self.session = NativeSession(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
                                      cache_type=s.cache_type, n_threads=s.threads)
         self.reader = None   # the reading context, grown to the largest document read so far
+        self.store = None    # several questions: the stored full cache of the document being asked
+        self.store_of = None   # (path, sha256) of that document
+        self.configs = {}    # several questions: the policy resolved per question (windowkv's task=auto)
 
     def close(self) -> None:
+        self._drop_store()
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -299,14 +330,44 @@ class Worker:
         lock = Lockstep(self.session, reserve=self.settings.max_tokens, cells=self.cells)
         jobs = iter(jobs)
         slots: dict[int, _Slot] = {}
-        waiting = self._next_ready(jobs, emit)
-        while waiting is not None or slots:
-            while waiting is not None and lock.fits(waiting.peak):
-                self._admit(waiting, lock, slots, emit)
-                waiting = self._next_ready(jobs, emit)
-            if not slots and waiting is not None:  # _prepare checked that it fits an empty cache
-                raise RuntimeError(f"{waiting.job.path} does not fit an empty cache ({lock.room()} cells)")
-            self._step(lock, slots, emit)
+        try:
+            waiting = self._next_ready(jobs, emit)
+            while waiting is not None or slots:
+                while waiting is not None and lock.fits(waiting.peak):
+                    self._admit(waiting, lock, slots, emit)
+                    waiting = self._next_ready(jobs, emit)
+                if not slots and waiting is not None:  # _prepare checked that it fits an empty cache
+                    raise RuntimeError(f"{waiting.job.path} does not fit an empty cache ({lock.room()} cells)")
+                self._step(lock, slots, emit)
+        finally:
+            self._drop_store()
+
+    # -------------------------------------------------------------------------- several questions
+    def _drop_store(self) -> None:
+        if self.store is not None:
+            self.store.close()   # its temporary file goes
+        self.store, self.store_of = None, None
+
+    def _stored(self, ready: _Ready, reader) -> tuple[StoredDocument, float]:
+        """The stored full cache of ready's document: read now (its read time returned) unless it is the one held."""
+        job, s = ready.job, self.settings
+        if self.store is not None and self.store_of == (job.path, job.sha256):
+            return self.store, 0.0
+        self._drop_store()
+        # what every question's prompt starts with: the prompt up to where two questions part, less STORE_TAIL
+        # tokens (where the tokenizer may merge the document's end with what follows)
+        other = reader.tokenize(build_prompt(reader, job.text, "?" if job.question != "?" else "!", s.system))
+        split = max(1, common_prefix(ready.tokens, other) - STORE_TAIL)
+        store = StoredDocument.read(reader, ready.tokens, split=split, colsum="colsum" in self._cfg(job).observe[0])
+        self.store, self.store_of = store, (job.path, job.sha256)
+        return store, store.read_s
+
+    def _cfg(self, job: Job):
+        if job.question not in self.configs:
+            s = self.settings
+            self.configs[job.question] = resolve_policy(self.model_path, s.policy, s.budget, dict(s.policy_args),
+                                                        job.question)
+        return self.configs[job.question]
 
     # -------------------------------------------------------------------------- stages of one document
     def _next_ready(self, jobs, emit) -> _Ready | None:
@@ -320,7 +381,7 @@ class Worker:
 
     def _prepare(self, job: Job) -> _Ready:
         s, session = self.settings, self.session
-        tokens = session.tokenize(build_prompt(session, job.text, s.instruction, s.system))
+        tokens = session.tokenize(build_prompt(session, job.text, job.question or s.instruction, s.system))
         # read as `kvcli run` reads (in one go, or bounded reading in chunks of DEFAULT_CHUNK), within the cells
         # one document may use: they stand for run's model context here
         chunking = plan_chunking(len(tokens), s.max_tokens, self.doc_cells, s.policy, s.budget, s.chunk,
@@ -328,20 +389,28 @@ class Worker:
                                  limit_name=f"the {self.doc_cells} cells a document may use (the model's context "
                                             f"or --max-cache, less --max-tokens {s.max_tokens})")
         peak = chunking.cap if chunking.chunk else len(tokens)
-        return _Ready(job, tokens, chunking, peak)
+        # several questions: re-selected from the stored document, unless it is read in chunks (then once each)
+        return _Ready(job, tokens, chunking, peak, stored=job.question is not None and not chunking.chunk)
 
     def _admit(self, ready: _Ready, lock, slots: dict, emit) -> None:
         s, session = self.settings, self.session
         seq = lock.free_seq()
+        read_s = None
         try:
             reader = self._reader(ready.peak)
             try:
-                report = prefill_and_compress(reader, ready.tokens, s.policy, s.budget, dict(s.policy_args), seq=0,
-                                              instruction=s.instruction, chunk=ready.chunking.chunk,
-                                              cap=ready.chunking.cap, scoring=s.chunk_scoring)
+                if ready.stored:
+                    store, read_s = self._stored(ready, reader)
+                    report = store.reselect(reader, ready.tokens, self._cfg(ready.job), seq=0)
+                else:
+                    report = prefill_and_compress(reader, ready.tokens, s.policy, s.budget, dict(s.policy_args),
+                                                  seq=0, instruction=ready.job.question or s.instruction,
+                                                  chunk=ready.chunking.chunk, cap=ready.chunking.cap,
+                                                  scoring=s.chunk_scoring)
                 session.restore_seq(reader.save_seq(0), seq)
             finally:
-                reader.clear(0)
+                if 0 in reader.seqs:
+                    reader.clear(0)
             cache = session.stats(seq)
         except Exception as e:  # noqa: BLE001 - the document's line says what happened, the batch goes on
             lock.release(seq)
@@ -349,7 +418,7 @@ class Worker:
             return
         lock.hold(seq)
         slots[seq] = _Slot(ready, report, cache, Sampler(s.sampling).start(session, s.max_tokens),
-                           codecs.getincrementaldecoder("utf-8")("replace"), t0=time.perf_counter())
+                           codecs.getincrementaldecoder("utf-8")("replace"), t0=time.perf_counter(), read_s=read_s)
 
     def _step(self, lock, slots: dict, emit) -> None:
         """Pick every held document's next token; finish those that ended; decode the others together."""
@@ -377,17 +446,24 @@ class Worker:
         lock.release(seq)
         decode_s = time.perf_counter() - slot.t0
         r, c, s = slot.report, slot.cache, self.settings
+        if isinstance(r, Reselection):   # re-selected from the stored document (read with an earlier question or now)
+            read = {**r.as_stats(), "document_reads": int(bool(slot.read_s)), "document_read_s": round(slot.read_s, 4),
+                    "prefill_s": round(r.prefill_s, 4), "compress_s": round(r.plan_s, 4)}
+        else:
+            read = {**r.as_stats(), "document_reads": 1, "prefill_s": round(r.prefill_s, 4),
+                    "compress_s": round(r.compress_s, 4)}
         stats = {"prompt_tokens": len(slot.ready.tokens), "generated_tokens": len(slot.tokens),
                  "kv_cells": c["kv_cells"], "kv_bytes": c["kv_bytes"], "kv_bytes_full": c["kv_bytes_full"],
-                 **r.as_stats(), "prefill_s": round(r.prefill_s, 4), "compress_s": round(r.compress_s, 4),
-                 "decode_s": round(decode_s, 4),
+                 **read, "decode_s": round(decode_s, 4),
                  "decode_tok_s": round(len(slot.tokens) / decode_s, 2) if slot.tokens and decode_s > 0 else None,
                  "decoded_with": round(slot.together / slot.steps, 2) if slot.steps else None}
-        if r.note:
+        if getattr(r, "note", None):
             stats["note"] = r.note
         job = slot.ready.job
-        emit({"path": job.path, "sha256": job.sha256, "key": job.key,
-              "answer": slot.text + slot.decoder.decode(b"", final=True), "error": None,
+        line = {"path": job.path, "sha256": job.sha256, "key": job.key}
+        if job.question is not None:
+            line["question"] = job.question
+        emit({**line, "answer": slot.text + slot.decoder.decode(b"", final=True), "error": None,
               "model": str(self.model_path), "policy": s.policy, "budget": s.budget, "stopped": stopped,
               "stats": stats})
 
@@ -407,26 +483,30 @@ class Batch:
         self.paths = paths
         self.fingerprint = settings.fingerprint(check_settings(settings))
         self.results = results      # set before running: opened once the settings are known to be good
-        self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                       "document_reads": 0}
         self.t0 = time.perf_counter()
         self.ray_workers = None     # set by a run on Ray
         self.bar = None
         if progress:
             from tqdm import tqdm  # noqa: PLC0415
-            self.bar = tqdm(total=len(paths), desc="batch", unit="doc", file=sys.stderr, dynamic_ncols=True)
+            n = len(settings.questions)
+            self.bar = tqdm(total=len(paths) * max(n, 1), desc="batch", unit="answer" if n else "doc",
+                            file=sys.stderr, dynamic_ncols=True)
 
     def jobs(self):
         """The documents still to answer, read one at a time as the workers ask for them; those that
         cannot be read get their error line here."""
         for path in self.paths:
-            job = read_job(path, self.fingerprint)
-            if job.key in self.results.done:
-                self.counts["skipped"] += 1
-                self._tick()
-            elif job.error:
-                self.record(error_line(job, job.error, self.settings))
-            else:
-                yield job
+            doc = read_job(path, self.fingerprint)
+            for job in ([question_job(doc, q) for q in self.settings.questions] or [doc]):
+                if job.key in self.results.done:
+                    self.counts["skipped"] += 1
+                    self._tick()
+                elif job.error:
+                    self.record(error_line(job, job.error, self.settings))
+                else:
+                    yield job
 
     def record(self, line: dict) -> None:
         self.results.write(line)
@@ -435,6 +515,7 @@ class Batch:
             self.counts["answered"] += 1
             self.counts["prompt_tokens"] += line["stats"]["prompt_tokens"]
             self.counts["generated_tokens"] += line["stats"]["generated_tokens"]
+            self.counts["document_reads"] += line["stats"].get("document_reads", 1)
         else:
             self.counts["errors"] += 1
         self._tick()
@@ -457,7 +538,8 @@ class Batch:
     def summary(self) -> dict:
         dt = time.perf_counter() - self.t0
         c = self.counts
-        return {"kind": "batch", "out": self.results.path, "documents": len(self.paths), **c,
+        return {"kind": "batch", "out": self.results.path, "documents": len(self.paths),
+                "questions": len(self.settings.questions) or 1, **c,
                 "elapsed_s": round(dt, 3), "docs_per_hour": round(c["answered"] / dt * 3600, 1) if dt > 0 else None,
                 "ray_workers": self.ray_workers, "settings": asdict(self.settings)}
 

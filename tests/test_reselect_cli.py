@@ -211,3 +211,41 @@ def test_cache_refuses_document_flags(cli_runner, tiny, files, tmp_path):
     one_line_error(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "--doc", files / "doc.txt",
                          *ASK), "drop --doc")
     one_line_error(kvcli(cli_runner, "run", "--cache", store, "--system", "x", *ASK), "drop --system")
+
+
+# ------------------------------------------------------------------------------ kvcli batch
+def test_batch_reads_each_document_once_for_its_questions(cli_runner, tiny, files, singles, tmp_path, cache_dir):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(DOC, encoding="utf-8")
+    (docs / "b.txt").write_text(DOC.replace("station", "post"), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    snap = ["-p", "snapkv", "-b", 48, "-n", 6]
+    s = ok_json(kvcli(cli_runner, "batch", "--model", tiny, "--docs", docs, *snap, "-o", out, "--json", "-q",
+                      "-i", QS[0], "--question", QS[1], "--question", QS[0]))   # a repeated question is asked once
+    assert s["documents"] == 2 and s["questions"] == 2 and s["answered"] == 4 and s["document_reads"] == 2
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted((r["path"][-5:], r["question"]) for r in rows) == sorted(
+        (d, q) for d in ("a.txt", "b.txt") for q in QS[:2])
+    assert len({r["key"] for r in rows}) == 4 and all(r["error"] is None for r in rows)
+    assert sum(r["stats"]["document_reads"] for r in rows) == 2 and all(r["stats"]["reselect_s"] > 0 for r in rows)
+    assert all(r["stats"]["kv_cells"] <= 48 + 6 for r in rows)
+    # each answer is what `kvcli run` answers for that document and question alone
+    for r in rows:
+        assert r["answer"] == single(cli_runner, tiny, r["path"], r["question"], *snap[:4])["answer"], r
+    assert not any((cache_dir / "documents").iterdir())   # the stored documents are gone
+    # a question added later: only its lines are answered, each document read once more
+    s = ok_json(kvcli(cli_runner, "batch", "--model", tiny, "--docs", docs, *snap, "-o", out, "--json", "-q",
+                      "-i", QS[0], "--question", QS[1], "--questions", files / "qs.txt"))
+    assert s["skipped"] == 4 and s["answered"] == 2 and s["document_reads"] == 2
+    new = [json.loads(x) for x in out.read_text().splitlines()][4:]
+    assert {r["question"] for r in new} == {QS[2]}
+    assert new[0]["answer"] == single(cli_runner, tiny, new[0]["path"], QS[2], *snap[:4])["answer"]
+
+
+def test_batch_needs_a_question(cli_runner, tiny, files, tmp_path):
+    for args, msg in (([], "no instruction"), (["--question", " "], "--question is empty"),
+                      (["--questions", files / "empty.txt"], "holds no question")):
+        one_line_error(kvcli(cli_runner, "batch", "--model", tiny, "--docs", files / "doc.txt", "-o",
+                             tmp_path / "o.jsonl", *args), msg)
+        assert not (tmp_path / "o.jsonl").exists()

@@ -1,4 +1,4 @@
-"""kvcli batch: one instruction over many documents -> one JSON line per document."""
+"""kvcli batch: one instruction (or several questions) over many documents -> one JSON line per answer."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from kvcli import batch_ray, config
 from kvcli.batch import Batch, ResultsFile, Settings, list_documents
 from kvcli.batch_ray import import_ray
 from kvcli.commands.options import Request, json_option, model_option, request_options
+from kvcli.commands.run import gather_questions
 from kvcli.errors import KvcliError
 
 
@@ -17,7 +18,13 @@ from kvcli.errors import KvcliError
 @click.option("--docs", "docs", multiple=True, required=True, metavar="DIR|GLOB|FILE|-",
               help="Documents: a folder (its *.txt/*.md/*.text/*.rst files, recursively), a quoted glob pattern, a "
                    "file, or '-' for a list of paths on stdin, one per line. Repeatable.")
-@click.option("--instruction", "-i", required=True, help="The instruction applied to every document.")
+@click.option("--instruction", "-i", default=None, help="The instruction applied to every document.")
+@click.option("--question", "question_opts", multiple=True, metavar="TEXT",
+              help="A question asked of every document (repeatable; besides or instead of --instruction). With "
+                   "several, each document is read once and every question answered alone from a cache re-selected "
+                   "for it (kvcli run's several questions): one line per document and question.")
+@click.option("--questions", "questions_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Questions asked of every document, one per line, as --question.")
 @click.option("--out", "-o", "out_path", required=True, metavar="FILE.jsonl", type=click.Path(dir_okay=False),
               help="Results, one JSON line per document (path, answer, stats, error), appended as each finishes. "
                    "Documents it already answers (same path, content and settings) are skipped.")
@@ -38,8 +45,8 @@ from kvcli.errors import KvcliError
               help="CPU cores (and threads) of each Ray worker.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
-def batch_cmd(req: Request, docs, instruction, out_path, model, system, parallel, retry_errors, ray_address, ray_workers,
-              ray_cpus, quiet, as_json):
+def batch_cmd(req: Request, docs, instruction, question_opts, questions_file, out_path, model, system, parallel,
+              retry_errors, ray_address, ray_workers, ray_cpus, quiet, as_json):
     """Answer --instruction about every document of --docs into --out, one JSON line per document.
 
     The model is loaded once; its KV cache (--max-cache cells, default the model's context) is shared
@@ -48,12 +55,23 @@ def batch_cmd(req: Request, docs, instruction, out_path, model, system, parallel
     A document longer than the model's context less --max-tokens is read in chunks (--chunk). A document
     that fails gets a line with its error and the batch goes on; an interrupted batch keeps every line
     written, and a re-run with the same --out does only the rest. stdout: nothing, or a summary with --json.
+
+    Several questions (--instruction, --question, --questions FILE) are asked of every document: one
+    line per document and question (with its "question"), each document read once for all of them
+    (its full cache stored and re-selected for each question, as kvcli run does with several).
     """
+    if instruction is None and not question_opts and not questions_file:
+        raise KvcliError("no instruction: give --instruction TEXT, --question TEXT or --questions FILE")
+    if instruction is not None and not instruction.strip():
+        raise KvcliError("the instruction is empty")
+    questions = list(dict.fromkeys(gather_questions(instruction, question_opts, questions_file)))   # each once
     if (ray_workers or ray_cpus) and not ray_address:
         raise KvcliError("--ray-workers / --ray-cpus set up Ray workers: give --ray ADDRESS too")
     if ray_address:
         import_ray()   # before any document is read: a missing extra is one line
-    settings = Settings(instruction=instruction, model=model or config.get("model"), policy=req.policy,
+    several = len(questions) > 1
+    settings = Settings(instruction="" if several else questions[0], questions=questions if several else [],
+                        model=model or config.get("model"), policy=req.policy,
                         budget=req.budget, policy_args=req.policy_args, max_tokens=req.max_tokens,
                         sampling=req.sampling, system=system, cache_type=req.cache_type, chunk=req.chunk,
                         chunk_scoring=req.chunk_scoring, max_cache=req.max_cache, parallel=parallel,
@@ -77,7 +95,8 @@ def batch_cmd(req: Request, docs, instruction, out_path, model, system, parallel
         click.echo(json.dumps(s, ensure_ascii=False))
     elif not quiet:
         label = f"{req.policy}{'' if settings.budget is None else f' @ {settings.budget}'}"
-        click.echo(f"[{label}] {s['documents']} documents: {s['answered']} answered, {s['errors']} errors, "
+        per = f" x {s['questions']} questions ({s['document_reads']} document reads)" if several else ""
+        click.echo(f"[{label}] {s['documents']} documents{per}: {s['answered']} answered, {s['errors']} errors, "
                    f"{s['skipped']} already in {out_path}; {s['prompt_tokens']} prompt + {s['generated_tokens']} "
                    f"answer tokens in {s['elapsed_s']:.1f}s", err=True)
 
