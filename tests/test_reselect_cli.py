@@ -211,6 +211,7 @@ def test_cache_refuses_document_flags(cli_runner, tiny, files, tmp_path):
     one_line_error(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "--doc", files / "doc.txt",
                          *ASK), "drop --doc")
     one_line_error(kvcli(cli_runner, "run", "--cache", store, "--system", "x", *ASK), "drop --system")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, "--budget", 48, *ASK), "add --policy P")
 
 
 # ------------------------------------------------------------------------------ kvcli batch

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvcli import config, kvc, outfile
-from kvcli.chat import MEMORY_STATS, RESELECTED, Conversation
+from kvcli.chat import MEMORY_STATS, Conversation
 from kvcli.commands.chat import FLAGS, explicit, explicit_budget
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_documents
@@ -194,6 +194,8 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
                 raise KvcliError(f"--cache brings its own document: drop "
                                  f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
             policy = req.policy if policy_given else "full"
+            if policy == "full" and explicit(ctx, "budget", "policy_args"):
+                raise KvcliError("--budget and --policy-arg re-select with a compressing policy: add --policy P")
             budget = req.budget if policy != "full" else None
             explicit_budget(policy, budget, None, req.policy_args)
             conv = Conversation.from_store(cache_path, policy=policy, budget=budget, policy_args=req.policy_args,
