@@ -31,6 +31,7 @@ EXPECTED = {
     "eval niah": SWEEP | {"--cache-type", "--chunk", "--chunk-scoring"} | PENALTIES,   # greedy (+ penalties)
     "eval ruler": SWEEP | {"--cache-type", "--chunk", "--chunk-scoring"} | PENALTIES,
     "eval fidelity": SWEEP | {"--cache-type"},             # teacher-forced agreement, one prefill
+    "eval chat": SWEEP | {"--cache-type"},                 # greedy answers, scored
     "check": {"--model", "--threads", "--cache-type", "--chunk", "--chunk-scoring"},   # greedy in both engines
     "calibrate compresskv": {"--model", "--threads"},      # the reference engine (torch threads)
 }
@@ -46,6 +47,7 @@ OWN = {
     ("calibrate compresskv", "--seed"): "the seed of the generated calibration texts, not a sampler's",
     ("eval niah", "--seed"): "the seed of the generated haystacks and needles, not a sampler's",
     ("eval ruler", "--seed"): "the seed of the generated tasks, not a sampler's",
+    ("eval chat", "--seed"): "the seed of the generated logbooks and facts, not a sampler's",
 }
 # shared flags whose help a command refines through request_options' *_help arguments, and why
 HELP_OVERRIDES = {
@@ -58,6 +60,7 @@ HELP_OVERRIDES = {
     ("eval niah", "--cache-type"): "no help: the choice lists it",
     ("eval ruler", "--cache-type"): "no help: the choice lists it",
     ("eval fidelity", "--cache-type"): "no help: the choice lists it",
+    ("eval chat", "--cache-type"): "no help: the choice lists it",
     ("check", "--cache-type"): "the native engine's; f32 for the tightest agreement",
     ("check", "--chunk"): "both engines, L1 at every planning step",
     ("check", "--threads"): "both engines",
