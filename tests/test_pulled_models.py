@@ -1,7 +1,18 @@
-"""The models `kvcli models pull` installs, end to end (slow; each skips when its model is not pulled)."""
+"""The models `kvcli models pull` installs, end to end (slow; each skips when its model is not pulled).
+
+What they depend on is pinned here: the thread count of both engines (THREADS: llama.cpp's CPU kernels round
+differently with another thread count, and torch's reductions too), the documents and their cut, the budgets
+and `kvcli check`'s default thresholds (kvcli/check.py Thresholds; not loosened here).
+
+`./setup.sh` pulls qwen2.5-coder-0.5b, so the CI runs the quick tests here (a `kvcli run` on each pulled model);
+the `kvcli check` ones are too long for the CI's 45 minutes (the reference engine in torch; measured 2026-11-25 on
+2 cores at load 6-8: qwen, 10 policies, 1373 s wall, about 700 CPU-s; gemma 188 s) and run only with
+KVCLI_PULLED_TESTS=1.
+"""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +22,17 @@ from kvcli import catalogue, policies
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "examples" / "solar-garden.txt"
 LONG_DOC = ROOT / "examples" / "station-log.txt"
+THREADS = 2          # CI's cores; the qwen figures below were measured with it
+# policies whose two engines' own plans differ on this text although the engines agree (L3 arithmetic, the same
+# plan in both, passes): the plan flips on near-ties of the policy's score, within L2's observation limits
+# (issue 31). Measured at f61c4d4, 2 threads: d2o's same-plan KL 5.8e-4; its own plans: 33 of 48 selections differ,
+# 8 took a different budget from the observation, 4 layers' budgets differ by 1, KL 0.0667 (plan_kl_max 0.05),
+# greedy 75%.
+PLAN_SENSITIVE_QWEN = {"d2o": "variance-based layer budgets move with the observation (issue 31)"}
+
+
+heavy = pytest.mark.skipif(os.environ.get("KVCLI_PULLED_TESTS") != "1",
+                           reason="kvcli check on a pulled model: minutes on 2 cores; KVCLI_PULLED_TESTS=1 runs it")
 
 
 def pulled(name: str) -> Path:
@@ -24,7 +46,7 @@ def pulled(name: str) -> Path:
 def test_qwen_run_snapkv_keeps_the_budget(run_kvcli):
     pulled("qwen2.5-coder-0.5b")
     r = run_kvcli("run", "--model", "qwen2.5-coder-0.5b", "--doc", DOC, "--policy", "snapkv", "--budget", "128",
-                  "--json", "-n", "48", "How much did the project cost?", timeout=1800)
+                  "--threads", THREADS, "--json", "-n", "48", "How much did the project cost?", timeout=1800)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     s = out["stats"]
@@ -33,16 +55,26 @@ def test_qwen_run_snapkv_keeps_the_budget(run_kvcli):
 
 
 @pytest.mark.slow
+@heavy
 def test_qwen_check_passes_l1_l3_for_every_policy():
+    """Every policy both engines implement: identical plans (L1) and the engines' arithmetic (L3, the same plan in
+    both) within the default thresholds; each engine's own plan agrees too (plan agreement), except for the
+    policies of PLAN_SENSITIVE_QWEN, which must then be reported as plan-sensitive, not as an engine failure."""
     pulled("qwen2.5-coder-0.5b")
     from kvcli.check import CheckSettings, Thresholds, run_check
     from kvcli.commands.check import format_report
     both = [n for n, s in policies.REGISTRY.items() if s.native and s.reference]
     r = run_check(catalogue.pulled_path("qwen2.5-coder-0.5b"), DOC.read_text(), both,
-                  CheckSettings(budget=64, n_tokens=8, doc_tokens=1000), Thresholds())
+                  CheckSettings(budget=64, n_tokens=8, doc_tokens=1000, threads=THREADS), Thresholds())
     table = format_report(r)
+    print(table)
+    assert r["engines_agree"] and r["passed"], table
     for e in r["policies"]:
         assert "error" not in e and e["l1"]["pass"] and e["l3"]["pass"], table
+        if e["policy"] in PLAN_SENSITIVE_QWEN:   # reported as the policy's sensitivity, with its figures
+            assert e["plans"]["pass"] or e["plans"].get("sensitivity"), table
+        else:
+            assert e["plans"]["pass"], table
 
 
 @pytest.mark.slow
@@ -53,7 +85,7 @@ def test_gemma_run_compresses_the_global_layers(run_kvcli, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(LONG_DOC.read_text().split()[:1500]))
     r = run_kvcli("run", "--model", "gemma-3-270m", "--doc", doc, "--policy", "snapkv", "--budget", "128",
-                  "--json", "-n", "16", "What happened on the station?", timeout=1800)
+                  "--threads", THREADS, "--json", "-n", "16", "What happened on the station?", timeout=1800)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["stats"]
     assert s["prompt_tokens"] > 1800 and s["kv_cells"] <= 128 + s["generated_tokens"]
@@ -64,6 +96,7 @@ def test_gemma_run_compresses_the_global_layers(run_kvcli, tmp_path):
 
 
 @pytest.mark.slow
+@heavy
 def test_gemma_check_passes():
     """kvcli check on gemma-3-270m and a 2k-token document, every level, snapkv and pyramidkv: identical plans (L1),
     the engines' observations close (L2: one K row of ~6,000 is beyond the threshold, where llama.cpp's own f32
