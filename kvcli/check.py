@@ -596,7 +596,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         if shared.error is not None or shared.obs_error is not None:
             raise shared.error or shared.obs_error
         base_obs = shared.obs
-        if shared.state is None:   # L3 puts the prefill back for each policy's second comparison
+        if shared.state is None and 3 in levels:   # L3 puts the prefill back for each policy's second comparison
             shared.state = reference.save_seq(0)
 
     if 2 in levels:
