@@ -71,7 +71,9 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
     Several questions (INSTRUCTION, --question, --questions FILE) are answered one after the other,
     each alone, one answer block per question on stdout (a blank line between blocks; --json: one
     object with "answers"). The document is read once (zero times from --cache): with a compressing
-    policy its full cache is compressed again for every question, as if each were asked alone.
+    policy its full cache is kept and compressed again for every question, from the prompt and the
+    observation one `kvcli run` of that question reads in one prefill. (A single-question run reads a
+    document above the bounded-reading threshold in chunks instead, whose cache and answer may differ.)
     """
     questions = gather_questions(instruction, question_opts, questions_file)
     if len(questions) > 1 or (cache_path and explicit(ctx, "policy", "budget", "policy_args")):
