@@ -3,8 +3,10 @@
 - `kvcli compress --store` writes a document's full cache (with column sums for h2o/d2o, or --colsum);
 - `kvcli run --cache FILE --policy P --budget N` re-selects from it: the document is read zero times;
 - `kvcli run` with several questions (INSTRUCTION, --question, --questions FILE) reads the document once and
-  answers each question alone, as a `kvcli run` of that question alone answers it (re-selection of a question
-  over the stored document gives exactly run's prompt and plan: tests/test_reselect.py);
+  answers each question alone, as a `kvcli run` of that question alone answers it when it reads the document in
+  one prefill, as here (re-selection of a question over the stored document gives exactly run's prompt and plan:
+  tests/test_reselect.py; a run that reads in bounded chunks answers from another cache);
+- `kvcli batch` with several questions reads each document once and answers as `kvcli run` does;
 - bad combinations, and corrupt, truncated or foreign stored files, are refused in one line (exit 2).
 """
 from __future__ import annotations

@@ -35,8 +35,9 @@ from kvcli.reselect import STORE_TAIL, StoredDocument
               "the document again. The document must fit the model's context.")
 @click.option("--colsum", is_flag=True, help="With --store: also store the attention column sums that h2o and d2o "
               "score by (stored anyway when --policy is one of them), so that every policy can re-select from the "
-              "file. Observing them makes the read slower: 1.5x to 2x on the default model (2,048 tokens, 2 "
-              "threads: 37 s without, 57-74 s with), and the file about 5% larger.")
+              "file. Observing them makes the read slower: 1.4x to 2x on the default model (2,048 tokens, 2 "
+              "threads on a busy machine: 34-47 s without, 48-74 s with), and the file larger by 4.7% (11% for "
+              "qwen2.5-coder-0.5b).")
 @click.option("--force", "-f", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
