@@ -77,6 +77,7 @@ class Settings:
     parallel: int = 0                # most documents held at once; 0: as many as fit (up to MAX_PARALLEL)
     threads: int | None = None
     questions: list[str] = field(default_factory=list)   # several questions per document (instruction "")
+    per_document: bool = False       # a manifest gives each document its questions (besides `questions`)
 
     def __post_init__(self):
         if self.policy == "full":
@@ -86,7 +87,8 @@ class Settings:
         """A digest of what decides an answer (the model file by name and size, not by where it lies)."""
         p = Path(model_path)
         # the questions are not in it: each line's key holds its own (a question added later keeps the others')
-        what = {k: v for k, v in asdict(self).items() if k not in ("model", "parallel", "threads", "questions")}
+        what = {k: v for k, v in asdict(self).items()
+                if k not in ("model", "parallel", "threads", "questions", "per_document")}
         what["model"] = [p.name, p.stat().st_size]
         if not self.sampling.temperature:   # greedy: the seed and the sampling filters change nothing
             for name in ("seed", "top_k", "top_p", "min_p"):
@@ -97,14 +99,14 @@ class Settings:
 def check_settings(settings: Settings) -> Path:
     """Input errors before any document is read: the model, the policy and its arguments, the room a document
     gets. Returns the model's path."""
-    if not settings.instruction.strip() and not settings.questions:
+    if not settings.instruction.strip() and not settings.questions and not settings.per_document:
         raise KvcliError("the instruction is empty")
     if any(not q.strip() for q in settings.questions):
         raise KvcliError("a question is empty")
     settings.sampling.validate()
     path = resolve_model(settings.model)
     resolve(path, settings.policy, settings.budget, settings.policy_args,
-            settings.questions[0] if settings.questions else settings.instruction)
+            settings.questions[0] if settings.questions else settings.instruction or None)
     document_cells(settings, path)
     return path
 
@@ -122,6 +124,40 @@ def document_cells(settings: Settings, model_path) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------ documents
+def read_manifest(path) -> dict[str, list[str]]:
+    """A JSONL manifest of documents and their questions: one {"path": ..., "questions": [...]} (or "question":
+    "...") per line, a relative path taken from the manifest's folder; the same path on several lines gathers
+    their questions. Refused in one line (its line number) when malformed."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvcliError(f"--manifest: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvcliError(f"--manifest: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    out: dict[str, list[str]] = {}
+    for i, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            raise KvcliError(f"--manifest {path}, line {i}: not JSON") from None
+        qs = line.get("questions", [line["question"]] if "question" in line else None) \
+            if isinstance(line, dict) else None
+        if not isinstance(line, dict) or not isinstance(line.get("path"), str) or not isinstance(qs, list) \
+                or not qs or not all(isinstance(q, str) and q.strip() for q in qs):
+            raise KvcliError(f'--manifest {path}, line {i}: expected {{"path": "...", "questions": ["...", ...]}} '
+                             "with non-empty questions")
+        doc = Path(line["path"]).expanduser()
+        doc = str(doc if doc.is_absolute() else p.parent / doc)
+        out.setdefault(doc, [])
+        out[doc] += [q.strip() for q in qs if q.strip() not in out[doc]]
+    if not out:
+        raise KvcliError(f"--manifest {path} lists no document")
+    return out
+
+
 def list_documents(specs, stdin=None) -> list[str]:
     """The paths named by --docs: a folder (its *.txt/*.md/... files, recursively, sorted), a glob
     pattern (the files it matches, sorted), a file, or '-' (a list of paths on stdin, one per line)."""
@@ -478,9 +514,10 @@ class Batch:
     that comes back, and counts (the progress bar and the summary)."""
 
     def __init__(self, settings: Settings, paths: list[str], results: ResultsFile | None = None, *,
-                 progress: bool = False):
+                 progress: bool = False, questions_for: dict[str, list[str]] | None = None):
         self.settings = settings
         self.paths = paths
+        self.questions_for = questions_for or {}   # a manifest's questions of each document
         self.fingerprint = settings.fingerprint(check_settings(settings))
         self.results = results      # set before running: opened once the settings are known to be good
         self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -490,8 +527,8 @@ class Batch:
         self.bar = None
         if progress:
             from tqdm import tqdm  # noqa: PLC0415
-            n = len(settings.questions)
-            self.bar = tqdm(total=len(paths) * max(n, 1), desc="batch", unit="answer" if n else "doc",
+            n = sum(len(self.questions(p)) for p in paths)
+            self.bar = tqdm(total=n, desc="batch", unit="answer" if n > len(paths) else "doc",
                             file=sys.stderr, dynamic_ncols=True)
 
     def jobs(self):
@@ -499,7 +536,8 @@ class Batch:
         cannot be read get their error line here."""
         for path in self.paths:
             doc = read_job(path, self.fingerprint)
-            for job in ([question_job(doc, q) for q in self.settings.questions] or [doc]):
+            qs = self.questions(path)
+            for job in ([question_job(doc, q) for q in qs] if qs != [None] else [doc]):
                 if job.key in self.results.done:
                     self.counts["skipped"] += 1
                     self._tick()
@@ -507,6 +545,13 @@ class Batch:
                     self.record(error_line(job, job.error, self.settings))
                 else:
                     yield job
+
+    def questions(self, path: str) -> list:
+        """The questions asked of one document ([None]: the settings' one instruction)."""
+        s = self.settings
+        if not s.questions and not s.per_document:
+            return [None]
+        return s.questions + [q for q in self.questions_for.get(path, []) if q not in s.questions]
 
     def record(self, line: dict) -> None:
         self.results.write(line)
@@ -539,7 +584,7 @@ class Batch:
         dt = time.perf_counter() - self.t0
         c = self.counts
         return {"kind": "batch", "out": self.results.path, "documents": len(self.paths),
-                "questions": len(self.settings.questions) or 1, **c,
+                "questions": sum(len(self.questions(p)) for p in self.paths), **c,
                 "elapsed_s": round(dt, 3), "docs_per_hour": round(c["answered"] / dt * 3600, 1) if dt > 0 else None,
                 "ray_workers": self.ray_workers, "settings": asdict(self.settings)}
 

@@ -226,7 +226,7 @@ def test_batch_reads_each_document_once_for_its_questions(cli_runner, tiny, file
     snap = ["-p", "snapkv", "-b", 48, "-n", 6]
     s = ok_json(kvcli(cli_runner, "batch", "--model", tiny, "--docs", docs, *snap, "-o", out, "--json", "-q",
                       "-i", QS[0], "--question", QS[1], "--question", QS[0]))   # a repeated question is asked once
-    assert s["documents"] == 2 and s["questions"] == 2 and s["answered"] == 4 and s["document_reads"] == 2
+    assert s["documents"] == 2 and s["questions"] == 4 and s["answered"] == 4 and s["document_reads"] == 2
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted((r["path"][-5:], r["question"]) for r in rows) == sorted(
         (d, q) for d in ("a.txt", "b.txt") for q in QS[:2])
@@ -252,3 +252,36 @@ def test_batch_needs_a_question(cli_runner, tiny, files, tmp_path):
         one_line_error(kvcli(cli_runner, "batch", "--model", tiny, "--docs", files / "doc.txt", "-o",
                              tmp_path / "o.jsonl", *args), msg)
         assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_batch_manifest_gives_each_document_its_questions(cli_runner, tiny, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(DOC, encoding="utf-8")
+    (docs / "b.txt").write_text(DOC.replace("station", "post"), encoding="utf-8")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"path": "docs/a.txt", "questions": QS[:2]}) + "\n\n"
+                        + json.dumps({"path": str(docs / "b.txt"), "question": QS[2]}) + "\n"
+                        + json.dumps({"path": "docs/a.txt", "questions": [QS[1], QS[2]]}) + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    s = ok_json(kvcli(cli_runner, "batch", "--model", tiny, "--manifest", manifest, "-p", "snapkv", "-b", 48,
+                      "-n", 6, "-o", out, "--json", "-q"))
+    assert s["documents"] == 2 and s["questions"] == 4 and s["answered"] == 4 and s["document_reads"] == 2
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted((r["path"][-5:], r["question"]) for r in rows) == sorted(
+        [("a.txt", QS[0]), ("a.txt", QS[1]), ("a.txt", QS[2]), ("b.txt", QS[2])])
+    b = next(r for r in rows if r["path"].endswith("b.txt"))
+    assert b["answer"] == single(cli_runner, tiny, docs / "b.txt", QS[2], "-p", "snapkv", "-b", 48)["answer"]
+    # the same answers through --docs and --question: the same keys (nothing asked again)
+    again = ok_json(kvcli(cli_runner, "batch", "--model", tiny, "--docs", docs / "b.txt", "-p", "snapkv", "-b", 48,
+                          "-n", 6, "-o", out, "--json", "-q", "--question", QS[2], "--question", QS[0]))
+    assert again["skipped"] == 1 and again["answered"] == 1
+    bad = tmp_path / "bad.jsonl"
+    for text, msg in (('{"path": "x.txt"}\n', "line 1: expected"), ("\nnot json\n", "line 2: not JSON"),
+                      ("", "lists no document")):
+        bad.write_text(text, encoding="utf-8")
+        one_line_error(kvcli(cli_runner, "batch", "--model", tiny, "--manifest", bad, "-o", tmp_path / "o.jsonl"),
+                       msg)
+    one_line_error(kvcli(cli_runner, "batch", "--model", tiny, "--manifest", manifest, "--docs", docs,
+                         "-o", tmp_path / "o.jsonl"), "--docs, or with their questions in --manifest")
+    assert not (tmp_path / "o.jsonl").exists()
