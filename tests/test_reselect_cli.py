@@ -214,6 +214,9 @@ def test_cache_refuses_document_flags(cli_runner, tiny, files, tmp_path):
                          *ASK), "drop --doc")
     one_line_error(kvcli(cli_runner, "run", "--cache", store, "--system", "x", *ASK), "drop --system")
     one_line_error(kvcli(cli_runner, "run", "--cache", store, "--budget", 48, *ASK), "add --policy P")
+    # chat re-selects from it with --policy and --budget; without them it says so
+    one_line_error(cli_runner.invoke(cli, ["chat", "--cache", str(store)], input=QS[0] + "\n"),
+                   "give --policy P --budget N")
 
 
 # ------------------------------------------------------------------------------ kvcli batch

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kvcli import config, policies
+from kvcli import config, kvc, policies
 from kvcli.chat import Conversation, Repl
 from kvcli.commands.options import Request, model_option, request_options
 from kvcli.documents import read_documents
@@ -131,6 +131,10 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
         clash = explicit(ctx, *FLAGS)
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop {FLAGS[clash[0]]}")
+        meta = kvc.peek_meta(cache_path)
+        if meta and meta.get("store") and not meta.get("compressed"):
+            raise KvcliError(f"{cache_path} holds a document's full cache (compress --store): give --policy P "
+                             "--budget N to compress it for every question")
     elif not docs:
         raise KvcliError("kvcli chat needs a document: --doc FILE, or --cache FILE.kvc")
     elif "-" in docs:
