@@ -21,16 +21,16 @@ def test_eval_chat_modes_tiny(cli_runner, tiny, tmp_path, monkeypatch):
     out = tmp_path / "chat.json"
     r = cli_runner.invoke(cli, ["eval", "chat", "--model", str(tiny), "--policies", "snapkv,h2o", "--budgets", "48",
                                 "--lengths", "600", "--documents", "2", "--facts", "3", "--json-out", str(out),
-                                "--quiet"])
+                                "--modes", "full,once,reselect,run,reread", "--quiet"])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     recs = res["records"]
     # full: one configuration; the other modes: 2 policies; 2 documents x 3 questions each
     assert sum(x["mode"] == "full" for x in recs) == 6
-    for mode in ("once", "reselect", "run"):
+    for mode in ("once", "reselect", "run", "reread"):
         assert sum(x["mode"] == mode for x in recs) == 12
     assert {x["budget"] for x in recs if x["mode"] != "full"} == {48}
-    assert all(x["kv_cells"] <= 48 + 12 for x in recs if x["mode"] in ("reselect", "run"))
+    assert all(x["kv_cells"] <= 48 + 12 for x in recs if x["mode"] in ("reselect", "run", "reread"))
     assert all(0 <= x["score"] <= 100 and x["doc_tokens"] <= 600 for x in recs)
     summary = {(s["mode"], s["policy"]): s for s in res["summary"]}
     assert summary[("reselect", "snapkv")]["questions"] == 6 and summary[("reselect", "snapkv")]["documents"] == 2

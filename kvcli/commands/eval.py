@@ -9,7 +9,7 @@ import click
 from kvcli.bench import _jsonable, load_docs, log_stderr
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
-from kvcli.evaluation.chat import MODES as CHAT_MODES, chat_table, plot_chat, run_chat_eval
+from kvcli.evaluation.chat import DEFAULT_MODES as CHAT_MODES, chat_table, plot_chat, run_chat_eval
 from kvcli.evaluation.measure import parse_float_list, parse_list, parse_size
 from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_text
 from kvcli.evaluation.runner import run_fidelity, run_generation_eval, summary_table
@@ -145,7 +145,8 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
 @click.option("--modes", default=",".join(CHAT_MODES), show_default=True,
               help="full: full cache; once: compressed before the questions (question-agnostic); reselect: "
               "re-selected for every question from the stored full cache (kvcli chat's default); run: each question "
-              "compressed alone, question-aware (the document read again per question).")
+              "compressed alone, question-aware, from the stored cache (kvcli run --question ...); reread: the same "
+              "with the document read again for every question (slow).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def chat_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, documents, facts, modes, seed):
     """Many questions over one document, asked in one conversation, scored per question (SCBench's multi-turn

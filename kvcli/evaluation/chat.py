@@ -11,15 +11,20 @@ documents and questions:
 - `reselect`: the document's full cache read once and stored; every question is answered from a cache
   re-selected for it (kvcli/reselect.py: `kvcli chat`'s default): restore, prefill the rest of the conversation
   with observation, plan, compact.
-- `run`: question-aware compression of each question alone (`kvcli run` once per question): the document read
-  again for every question. The upper mark of what per-question compression can score.
+- `run`: question-aware compression of each question alone, without the conversation (`kvcli run` once per
+  question): computed from the stored document, which observes what one prefill of the question's prompt observes
+  (tests/test_reselect.py, L2 and L1), as `kvcli run --question Q1 --question Q2 ...` does. The upper mark of what
+  per-question compression can score; against `reselect` it measures what the conversation's earlier turns cost.
+- `reread`: the same, with the document read again for every question (one prefill per question serving every
+  configuration): `run` as a loop of single-question `kvcli run` processes in one prefill would do it. Not in the
+  default modes: it costs a read per question.
 
 The document is read once per document for `full`, `once` and `reselect` together: its full cache is stored
 (kvcli/reselect.py) and each of them starts from it. `once` re-selects once, for the generic instruction (the
 agnostic prefix: the document followed by it, observed as one prefill of it observes, tests/test_reselect.py),
 and appends the questions after that cache; `full` restores the whole document and appends the conversation.
-`run` reads the document again for every question, as `kvcli run` does: one prefill per question serves every
-configuration (`Shared`). Decoding is greedy. The prompt of every mode is rendered with the model's own chat
+`reread` reads the document again for every question: one prefill per question serves every configuration
+(`Shared`). Decoding is greedy. The prompt of every mode is rendered with the model's own chat
 template, as the app renders it.
 """
 from __future__ import annotations
@@ -39,7 +44,8 @@ from kvcli.native.session import NativeSession
 from kvcli.reselect import StoredDocument
 from kvcli.templating import GENERIC_SUFFIX, user_message
 
-MODES = ("full", "once", "reselect", "run")
+MODES = ("full", "once", "reselect", "run", "reread")
+DEFAULT_MODES = ("full", "once", "reselect", "run")
 ROOM = 1024     # cells for the conversation after the document
 
 
@@ -92,7 +98,7 @@ def _record(mode, cfg_key, doc_i, q_i, fact, text, n_tokens, **extra) -> dict:
 
 
 def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: list[int], documents: int,
-                  facts: int = 6, modes=MODES, *, cache_type: str = "f16", policy_args: dict | None = None,
+                  facts: int = 6, modes=DEFAULT_MODES, *, cache_type: str = "f16", policy_args: dict | None = None,
                   threads: int | None = None, seed: int = 0, max_tokens: int = 12, log=None) -> dict:
     log = log or (lambda m: None)
     policy_args = policy_args or {}
@@ -119,7 +125,7 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                     text, planted, n_tok = make_chat_document(tok, L, facts, doc_seed)
                     log(f"[{L} tokens, document {d + 1}/{documents}: {n_tok} tokens, {facts} questions]")
                     store = None
-                    if set(modes) & {"full", "once", "reselect"}:
+                    if set(modes) & {"full", "once", "reselect", "run"}:
                         session.clear()
                         store = StoredDocument.read(session, session.tokenize(prefix_text(session, text, False)),
                                                     colsum=any("colsum" in c.observe[0] for c in cfgs.values()))
@@ -134,10 +140,11 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                             records += out["records"]
                             if "read_s" in out:
                                 reads.append({"length": L, "doc": d, "mode": mode, "read_s": round(out["read_s"], 3)})
-                        log(f"  {mode}: {time.perf_counter() - t0:.1f}s, " + ", ".join(
-                            f"{p}{'' if b is None else f'@{b}'} {np.mean([r['score'] for r in out['records'] if (r['policy'], r['budget']) == (p, b)]):.0f}"
-                            for p, b in sorted({(r['policy'], r['budget']) for r in out['records']},
-                                               key=lambda k: (k[0], k[1] or 0))))
+                            log(f"  {mode}: {time.perf_counter() - t0:.1f}s, " + ", ".join(
+                                f"{p}{'' if b is None else f'@{b}'} "
+                                f"{np.mean([r['score'] for r in out['records'] if (r['policy'], r['budget']) == (p, b)]):.0f}"
+                                for p, b in sorted({(r['policy'], r['budget']) for r in out['records']},
+                                                   key=lambda k: (k[0], k[1] or 0))))
                     finally:
                         if store is not None:
                             store.close()
@@ -183,17 +190,17 @@ def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once
     return {"records": recs}
 
 
-def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store):
+def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store, mode="reselect"):
     recs = []
     for key, cfg in cfgs.items():
         history = []
         for i, fact in enumerate(planted):
             q = ask(fact["question"])
-            prompt = session.tokenize(render(session, text, history, q))
+            prompt = session.tokenize(render(session, text, history if mode == "reselect" else [], q))
             r = store.reselect(session, prompt, cfg)
             t2 = time.perf_counter()
             answer = _greedy(session, session.logits(0), max_tokens)
-            recs.append(_record("reselect", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
+            recs.append(_record(mode, key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
                                 reselect_prefilled=r.prefilled, answer_s=round(time.perf_counter() - t2, 4),
                                 kv_cells=int(session.stats(0)["kv_cells"])))
             history.append((q, answer.strip()))
@@ -202,6 +209,10 @@ def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store):
 
 
 def _mode_run(session, text, planted, cfgs, full, max_tokens, store):
+    return _mode_reselect(session, text, planted, cfgs, full, max_tokens, store, mode="run")
+
+
+def _mode_reread(session, text, planted, cfgs, full, max_tokens, store):
     recs = []
     for i, fact in enumerate(planted):
         q = ask(fact["question"])
@@ -217,12 +228,13 @@ def _mode_run(session, text, planted, cfgs, full, max_tokens, store):
             if applied.error is not None:
                 raise applied.error
             answer = _greedy(session, shared.first, max_tokens)
-            recs.append(_record("run", key, 0, i, fact, answer, len(tokens), read_s=round(prefill_s, 3),
+            recs.append(_record("reread", key, 0, i, fact, answer, len(tokens), read_s=round(prefill_s, 3),
                                 kv_cells=int(session.stats(0)["kv_cells"])))
     return {"records": recs}
 
 
-MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "reselect": _mode_reselect, "run": _mode_run}
+MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "reselect": _mode_reselect, "run": _mode_run,
+                "reread": _mode_reread}
 
 
 # ------------------------------------------------------------------------------ results
@@ -273,7 +285,7 @@ def plot_chat(result: dict, path: str) -> None:
         rows = [r for r in result["summary"] if r["length"] == L]
         full = [r for r in rows if r["mode"] == "full"]
         keys = sorted({(r["policy"], r["budget"]) for r in rows if r["mode"] != "full"}, key=lambda k: (k[0], k[1]))
-        modes = [m for m in ("once", "reselect", "run") if any(r["mode"] == m for r in rows)]
+        modes = [m for m in ("once", "reselect", "run", "reread") if any(r["mode"] == m for r in rows)]
         width = 0.8 / max(1, len(modes))
         for j, m in enumerate(modes):
             ys, es = [], []
