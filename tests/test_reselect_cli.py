@@ -288,3 +288,26 @@ def test_batch_manifest_gives_each_document_its_questions(cli_runner, tiny, tmp_
     one_line_error(kvcli(cli_runner, "batch", "--model", tiny, "--manifest", manifest, "--docs", docs,
                          "-o", tmp_path / "o.jsonl"), "--docs, or with their questions in --manifest")
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_out_file_and_ctrl_c(cli_runner, tiny, files, singles, tmp_path, cache_dir, monkeypatch):
+    snap = ("-p", "snapkv", "-b", 48)
+    out = tmp_path / "answers.txt"
+    r = kvcli(cli_runner, "run", "--model", tiny, "--doc", files / "doc.txt", *snap, "-n", 6, "-q", "-o", out, *ASK)
+    assert r.exit_code == 0, r.output
+    assert out.read_text() == "\n\n".join(run_answers(cli_runner, tiny, files, singles, snap)) + "\n"
+    # Ctrl-C during the second re-selection: the first answer was given, the temporary store is gone, exit 130
+    from kvcli import reselect
+    real, calls = reselect.StoredDocument.reselect, []
+
+    def interrupted(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(reselect.StoredDocument, "reselect", interrupted)
+    r = kvcli(cli_runner, "run", "--model", tiny, "--doc", files / "doc.txt", *snap, "-n", 6, "-q", *ASK)
+    assert r.exit_code == 130
+    assert r.stdout.startswith(run_answers(cli_runner, tiny, files, singles, snap)[0] + "\n")
+    assert not any((cache_dir / "documents").iterdir())
