@@ -311,3 +311,26 @@ def test_out_file_and_ctrl_c(cli_runner, tiny, files, singles, tmp_path, cache_d
     assert r.exit_code == 130
     assert r.stdout.startswith(run_answers(cli_runner, tiny, files, singles, snap)[0] + "\n")
     assert not any((cache_dir / "documents").iterdir())
+
+
+def test_batch_questions_on_ray_give_the_local_answers(run_kvcli, tiny, files, tmp_path):
+    """On Ray the questions of one document may go to several workers (each reads it once): the same answers."""
+    import importlib.util
+    assert importlib.util.find_spec("ray"), "Ray is not installed: ./setup.sh installs requirements-ray.txt"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(DOC, encoding="utf-8")
+    (docs / "b.txt").write_text(DOC.replace("station", "post"), encoding="utf-8")
+    args = ["batch", "--model", tiny, "--docs", docs, "-p", "snapkv", "-b", 48, "-n", 6, "--dry-multiplier", 0,
+            "-q", "--json", "-i", *ASK]
+    env = {"KVCLI_CACHE": str(tmp_path / "kvcache")}
+    local = run_kvcli(*args, "-o", tmp_path / "local.jsonl", env=env)
+    on_ray = run_kvcli(*args, "-o", tmp_path / "ray.jsonl", "--ray", "local", "--ray-workers", 2, "--ray-cpus", 1,
+                       env=env)
+    assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr
+    s = json.loads(on_ray.stdout)
+    assert s["answered"] == 6 and 2 <= s["document_reads"] <= 4 and json.loads(local.stdout)["document_reads"] == 2
+    read = lambda name: {d["key"]: d for d in map(json.loads, (tmp_path / name).read_text().splitlines())}  # noqa: E731
+    a, b = read("local.jsonl"), read("ray.jsonl")
+    assert set(a) == set(b) and all(a[k]["answer"] == b[k]["answer"] for k in a)
+    assert not any((tmp_path / "kvcache" / "documents").iterdir())
