@@ -678,7 +678,7 @@ def _level3(native, shared, cfg, settings, th, plan_n, calls_n) -> tuple[dict, d
                        own=arith, margins=None)
         return arith, plans
     state_n = native.save_seq(0)
-    arith = _arithmetic(native, ref, settings, th)
+    arith = _arithmetic(native, ref, settings, th, native_plan=plan_summary(plan_n))
     native.restore_seq(state_n, 0)
     from kvcli.reference.policies._common import recording  # noqa: PLC0415
     with recording() as calls_r:
@@ -689,6 +689,14 @@ def _level3(native, shared, cfg, settings, th, plan_n, calls_n) -> tuple[dict, d
     margins = selection_margins(calls_n, calls_r) if calls_n is not None else None
     plans = _plans(native, ref, jac, settings, th, margins=margins, budgets=(plan_n, applied.plan))
     return arith, plans
+
+
+def plan_summary(plan: Plan) -> dict:
+    """What L3 arithmetic's report says of the plan both engines decoded (to find a plan a compaction mishandles)."""
+    lm = plan.log_mult
+    return {"entries": int(plan.entries()), "min_kept": int(plan.n_kept.min()) if plan.n_kept.size else 0,
+            "merged_rows": int(plan.replace_entry.size),
+            "log_mult_max": float(np.abs(lm).max()) if lm is not None and lm.size else 0.0}
 
 
 def _arithmetic(native, reference, settings, th, **extra) -> dict:
