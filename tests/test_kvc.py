@@ -167,6 +167,8 @@ def test_wrong_model_version_and_truncated_refused(run_kvcli, tmp_path):
     cut = tmp_path / "cut.kvc"
     cut.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
     assert "truncated" in _one_line_error(run_kvcli("run", "--cache", cut, "hi"))
-    # --cache fixes the compression: a contradicting flag is refused
-    assert "drop --policy" in _one_line_error(run_kvcli("run", "--cache", out, "--policy", "snapkv", "hi"))
+    # --cache fixes the document: a contradicting flag is refused (this file holds the full cache: --policy P
+    # --budget N re-select from it, tests/test_reselect_cli.py)
+    assert "drop --system" in _one_line_error(run_kvcli("run", "--cache", out, "--system", "x", "hi"))
+    assert "needs --budget" in _one_line_error(run_kvcli("run", "--cache", out, "--policy", "snapkv", "hi"))
     assert "exists" in _one_line_error(run_kvcli("compress", "--doc", doc, "-o", out))

@@ -17,7 +17,7 @@ import pytest
     (["run", "--seed", "-1", "x"], "kvcli: error: --seed: -1 is out of range [0, 4294967294]"),
     (["chat", "--top-p", "1.5", "--doc", "README.md"], "kvcli: error: --top-p: 1.5 is out of range [0.0, 1.0]"),
     (["run", "--bogus", "x"], "kvcli: error: No such option '--bogus'. Did you mean '--out'?"),
-    (["run"], "kvcli: error: Missing argument 'INSTRUCTION'"),
+    (["run"], "kvcli: error: no question: give INSTRUCTION, --question TEXT or --questions FILE"),
     (["compress", "-o", "x.kvc", "--policy", "snapkv", "-b", "64", "--policy-arg", "window=8",
       "--policy-arg", "window=16"], "kvcli: error: --policy-arg window given twice"),
     (["run", "--policy", "snapkv", "-b", "64", "--policy-arg", "window=8", "--policy-arg", "window=16", "x"],
@@ -37,7 +37,7 @@ def test_bad_flags_are_one_line_and_exit_2(run_kvcli, args, line):
 def test_help_is_click_help(cli_runner):
     from kvcli.cli import cli
     r = cli_runner.invoke(cli, ["run", "--help"])
-    assert r.exit_code == 0 and r.output.startswith("Usage: cli run [OPTIONS] INSTRUCTION")
+    assert r.exit_code == 0 and r.output.startswith("Usage: cli run [OPTIONS] [INSTRUCTION]")
     for flag in ("--repeat-penalty", "--dry-multiplier", "--policy-arg", "--max-cache", "--chunk-scoring"):
         assert flag in r.output
     assert "[default: 0.8]" in r.output   # the DRY default is shown
