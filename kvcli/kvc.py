@@ -162,6 +162,8 @@ def peek_meta(path) -> dict | None:
     """The meta of a .kvc file from its head alone, unchecked (None when it is not readable as one): what kind of
     file it is, before `read` checks the whole of it (kvcli run --cache: a stored document or a compressed one)."""
     try:
+        if not Path(path).is_file():   # a FIFO would block: `read` says what it is
+            return None
         with open(path, "rb") as fh:
             magic, _, _, meta_len = _HEAD.unpack(fh.read(_HEAD.size))
             if magic != MAGIC or meta_len > 1 << 30:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -176,7 +177,10 @@ def test_bad_stored_files_are_refused_in_one_line(cli_runner, tiny, other_tiny, 
     bad.write_bytes(raw[:-100] + bytes(b ^ 0xFF for b in raw[-100:-50]) + raw[-50:])
     junk = tmp_path / "junk.kvc"
     junk.write_bytes(b"not a cache at all")
-    for path, msg in ((cut, "truncated"), (bad, "corrupted"), (junk, "not a kvcli .kvc file")):
+    fifo = tmp_path / "fifo.kvc"
+    os.mkfifo(fifo)   # refused at once, not read (it would block)
+    for path, msg in ((cut, "truncated"), (bad, "corrupted"), (junk, "not a kvcli .kvc file"),
+                      (fifo, "not a regular file")):
         one_line_error(kvcli(cli_runner, "run", "--cache", path, "-p", "snapkv", "-b", 48, *ASK), msg)
         one_line_error(kvcli(cli_runner, "run", "--cache", path, *ASK), msg)
         one_line_error(kvcli(cli_runner, "run", "--cache", path, QS[0]), msg)
