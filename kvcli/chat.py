@@ -250,7 +250,7 @@ class Conversation:
                                          colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
                                          path=self.store_path, keep=named,
                                          progress=progress, meta={"document": self.document, "system": self.system},
-                                         in_memory_if_unwritable=self._say)
+                                         in_memory_if_unwritable=None if named else self._say)  # --store FILE: must be written
         self.report = planning.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
