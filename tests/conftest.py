@@ -64,3 +64,20 @@ def word_doc(tmp_path_factory):
             made[n, seed] = p
         return made[n, seed]
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_2k(tmp_path_factory):
+    """A tiny random llama GGUF with a 2k context (2 layers, 4 query / 2 KV heads, head_dim 16): the re-selection
+    tests' model."""
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny2k") / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=16, n_ctx_train=2048)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_2k(tmp_path_factory):
+    """tiny_2k's shape with other weights: a foreign model for a stored file."""
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("other2k") / "other.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=16, n_ctx_train=2048, seed=7)

@@ -26,17 +26,13 @@ ASK2 = ["--question", QS[0], "--question", QS[1]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2,
-                            head_dim=16, n_ctx_train=2048)
+def tiny(tiny_2k):
+    return tiny_2k
 
 
 @pytest.fixture(scope="module")
-def other_tiny(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny2") / "other.gguf", n_layer=2, n_head=4, n_head_kv=2,
-                            head_dim=16, n_ctx_train=2048, seed=7)
+def other_tiny(other_tiny_2k):
+    return other_tiny_2k
 
 
 @pytest.fixture(scope="module")
