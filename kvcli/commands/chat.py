@@ -77,7 +77,9 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
 @click.option("--doc", "docs", multiple=True, metavar="FILE",
               help="Document(s) to talk about (several are joined with their names).")
 @click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
-              help="A compressed document written by kvcli compress or /save (instead of --doc).")
+              help="Instead of --doc: a compressed document (kvcli compress, /save), or a stored full cache "
+              "(kvcli compress --store, --store FILE, /save of a re-selected chat), re-selected per question with "
+              "--policy P --budget N.")
 @model_option
 @request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=512,
                  cache_type_help="llama.cpp KV cache type (a --cache file brings its own).")
@@ -108,7 +110,8 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
 
     On a terminal: a REPL with line editing and history (/help lists the commands; Ctrl-C
     interrupts an answer, Ctrl-D leaves). With standard input piped: one question per line, one
-    answer block per question on stdout (blank line between blocks), so it scripts.
+    answer block per question on stdout (blank line between blocks), so it scripts. Re-selected, a
+    QUESTION on the command line is simply asked first.
     """
     if question and question_opt and question.strip() != question_opt.strip():
         raise KvcliError("give the question either as QUESTION or as --question, not two different ones")
