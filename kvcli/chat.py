@@ -283,14 +283,10 @@ class Conversation:
                                    f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
         cfg = self._cfg(question)
         if self.store.path is not None and not self.store.path.exists():  # deleted while chatting
-            if self.notify:
-                self.notify(f"[the stored cache {self.store.path} is gone: reading the document again]")
+            self._say(f"the stored cache {self.store.path} is gone: reading the document again")
             self.store.keep = False
             self.read_store_keeping_turns()
-        if "colsum" in cfg.observe[0] and self.store.colsum is None:
-            if self.notify:
-                self.notify(f"[policy {self.policy} scores by column sums: reading the document again to store them]")
-            self.read_store_keeping_turns()
+        self._store_colsum_for(cfg)
         try:
             self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq)
         except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
@@ -303,6 +299,12 @@ class Conversation:
         self.turns.append(Turn(question, gen.text, gen.stopped, max(0, len(prompt) - before), len(gen.tokens)))
         self.prompt_len = len(prompt)
         return gen
+
+    def _store_colsum_for(self, cfg) -> None:
+        """A column-sum policy on a store read without the sums: read the document once more, with them (said)."""
+        if "colsum" in cfg.observe[0] and self.store.colsum is None:
+            self._say(f"policy {self.policy} scores by column sums: reading the document again to store them")
+            self.read_store_keeping_turns()
 
     def read_store_keeping_turns(self) -> None:
         turns = self.turns
@@ -378,12 +380,7 @@ class Conversation:
             fields = dict(self.__dict__)
             self.policy, self.budget, self.policy_args = new_policy, new_budget, dict(new_args)
             try:
-                cfg = self._cfg(None)
-                if "colsum" in cfg.observe[0] and self.store.colsum is None:
-                    if self.notify:
-                        self.notify(f"[policy {self.policy} scores by column sums: reading the document again to "
-                                    "store them]")
-                    self.read_store_keeping_turns()
+                self._store_colsum_for(self._cfg(None))
             except BaseException:
                 self.__dict__.update(fields)
                 raise
@@ -581,11 +578,12 @@ class Conversation:
         kvc.check_model(f, model_path)
         if cache_type is not None and cache_type != m["cache_type"]:
             raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
-        del f
+        kvc.check_state(f)   # with the checks above, kvc.load_checked's: the file is read and checked once
         t1 = time.perf_counter()
         session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
                                 n_threads=n_threads)
-        store = StoredDocument.from_file(path, session)
+        store = StoredDocument.from_kvc(f)
+        del f
         conv = cls(session, store.meta["document"], policy=policy, budget=budget, policy_args=dict(policy_args or {}),
                    system=store.meta.get("system"), seq=seq, reselect=True)
         # a file of `compress --store` holds the document's tokens; one of `compress --policy full` holds the

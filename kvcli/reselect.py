@@ -157,7 +157,12 @@ class StoredDocument:
     def from_file(cls, path, session) -> "StoredDocument":
         """A stored document (or any uncompressed .kvc file: its cells are the stored tokens) for `session`'s
         model; refused in one line when it is compressed, corrupt, truncated or another model's."""
-        f = kvc.load_checked(path, session.model_path)
+        return cls.from_kvc(kvc.load_checked(path, session.model_path))
+
+    @classmethod
+    def from_kvc(cls, f: kvc.KvcFile) -> "StoredDocument":
+        """`from_file` of a .kvc file read and checked already (kvc.load_checked's checks)."""
+        path = f.path
         if f.meta["compressed"] or f.meta["conversation"]["cells"] != f.meta["conversation"]["next_pos"]:
             raise KvcliError(f"{path} holds a compressed cache: re-selection needs a document's full cache "
                              "(kvcli compress --store)")
