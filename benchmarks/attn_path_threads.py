@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from kvcli import models
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.native.session import NativeSession
 
 

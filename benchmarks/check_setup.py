@@ -3,7 +3,7 @@ arguments (after two of their own), the prompt's tokens as kvcli check builds th
 session whose context holds them."""
 from pathlib import Path
 
-from kvcli.check import CheckSettings, build_tokens
+from kvcli.drivers.check import CheckSettings, build_tokens
 from kvcli.native.session import NativeSession
 
 DEFAULT_DOC, DEFAULT_TOKENS = "examples/station-log.txt", 2000

@@ -3,11 +3,12 @@ and the reference's own plan compared, then decoded in both engines with the nat
 the native plan without its merged rows / log-multiplicities."""
 import json, sys, time
 import numpy as np
-from kvcli import compress, planning
-from kvcli.check import CheckSettings, build_tokens, greedy_compare, compare_plans
+from kvcli.drivers import compress
+from kvcli.planning import planner
+from kvcli.drivers.check import CheckSettings, build_tokens, greedy_compare, compare_plans
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 from kvcli.reference.session import ReferenceSession
 
 T = 2
@@ -25,7 +26,7 @@ ref = ReferenceSession(path, n_ctx=nat.n_ctx, n_threads=T)
 kinds, w = cfg.observe
 obs_r = ref.prefill(toks, observe=kinds, window=w)
 snap_r = ref.save_seq(0)
-pr = planning.make_plan(cfg.spec, cfg.params, 64, obs_r, "reference")
+pr = planner.make_plan(cfg.spec, cfg.params, 64, obs_r, "reference")
 out = {"n": len(toks), "params": {k: str(v) for k, v in cfg.params.items()}}
 out["n_kept_equal"] = bool(np.array_equal(pn.n_kept, pr.n_kept))
 out["replaced"] = [int(pn.replace_entry.size), int(pr.replace_entry.size)]

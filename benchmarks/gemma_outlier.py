@@ -2,7 +2,7 @@
 emulated in the reference moves the reference's row to the native one. Usage: DOC SLOT [DOC_TOKENS]"""
 import json, sys, time
 import numpy as np, torch
-from kvcli.check import CheckSettings, build_tokens
+from kvcli.drivers.check import CheckSettings, build_tokens
 from kvcli.native.session import NativeSession
 from kvcli.reference.session import ReferenceSession
 from kvcli.reference.model import load

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcli import policies  # noqa: E402
-from kvcli.planning import make_plan, resolve_for_model  # noqa: E402
+from kvcli.planning.planner import make_plan, resolve_for_model  # noqa: E402
 from kvcli.models import default_model_path  # noqa: E402
 from kvcli.native.session import NativeSession  # noqa: E402
 from kvcli.templating import build_prompt  # noqa: E402

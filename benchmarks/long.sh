@@ -20,7 +20,7 @@ if [[ $STEP == run || $STEP == all ]]; then
         > "$OUT/run-100k-snapkv512-question.json"   # (run-100k-snapkv512.json: before question scoring)
 fi
 if [[ $STEP == niah || $STEP == all ]]; then
-    # the two chunk scorings (kvcli/chunked.py) on the same samples
+    # the two chunk scorings (kvcli/drivers/chunked.py) on the same samples
     for SC in question chunk; do
         $PY -m kvcli.cli eval niah --threads 2 --lengths 10k --depths 0.1,0.5,0.9 --policies snapkv,compresskv \
             --budgets 512 --samples 1 --chunk-scoring $SC --json-out "$OUT/niah-long-$SC.json" \

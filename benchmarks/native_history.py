@@ -3,8 +3,8 @@ context held before (kvcli check's flow: L2's observing prefill, then each polic
 decoded again)? Compares the direct post-compaction decode with the same state saved and restored."""
 import sys, time
 import numpy as np
-from kvcli import compress
-from kvcli.check import CheckSettings, build_tokens, logits_distance
+from kvcli.drivers import compress
+from kvcli.drivers.check import CheckSettings, build_tokens, logits_distance
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 

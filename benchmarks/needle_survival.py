@@ -1,6 +1,6 @@
 """Does a needle survive chunked reading? For NIAH prompts past the context, read in chunks by a policy
 with each --chunk-scoring, the share of the needle sentence's tokens still held in the final cache
-(mean over layers and KV heads, followed through every plan by kvcli.check.Origins) and the greedy
+(mean over layers and KV heads, followed through every plan by kvcli.drivers.check.Origins) and the greedy
 answer. The answer depends on what the 135M model makes of what is kept; the share does not.
 
     python benchmarks/needle_survival.py LENGTH DEPTHS [SCORINGS] [POLICY]
@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from kvcli.compress import prefill_and_compress
-from kvcli.check import Origins
+from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.check import Origins
 from kvcli.evaluation.runner import _greedy
 from kvcli.evaluation.tasks import niah_sample
 from kvcli.models import default_model_path

@@ -11,7 +11,7 @@ Layout (little endian):
     kept_positions  int32    their original positions, concatenated in (layer, head) order
     prefix_logits   float32  logits after the prompt's last token (only when an answer to it is still due)
     colsum          float32  [n_layer * n_head * split] attention column sums of the stored queries (a stored
-                             document read for a column-sum policy: kvcli/reselect.py)
+                             document read for a column-sum policy: kvcli/drivers/reselect.py)
     state           uint8    llama_state_seq_get_data of the sequence: cells, K/V rows, and (our
                              native patch) the slot bias and header of a compressed sequence
 
@@ -233,7 +233,7 @@ META_SCHEMA = {
                      "reindexed": _count, "rope": _Optional(lambda v: v in (None, "short", "long")),
                      "tail": lambda v: v in ("user", "assistant"), "pending": _BOOL,
                      "turns": lambda v: isinstance(v, list) and all(_matches(t, _TURN) == "" for t in v)},
-    # a stored document (kvcli/reselect.py): its cells are the prompt's first `split` tokens, uncompressed
+    # a stored document (kvcli/drivers/reselect.py): its cells are the prompt's first `split` tokens, uncompressed
     "store": _Optional(lambda v: _matches(v, {"split": _POSITIVE, "n_head": _POSITIVE, "colsum": _BOOL}) == ""),
 }
 

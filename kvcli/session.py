@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from kvcli.models import ModelInfo
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 
 
 class SeqView(Protocol):

@@ -105,8 +105,8 @@ def test_resolution_of_relative_and_submodule_imports():
     graph = import_graph()
     # `from kvcli import policies` and `from kvcli.native import cache` name submodules; `from kvcli.errors
     # import KvcliError` a name inside one.
-    assert {"kvcli.planning", "kvcli.policies", "kvcli.errors"} <= graph["kvcli.check"] | graph["kvcli.planning"]
-    assert "kvcli.native.cache" in graph["kvcli.bench"]
+    assert {"kvcli.planning.planner", "kvcli.policies", "kvcli.errors"} <= graph["kvcli.drivers.check"] | graph["kvcli.planning.planner"]
+    assert "kvcli.native.cache" in graph["kvcli.drivers.bench"]
     assert _resolve("kvcli.reference.policies", True, 3, "policies.base") == "kvcli.policies.base"
     assert _resolve("kvcli.reference.compact", False, 1, "session") == "kvcli.reference.session"
     assert _resolve("kvcli.reference.compact", False, 2, None) == "kvcli"
@@ -126,17 +126,16 @@ def test_no_import_circle_in_kvcli():
 # The layers of the package, lowest first: a module imports its own layer and the ones before it only
 # (docs/internals.md, "Module layers"). A module is in the layer of its longest listed prefix.
 LAYERS = [
-    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.plan", "kvcli.session", "kvcli.catalogue", "kvcli.models",
-                    "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.batching", "kvcli.taskclass",
+    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.planning.formats", "kvcli.session", "kvcli.catalogue", "kvcli.models",
+                    "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.taskclass",
                     "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
                     "kvcli.native.build"]),
     ("policies", ["kvcli.policies"]),
     ("engines", ["kvcli.native", "kvcli.reference", "kvcli.generate", "kvcli.kvc", "kvcli.evaluation.measure"]),
     ("calibration", ["kvcli.calibration"]),
     ("planning", ["kvcli.planning"]),
-    ("drivers", ["kvcli.compress", "kvcli.chunked", "kvcli.reselect", "kvcli.bench", "kvcli.check",
-                 "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat"]),
-    ("app", ["kvcli.pipeline", "kvcli.chat", "kvcli.batch", "kvcli.batch_ray"]),
+    ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat"]),
+    ("app", ["kvcli.apps"]),
     ("commands", ["kvcli.commands", "kvcli.cli"]),
 ]
 
@@ -164,7 +163,7 @@ LAZY = ("torch", "transformers", "gguf", "jinja2", "tqdm", "matplotlib", "ray")
 
 
 def test_the_command_line_starts_without_the_heavy_dependencies():
-    code = ("import sys, kvcli.cli, kvcli.compress, kvcli.chat, kvcli.bench, kvcli.check; "
+    code = ("import sys, kvcli.cli, kvcli.drivers.compress, kvcli.apps.chat, kvcli.drivers.bench, kvcli.drivers.check; "
             f"print(' '.join(m for m in {LAZY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout.strip()
@@ -174,7 +173,7 @@ def test_the_command_line_starts_without_the_heavy_dependencies():
 def test_a_compresskv_run_reads_its_calibration_without_torch():
     """The calibration side-car is applied with numpy and gguf only: before, resolving compresskv imported the
     calibration tool (torch), 195 MB more peak RSS for `kvcli run --policy compresskv` than for snapkv."""
-    code = ("import sys; from kvcli.models import default_model_path; from kvcli.planning import resolve_for_model; "
+    code = ("import sys; from kvcli.models import default_model_path; from kvcli.planning.planner import resolve_for_model; "
             "spec, params = resolve_for_model(default_model_path(), 'compresskv', {}, 128); "
             "print(bool(params.get('layer_scores')), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

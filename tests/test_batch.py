@@ -236,7 +236,7 @@ def test_ray_workers_give_the_local_answers(tiny, corpus, tmp_path):
 def test_batch_takes_the_flags_and_defaults_of_run():
     """One declaration (kvcli/commands/options.py) for the policy, sampling, reading, cache-type and thread flags
     of run and batch: the same names and the same defaults (batch used to decode plain greedy, with its own flags)."""
-    from kvcli.batch import Settings
+    from kvcli.apps.batch import Settings
     from kvcli.cli import cli
     from kvcli.generate import Sampling
 

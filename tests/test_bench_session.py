@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.testing.tiny_gguf import write_tiny_llama

@@ -239,13 +239,13 @@ def test_calibration_found_by_hash_in_the_user_cache(tiny, no_env):
 def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibrated, tiny, no_env, monkeypatch,
                                                                           cli_runner, tmp_path):
     """Every command that makes a plan resolves compresskv for the model in one place
-    (kvcli.planning.resolve_for_model): without a calibration each warns (once per run) and plans with
+    (kvcli.planning.planner.resolve_for_model): without a calibration each warns (once per run) and plans with
     the fallback; with the one `kvcli calibrate` wrote, each plans with its heads and layer budgets."""
-    from kvcli import planning
+    from kvcli.planning import planner
     from kvcli.cli import cli
     from kvcli.policies.compresskv import allocate
     seen = []
-    real = planning.make_plan
+    real = planner.make_plan
 
     def spy(spec, params, budget, obs, planner):
         if spec.name == "compresskv":

@@ -206,7 +206,7 @@ def tiny(tmp_path_factory):
 
 
 def test_context_full_offers_reset_and_reset_restores(tiny):
-    from kvcli.chat import ContextFullError, Conversation
+    from kvcli.apps.chat import ContextFullError, Conversation
     from kvcli.native.session import NativeSession
     s = NativeSession(tiny, n_ctx=0)
     conv = Conversation(s, "alpha beta gamma delta. " * 20)
@@ -233,7 +233,7 @@ def test_context_full_offers_reset_and_reset_restores(tiny):
 
 
 def test_turn_format_matches_the_template(tiny):
-    from kvcli.chat import TurnFormat
+    from kvcli.apps.chat import TurnFormat
     from kvcli.native.session import NativeSession
     s = NativeSession(tiny, n_ctx=0)
     f = TurnFormat.probe(s, "Be brief.")
@@ -247,8 +247,8 @@ def test_turn_format_matches_the_template(tiny):
 def test_recompress_commands_and_failed_recompress_restores(tiny, monkeypatch):
     import io
 
-    from kvcli import compress
-    from kvcli.chat import Conversation, Repl
+    from kvcli.drivers import compress
+    from kvcli.apps.chat import Conversation, Repl
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
     s = NativeSession(tiny, n_ctx=0)

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from kvcli.check import (Thresholds, compare_kv_rows, compare_observations, compare_plans, jaccard_per_head,
+from kvcli.drivers.check import (Thresholds, compare_kv_rows, compare_observations, compare_plans, jaccard_per_head,
                          jaccard_per_layer, logits_distance, plan_sensitivity, selection_margins)
 from kvcli.errors import KvcliError
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 
 
 def _plan(kept, log_mult=None):

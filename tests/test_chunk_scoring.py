@@ -1,4 +1,4 @@
-"""Question-scored chunked reading (kvcli/chunked.py, scoring="question"): after every chunk but the last
+"""Question-scored chunked reading (kvcli/drivers/chunked.py, scoring="question"): after every chunk but the last
 the prompt's last window is prefilled as a probe, observed and rolled back. The rollback must leave the
 sequence exactly as it was, the probe's observation must cover exactly the held slots, the cache must
 stay within budget + chunk, and both engines must make the same plans from it (tests/reference covers
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.reference.session import ReferenceSession

@@ -1,12 +1,12 @@
-"""Chunked prefill (kvcli/chunked.py): when it turns on, how the context is sized, and the bad inputs."""
+"""Chunked prefill (kvcli/drivers/chunked.py): when it turns on, how the context is sized, and the bad inputs."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcli.chunked import BOUNDED_ABOVE_BYTES, DEFAULT_CHUNK, MIN_CHUNK, _carry, chunk_sizes, plan_chunking
+from kvcli.drivers.chunked import BOUNDED_ABOVE_BYTES, DEFAULT_CHUNK, MIN_CHUNK, _carry, chunk_sizes, plan_chunking
 from kvcli.errors import KvcliError
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 
 CELL = 23_040         # K + V bytes of one f16 cell of the default model (SmolLM2-135M: 30 layers x 3 KV heads x 64)
 CELL_8B = 131_072     # the same for a Llama-3-8B-shaped model (32 layers x 8 KV heads x 128)

@@ -1,4 +1,4 @@
-"""kvcli.compress, the one compression driver: `Shared` (one prefill, many configurations) leaves each
+"""kvcli.drivers.compress, the one compression driver: `Shared` (one prefill, many configurations) leaves each
 configuration the very cache its own prefill + compression leaves, in both engines; a failing observation
 still serves the configurations that need none. On the real native library / torch engine and a tiny model."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcli.compress import Shared, compress_as, prefill_and_compress, resolve
+from kvcli.drivers.compress import Shared, compress_as, prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.testing.tiny_gguf import write_tiny_llama

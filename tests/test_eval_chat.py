@@ -60,11 +60,11 @@ def test_once_mode_compresses_as_compress_once_chat(tiny, tmp_path, monkeypatch)
     first question's next-token logits agree (a random model's greedy text is too flat to compare)."""
     import numpy as np
 
-    from kvcli.chat import Conversation
-    from kvcli.compress import resolve
+    from kvcli.apps.chat import Conversation
+    from kvcli.drivers.compress import resolve
     from kvcli.evaluation.chat import make_chat_document, prefix_text, render
     from kvcli.native.session import NativeSession
-    from kvcli.reselect import StoredDocument
+    from kvcli.drivers.reselect import StoredDocument
     monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
     s = NativeSession(tiny, n_ctx=2048)
     text, planted, _ = make_chat_document(s, 600, 2, 0)

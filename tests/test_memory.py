@@ -10,7 +10,7 @@ import pytest
 N_LAYER, N_HEAD_KV, HEAD_DIM = 2, 2, 16
 CELL_F16 = N_LAYER * N_HEAD_KV * HEAD_DIM * 2 * 2     # K + V bytes of one cell, f16
 BIAS_CELL = N_LAYER * N_HEAD_KV * 4                   # kvcli's float32 slot bias, per cell
-TURN_CELLS = 2048                                     # kvcli.chat.TURN_ROOM
+TURN_CELLS = 2048                                     # kvcli.apps.chat.TURN_ROOM
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_chat_json_lines_carry_the_memory_figures(run_kvcli, tiny, doc):
 def test_a_fitted_conversation_answers_as_the_unfitted_one(tiny, doc, monkeypatch):
     """Shrinking the context after compression moves the sequence into a new buffer: the same cache, the same
     greedy answers, and /budget still re-reads the whole document (the context grows back for it)."""
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     from kvcli.native.session import NativeSession
     text = doc.read_text()
 

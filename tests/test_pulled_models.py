@@ -2,7 +2,7 @@
 
 What they depend on is pinned here: the thread count of both engines (THREADS: llama.cpp's CPU kernels round
 differently with another thread count, and torch's reductions too), the documents and their cut, the budgets
-and `kvcli check`'s default thresholds (kvcli/check.py Thresholds; not loosened here).
+and `kvcli check`'s default thresholds (kvcli/drivers/check.py Thresholds; not loosened here).
 
 `./setup.sh` pulls qwen2.5-coder-0.5b, so the CI runs the quick tests here (a `kvcli run` on each pulled model);
 the `kvcli check` ones are too long for the CI's 45 minutes (the reference engine in torch; measured 2026-11-25 on
@@ -61,7 +61,7 @@ def test_qwen_check_passes_l1_l3_for_every_policy():
     both) within the default thresholds; each engine's own plan agrees too (plan agreement), except for the
     policies of PLAN_SENSITIVE_QWEN, which must then be reported as plan-sensitive, not as an engine failure."""
     pulled("qwen2.5-coder-0.5b")
-    from kvcli.check import CheckSettings, Thresholds, run_check
+    from kvcli.drivers.check import CheckSettings, Thresholds, run_check
     from kvcli.commands.check import format_report
     both = [n for n, s in policies.REGISTRY.items() if s.native and s.reference]
     r = run_check(catalogue.pulled_path("qwen2.5-coder-0.5b"), DOC.read_text(), both,
@@ -103,7 +103,7 @@ def test_gemma_check_passes():
     setting moves it four times as far; docs/models.md), both decode alike after compressing the 3 global layers
     (L3). About 3.5 min on 1 thread, most of it the reference engine."""
     pulled("gemma-3-270m")
-    from kvcli.check import CheckSettings, Thresholds, run_check
+    from kvcli.drivers.check import CheckSettings, Thresholds, run_check
     from kvcli.commands.check import format_report
     path = catalogue.pulled_path("gemma-3-270m")
     r = run_check(path, LONG_DOC.read_text(), ["snapkv", "pyramidkv"],

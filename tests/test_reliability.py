@@ -42,7 +42,7 @@ def _interrupt_after_decode(monkeypatch, L, nth: int) -> None:
 # ------------------------------------------------------------------------------ A: Ctrl-C during a reply
 @pytest.mark.parametrize("nth", [1, 4])   # 1: during the question's prefill, 4: during the answer
 def test_ctrl_c_during_a_reply_leaves_a_consistent_conversation(tiny, monkeypatch, tmp_path, nth):
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     from kvcli.native.session import NativeSession
     s = NativeSession(tiny, n_ctx=0)
     conv = Conversation(s, "alpha beta gamma delta. " * 20)
@@ -90,7 +90,7 @@ def test_piped_chat_reports_a_bad_command_and_goes_on(tiny, tmp_path):
 def test_compress_refuses_an_output_that_appears_during_the_work(tiny, tmp_path, monkeypatch):
     """The target is created while the document is prefilled: without --force it is refused at the moment the
     file would appear (main replaced it silently), and no temporary stays behind."""
-    from kvcli import compress
+    from kvcli.drivers import compress
     from kvcli.cli import cli
     from click.testing import CliRunner
     doc, out = tmp_path / "d.txt", tmp_path / "out.kvc"
@@ -293,7 +293,7 @@ def test_kvc_metadata_is_checked_against_a_schema(tiny, full_kvc, tmp_path, edit
 def test_d2o_full_layers_out_of_range_is_refused_before_the_prefill(tiny, monkeypatch, tmp_path):
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import run_document
+    from kvcli.apps.pipeline import run_document
     s = NativeSession(tiny, n_ctx=0)
     prefilled = []
     monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
@@ -355,7 +355,7 @@ def test_a_layer_schedule_without_room_to_read_on_is_refused_before_the_prefill(
                                                                                args, chunk):
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import run_document
+    from kvcli.apps.pipeline import run_document
     s = NativeSession(tiny, n_ctx=0)
     prefilled = []
     monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
@@ -379,12 +379,12 @@ def test_a_layer_schedule_without_room_to_read_on_is_refused_before_the_prefill(
 def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget, args, chunk, refused, scoring):
     """check_room replays the chunked reading on the layer schedule alone: the same chunks and cells as the real
     reading of a document, and a refusal (the same line) exactly where the real reading stops."""
-    from kvcli import chunked
-    from kvcli.compress import prefill_and_compress
+    from kvcli.drivers import chunked
+    from kvcli.drivers.compress import prefill_and_compress
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
-    from kvcli.pipeline import build_prompt
-    from kvcli.planning import resolve_for_model
+    from kvcli.apps.pipeline import build_prompt
+    from kvcli.planning.planner import resolve_for_model
     s = NativeSession(tiny, n_ctx=384)
     tokens = s.tokenize(build_prompt(s, LONG_DOC, "Hi"))
     assert len(tokens) > 2 * chunk

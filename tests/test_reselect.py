@@ -1,4 +1,4 @@
-"""Re-selection per question (kvcli/reselect.py, the re-selected mode of kvcli/chat.py) on tiny random models.
+"""Re-selection per question (kvcli/drivers/reselect.py, the re-selected mode of kvcli/apps/chat.py) on tiny random models.
 
 What it must show: a re-selection observes what `run`'s one prefill of the same prompt observes (L2 thresholds of
 kvcli check) and plans from it as the other engine's planner does (L1), in both engines; the conversation's earlier
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from kvcli.check import Thresholds, compare_observations, compare_plans
+from kvcli.drivers.check import Thresholds, compare_observations, compare_plans
 from kvcli.errors import KvcliError
 
 DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i, w in
@@ -41,7 +41,7 @@ def native(model):
 
 
 def conversation(model, policy="snapkv", budget=48, **kw):
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     conv = Conversation(native(model), DOC, policy=policy, budget=budget, reselect=True, **kw)
     conv.compress()
     return conv
@@ -56,15 +56,15 @@ def run_observation(session, tokens, cfg):
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv", "d2o"])
 def test_native_reselection_observes_what_run_observes(tiny, policy):
-    from kvcli import planning
-    from kvcli.chat import Conversation
+    from kvcli.planning import planner
+    from kvcli.apps.chat import Conversation
     from kvcli.native.session import NativeSession
     session = NativeSession(tiny, n_ctx=0, n_seq=2)
     conv = Conversation(session, DOC, policy=policy, budget=48, reselect=True)
     conv.compress()
     q = "Which code did the river station log?"
     prompt = session.tokenize(conv.conversation_text(q))
-    cfg = planning.resolve(tiny, policy, 48, {}, q)
+    cfg = planner.resolve(tiny, policy, 48, {}, q)
     seen = {}
     r = conv.store.reselect(session, prompt, cfg, seq=0, on_step=lambda obs, plan: seen.update(
         obs=obs.with_kv_arrays() if obs.has_kv else obs, plan=plan))
@@ -78,11 +78,11 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     if "colsum" in cfg.observe[0]:   # stored sums + the prefilled rest's: the whole prompt's
         assert l2["colsum"]["rel"] < 1e-3, l2["colsum"]
     # L1: the other engine's planner makes the same plan from the re-selection's observation
-    ref_plan = planning.make_plan(cfg.spec, cfg.params, 48, seen["obs"], "reference")
+    ref_plan = planner.make_plan(cfg.spec, cfg.params, 48, seen["obs"], "reference")
     l1 = compare_plans(seen["plan"], ref_plan, Thresholds().l1_merge_atol)
     assert l1["pass"], l1
     # and the plan run would make keeps the same entries
-    run_plan = planning.make_plan(cfg.spec, cfg.params, 48, ran, "native")
+    run_plan = planner.make_plan(cfg.spec, cfg.params, 48, ran, "native")
     same = sum(np.array_equal(run_plan.kept(l, h), seen["plan"].kept(l, h))
                for l in range(run_plan.n_layer) for h in range(run_plan.n_head_kv))
     assert same == run_plan.n_layer * run_plan.n_head_kv
@@ -91,16 +91,16 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
 def test_reference_reselection_observes_what_run_observes(tiny, policy):
-    from kvcli import planning
-    from kvcli.chat import TurnFormat, user_content
+    from kvcli.planning import planner
+    from kvcli.apps.chat import TurnFormat, user_content
     from kvcli.reference.session import ReferenceSession
-    from kvcli.reselect import StoredDocument
+    from kvcli.drivers.reselect import StoredDocument
     ref = ReferenceSession(tiny, n_ctx=2048, n_seq=2)
     fmt = TurnFormat.probe(ref, None)
     q = "Which code did the stone station log?"
     head = ref.tokenize(fmt.head + DOC.strip())
     prompt = ref.tokenize(fmt.head + user_content(DOC, q) + fmt.after_user)
-    cfg = planning.resolve(tiny, policy, 48, {}, q)
+    cfg = planner.resolve(tiny, policy, 48, {}, q)
     store = StoredDocument.read(ref, head, colsum="colsum" in cfg.observe[0])
     assert store.path is None and store.snapshot is not None   # the reference engine keeps it in memory
     seen = {}
@@ -108,7 +108,7 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     ran = run_observation(ref, prompt, cfg)
     l2 = compare_observations(ran, seen["obs"], Thresholds.tight())
     assert l2["pass"], l2
-    nat_plan = planning.make_plan(cfg.spec, cfg.params, 48, seen["obs"], "native")
+    nat_plan = planner.make_plan(cfg.spec, cfg.params, 48, seen["obs"], "native")
     assert compare_plans(nat_plan, seen["plan"], Thresholds().l1_merge_atol)["pass"]
     # the engines agree with each other on the re-selection's observation (L2)
     s = native(tiny)
@@ -124,7 +124,7 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
 def test_first_answer_is_runs_answer_and_turns_survive(tiny):
     """The first re-selected answer is what `run` answers (same prompt, same plan); a follow-up is asked after the
     earlier turn, which stays in the prompt; /reset forgets it; each re-selection restores the stored document."""
-    from kvcli.pipeline import run_document
+    from kvcli.apps.pipeline import run_document
     conv = conversation(tiny)
     q1, q2 = "Which code did the river station log?", "And the stone station?"
     g1 = conv.ask(q1, 8)
@@ -143,7 +143,7 @@ def test_first_answer_is_runs_answer_and_turns_survive(tiny):
 
 
 def test_ctrl_c_during_reselection_keeps_the_conversation(tiny, monkeypatch):
-    from kvcli import reselect
+    from kvcli.drivers import reselect
     conv = conversation(tiny)
     a = conv.ask("Which code did the river station log?", 6)
     real = reselect.StoredDocument.reselect
@@ -179,7 +179,7 @@ def test_deleted_store_is_read_again_and_said(tiny):
 
 
 def test_policy_switch_reselects_without_reading_and_reads_for_colsum(tiny):
-    from kvcli.chat import Repl
+    from kvcli.apps.chat import Repl
     conv = conversation(tiny)
     read_s = conv.store.read_s
     path = conv.store.path
@@ -200,7 +200,7 @@ def test_policy_switch_reselects_without_reading_and_reads_for_colsum(tiny):
 
 
 def test_store_file_round_trip_and_refusals(tiny, other_tiny, tmp_path):
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     keep = tmp_path / "doc.kvc"
     conv = conversation(tiny, store_path=keep)
     a = conv.ask("Which code did the river station log?", 6).text
@@ -229,7 +229,7 @@ def test_store_file_round_trip_and_refusals(tiny, other_tiny, tmp_path):
 
 
 def test_compressed_file_is_not_a_store(tiny, tmp_path):
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     once = Conversation(native(tiny), DOC, policy="snapkv", budget=48)
     once.compress()
     path = tmp_path / "once.kvc"
@@ -241,7 +241,7 @@ def test_compressed_file_is_not_a_store(tiny, tmp_path):
 def test_a_full_kvc_file_reselects_too(tiny, tmp_path):
     """A plain `compress --policy full` file (the document + the generic instruction) re-selects: the entries of the
     instruction are cut off at every question."""
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     full = Conversation(native(tiny), DOC)
     full.compress()
     path = tmp_path / "full.kvc"
@@ -255,7 +255,7 @@ def test_a_full_kvc_file_reselects_too(tiny, tmp_path):
 
 
 def test_document_too_long_for_reselection_is_refused(tiny):
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     with pytest.raises(KvcliError, match="compress-once"):
         Conversation(native(tiny), DOC * 8, policy="snapkv", budget=48, reselect=True).compress()
 
@@ -302,7 +302,7 @@ def test_unwritable_store_is_said_and_kept_in_memory(tiny, monkeypatch, tmp_path
     """A disk that is full when the cache is stored (at the start, or when a deleted store is read again): one
     line, the full cache kept in memory, the chat goes on and answers as it would from the file."""
     from kvcli import kvc
-    from kvcli.chat import Conversation
+    from kvcli.apps.chat import Conversation
     conv = conversation(tiny)
     q = "Which code did the river station log?"
     first = conv.ask(q, 6).text

@@ -297,7 +297,7 @@ def test_out_file_and_ctrl_c(cli_runner, tiny, files, singles, tmp_path, cache_d
     assert r.exit_code == 0, r.output
     assert out.read_text() == "\n\n".join(run_answers(cli_runner, tiny, files, singles, snap)) + "\n"
     # Ctrl-C during the second re-selection: the first answer was given, the temporary store is gone, exit 130
-    from kvcli import reselect
+    from kvcli.drivers import reselect
     real, calls = reselect.StoredDocument.reselect, []
 
     def interrupted(self, *args, **kw):

@@ -13,7 +13,7 @@ import pytest
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
-from kvcli.plan import Observation, sum_window_rows
+from kvcli.planning.formats import Observation, sum_window_rows
 from kvcli.taskclass import (INSTRUCTIONS_PATH, MIN_KNOWN_FEATURES, TASKS, WEIGHTS_PATH, TaskClassifier, classifier,
                              classify, resolve_task)
 from kvcli.taskclass import train as T

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvcli.calibration.runner import LM, Runner, attention_probs
-from kvcli.plan import Observation
+from kvcli.planning.formats import Observation
 from kvcli.policies.compresskv import SPEC
 
 EPS = 1e-6   # the paper's epsilon (the authors' code uses 1e-5)

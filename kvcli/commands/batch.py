@@ -6,9 +6,10 @@ import sys
 
 import click
 
-from kvcli import batch_ray, config
-from kvcli.batch import Batch, ResultsFile, Settings, list_documents, read_manifest
-from kvcli.batch_ray import import_ray
+from kvcli import config
+from kvcli.apps import batch_ray
+from kvcli.apps.batch import Batch, ResultsFile, Settings, list_documents, read_manifest
+from kvcli.apps.batch_ray import import_ray
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.commands.run import gather_questions
 from kvcli.errors import KvcliError
@@ -33,7 +34,7 @@ from kvcli.errors import KvcliError
               help="Results, one JSON line per document (path, answer, stats, error), appended as each finishes. "
                    "Documents it already answers (same path, content and settings) are skipped.")
 @model_option
-# the flags and defaults of `kvcli run` (sampling: llama.cpp's chain, greedy with DRY; reading: kvcli/chunked.py)
+# the flags and defaults of `kvcli run` (sampling: llama.cpp's chain, greedy with DRY; reading: kvcli/drivers/chunked.py)
 @request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=256,
                  max_tokens_help="Most tokens of each answer (reserved in the cache for every held document).")
 @click.option("--system", default=config.default("system"), help="System message.")

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvcli import bench
+from kvcli.drivers import bench
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import parse_list
@@ -21,7 +21,7 @@ CACHE_CHOICES = ("f16", "q8_0", "q4_0")
               help="Documents: comma-separated files, or a directory of *.txt/*.md.")
 @model_option
 @request_options("policies", "threads", "chunk", chunk_help="Read every document in chunks of N tokens, compressing "
-                 "after each (kvcli/chunked.py), so documents longer than the context can be measured; implies "
+                 "after each (kvcli/drivers/chunked.py), so documents longer than the context can be measured; implies "
                  "--no-share-prefill.")
 @click.option("--cache-type", "cache_types", default="f16", show_default=True,
               help="Comma-separated llama.cpp KV cache types among f16, q8_0, q4_0 (each combined with every "
@@ -39,7 +39,7 @@ CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 @click.option("--share-prefill/--no-share-prefill", default=True, show_default=True,
               help="Time one prefill per cache type and observation (budgets never change the prefill), and "
                    "compress each configuration from a restored copy of it; --no-share-prefill prefills every "
-                   "configuration on its own through kvcli.compress.prefill_and_compress.")
+                   "configuration on its own through kvcli.drivers.compress.prefill_and_compress.")
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Also write the rows as CSV.")
 @click.option("--json-out", "json_path", default=None, metavar="FILE", help="Also write the full result as JSON.")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",

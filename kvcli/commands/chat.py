@@ -8,14 +8,14 @@ import click
 from click.core import ParameterSource
 
 from kvcli import config, kvc, policies
-from kvcli.chat import Conversation, Repl
+from kvcli.apps.chat import Conversation, Repl
 from kvcli.commands.options import Request, model_option, request_options
 from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
-from kvcli.pipeline import Progress, progress_bar
+from kvcli.apps.pipeline import Progress, progress_bar
 
 
 def explicit(ctx: click.Context, *names: str) -> list[str]:

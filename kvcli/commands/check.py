@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from kvcli import policies
-from kvcli.check import CheckSettings, Thresholds, policies_to_check, run_check
-from kvcli.chunked import MIN_CHUNK
+from kvcli.drivers.check import CheckSettings, Thresholds, policies_to_check, run_check
+from kvcli.drivers.chunked import MIN_CHUNK
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_document
 from kvcli.errors import KvcliError
@@ -55,7 +55,7 @@ def _rows_over(v: dict, l2: dict) -> str:
 
 
 def format_report(r: dict) -> str:
-    """A readable table of the report of kvcli.check.run_check."""
+    """A readable table of the report of kvcli.drivers.check.run_check."""
     ok = lambda b: "pass" if b else "FAIL"  # noqa: E731
     out = [f"model {r['model']}  |  {r['prompt_tokens']} prompt tokens  |  budget {r['budget']}  |  "
            f"native cache {r['settings']['cache_type']}, flash attention "

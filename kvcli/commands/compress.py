@@ -8,7 +8,7 @@ import time
 import click
 
 from kvcli import config, policies
-from kvcli.chat import MEMORY_STATS, Conversation
+from kvcli.apps.chat import MEMORY_STATS, Conversation
 from kvcli.commands.chat import explicit, open_conversation
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_documents
@@ -17,8 +17,8 @@ from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
-from kvcli.pipeline import Progress
-from kvcli.reselect import STORE_TAIL, StoredDocument
+from kvcli.apps.pipeline import Progress
+from kvcli.drivers.reselect import STORE_TAIL, StoredDocument
 
 
 @click.command("compress")
@@ -75,7 +75,7 @@ def compress_cmd(ctx, req: Request, docs, out_path, model, question, system, sto
 
 
 def store_document(ctx, req: Request, docs, out, model, question, system, colsum, quiet, as_json):
-    """compress --store: read the document once and write its full cache with a store section (kvcli/reselect.py)."""
+    """compress --store: read the document once and write its full cache with a store section (kvcli/drivers/reselect.py)."""
     if question:
         raise KvcliError("--store keeps the document's full cache for any question: drop --question (ask it with "
                          "kvcli run --cache FILE --policy P --budget N QUESTION)")

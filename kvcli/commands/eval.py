@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvcli.bench import _jsonable, load_docs, log_stderr
+from kvcli.drivers.bench import _jsonable, load_docs, log_stderr
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
 from kvcli.evaluation.chat import DEFAULT_MODES as CHAT_MODES, chat_table, plot_chat, run_chat_eval
@@ -16,7 +16,7 @@ from kvcli.evaluation.runner import run_fidelity, run_generation_eval, summary_t
 from kvcli.evaluation.tasks import RULER_TASKS
 from kvcli.models import resolve_model
 
-CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/chunked.py); on by itself "
+CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/drivers/chunked.py); on by itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
               "baseline: the first 32 tokens and the last budget - 32 (and, read in chunks, the context's worth).")
 

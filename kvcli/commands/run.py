@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvcli import config, kvc, outfile
-from kvcli.chat import MEMORY_STATS, Conversation
+from kvcli.apps.chat import MEMORY_STATS, Conversation
 from kvcli.commands.chat import FLAGS, explicit, explicit_budget
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_documents
@@ -16,8 +16,8 @@ from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
-from kvcli.pipeline import Progress, RunResult, run_document
-from kvcli.reselect import STORE_TAIL
+from kvcli.apps.pipeline import Progress, RunResult, run_document
+from kvcli.drivers.reselect import STORE_TAIL
 
 
 def open_session(engine: str, model: str | None, **kw):

@@ -9,7 +9,7 @@ documents and questions:
   instruction, whose window scores the entries; `kvcli chat --compress-once`), then every question appended,
   with the earlier turns, after the compressed document.
 - `reselect`: the document's full cache read once and stored; every question is answered from a cache
-  re-selected for it (kvcli/reselect.py: `kvcli chat`'s default): restore, prefill the rest of the conversation
+  re-selected for it (kvcli/drivers/reselect.py: `kvcli chat`'s default): restore, prefill the rest of the conversation
   with observation, plan, compact.
 - `run`: question-aware compression of each question alone, without the conversation (`kvcli run` once per
   question): computed from the stored document, which observes what one prefill of the question's prompt observes
@@ -20,7 +20,7 @@ documents and questions:
   default modes: it costs a read per question.
 
 The document is read once per document for `full`, `once` and `reselect` together: its full cache is stored
-(kvcli/reselect.py) and each of them starts from it. `once` re-selects once, for the generic instruction (the
+(kvcli/drivers/reselect.py) and each of them starts from it. `once` re-selects once, for the generic instruction (the
 agnostic prefix: the document followed by it, observed as one prefill of it observes, tests/test_reselect.py),
 and appends the questions after that cache; `full` restores the whole document and appends the conversation.
 `reread` reads the document again for every question: one prefill per question serves every configuration
@@ -34,14 +34,14 @@ import time
 
 import numpy as np
 
-from kvcli.compress import Shared, resolve
+from kvcli.drivers.compress import Shared, resolve
 from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import machine, peak_rss_bytes
 from kvcli.evaluation.runner import _greedy
 from kvcli.evaluation.tasks import _fit, string_match_all
 from kvcli.native.session import NativeSession
-from kvcli.reselect import StoredDocument
+from kvcli.drivers.reselect import StoredDocument
 from kvcli.templating import GENERIC_SUFFIX, user_message
 
 MODES = ("full", "once", "reselect", "run", "reread")

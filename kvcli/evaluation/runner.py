@@ -3,7 +3,7 @@
 Every sample is scored with the full cache first and then with each policy x budget on the very same
 prompt, so each score can also be given as a fraction of the full cache's score on the same samples
 (the papers' headline form). One prefill per sample serves all configurations (see
-`compressed_variants`); prefill, planning and compaction are those of the driver, `kvcli.compress`.
+`compressed_variants`); prefill, planning and compaction are those of the driver, `kvcli.drivers.compress`.
 Decoding is greedy.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from kvcli.bench import availability
-from kvcli.chunked import DEFAULT_CHUNK, MIN_CHUNK
-from kvcli.compress import Shared, prefill_and_compress, resolve
+from kvcli.drivers.bench import availability
+from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK
+from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
@@ -63,7 +63,7 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     """For each (policy, budget) of `cfgs`, leave sequence 0 of `session` holding `tokens` compressed by it,
     and yield (policy, budget, status, first_logits, note); decode from seq 0 before the next item.
 
-    One prefill serves every configuration of a sample (`kvcli.compress.Shared`): the observation is captured
+    One prefill serves every configuration of a sample (`kvcli.drivers.compress.Shared`): the observation is captured
     once with the union of what the policies need (one window sum per window length the policies use: a
     policy with window w plans from the sums over the last w queries), the uncompressed state is saved, and
     each configuration restores it, plans with the native planner and applies its plan. `kvcli bench` shares
@@ -101,7 +101,7 @@ def truncated(tokens: list[int], keep: int) -> list[int]:
 
 def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict, chunk: int,
                      reserve: int, scoring: str = "question"):
-    """As `compressed_variants`, for documents read in chunks (kvcli/chunked.py): each configuration reads
+    """As `compressed_variants`, for documents read in chunks (kvcli/drivers/chunked.py): each configuration reads
     the whole prompt itself (chunked prefills cannot be shared: what is kept decides what later chunks
     attend to). `full` runs only when the prompt fits the context; `truncate` keeps the context's worth
     (budget None) or `budget` tokens. Yields (policy, budget, status, first_logits, note, stats)."""
@@ -159,7 +159,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths).
 
     Lengths beyond the model's context (or any `chunk`) are read in chunks of `chunk` tokens (default
-    kvcli.chunked.DEFAULT_CHUNK), compressed after each, by every policy; `truncate` is their baseline."""
+    kvcli.drivers.chunked.DEFAULT_CHUNK), compressed after each, by every policy; `truncate` is their baseline."""
     log = log or (lambda m: None)
     policy_args = policy_args or {}
     for t in tasks:

@@ -9,12 +9,12 @@ Order of calls for one compressed prompt (one sequence `seq`, next position `p` 
    graph sums, per window length, the attention rows of the queries at positions >= its first
    position (NativeSession decodes the longest window in calls of its own).
 2. the prompt's `llama_decode` calls, then `observe_end(ctx)`.
-3. `read_observation(ctx, seq, info, kinds, windows)` -> `kvcli.plan.Observation`.
+3. `read_observation(ctx, seq, info, kinds, windows)` -> `kvcli.planning.formats.Observation`.
 4. a plan (`kvcli.native.lib.native_plan` or a torch policy), then `apply_plan(ctx, seq, plan, head_dim)`:
    the sequence now holds `plan.max_kept` cells; keep decoding it at position `p + len(tokens)`.
    With `reindex_p0=0` the kept entries get positions B-k..B-1 instead (right-aligned in the B cells, K
    re-rotated) and decoding continues at B = `plan.max_kept`; repeating 1-4 chunk after chunk reads a document of any length
-   (kvcli/chunked.py). Observation of a compacted sequence covers its cells (compacted + new).
+   (kvcli/drivers/chunked.py). Observation of a compacted sequence covers its cells (compacted + new).
 5. `set_header(...)` to label it, `get_state`/`set_state` to copy it out / back in (kvcli/kvc.py writes
    it into a .kvc file).
 
@@ -29,7 +29,7 @@ import numpy as np
 from kvcli.errors import KvcliError
 from kvcli.native import load_llama_cpp
 from kvcli.native.lib import F32P, I32P, Memory, StateHeader, Stats, lib, plan_view
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 
 OBS_WINDOW = 1
 OBS_COLSUM = 2

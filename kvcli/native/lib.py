@@ -1,4 +1,4 @@
-"""ctypes bindings of native/include/kvcli.h, with numpy conversions to kvcli.plan formats.
+"""ctypes bindings of native/include/kvcli.h, with numpy conversions to kvcli.planning.formats formats.
 
 Functions are bound lazily: a library built without one of them gives a clear error when
 that function is used, not at import.
@@ -14,7 +14,7 @@ import numpy as np
 from kvcli import policies
 from kvcli.errors import KvcliError
 from kvcli.native import load_llama_cpp
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 
 F32P = POINTER(c_float)
 I32P = POINTER(c_int32)

@@ -19,7 +19,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp
 from kvcli.native.lib import ATTN_PATHS, attn_path, lib
-from kvcli.plan import window_lengths
+from kvcli.planning.formats import window_lengths
 from kvcli.templating import gguf_special_token_ids, render_chat
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}

@@ -159,7 +159,7 @@ class PolicySpec:
     # (params, budget, n_layer, n) -> {key: int or list of ints}, rendered after the parameters
     # (params, n_layer, n, budget) -> the entries the widest (layer, KV head) of a plan over n > budget entries
     # keeps, where the layer schedule alone decides it (None where the scores do): a document read in chunks
-    # is refused before its prefill when that leaves no room to read on (kvcli.chunked.check_room)
+    # is refused before its prefill when that leaves no room to read on (kvcli.drivers.chunked.check_room)
     widest: Callable[[dict, int, int, int], int | None] | None = None
     schedule: Callable[[dict, int, int, int], dict] | None = None
     resolved_away: tuple[str, ...] = ()             # parameters the native planner never reads: `resolve` or

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 import torch
 
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 from kvcli.reference.attention import LayerSlots, gguf_to_hf_dims
 
 

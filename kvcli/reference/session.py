@@ -29,7 +29,7 @@ import torch
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.native.session import ContextFull
-from kvcli.plan import Observation, Plan, window_lengths
+from kvcli.planning.formats import Observation, Plan, window_lengths
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
 from kvcli.reference.model import forward_cached, load, use_rope_context

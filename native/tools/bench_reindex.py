@@ -27,7 +27,7 @@ def main() -> None:
     from kvcli.models import default_model_path
     from kvcli.native import cache
     from kvcli.native.session import NativeSession
-    from kvcli.plan import Plan
+    from kvcli.planning.formats import Plan
 
     s = NativeSession(default_model_path(), n_ctx=a.cells + 256, cache_type=a.cache_type, n_threads=a.threads)
     rng = np.random.default_rng(0)

@@ -129,7 +129,7 @@ def entries_from_plan(plan, keys, values):
 def random_plan(rng, n_layer, n_head_kv, n, head_dim, keys=None, values=None, merge=True):
     """Different counts per layer and KV head, random kept slots, some entries with a log(m) bias
     and (with keys/values) some replaced by the mean of their row and a dropped neighbour."""
-    from kvcli.plan import Plan  # noqa: PLC0415
+    from kvcli.planning.formats import Plan  # noqa: PLC0415
 
     kept, lms = [], []
     for _ in range(n_layer):

@@ -10,7 +10,7 @@ import pytest
 from npref import prompt_tokens
 
 from kvcli import policies
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 
 N, BUDGET, STEPS = 160, 48, 4

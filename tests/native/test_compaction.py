@@ -8,7 +8,7 @@ from npref import entries_from_plan, np_model, prompt_tokens, random_plan
 
 from kvcli.errors import KvcliError
 from kvcli.native import cache
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 
 N = 48
 

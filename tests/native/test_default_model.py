@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.native import cache
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from npref import assert_gemma_logits_close as _close
 from kvcli.errors import KvcliError
 from kvcli.native import cache
 from kvcli.native.lib import native_plan
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 
 N = 48
 WINDOW = 16
@@ -132,7 +132,7 @@ def test_reindexing_is_refused_in_one_line(session_factory, tiny_gemma):
 def test_check_l1_runs_without_the_reference_engine(request, model):
     """L1 alone on the global layers' observation (L2/L3 against the reference engine:
     tests/reference/test_reference_architectures.py)."""
-    from kvcli.check import CheckSettings, Thresholds, run_check
+    from kvcli.drivers.check import CheckSettings, Thresholds, run_check
     path = request.getfixturevalue(model)
     doc = "The garden has three solar panels and a small pond with six fish. " * 20
     r = run_check(path, doc, ["snapkv", "pyramidkv"], CheckSettings(budget=64, n_tokens=4, levels=(1,)),

@@ -1,4 +1,4 @@
-"""Chunked reading of a model with sliding-window layers (kvcli/chunked.py): the global layers' cache is compacted
+"""Chunked reading of a model with sliding-window layers (kvcli/drivers/chunked.py): the global layers' cache is compacted
 after every chunk WITHOUT re-indexing (the entries keep their positions, as llama.cpp's window cache does), and
 llama.cpp bounds the window cache. Checked on a tiny random gemma3 against the numpy pass of tests/native/npref.py,
 which replays the reading chunk by chunk over exactly the entries each of the engine's plans kept."""
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from npref import assert_gemma_logits_close as _close, np_gemma, prompt_tokens
 
-from kvcli import chunked, planning
+from kvcli.drivers import chunked
+from kvcli.planning import planner
 from kvcli.errors import KvcliError
 
 WINDOW = 16
@@ -19,7 +20,7 @@ def _session(session_factory, path, n_ctx=256):
 
 
 def _read(session, tokens, budget, chunk, scoring):
-    cfg = planning.resolve(session.model_path, "snapkv", budget, {"window": "8"})
+    cfg = planner.resolve(session.model_path, "snapkv", budget, {"window": "8"})
     plans = {}
     report = chunked.read_in_chunks(session, tokens, cfg, chunk, scoring=scoring,
                                     on_step=lambda i, obs, plan: plans.__setitem__(i, plan))

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.testing.tiny_gguf import write_tiny

@@ -13,7 +13,7 @@ from npref import entries_from_plan, np_model, prompt_tokens, random_plan
 from kvcli.errors import KvcliError
 from kvcli.native import cache
 from kvcli.native.lib import native_plan
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 
 N = 48
 

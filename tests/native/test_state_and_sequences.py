@@ -123,7 +123,7 @@ def test_shifting_a_compressed_sequence_is_refused(session_factory, tiny_model):
 
 
 def test_refusals_while_observing_or_sharing_cells(session_factory, tiny_model):
-    from kvcli.plan import Plan
+    from kvcli.planning.formats import Plan
     s = session_factory(tiny_model, n_seq=2)
     s.prefill(prompt_tokens(N))
     keep = Plan.keep_all(s.info.n_layer, s.info.n_head_kv, N)

@@ -58,7 +58,7 @@ def test_cgroup_quota_file(tmp_path):
 def test_thread_count_changes_no_logit(tiny_model, session_factory):
     """ggml gives each output element to one thread: 1 and 2 threads produce identical logits, through an
     observed prefill, a compaction and decode steps."""
-    from kvcli.compress import prefill_and_compress
+    from kvcli.drivers.compress import prefill_and_compress
     toks = [int(t) for t in np.random.default_rng(0).integers(3, 200, 180)]
     logits = []
     for threads in (1, 2):

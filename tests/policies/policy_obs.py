@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcli.plan import Observation, sum_window_rows
+from kvcli.planning.formats import Observation, sum_window_rows
 
 
 # the window lengths the policy tests plan with (besides w itself)

@@ -14,7 +14,7 @@ from policy_obs import random_obs
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation
+from kvcli.planning.formats import Observation
 from kvcli.policies.d2o import layer_budgets, layer_weights, split
 from kvcli.reference.policies import reference_plan
 
@@ -220,7 +220,7 @@ def compress_in_native_cache(session, policy: str, args: list, budget: int = 48,
 
     Returns (plan, stats). Slot j of (l, h) must hold the kept entry's replacement row when the plan
     has one, else the original row of the kept slot."""
-    from kvcli.compress import prefill_and_compress
+    from kvcli.drivers.compress import prefill_and_compress
     from kvcli.native import cache
     session.clear()
     toks = [int(t) for t in np.random.default_rng(n).integers(300, 5000, size=n)]

@@ -14,7 +14,7 @@ from test_d2o import assert_same
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation
+from kvcli.planning.formats import Observation
 from kvcli.reference.policies import reference_plan
 
 
@@ -129,9 +129,9 @@ def test_the_native_plans_rows_are_not_copied_and_outlive_the_plan():
 
 
 def test_one_shared_prefill_serves_merging_policies_from_the_restored_sequence(tiny_session):
-    """kvcli.compress.Shared plans each configuration after putting the prefilled sequence back: the K/V reader
+    """kvcli.drivers.compress.Shared plans each configuration after putting the prefilled sequence back: the K/V reader
     reads the restored rows, and each plan equals that of the configuration's own prefill."""
-    from kvcli.compress import Shared, compress_as, resolve
+    from kvcli.drivers.compress import Shared, compress_as, resolve
     from kvcli.native.session import NativeSession
     s = tiny_session
     s.clear()

@@ -12,7 +12,7 @@ from policy_obs import random_obs
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation
+from kvcli.planning.formats import Observation
 from kvcli.reference.policies import reference_plan
 
 PART1 = ["full", "streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv", "compresskv"]

@@ -14,7 +14,7 @@ from policy_obs import random_obs
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation, sum_window_rows
+from kvcli.planning.formats import Observation, sum_window_rows
 from kvcli.policies.compresskv import allocate
 from kvcli.policies.pyramidkv import layer_budgets as pyramid_budgets
 from kvcli.policies.windowkv import group_budgets, group_size

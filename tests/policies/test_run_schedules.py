@@ -36,7 +36,7 @@ def doc(tmp_path_factory):
 
 def torch_plan(model, doc, policy) -> tuple[int, np.ndarray]:
     """(prompt tokens, n_kept) of the torch planner on a native observation of the prompt `run` builds."""
-    from kvcli.planning import make_plan, resolve_for_model
+    from kvcli.planning.planner import make_plan, resolve_for_model
     from kvcli.native.session import NativeSession
     from kvcli.templating import build_prompt
     s = NativeSession(model, n_ctx=0)

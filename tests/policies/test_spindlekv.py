@@ -16,7 +16,7 @@ from test_d2o import assert_same
 import kvcli.policies as P
 from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation, sum_window_rows
+from kvcli.planning.formats import Observation, sum_window_rows
 from kvcli.policies.spindlekv import layer_keep
 from kvcli.reference.policies import reference_plan
 

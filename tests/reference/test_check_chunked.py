@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcli.check import CheckSettings, Origins, Thresholds, run_check
-from kvcli.compress import prefill_and_compress
+from kvcli.drivers.check import CheckSettings, Origins, Thresholds, run_check
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
 

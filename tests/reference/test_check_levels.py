@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcli import planning, policies
-from kvcli.check import CheckSettings, Thresholds, compare_plans, run_check
+from kvcli import policies
+from kvcli.planning import planner
+from kvcli.drivers.check import CheckSettings, Thresholds, compare_plans, run_check
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
 
@@ -57,8 +58,8 @@ def test_l1_planners_agree_on_real_attention(tiny_prefilled, name):
         spec, params, _ = policies.prepare(name, {}, budget)
         kinds, w = spec.observe(params)
         o = obs.restrict(kinds, w)
-        nat = planning.make_plan(spec, params, budget, o, "native")
-        ref = planning.make_plan(spec, params, budget, o, "reference")
+        nat = planner.make_plan(spec, params, budget, o, "native")
+        ref = planner.make_plan(spec, params, budget, o, "reference")
         r = compare_plans(nat, ref, 1e-5)
         assert r["pass"], f"{name} @ {budget}: {r['first_difference']}"
         if name != "full":
@@ -131,7 +132,7 @@ def test_arithmetic_verdict_fails_on_a_perturbed_compaction(tiny_gguf, monkeypat
     in both engines, while L1 and L2 still pass. The exit status fails."""
     needs_native_cache()
     from kvcli.commands.check import format_report
-    from kvcli.plan import Plan
+    from kvcli.planning.formats import Plan
     apply = ReferenceSession.apply_plan
 
     def short(self, plan, seq=0, reindex=False):

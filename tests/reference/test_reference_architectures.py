@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvcli import policies
-from kvcli.check import CheckSettings, Thresholds, run_check
+from kvcli.drivers.check import CheckSettings, Thresholds, run_check
 from kvcli.testing.tiny_gguf import ARCHITECTURES, SLIDING, write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]

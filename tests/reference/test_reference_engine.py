@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcli.errors import KvcliError
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 from kvcli.reference.session import ReferenceSession
 
 PROMPT = ("<|im_start|>user\nThe lighthouse keeper counted ships every night and wrote their names in a "

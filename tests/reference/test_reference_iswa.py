@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcli.errors import KvcliError
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 from kvcli.reference.session import ReferenceSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))

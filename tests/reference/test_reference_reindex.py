@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcli.errors import KvcliError
-from kvcli.plan import Plan
+from kvcli.planning.formats import Plan
 from kvcli.reference.attention import hf_to_gguf_dims
 from kvcli.reference.session import ReferenceSession
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcli.check import CheckSettings, Thresholds, run_check
+from kvcli.drivers.check import CheckSettings, Thresholds, run_check
 from kvcli.errors import KvcliError
 from kvcli.testing.tiny_gguf import llama3_rope_freqs, write_tiny
 

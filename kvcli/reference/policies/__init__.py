@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 from kvcli.errors import KvcliError
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies import get
 
 
@@ -22,7 +22,7 @@ def planner(name: str):
 
 def reference_plan(name: str, params: dict | list | None, budget: int, obs: Observation) -> Plan:
     """Validate params with the registry, then run the torch planner (the argument order of
-    kvcli.planning.make_plan: name, parameters, budget, observation)."""
+    kvcli.planning.planner.make_plan: name, parameters, budget, observation)."""
     spec = get(name)
     typed = spec.validate(params if params is not None else {})
     spec.check_budget(budget, typed)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.errors import KvcliError
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 
 
 def keep_all(obs: Observation) -> Plan:
@@ -113,7 +113,7 @@ def topk_ascending(s: torch.Tensor, k: int, policy: str) -> torch.Tensor:
     return torch.sort(rank_desc(s, policy)[..., :k], dim=-1).values
 
 
-# kvcli check's plan agreement (kvcli.check.selection_margins): while `recording()` is active, every top-k
+# kvcli check's plan agreement (kvcli.drivers.check.selection_margins): while `recording()` is active, every top-k
 # selection a torch planner makes is kept as (scores, k), in the order the planner makes them, so that the
 # selections of one policy on two observations can be compared decision by decision.
 _recorders: list[list] = []

@@ -8,7 +8,7 @@ Layer l keeps the (B_l - window) best prefix slots plus the window; B_l = alloca
 import torch
 
 from kvcli.errors import KvcliError
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.compresskv import layer_budgets
 from kvcli.reference.policies._common import keep_all, plan_from_kept, pool1d, \
     require_window, topk_ascending, window_sum

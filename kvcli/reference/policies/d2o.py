@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.d2o import floor_entries, full_layer_set, layer_budgets, layer_weights, split
 from kvcli.reference.policies._common import check_nan, gqa_combine, keep_all, layer_kv, require_colsum, \
     require_kv, topk_ascending

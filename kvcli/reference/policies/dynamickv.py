@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.reference.policies._common import keep_all, plan_from_kept, rank_desc, \
     record_selection, require_window, snap_scores
 

@@ -1,5 +1,5 @@
 """full: keep every entry."""
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.reference.policies._common import keep_all
 
 

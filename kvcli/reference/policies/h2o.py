@@ -5,7 +5,7 @@ score[h, j] = combine over the query heads q of KV head h of colsum[q, j]
 """
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.reference.policies._common import check_nan, gqa_combine, keep_all, plan_from_kept, \
     require_colsum, topk_ascending
 

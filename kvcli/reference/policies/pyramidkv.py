@@ -1,7 +1,7 @@
 """pyramidkv: SnapKV's selection, with more entries in lower layers (KVCache-Factory's schedule)."""
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.pyramidkv import layer_budgets
 from kvcli.reference.policies._common import keep_all, plan_from_kept, require_window, \
     snap_scores, topk_ascending

@@ -6,7 +6,7 @@ The (budget - window) best prefix slots are kept, plus the window itself.
 """
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.reference.policies._common import keep_all, plan_from_kept, require_window, \
     snap_scores, topk_ascending
 

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.spindlekv import layer_keep
 from kvcli.reference.policies._common import gqa_combine, keep_all, layer_kv, pool1d, require_kv, \
     require_window, topk_ascending, window_sum

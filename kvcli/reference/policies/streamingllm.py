@@ -1,7 +1,7 @@
 """streamingllm: the first `sinks` tokens (attention sinks) and the most recent budget - sinks tokens."""
 import torch
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.reference.policies._common import keep_all, plan_from_kept
 
 

@@ -11,7 +11,7 @@ plus the observation window. Group budgets: kvcli.policies.windowkv.group_budget
 import torch
 import torch.nn.functional as F
 
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.windowkv import group_budgets, group_size
 from kvcli.reference.policies._common import keep_all, plan_from_kept, require_window, \
     topk_ascending, window_sum

@@ -35,9 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli import kvc, planning
+from kvcli import kvc
+from kvcli.planning import planner
 from kvcli.errors import KvcliError
-from kvcli.planning import Compression
+from kvcli.planning.planner import Compression
 from kvcli.session import Session
 
 # document tokens left out of the store and re-read with every question: the tokenizer may merge the document's
@@ -228,11 +229,11 @@ class StoredDocument:
         plan = None
         if compresses:
             if obs is None:   # a policy that observes nothing (streamingllm) plans from positions alone
-                obs = planning.shape_observation(session.info, n)
+                obs = planner.shape_observation(session.info, n)
             if obs.colsum is not None:
                 obs.colsum = obs.colsum.copy()
                 obs.colsum[:, :, :self.split] += self.colsum
-            plan = planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
+            plan = planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
             if on_step is not None:
                 on_step(obs, plan)
             del obs

@@ -2,10 +2,10 @@
 
 A `Worker` loads the model once and holds one llama.cpp context of `max_cache` cells (all documents
 together) with up to `parallel` sequences. Documents are admitted in order while they fit
-(kvcli/batching.py: the cells of the prefill peak plus `max_tokens` for the answer, with every held
+(kvcli/drivers/lockstep.py: the cells of the prefill peak plus `max_tokens` for the answer, with every held
 document's answer reserved too): each is prefilled and compressed in a reading context of its own (a
 sibling of the shared one on the same loaded model, sized for the document being read, read in chunks as
-in `kvcli run` when bounded reading applies, kvcli/chunked.py), moved into a free sequence of the shared
+in `kvcli run` when bounded reading applies, kvcli/drivers/chunked.py), moved into a free sequence of the shared
 cache (save_seq / restore_seq), then all held documents decode together, one `llama_decode` per token
 step. Reading apart matters for speed: llama.cpp's attention spans every used cell of a unified cache, so
 a document prefilled beside 20 held ones attended over their cells too (masked) and took up to twice as
@@ -17,11 +17,11 @@ fsynced line by line, so an interruption (Ctrl-C, kill -9) loses at most the doc
 line carries a key (the document's absolute path + its content's SHA-256 + the settings that decide the
 answer); a re-run with the same file skips the keys it holds, and drops a torn last line a kill left.
 A document that fails (unreadable, not text, too long for `full`, ...) gets a line with its error and
-the batch goes on. The same worker runs on every node of a Ray cluster (kvcli/batch_ray.py).
+the batch goes on. The same worker runs on every node of a Ray cluster (kvcli/apps/batch_ray.py).
 
 Several questions per document (`Settings.questions`): one job and one result line per (document, question),
 keyed by the question too. A worker reads a document once for its questions (they come one after the other):
-its full cache is stored (kvcli/reselect.py, a temporary file in kvcli's cache folder, deleted when the worker
+its full cache is stored (kvcli/drivers/reselect.py, a temporary file in kvcli's cache folder, deleted when the worker
 moves to the next document) and each question is re-selected from it: restore, prefill the prompt's rest with
 observation, plan, compact, exactly the prompt `kvcli run` reads for that question. A document too long to be
 read in one prefill is read again for each question (in chunks, as `kvcli run` reads it). On Ray, the questions
@@ -40,16 +40,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvcli.batching import Lockstep
-from kvcli.chunked import plan_chunking
-from kvcli.compress import prefill_and_compress, resolve
+from kvcli.drivers.lockstep import Lockstep
+from kvcli.drivers.chunked import plan_chunking
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.documents import decode_text
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import read_model_info, resolve_model
 from kvcli.native.session import NativeSession
-from kvcli.planning import resolve as resolve_policy
-from kvcli.reselect import STORE_TAIL, Reselection, StoredDocument, common_prefix
+from kvcli.planning.planner import resolve as resolve_policy
+from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoredDocument, common_prefix
 from kvcli.templating import build_prompt
 
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -60,7 +60,7 @@ MIN_DOC_CELLS = 64      # a cache that leaves a document fewer cells than this a
 @dataclass
 class Settings:
     """Everything a worker needs; `fingerprint` is the part that decides an answer. The defaults are `kvcli
-    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading (kvcli/chunked.py)."""
+    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading (kvcli/drivers/chunked.py)."""
 
     instruction: str
     model: str | None = None

@@ -1,6 +1,6 @@
 """`kvcli batch --ray`: the same batch on a Ray cluster.
 
-One actor per node (or per `cpus` cores, or `workers` of them) each holds a `kvcli.batch.Worker`: its
+One actor per node (or per `cpus` cores, or `workers` of them) each holds a `kvcli.apps.batch.Worker`: its
 own model and its own shared KV cache, scheduled exactly as a local batch. The driver reads and keys the
 documents (workers need no shared file system, only kvcli and the model on every node), puts the ones
 still to answer on a job queue that the workers take from as their caches make room, and writes every
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from kvcli.batch import Worker
+from kvcli.apps.batch import Worker
 from kvcli.errors import KvcliError
 
 POLL_S = 0.2
@@ -51,7 +51,7 @@ def worker_count(ray, cpus: int | None, workers: int | None) -> int:
 def _actor_class(ray):
     @ray.remote
     class RayWorker:
-        """A kvcli.batch.Worker on one Ray node."""
+        """A kvcli.apps.batch.Worker on one Ray node."""
 
         def __init__(self, settings):
             self.worker = Worker(settings)
@@ -74,7 +74,7 @@ def _actor_class(ray):
 
 
 def run(batch, address: str, cpus: int | None = None, workers: int | None = None, log=None) -> int:
-    """Run `batch` (a kvcli.batch.Batch) on Ray; returns the number of workers used."""
+    """Run `batch` (a kvcli.apps.batch.Batch) on Ray; returns the number of workers used."""
     ray = import_ray()
     from ray.util.queue import Empty, Full, Queue  # noqa: PLC0415
     start(ray, address, cpus, workers)

@@ -16,7 +16,7 @@ Prompt layout (see docs/terminal.md):
   question-agnostic setting: compress the context alone, ask afterwards). Each question is then
   a new user turn appended after the compressed prefix.
 
-- re-selected (the default of `kvcli chat` with a compressing policy; kvcli/reselect.py): the document's full
+- re-selected (the default of `kvcli chat` with a compressing policy; kvcli/drivers/reselect.py): the document's full
   cache is read once and stored in a file; every question is answered from a cache compressed for it. The prompt
   of a question is the whole conversation, laid out as `run` lays out one question:
 
@@ -46,8 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli import __version__, compress, config, kvc, planning, policies
-from kvcli.chunked import plan_chunking
+from kvcli import __version__, config, kvc, policies
+from kvcli.drivers import compress
+from kvcli.planning import planner
+from kvcli.drivers.chunked import plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import generate
@@ -55,7 +57,7 @@ from kvcli.models import resolve_model
 from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
-from kvcli.reselect import STORE_TAIL, StoredDocument, common_prefix
+from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
 from kvcli.templating import GENERIC_SUFFIX
 
 CTX_PAD = 256
@@ -152,9 +154,9 @@ class Conversation:
     system: str | None = None
     question: str | None = None          # set: question-aware compression
     seq: int = 0
-    chunk: int | None = None             # chunked prefill (kvcli/chunked.py): None = automatic, 0 = off
+    chunk: int | None = None             # chunked prefill (kvcli/drivers/chunked.py): None = automatic, 0 = off
     max_cache: int | None = None         # most cells the cache may hold (document + conversation)
-    chunk_scoring: str = "question"      # chunked: which queries score each chunk (kvcli/chunked.py)
+    chunk_scoring: str = "question"      # chunked: which queries score each chunk (kvcli/drivers/chunked.py)
     # filled by compress() / from_kvc()
     fmt: TurnFormat | None = None
     prefix_tokens: list[int] = field(default_factory=list)
@@ -221,7 +223,7 @@ class Conversation:
 
     # ------------------------------------------------------------------ re-selection
     def read_store(self, progress=None, colsum: bool | None = None):
-        """Re-selected: read the document once and store its full cache (kvcli/reselect.py), in a context that
+        """Re-selected: read the document once and store its full cache (kvcli/drivers/reselect.py), in a context that
         holds the whole document and TURN_ROOM for the conversation; with the column sums the policy scores by
         (`colsum` True/False: with or without them, whatever the policy: kvcli compress --store)."""
         n = len(self.prefix_tokens)
@@ -251,7 +253,7 @@ class Conversation:
                                          path=self.store_path, keep=named,
                                          progress=progress, meta={"document": self.document, "system": self.system},
                                          in_memory_if_unwritable=None if named else self._say)  # --store FILE: must be written
-        self.report = planning.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
+        self.report = planner.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
 
@@ -263,7 +265,7 @@ class Conversation:
 
     def _cfg(self, question: str | None):
         """The policy resolved for the model (windowkv's task=auto classifies the question)."""
-        return planning.resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
+        return planner.resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
 
     def conversation_text(self, question: str) -> str:
         """The whole prompt of a question: the document and the first question in one user turn (as `run` lays out
@@ -313,7 +315,7 @@ class Conversation:
 
     # ------------------------------------------------------------------ compression
     def compress(self, progress=None, on_cache=None):
-        """Prefill the prefix and compress it (kvcli.compress.prefill_and_compress), in chunks when it is longer
+        """Prefill the prefix and compress it (kvcli.drivers.compress.prefill_and_compress), in chunks when it is longer
         than the context allows; re-selected: read the document and store its full cache (`read_store`)."""
         if self.reselect:
             return self.read_store(progress)
@@ -599,7 +601,7 @@ class Conversation:
         session.create_context(min(session.n_ctx_train, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD))
         conv.model_s = time.perf_counter() - t1
         conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
-        conv.report = planning.CompressReport(policy, budget, n, 0.0, params=cfg.params)
+        conv.report = planner.CompressReport(policy, budget, n, 0.0, params=cfg.params)
         conv.load_s = t1 - t0
         return conv
 

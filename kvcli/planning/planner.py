@@ -1,9 +1,10 @@
 """Between the policy registry and the drivers: a policy resolved for a model, one engine's planner run
 on an observation, and the report of a compressed prefill.
 
-Layers (each imports only the ones before it; tests/test_architecture.py checks there is no circle):
-policies (registry) -> planning (this module, kvcli.plan) -> drivers (compress, chunked, bench,
-evaluation, check) -> app (pipeline, chat, batch) -> commands.
+Layers (each imports only the ones before it; tests/test_architecture.py checks it), one package each:
+kvcli/policies (registry) -> kvcli/planning (this module; formats: Observation, Plan) -> kvcli/drivers
+(compress, chunked, reselect, lockstep, bench, check; kvcli/evaluation's runners) -> kvcli/apps (pipeline, chat,
+batch) -> kvcli/commands.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvcli import policies
 from kvcli.errors import KvcliError
 from kvcli.models import read_model_info
 from kvcli.native.lib import native_plan
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.base import PolicySpec
 from kvcli.policies.d2o import full_layer_set
 from kvcli.session import Session
@@ -31,7 +32,7 @@ class CompressReport:
     plan: Plan | None = None
     note: str = ""
     params: dict | None = None   # the resolved policy parameters (e.g. the task windowkv's auto picked)
-    chunk: int | None = None     # chunked prefill (kvcli/chunked.py): tokens per chunk
+    chunk: int | None = None     # chunked prefill (kvcli/drivers/chunked.py): tokens per chunk
     cap: int | None = None       # chunked: the most cells the sequence may hold while it is read
     steps: list = field(default_factory=list)   # chunked: one ChunkStep per chunk
     peak_cells: int | None = None                # most cells the sequence held while the prompt was read
@@ -48,7 +49,7 @@ class CompressReport:
 
 @dataclass(frozen=True)
 class Compression:
-    """One configuration (policy at a budget) resolved for a model: what the driver (kvcli/compress.py)
+    """One configuration (policy at a budget) resolved for a model: what the driver (kvcli/drivers/compress.py)
     prefills, plans and applies. `full` is one too: it observes nothing and never compresses."""
     policy: str
     budget: int | None

@@ -2,7 +2,7 @@
 
 For each document and configuration, in a fresh native session sized for that document:
 
-1. prefill + compress through the one compression driver (`kvcli.compress`: `prefill_and_compress`, or
+1. prefill + compress through the one compression driver (`kvcli.drivers.compress`: `prefill_and_compress`, or
    `Shared` for configurations that share a prefill): prefill tok/s, compression time and its share of
    prefill + compression;
 2. KV cells and bytes read from the live cache (`session.stats`), never computed from the budget;
@@ -45,9 +45,9 @@ import numpy as np
 
 import kvcli
 from kvcli import policies
-from kvcli.batching import Lockstep
-from kvcli.chunked import plan_chunking
-from kvcli.compress import Shared, prefill_and_compress, resolve
+from kvcli.drivers.lockstep import Lockstep
+from kvcli.drivers.chunked import plan_chunking
+from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.documents import read_document
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine, spread
@@ -168,7 +168,7 @@ class Bench:
         self.threads = threads
         if chunk and batch:
             raise KvcliError("--batch measures caches of whole prefills: it does not combine with --chunk")
-        self.chunk = chunk or None           # chunked prefill (kvcli/chunked.py): every configuration reads alone
+        self.chunk = chunk or None           # chunked prefill (kvcli/drivers/chunked.py): every configuration reads alone
         self.chunk_scoring = chunk_scoring
         self.share_prefill = share_prefill and not self.chunk
         self.log = log or (lambda msg: None)
@@ -279,7 +279,7 @@ class Bench:
     def measure_shared(self, cfgs: list[Config], doc: Doc, n_ctx_train: int) -> list[dict]:
         """Configurations of one cache type that observe the same way share one prefill, timed once:
         budgets never change the prefill. Each then restores the prefilled state, plans, applies its
-        plan (timed as its compression; kvcli.compress.Shared), decodes and is scored exactly as in `measure`."""
+        plan (timed as its compression; kvcli.drivers.compress.Shared), decodes and is scored exactly as in `measure`."""
         n = len(doc.tokens)
         rows, groups = {}, {}
         for cfg in cfgs:

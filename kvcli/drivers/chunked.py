@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcli import planning
+from kvcli.planning import planner
 from kvcli.errors import KvcliError
-from kvcli.planning import CompressReport, Compression, session_cells, shape_observation
+from kvcli.planning.planner import CompressReport, Compression, session_cells, shape_observation
 from kvcli.session import Session
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
@@ -206,13 +206,13 @@ def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chu
 def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
                    seq: int = 0, progress=None, planner: str | None = None, on_step=None, on_cache=None,
                    scoring: str = "question") -> CompressReport:
-    """The chunked form of the driver (kvcli.compress.prefill_and_compress, the one caller): read `tokens` into
+    """The chunked form of the driver (kvcli.drivers.compress.prefill_and_compress, the one caller): read `tokens` into
     `seq` in chunks, compressing to `cfg.budget` after each one (see the module doc).
 
     `scoring`: "question" scores every chunk with the prompt's last window (a probe prefilled and rolled
     back), "chunk" with the chunk's own last window. `on_step(step, obs, plan)` is called after each
     planning step (kvcli check compares the planners there); `on_cache(cells)` after each compaction
-    (progress display). Returns a kvcli.planning.CompressReport with `chunks`, `steps` and `peak_cells`.
+    (progress display). Returns a kvcli.planning.planner.CompressReport with `chunks`, `steps` and `peak_cells`.
     """
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
@@ -258,7 +258,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             obs.colsum[:, :, :carried.shape[2]] += carried
         t2 = time.perf_counter()
         if spec.compresses(obs.n, budget):
-            plan = planning.make_plan(spec, params, budget, obs, planner or session.engine)
+            plan = planner.make_plan(spec, params, budget, obs, planner or session.engine)
             if on_step is not None:
                 on_step(len(steps), obs, plan)
             session.apply_plan(plan, seq=seq, reindex=reindex)

@@ -6,7 +6,7 @@ into a Plan; the session applies it. Budget semantics: docs/internals.md.
 
 Two forms, one sequence of steps:
 - `prefill_and_compress` (`compress_as` for a configuration resolved already): one configuration, read in
-  one prefill or, with `chunk`, in chunks compressed after each (kvcli/chunked.py: `read_in_chunks`).
+  one prefill or, with `chunk`, in chunks compressed after each (kvcli/drivers/chunked.py: `read_in_chunks`).
   run, chat, compress, batch, pipeline, bench (a configuration measured alone, or read in chunks), eval
   (documents read in chunks) and check (the native engine, both engines when chunked) call it.
 - `Shared`: one prefill serving several configurations. It observes what they all need; each one
@@ -19,11 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvcli import planning
-from kvcli.chunked import read_in_chunks
+from kvcli.planning import planner
+from kvcli.drivers.chunked import read_in_chunks
 from kvcli.errors import KvcliError
-from kvcli.plan import Plan
-from kvcli.planning import CompressReport, Compression, resolve, session_cells, shape_observation
+from kvcli.planning.formats import Plan
+from kvcli.planning.planner import CompressReport, Compression, resolve, session_cells, shape_observation
 from kvcli.session import Session
 
 
@@ -35,7 +35,7 @@ def prefill_and_compress(session: Session, tokens: list[int], policy: str, budge
 
     `instruction` is the user's question/instruction text: policies that adapt to the task
     (windowkv task=auto) classify it before planning. With `chunk`, a prompt longer than one chunk is
-    read chunk by chunk, compressed after each (kvcli/chunked.py; `cap`: most cells while reading; `scoring`:
+    read chunk by chunk, compressed after each (kvcli/drivers/chunked.py; `cap`: most cells while reading; `scoring`:
     which queries score each chunk). The prefill time counts from this call (the policy's resolution in it)."""
     t0 = time.perf_counter()
     cfg = resolve(session.model_path, policy, budget, policy_args, instruction)
@@ -67,7 +67,7 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
     if obs is None:  # a policy that observes nothing (streamingllm) plans from the shapes alone
         obs = shape_observation(session.info, n)
     t1 = time.perf_counter()
-    plan = planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
+    plan = planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
     if on_step is not None:
         on_step(0, obs, plan)
     del obs  # its sums (K/V rows are read per layer by the planner): freed before the compaction (peak memory)
@@ -148,7 +148,7 @@ class Shared:
             if self.obs_error is not None and kinds:
                 return Applied(cfg, error=self.obs_error)
             t1 = time.perf_counter()
-            plan = planning.make_plan(cfg.spec, cfg.params, cfg.budget, self.obs.restrict(kinds, window), self.planner)
+            plan = planner.make_plan(cfg.spec, cfg.params, cfg.budget, self.obs.restrict(kinds, window), self.planner)
             self.session.apply_plan(plan, seq=self.seq)
             return Applied(cfg, plan, time.perf_counter() - t1)
         except Exception as e:  # noqa: BLE001 - reported on this configuration; the next one restores the prefill

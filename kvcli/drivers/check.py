@@ -30,7 +30,7 @@ L3 end to end   two verdicts, after each engine compressed its cache:
                 is the one after the first decoded token, the first that reads the compressed caches.
 
 Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver
-(kvcli/compress.py; its chunked loop is in kvcli/chunked.py): prefill a chunk, observe it (a window policy
+(kvcli/drivers/compress.py; its chunked loop is in kvcli/drivers/chunked.py): prefill a chunk, observe it (a window policy
 through the question probe, prefilled and rolled back, unless `chunk_scoring` is "chunk"), plan over
 everything held, compact with re-indexed positions (a model with sliding-window layers: keeping them). L1 is
 checked at every planning step: the torch planner on the native observation of that step must make the native
@@ -62,12 +62,14 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from kvcli import chunked, compress, planning, policies
-from kvcli.chunked import MIN_CHUNK
+from kvcli import policies
+from kvcli.drivers import chunked, compress
+from kvcli.planning import planner
+from kvcli.drivers.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.templating import build_prompt
-from kvcli.plan import Observation, Plan
+from kvcli.planning.formats import Observation, Plan
 
 # --------------------------------------------------------------------------------- thresholds
 
@@ -506,7 +508,7 @@ class CheckSettings:
     instruction: str = "Summarise the document above in three sentences."
     doc_tokens: int | None = None   # cut the document to this many tokens before templating
     chunk: int | None = None        # chunked prefill in chunks of this many tokens (None: one prefill)
-    chunk_scoring: str = "question"   # chunked: which queries score each chunk (kvcli/chunked.py)
+    chunk_scoring: str = "question"   # chunked: which queries score each chunk (kvcli/drivers/chunked.py)
     threads: int | None = None      # CPU threads of both engines (None: the native default, torch's own)
     strict_plans: bool = False      # a plan-agreement miss fails the check too (default: reported only)
 
@@ -630,7 +632,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
                 if 1 in levels:
                     l1_steps.append(_l1(cfg, obs, plan_n, th))
                 elif cfg.compresses(obs.n):
-                    planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference")
+                    planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference")
             planned["calls"] = calls
 
         try:
@@ -653,7 +655,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
 
 def _l1(cfg, obs, plan_n, th) -> dict:
     """L1 of one planning step: the torch planner on the observation the native plan was made from."""
-    return compare_plans(plan_n, planning.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference"),
+    return compare_plans(plan_n, planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference"),
                          th.l1_merge_atol)
 
 
@@ -831,7 +833,7 @@ def _merge_l1(steps: list[dict]) -> dict:
 
 
 def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0) -> dict:
-    """kvcli check --chunk: both engines read `tokens` in chunks with the driver, kvcli.compress (see the module
+    """kvcli check --chunk: both engines read `tokens` in chunks with the driver, kvcli.drivers.compress (see the module
     doc)."""
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
