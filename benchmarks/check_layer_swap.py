@@ -3,7 +3,7 @@
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""
 import json, os, sys, numpy as np
-from kvcli.planning import planner
+from kvcli.planning.planner import make_plan, resolve_for_model
 from kvcli.drivers.check import logits_distance
 from kvcli.models import default_model_path, resolve_model
 from kvcli.planning.formats import Plan
@@ -15,7 +15,7 @@ mp = resolve_model(os.environ.get("KVCLI_MODEL"))   # a path or a pulled model's
 tag_model = "" if mp == default_model_path() else f"-{mp.stem}"
 nat, toks, tag = native_prompt(sys.argv, mp, budget)
 n = len(toks)
-spec, params = planner.resolve_for_model(mp, name, {}, budget)
+spec, params = resolve_for_model(mp, name, {}, budget)
 kinds, w = spec.observe(params)
 ref = ReferenceSession(mp, n_ctx=nat.n_ctx, n_seq=1)
 obs_r = ref.prefill(toks, seq=0, observe=kinds, window=w)
@@ -24,8 +24,8 @@ nat.clear(0)
 obs_n = nat.prefill(toks, seq=0, observe=kinds, window=w)
 first = int(np.argmax(nat.logits(0)))
 snap = nat.save_seq(0)
-pn = planner.make_plan(spec, params, budget, obs_n, "native")
-pr = planner.make_plan(spec, params, budget, obs_r, "native")   # same planner, reference observation
+pn = make_plan(spec, params, budget, obs_n, "native")
+pr = make_plan(spec, params, budget, obs_r, "native")   # same planner, reference observation
 
 def after(plan):
     nat.restore_seq(snap, 0)

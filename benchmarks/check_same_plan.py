@@ -6,7 +6,7 @@ planner on it (L1 on the reference's observation).
 `kvcli check` itself now reports (a) as plan agreement and (b) as L3's arithmetic verdict (docs/internals.md, "kvcli
 check"); this script stays for (c) and for comparing both on one prefill."""
 import json, os, sys, numpy as np
-from kvcli.planning import planner
+from kvcli.planning.planner import make_plan, resolve_for_model
 from kvcli.drivers.check import greedy_compare, compare_plans
 from kvcli.models import default_model_path, resolve_model
 from kvcli.reference.session import ReferenceSession
@@ -22,14 +22,14 @@ base = ref.prefill(toks, seq=0, observe=("window", "colsum", "kv"), window=32)
 out = {"n": n, "budget": budget}
 strip = lambda d: {k: v for k, v in d.items() if k != "native_tokens"}
 for name in names:
-    spec, params = planner.resolve_for_model(mp, name, {}, budget)
+    spec, params = resolve_for_model(mp, name, {}, budget)
     kinds, w = spec.observe(params)
     nat.clear(0)
     obs_n = nat.prefill(toks, seq=0, observe=kinds, window=w)
-    pn = planner.make_plan(spec, params, budget, obs_n, "native")
+    pn = make_plan(spec, params, budget, obs_n, "native")
     obs_r = base.restrict(kinds, w)
-    pr = planner.make_plan(spec, params, budget, obs_r, "reference")
-    pr_native = planner.make_plan(spec, params, budget, obs_r, "native")
+    pr = make_plan(spec, params, budget, obs_r, "reference")
+    pr_native = make_plan(spec, params, budget, obs_r, "native")
     d = {"budgets_equal": bool(np.array_equal(pn.n_kept, pr.n_kept)),
          "n_kept_native_l": pn.n_kept[:, 0].tolist(), "n_kept_ref_l": pr.n_kept[:, 0].tolist(),
          "l1_on_reference_obs": compare_plans(pr_native, pr, 1e-5)["pass"]}

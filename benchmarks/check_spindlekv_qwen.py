@@ -4,7 +4,7 @@ the native plan without its merged rows / log-multiplicities."""
 import json, sys, time
 import numpy as np
 from kvcli.drivers import compress
-from kvcli.planning import planner
+from kvcli.planning.planner import make_plan
 from kvcli.drivers.check import CheckSettings, build_tokens, greedy_compare, compare_plans
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
@@ -26,7 +26,7 @@ ref = ReferenceSession(path, n_ctx=nat.n_ctx, n_threads=T)
 kinds, w = cfg.observe
 obs_r = ref.prefill(toks, observe=kinds, window=w)
 snap_r = ref.save_seq(0)
-pr = planner.make_plan(cfg.spec, cfg.params, 64, obs_r, "reference")
+pr = make_plan(cfg.spec, cfg.params, 64, obs_r, "reference")
 out = {"n": len(toks), "params": {k: str(v) for k, v in cfg.params.items()}}
 out["n_kept_equal"] = bool(np.array_equal(pn.n_kept, pr.n_kept))
 out["replaced"] = [int(pn.replace_entry.size), int(pr.replace_entry.size)]

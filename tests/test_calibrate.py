@@ -241,11 +241,11 @@ def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibr
     """Every command that makes a plan resolves compresskv for the model in one place
     (kvcli.planning.planner.resolve_for_model): without a calibration each warns (once per run) and plans with
     the fallback; with the one `kvcli calibrate` wrote, each plans with its heads and layer budgets."""
-    from kvcli.planning import planner
+    from kvcli.planning.planner import make_plan
     from kvcli.cli import cli
     from kvcli.policies.compresskv import allocate
     seen = []
-    real = planner.make_plan
+    real = make_plan
 
     def spy(spec, params, budget, obs, planner):
         if spec.name == "compresskv":

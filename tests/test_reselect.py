@@ -56,7 +56,7 @@ def run_observation(session, tokens, cfg):
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv", "d2o"])
 def test_native_reselection_observes_what_run_observes(tiny, policy):
-    from kvcli.planning import planner
+    from kvcli.planning.planner import make_plan, resolve
     from kvcli.apps.chat import Conversation
     from kvcli.native.session import NativeSession
     session = NativeSession(tiny, n_ctx=0, n_seq=2)
@@ -64,7 +64,7 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     conv.compress()
     q = "Which code did the river station log?"
     prompt = session.tokenize(conv.conversation_text(q))
-    cfg = planner.resolve(tiny, policy, 48, {}, q)
+    cfg = resolve(tiny, policy, 48, {}, q)
     seen = {}
     r = conv.store.reselect(session, prompt, cfg, seq=0, on_step=lambda obs, plan: seen.update(
         obs=obs.with_kv_arrays() if obs.has_kv else obs, plan=plan))
@@ -78,11 +78,11 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     if "colsum" in cfg.observe[0]:   # stored sums + the prefilled rest's: the whole prompt's
         assert l2["colsum"]["rel"] < 1e-3, l2["colsum"]
     # L1: the other engine's planner makes the same plan from the re-selection's observation
-    ref_plan = planner.make_plan(cfg.spec, cfg.params, 48, seen["obs"], "reference")
+    ref_plan = make_plan(cfg.spec, cfg.params, 48, seen["obs"], "reference")
     l1 = compare_plans(seen["plan"], ref_plan, Thresholds().l1_merge_atol)
     assert l1["pass"], l1
     # and the plan run would make keeps the same entries
-    run_plan = planner.make_plan(cfg.spec, cfg.params, 48, ran, "native")
+    run_plan = make_plan(cfg.spec, cfg.params, 48, ran, "native")
     same = sum(np.array_equal(run_plan.kept(l, h), seen["plan"].kept(l, h))
                for l in range(run_plan.n_layer) for h in range(run_plan.n_head_kv))
     assert same == run_plan.n_layer * run_plan.n_head_kv
@@ -100,7 +100,7 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     q = "Which code did the stone station log?"
     head = ref.tokenize(fmt.head + DOC.strip())
     prompt = ref.tokenize(fmt.head + user_content(DOC, q) + fmt.after_user)
-    cfg = planner.resolve(tiny, policy, 48, {}, q)
+    cfg = resolve(tiny, policy, 48, {}, q)
     store = StoredDocument.read(ref, head, colsum="colsum" in cfg.observe[0])
     assert store.path is None and store.snapshot is not None   # the reference engine keeps it in memory
     seen = {}
@@ -108,7 +108,7 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     ran = run_observation(ref, prompt, cfg)
     l2 = compare_observations(ran, seen["obs"], Thresholds.tight())
     assert l2["pass"], l2
-    nat_plan = planner.make_plan(cfg.spec, cfg.params, 48, seen["obs"], "native")
+    nat_plan = make_plan(cfg.spec, cfg.params, 48, seen["obs"], "native")
     assert compare_plans(nat_plan, seen["plan"], Thresholds().l1_merge_atol)["pass"]
     # the engines agree with each other on the re-selection's observation (L2)
     s = native(tiny)

@@ -48,7 +48,7 @@ import numpy as np
 
 from kvcli import __version__, config, kvc, policies
 from kvcli.drivers import compress
-from kvcli.planning import planner
+from kvcli.planning.planner import CompressReport, resolve
 from kvcli.drivers.chunked import plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
@@ -253,7 +253,7 @@ class Conversation:
                                          path=self.store_path, keep=named,
                                          progress=progress, meta={"document": self.document, "system": self.system},
                                          in_memory_if_unwritable=None if named else self._say)  # --store FILE: must be written
-        self.report = planner.CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
+        self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
 
@@ -265,7 +265,7 @@ class Conversation:
 
     def _cfg(self, question: str | None):
         """The policy resolved for the model (windowkv's task=auto classifies the question)."""
-        return planner.resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
+        return resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
 
     def conversation_text(self, question: str) -> str:
         """The whole prompt of a question: the document and the first question in one user turn (as `run` lays out
@@ -601,7 +601,7 @@ class Conversation:
         session.create_context(min(session.n_ctx_train, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD))
         conv.model_s = time.perf_counter() - t1
         conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
-        conv.report = planner.CompressReport(policy, budget, n, 0.0, params=cfg.params)
+        conv.report = CompressReport(policy, budget, n, 0.0, params=cfg.params)
         conv.load_s = t1 - t0
         return conv
 

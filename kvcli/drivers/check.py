@@ -64,7 +64,7 @@ import numpy as np
 
 from kvcli import policies
 from kvcli.drivers import chunked, compress
-from kvcli.planning import planner
+from kvcli.planning.planner import make_plan
 from kvcli.drivers.chunked import MIN_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
@@ -632,7 +632,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
                 if 1 in levels:
                     l1_steps.append(_l1(cfg, obs, plan_n, th))
                 elif cfg.compresses(obs.n):
-                    planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference")
+                    make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference")
             planned["calls"] = calls
 
         try:
@@ -655,7 +655,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
 
 def _l1(cfg, obs, plan_n, th) -> dict:
     """L1 of one planning step: the torch planner on the observation the native plan was made from."""
-    return compare_plans(plan_n, planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference"),
+    return compare_plans(plan_n, make_plan(cfg.spec, cfg.params, cfg.budget, obs, "reference"),
                          th.l1_merge_atol)
 
 

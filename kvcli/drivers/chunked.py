@@ -43,9 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcli.planning import planner
 from kvcli.errors import KvcliError
-from kvcli.planning.planner import CompressReport, Compression, session_cells, shape_observation
+from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
 from kvcli.session import Session
 
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
@@ -258,7 +257,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             obs.colsum[:, :, :carried.shape[2]] += carried
         t2 = time.perf_counter()
         if spec.compresses(obs.n, budget):
-            plan = planner.make_plan(spec, params, budget, obs, planner or session.engine)
+            plan = make_plan(spec, params, budget, obs, planner or session.engine)
             if on_step is not None:
                 on_step(len(steps), obs, plan)
             session.apply_plan(plan, seq=seq, reindex=reindex)

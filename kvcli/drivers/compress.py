@@ -19,11 +19,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvcli.planning import planner
 from kvcli.drivers.chunked import read_in_chunks
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
-from kvcli.planning.planner import CompressReport, Compression, resolve, session_cells, shape_observation
+from kvcli.planning.planner import CompressReport, Compression, make_plan, resolve, session_cells, shape_observation
 from kvcli.session import Session
 
 
@@ -67,7 +66,7 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
     if obs is None:  # a policy that observes nothing (streamingllm) plans from the shapes alone
         obs = shape_observation(session.info, n)
     t1 = time.perf_counter()
-    plan = planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
+    plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
     if on_step is not None:
         on_step(0, obs, plan)
     del obs  # its sums (K/V rows are read per layer by the planner): freed before the compaction (peak memory)
@@ -148,7 +147,7 @@ class Shared:
             if self.obs_error is not None and kinds:
                 return Applied(cfg, error=self.obs_error)
             t1 = time.perf_counter()
-            plan = planner.make_plan(cfg.spec, cfg.params, cfg.budget, self.obs.restrict(kinds, window), self.planner)
+            plan = make_plan(cfg.spec, cfg.params, cfg.budget, self.obs.restrict(kinds, window), self.planner)
             self.session.apply_plan(plan, seq=self.seq)
             return Applied(cfg, plan, time.perf_counter() - t1)
         except Exception as e:  # noqa: BLE001 - reported on this configuration; the next one restores the prefill

@@ -36,9 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import kvc
-from kvcli.planning import planner
 from kvcli.errors import KvcliError
-from kvcli.planning.planner import Compression
+from kvcli.planning.planner import Compression, make_plan, shape_observation
 from kvcli.session import Session
 
 # document tokens left out of the store and re-read with every question: the tokenizer may merge the document's
@@ -229,11 +228,11 @@ class StoredDocument:
         plan = None
         if compresses:
             if obs is None:   # a policy that observes nothing (streamingllm) plans from positions alone
-                obs = planner.shape_observation(session.info, n)
+                obs = shape_observation(session.info, n)
             if obs.colsum is not None:
                 obs.colsum = obs.colsum.copy()
                 obs.colsum[:, :, :self.split] += self.colsum
-            plan = planner.make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
+            plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
             if on_step is not None:
                 on_step(obs, plan)
             del obs

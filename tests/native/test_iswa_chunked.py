@@ -9,7 +9,7 @@ import pytest
 from npref import assert_gemma_logits_close as _close, np_gemma, prompt_tokens
 
 from kvcli.drivers import chunked
-from kvcli.planning import planner
+from kvcli.planning.planner import resolve
 from kvcli.errors import KvcliError
 
 WINDOW = 16
@@ -20,7 +20,7 @@ def _session(session_factory, path, n_ctx=256):
 
 
 def _read(session, tokens, budget, chunk, scoring):
-    cfg = planner.resolve(session.model_path, "snapkv", budget, {"window": "8"})
+    cfg = resolve(session.model_path, "snapkv", budget, {"window": "8"})
     plans = {}
     report = chunked.read_in_chunks(session, tokens, cfg, chunk, scoring=scoring,
                                     on_step=lambda i, obs, plan: plans.__setitem__(i, plan))

@@ -159,7 +159,7 @@ def test_native_observation_equals_the_reference_engines(session_factory, tiny_m
     lengths (the longest spanning two llama_decode calls), column sums and K/V agree to float32 rounding,
     so `kvcli check` L2 compares like with like; both planners then make the same plans from it (L1)."""
     from kvcli import policies
-    from kvcli.planning import planner
+    from kvcli.planning.planner import make_plan
     from kvcli.reference.session import ReferenceSession
     toks = prompt_tokens(90, 6)
     windows = (4, 8, 40)
@@ -192,6 +192,6 @@ def test_native_observation_equals_the_reference_engines(session_factory, tiny_m
     for name in ("snapkv", "pyramidkv", "h2o"):
         spec, params, _ = policies.prepare(name, {"window": 8} if name != "h2o" else {}, 48)
         o = nat.restrict(*spec.observe(params))
-        a = planner.make_plan(spec, params, 48, o, "native")
-        b = planner.make_plan(spec, params, 48, o, "reference")
+        a = make_plan(spec, params, 48, o, "native")
+        b = make_plan(spec, params, 48, o, "reference")
         assert np.array_equal(a.n_kept, b.n_kept) and np.array_equal(a.slots, b.slots)

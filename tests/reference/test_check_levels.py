@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcli import policies
-from kvcli.planning import planner
+from kvcli.planning.planner import make_plan
 from kvcli.drivers.check import CheckSettings, Thresholds, compare_plans, run_check
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
@@ -58,8 +58,8 @@ def test_l1_planners_agree_on_real_attention(tiny_prefilled, name):
         spec, params, _ = policies.prepare(name, {}, budget)
         kinds, w = spec.observe(params)
         o = obs.restrict(kinds, w)
-        nat = planner.make_plan(spec, params, budget, o, "native")
-        ref = planner.make_plan(spec, params, budget, o, "reference")
+        nat = make_plan(spec, params, budget, o, "native")
+        ref = make_plan(spec, params, budget, o, "reference")
         r = compare_plans(nat, ref, 1e-5)
         assert r["pass"], f"{name} @ {budget}: {r['first_difference']}"
         if name != "full":
