@@ -83,3 +83,29 @@ def test_once_mode_compresses_as_compress_once_chat(tiny, tmp_path, monkeypatch)
     conv.session.prefill(conv.session.tokenize(conv.fmt.user_to_user + q + conv.fmt.after_user), seq=0)
     a, b = conv.session.logits(0), s.logits(0)
     assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max()
+
+
+def test_shared_reselections_answer_as_separate_ones(tiny, tmp_path, monkeypatch):
+    """Configurations that re-select a prompt alike (one policy at two budgets; in `run` and `once` every
+    configuration's prompt is the same) share one restore and observed prefill: every mode's records are those of
+    separate re-selections (same answers, same cells kept), in the same order."""
+    import kvcli.evaluation.chat as ec
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    runs = {}
+    for share in (False, True):
+        monkeypatch.setattr(ec, "SHARE", share)
+        runs[share] = ec.run_chat_eval(tiny, ["snapkv", "h2o", "streamingllm"], [40, 64], [600], 1, 3,
+                                       ("full", "once", "reselect", "run"), max_tokens=6)
+    fields = ("mode", "policy", "budget", "doc", "question", "prediction", "score", "kv_cells", "n_tokens")
+    assert [tuple(r[f] for f in fields) for r in runs[True]["records"]] == \
+           [tuple(r[f] for f in fields) for r in runs[False]["records"]]
+    assert not any(r.get("shared") for r in runs[False]["records"])
+    shared = [r for r in runs[True]["records"] if r.get("shared")]
+    # run and once: one prompt for all; the second budget of each policy shares the first's prefill
+    assert {(r["mode"], r["policy"], r["budget"]) for r in shared if r["mode"] in ("run", "once")} == \
+           {(m, p, 64) for m in ("run", "once") for p in ("snapkv", "h2o", "streamingllm")}
+    assert all("reselect_s" not in r and r["shared_s"] >= 0 for r in shared if r["mode"] != "once")
+    # reselect: the first question has no history yet, so the two budgets of a policy share its prefill
+    assert {(r["policy"], r["budget"]) for r in shared if r["mode"] == "reselect" and r["question"] == 0} == \
+           {(p, 64) for p in ("snapkv", "h2o", "streamingllm")}
+    assert not any(r.get("shared") for r in runs[True]["records"] if r["mode"] == "full")

@@ -24,7 +24,11 @@ The document is read once per document for `full`, `once` and `reselect` togethe
 agnostic prefix: the document followed by it, observed as one prefill of it observes, tests/test_reselect.py),
 and appends the questions after that cache; `full` restores the whole document and appends the conversation.
 `reread` reads the document again for every question: one prefill per question serves every configuration
-(`Shared`). Decoding is greedy. The prompt of every mode is rendered with the model's own chat
+(`Shared`). Configurations that would re-select the same prompt with the same observation (the same policy at
+several budgets; in `run` and `once` every configuration's prompt is the same) share one restore and observed
+prefill (`_reselections`): the prefilled sequence is saved, put back for each of the others and planned from the same
+observation, as `Shared` does; their answers are those of separate re-selections (tests/test_eval_chat.py), their
+records carry `shared` and the seconds of the restore and plan (`shared_s`) instead of `reselect_s`. Decoding is greedy. The prompt of every mode is rendered with the model's own chat
 template, as the app renders it.
 """
 from __future__ import annotations
@@ -35,18 +39,20 @@ import time
 import numpy as np
 
 from kvcli.drivers.compress import Shared, resolve
+from kvcli.drivers.reselect import StoredDocument
 from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import machine, peak_rss_bytes
 from kvcli.evaluation.runner import _greedy
 from kvcli.evaluation.tasks import _fit, string_match_all
 from kvcli.native.session import NativeSession
-from kvcli.drivers.reselect import StoredDocument
+from kvcli.planning.planner import make_plan
 from kvcli.templating import GENERIC_SUFFIX, user_message
 
 MODES = ("full", "once", "reselect", "run", "reread")
 DEFAULT_MODES = ("full", "once", "reselect", "run")
 ROOM = 1024     # cells for the conversation after the document
+SHARE = True    # configurations that re-select the same prompt alike share its restore and observed prefill
 
 
 def make_chat_document(session, length: int, facts: int, seed: int) -> tuple[str, list[dict], int]:
@@ -169,8 +175,8 @@ def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once
     prefix = prefix_text(session, text, agnostic=True)
     tokens = session.tokenize(prefix)
     recs = []
-    for key, cfg in cfgs.items():
-        store.reselect(session, tokens, cfg)   # compressed for the generic instruction, before any question
+    # compressed for the generic instruction, before any question
+    for key, shared in _reselections(session, store, {k: tokens for k in cfgs}, cfgs):
         mark = session.seq(0).next_pos
         history = []
         for i, fact in enumerate(planted):
@@ -184,28 +190,75 @@ def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once
             t2 = time.perf_counter()
             answer = _greedy(session, session.logits(0), max_tokens)
             recs.append(_record(mode, key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
-                                answer_s=round(time.perf_counter() - t2, 4), kv_cells=int(session.stats(0)["kv_cells"])))
+                                answer_s=round(time.perf_counter() - t2, 4), kv_cells=int(session.stats(0)["kv_cells"]),
+                                **({"shared": True} if "shared_s" in shared else {})))
             history.append((q, answer.strip()))
         session.clear(0)
-    return {"records": recs}
+    return {"records": _in_order(recs, cfgs)}
 
 
 def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store, mode="reselect"):
-    recs = []
-    for key, cfg in cfgs.items():
-        history = []
-        for i, fact in enumerate(planted):
-            q = ask(fact["question"])
-            prompt = session.tokenize(render(session, text, history if mode == "reselect" else [], q))
-            r = store.reselect(session, prompt, cfg)
+    recs, histories = [], {key: [] for key in cfgs}
+    for i, fact in enumerate(planted):
+        q = ask(fact["question"])
+        prompts = {key: session.tokenize(render(session, text, histories[key] if mode == "reselect" else [], q))
+                   for key in cfgs}
+        for key, stats in _reselections(session, store, prompts, cfgs):
             t2 = time.perf_counter()
             answer = _greedy(session, session.logits(0), max_tokens)
-            recs.append(_record(mode, key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
-                                reselect_prefilled=r.prefilled, answer_s=round(time.perf_counter() - t2, 4),
+            recs.append(_record(mode, key, 0, i, fact, answer, len(prompts[key]), **stats,
+                                answer_s=round(time.perf_counter() - t2, 4),
                                 kv_cells=int(session.stats(0)["kv_cells"])))
-            history.append((q, answer.strip()))
+            histories[key].append((q, answer.strip()))
             session.clear(0)
-    return {"records": recs}
+    return {"records": _in_order(recs, cfgs)}
+
+
+def _share_key(store, prompt, cfg, key):
+    """Configurations with the same key re-select `prompt` identically up to their plans: the same restored entries
+    and the same observed prefill. A configuration that does not compress it (nothing observed, no plan to
+    share) or whose re-selection fails (its own error is raised by StoredDocument.reselect) is alone."""
+    n = len(prompt)
+    try:
+        if SHARE and cfg.compresses(n):
+            kinds, window = cfg.observe
+            return (tuple(prompt), store.restore_point(n, cfg), tuple(sorted(kinds)), window)
+    except KvcliError:
+        pass
+    return ("alone", key)
+
+
+def _reselections(session, store, prompts: dict, cfgs: dict):
+    """For each configuration (key -> cfg; prompts: key -> its prompt's tokens), leave sequence 0 holding its
+    prompt re-selected for it and yield (key, stats) for the caller to answer before the next. The first of a group
+    of configurations that observe alike (`_share_key`) re-selects (StoredDocument.reselect; stats: reselect_s,
+    reselect_prefilled); its prefilled sequence is saved before the plan is applied, and each other one of the group
+    gets it back and plans from the same observation (stats: shared_s, the seconds of that, and shared)."""
+    groups: dict = {}
+    for key, cfg in cfgs.items():
+        groups.setdefault(_share_key(store, prompts[key], cfg, key), []).append(key)
+    for keys in groups.values():
+        seen: dict = {}
+
+        def grab(obs, plan, seen=seen, share=len(keys) > 1):
+            if share:
+                seen.update(obs=obs, state=session.save_seq(0))
+
+        r = store.reselect(session, prompts[keys[0]], cfgs[keys[0]], on_step=grab)
+        yield keys[0], {"reselect_s": round(r.total_s, 4), "reselect_prefilled": r.prefilled}
+        for key in keys[1:]:
+            cfg, t0 = cfgs[key], time.perf_counter()
+            session.restore_seq(seen["state"], 0)
+            session.apply_plan(make_plan(cfg.spec, cfg.params, cfg.budget, seen["obs"], session.engine), seq=0)
+            yield key, {"shared_s": round(time.perf_counter() - t0, 4), "reselect_prefilled": r.prefilled,
+                        "shared": True}
+        seen.clear()
+
+
+def _in_order(recs: list[dict], cfgs: dict) -> list[dict]:
+    """Records in the configurations' order, then the questions' (as a loop over configurations gives them)."""
+    order = {key: i for i, key in enumerate(cfgs)}
+    return sorted(recs, key=lambda r: (order[(r["policy"], r["budget"])], r["question"]))
 
 
 def _mode_run(session, text, planted, cfgs, full, max_tokens, store):
