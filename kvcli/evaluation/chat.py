@@ -26,10 +26,10 @@ and appends the questions after that cache; `full` restores the whole document a
 `reread` reads the document again for every question: one prefill per question serves every configuration
 (`Shared`). Configurations that would re-select the same prompt with the same observation (the same policy at
 several budgets; in `run` and `once` every configuration's prompt is the same) share one restore and observed
-prefill (`_reselections`): the prefilled sequence is saved, put back for each of the others and planned from the same
-observation, as `Shared` does; their answers are those of separate re-selections (tests/test_eval_chat.py), their
-records carry `shared` and the seconds of the restore and plan (`shared_s`) instead of `reselect_s`. Decoding is greedy. The prompt of every mode is rendered with the model's own chat
-template, as the app renders it.
+prefill (`_reselections`): the prefilled sequence is saved, put back for each of the others and planned from the
+same observation, as `Shared` does; their answers are those of separate re-selections (tests/test_eval_chat.py),
+their records carry `shared` and the seconds of the restore and plan (`shared_s`) instead of `reselect_s`.
+Decoding is greedy. The prompt of every mode is rendered with the model's own chat template, as the app renders it.
 """
 from __future__ import annotations
 
