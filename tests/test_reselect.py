@@ -1,8 +1,10 @@
 """Re-selection per question (kvcli/drivers/reselect.py, the re-selected mode of kvcli/apps/chat.py) on tiny random models.
 
 What it must show: a re-selection observes what `run`'s one prefill of the same prompt observes (L2 thresholds of
-kvcli check) and plans from it as the other engine's planner does (L1), in both engines; the conversation's earlier
-turns survive re-selection; Ctrl-C, a corrupt, foreign or deleted stored file leave the conversation usable.
+kvcli check) and plans from it as the other engine's planner does (L1), in both engines, also for the later questions
+of a conversation, which restore its turns from the stored cache (StoredDocument.extension) and prefill only what is
+new; the conversation's earlier turns survive re-selection; Ctrl-C, a corrupt, foreign or deleted stored file leave
+the conversation usable.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
 def test_reference_reselection_observes_what_run_observes(tiny, policy):
-    from kvcli.planning import planner
+    from kvcli.planning.planner import make_plan, resolve
     from kvcli.apps.chat import TurnFormat, user_content
     from kvcli.reference.session import ReferenceSession
     from kvcli.drivers.reselect import StoredDocument
@@ -110,6 +112,18 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     assert l2["pass"], l2
     nat_plan = make_plan(cfg.spec, cfg.params, 48, seen["obs"], "native")
     assert compare_plans(nat_plan, seen["plan"], Thresholds().l1_merge_atol)["pass"]
+    # a second question after the first's turn: restored from the kept prompt, observed as one prefill observes
+    ext_prompt = ref.tokenize(fmt.head + user_content(DOC, q) + fmt.after_user + "Code 1111." + fmt.assistant_to_user
+                              + "And the river station?" + fmt.after_user)
+    store.reselect(ref, prompt, cfg, extend=True)
+    assert store.extension is not None and store.extension.tokens == prompt
+    r2 = store.reselect(ref, ext_prompt, cfg, on_step=lambda obs, plan: seen.update(obs2=obs, plan2=plan))
+    assert r2.source == "conversation" and r2.restored > len(head)
+    ran2 = run_observation(ref, ext_prompt, cfg)
+    l2 = compare_observations(ran2, seen["obs2"], Thresholds.tight())
+    assert l2["pass"], l2
+    assert compare_plans(make_plan(cfg.spec, cfg.params, 48, seen["obs2"], "native"), seen["plan2"],
+                         Thresholds().l1_merge_atol)["pass"]
     # the engines agree with each other on the re-selection's observation (L2)
     s = native(tiny)
     s.create_context(1024)
@@ -119,6 +133,118 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     assert compare_observations(seen_n["obs"], seen["obs"], Thresholds())["pass"]
     n_store.close()
     s.close()
+
+
+QS3 = ["Which code did the river station log?", "And the stone station?", "Which station logged code 1259?"]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv", "d2o"])
+def test_conversation_turns_kept_in_the_store_observe_what_run_observes(tiny, policy, monkeypatch):
+    """Questions 2 and 3 of a chat restore the earlier turns from the stored cache (the prompt's full cache kept before
+    the compaction) and prefill only what is new; their observation is still `run`'s one prefill of the whole prompt
+    (L2; column sums: the kept queries' sums + the new ones') and plans identically (L1, and the same entries as
+    `run`'s plan); the answers are those of a chat that prefills every turn again."""
+    from kvcli.apps.chat import Conversation
+    from kvcli.drivers.reselect import StoredDocument, common_prefix
+    from kvcli.native.session import NativeSession
+    from kvcli.planning.planner import make_plan, resolve
+    seen, real = [], StoredDocument.reselect
+
+    def spy(self, *a, **kw):
+        kw["on_step"] = lambda obs, plan: seen.append((obs.with_kv_arrays() if obs.has_kv else obs, plan))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(StoredDocument, "reselect", spy)
+    session = NativeSession(tiny, n_ctx=0, n_seq=2)
+    conv = Conversation(session, DOC, policy=policy, budget=48, reselect=True)
+    conv.compress()
+    again = conversation(tiny, policy=policy, store_turns=False)   # every turn prefilled again at every question
+    for i, q in enumerate(QS3):
+        prompt = session.tokenize(conv.conversation_text(q))
+        answer = conv.ask(q, 8).text
+        r = conv.last_reselection
+        assert r.n_tokens == len(prompt) and r.restored + r.prefilled == len(prompt)
+        cfg = resolve(tiny, policy, 48, {}, q)
+        if i:   # restored from the conversation: only the answer and the new question (or the window) prefilled
+            new = len(prompt) - common_prefix(prev, prompt)
+            assert r.source == "conversation" and len(prev) - common_prefix(prev, prompt) <= 1, r
+            assert r.prefilled == max(new, cfg.observe[1] if "window" in cfg.observe[0] else 0), (r, new)
+            assert new < len(prompt) - conv.store.split - 20   # the earlier turns are not prefilled again
+        ext = conv.store.extension
+        assert ext is not None and ext.tokens == prompt and ext.split == len(prompt)
+        if "colsum" in cfg.observe[0]:
+            assert ext.colsum.shape[2] == len(prompt)
+        obs, plan = seen[-1]
+        ran = run_observation(session, prompt, cfg)
+        ran = ran.with_kv_arrays() if ran.has_kv else ran
+        session.clear(1)
+        l2 = compare_observations(ran, obs, Thresholds())
+        assert l2["pass"], (i, l2)
+        if "colsum" in cfg.observe[0]:
+            assert l2["colsum"]["rel"] < 1e-3, (i, l2["colsum"])
+        assert compare_plans(plan, make_plan(cfg.spec, cfg.params, 48, obs, "reference"),
+                             Thresholds().l1_merge_atol)["pass"]
+        # the entries `run`'s plan keeps: the same, but for column sums, whose float sums over a different split of
+        # the queries (rel. 3e-4 here) may swap one near-tied entry, as a re-selection from the document alone does
+        run_plan = make_plan(cfg.spec, cfg.params, 48, ran, "native")
+        swapped = [len(np.setxor1d(run_plan.kept(l, h), plan.kept(l, h))) // 2
+                   for l in range(run_plan.n_layer) for h in range(run_plan.n_head_kv)]
+        assert max(swapped) <= (1 if "colsum" in cfg.observe[0] else 0), (i, swapped)
+        assert answer == again.ask(q, 8).text, i
+        assert again.last_reselection.source == "document" and again.store.extension is None
+        prev = prompt
+    s = conv.stats()
+    assert s["stored_turn_tokens"] == len(conv.store.extension.tokens) - conv.store.split > 0
+    assert s["stored_turns_bytes"] > s["store_bytes"]
+    conv.reset()   # /reset drops the kept turns: back to the document-only store
+    assert conv.store.extension is None and conv.stats()["stored_turn_tokens"] == 0
+    conv.ask(QS3[1], 8)
+    assert conv.last_reselection.source == "document"
+    conv.close()
+    again.close()
+    session.close()
+
+
+def test_kept_turns_fall_back_to_the_document_when_the_prompt_differs(tiny):
+    """A prompt that does not start with the kept conversation (an edited history) restores from the stored
+    document (column sums: they cover the kept queries only) or from what the two share (window sums), exactly."""
+    from kvcli.apps.chat import Turn
+    for policy in ("h2o", "snapkv"):
+        conv = conversation(tiny, policy=policy)
+        conv.ask(QS3[0], 8)
+        conv.ask(QS3[1], 8)
+        conv.turns[0] = Turn(QS3[0], "Another answer entirely.", "eog", 0, 5)   # the history rendered otherwise
+        conv.ask(QS3[2], 8)
+        r = conv.last_reselection
+        if policy == "h2o":
+            assert r.source == "document" and r.restored == conv.store.split
+        else:   # the first question and the start of its answer are shared with the kept conversation
+            assert r.source == "conversation" and conv.store.split < r.restored < len(conv.store.extension.tokens)
+        conv.close()
+
+
+def test_fresh_and_run_keep_no_turns(tiny, cli_runner, tmp_path):
+    """--fresh answers each question from the document alone and `kvcli run`'s several questions are each asked
+    alone: neither keeps the conversation in the stored cache."""
+    from kvcli.apps.chat import Repl
+    from kvcli.cli import cli
+    conv = conversation(tiny)
+    out = io.StringIO()
+    repl = Repl(conv, max_tokens=4, interactive=False, out=out, err=io.StringIO(), jsonl=True, fresh=True)
+    for q in QS3:
+        repl.handle(q)
+    rows = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [x["reselect_from"] for x in rows] == ["document"] * 3 and all(x["reselect_keep_s"] == 0 for x in rows)
+    assert conv.store.extension is None
+    conv.close()
+    doc = tmp_path / "d.txt"
+    doc.write_text(DOC, encoding="utf-8")
+    r = cli_runner.invoke(cli, ["run", "--model", str(tiny), "--doc", str(doc), "-p", "snapkv", "-b", "48", "-n", "4",
+                                "--json", *sum((["--question", q] for q in QS3), [])])
+    assert r.exit_code == 0, r.output
+    answers = json.loads(r.stdout)["answers"]
+    assert [a["stats"]["reselect_from"] for a in answers] == ["document"] * 3
+    assert all(a["stats"]["reselect_keep_s"] == 0 for a in answers)
 
 
 def test_first_answer_is_runs_answer_and_turns_survive(tiny):
@@ -134,7 +260,8 @@ def test_first_answer_is_runs_answer_and_turns_survive(tiny):
     conv.ask(q2, 8)
     text = conv.conversation_text("Third?")
     assert q1 in text and q2 in text and g1.text in text and text.index(q1) < text.index(q2)
-    assert conv.last_reselection.prefilled > len(conv.session.tokenize(q1))   # the first turn is re-read
+    r = conv.last_reselection   # the first turn restored from the conversation's stored cache, not prefilled again
+    assert r.source == "conversation" and r.restored > conv.store.split + len(conv.session.tokenize(q1))
     assert [t.question for t in conv.turns] == [q1, q2]
     conv.reset()
     assert conv.turns == [] and q1 not in conv.conversation_text("x")
@@ -176,6 +303,22 @@ def test_deleted_store_is_read_again_and_said(tiny):
     stored = conv.store.path
     conv.close()
     assert not stored.exists()   # a temporary store goes at exit
+
+
+def test_deleted_store_mid_conversation_reads_again_and_answers_the_same(tiny):
+    """The stored file deleted between two questions (the kept turns in memory): one line, the document read again,
+    the kept turns dropped with the old store, and the answer is the one the chat would have given."""
+    conv, ref = conversation(tiny), conversation(tiny, store_turns=False)
+    said = []
+    conv.notify = said.append
+    assert conv.ask(QS3[0], 6).text == ref.ask(QS3[0], 6).text
+    conv.store.path.unlink()
+    assert conv.ask(QS3[1], 6).text == ref.ask(QS3[1], 6).text
+    assert len(said) == 1 and "gone" in said[0] and conv.last_reselection.source == "document"
+    assert conv.ask(QS3[2], 6).text == ref.ask(QS3[2], 6).text
+    assert conv.last_reselection.source == "conversation"
+    conv.close()
+    ref.close()
 
 
 def test_policy_switch_reselects_without_reading_and_reads_for_colsum(tiny):
@@ -319,6 +462,11 @@ def test_unwritable_store_is_said_and_kept_in_memory(tiny, monkeypatch, tmp_path
     assert conv.ask(q, 6).text == first
     assert any("gone" in x for x in said) and any("No space left" in x and "memory" in x for x in said)
     assert conv.store.path is None and conv.store.snapshot is not None
+    n_said = len(said)
+    conv.ask("And the stone station?", 6)   # the kept turns need no disk: restored, nothing more said
+    assert conv.last_reselection.source == "conversation" and len(said) == n_said
+    conv.ask(q, 6)   # the conversation changed the history: drop the turns for the test below
+    conv.turns = conv.turns[:1]
     monkeypatch.setattr(kvc, "write", real)
     out = tmp_path / "saved.kvc"
     conv.save(out)   # /save writes it from memory

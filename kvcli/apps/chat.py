@@ -27,8 +27,12 @@ Prompt layout (see docs/terminal.md):
   turns, the new question) prefilled with observation, and the whole compressed to the budget by the policy,
   the new question's window scoring every entry: earlier turns are compressed with the document (they compete
   for the budget like any entry; the queries of a follow-up attend to them, so what it refers to is kept).
-  Each re-selection costs a prefill of the turns so far over the full cache: a long conversation makes it
-  slower, /reset makes it short again.
+  The conversation's turns are kept in the stored full cache: each re-selection keeps the whole prompt's full cache
+  (before compacting it) beside the stored document, in memory (StoredDocument.extension), and the next question
+  restores it and prefills only what is new, the last answer (generated over the compressed cache, so not in the
+  full cache) and the new question, or the policy's window when that is longer; a prompt that does not start with
+  it restores from the document (exact either way: tests/test_reselect.py). /reset and --fresh drop the kept turns;
+  `kvcli run`'s several questions, each asked alone, keep none (`store_turns`).
 
 Turns are templated with the model's own chat template: the text between turns is read off
 renderings of probe conversations (TurnFormat), so any template llama.cpp applies works.
@@ -175,6 +179,7 @@ class Conversation:
     last_reselection: object = None       # re-selected: the Reselection of the last question
     notify: object = None                 # re-selected: called with a line to tell the user (the store re-read)
     prompt_len: int = 0                   # re-selected: tokens of the last question's whole prompt
+    store_turns: bool = True              # re-selected: keep the conversation's turns in the stored full cache
 
     def __post_init__(self):
         if self.policy == "full":   # re-selected with `full` (kvcli run's several questions): the whole stored
@@ -290,7 +295,8 @@ class Conversation:
             self.read_store_keeping_turns()
         self._store_colsum_for(cfg)
         try:
-            self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq)
+            self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq,
+                                                        extend=self.store_turns)
         except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
             self.session.clear(self.seq)
             raise
@@ -399,8 +405,10 @@ class Conversation:
 
     def reset(self) -> None:
         """Back to the compressed document: every turn's cells are removed."""
-        if self.reselect:   # the next question starts again from the stored document
+        if self.reselect:   # the next question starts again from the stored document: the kept turns go
             self.turns, self.last_reselection, self.prompt_len = [], None, 0
+            if self.store is not None:
+                self.store.extension = None
             return
         pos, cells = self.reset_mark
         self._truncate(pos)
@@ -466,8 +474,11 @@ class Conversation:
                  next_pos=self._st().next_pos, n_ctx=self.session.n_ctx, peak_rss_bytes=peak_rss_bytes())
         s["mode"] = self.mode
         if self.reselect and self.store is not None:
+            ext = self.store.extension
             s.update(store_bytes=self.store.nbytes, store_path=str(self.store.path) if self.store.path else None,
-                     document_read_s=round(self.store.read_s, 4))
+                     document_read_s=round(self.store.read_s, 4),
+                     stored_turn_tokens=0 if ext is None else ext.split - self.store.split,
+                     stored_turns_bytes=0 if ext is None else ext.nbytes)
             if self.last_reselection is not None:
                 s.update(self.last_reselection.as_stats())
         return s
@@ -518,8 +529,13 @@ class Conversation:
                            f"cache stored: {self.store.nbytes / 1e6:.2f} MB "
                            f"({self.store.path or 'in memory'}); last re-selection: "
                            + ("none yet" if r is None else
-                              f"{r.total_s:.2f}s (restore {r.restore_s:.2f}s of {r.restored} entries, prefill "
-                              f"{r.prefill_s:.2f}s of {r.prefilled} tokens, plan and compaction {r.plan_s:.2f}s)"))
+                              f"{r.total_s:.2f}s (restore {r.restore_s:.2f}s of {r.restored} entries from the "
+                              f"{'conversation' if r.source == 'conversation' else 'stored document'}, prefill "
+                              f"{r.prefill_s:.2f}s of {r.prefilled} tokens, plan and compaction {r.plan_s:.2f}s"
+                              + (f", turns kept {r.keep_s:.2f}s" if r.keep_s else "") + ")")
+                           + ("" if self.store.extension is None else
+                              f"; the conversation's full cache kept in memory: {s['stored_turn_tokens']} tokens "
+                              f"after the document ({s['stored_turns_bytes'] / 1e6:.2f} MB with it)"))
         else:
             rows.insert(0, f"mode: {self.mode}, compressed once")
         for il in range(len(s["per_layer_cells"])):
@@ -729,6 +745,7 @@ class Repl:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.n_answers = 0
         conv.notify = self.say
+        conv.store_turns = not fresh   # every question alone: no turns to keep for the next one
 
     def say(self, text: str) -> None:
         print(text, file=self.err, flush=True)

@@ -252,6 +252,7 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
             raise KvcliError(f"--out: {e}") from None
     model = model or config.get("model")
     conv, reads = open_questions_conversation(ctx, req, docs, cache_path, model, system, no_template, engine, quiet)
+    conv.store_turns = False   # each question alone: no conversation to keep in the stored cache
     sampler = req.sampler()
     answers, stopped = [], None
     try:

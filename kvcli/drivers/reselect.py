@@ -20,6 +20,17 @@ its last STORE_TAIL tokens), and, when a column-sum policy (h2o, d2o) is used, t
 - K/V rows: read from the cache as restored.
 (tests/test_reselect.py checks both engines against `run`'s single prefill: L2 for the observation, L1 for the plan.)
 
+A conversation's turns (`extend=True`, kvcli chat): after the prefill and before the compaction, the sequence holds
+the exact full cache of the whole prompt (the document, the earlier turns, the new question). It is kept beside the
+stored document as its `extension` (in memory: see `Extension`), with the column sums of all its queries when they
+were observed (the stored ones + the prefilled rest's; a stored query's sums over later keys are zero by causality).
+The next question's prompt starts with it (the same turns and question, then the answer and the new question), so
+it restores the extension and prefills only what is new: the answer (generated over the compressed cache, so not in
+the full cache) and the new question, or the policy's window if that is longer. Whichever of the two it restores
+from, `common_prefix` with the prompt bounds what is restored, so the observation stays one prefill's: a prompt the
+template renders otherwise (an interrupted turn dropped, /reset) restores from the document, as does a column-sum
+policy whose window would reach into the extension or that lacks its sums.
+
 The stored file is a `.kvc` file of the full cache with a "store" section (kvcli/kvc.py): model-bound,
 checksummed, written atomically; `kvcli compress --store` writes one, and `kvcli run/chat --cache FILE --policy P
 --budget N` re-select from it. A plain `kvcli compress --policy full` file re-selects too (no column sums: window
@@ -70,15 +81,38 @@ class Reselection:
     prefill_s: float
     plan_s: float            # planning + compaction
     plan: object = None
+    source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension)
+    keep_s: float = 0.0      # extend=True: keeping the prompt's full cache as the extension (save_seq)
 
     @property
     def total_s(self) -> float:
-        return self.restore_s + self.prefill_s + self.plan_s
+        return self.restore_s + self.prefill_s + self.plan_s + self.keep_s
 
     def as_stats(self) -> dict:
         return {"reselect_s": round(self.total_s, 4), "reselect_restore_s": round(self.restore_s, 4),
                 "reselect_prefill_s": round(self.prefill_s, 4), "reselect_plan_s": round(self.plan_s, 4),
+                "reselect_keep_s": round(self.keep_s, 4), "reselect_from": self.source,
                 "reselect_restored_tokens": self.restored, "reselect_prefilled_tokens": self.prefilled}
+
+
+@dataclass
+class Extension:
+    """The exact full cache of a whole prompt (the stored document, then a conversation's turns and question), kept
+    by a re-selection before it compacted (StoredDocument.reselect(extend=True)), for the next question to restore.
+
+    Kept in memory (`snapshot`, the sequence's saved state), not written to the document's file: the next question
+    restores it without reading and checking a file, no question writes one (tens to hundreds of MB, fsynced), the
+    file stays the document's store that any other question or chat can start from, and a full or vanished disk
+    does not touch it. It costs one state of the prompt's size in memory beside the KV buffer (94 MB at 8k tokens on
+    qwen2.5-coder-0.5b), which only one of is held at a time (the old one is dropped before the new one is saved)."""
+    tokens: list[int]
+    snapshot: object
+    colsum: np.ndarray | None = None   # [n_layer, n_head, len(tokens)]: every query's column sums, or None
+    nbytes: int = 0
+
+    @property
+    def split(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass
@@ -96,6 +130,7 @@ class StoredDocument:
     read_s: float = 0.0              # the one prefill of the document
     keep: bool = True
     meta: dict = field(default_factory=dict)   # what the file's .kvc header carries besides (document, system)
+    extension: Extension | None = None         # the last re-selected prompt's full cache (extend=True)
 
     # ------------------------------------------------------------------ reading once
     @classmethod
@@ -176,20 +211,51 @@ class StoredDocument:
                          "turns": f.meta["conversation"].get("turns", []), "store": bool(st)})
 
     # ------------------------------------------------------------------ per question
-    def restore_point(self, n_prompt: int, cfg: Compression) -> int:
-        """How many stored entries to put back for a prompt of n_prompt tokens: all `split`, or fewer when the
-        policy's window reaches into them (a column-sum policy cannot be cut back: its sums are split's)."""
+    def restore_point(self, n_prompt: int, cfg: Compression, split: int | None = None) -> int:
+        """How many stored entries (of `split`: the document's, or the extension's) to put back for a prompt of
+        n_prompt tokens: all, or fewer when the policy's window reaches into them (a column-sum policy cannot be cut
+        back: its sums are split's)."""
         kinds, window = cfg.observe
-        r = self.split
+        r = self.split if split is None else split
         if "window" in kinds and n_prompt - r < window:
             if "colsum" in kinds:
                 raise KvcliError(f"the policy's window ({window}) reaches into the stored document, whose column "
-                                 f"sums cover its first {self.split} tokens: lower window=")
+                                 f"sums cover its first {r} tokens: lower window=")
             r = max(0, n_prompt - window)
         return r
 
-    def restore(self, session: Session, seq: int, upto: int) -> None:
-        """Put the stored entries of positions 0..upto-1 back into `seq` (its previous cells are dropped)."""
+    def _extension_for(self, prompt: list[int], cfg: Compression) -> tuple[Extension | None, int]:
+        """The extension and how many of its entries to restore, when restoring it puts back more of `prompt`
+        than the document does, exactly; else (None, 0)."""
+        ext = self.extension
+        if ext is None:
+            return None, 0
+        n, kinds = len(prompt), cfg.observe[0]
+        same = common_prefix(ext.tokens, prompt)
+        if "colsum" in kinds:   # its sums cover all its queries: usable whole or not at all
+            if ext.colsum is None or same < ext.split or ("window" in kinds and n - ext.split < cfg.observe[1]):
+                return None, 0
+            r = ext.split
+        else:
+            r = min(self.restore_point(n, cfg, ext.split), same)
+        try:
+            base = min(self.restore_point(n, cfg), common_prefix(self.tokens, prompt))
+        except KvcliError:
+            base = -1
+        return (ext, r) if base < r < n else (None, 0)
+
+    def restore(self, session: Session, seq: int, upto: int, extension: Extension | None = None) -> None:
+        """Put the stored entries (or the extension's) of positions 0..upto-1 back into `seq` (its previous cells
+        are dropped)."""
+        if extension is not None:
+            snap = extension.snapshot
+            if hasattr(snap, "state"):   # native: the saved state puts back its cells as they were
+                snap = type(snap)(state=snap.state, next_pos=snap.next_pos, cells=snap.cells,
+                                  prompt_tokens=snap.prompt_tokens, rope=snap.rope)
+            session.restore_seq(snap, seq)
+            if upto < extension.split:
+                session.truncate(seq, upto)
+            return
         if self.snapshot is not None:
             snap = self.snapshot
         else:
@@ -205,40 +271,58 @@ class StoredDocument:
             session.truncate(seq, upto)
 
     def reselect(self, session: Session, prompt: list[int], cfg: Compression, *, seq: int = 0,
-                 progress=None, on_step=None) -> Reselection:
+                 progress=None, on_step=None, extend: bool = False) -> Reselection:
         """Restore, prefill the rest of `prompt` with the observation `cfg` needs, plan and compact: `seq` then
         holds `prompt` compressed for its own last tokens (the question), ready to decode. `on_step(obs, plan)`
-        is called before the plan is applied (tests compare the observation with `run`'s)."""
+        is called before the plan is applied (tests compare the observation with `run`'s).
+
+        Restores from the extension when it puts back more of `prompt` exactly (`_extension_for`), else from the
+        stored document. `extend`: keep the prompt's full cache, as it is before the compaction, as the new
+        extension (a conversation, whose next prompt starts with this one)."""
         n = len(prompt)
-        same = common_prefix(self.tokens, prompt)
-        if same < self.split and "colsum" in cfg.observe[0]:
-            raise KvcliError("the prompt does not start with the stored document's tokens")
-        r = min(self.restore_point(n, cfg), same)
-        if r >= n:
-            raise KvcliError("the prompt ends inside the stored document: nothing to ask")
-        if "colsum" in cfg.observe[0] and self.colsum is None:
-            raise NoColsum(f"policy '{cfg.policy}' scores by column sums, which the stored document lacks")
+        ext, r = self._extension_for(prompt, cfg)
+        if ext is None:
+            same = common_prefix(self.tokens, prompt)
+            if same < self.split and "colsum" in cfg.observe[0]:
+                raise KvcliError("the prompt does not start with the stored document's tokens")
+            r = min(self.restore_point(n, cfg), same)
+            if r >= n:
+                raise KvcliError("the prompt ends inside the stored document: nothing to ask")
+            if "colsum" in cfg.observe[0] and self.colsum is None:
+                raise NoColsum(f"policy '{cfg.policy}' scores by column sums, which the stored document lacks")
+        sums = self.colsum if ext is None else ext.colsum
         t0 = time.perf_counter()
-        self.restore(session, seq, r)
+        self.restore(session, seq, r, ext)
         t1 = time.perf_counter()
         compresses = cfg.compresses(n)
         kinds, window = cfg.observe if compresses else ((), 0)
         obs = session.prefill(list(prompt[r:]), seq=seq, observe=kinds, window=window, progress=progress)
         t2 = time.perf_counter()
+        if obs is not None and obs.colsum is not None:   # the stored queries' sums + the rest's: the whole prompt's
+            obs.colsum = obs.colsum.copy()
+            obs.colsum[:, :, :sums.shape[2]] += sums
+        keep_s = 0.0
+        if extend:
+            self.extension = None   # one state held at a time: the old one goes before the new one is saved
+            snap = session.save_seq(seq)
+            colsum = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :n],
+                                                                                         np.float32)
+            self.extension = Extension(tokens=list(prompt), snapshot=snap, colsum=colsum,
+                                       nbytes=len(getattr(snap, "state", b"")))
+            keep_s = time.perf_counter() - t2
+        t3 = time.perf_counter()
         plan = None
         if compresses:
             if obs is None:   # a policy that observes nothing (streamingllm) plans from positions alone
                 obs = shape_observation(session.info, n)
-            if obs.colsum is not None:
-                obs.colsum = obs.colsum.copy()
-                obs.colsum[:, :, :self.split] += self.colsum
             plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
             if on_step is not None:
                 on_step(obs, plan)
             del obs
             session.apply_plan(plan, seq=seq)
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
-                           plan_s=time.perf_counter() - t2, plan=plan)
+                           plan_s=time.perf_counter() - t3, plan=plan,
+                           source="document" if ext is None else "conversation", keep_s=keep_s)
 
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:
@@ -256,7 +340,7 @@ class StoredDocument:
         """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache)."""
         if self.path is not None and not self.keep:
             self.path.unlink(missing_ok=True)
-        self.snapshot = None
+        self.snapshot = self.extension = None
 
 
 class StoreMissing(KvcliError):
