@@ -66,6 +66,7 @@ from kvcli import policies
 from kvcli.drivers import chunked, compress
 from kvcli.planning.planner import make_plan
 from kvcli.drivers.chunked import MIN_CHUNK
+from kvcli.drivers.reconstruct import reconstruct, repeat_room
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.templating import build_prompt
@@ -87,6 +88,8 @@ class Thresholds:
     l2_window_atol: float = 0.15    # L2: max abs difference of window sums / window length (measured as
     #                                 per-probability differences, 0.090, before observations were reduced)
     l2_colsum_rtol: float = 0.05    # L2: max abs difference of column sums / max column sum
+    l2_colmax_atol: float = 0.15    # L2: max abs difference of column maxima (kvzip's reconstruction scores:
+    #                                 probabilities, so per-probability as l2_window_atol)
     l2_kv_rtol: float = 0.1         # L2: max abs difference of K (and of V) rows / max abs K (V) value
     # L2: the fraction of K (V) rows that may exceed l2_kv_rtol, each only where the native engine's other
     # precision setting (f32 cache without flash attention vs f16 cache with it) moves that row at least as
@@ -118,6 +121,7 @@ class Thresholds:
         "l1_merge_atol": "L1: merged K/V rows and log_mult, native vs torch planner (max abs)",
         "l2_window_atol": "L2: window attention summed over the window queries / window length (max abs)",
         "l2_colsum_rtol": "L2: column sums (max abs / max column sum)",
+        "l2_colmax_atol": "L2: column maxima of the reconstruction pass (kvzip; max abs)",
         "l2_kv_rtol": "L2: K and V rows (max abs / max abs value)",
         "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where the native engine's "
                                 "own other precision setting moves the row as far (0: none)",
@@ -143,7 +147,7 @@ class Thresholds:
     @classmethod
     def tight(cls) -> "Thresholds":
         """For float32 GGUFs checked with an f32 cache and flash attention off (the tests' tiny models)."""
-        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_kv_rtol=1e-4, l2_kv_sensitive_rows=0.0,
+        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_colmax_atol=1e-4, l2_kv_rtol=1e-4, l2_kv_sensitive_rows=0.0,
                    l3_kl_max_f32=1e-6, l3_kl_max_f16=1e-6, l3_kl_max_q8_0=1e-6, l3_logits_atol_f32=1e-3,
                    l3_logits_atol_f16=1e-3, l3_logits_atol_q8_0=1e-3, l3_greedy_min=1.0,
                    plan_jaccard_min=0.95, plan_kl_max=1e-6, plan_greedy_min=1.0)
@@ -272,6 +276,10 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         r = compare_arrays(native.colsum, reference.colsum)
         r["pass"] = r["rel"] <= th.l2_colsum_rtol
         out["colsum"] = r
+    if native.colmax is not None and reference.colmax is not None:
+        r = compare_arrays(native.colmax, reference.colmax)
+        r["pass"] = r["max_abs"] <= th.l2_colmax_atol
+        out["colmax"] = r
     twin: list = []   # the twin observation, taken at most once
 
     def twin_rows(name):
@@ -576,7 +584,11 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if n >= native.n_ctx_train:
         raise KvcliError(f"the prompt is {n} tokens, the model's context is {native.n_ctx_train}: use --doc-tokens")
     window = observed_windows(specs, names, settings.l2_window, n)
-    n_ctx = -(-(n + settings.n_tokens + 8) // 256) * 256
+    # kvzip's reconstruction pass needs room after the prompt (kvcli/drivers/reconstruct.py); both engines get the
+    # same context, so they feed the same passes
+    recon = [c.params["repeat_chunk"] for c in specs.values() if "colmax" in c.spec.needs]
+    room = max([settings.n_tokens + 8] + [repeat_room(n, r) for r in recon])
+    n_ctx = -(-(n + room) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
     # L1 compares the two planners on the native observation: it needs no reference engine
     reference = None
@@ -593,8 +605,9 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if reference is not None:
         log("reference prefill")
         runnable = [c for c in specs.values() if c.spec.native and c.spec.reference]
-        shared = compress.Shared(reference, tokens, runnable if 3 in levels else [], observe=("window", "colsum", "kv"),
-                                 window=window, planner="reference")
+        shared = compress.Shared(reference, tokens, runnable if 3 in levels else [],
+                                 observe=("window", "colsum", "kv") + (("colmax",) if recon else ()),
+                                 window=window, planner="reference", repeat_chunk=max(recon, default=None))
         if shared.error is not None or shared.obs_error is not None:
             raise shared.error or shared.obs_error
         base_obs = shared.obs
@@ -606,6 +619,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         try:
             native.clear(0)
             nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
+            if recon:   # the reconstruction pass's column maxima (kvzip), as the reference's Shared prefill made them
+                nat_obs.colmax, _ = reconstruct(native, tokens, 0, max(recon))
             twin = PrecisionTwin(model_path, tokens, settings, native.n_ctx)
             report["l2"] = compare_observations(nat_obs, base_obs, th, twin)
             _note_twin(report["l2"], twin, native.info)

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcli import policies
+from kvcli.drivers.reconstruct import repeat_room
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
 from kvcli.session import Session
@@ -119,8 +121,11 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
                              "and --budget to read it in chunks")
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
+    one_prefill = one_prefill_only(policy)
+    if one_prefill:   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
+        reserve = max(reserve, repeat_room(n_prompt, policies.get(policy).param("repeat_chunk").default))
     bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK    # bounded reading by default
-               and n_prompt * cell_bytes > bounded_above_bytes())
+               and n_prompt * cell_bytes > bounded_above_bytes() and not one_prefill)
     if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
@@ -140,10 +145,23 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         raise KvcliError(f"budget {budget} + chunk {chunk} + {room} cells for the answer do not fit {where}")
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
+    if one_prefill:
+        refuse_chunked(policy, f"the prompt ({n_prompt} tokens) is longer than {where}" if not fits else
+                       f"--chunk {chunk} is shorter than the prompt ({n_prompt} tokens)")
     n_ctx = max_cache if max_cache else min(_pad(budget + chunk + reserve), n_ctx_train)
     why = "the prompt does not fit the context" if not fits else "bounded reading (the default with a budget)" \
         if bounded and not max_cache else f"--chunk {chunk}"
     return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)
+
+
+def one_prefill_only(policy: str) -> bool:
+    """Policies that are read in one prefill only: kvzip, whose reconstruction pass re-reads the whole prompt."""
+    return policy != "full" and "colmax" in policies.get(policy).needs
+
+
+def refuse_chunked(policy: str, why: str) -> None:
+    raise KvcliError(f"policy '{policy}' reads the prompt in one prefill (its reconstruction pass re-reads the whole "
+                     f"prompt) and cannot read it in chunks: {why}")
 
 
 @dataclass
@@ -225,6 +243,8 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
     if window > chunk:
+    if "colmax" in observe:
+        refuse_chunked(policy, f"asked to read {len(tokens)} tokens in chunks of {chunk}")
         raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
     probe = list(tokens[-window:]) if scoring == "question" and "window" in observe else []
     chunk_observe = tuple(k for k in observe if k != "window") if probe else observe

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from kvcli.drivers.chunked import read_in_chunks
+from kvcli.drivers.reconstruct import reconstruct
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
 from kvcli.planning.planner import CompressReport, Compression, make_plan, resolve, session_cells, shape_observation
@@ -60,12 +61,15 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
         return CompressReport(cfg.policy, cfg.budget, n, time.perf_counter() - t0, note=cfg.fit_note(n),
                               peak_cells=session_cells(session, seq))
     observe, window = cfg.observe
-    obs = session.prefill(tokens, seq=seq, observe=observe, window=window, progress=progress)
+    obs = session.prefill(tokens, seq=seq, observe=_prefill_kinds(observe), window=window, progress=progress)
     prefill_s = time.perf_counter() - t0
     peak = session_cells(session, seq)
     if obs is None:  # a policy that observes nothing (streamingllm) plans from the shapes alone
         obs = shape_observation(session.info, n)
     t1 = time.perf_counter()
+    recon_s = None
+    if "colmax" in observe:   # kvzip: the reconstruction pass (kvcli/drivers/reconstruct.py), timed on its own
+        obs.colmax, recon_s = reconstruct(session, tokens, seq, cfg.params["repeat_chunk"])
     plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
     if on_step is not None:
         on_step(0, obs, plan)
@@ -73,7 +77,12 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
     if compresses:
         session.apply_plan(plan, seq=seq)
     return CompressReport(cfg.policy, cfg.budget, n, prefill_s, time.perf_counter() - t1, plan, params=cfg.params,
-                          note=cfg.fit_note(n), peak_cells=peak)
+                          note=cfg.fit_note(n), peak_cells=peak, reconstruct_s=recon_s)
+
+
+def _prefill_kinds(kinds) -> tuple:
+    """What the prefill itself observes: column maxima come from the reconstruction pass after it (kvzip)."""
+    return tuple(k for k in kinds if k != "colmax")
 
 
 @dataclass
@@ -97,12 +106,16 @@ class Shared:
     its plan. `first`: the logits after the prefill (a restored sequence's next token comes from them);
     `prefill_s`: the prefill's seconds.
 
+    A configuration that observes column maxima (kvzip) gets them from one reconstruction pass after the prefill
+    (kvcli/drivers/reconstruct.py; `repeat_chunk`: its chunk, else the largest of the configurations'),
+    `reconstruct_s` its seconds.
+
     A failing prefill is each configuration's error (`Applied.error`); when the observing prefill fails with
     a KvcliError, the prompt is prefilled again without observation for the configurations that need none.
     """
 
     def __init__(self, session: Session, tokens: list[int], cfgs: list[Compression], *, seq: int = 0,
-                 observe=(), window=(), planner: str | None = None):
+                 observe=(), window=(), planner: str | None = None, repeat_chunk: int | None = None):
         self.session, self.seq, self.n = session, seq, len(tokens)
         self.planner = planner or session.engine
         kinds, windows = set(observe), set((window,) if isinstance(window, int) else window)
@@ -113,11 +126,12 @@ class Shared:
                 if "window" in k:
                     windows.add(w)
         self.obs = self.first = self.state = self.error = self.obs_error = None
-        self.prefill_s, self.used = 0.0, False
+        self.prefill_s, self.used, self.reconstruct_s = 0.0, False, None
         try:
             t0 = time.perf_counter()
             try:
-                self.obs = session.prefill(tokens, seq=seq, observe=tuple(sorted(kinds)), window=tuple(sorted(windows)))
+                self.obs = session.prefill(tokens, seq=seq, observe=_prefill_kinds(sorted(kinds)),
+                                           window=tuple(sorted(windows)))
             except KvcliError as e:
                 if not kinds or all(c.compresses(self.n) and c.observe[0] for c in cfgs):
                     raise
@@ -128,6 +142,9 @@ class Shared:
             self.prefill_s = time.perf_counter() - t0
             if self.obs is None:  # nothing observed: positions are all a plan needs (streamingllm)
                 self.obs = shape_observation(session.info, self.n)
+            if "colmax" in kinds and self.obs_error is None:   # kvzip's reconstruction pass, once for all
+                repeat = repeat_chunk or max(c.params["repeat_chunk"] for c in cfgs if "colmax" in c.observe[0])
+                self.obs.colmax, self.reconstruct_s = reconstruct(session, tokens, seq, repeat)
             self.first = session.logits(seq)
             if len(cfgs) > 1:
                 self.state = session.save_seq(seq)

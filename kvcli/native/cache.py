@@ -33,7 +33,9 @@ from kvcli.planning.formats import Observation, Plan
 
 OBS_WINDOW = 1
 OBS_COLSUM = 2
-_KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "kv": 0}
+OBS_COLMAX = 4
+_KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "colmax": OBS_COLMAX, "kv": 0}
+_SUMS = {"window", "colsum", "colmax"}   # the kinds the graph reduces (the others: positions, a K/V reader)
 
 
 
@@ -41,7 +43,7 @@ def _kinds_bits(kinds) -> int:
     bits = 0
     for k in kinds:
         if k not in _KIND_BITS:
-            raise KvcliError(f"unknown observation kind '{k}' (choose from window, colsum, kv)")
+            raise KvcliError(f"unknown observation kind '{k}' (choose from window, colsum, colmax, kv)")
         bits |= _KIND_BITS[k]
     return bits
 
@@ -101,7 +103,7 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
     n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
     obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=int(shapes.n_head_kv),
                       head_dim=int(shapes.head_dim), n=n, positions=seq_positions(ctx, seq))
-    if kinds & {"window", "colsum"}:
+    if kinds & _SUMS:
         n_obs = L.check(L.kvcli_observe_n_slots(ctx), "observation")
         if n_obs != n:
             raise KvcliError(f"the observation covers {n_obs} slots but sequence {seq} has {n}: "
@@ -116,7 +118,9 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
         obs.window_sums, obs.windows = np.empty((len(windows), n_layer, n_head, n), np.float32), windows
     if "colsum" in kinds:
         obs.colsum = np.empty((n_layer, n_head, n), np.float32)
-    if kinds & {"window", "colsum"}:
+    if "colmax" in kinds:
+        obs.colmax = np.empty((n_layer, n_head, n), np.float32)
+    if kinds & _SUMS:
         # layer by layer, each layer's accumulators released once copied: the host never holds both copies
         for i, il in enumerate(kv_layer_ids(shapes)):
             for iw in range(len(obs.windows)):
@@ -125,6 +129,9 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
             if obs.colsum is not None:
                 L.check(L.kvcli_observe_read_colsum(ctx, il, obs.colsum[i].ctypes.data_as(F32P)),
                         "reading column sums")
+            if obs.colmax is not None:
+                L.check(L.kvcli_observe_read_colmax(ctx, il, obs.colmax[i].ctypes.data_as(F32P)),
+                        "reading column maxima")
             L.check(L.kvcli_observe_release(ctx, il), "releasing the observation")
     if "kv" in kinds:   # read one layer at a time, when a planner asks (Observation.kv_reader)
         obs.kv_reader = KvReader(ctx, seq, shapes, obs.positions)

@@ -36,7 +36,7 @@ class ObsView(ctypes.Structure):
         ("n_layer", c_int32), ("n_head", c_int32), ("n_head_kv", c_int32), ("head_dim", c_int32),
         ("n_slots", c_int32), ("n_windows", c_int32), ("windows", I32P),
         ("window_sums", F32P), ("colsum", F32P), ("keys", F32P), ("values", F32P),
-        ("read_kv", KV_READER), ("read_kv_user", c_void_p),
+        ("read_kv", KV_READER), ("read_kv_user", c_void_p), ("colmax", F32P),
     ]
 
 
@@ -67,6 +67,7 @@ _SIGNATURES = {
     "kvcli_observe_n_window": (c_int32, [c_void_p, c_int32]),
     "kvcli_observe_read_window_sum": (c_int32, [c_void_p, c_int32, c_int32, F32P]),
     "kvcli_observe_read_colsum": (c_int32, [c_void_p, c_int32, F32P]),
+    "kvcli_observe_read_colmax": (c_int32, [c_void_p, c_int32, F32P]),
     "kvcli_observe_release": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_n_slots": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_read_kv": (c_int32, [c_void_p, c_int32, c_int32, c_int32, F32P]),
@@ -232,11 +233,11 @@ def obs_view(obs: Observation) -> tuple[ObsView, list]:
     return them), with its kv_reader as the planner's K/V reader when it holds no K/V arrays; the returned
     list keeps them alive (the last item: the reader's callback, None without one)."""
     arrs = [None if a is None else np.ascontiguousarray(a, np.float32)
-            for a in (obs.window_sums, obs.colsum, obs.keys, obs.values)]
+            for a in (obs.window_sums, obs.colsum, obs.keys, obs.values, obs.colmax)]
     windows = np.asarray(obs.windows, np.int32)
     cb = _KvCallback(obs) if obs.kv_reader is not None and (obs.keys is None or obs.values is None) else None
     v = ObsView(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, len(obs.windows), _i32(windows),
-                *[_f32(a) for a in arrs], cb.fn if cb else KV_READER(), None)
+                *[_f32(a) for a in arrs[:4]], cb.fn if cb else KV_READER(), None, _f32(arrs[4]))
     return v, arrs + [windows, cb]
 
 

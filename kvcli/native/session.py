@@ -297,7 +297,7 @@ class NativeSession:
         windows = window_lengths(window, len(tokens)) if "window" in observe else ()
         t0 = time.perf_counter()
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
-        armed = bool(set(observe) & {"window", "colsum"})
+        armed = bool(set(observe) & {"window", "colsum", "colmax"})
         if armed:
             cache.observe_begin(self.ctx, seq, observe,
                                 window_pos0=[st.next_pos + len(tokens) - w for w in windows])

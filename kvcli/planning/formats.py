@@ -37,6 +37,9 @@ class Observation:
     # instead of keys/values (the native engine): reads one layer's K/V rows on demand from the live cache,
     # valid until the sequence changes; the planners hold one layer's rows at a time (`layer_kv`)
     kv_reader: KvReader | None = None
+    # [n_layer, n_head, n]: the largest attention probability any observed query gave each slot (kvzip's
+    # reconstruction pass, kvcli/drivers/reconstruct.py)
+    colmax: np.ndarray | None = None
 
     @property
     def has_kv(self) -> bool:
@@ -78,6 +81,7 @@ class Observation:
         kinds = set(kinds)
         out = replace(self, window_sums=None, windows=(),
                       colsum=self.colsum if "colsum" in kinds else None,
+                      colmax=self.colmax if "colmax" in kinds else None,
                       keys=self.keys if "kv" in kinds else None, values=self.values if "kv" in kinds else None,
                       kv_reader=self.kv_reader if "kv" in kinds else None)
         if "window" in kinds:
@@ -94,6 +98,7 @@ class Observation:
         shapes = {
             "window_sums": (len(self.windows), self.n_layer, self.n_head, self.n),
             "colsum": (self.n_layer, self.n_head, self.n),
+            "colmax": (self.n_layer, self.n_head, self.n),
             "keys": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
             "values": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
             "positions": (self.n,),

@@ -28,7 +28,7 @@ class CompressReport:
     budget: int | None
     n_tokens: int
     prefill_s: float
-    compress_s: float = 0.0      # planning + applying, after the prefill
+    compress_s: float = 0.0      # planning + applying, after the prefill (and kvzip's reconstruction pass)
     plan: Plan | None = None
     note: str = ""
     params: dict | None = None   # the resolved policy parameters (e.g. the task windowkv's auto picked)
@@ -37,10 +37,13 @@ class CompressReport:
     steps: list = field(default_factory=list)   # chunked: one ChunkStep per chunk
     peak_cells: int | None = None                # most cells the sequence held while the prompt was read
     scoring: str | None = None   # chunked: which queries scored the chunks ("question" or "chunk")
+    reconstruct_s: float | None = None   # kvzip: the reconstruction pass's seconds (part of compress_s)
 
     def as_stats(self) -> dict:
         """The figures of the prefill that go into `--json` stats."""
         out = {} if self.peak_cells is None else {"peak_kv_cells": self.peak_cells}
+        if self.reconstruct_s is not None:
+            out["reconstruct_s"] = round(self.reconstruct_s, 4)
         if self.chunk is not None:
             out.update({"chunk": self.chunk, "chunks": len(self.steps), "cache_cap": self.cap,
                         "chunk_scoring": self.scoring})

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 def chunked_note(spec) -> str:
     """What a policy keeps across chunks (for `kvcli policies --explain`)."""
+    if "colmax" in spec.needs:
+        return ("Chunked prefill: not available. The reconstruction pass feeds the whole prompt again after it, so "
+                f"'{spec.name}' reads a prompt in one prefill (the context holds the prompt + one reconstruction "
+                "chunk); bounded reading does not turn on by itself for it, and a prompt longer than the model's "
+                "context or --max-cache, or --chunk N shorter than the prompt, is refused in one line.")
     if spec.name == "full":
         return ("Chunked prefill: not available (full keeps every token, so a document longer than the context "
                 "cannot be read; choose a compressing policy).")

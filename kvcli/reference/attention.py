@@ -78,11 +78,13 @@ class Observer:
     window_pos0: tuple = ()                            # per window length: queries at positions >= this
     window: list = field(default_factory=list)         # per window length, per observed layer: [n_head, L] float64
     colsum: list = field(default_factory=list)         # per observed layer: [n_head, L] float64
+    colmax: list = field(default_factory=list)         # per observed layer: [n_head, L], the largest probability
 
     def __post_init__(self):
         self.index = {il: i for i, il in enumerate(self.layers)}
         self.window = [[None] * len(self.layers) for _ in self.window_pos0]
         self.colsum = [None] * len(self.layers)
+        self.colmax = [None] * len(self.layers)
 
     def observes(self, layer: int) -> bool:
         return layer in self.index
@@ -98,6 +100,9 @@ class Observer:
                     self.window[i][layer] = _add(self.window[i][layer], probs[:, rows, :].to(torch.float64).sum(dim=1))
         if "colsum" in self.kinds:
             self.colsum[layer] = _add(self.colsum[layer], probs.to(torch.float64).sum(dim=1))
+        if "colmax" in self.kinds:   # a maximum adds no rounding: kept in the probabilities' own precision
+            m = probs.amax(dim=1)
+            self.colmax[layer] = m if self.colmax[layer] is None else torch.maximum(self.colmax[layer], m)
 
 
 def _add(acc: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active
 from kvcli.reference.model import forward_cached, load, use_rope_context
 from kvcli.templating import gguf_special_token_ids, render_chat
 
-OBSERVE_KINDS = ("window", "colsum", "kv")
+OBSERVE_KINDS = ("window", "colsum", "colmax", "kv")
 
 
 @dataclass
@@ -222,7 +222,7 @@ class ReferenceSession:
             return None
         windows = window_lengths(window, len(tokens)) if "window" in observe else ()
         self._check_room(len(tokens))
-        kinds = frozenset(observe) & {"window", "colsum"}
+        kinds = frozenset(observe) & {"window", "colsum", "colmax"}
         observer = Observer(self.info.kv_layers, kinds, tuple(st.next_pos + len(tokens) - w for w in windows)) \
             if kinds else None
         t0 = time.perf_counter()
@@ -243,6 +243,8 @@ class ReferenceSession:
             obs.windows = windows
         if "colsum" in observe:
             obs.colsum = torch.stack(observer.colsum).to(torch.float32).numpy()
+        if "colmax" in observe:
+            obs.colmax = torch.stack(observer.colmax).to(torch.float32).numpy()
         if "kv" in observe:
             # K in llama.cpp's dimension order, as the native engine reports it (see hf_to_gguf_dims)
             layers = [st.cache.layers[il] for il in i.kv_layers]

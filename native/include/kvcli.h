@@ -37,6 +37,7 @@ KVCLI_API const char * kvcli_last_error(void);     // message of the last failed
 enum kvcli_obs_kind {
     KVCLI_OBS_WINDOW = 1,   // attention of the window queries summed over the window, per query head and slot
     KVCLI_OBS_COLSUM = 2,   // column sums of the causal attention of every armed query, per query head
+    KVCLI_OBS_COLMAX = 4,   // column maxima: the largest attention any armed query gives each slot, per query head
 };
 #define KVCLI_OBS_MAX_WINDOWS 16
 
@@ -45,7 +46,8 @@ enum kvcli_obs_kind {
 // KVCLI_OBS_WINDOW: n_windows (1..KVCLI_OBS_MAX_WINDOWS) window lengths, given by their first
 // positions: window i sums the softmax rows of the queries of seq_id at positions >= window_pos0[i]
 // (rows added in decode order, in float32). Without KVCLI_OBS_WINDOW, n_windows must be 0.
-// KVCLI_OBS_COLSUM: every query of seq_id in an armed decode adds its row. Clears earlier captures.
+// KVCLI_OBS_COLSUM: every query of seq_id in an armed decode adds its row. KVCLI_OBS_COLMAX: each slot keeps the
+// largest probability any such query gave it (kvzip's reconstruction scores). Clears earlier captures.
 KVCLI_API int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds,
                                       int32_t n_windows, const int32_t * window_pos0);
 // Disarm. Captured data stays readable until the next kvcli_observe_begin (or kvcli_observe_release).
@@ -58,6 +60,8 @@ KVCLI_API int32_t kvcli_observe_n_window(struct llama_context * ctx, int32_t iw)
 KVCLI_API int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int32_t il, int32_t iw, float * dst);
 // dst: float[n_head][n_slots]             (Observation.colsum[il])
 KVCLI_API int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst);
+// dst: float[n_head][n_slots]             (Observation.colmax[il])
+KVCLI_API int32_t kvcli_observe_read_colmax(struct llama_context * ctx, int32_t il, float * dst);
 // Free layer il's accumulated sums (n_windows + 1 x n_head x the cache's size floats) once they are read, so the
 // host does not hold them next to their copy; il = -1: every layer. Reading a released layer is an error.
 KVCLI_API int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il);
@@ -215,6 +219,7 @@ struct kvcli_obs_view {
     const float * values;     // [n_layer][n_head_kv][n_slots][head_dim] or NULL
     kvcli_kv_reader read_kv;  // when keys and values are NULL: the K/V rows, one layer at a time, or NULL
     void *          read_kv_user;
+    const float * colmax;     // [n_layer][n_head][n_slots] or NULL (Observation.colmax)
 };
 
 struct kvcli_plan;  // opaque, owned by the library

@@ -74,24 +74,50 @@ ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64
     return b;
 }
 
-// adds one ubatch's reduced output t ([n_w, n_kv, n_head]) to acc[il] ([n_w][n_head][kv_size], cells 0..n_kv-1)
-void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
-                int64_t n_kv, int64_t n_head, uint32_t kv_size) {
+// one ubatch's graph output on the host
+std::vector<float> host_copy(ggml_tensor * t) {
     std::vector<float> tmp(ggml_nelements(t));
     ggml_backend_tensor_get(t, tmp.data(), 0, ggml_nbytes(t));
+    return tmp;
+}
+
+// layer il's accumulator, `size` zeros when first used (0 is neutral for sums and for maxima of probabilities)
+std::vector<float> & layer_acc(std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, size_t size) {
     if (acc.size() != n_layer) {
         acc.assign(n_layer, {});
     }
     auto & a = acc[il];
     if (a.empty()) {
-        a.assign((size_t) n_w * n_head * kv_size, 0.0f);
+        a.assign(size, 0.0f);
     }
+    return a;
+}
+
+// adds one ubatch's reduced output t ([n_w, n_kv, n_head]) to acc[il] ([n_w][n_head][kv_size], cells 0..n_kv-1)
+void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
+                int64_t n_kv, int64_t n_head, uint32_t kv_size) {
+    const std::vector<float> tmp = host_copy(t);
+    auto & a = layer_acc(acc, il, n_layer, (size_t) n_w * n_head * kv_size);
     for (int64_t w = 0; w < n_w; ++w) {
         for (int64_t h = 0; h < n_head; ++h) {
             float * dst = a.data() + ((size_t) w * n_head + h) * kv_size;
             for (int64_t c = 0; c < n_kv; ++c) {
                 dst[c] += tmp[((size_t) h * n_kv + c) * n_w + w];
             }
+        }
+    }
+}
+
+// max-combines one ubatch's column maxima t ([n_kv, 1, n_head]) into acc[il] ([n_head][kv_size], cells 0..n_kv-1)
+void accumulate_max(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer,
+                    int64_t n_kv, int64_t n_head, uint32_t kv_size) {
+    const std::vector<float> tmp = host_copy(t);
+    auto & a = layer_acc(acc, il, n_layer, (size_t) n_head * kv_size);
+    for (int64_t h = 0; h < n_head; ++h) {
+        float * dst = a.data() + (size_t) h * kv_size;
+        const float * src = tmp.data() + (size_t) h * n_kv;
+        for (int64_t c = 0; c < n_kv; ++c) {
+            dst[c] = std::max(dst[c], src[c]);
         }
     }
 }
@@ -221,13 +247,15 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             pend.win = ws;
         }
     }
-    if (ext.obs.kinds & KVCLI_OBS_COLSUM) {
+    if (ext.obs.kinds & (KVCLI_OBS_COLSUM | KVCLI_OBS_COLMAX)) {
         inp->col_w.assign(ubatch.n_tokens, 0.0f);
-        bool any = false;
+        bool any = false, all = true;
         for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
             if (row_in_seq(ubatch, i, ext.obs.seq)) {
                 inp->col_w[i] = 1.0f;
                 any = true;
+            } else {
+                all = false;
             }
         }
         if (any) {
@@ -237,11 +265,23 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);             // [n_kv, n_tps, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             ggml_tensor * p  = ggml_soft_max_ext(ctx0, soft_cap(ctx0, kq, cap), mask, kq_scale, 0.0f);
-            ggml_tensor * cs = ggml_out_prod(ctx0, inp->col_sel, p);   // [1, n_kv, n_head]
-            ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
-            ggml_set_output(cs);
-            ggml_build_forward_expand(gf, cs);
-            pend.col = cs;
+            if (ext.obs.kinds & KVCLI_OBS_COLSUM) {
+                ggml_tensor * cs = ggml_out_prod(ctx0, inp->col_sel, p);   // [1, n_kv, n_head]
+                ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
+                ggml_set_output(cs);
+                ggml_build_forward_expand(gf, cs);
+                pend.col = cs;
+            }
+            if (ext.obs.kinds & KVCLI_OBS_COLMAX) {
+                // rows of other sequences are zeroed (probabilities are >= 0, so they cannot raise a maximum),
+                // then a max pool whose kernel spans every row: [n_kv, 1, n_head]
+                ggml_tensor * pm = all ? p : ggml_mul(ctx0, p, ggml_reshape_2d(ctx0, inp->col_sel, 1, ubatch.n_tokens));
+                ggml_tensor * cm = ggml_pool_2d(ctx0, pm, GGML_OP_POOL_MAX, 1, (int) n_tps, 1, (int) n_tps, 0.0f, 0.0f);
+                ggml_format_name(cm, "kvcli_obs_colmax-%d", il);
+                ggml_set_output(cm);
+                ggml_build_forward_expand(gf, cm);
+                pend.cmax = cm;
+            }
         }
     } else {
         inp->col_w.clear();
@@ -263,7 +303,7 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     auto & ext = *kv->kvcli_ext;
     bool any = false;
     for (const auto & p : ext.obs.pending) {
-        any = any || p.win || p.col;
+        any = any || p.win || p.col || p.cmax;
     }
     if (!any) {
         return;
@@ -292,6 +332,10 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
             accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.col->ne[1], p.col->ne[2], kv_size);
             ext.obs.have_colsum = true;
         }
+        if (p.cmax) {
+            accumulate_max(p.cmax, ext.obs.colmax, il, n_layer, p.cmax->ne[0], p.cmax->ne[2], kv_size);
+            ext.obs.have_colmax = true;
+        }
         p = kvcli_pending{};
     }
 }
@@ -318,16 +362,16 @@ kvcli_kv_ext & observed(llama_context * ctx, llama_kv_cache ** kv_out = nullptr)
 
 // dst[h][i] = acc[il][(w * n_head + h) * kv_size + cells[i]]: a layer's accumulated sums over the sequence's cells
 // (window sums when `window`, else column sums)
-int32_t read_sums(llama_context * ctx, bool window, int32_t il, int32_t w, float * dst) {
+int32_t read_sums(llama_context * ctx, bool window, int32_t il, int32_t w, float * dst, bool colmax = false) {
     llama_kv_cache * kv = nullptr;
     auto & ext = observed(ctx, &kv);
     const auto & hp = kvcli_access::hparams(*kv);
     const int32_t n_w = window ? (int32_t) ext.obs.win_pos0.size() : 1;
     if (il < 0 || (uint32_t) il >= hp.n_layer() || w < 0 || w >= n_w || !dst) {
-        throw kvcli_error(std::string(window ? "kvcli_observe_read_window_sum" : "kvcli_observe_read_colsum") +
-                          ": bad layer, window index or dst");
+        throw kvcli_error(std::string(window ? "kvcli_observe_read_window_sum" : colmax ? "kvcli_observe_read_colmax"
+                                      : "kvcli_observe_read_colsum") + ": bad layer, window index or dst");
     }
-    const auto & acc = window ? ext.obs.winsum : ext.obs.colsum;
+    const auto & acc = window ? ext.obs.winsum : colmax ? ext.obs.colmax : ext.obs.colsum;
     if (acc.size() <= (size_t) il || acc[il].empty()) {
         throw kvcli_error("layer " + std::to_string(il) + " was not observed (no armed llama_decode held tokens "
                           "of the observed sequence), or its sums were released (kvcli_observe_release)");
@@ -361,8 +405,9 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_require_supported(kv);
         kvcli_check_seq(*kv, seq_id);
-        if (kinds <= 0 || (kinds & ~(KVCLI_OBS_WINDOW | KVCLI_OBS_COLSUM)) != 0) {
-            throw kvcli_error("observation kinds must be a non-empty combination of KVCLI_OBS_WINDOW and KVCLI_OBS_COLSUM");
+        if (kinds <= 0 || (kinds & ~(KVCLI_OBS_WINDOW | KVCLI_OBS_COLSUM | KVCLI_OBS_COLMAX)) != 0) {
+            throw kvcli_error("observation kinds must be a non-empty combination of KVCLI_OBS_WINDOW, KVCLI_OBS_COLSUM "
+                              "and KVCLI_OBS_COLMAX");
         }
         const bool want_window = kinds & KVCLI_OBS_WINDOW;
         if (want_window != (n_windows > 0) || n_windows < 0 || n_windows > KVCLI_OBS_MAX_WINDOWS ||
@@ -387,6 +432,8 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
         ext.obs.winsum.clear();
         ext.obs.colsum.clear();
         ext.obs.have_colsum = false;
+        ext.obs.colmax.clear();
+        ext.obs.have_colmax = false;
         return 0;
     });
 }
@@ -442,7 +489,7 @@ int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il) {
             throw kvcli_error("kvcli_observe_release: the observation is still armed (call kvcli_observe_end first)");
         }
         const int32_t lo = il < 0 ? 0 : il, hi = il < 0 ? n_layer : il + 1;
-        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum}) {
+        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum, &ext.obs.colmax}) {
             for (int32_t l = lo; l < hi && (size_t) l < acc->size(); ++l) {
                 std::vector<float>().swap((*acc)[l]);   // clear() would keep the capacity
             }
@@ -467,6 +514,19 @@ int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float 
             throw kvcli_error("no column sums were captured (no armed llama_decode held tokens of the observed sequence)");
         }
         return read_sums(ctx, false, il, 0, dst);
+    });
+}
+
+int32_t kvcli_observe_read_colmax(struct llama_context * ctx, int32_t il, float * dst) {
+    return kvcli_guarded([&] {
+        const auto & ext = observed(ctx);
+        if (!(ext.obs.kinds & KVCLI_OBS_COLMAX)) {
+            throw kvcli_error("column maxima were not observed (kinds did not include KVCLI_OBS_COLMAX)");
+        }
+        if (!ext.obs.have_colmax) {
+            throw kvcli_error("no column maxima were captured (no armed llama_decode held tokens of the observed sequence)");
+        }
+        return read_sums(ctx, false, il, 0, dst, true);
     });
 }
 

@@ -15,6 +15,7 @@ struct ggml_tensor;
 struct kvcli_pending {
     ggml_tensor * win = nullptr;     // F32 [n_windows, n_kv, n_head]: window rows summed per window length
     ggml_tensor * col = nullptr;     // F32 [1, n_kv, n_head]
+    ggml_tensor * cmax = nullptr;    // F32 [n_kv, 1, n_head]: the largest probability of the rows, per cell
 };
 
 struct kvcli_observation {
@@ -30,4 +31,6 @@ struct kvcli_observation {
     std::vector<std::vector<float>> winsum;      // per model layer: [n_windows][n_head][kv_size]
     std::vector<std::vector<float>> colsum;      // per model layer: [n_head][kv_size]
     bool                            have_colsum = false;
+    std::vector<std::vector<float>> colmax;      // per model layer: [n_head][kv_size], maxima over the armed rows
+    bool                            have_colmax = false;
 };

@@ -13,6 +13,7 @@ import pytest
 
 from kvcli import policies
 from kvcli.planning.planner import make_plan
+from kvcli.drivers.reconstruct import reconstruct
 from kvcli.drivers.check import CheckSettings, Thresholds, compare_plans, run_check
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
@@ -45,6 +46,7 @@ def tiny_prefilled(tiny_gguf):
     toks = ref.tokenize(ref.apply_chat_template([{"role": "user", "content": doc + "\n\nSummarise."}]))
     windows = {policies.prepare(name, {}, b)[1].get("window", 32) for name in BOTH for b in (48, 100)}
     obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=tuple(windows - {0} | {32}))
+    obs.colmax, _ = reconstruct(ref, toks, 0)   # kvzip's reconstruction pass (column maxima)
     return obs
 
 

@@ -248,7 +248,7 @@ struct kvcli_plan * kvcli_plan_make(const char * policy, const char * params, in
         o.head_dim = obs->head_dim; o.n = obs->n_slots;
         o.n_windows = obs->window_sums ? obs->n_windows : 0; o.windows = obs->windows;
         o.window_sums = obs->window_sums; o.colsum = obs->colsum; o.keys = obs->keys; o.values = obs->values;
-        o.read_kv = obs->read_kv; o.read_kv_user = obs->read_kv_user;
+        o.read_kv = obs->read_kv; o.read_kv_user = obs->read_kv_user; o.colmax = obs->colmax;
         Params p(name, params);
         PlanOut out;
         out.n_layer = o.n_layer;

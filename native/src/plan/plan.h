@@ -45,6 +45,7 @@ struct Obs {
     const int32_t * windows = nullptr;     // [n_windows]: the window lengths of window_sums
     const float * window_sums = nullptr;   // [n_windows][n_layer][n_head][n]
     const float * colsum = nullptr;   // [n_layer][n_head][n]
+    const float * colmax = nullptr;   // [n_layer][n_head][n]: largest attention of any observed query (kvzip)
     const float * keys   = nullptr;   // [n_layer][n_head_kv][n][head_dim], or NULL with a reader
     const float * values = nullptr;
     int32_t (*read_kv)(void * user, int32_t il, float * keys, float * values) = nullptr;  // kvcli_kv_reader
@@ -65,6 +66,9 @@ struct Obs {
     }
     const float * colsum_row(int l, int q) const {
         return colsum + (static_cast<size_t>(l) * n_head + q) * static_cast<size_t>(n);
+    }
+    const float * colmax_row(int l, int q) const {
+        return colmax + (static_cast<size_t>(l) * n_head + q) * static_cast<size_t>(n);
     }
     bool has_kv() const { return (keys && values) || read_kv; }
     // Layer l's K and V rows (require_kv first): views of keys/values, or read now by the reader. NaN is a
@@ -135,6 +139,7 @@ void append_range(std::vector<int32_t> & v, int a, int b);
 // Requirements, with clear errors naming the policy. require_window: the window sums of length w.
 void require_window(const Obs & obs, const std::string & policy, int w);
 void require_colsum(const Obs & obs, const std::string & policy);
+void require_colmax(const Obs & obs, const std::string & policy);
 // keys and values (or their reader) present (merging policies); Obs::layer_kv checks each layer for NaN.
 void require_kv(const Obs & obs, const std::string & policy);
 // A per-layer list handed over by the registry (a closed-form schedule) has one value per layer.
@@ -146,6 +151,8 @@ void require_per_layer(const Obs & obs, const std::string & policy, const std::s
 std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len);
 // s[j] = (double) colsum[l][q][j], j < len.
 std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len);
+// s[j] = (double) colmax[l][q][j], j < len.
+std::vector<double> colmax_scores(const Obs & obs, int l, int q, int len);
 // 1-D pooling, stride 1, centred (kernel odd). avg: zero padding, terms added left to right from
 // 0.0, divided by kernel (count_include_pad). max: -inf padding.
 std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_max);

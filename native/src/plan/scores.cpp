@@ -62,6 +62,10 @@ void require_colsum(const Obs & obs, const std::string & policy) {
     if (!obs.colsum) throw PlanError("policy '" + policy + "' needs the colsum observation (observe \"colsum\")");
 }
 
+void require_colmax(const Obs & obs, const std::string & policy) {
+    if (!obs.colmax) throw PlanError("policy '" + policy + "' needs the colmax observation (observe \"colmax\")");
+}
+
 void require_kv(const Obs & obs, const std::string & policy) {
     if (!obs.has_kv()) throw PlanError("policy '" + policy + "' needs the kv observation (observe \"kv\")");
 }
@@ -106,6 +110,10 @@ std::vector<double> window_sum(const Obs & obs, int l, int q, int w, int len) {
 
 std::vector<double> colsum_scores(const Obs & obs, int l, int q, int len) {
     return row_scores(obs.colsum_row(l, q), l, len, obs.n);
+}
+
+std::vector<double> colmax_scores(const Obs & obs, int l, int q, int len) {
+    return row_scores(obs.colmax_row(l, q), l, len, obs.n);
 }
 
 std::vector<double> pool1d(const std::vector<double> & s, int kernel, bool is_max) {

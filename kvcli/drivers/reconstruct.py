@@ -1,0 +1,80 @@
+"""kvzip's context reconstruction pass (Kim et al., NeurIPS 2025; kvpress KVzipPress), for either engine.
+
+After the prompt has been prefilled into a sequence, the model is asked to repeat it and is fed the prompt again
+(teacher forcing), `repeat_chunk` tokens per pass: pass i prefills, after the prompt,
+
+    pass 0:   tokens(REPEAT_FIRST)                                + prompt[0 : c]
+    pass i:   tokens(REPEAT_NEXT) + prompt[a - REPEAT_OVERLAP : a] + prompt[a : a + c]
+
+observing the column maxima (`Observation.colmax`: for every slot, the largest attention probability any query of
+the pass gave it, per query head), and is rolled back. The prompt's slots keep, per query head, the largest
+maximum of all passes. The reconstruction tokens never stay in the cache: each pass holds the prompt + the pass's
+tokens, then goes. The prompt's last token is decoded again after the last pass, so that the sequence ends with the
+logits of the prompt (a rollback forgets them), at its own position and cell.
+
+The chunk length is `repeat_chunk`, or less when the context has less room (the same for every pass, so that both
+engines, given the same context, feed the same passes). The maxima are float32 in both engines; a maximum adds no
+rounding, so both engines' observations differ only by their attention arithmetic (kvcli check's L2).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.policies.kvzip import REPEAT_FIRST, REPEAT_NEXT, REPEAT_OVERLAP
+from kvcli.session import Session
+
+MIN_REPEAT = 16   # fewer free cells than this for a pass's prompt tokens: refused (the context has no room)
+
+
+def repeat_room(n_prompt: int, repeat_chunk: int) -> int:
+    """Cells a reconstruction pass needs beyond the prompt: its chunk and its instruction (with margin)."""
+    return min(int(n_prompt), int(repeat_chunk)) + 64
+
+
+def passes(session: Session, tokens: list[int], repeat_chunk: int) -> list[list[int]]:
+    """The token lists of the reconstruction passes over `tokens`, given the room the session's context has now."""
+    first = session.tokenize(REPEAT_FIRST)
+    nxt = session.tokenize(REPEAT_NEXT)
+    free = session.n_ctx - session.cells_used()
+    c = min(int(repeat_chunk), len(tokens), free - max(len(first), len(nxt) + REPEAT_OVERLAP))
+    if c < min(MIN_REPEAT, len(tokens)):
+        raise KvcliError(f"policy 'kvzip': the context has {free} free cells after the prompt, too few for its "
+                         f"reconstruction pass (at least {MIN_REPEAT} prompt tokens + the instruction); give it a "
+                         "larger context")
+    out = []
+    for a in range(0, len(tokens), c):
+        head = first if a == 0 else nxt + list(tokens[max(0, a - REPEAT_OVERLAP):a])
+        out.append(list(head) + list(tokens[a:a + c]))
+    return out
+
+
+def reconstruct(session: Session, tokens: list[int], seq: int = 0, repeat_chunk: int = 2048,
+                progress=None) -> tuple[np.ndarray, float]:
+    """Run the reconstruction passes over `tokens` (the prompt just prefilled into `seq`) and return
+    (colmax [n_layer, n_head, slots of seq] float32, seconds). The sequence is left as it was, its logits
+    those of the prompt's last token."""
+    if not tokens:
+        raise KvcliError("policy 'kvzip': nothing to reconstruct (empty prompt)")
+    t0 = time.perf_counter()
+    st = session.seq(seq)
+    held = st.next_pos                       # positions >= held are a pass's tokens
+    acc = None
+    for ids in passes(session, tokens, repeat_chunk):
+        obs = session.prefill(ids, seq=seq, observe=("colmax",))
+        session.rollback(seq, len(ids))
+        keep = np.flatnonzero(obs.positions < held)
+        m = obs.colmax[..., keep]
+        acc = m if acc is None else np.maximum(acc, m)
+        del obs
+        if progress is not None:
+            progress(len(ids))
+    # a rollback forgets the logits: the prompt's last token again, at its own position
+    session.rollback(seq, 1)
+    session.prefill([tokens[-1]], seq=seq)
+    if acc.shape[-1] != session.seq(seq).cells:
+        raise KvcliError(f"policy 'kvzip': the reconstruction scored {acc.shape[-1]} slots, the sequence holds "
+                         f"{session.seq(seq).cells}")
+    return np.ascontiguousarray(acc, dtype=np.float32), time.perf_counter() - t0

@@ -1,0 +1,77 @@
+"""kvzip: query-agnostic scores from a context reconstruction pass (Kim et al., NeurIPS 2025; kvpress KVzipPress)."""
+from kvcli.errors import KvcliError
+from kvcli.policies.base import Paper, Param, PolicySpec
+
+# The reconstruction pass (kvcli/drivers/reconstruct.py) feeds, after the prompt, this instruction and then the
+# prompt's own tokens again (teacher forcing), `repeat_chunk` tokens at a time; later chunks are introduced by the
+# second text followed by the last REPEAT_OVERLAP tokens of the chunk before (kvpress's prompts and overlap).
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+REPEAT_OVERLAP = 8
+
+
+def _check(params: dict, budget: int) -> None:
+    if budget <= params["sinks"] + params["recent"]:
+        raise KvcliError(f"policy 'kvzip': budget {budget} must be larger than sinks + recent = "
+                         f"{params['sinks'] + params['recent']} (they are kept inside the budget); lower them with "
+                         "--policy-arg sinks=N / recent=N")
+
+
+def widest(params: dict, n_layer: int, n: int, budget: int):
+    """The widest (layer, KV head) of a plan: the budget per KV head with alloc=head; the scores decide otherwise."""
+    return min(n, budget) if params["alloc"] == "head" else None
+
+
+SPEC = PolicySpec(
+    name="kvzip",
+    summary="query-agnostic: entries the model attends to most when asked to repeat the prompt (context "
+            "reconstruction), per KV head",
+    keeps="the first `sinks` and the last `recent` slots, and the entries with the highest reconstruction score: "
+          "the largest attention any query of the reconstruction pass (the prompt fed again after a 'repeat the "
+          "previous context' instruction) gave them, the query heads of a KV head combined by `gqa` (max); chosen "
+          "per KV head (alloc=head), per layer (alloc=layer) or over all layers (alloc=global)",
+    paper=Paper("KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arxiv="2505.23416",
+                venue="NeurIPS 2025", code="github.com/snu-mllab/KVzip; kvpress KVzipPress"),
+    params=(
+        Param("sinks", "int", 4, "first slots always kept (attention sinks)", paper_default="4 (kvpress n_sink)",
+              min=0, max=4096),
+        Param("recent", "int", 8, "last prompt slots always kept (the end of kvcli's prompt: the instruction's "
+              "last tokens and the assistant turn's start, which the next token reads)",
+              paper_default="none (kvpress compresses the context before the question is appended)",
+              min=0, max=4096),
+        Param("gqa", "choice", "max", "how the scores of the query heads that share a KV head are combined into "
+              "that KV head's score (selection is per KV head)",
+              paper_default="max over the group's query heads (kvpress, the authors' code)", choices=("mean", "max", "sum")),
+        Param("alloc", "choice", "head", "how the budget is spread: head = budget entries per KV head (the cache "
+              "is as wide as its widest KV head, so this keeps it at the budget); layer = budget x n_head_kv per "
+              "layer over its KV heads (kvpress layerwise=True); global = budget x n_head_kv x n_layer over all "
+              "(kvpress's default: heads and layers keep different counts, the native cache as wide as the widest)",
+              paper_default="global (kvpress layerwise=False; the paper's non-uniform head budgets)",
+              choices=("head", "layer", "global")),
+        Param("repeat_chunk", "int", 2048, "prompt tokens fed again per reconstruction pass (each pass holds the "
+              "prompt + this many cells + the instruction; fewer when the context has less room)",
+              paper_default="2048 (kvpress chunk_size; the authors' code 2K)", min=16, max=1 << 20),
+    ),
+    needs=("colmax",),
+    check=_check,
+    widest=widest,
+    resolved_away=("repeat_chunk",),
+    budget_note="sinks and recent count inside the budget; alloc=head keeps budget per layer and KV head, "
+                "alloc=layer/global keep budget x n_head_kv per layer / budget x n_head_kv x n_layer in total, "
+                "different counts per KV head (the native cache is as wide as its widest KV head)",
+    deviations=(
+        "the reconstruction scores are the softmax over every entry the reconstruction query sees (the whole "
+        "prompt and the reconstruction tokens before it); kvpress scores with a softmax over the sinks, the chunk "
+        "being repeated and the reconstruction tokens only (the same for a prompt of one chunk, except for "
+        "template tokens after the sinks, which kvpress never scores)",
+        "the whole prompt is fed again (kvcli does not know where the template's head ends; kvpress repeats the "
+        "context after it and scores those head tokens 0): head tokens are scored like any other",
+        "the instruction is plain text appended after kvcli's prompt, which already opened the assistant turn; "
+        "kvpress appends it inside the user turn and closes it with the template's assistant header",
+        "budget per KV head by default (alloc=head); kvpress's default (alloc=global) spreads it unevenly over "
+        "heads and layers, which a cache of equal-width cells pays for with its widest head",
+        "a document longer than one prefill (bounded reading, --chunk) is refused: the reconstruction would need "
+        "every chunk's reconstruction pass over entries already dropped",
+        "scores combined in float64 from the engine's float32 maxima; ties go to the lower (layer, head, slot)",
+    ),
+)
