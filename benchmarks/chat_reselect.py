@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""What a question of a re-selected chat costs against reading its document (issue #30's latency requirement).
+
+    python benchmarks/chat_reselect.py --tokens 8000 --seed 21 -o benchmarks/results/chat-reselect-turns-qwen-8k.json
+
+1. `kvcli chat --model M --doc D --policy snapkv --budget 256 --threads 2 -n 24 --json`, the document's planted
+   facts' questions piped one per line (what benchmarks/results/chat-reselect-quiet-qwen-{8k,16k}.json recorded),
+   in its own process: the summary line, every answer's JSON row, `uptime` before and after.
+2. With --compare (in this process, after 1): the document read once more, then each question re-selected twice on
+   the same load, alternately: from the stored document with the whole conversation prefilled again (kvcli before
+   the conversation's turns were kept in the stored cache), then as `kvcli chat` does now (the turns restored,
+   only the last answer and the new question prefilled). Both answer greedily; the answers must agree.
+
+The machine may be shared: seconds depend on the load, ratios within one process less so; `uptime` is recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def machine() -> str:
+    """CPU model, cores and memory of this machine."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "unknown CPU")
+    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), 0)
+    return f"{cpu}, {os.cpu_count()} cores, {mem / 2**20:.0f} GB"
+
+
+def busy() -> list[str]:
+    """The processes using the CPU besides this one (the load the seconds were measured under)."""
+    ps = subprocess.run(["ps", "-eo", "pid,pcpu,ni,etime,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    rows = [ln.split(None, 1) for ln in ps.splitlines()[1:]]
+    return [rest[:160] for pid, rest in rows if int(pid) != os.getpid() and float(rest.split()[0]) >= 5.0][:8]
+
+
+def cli_run(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
+    cmd = [sys.executable, "-m", "kvcli.cli", "chat", "--model", model, "--doc", str(doc), "--policy", policy,
+           "--budget", str(budget), "--threads", str(threads), "-n", str(max_tokens), "--json"]
+    before = uptime()
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, input="".join(q + "\n" for q in questions), capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.exit(f"kvcli chat failed ({r.returncode}): {r.stderr.strip()}")
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    summary = next((x for x in r.stderr.splitlines() if "re-selected per question" in x), None)
+    read_s = float(summary.split(" tokens read in ")[1].split("s;")[0]) if summary else None
+    for row in rows:
+        per_q = row["reselect_s"] + row["generated_tokens"] / row["decode_tok_s"] if row["decode_tok_s"] else None
+        row["question_s"] = round(per_q, 3) if per_q else None
+        row["share_of_read"] = round(per_q / read_s, 4) if per_q and read_s else None
+    return {"uptime": [before, uptime()], "command": " ".join(["kvcli", *cmd[3:]]) + " < questions",
+            "summary_line": summary, "read_s": read_s, "wall_s": round(wall, 2), "answers": rows}
+
+
+def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
+    """The old and the new way on one read and one load, question by question."""
+    from kvcli.apps.chat import Conversation, Turn
+    from kvcli.generate import generate
+    from kvcli.native.session import NativeSession
+    from kvcli.models import resolve_model
+    before = uptime()
+    session = NativeSession(resolve_model(model), n_ctx=0, n_threads=threads)
+    conv = Conversation(session, doc.read_text(), policy=policy, budget=budget, reselect=True)
+    conv.compress()
+    store = conv.store
+    rows = []
+    try:
+        for q in questions:
+            prompt = session.tokenize(conv.conversation_text(q))
+            cfg = conv._cfg(q)
+            kept, store.extension = store.extension, None   # before: from the document, every turn prefilled again
+            old = store.reselect(session, prompt, cfg, seq=conv.seq)
+            g_old = generate(session, max_tokens, seq=conv.seq)
+            store.extension = kept
+            g_new = conv.ask(q, max_tokens)                 # now: the turns restored from the stored cache
+            new = conv.last_reselection
+            row = {"question": q}
+            for name, r, g in (("whole_conversation_prefilled", old, g_old), ("turns_kept", new, g_new)):
+                per_q = r.total_s + g.decode_s
+                row[name] = {"answer": g.text, "from": r.source, "restored": r.restored, "prefilled": r.prefilled,
+                             "reselect_s": round(r.total_s, 3), "restore_s": round(r.restore_s, 3),
+                             "prefill_s": round(r.prefill_s, 3), "keep_s": round(r.keep_s, 3),
+                             "answer_s": round(g.decode_s, 3), "generated_tokens": len(g.tokens),
+                             "question_s": round(per_q, 3), "share_of_read": round(per_q / store.read_s, 4)}
+            row["same_answer"] = g_old.text == g_new.text
+            rows.append(row)
+            print(f"  {q[:50]}: old {row['whole_conversation_prefilled']['share_of_read']:.1%} "
+                  f"({old.prefilled} tokens), new {row['turns_kept']['share_of_read']:.1%} ({new.prefilled} tokens)",
+                  file=sys.stderr, flush=True)
+        s = conv.stats()
+    finally:
+        conv.close()
+        session.close()
+    return {"uptime": [before, uptime()], "read_s": round(store.read_s, 3), "store_bytes": store.nbytes,
+            "peak_rss_bytes": s["peak_rss_bytes"], "questions": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tokens", type=int, default=8000)
+    ap.add_argument("--facts", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=21)
+    ap.add_argument("--policy", default="snapkv")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-n", "--max-tokens", type=int, default=24)
+    ap.add_argument("--compare", action="store_true", help="also the old way against the new, in this process")
+    ap.add_argument("-o", "--out", required=True)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="chat-reselect-"))
+    doc, facts = work / "doc.txt", work / "facts.json"
+    make = [sys.executable, str(ROOT / "examples" / "make_docs.py"), "--tokens", str(a.tokens), "--facts",
+            str(a.facts), "--seed", str(a.seed), "-o", str(doc), "--facts-json", str(facts)]
+    subprocess.run(make, check=True, cwd=ROOT)
+    planted = json.loads(facts.read_text())
+    questions = [f["question"] for f in planted]
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "busy_at_start": busy(),
+           "document": f"python examples/make_docs.py --tokens {a.tokens} --facts {a.facts} --seed {a.seed}",
+           "expected": [str(f["answer"]) for f in planted]}
+    print(f"[{uptime()}] kvcli chat ...", file=sys.stderr, flush=True)
+    out["chat"] = cli_run(a.model, doc, questions, a.policy, a.budget, a.threads, a.max_tokens)
+    out["chat"]["correct"] = [e in r["answer"] for e, r in zip(out["expected"], out["chat"]["answers"])]
+    out["chat"]["busy_at_end"] = busy()
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    if a.compare:
+        print(f"[{uptime()}] old against new, one process ...", file=sys.stderr, flush=True)
+        out["compare"] = compare(a.model, doc, questions, a.policy, a.budget, a.threads, a.max_tokens)
+        out["compare"]["busy_at_end"] = busy()
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    for r in out["chat"]["answers"]:
+        print(f"{r['question']}: {r['answer']!r} {r['share_of_read']:.1%} of the read "
+              f"(prefilled {r['reselect_prefilled_tokens']}, from the {r['reselect_from']})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
