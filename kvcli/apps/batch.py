@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvcli.drivers.lockstep import Lockstep
-from kvcli.drivers.chunked import plan_chunking
+from kvcli.drivers.chunked import one_prefill_only, plan_chunking
+from kvcli.drivers.reconstruct import repeat_room
 from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.documents import decode_text
 from kvcli.errors import KvcliError
@@ -433,7 +434,10 @@ class Worker:
         seq = lock.free_seq()
         read_s = None
         try:
-            reader = self._reader(ready.peak)
+            # kvzip's reconstruction pass holds its chunk after the prompt in the reading context
+            room = repeat_room(len(ready.tokens), self._cfg(ready.job).params["repeat_chunk"]) \
+                if one_prefill_only(s.policy) else 0
+            reader = self._reader(ready.peak + room)
             try:
                 if ready.stored:
                     store, read_s = self._stored(ready, reader)

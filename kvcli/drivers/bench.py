@@ -46,7 +46,8 @@ import numpy as np
 import kvcli
 from kvcli import policies
 from kvcli.drivers.lockstep import Lockstep
-from kvcli.drivers.chunked import plan_chunking
+from kvcli.drivers.chunked import one_prefill_only, plan_chunking
+from kvcli.drivers.reconstruct import repeat_room
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.documents import read_document
 from kvcli.errors import KvcliError
@@ -138,7 +139,11 @@ def cache_type_problem(cache_type: str, model_path) -> str | None:
     return None
 
 
-def context_cells(n_prompt: int, gen: int, n_ctx_train: int) -> int:
+def context_cells(n_prompt: int, gen: int, n_ctx_train: int, policies_=()) -> int:
+    """Cells for a prompt and its `gen` tokens; with a policy of `policies_` that reads the prompt again after it
+    (kvzip), room for its reconstruction pass instead when that is more."""
+    if any(one_prefill_only(p) for p in policies_):
+        gen = max(gen, repeat_room(n_prompt, policies.get("kvzip").param("repeat_chunk").default))
     need = n_prompt + gen + 1
     return min(-(-need // CTX_PAD) * CTX_PAD, max(n_ctx_train, need))
 
@@ -216,7 +221,7 @@ class Bench:
                                          None if cfg.policy == "full" else self.chunk,
                                          cell_bytes=read_model_info(self.model_path).cell_bytes(cfg.cache_type))
             session = self._session(cfg.cache_type, chunking.n_ctx if chunking else
-                                    context_cells(n, self.gen, n_ctx_train))
+                                    context_cells(n, self.gen, n_ctx_train, (cfg.policy,)))
         except KvcliError as e:
             row["status"] = f"error: {e}"
             return row
@@ -305,7 +310,7 @@ class Bench:
     def _run_group(self, members, doc, n_ctx_train, ct, rows) -> None:
         n = len(doc.tokens)
         try:
-            session = self._session(ct, context_cells(n, self.gen, n_ctx_train))
+            session = self._session(ct, context_cells(n, self.gen, n_ctx_train, [c.policy for c, _ in members]))
         except KvcliError as e:
             for cfg, _ in members:
                 rows[cfg]["status"] = f"error: {e}"
@@ -326,6 +331,8 @@ class Bench:
                                 "prefill_shared_by": len(members), "compress_s": applied.compress_s,
                                 "compress_share": applied.compress_s / (shared.prefill_s + applied.compress_s),
                                 **self._cache_figures(session, cfg)})
+                    if applied.reconstruct_s is not None:
+                        row["reconstruct_s"] = applied.reconstruct_s
                     self._decode_and_score(session, row, cfg, doc, shared.first)
                     row["status"] = "ok"
                 except Exception as e:  # a bug below kvcli bench: reported on its row

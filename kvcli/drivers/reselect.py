@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import kvc
+from kvcli.drivers.reconstruct import reconstruct
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import Compression, make_plan, shape_observation
 from kvcli.session import Session
@@ -83,6 +84,7 @@ class Reselection:
     plan: object = None
     source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension)
     keep_s: float = 0.0      # extend=True: keeping the prompt's full cache as the extension (save_seq)
+    reconstruct_s: float | None = None   # kvzip: its reconstruction pass (part of prefill_s)
 
     @property
     def total_s(self) -> float:
@@ -92,7 +94,8 @@ class Reselection:
         return {"reselect_s": round(self.total_s, 4), "reselect_restore_s": round(self.restore_s, 4),
                 "reselect_prefill_s": round(self.prefill_s, 4), "reselect_plan_s": round(self.plan_s, 4),
                 "reselect_keep_s": round(self.keep_s, 4), "reselect_from": self.source,
-                "reselect_restored_tokens": self.restored, "reselect_prefilled_tokens": self.prefilled}
+                "reselect_restored_tokens": self.restored, "reselect_prefilled_tokens": self.prefilled,
+                **({} if self.reconstruct_s is None else {"reconstruct_s": round(self.reconstruct_s, 4)})}
 
 
 @dataclass
@@ -296,7 +299,12 @@ class StoredDocument:
         t1 = time.perf_counter()
         compresses = cfg.compresses(n)
         kinds, window = cfg.observe if compresses else ((), 0)
-        obs = session.prefill(list(prompt[r:]), seq=seq, observe=kinds, window=window, progress=progress)
+        obs = session.prefill(list(prompt[r:]), seq=seq, observe=tuple(k for k in kinds if k != "colmax"),
+                              window=window, progress=progress)
+        recon_s = None
+        if "colmax" in kinds:   # kvzip: the whole prompt fed again after it (kvcli/drivers/reconstruct.py)
+            obs = obs if obs is not None else shape_observation(session.info, n)
+            obs.colmax, recon_s = reconstruct(session, list(prompt), seq, cfg.params["repeat_chunk"])
         t2 = time.perf_counter()
         if obs is not None and obs.colsum is not None:   # the stored queries' sums + the rest's: the whole prompt's
             obs.colsum = obs.colsum.copy()
@@ -322,7 +330,8 @@ class StoredDocument:
             session.apply_plan(plan, seq=seq)
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
                            plan_s=time.perf_counter() - t3, plan=plan,
-                           source="document" if ext is None else "conversation", keep_s=keep_s)
+                           source="document" if ext is None else "conversation", keep_s=keep_s,
+                           reconstruct_s=recon_s)
 
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:

@@ -148,6 +148,7 @@ class PolicySpec:
     deviations: tuple[str, ...] = ()                # every documented difference from the paper/code
     budget_note: str = ("per-layer budgets sum to budget x n_layer; the observation window counts "
                         "inside the budget")
+    agnostic: bool = False                          # scores without the question (kvzip): chat compresses once
     native: bool = True                             # implemented in C++ (native/src/policies/)
     reference: bool = True                          # implemented in torch (kvcli/reference/policies/)
     resolve: Callable[[dict], dict] | None = None   # fills values that depend on other params

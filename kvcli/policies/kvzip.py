@@ -53,6 +53,7 @@ SPEC = PolicySpec(
               paper_default="2048 (kvpress chunk_size; the authors' code 2K)", min=16, max=1 << 20),
     ),
     needs=("colmax",),
+    agnostic=True,
     check=_check,
     widest=widest,
     resolved_away=("repeat_chunk",),
