@@ -64,7 +64,7 @@ import numpy as np
 
 from kvcli import policies
 from kvcli.drivers import chunked, compress
-from kvcli.planning.planner import make_plan
+from kvcli.planning.planner import make_plan, model_refusal
 from kvcli.drivers.chunked import MIN_CHUNK
 from kvcli.drivers.reconstruct import reconstruct, repeat_room
 from kvcli.errors import KvcliError
@@ -88,8 +88,12 @@ class Thresholds:
     l2_window_atol: float = 0.15    # L2: max abs difference of window sums / window length (measured as
     #                                 per-probability differences, 0.090, before observations were reduced)
     l2_colsum_rtol: float = 0.05    # L2: max abs difference of column sums / max column sum
-    l2_colmax_atol: float = 0.15    # L2: max abs difference of column maxima (kvzip's reconstruction scores:
-    #                                 probabilities, so per-probability as l2_window_atol)
+    # L2: column maxima (kvzip's reconstruction scores: one query's probability each, so a query whose attention
+    # sits on a knife edge moves one slot's maximum far; measured (issue 32, budget 256, f16 + flash attention):
+    # default model 2,042 tokens max abs 0.148 mean 4.9e-4, qwen2.5-coder-0.5b 1,040 tokens max abs 0.089 mean
+    # 8.0e-4. A wrong head mapping or mask moves most maxima: the mean catches it.
+    l2_colmax_atol: float = 0.3     # ... max abs difference
+    l2_colmax_mean_atol: float = 0.005   # ... mean abs difference
     l2_kv_rtol: float = 0.1         # L2: max abs difference of K (and of V) rows / max abs K (V) value
     # L2: the fraction of K (V) rows that may exceed l2_kv_rtol, each only where the native engine's other
     # precision setting (f32 cache without flash attention vs f16 cache with it) moves that row at least as
@@ -122,6 +126,7 @@ class Thresholds:
         "l2_window_atol": "L2: window attention summed over the window queries / window length (max abs)",
         "l2_colsum_rtol": "L2: column sums (max abs / max column sum)",
         "l2_colmax_atol": "L2: column maxima of the reconstruction pass (kvzip; max abs)",
+        "l2_colmax_mean_atol": "L2: column maxima of the reconstruction pass (kvzip; mean abs)",
         "l2_kv_rtol": "L2: K and V rows (max abs / max abs value)",
         "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where the native engine's "
                                 "own other precision setting moves the row as far (0: none)",
@@ -147,7 +152,8 @@ class Thresholds:
     @classmethod
     def tight(cls) -> "Thresholds":
         """For float32 GGUFs checked with an f32 cache and flash attention off (the tests' tiny models)."""
-        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_colmax_atol=1e-4, l2_kv_rtol=1e-4, l2_kv_sensitive_rows=0.0,
+        return cls(l2_window_atol=1e-4, l2_colsum_rtol=1e-4, l2_colmax_atol=1e-4,
+                   l2_colmax_mean_atol=1e-5, l2_kv_rtol=1e-4, l2_kv_sensitive_rows=0.0,
                    l3_kl_max_f32=1e-6, l3_kl_max_f16=1e-6, l3_kl_max_q8_0=1e-6, l3_logits_atol_f32=1e-3,
                    l3_logits_atol_f16=1e-3, l3_logits_atol_q8_0=1e-3, l3_greedy_min=1.0,
                    plan_jaccard_min=0.95, plan_kl_max=1e-6, plan_greedy_min=1.0)
@@ -278,7 +284,7 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         out["colsum"] = r
     if native.colmax is not None and reference.colmax is not None:
         r = compare_arrays(native.colmax, reference.colmax)
-        r["pass"] = r["max_abs"] <= th.l2_colmax_atol
+        r["pass"] = r["max_abs"] <= th.l2_colmax_atol and r["mean_abs"] <= th.l2_colmax_mean_atol
         out["colmax"] = r
     twin: list = []   # the twin observation, taken at most once
 
@@ -567,6 +573,13 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
     # every bad policy parameter / budget is reported before any model is loaded (compresskv with the model's
     # calibration, as run/bench/eval plan it)
+    # checking several policies, one the model cannot run (kvzip on a sliding-window model) is skipped, said why
+    unfit = {name: model_refusal(policies.get(name), model_path) for name in names} if len(names) > 1 else {}
+    unfit = {k: v for k, v in unfit.items() if v}
+    if settings.chunk is not None and len(names) > 1:   # read in one prefill only (kvzip)
+        unfit.update({name: "reads the prompt in one prefill (chunked prefill is refused)" for name in names
+                      if name not in unfit and chunked.one_prefill_only(name)})
+    names = [name for name in names if name not in unfit]
     specs = {name: compress.resolve(model_path, name, settings.budget) for name in names}
 
     t0 = time.perf_counter()
@@ -578,7 +591,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     n = len(tokens)
     if settings.chunk is not None:
         try:
-            return _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
+            report = _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
+            return _with_skipped(report, unfit)
         finally:
             native.close()
     if n >= native.n_ctx_train:
@@ -662,6 +676,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
                                                       planned.get("calls"))
         except KvcliError as e:
             entry["error"] = str(e)
+    _with_skipped(report, unfit)
     report["seconds"] = round(time.perf_counter() - t0, 2)
     report["passed"] = _passed(report)
     native.close()
@@ -957,6 +972,12 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             entry["error"] = str(e)
     report["seconds"] = round(time.perf_counter() - t0, 2)
     report["passed"] = _passed(report)
+    return report
+
+
+def _with_skipped(report: dict, unfit: dict) -> dict:
+    """The policies left out because the model or the reading cannot run them, each with why."""
+    report["policies"] += [{"policy": name, "note": "", "skipped": why} for name, why in unfit.items()]
     return report
 
 

@@ -102,7 +102,19 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
     spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
     if params.get("full_layers"):
         full_layer_set(params["full_layers"], read_model_info(model_path).n_layer)
+    why = model_refusal(spec, model_path)
+    if why:
+        raise KvcliError(why)
     return spec, params
+
+
+def model_refusal(spec: PolicySpec, model_path) -> str | None:
+    """Why the model at `model_path` cannot run the policy (None when it can): kvzip's reconstruction pass is rolled
+    back, which the window cache of a model with sliding-window layers cannot follow."""
+    if "colmax" in spec.needs and read_model_info(model_path).sliding_layers:
+        return (f"policy '{spec.name}' does not support models with sliding-window layers: its reconstruction pass is "
+                "rolled back after the prompt, which their window cache cannot follow (kvpress refuses Gemma 3 too)")
+    return None
 
 
 def session_cells(session: Session, seq: int) -> int:

@@ -73,6 +73,8 @@ SPEC = PolicySpec(
         "heads and layers, which a cache of equal-width cells pays for with its widest head",
         "a document longer than one prefill (bounded reading, --chunk) is refused: the reconstruction would need "
         "every chunk's reconstruction pass over entries already dropped",
+        "models with sliding-window layers (gemma2, gemma3) are refused, as kvpress refuses Gemma 3: llama.cpp's "
+        "window cache cannot be rolled back past a reconstruction pass longer than its spare cells",
         "scores combined in float64 from the engine's float32 maxima; ties go to the lower (layer, head, slot)",
     ),
 )

@@ -43,11 +43,14 @@ def test_engines_agree_on_tiny_model(tmp_path_factory, arch):
     r = run_check(path, DOC, BOTH, settings, Thresholds.tight())
     table = format_report(r)
     assert r["l2"]["pass"], table
-    for e in r["policies"]:
+    checked = [e for e in r["policies"] if "skipped" not in e]
+    # kvzip's reconstruction pass cannot be rolled back through a window cache: skipped on the sliding-window models
+    assert [e["policy"] for e in r["policies"] if "skipped" in e] == (["kvzip"] if arch in SLIDING else []), table
+    for e in checked:
         assert "error" not in e, table
         assert e["l1"]["pass"] and e["l3"]["pass"], table
         assert e["l3"]["greedy_agree"] == 1.0, table
     assert r["passed"], table
     if arch in SLIDING:   # the plans, observations and kept positions cover the two global layers
         assert r["prompt_tokens"] > 32 * 4
-        assert all(len(e["plans"]["jaccard_per_layer"]) == 2 for e in r["policies"]), table
+        assert all(len(e["plans"]["jaccard_per_layer"]) == 2 for e in checked), table
