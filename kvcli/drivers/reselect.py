@@ -294,8 +294,10 @@ class StoredDocument:
             if "colsum" in cfg.observe[0] and self.colsum is None:
                 raise NoColsum(f"policy '{cfg.policy}' scores by column sums, which the stored document lacks")
         sums = self.colsum if ext is None else ext.colsum
+        source = "document" if ext is None else "conversation"
         t0 = time.perf_counter()
         self.restore(session, seq, r, ext)
+        ext = None   # no reference left to the old extension's state once `extend` drops it: one held at a time
         t1 = time.perf_counter()
         compresses = cfg.compresses(n)
         kinds, window = cfg.observe if compresses else ((), 0)
@@ -330,7 +332,7 @@ class StoredDocument:
             session.apply_plan(plan, seq=seq)
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
                            plan_s=time.perf_counter() - t3, plan=plan,
-                           source="document" if ext is None else "conversation", keep_s=keep_s,
+                           source=source, keep_s=keep_s,
                            reconstruct_s=recon_s)
 
     # ------------------------------------------------------------------ lifetime
