@@ -3,9 +3,11 @@
 
     python benchmarks/chat_reselect.py --tokens 8000 --seed 21 -o benchmarks/results/chat-reselect-turns-qwen-8k.json
 
-1. `kvcli chat --model M --doc D --policy snapkv --budget 256 --threads 2 -n 24 --json`, the document's planted
-   facts' questions piped one per line (what benchmarks/results/chat-reselect-quiet-qwen-{8k,16k}.json recorded),
-   in its own process: the summary line, every answer's JSON row, `uptime` before and after.
+1. `kvcli chat --model M --doc D --policy snapkv --budget 256 --threads 2 -n 24 --chunk 0 --json`, the document's
+   planted facts' questions piped one per line (what benchmarks/results/chat-reselect-quiet-qwen-{8k,16k}.json
+   recorded; `--chunk 0` keeps the exact form, the document's full cache in the context, where a full cache above
+   the bounded-reading threshold would otherwise be re-selected in bounded chunks), in its own process: the summary
+   line, every answer's JSON row, `uptime` before and after. --no-chat leaves it out.
 2. With --compare (in this process, after 1): the document read once more, then each question re-selected twice on
    the same load, alternately: from the stored document with the whole conversation prefilled again (kvcli before
    the conversation's turns were kept in the stored cache), then as `kvcli chat` does now (the turns restored,
@@ -49,7 +51,7 @@ def busy() -> list[str]:
 
 def cli_run(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
     cmd = [sys.executable, "-m", "kvcli.cli", "chat", "--model", model, "--doc", str(doc), "--policy", policy,
-           "--budget", str(budget), "--threads", str(threads), "-n", str(max_tokens), "--json"]
+           "--budget", str(budget), "--threads", str(threads), "-n", str(max_tokens), "--chunk", "0", "--json"]
     before = uptime()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, input="".join(q + "\n" for q in questions), capture_output=True, text=True, cwd=ROOT)
@@ -75,7 +77,7 @@ def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
     from kvcli.models import resolve_model
     before = uptime()
     session = NativeSession(resolve_model(model), n_ctx=0, n_threads=threads)
-    conv = Conversation(session, doc.read_text(), policy=policy, budget=budget, reselect=True)
+    conv = Conversation(session, doc.read_text(), policy=policy, budget=budget, reselect=True, chunk=0)   # exact
     conv.compress()
     store = conv.store
     rows = []
@@ -121,6 +123,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-n", "--max-tokens", type=int, default=24)
     ap.add_argument("--compare", action="store_true", help="also the old way against the new, in this process")
+    ap.add_argument("--no-chat", action="store_true", help="leave out the kvcli chat run (1.)")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="chat-reselect-"))
@@ -133,17 +136,18 @@ def main() -> None:
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "busy_at_start": busy(),
            "document": f"python examples/make_docs.py --tokens {a.tokens} --facts {a.facts} --seed {a.seed}",
            "expected": [str(f["answer"]) for f in planted]}
-    print(f"[{uptime()}] kvcli chat ...", file=sys.stderr, flush=True)
-    out["chat"] = cli_run(a.model, doc, questions, a.policy, a.budget, a.threads, a.max_tokens)
-    out["chat"]["correct"] = [e in r["answer"] for e, r in zip(out["expected"], out["chat"]["answers"])]
-    out["chat"]["busy_at_end"] = busy()
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    if not a.no_chat:
+        print(f"[{uptime()}] kvcli chat ...", file=sys.stderr, flush=True)
+        out["chat"] = cli_run(a.model, doc, questions, a.policy, a.budget, a.threads, a.max_tokens)
+        out["chat"]["correct"] = [e in r["answer"] for e, r in zip(out["expected"], out["chat"]["answers"])]
+        out["chat"]["busy_at_end"] = busy()
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     if a.compare:
         print(f"[{uptime()}] old against new, one process ...", file=sys.stderr, flush=True)
         out["compare"] = compare(a.model, doc, questions, a.policy, a.budget, a.threads, a.max_tokens)
         out["compare"]["busy_at_end"] = busy()
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    for r in out["chat"]["answers"]:
+    for r in out.get("chat", {}).get("answers", []):
         print(f"{r['question']}: {r['answer']!r} {r['share_of_read']:.1%} of the read "
               f"(prefilled {r['reselect_prefilled_tokens']}, from the {r['reselect_from']})", file=sys.stderr)
 
