@@ -82,3 +82,26 @@ def test_batch_bench_and_eval(run_kvcli, tiny_2k, doc, tmp_path):
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert {r["mode"] for r in res["records"] if r["policy"] == "kvzip"} == {"once", "run"}
+
+
+def test_reconstruction_leaves_the_sequence_as_it_was(tiny_2k):
+    """The passes are rolled back: same cells, positions and (re-decoded) logits; a pass shorter than the prompt
+    (a small context) scores every slot; the maxima are probabilities."""
+    import numpy as np
+
+    from kvcli.drivers.reconstruct import passes, reconstruct
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny_2k, n_ctx=768, cache_type="f32", flash_attn=False)
+    try:
+        toks = s.tokenize("alpha beta gamma delta river stone " * 80)[:400]
+        s.prefill(toks)
+        before, pos = s.logits(), s.kept_positions(0)
+        assert len(passes(s, toks, 2048)) == 2          # 368 free cells: two passes of the 400 tokens
+        colmax, secs = reconstruct(s, toks, 0, 2048)
+        assert colmax.shape == (s.info.n_layer, s.info.n_head, 400) and secs > 0
+        assert (colmax > 0).all() and (colmax <= 1).all()
+        assert s.seq(0).cells == 400 and s.seq(0).next_pos == 400
+        assert all(np.array_equal(a, b) for la, lb in zip(pos, s.kept_positions(0)) for a, b in zip(la, lb))
+        np.testing.assert_allclose(s.logits(), before, atol=1e-4)
+    finally:
+        s.close()

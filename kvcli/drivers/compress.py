@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvcli.drivers.chunked import read_in_chunks
 from kvcli.drivers.reconstruct import reconstruct
+from kvcli.policies.kvzip import REPEAT_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
 from kvcli.planning.planner import CompressReport, Compression, make_plan, resolve, session_cells, shape_observation
@@ -144,7 +145,8 @@ class Shared:
             if self.obs is None:  # nothing observed: positions are all a plan needs (streamingllm)
                 self.obs = shape_observation(session.info, self.n)
             if "colmax" in kinds and self.obs_error is None:   # kvzip's reconstruction pass, once for all
-                repeat = repeat_chunk or max(c.params["repeat_chunk"] for c in cfgs if "colmax" in c.observe[0])
+                repeat = repeat_chunk or max((c.params["repeat_chunk"] for c in cfgs if "colmax" in c.observe[0]),
+                                             default=REPEAT_CHUNK)
                 self.obs.colmax, self.reconstruct_s = reconstruct(session, tokens, seq, repeat)
             self.first = session.logits(seq)
             if len(cfgs) > 1:

@@ -8,6 +8,7 @@ from kvcli.policies.base import Paper, Param, PolicySpec
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 REPEAT_OVERLAP = 8
+REPEAT_CHUNK = 2048   # prompt tokens per pass by default (kvpress's chunk_size)
 
 
 def _check(params: dict, budget: int) -> None:
@@ -48,7 +49,7 @@ SPEC = PolicySpec(
               "(kvpress's default: heads and layers keep different counts, the native cache as wide as the widest)",
               paper_default="global (kvpress layerwise=False; the paper's non-uniform head budgets)",
               choices=("head", "layer", "global")),
-        Param("repeat_chunk", "int", 2048, "prompt tokens fed again per reconstruction pass (each pass holds the "
+        Param("repeat_chunk", "int", REPEAT_CHUNK, "prompt tokens fed again per reconstruction pass (each pass holds the "
               "prompt + this many cells + the instruction; fewer when the context has less room)",
               paper_default="2048 (kvpress chunk_size; the authors' code 2K)", min=16, max=1 << 20),
     ),
