@@ -62,6 +62,7 @@ from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable
 from kvcli.templating import GENERIC_SUFFIX
 
 CTX_PAD = 256
@@ -228,21 +229,35 @@ class Conversation:
 
     # ------------------------------------------------------------------ re-selection
     def read_store(self, progress=None, colsum: bool | None = None):
-        """Re-selected: read the document once and store its full cache (kvcli/drivers/reselect.py), in a context that
-        holds the whole document and TURN_ROOM for the conversation; with the column sums the policy scores by
-        (`colsum` True/False: with or without them, whatever the policy: kvcli compress --store)."""
+        """Re-selected: read the document once and store it: its full cache (exact re-selection,
+        kvcli/drivers/reselect.py), in a context that holds the whole document and TURN_ROOM for the conversation,
+        with the column sums the policy scores by (`colsum` True/False: with or without them, whatever the policy:
+        kvcli compress --store); or, where bounded reading would read it in chunks (`store_form`), chunk by chunk
+        as bounded reading reads it (kvcli/drivers/reselect_bounded.py): the cache never holds more than the budget
+        and a chunk."""
         n = len(self.prefix_tokens)
         limit = self.session.n_ctx_train
-        if n + STORE_TAIL + 64 > limit:
-            raise KvcliError(f"the document is {n} tokens, too long for re-selection, which keeps its full cache in "
-                             f"the model's context ({limit} tokens): use --compress-once (read in bounded chunks)")
-        if self.chunk:
-            raise KvcliError("re-selection reads the document in one prefill: --chunk needs --compress-once")
         cfg = self._cfg(None)
+        form, chunking = self.store_form(cfg)
+        if self.store is not None:
+            self.store.close()
+        named = self.store_path is not None
+        if form == "bounded":
+            n_seq = max(2, self.seq + 2)    # and one to load the stored chunks through, per question
+            if self.session.ctx is None:
+                self.session.create_context(chunking.n_ctx, n_seq)
+            else:
+                self.session.clear()
+                self.session.resize_context(chunking.n_ctx, n_seq)
+            self.store = ChunkedStore.read(self.session, self.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
+                                           seq=self.seq, spare=self.seq + 1, path=self.store_path, keep=named,
+                                           progress=progress,
+                                           meta={"document": self.document, "system": self.system})
+            self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params,
+                                         chunk=chunking.chunk, cap=chunking.cap)
+            self.turns, self.last_reselection, self.prompt_len = [], None, 0
+            return self.report
         want = min(limit, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD)
-        if self.max_cache is not None and n + STORE_TAIL + 64 > self.max_cache:
-            raise KvcliError(f"re-selection holds the document's full cache ({n} cells), more than --max-cache "
-                             f"{self.max_cache}: use --compress-once to read it in bounded chunks")
         if self.max_cache is not None:
             want = min(want, self.max_cache)
         if self.session.ctx is None:
@@ -250,9 +265,6 @@ class Conversation:
         elif self.session.n_ctx < want:
             self.session.clear(self.seq)
             self.session.resize_context(want)
-        if self.store is not None:
-            self.store.close()
-        named = self.store_path is not None
         self.store = StoredDocument.read(self.session, self.prefix_tokens, seq=self.seq,
                                          colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
                                          path=self.store_path, keep=named,
@@ -261,6 +273,36 @@ class Conversation:
         self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
+
+    def store_form(self, cfg):
+        """("exact", None) or ("bounded", the Chunking of its read). Bounded where bounded reading would read the
+        document in chunks (its full cache above the bounded-reading threshold, longer than the context or
+        --max-cache, or --chunk N), so that re-selection keeps the memory bound of bounded reading; exact where
+        bounded re-selection cannot serve (a column-sum policy, a model with sliding-window layers, the reference
+        engine) and the document's full cache fits the context."""
+        n = len(self.prefix_tokens)
+        chunking = self.chunking()
+        if chunking.chunk is not None:
+            try:
+                check_usable(self.session, cfg)
+                return "bounded", chunking
+            except KvcliError as e:
+                why = str(e)
+        else:
+            why = ""
+        limit = self.session.n_ctx_train
+        if n + STORE_TAIL + 64 > limit:
+            raise KvcliError(f"the document is {n} tokens, longer than the model's context ({limit} tokens): "
+                             + (f"bounded re-selection cannot serve it ({why}); " if why else "")
+                             + "use --compress-once")
+        if self.chunk:
+            raise KvcliError(f"--chunk {self.chunk}: bounded re-selection cannot serve this ({why}); drop --chunk "
+                             "or use --compress-once")
+        if self.max_cache is not None and n + STORE_TAIL + 64 > self.max_cache:
+            raise KvcliError(f"exact re-selection holds the document's full cache ({n} cells), more than --max-cache "
+                             f"{self.max_cache}, and bounded re-selection cannot serve this ({why}): use "
+                             "--compress-once")
+        return "exact", None
 
     def _say(self, line: str) -> None:
         if self.notify:
@@ -285,7 +327,9 @@ class Conversation:
     def _ask_reselected(self, question: str, max_tokens: int, sampler, on_text):
         prompt = self.session.tokenize(self.conversation_text(question))
         before = self.prompt_len + (self.turns[-1].tokens_out if self.turns else 0)
-        if len(prompt) + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
+        # exact: the whole prompt is held before its compaction; bounded: the kept entries, a chunk and the rest
+        held = len(prompt) - self.store.split + self.store.cap if getattr(self.store, "bounded", False) else len(prompt)
+        if held + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
             raise ContextFullError(f"the conversation ({len(prompt)} tokens with the document) does not fit the "
                                    f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
         cfg = self._cfg(question)
@@ -311,6 +355,9 @@ class Conversation:
     def _store_colsum_for(self, cfg) -> None:
         """A column-sum policy on a store read without the sums: read the document once more, with them (said)."""
         if "colsum" in cfg.observe[0] and self.store.colsum is None:
+            if getattr(self.store, "bounded", False):
+                raise KvcliError(f"policy {self.policy} scores by column sums, which bounded re-selection does not "
+                                 "replay: choose a window policy (snapkv, pyramidkv, ...)")
             self._say(f"policy {self.policy} scores by column sums: reading the document again to store them")
             self.read_store_keeping_turns()
 
@@ -476,6 +523,7 @@ class Conversation:
         if self.reselect and self.store is not None:
             ext = self.store.extension
             s.update(store_bytes=self.store.nbytes, store_path=str(self.store.path) if self.store.path else None,
+                     reselect_form="bounded" if getattr(self.store, "bounded", False) else "exact",
                      document_read_s=round(self.store.read_s, 4),
                      stored_turn_tokens=0 if ext is None else ext.split - self.store.split,
                      stored_turns_bytes=0 if ext is None else ext.nbytes)
@@ -496,6 +544,11 @@ class Conversation:
             line = (f"[{label}, re-selected per question] {n} tokens read in {st.read_s:.2f}s; full cache stored "
                     f"({st.nbytes / 1e6:.2f} MB{where}); each question is answered from {self.budget} entries per "
                     "layer and KV head chosen for it")
+            if getattr(st, "bounded", False):
+                line = (f"[{label}, re-selected per question, bounded] {n} tokens read in chunks of {st.chunk} in "
+                        f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, {st.nbytes / 1e6:.2f} MB{where});"
+                        f" each question streams them through a cache of at most {st.cap} cells and is answered from "
+                        f"{self.budget} entries per layer and KV head chosen for it")
             if self.load_s is not None:
                 line = (f"[{label}, re-selected per question] {n} tokens stored in {st.path} ({st.nbytes / 1e6:.2f} "
                         f"MB; {len(self.turns)} turn(s)); loaded in {self.load_s:.2f}s (+ model {self.model_s:.2f}s)")
@@ -525,7 +578,10 @@ class Conversation:
                 f"{'layer':>5} {'live cells':>10} {'entries per KV head':>22} {'bytes':>10}"]
         if self.reselect:
             r = self.last_reselection
-            rows.insert(0, f"mode: re-selected per question; document read once in {self.store.read_s:.2f}s, full "
+            rows.insert(0, f"mode: re-selected per question"
+                           + (f" (bounded: {len(self.store.chunks)} stored chunks streamed)"
+                              if getattr(self.store, "bounded", False) else "")
+                           + f"; document read once in {self.store.read_s:.2f}s, "
                            f"cache stored: {self.store.nbytes / 1e6:.2f} MB "
                            f"({self.store.path or 'in memory'}); last re-selection: "
                            + ("none yet" if r is None else

@@ -222,14 +222,15 @@ def check_room(spec, params: dict, n_layer: int, n_tokens: int, budget: int, chu
 
 def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
                    seq: int = 0, progress=None, planner: str | None = None, on_step=None, on_cache=None,
-                   scoring: str = "question") -> CompressReport:
+                   scoring: str = "question", on_prefilled=None) -> CompressReport:
     """The chunked form of the driver (kvcli.drivers.compress.prefill_and_compress, the one caller): read `tokens` into
     `seq` in chunks, compressing to `cfg.budget` after each one (see the module doc).
 
     `scoring`: "question" scores every chunk with the prompt's last window (a probe prefilled and rolled
     back), "chunk" with the chunk's own last window. `on_step(step, obs, plan)` is called after each
     planning step (kvcli check compares the planners there); `on_cache(cells)` after each compaction
-    (progress display). Returns a kvcli.planning.planner.CompressReport with `chunks`, `steps` and `peak_cells`.
+    (progress display); `on_prefilled(first_pos, n)` after each chunk's prefill, before its compaction, while
+    the sequence holds the chunk's n entries from position first_pos (bounded re-selection stores them). Returns a kvcli.planning.planner.CompressReport with `chunks`, `steps` and `peak_cells`.
     """
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
@@ -242,9 +243,9 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     policy, budget, spec, params = cfg.policy, cfg.budget, cfg.spec, cfg.params
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
-    if window > chunk:
     if "colmax" in observe:
         refuse_chunked(policy, f"asked to read {len(tokens)} tokens in chunks of {chunk}")
+    if window > chunk:
         raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
     probe = list(tokens[-window:]) if scoring == "question" and "window" in observe else []
     chunk_observe = tuple(k for k in observe if k != "window") if probe else observe
@@ -262,13 +263,16 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
         piece = tokens[pos: pos + take]
         last = pos + take == len(tokens)
         t1 = time.perf_counter()
+        first_pos = session.seq(seq).next_pos
         obs = session.prefill(piece, seq=seq, observe=observe if last else chunk_observe, window=min(window, take),
                               progress=progress)
         before = session_cells(session, seq)
         probed = bool(probe) and not last
         if probed:
-            obs = _probe(session, seq, probe, obs)
+            obs = probe_window(session, seq, probe, obs)
         prefill_s += time.perf_counter() - t1
+        if on_prefilled is not None:
+            on_prefilled(first_pos, take)
         peak = max(peak, before + (len(probe) if probed else 0))   # the probe's cells while it was held
         if obs is None:  # a policy that observes nothing plans from the shapes alone
             obs = shape_observation(i, before)
@@ -293,7 +297,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
                           cap=cap, steps=steps, peak_cells=peak, scoring=scoring if probe else "chunk")
 
 
-def _probe(session: Session, seq: int, probe: list[int], obs):
+def probe_window(session: Session, seq: int, probe: list[int], obs):
     """Prefill `probe` after what `seq` holds, observe its window, roll it back; return `obs` (the chunk's
     own observation of the other kinds, or None) with the probe's window sums over the slots held before
     it (its own columns dropped: they are gone once it is rolled back)."""

@@ -99,8 +99,11 @@ class NativeSession:
         s.create_context(n_ctx)
         return s
 
-    def create_context(self, n_ctx: int | None = None) -> None:
-        """Allocate the llama.cpp context (and its KV cache of n_ctx cells; default: the training context)."""
+    def create_context(self, n_ctx: int | None = None, n_seq: int | None = None) -> None:
+        """Allocate the llama.cpp context (and its KV cache of n_ctx cells; default: the training context), for
+        `n_seq` sequences (default: as the session was made)."""
+        if n_seq is not None:
+            self._ctx_opts["n_seq"] = int(n_seq)
         L = self.L
         n_seq, n_batch, n_threads = (self._ctx_opts[k] for k in ("n_seq", "n_batch", "n_threads"))
         flash_attn, cache_type = self.flash_attn, self.cache_type
@@ -131,16 +134,19 @@ class NativeSession:
         self.mem = L.llama_get_memory(self.ctx)
         self._batch = L.llama_batch_init(max(n_batch, n_seq), 0, n_seq)
 
-    def resize_context(self, n_ctx: int) -> None:
-        """Reallocate the context (and its KV buffer) for `n_ctx` cells, keeping every sequence: each is saved
+    def resize_context(self, n_ctx: int, n_seq: int | None = None) -> None:
+        """Reallocate the context (and its KV buffer) for `n_ctx` cells (and `n_seq` sequences: by default as
+        many as now), keeping every sequence: each is saved
         (save_seq), the old context freed before the new one is allocated, and each restored. After a
         compression this gives back the cells a long-lived session no longer needs (the buffer was sized for
         the whole document). The sequences must fit: their cells are checked before anything is freed."""
         n_ctx = int(n_ctx)
         held = {s: st for s, st in self.seqs.items() if st.cells > 0}
+        if n_seq is not None and any(s >= n_seq for s in held):
+            raise KvcliError(f"cannot resize the context to {n_seq} sequences: sequence {max(held)} holds cells")
         if self.longrope and held:
             n_ctx = self._same_rope(n_ctx)
-        if n_ctx == self.n_ctx:
+        if n_ctx == self.n_ctx and n_seq in (None, self.n_seq):
             return
         need = sum(self.measured_cells(s) for s in held)
         if need > n_ctx:
@@ -148,7 +154,7 @@ class NativeSession:
         snaps = {s: (self.save_seq(s), dict(st.timings)) for s, st in held.items()}
         self._free_context()
         self.seqs.clear()
-        self.create_context(n_ctx)
+        self.create_context(n_ctx, n_seq)
         for s, (snap, timings) in snaps.items():
             self.restore_seq(snap, s)
             self.seqs[s].timings = timings
@@ -550,6 +556,31 @@ class NativeSession:
         if snap.last_logits is not None:
             st.last_logits, st.logits_index = snap.last_logits.copy(), 0
         return cells
+
+    def append_saved(self, snap: SeqSnapshot, seq: int, spare: int, filler: int) -> int:
+        """Append the cells of a saved uncompressed sequence after those of `seq` (compressed or not), moved to the
+        positions that continue it: loaded into the empty sequence `spare`, shifted (llama.cpp's K-shift re-rotates
+        the K rows; it is settled at once by decoding the token `filler` in `spare`, then removed, so that a
+        compaction may follow), then handed to `seq` (seq_cp, and `spare` dropped). Returns the cells appended."""
+        if spare == seq or self.seqs.get(spare) and self.seqs[spare].cells:
+            raise KvcliError(f"sequence {spare} is not a free sequence to load through")
+        st = self.seq(seq)
+        n = self.restore_seq(snap, spare)
+        try:
+            delta = st.next_pos - self.L.llama_memory_seq_pos_min(self.mem, spare)
+            if delta:
+                self.L.llama_memory_seq_add(self.mem, spare, -1, -1, delta)
+                self.seqs[spare].next_pos += delta
+                self.prefill([filler], seq=spare)
+                self.truncate(spare, self.seqs[spare].next_pos - 1)
+            self.L.llama_memory_seq_cp(self.mem, spare, seq, -1, -1)
+        finally:
+            self.clear(spare)
+        st.next_pos = self.L.llama_memory_seq_pos_max(self.mem, seq) + 1
+        st.cells += n
+        st.prompt_tokens += n
+        st.logits_index, st.last_logits = -1, None
+        return n
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""The layout of a saved sequence state (llama_state_seq_get_data with kvcli's prefix and bias suffix), read
+into its parts so that some of its cells can be written out as a state of their own.
+
+Bounded re-selection (kvcli/drivers/reselect_bounded.py) stores each chunk of a document as it is read: the
+sequence then holds the entries kept so far (compressed: a kvcli header and per-head slot bias) and the chunk
+just prefilled; `cells_from` keeps the chunk's cells only, as an uncompressed state (no header, no bias) that
+restores into a sequence of its own. One stream, no sliding-window cache (kvc.check_state reads the same layout).
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+
+STATE_MAGIC, SUFFIX_MAGIC = 0x4C43564B, 0x4243564B
+_HEADER_BYTES = 4 + 56 + 4          # seq id, kvcli_state_header, flags (native/src/kvcli_state.cpp)
+_BLOCK = {0: (1, 4), 1: (1, 2), 8: (32, 34)}   # ggml type -> (block, bytes): f32, f16, q8_0
+
+
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data, self.p = memoryview(data), 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.p + n > len(self.data):
+            raise KvcliError(f"the cache state ends inside a field at byte {self.p}")
+        out = self.data[self.p:self.p + n]
+        self.p += n
+        return out
+
+    def u(self, fmt: str) -> int:
+        (v,) = struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+        return v
+
+
+def cells_from(state: bytes, first_pos: int) -> tuple[bytes, int, int]:
+    """The cells of a saved sequence at positions >= first_pos, as an uncompressed sequence state of their own;
+    returns (state, cells, last position + 1). Their K/V rows are copied as they are (their positions too)."""
+    r = _Reader(state)
+    lead = bytes(r.take(8))                             # what llama.cpp writes before the cache's part
+    if r.u("<I") != STATE_MAGIC:
+        raise KvcliError("not a kvcli cache state")
+    fmt_fp = bytes(r.take(12))                          # kvcli state format, model fingerprint
+    r.take(r.u("<I") * _HEADER_BYTES)                   # the compressed sequence's header: dropped
+    if r.u("<I") != 1:
+        raise KvcliError("a cache state of several streams cannot be cut into cells")
+    n = r.u("<I")
+    pos = np.empty(n, np.int64)
+    meta = []
+    for i in range(n):
+        start = r.p
+        pos[i] = r.u("<i")
+        n_seq = r.u("<I")
+        r.take(4 * n_seq)
+        meta.append(bytes(r.data[start:r.p]))
+    keep = np.flatnonzero(pos >= first_pos)
+    if keep.size == 0:
+        raise KvcliError(f"the sequence holds no cell at position {first_pos} or later")
+    out = [lead, struct.pack("<I", STATE_MAGIC), fmt_fp, struct.pack("<I", 0), struct.pack("<II", 1, keep.size)]
+    out += [meta[i] for i in keep]
+    v_trans, n_layer = r.u("<I"), r.u("<I")
+    out.append(struct.pack("<II", v_trans, n_layer))
+    for kind in ("K", "V"):
+        for _ in range(n_layer):
+            t = r.u("<i")
+            if kind == "V" and v_trans:
+                el, width = r.u("<I"), r.u("<I")
+                data = np.frombuffer(r.take(width * n * el), np.uint8).reshape(width, n, el)
+                out += [struct.pack("<iII", t, el, width), np.ascontiguousarray(data[:, keep]).tobytes()]
+            else:
+                row = r.u("<Q")
+                data = np.frombuffer(r.take(n * row), np.uint8).reshape(n, row)
+                out += [struct.pack("<iQ", t, row), np.ascontiguousarray(data[keep]).tobytes()]
+    if r.u("<I") != SUFFIX_MAGIC:
+        raise KvcliError("the cache state has no kvcli bias block (a model with sliding-window layers?)")
+    if r.u("<I"):                                       # the slot bias: the chunk's cells have none
+        n_l, n_h, n_c = r.u("<I"), r.u("<I"), r.u("<I")
+        bias = np.frombuffer(r.take(4 * n_l * n_h * n_c), np.float32).reshape(n_l, n_h, n_c)
+        if n_c != n or not (bias[:, :, keep] == 0).all():
+            raise KvcliError("the cells to cut out are compacted already (they carry slot bias)")
+    if r.p != len(state):
+        raise KvcliError("the cache state holds more than one cache (a model with sliding-window layers?)")
+    out.append(struct.pack("<II", SUFFIX_MAGIC, 0))
+    return b"".join(out), int(keep.size), int(pos[keep].max()) + 1

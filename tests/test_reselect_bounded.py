@@ -1,0 +1,143 @@
+"""Bounded re-selection (kvcli/drivers/reselect_bounded.py) on a tiny random model.
+
+What it must show: a document stored in one chunk is re-selected exactly as the exact form re-selects it (the
+same observation at kvcli check's L2 thresholds, the same plan); stored in several chunks, the cache never holds
+more than the kept entries + one chunk + the probe while a question is re-selected; a chunk moved to other
+positions (llama.cpp's K-shift) is attended to as before (relative positions are what RoPE keeps); a changed or
+deleted store, a column-sum policy and the reference engine are refused in one line.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvcli.drivers.check import Thresholds, compare_observations
+from kvcli.errors import KvcliError
+
+DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i, w in
+               enumerate(["north", "south", "river", "stone", "light", "delta", "gamma", "alpha"] * 6))
+Q = "Which code did the river station log?"
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
+    return tmp_path / "kvcache"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_2k):
+    """(session with two sequences, document head tokens, prompt tokens of Q)."""
+    from kvcli.apps.chat import TurnFormat, user_content
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny_2k, n_ctx=0, n_seq=2)
+    fmt = TurnFormat.probe(s, None)
+    head = s.tokenize(fmt.head + DOC.strip())
+    prompt = s.tokenize(fmt.head + user_content(DOC, Q) + fmt.after_user)
+    s.create_context(1024)
+    yield s, head, prompt
+    s.close()
+
+
+def cfg_of(model, policy="snapkv", budget=48):
+    from kvcli.planning.planner import resolve
+    return resolve(model, policy, budget, {}, Q)
+
+
+def test_one_chunk_is_exact_reselection(tiny_2k, setup):
+    from kvcli.drivers.reselect import StoredDocument
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, prompt = setup
+    cfg = cfg_of(tiny_2k)
+    exact = StoredDocument.read(s, head)
+    bounded = ChunkedStore.read(s, head, cfg, chunk=len(head) + cfg.observe[1] + 8)
+    assert len(bounded.chunks) == 1 and bounded.chunks[0].n == bounded.split == exact.split
+    seen = {}
+    exact.reselect(s, prompt, cfg, on_step=lambda obs, plan: seen.update(exact=(obs.with_kv_arrays(), plan)))
+    r = bounded.reselect(s, prompt, cfg, on_step=lambda obs, plan: seen.update(bounded=(obs.with_kv_arrays(), plan)))
+    assert r.chunks == 1 and r.prefilled == len(prompt) - r.restored
+    (obs_e, plan_e), (obs_b, plan_b) = seen["exact"], seen["bounded"]
+    l2 = compare_observations(obs_e, obs_b, Thresholds())
+    assert l2["pass"], l2
+    assert all(np.array_equal(plan_e.kept(l, h), plan_b.kept(l, h))
+               for l in range(plan_e.n_layer) for h in range(plan_e.n_head_kv))
+    exact.close()
+    bounded.close()
+
+
+def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    from kvcli.generate import generate
+    s, head, prompt = setup
+    cfg = cfg_of(tiny_2k)
+    chunk = 128
+    store = ChunkedStore.read(s, head, cfg, chunk=chunk)
+    manifest = json.loads((store.path / "store.json").read_text())
+    assert [c["n"] for c in manifest["chunks"]] == [c.n for c in store.chunks]
+    _, window = cfg.observe
+    assert sum(c.n for c in store.chunks) == store.split and len(store.chunks) > 1
+    assert all(c.n <= chunk - window for c in store.chunks)          # each leaves its question's probe room
+    assert all((store.path / c.file).stat().st_size == c.nbytes for c in store.chunks)
+    assert not list(cache_dir.glob("documents/*.part"))           # the folder was renamed into place
+    held = []
+    r = store.reselect(s, prompt, cfg, on_step=lambda obs, plan: held.append(obs.n))
+    assert r.chunks == len(store.chunks) and len(held) == len(store.chunks)
+    assert max(held) <= cfg.budget + chunk + len(prompt) - store.split, held   # chunks leave the probe room
+    assert s.stats(0)["kv_cells"] <= cfg.budget                      # compacted for the question
+    assert len(generate(s, 4).tokens) == 4                             # and it answers
+    store.close()
+    assert not store.path.exists()
+
+
+def test_a_moved_chunk_is_attended_to_as_before(tiny_2k, setup):
+    """The same chunk at its stored positions and moved 48 positions back (append_saved: llama.cpp's K-shift):
+    a probe after it attends to it alike, since RoPE attention depends on relative positions only."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, prompt = setup
+    store = ChunkedStore.read(s, head, cfg_of(tiny_2k), chunk=128)
+    c = store.chunks[1]
+    assert c.first_pos > 0
+    probe = prompt[-16:]
+    sums = []
+    for moved in (False, True):
+        s.clear(0)
+        if moved:
+            s.append_saved(store._snapshot(c), 0, 1, filler=probe[0])
+            assert s.seq(0).next_pos == c.n                          # positions 0..n-1 now
+        else:
+            s.restore_seq(store._snapshot(c), 0)
+            assert s.seq(0).next_pos == c.first_pos + c.n
+        obs = s.prefill(probe, seq=0, observe=("window",), window=len(probe))
+        sums.append(obs.window_sums[..., :c.n])
+    np.testing.assert_allclose(sums[0], sums[1], rtol=2e-2, atol=2e-3)
+    s.clear(0)
+    store.close()
+
+
+def test_refusals(tiny_2k, setup):
+    from kvcli.drivers.reselect import StoreMissing
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, prompt = setup
+    cfg = cfg_of(tiny_2k)
+    with pytest.raises(KvcliError, match="column sums"):
+        ChunkedStore.read(s, head, cfg_of(tiny_2k, "h2o"), chunk=128)
+    store = ChunkedStore.read(s, head, cfg, chunk=128)
+    with pytest.raises(KvcliError, match="column sums"):
+        store.reselect(s, prompt, cfg_of(tiny_2k, "h2o"))
+    with pytest.raises(KvcliError, match="does not start with"):
+        store.reselect(s, prompt[:5] + prompt, cfg)
+    f = store.path / store.chunks[1].file
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(KvcliError, match="corrupted"):
+        store.reselect(s, prompt, cfg)
+    store.close()
+    with pytest.raises(StoreMissing, match="gone"):
+        store.reselect(s, prompt, cfg)
+    from kvcli.reference.session import ReferenceSession
+    ref = ReferenceSession(tiny_2k, n_ctx=1024, n_seq=2)
+    with pytest.raises(KvcliError, match="native engine"):
+        ChunkedStore.read(ref, head, cfg, chunk=128)
