@@ -141,3 +141,30 @@ def test_refusals(tiny_2k, setup):
     ref = ReferenceSession(tiny_2k, n_ctx=1024, n_seq=2)
     with pytest.raises(KvcliError, match="native engine"):
         ChunkedStore.read(ref, head, cfg, chunk=128)
+
+
+def test_chat_reselects_in_bounded_chunks_where_bounded_reading_applies(tiny_2k, cli_runner, tmp_path):
+    """--chunk N (as a document above the bounded-reading threshold, or longer than the context) makes a re-selected
+    chat bounded: the summary and every row say so, the answers come; a column-sum policy is refused in one line;
+    a document longer than the model's context (2k) is served too."""
+    from kvcli.cli import cli
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC, encoding="utf-8")
+    qs = "Which code did the river station log?\nAnd the stone station?\n"
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "snapkv", "--budget",
+                                "48", "--chunk", "128", "--fresh", "--json", "-n", "4"], input=qs)
+    assert r.exit_code == 0, r.output
+    assert "re-selected per question, bounded" in r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and all(x["reselect_chunks"] > 1 and x["generated_tokens"] >= 1 for x in rows)
+    assert all(x["kv_cells"] <= 48 + x["generated_tokens"] for x in rows)
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "h2o", "--budget",
+                                "48", "--chunk", "128", "--fresh"], input=qs)
+    assert r.exit_code != 0 and "column sums" in r.output and "Traceback" not in r.output
+    long = tmp_path / "long.txt"
+    long.write_text(DOC * 5, encoding="utf-8")        # ~3.9k tokens: past the 2k context
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(long), "--policy", "snapkv", "--budget",
+                                "48", "--fresh", "--json", "-n", "2"], input=qs)
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and rows[0]["prompt_tokens"] > 2048 and rows[0]["reselect_chunks"] > 2
