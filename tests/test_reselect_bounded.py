@@ -161,6 +161,9 @@ def test_chat_reselects_in_bounded_chunks_where_bounded_reading_applies(tiny_2k,
     r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "h2o", "--budget",
                                 "48", "--chunk", "128", "--fresh"], input=qs)
     assert r.exit_code != 0 and "column sums" in r.output and "Traceback" not in r.output
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "snapkv", "--budget",
+                                "48", "--chunk", "128", "--store", str(tmp_path / "kept.kvc"), "--fresh"], input=qs)
+    assert r.exit_code != 0 and "--chunk 0" in r.output and not (tmp_path / "kept.kvc").exists()
     long = tmp_path / "long.txt"
     long.write_text(DOC * 5, encoding="utf-8")        # ~3.9k tokens: past the 2k context
     r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(long), "--policy", "snapkv", "--budget",

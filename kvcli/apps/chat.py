@@ -243,6 +243,10 @@ class Conversation:
             self.store.close()
         named = self.store_path is not None
         if form == "bounded":
+            if named:
+                raise KvcliError(f"--store keeps a document's full cache, and this one is re-selected in bounded "
+                                 f"chunks ({chunking.why}): add --chunk 0 for the exact form (its full cache held "
+                                 "while a question is re-selected), or drop --store")
             n_seq = max(2, self.seq + 2)    # and one to load the stored chunks through, per question
             if self.session.ctx is None:
                 self.session.create_context(chunking.n_ctx, n_seq)
