@@ -3,8 +3,8 @@
 # peaks within 10% of bounded reading's peak"): qwen2.5-coder-0.5b, a generated logbook of TOKENS tokens with three
 # planted facts, snapkv at budget 256, three processes one after the other:
 #   run     kvcli run, the first question (bounded reading: the default above 64 MiB of full cache)
-#   bounded kvcli chat, the three questions (bounded re-selection: the default where bounded reading applies)
-#   exact   kvcli chat --chunk 0, the three questions (exact re-selection: the document's full cache held)
+#   bounded kvcli chat --chunk 1024, the three questions (bounded re-selection, chunks as bounded reading reads)
+#   exact   kvcli chat --chunk 0, the three questions (exact re-selection: the full cache held while re-selecting)
 # Each process's peak RSS as the OS reports it (/usr/bin/time -v "Maximum resident set size", and the JSON's
 # peak_rss_bytes), next to its KV buffer. Writes benchmarks/results/reselect-memory-qwen-TOKENS.json.
 set -euo pipefail
@@ -17,7 +17,7 @@ W=$(mktemp -d)
 M="--model qwen2.5-coder-0.5b --doc $W/doc.txt --policy snapkv --budget 256 --threads 2 -n 16 --json"
 up0=$(uptime)
 /usr/bin/time -v $K run $M "$(head -1 "$W/qs.txt")" > "$W/run.json" 2> "$W/run.err"
-/usr/bin/time -v $K chat $M --fresh < "$W/qs.txt" > "$W/bounded.jsonl" 2> "$W/bounded.err"
+/usr/bin/time -v $K chat $M --fresh --chunk 1024 < "$W/qs.txt" > "$W/bounded.jsonl" 2> "$W/bounded.err"
 /usr/bin/time -v $K chat $M --fresh --chunk 0 < "$W/qs.txt" > "$W/exact.jsonl" 2> "$W/exact.err"
 up1=$(uptime)
 .venv/bin/python - "$W" "$TOKENS" "$up0" "$up1" <<'PY'

@@ -171,3 +171,26 @@ def test_chat_reselects_in_bounded_chunks_where_bounded_reading_applies(tiny_2k,
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2 and rows[0]["prompt_tokens"] > 2048 and rows[0]["reselect_chunks"] > 2
+
+
+def test_which_documents_are_re_selected_bounded(tiny_2k, monkeypatch):
+    """Exact while the full cache is at most KVCLI_RESELECT_EXACT_MB (256 MiB by default), though bounded reading
+    would read the document in chunks; bounded above it, and with --chunk N."""
+    from kvcli.apps.chat import Conversation
+    from kvcli.native.session import NativeSession
+    monkeypatch.setenv("KVCLI_BOUNDED_ABOVE_MB", "0")      # bounded reading for any document longer than budget + chunk
+    s = NativeSession(tiny_2k, n_ctx=0)
+    conv = Conversation(s, DOC, policy="snapkv", budget=48, reselect=True)
+    cfg = conv._cfg(None)
+    monkeypatch.setattr("kvcli.drivers.chunked.DEFAULT_CHUNK", 256)
+    assert conv.chunking().chunk is not None
+    assert conv.store_form(cfg)[0] == "exact"
+    monkeypatch.setenv("KVCLI_RESELECT_EXACT_MB", "0")
+    assert conv.store_form(cfg)[0] == "bounded"
+    monkeypatch.setenv("KVCLI_RESELECT_EXACT_MB", "-1")
+    with pytest.raises(KvcliError, match="KVCLI_RESELECT_EXACT_MB"):
+        conv.store_form(cfg)
+    monkeypatch.delenv("KVCLI_RESELECT_EXACT_MB")
+    conv.chunk = 128
+    assert conv.store_form(cfg)[0] == "bounded"
+    s.close()

@@ -62,7 +62,7 @@ from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes
 from kvcli.templating import GENERIC_SUFFIX
 
 CTX_PAD = 256
@@ -280,21 +280,22 @@ class Conversation:
 
     def store_form(self, cfg):
         """("exact", None) or ("bounded", the Chunking of its read). Bounded where bounded reading would read the
-        document in chunks (its full cache above the bounded-reading threshold, longer than the context or
-        --max-cache, or --chunk N), so that re-selection keeps the memory bound of bounded reading; exact where
-        bounded re-selection cannot serve (a column-sum policy, a model with sliding-window layers, the reference
-        engine) and the document's full cache fits the context."""
+        document in chunks and its full cache is above reselect_bounded.exact_below_bytes() (256 MiB), where it is
+        longer than the context or --max-cache, or with --chunk N; exact elsewhere, and where bounded re-selection
+        cannot serve (a column-sum policy, a model with sliding-window layers, the reference engine) and the
+        document's full cache fits the context."""
         n = len(self.prefix_tokens)
+        limit = self.session.n_ctx_train
+        fits = n + STORE_TAIL + 64 <= limit and (self.max_cache is None or n + STORE_TAIL + 64 <= self.max_cache)
         chunking = self.chunking()
-        if chunking.chunk is not None:
+        why = ""
+        small = n * self.session.bytes_per_cell() <= exact_below_bytes()
+        if chunking.chunk is not None and not (self.chunk is None and self.max_cache is None and fits and small):
             try:
                 check_usable(self.session, cfg)
                 return "bounded", chunking
             except KvcliError as e:
                 why = str(e)
-        else:
-            why = ""
-        limit = self.session.n_ctx_train
         if n + STORE_TAIL + 64 > limit:
             raise KvcliError(f"the document is {n} tokens, longer than the model's context ({limit} tokens): "
                              + (f"bounded re-selection cannot serve it ({why}); " if why else "")
@@ -302,7 +303,7 @@ class Conversation:
         if self.chunk:
             raise KvcliError(f"--chunk {self.chunk}: bounded re-selection cannot serve this ({why}); drop --chunk "
                              "or use --compress-once")
-        if self.max_cache is not None and n + STORE_TAIL + 64 > self.max_cache:
+        if not fits:
             raise KvcliError(f"exact re-selection holds the document's full cache ({n} cells), more than --max-cache "
                              f"{self.max_cache}, and bounded re-selection cannot serve this ({why}): use "
                              "--compress-once")

@@ -45,6 +45,25 @@ from kvcli.native.state import cells_from
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
 
 FORMAT = 1
+# A re-selected chat keeps the exact form (the document's full cache held while a question is re-selected) up to
+# this many bytes of full cache, though bounded reading would read the document in chunks: a bounded re-selection
+# streams every chunk with a probe, about twice the seconds of an exact one per question (docs/results.md,
+# "Bounded re-selection"), and a full cache this size is a moderate addition to the process. Above it, past the
+# model's context, or with --chunk N / --max-cache, the bounded form. KVCLI_RESELECT_EXACT_MB moves it.
+EXACT_BELOW_BYTES = 256 << 20
+
+
+def exact_below_bytes() -> int:
+    raw = os.environ.get("KVCLI_RESELECT_EXACT_MB")
+    if raw is None:
+        return EXACT_BELOW_BYTES
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:   # also NaN
+        raise KvcliError(f"KVCLI_RESELECT_EXACT_MB must be a number of MiB >= 0 (got {raw!r})")
+    return int(mb * (1 << 20))
 
 
 @dataclass
