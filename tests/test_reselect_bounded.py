@@ -194,3 +194,37 @@ def test_which_documents_are_re_selected_bounded(tiny_2k, monkeypatch):
     conv.chunk = 128
     assert conv.store_form(cfg)[0] == "bounded"
     s.close()
+
+
+def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeypatch):
+    """Ctrl-C while the stored chunks stream in leaves the conversation as it was before the question (nothing
+    held, the loading sequence free); the store deleted mid-chat is read again, said in one line."""
+    from kvcli.apps.chat import Conversation
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    from kvcli.native.session import NativeSession
+    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, policy="snapkv", budget=48, reselect=True, chunk=128)
+    said = []
+    conv.notify = said.append
+    conv.compress()
+    assert conv.store.bounded
+    conv.ask(Q, 3)
+    real, calls = ChunkedStore._snapshot, []
+
+    def interrupted(self, c):
+        calls.append(c)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, c)
+    monkeypatch.setattr(ChunkedStore, "_snapshot", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conv.ask("And the stone station?", 3)
+    monkeypatch.setattr(ChunkedStore, "_snapshot", real)
+    assert len(conv.turns) == 1 and conv.session.cells_used() == 0
+    import shutil
+    shutil.rmtree(conv.store.path)
+    gen = conv.ask("And the stone station?", 3)
+    assert len(gen.tokens) >= 1 and len(conv.turns) == 2
+    assert any("gone" in line for line in said) and conv.store.path.exists()
+    conv.close()
+    assert not conv.store.path.exists()
+    conv.session.close()
