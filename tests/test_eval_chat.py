@@ -109,3 +109,20 @@ def test_shared_reselections_answer_as_separate_ones(tiny, tmp_path, monkeypatch
     assert {(r["policy"], r["budget"]) for r in shared if r["mode"] == "reselect" and r["question"] == 0} == \
            {(p, 64) for p in ("snapkv", "h2o", "streamingllm")}
     assert not any(r.get("shared") for r in runs[True]["records"] if r["mode"] == "full")
+
+
+def test_eval_chat_bounded_mode(cli_runner, tiny, tmp_path, monkeypatch):
+    """bounded: every window policy's conversation re-selected from a store read chunk by chunk (a column-sum policy
+    gets no record); its first question streams more than one chunk and is answered from the budget."""
+    from kvcli.cli import cli
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("kvcli.evaluation.chat.DEFAULT_CHUNK", 256)
+    out = tmp_path / "chat.json"
+    r = cli_runner.invoke(cli, ["eval", "chat", "--model", str(tiny), "--policies", "snapkv,h2o", "--budgets", "48",
+                                "--lengths", "600", "--documents", "1", "--facts", "3", "--json-out", str(out),
+                                "--modes", "bounded", "--quiet"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(out.read_text())["records"]
+    assert len(recs) == 3 and {x["policy"] for x in recs} == {"snapkv"}
+    assert all(x["reselect_chunks"] > 1 and x["kv_cells"] <= 48 + 12 and x["read_s"] > 0 for x in recs)
+    assert not any((tmp_path / "cache" / "documents").iterdir())

@@ -146,7 +146,8 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
               help="full: full cache; once: compressed before the questions (question-agnostic); reselect: "
               "re-selected for every question from the stored full cache (kvcli chat's default); run: each question "
               "compressed alone, question-aware, from the stored cache (kvcli run --question ...); reread: the same "
-              "with the document read again for every question (slow).")
+              "with the document read again for every question (slow); bounded: reselect in the bounded form (the "
+              "document stored chunk by chunk as bounded reading reads it, per configuration; window policies).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def chat_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, documents, facts, modes, seed):
     """Many questions over one document, asked in one conversation, scored per question (SCBench's multi-turn

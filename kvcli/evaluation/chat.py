@@ -15,6 +15,11 @@ documents and questions:
   question): computed from the stored document, which observes what one prefill of the question's prompt observes
   (tests/test_reselect.py, L2 and L1), as `kvcli run --question Q1 --question Q2 ...` does. The upper mark of what
   per-question compression can score; against `reselect` it measures what the conversation's earlier turns cost.
+- `bounded`: `reselect` in the bounded form (kvcli/drivers/reselect_bounded.py: `kvcli chat` above 256 MiB of full
+  cache, past the context, or with --chunk N): per configuration the document is read by bounded reading (chunks
+  of 1024 tokens) and stored chunk by chunk, and every question streams the stored chunks through a cache of the
+  budget + a chunk. Not in the default modes: a read per configuration. Column-sum policies are not served bounded
+  (no record).
 - `reread`: the same, with the document read again for every question (one prefill per question serving every
   configuration): `run` as a loop of single-question `kvcli run` processes in one prefill would do it. Not in the
   default modes: it costs a read per question.
@@ -38,8 +43,10 @@ import time
 
 import numpy as np
 
+from kvcli.drivers.chunked import DEFAULT_CHUNK
 from kvcli.drivers.compress import Shared, resolve
 from kvcli.drivers.reselect import StoredDocument
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable
 from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import machine, peak_rss_bytes
@@ -49,7 +56,7 @@ from kvcli.native.session import NativeSession
 from kvcli.planning.planner import make_plan
 from kvcli.templating import GENERIC_SUFFIX, user_message
 
-MODES = ("full", "once", "reselect", "run", "reread")
+MODES = ("full", "once", "reselect", "run", "reread", "bounded")
 DEFAULT_MODES = ("full", "once", "reselect", "run")
 ROOM = 1024     # cells for the conversation after the document
 SHARE = True    # configurations that re-select the same prompt alike share its restore and observed prefill
@@ -124,7 +131,7 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                 raise KvcliError(f"length {L} + {ROOM} conversation cells exceed the model's context "
                                  f"({tok.n_ctx_train}): re-selection keeps the document's full cache")
             session = NativeSession(model_path, n_ctx=-(-(L + ROOM) // 256) * 256, cache_type=cache_type,
-                                    n_threads=threads)
+                                    n_threads=threads, n_seq=2 if "bounded" in modes else 1)
             try:
                 for d in range(documents):
                     doc_seed = seed * 1000 + d
@@ -286,8 +293,37 @@ def _mode_reread(session, text, planted, cfgs, full, max_tokens, store):
     return {"records": recs}
 
 
+def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store):
+    head = session.tokenize(prefix_text(session, text, False))
+    recs = []
+    for key, cfg in cfgs.items():
+        try:
+            check_usable(session, cfg, 1)
+        except KvcliError:
+            continue
+        session.clear()
+        cs = ChunkedStore.read(session, head, cfg, DEFAULT_CHUNK)
+        history = []
+        try:
+            for i, fact in enumerate(planted):
+                q = ask(fact["question"])
+                prompt = session.tokenize(render(session, text, history, q))
+                r = cs.reselect(session, prompt, cfg)
+                t2 = time.perf_counter()
+                answer = _greedy(session, session.logits(0), max_tokens)
+                recs.append(_record("bounded", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
+                                    reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
+                                    read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
+                                    kv_cells=int(session.stats(0)["kv_cells"])))
+                history.append((q, answer.strip()))
+                session.clear(0)
+        finally:
+            cs.close()
+    return {"records": recs}
+
+
 MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "reselect": _mode_reselect, "run": _mode_run,
-                "reread": _mode_reread}
+                "reread": _mode_reread, "bounded": _mode_bounded}
 
 
 # ------------------------------------------------------------------------------ results
