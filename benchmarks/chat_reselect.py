@@ -11,7 +11,10 @@
 2. With --compare (in this process, after 1): the document read once more, then each question re-selected twice on
    the same load, alternately: from the stored document with the whole conversation prefilled again (kvcli before
    the conversation's turns were kept in the stored cache), then as `kvcli chat` does now (the turns restored,
-   only the last answer and the new question prefilled). Both answer greedily; the answers must agree.
+   only the last answer and the new question prefilled). Both answer greedily; the answers must agree. Besides
+   seconds, the process's CPU seconds (time.process_time) of the read, of each re-selection and of each answer:
+   with --threads 1 they hardly depend on what else the machine runs (no thread waits at a barrier for a
+   descheduled sibling), so their ratios stand in for a quiet machine's on a busy one.
 
 The machine may be shared: seconds depend on the load, ratios within one process less so; `uptime` is recorded.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,7 +82,9 @@ def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
     before = uptime()
     session = NativeSession(resolve_model(model), n_ctx=0, n_threads=threads)
     conv = Conversation(session, doc.read_text(), policy=policy, budget=budget, reselect=True, chunk=0)   # exact
+    c0 = time.process_time()
     conv.compress()
+    read_cpu = time.process_time() - c0
     store = conv.store
     rows = []
     try:
@@ -86,29 +92,42 @@ def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
             prompt = session.tokenize(conv.conversation_text(q))
             cfg = conv._cfg(q)
             kept, store.extension = store.extension, None   # before: from the document, every turn prefilled again
+            c0 = time.process_time()
             old = store.reselect(session, prompt, cfg, seq=conv.seq)
+            c1 = time.process_time()
             g_old = generate(session, max_tokens, seq=conv.seq)
+            c2 = time.process_time()
             store.extension = kept
+            del kept
+            cpu = {"old": (c1 - c0, c2 - c1)}
+            c0 = time.process_time()
             g_new = conv.ask(q, max_tokens)                 # now: the turns restored from the stored cache
+            cpu["new"] = (time.process_time() - c0, None)   # conv.ask: tokenizing, re-selection and answer
             new = conv.last_reselection
             row = {"question": q}
-            for name, r, g in (("whole_conversation_prefilled", old, g_old), ("turns_kept", new, g_new)):
+            for name, key, r, g in (("whole_conversation_prefilled", "old", old, g_old), ("turns_kept", "new", new, g_new)):
                 per_q = r.total_s + g.decode_s
                 row[name] = {"answer": g.text, "from": r.source, "restored": r.restored, "prefilled": r.prefilled,
                              "reselect_s": round(r.total_s, 3), "restore_s": round(r.restore_s, 3),
                              "prefill_s": round(r.prefill_s, 3), "keep_s": round(r.keep_s, 3),
                              "answer_s": round(g.decode_s, 3), "generated_tokens": len(g.tokens),
                              "question_s": round(per_q, 3), "share_of_read": round(per_q / store.read_s, 4)}
+                if key == "old":
+                    row[name].update(reselect_cpu_s=round(cpu["old"][0], 3), answer_cpu_s=round(cpu["old"][1], 3))
+                row[name]["question_cpu_s"] = round(sum(x for x in cpu[key] if x is not None), 3)
+                row[name]["cpu_share_of_read"] = round(row[name]["question_cpu_s"] / read_cpu, 4)
             row["same_answer"] = g_old.text == g_new.text
             rows.append(row)
-            print(f"  {q[:50]}: old {row['whole_conversation_prefilled']['share_of_read']:.1%} "
-                  f"({old.prefilled} tokens), new {row['turns_kept']['share_of_read']:.1%} ({new.prefilled} tokens)",
+            o, w = row["whole_conversation_prefilled"], row["turns_kept"]
+            print(f"  {q[:50]}: old {o['share_of_read']:.1%} (CPU {o['cpu_share_of_read']:.1%}, {old.prefilled} "
+                  f"tokens), new {w['share_of_read']:.1%} (CPU {w['cpu_share_of_read']:.1%}, {new.prefilled} tokens)",
                   file=sys.stderr, flush=True)
         s = conv.stats()
     finally:
         conv.close()
         session.close()
-    return {"uptime": [before, uptime()], "read_s": round(store.read_s, 3), "store_bytes": store.nbytes,
+    return {"uptime": [before, uptime()], "threads": threads, "read_s": round(store.read_s, 3),
+            "read_cpu_s": round(read_cpu, 3), "store_bytes": store.nbytes,
             "peak_rss_bytes": s["peak_rss_bytes"], "questions": rows}
 
 
@@ -132,6 +151,13 @@ def main() -> None:
             str(a.facts), "--seed", str(a.seed), "-o", str(doc), "--facts-json", str(facts)]
     subprocess.run(make, check=True, cwd=ROOT)
     planted = json.loads(facts.read_text())
+    try:
+        run(a, doc, planted)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(a, doc: Path, planted: list[dict]) -> None:
     questions = [f["question"] for f in planted]
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "busy_at_start": busy(),
            "document": f"python examples/make_docs.py --tokens {a.tokens} --facts {a.facts} --seed {a.seed}",
@@ -146,6 +172,8 @@ def main() -> None:
         print(f"[{uptime()}] old against new, one process ...", file=sys.stderr, flush=True)
         out["compare"] = compare(a.model, doc, questions, a.policy, a.budget, a.threads, a.max_tokens)
         out["compare"]["busy_at_end"] = busy()
+        out["compare"]["correct"] = [e in q["turns_kept"]["answer"] for e, q in
+                                     zip(out["expected"], out["compare"]["questions"])]
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     for r in out.get("chat", {}).get("answers", []):
         print(f"{r['question']}: {r['answer']!r} {r['share_of_read']:.1%} of the read "
