@@ -223,6 +223,25 @@ def test_kept_turns_fall_back_to_the_document_when_the_prompt_differs(tiny):
         conv.close()
 
 
+def test_kept_turns_that_cannot_be_restored_fall_back_to_the_document(tiny, monkeypatch):
+    from kvcli.drivers import reselect
+    conv, ref = conversation(tiny), conversation(tiny, store_turns=False)
+    assert conv.ask(QS3[0], 6).text == ref.ask(QS3[0], 6).text
+    real = reselect.StoredDocument.restore
+
+    def refuse_kept(self, session, seq, upto, extension=None):
+        if extension is not None:
+            raise KvcliError("cannot go back to that position")
+        return real(self, session, seq, upto)
+
+    monkeypatch.setattr(reselect.StoredDocument, "restore", refuse_kept)
+    assert conv.ask(QS3[1], 6).text == ref.ask(QS3[1], 6).text
+    assert conv.last_reselection.source == "document"   # and the question's prompt kept for the next one
+    assert conv.store.extension is not None and conv.store.extension.split == conv.prompt_len
+    conv.close()
+    ref.close()
+
+
 def test_fresh_and_run_keep_no_turns(tiny, cli_runner, tmp_path):
     """--fresh answers each question from the document alone and `kvcli run`'s several questions are each asked
     alone: neither keeps the conversation in the stored cache."""

@@ -296,7 +296,15 @@ class StoredDocument:
         sums = self.colsum if ext is None else ext.colsum
         source = "document" if ext is None else "conversation"
         t0 = time.perf_counter()
-        self.restore(session, seq, r, ext)
+        try:
+            self.restore(session, seq, r, ext)
+        except KvcliError:
+            if ext is None:
+                raise
+            # the kept turns cannot be put back here (e.g. a sliding-window cache that no longer reaches back to
+            # the restore point): the stored document can, exactly
+            self.extension = ext = None
+            return self.reselect(session, prompt, cfg, seq=seq, progress=progress, on_step=on_step, extend=extend)
         ext = None   # no reference left to the old extension's state once `extend` drops it: one held at a time
         t1 = time.perf_counter()
         compresses = cfg.compresses(n)
