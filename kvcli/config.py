@@ -119,3 +119,17 @@ def sources() -> dict:
         elif key in file_vals:
             out[key] = str(config_path())
     return out
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A size in MiB from the environment variable `name` (a number >= 0), in bytes; `default` when unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:   # also NaN
+        raise KvcliError(f"{name} must be a number of MiB >= 0 (got {raw!r})")
+    return int(mb * (1 << 20))

@@ -37,6 +37,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import model_hash
 from kvcli.native.lib import identity
 from kvcli.native.session import CACHE_TYPES
+from kvcli.native.state import Reader
 
 MAGIC = b"KVCLIKVC"
 FORMAT = 1
@@ -263,22 +264,6 @@ def check_meta(kvc: KvcFile) -> None:
         raise KvcliError(f"{kvc.path or 'the cache file'} is corrupted (metadata field {bad} is not valid)")
 
 
-class _Reader:
-    def __init__(self, data: bytes):
-        self.data, self.p = data, 0
-
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.p + n > len(self.data):
-            raise ValueError(f"{len(self.data)} bytes end inside a field at byte {self.p}")
-        out = self.data[self.p:self.p + n]
-        self.p += n
-        return out
-
-    def u(self, fmt: str) -> int:
-        (v,) = struct.unpack(fmt, self.take(struct.calcsize(fmt)))
-        return v
-
-
 _STATE_MAGIC, _SUFFIX_MAGIC = 0x4C43564B, 0x4243564B
 _GGML_FLOAT = {0: np.float32, 1: np.float16}    # the cache types whose rows are plain floats (checked finite)
 
@@ -298,7 +283,7 @@ def check_state(kvc: KvcFile) -> None:
         raise KvcliError(f"{kvc.path} is corrupted (unknown cache type {kvc.meta['cache_type']!r})")
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
     row = n_head_kv * head_dim // block * size
-    r = _Reader(kvc.state)
+    r = Reader(kvc.state)
     n_sliding = len(m["sliding_layers"])
 
     def bad(what: str):

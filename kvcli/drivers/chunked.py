@@ -45,6 +45,7 @@ import numpy as np
 
 from kvcli import policies
 from kvcli.drivers.reconstruct import repeat_room
+from kvcli.config import env_bytes
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
 from kvcli.session import Session
@@ -58,16 +59,8 @@ BOUNDED_ABOVE_BYTES = 64 << 20
 
 
 def bounded_above_bytes() -> int:
-    raw = os.environ.get("KVCLI_BOUNDED_ABOVE_MB")
-    if raw is None:
-        return BOUNDED_ABOVE_BYTES
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:   # also NaN
-        raise KvcliError(f"KVCLI_BOUNDED_ABOVE_MB must be a number of MiB >= 0 (got {raw!r})")
-    return int(mb * (1 << 20))
+    return env_bytes("KVCLI_BOUNDED_ABOVE_MB", BOUNDED_ABOVE_BYTES)
+
 MIN_ROOM = 64            # cells a chunked prompt leaves at least for the answer
 MIN_CHUNK = 64           # fewer free cells than this after a compaction: the budget leaves no room to read on
 CTX_PAD = 256

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import kvc, outfile
+from kvcli.config import env_bytes
 from kvcli.drivers.chunked import keeps_positions, probe_window, read_in_chunks
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix, store_dir
 from kvcli.errors import KvcliError
@@ -54,16 +55,7 @@ EXACT_BELOW_BYTES = 256 << 20
 
 
 def exact_below_bytes() -> int:
-    raw = os.environ.get("KVCLI_RESELECT_EXACT_MB")
-    if raw is None:
-        return EXACT_BELOW_BYTES
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:   # also NaN
-        raise KvcliError(f"KVCLI_RESELECT_EXACT_MB must be a number of MiB >= 0 (got {raw!r})")
-    return int(mb * (1 << 20))
+    return env_bytes("KVCLI_RESELECT_EXACT_MB", EXACT_BELOW_BYTES)
 
 
 @dataclass

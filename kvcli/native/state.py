@@ -19,13 +19,15 @@ _HEADER_BYTES = 4 + 56 + 4          # seq id, kvcli_state_header, flags (native/
 _BLOCK = {0: (1, 4), 1: (1, 2), 8: (32, 34)}   # ggml type -> (block, bytes): f32, f16, q8_0
 
 
-class _Reader:
+class Reader:
+    """Fields read one after the other from a byte string; ValueError where it ends inside one."""
+
     def __init__(self, data: bytes):
         self.data, self.p = memoryview(data), 0
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.p + n > len(self.data):
-            raise KvcliError(f"the cache state ends inside a field at byte {self.p}")
+            raise ValueError(f"{len(self.data)} bytes end inside a field at byte {self.p}")
         out = self.data[self.p:self.p + n]
         self.p += n
         return out
@@ -38,7 +40,13 @@ class _Reader:
 def cells_from(state: bytes, first_pos: int) -> tuple[bytes, int, int]:
     """The cells of a saved sequence at positions >= first_pos, as an uncompressed sequence state of their own;
     returns (state, cells, last position + 1). Their K/V rows are copied as they are (their positions too)."""
-    r = _Reader(state)
+    try:
+        return _cells_from(Reader(state), state, first_pos)
+    except ValueError as e:
+        raise KvcliError(f"the cache state is cut short: {e}") from None
+
+
+def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, int]:
     lead = bytes(r.take(8))                             # what llama.cpp writes before the cache's part
     if r.u("<I") != STATE_MAGIC:
         raise KvcliError("not a kvcli cache state")
