@@ -243,6 +243,9 @@ class Conversation:
             self.store.close()
         named = self.store_path is not None
         if form == "bounded":
+            if named and n + STORE_TAIL + 64 > limit:
+                raise KvcliError(f"--store keeps a document's full cache in the model's context ({limit} tokens), "
+                                 f"and this one is {n} tokens, re-selected in bounded chunks: drop --store")
             if named:
                 raise KvcliError(f"--store keeps a document's full cache, and this one is re-selected in bounded "
                                  f"chunks ({chunking.why}): add --chunk 0 for the exact form (its full cache held "
