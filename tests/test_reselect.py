@@ -417,9 +417,11 @@ def test_a_full_kvc_file_reselects_too(tiny, tmp_path):
 
 
 def test_document_too_long_for_reselection_is_refused(tiny):
+    """Longer than the context: a window policy is re-selected in bounded chunks (tests/test_reselect_bounded.py), a
+    column-sum policy, which bounded re-selection cannot serve, is refused in one line."""
     from kvcli.apps.chat import Conversation
     with pytest.raises(KvcliError, match="compress-once"):
-        Conversation(native(tiny), DOC * 8, policy="snapkv", budget=48, reselect=True).compress()
+        Conversation(native(tiny), DOC * 8, policy="h2o", budget=48, reselect=True).compress()
 
 
 # ------------------------------------------------------------------------------ the command line
