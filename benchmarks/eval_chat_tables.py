@@ -103,6 +103,9 @@ def plot(cells: dict, docs: dict, path: str) -> None:
                 st = [stat(cells[(L, m, p, b)]) if (L, m, p, b) in cells else (np.nan, 0) for p in pols]
                 ax.bar(np.arange(len(pols)) + j * width, [s[0] for s in st], width,
                        yerr=[s[1] or 0 for s in st], label=m, capsize=2)
+            for i, p in enumerate(pols):
+                if not any((L, m, p, b) in cells for m in modes):
+                    ax.text(i + 0.4 - width / 2, 4, "not run", ha="center", fontsize=8, color="grey")
             if full:
                 ax.axhline(stat(full)[0], color="k", linestyle="--", linewidth=1, label="full cache")
             ax.set_ylim(0, 120)
