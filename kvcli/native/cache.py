@@ -288,28 +288,36 @@ def get_header(ctx, seq: int) -> dict | None:
 
 
 # ------------------------------------------------------------------------------ state files
-def get_state(ctx, seq: int) -> bytes:
-    """llama_state_seq_get_data of `seq`: cells, K/V rows, and (our patch) slot bias + header."""
+def get_state(ctx, seq: int) -> bytearray:
+    """llama_state_seq_get_data of `seq`: cells, K/V rows, and (our patch) slot bias + header. Written by llama.cpp
+    straight into the bytearray returned (no copy: a state is the size of the sequence's cache, 188 MB for a
+    16k-token cache of qwen2.5-coder-0.5b, and a copy of it was a re-selected chat's peak)."""
     llama = load_llama_cpp()
     size = llama.llama_state_seq_get_size(_ctx(ctx), int(seq))
     if size == 0:
         raise KvcliError(f"could not size the state of sequence {seq}: {lib().last_error() or 'llama.cpp error'}")
-    buf = (ctypes.c_uint8 * size)()
+    out = bytearray(size)
+    buf = (ctypes.c_uint8 * size).from_buffer(out)
     got = llama.llama_state_seq_get_data(ctx, buf, size, int(seq))
+    del buf   # the bytearray may be resized once nothing points into it
     if got == 0:
         raise KvcliError(f"could not save the state of sequence {seq}: {lib().last_error() or 'llama.cpp error'}")
-    # one copy out of the ctypes buffer: slicing a c_uint8 array would first build a list of Python ints (8 bytes a
-    # byte: 1.5 GB for a 16k-token cache of qwen2.5-coder-0.5b, the peak of a re-selected chat before this)
-    return ctypes.string_at(buf, got)
+    del out[got:]
+    return out
 
 
-def set_state(ctx, seq: int, data: bytes) -> None:
+def set_state(ctx, seq: int, data: bytes | bytearray) -> None:
     """llama_state_seq_set_data into `seq` (which is cleared first); a clear error when llama.cpp
-    or kvcli refuses it (another model, another kvcli state format, cache too small, corrupted)."""
+    or kvcli refuses it (another model, another kvcli state format, cache too small, corrupted). The bytes are
+    read where they lie (not copied)."""
     llama = load_llama_cpp()
     L = lib()
     L.kvcli_seq_n_slots(_ctx(ctx), int(seq))  # any kvcli call clears kvcli_last_error
-    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    if isinstance(data, bytearray):
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+    else:   # immutable bytes: a pointer to their buffer, which llama.cpp only reads
+        buf = ctypes.cast(ctypes.c_char_p(bytes(data) if not isinstance(data, bytes) else data),
+                          ctypes.POINTER(ctypes.c_uint8))
     got = llama.llama_state_seq_set_data(ctx, buf, len(data), int(seq))
     if got == 0:
         why = L.last_error() or ("llama.cpp refused it: the context's cache type, flash-attention setting or "
