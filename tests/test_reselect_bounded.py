@@ -67,6 +67,18 @@ def test_one_chunk_is_exact_reselection(tiny_2k, setup):
     bounded.close()
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "spindlekv", "streamingllm"])
+def test_every_window_policy_reselects_bounded(tiny_2k, setup, policy):
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, prompt = setup
+    cfg = cfg_of(tiny_2k, policy)
+    store = ChunkedStore.read(s, head, cfg, chunk=128)
+    r = store.reselect(s, prompt, cfg)
+    assert r.chunks == len(store.chunks) > 1 and r.plan is not None
+    assert s.stats(0)["kv_cells"] <= 2 * cfg.budget
+    store.close()
+
+
 def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
     from kvcli.drivers.reselect_bounded import ChunkedStore
     from kvcli.generate import generate
@@ -123,6 +135,8 @@ def test_refusals(tiny_2k, setup):
     cfg = cfg_of(tiny_2k)
     with pytest.raises(KvcliError, match="column sums"):
         ChunkedStore.read(s, head, cfg_of(tiny_2k, "h2o"), chunk=128)
+    with pytest.raises(KvcliError, match="column maxima"):
+        ChunkedStore.read(s, head, cfg_of(tiny_2k, "kvzip"), chunk=128)
     store = ChunkedStore.read(s, head, cfg, chunk=128)
     with pytest.raises(KvcliError, match="column sums"):
         store.reselect(s, prompt, cfg_of(tiny_2k, "h2o"))

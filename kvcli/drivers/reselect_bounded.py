@@ -41,6 +41,7 @@ from kvcli.config import env_bytes
 from kvcli.drivers.chunked import keeps_positions, probe_window, read_in_chunks
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix, store_dir
 from kvcli.errors import KvcliError
+from kvcli.native.cache import KvReader
 from kvcli.native.session import SeqSnapshot
 from kvcli.native.state import cells_from
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
@@ -195,6 +196,8 @@ class ChunkedStore:
             if last or not cfg.spec.compresses(cells, cfg.budget):
                 continue
             obs = probe_window(session, seq, probe, None) if probe else shape_observation(session.info, cells)
+            if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (spindlekv)
+                obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
             t2 = time.perf_counter()
             prefill_s += t2 - t1
             plan = self._compact(session, seq, cfg, obs, on_step)
@@ -245,9 +248,14 @@ def check_usable(session, cfg: Compression, spare: int | None = None) -> None:
     if keeps_positions(session.info):
         raise KvcliError(f"a model with sliding-window layers ({session.info.architecture}) is read without "
                          "re-indexing: it gets exact re-selection only (the document must fit its context)")
-    if "colsum" in cfg.observe[0]:
-        raise KvcliError(f"policy '{cfg.policy}' scores by the column sums of every query, which bounded "
+    kinds = set(cfg.observe[0])
+    if "colsum" in kinds or "colmax" in kinds:
+        what = "column sums" if "colsum" in kinds else "column maxima of its reconstruction pass"
+        raise KvcliError(f"policy '{cfg.policy}' scores by the {what} of every query, which bounded "
                          "re-selection does not replay: choose a window policy (snapkv, pyramidkv, ...)")
+    if kinds - {"window", "kv"}:
+        raise KvcliError(f"policy '{cfg.policy}' observes {', '.join(sorted(kinds))}: bounded re-selection serves "
+                         "window policies only")
     if cfg.budget is None:
         raise KvcliError(f"bounded re-selection compresses: policy '{cfg.policy}' needs --budget N")
     if spare is not None and not 0 <= spare < session.n_seq:
