@@ -28,9 +28,11 @@ if [ "$PART" != budget256 ]; then
     --documents 2 --facts 6 --modes full,once,reselect,run --threads 2 \
     --json-out $OUT/eval-chat-qwen-8k-b128-512-a.json
   # Of the other policies only this ran (2026-11-25, the shared machine's time went to the run above): two of
-  # them re-selected at 128 on the first document
+  # four of them re-selected at 128 on the first document
   $K eval chat --model qwen2.5-coder-0.5b --policies windowkv,dynamickv --budgets 128 --lengths 8k --documents 1 \
     --facts 6 --modes reselect --threads 2 --json-out $OUT/eval-chat-qwen-8k-b128-windowkv-dynamickv-1doc.json
+  $K eval chat --model qwen2.5-coder-0.5b --policies spindlekv,d2o --budgets 128 --lengths 8k --documents 1 \
+    --facts 6 --modes reselect --threads 2 --json-out $OUT/eval-chat-qwen-8k-b128-spindlekv-d2o-1doc.json
   # Not run yet: the other policies in full, same documents.
   if [ "${OTHERS:-0}" = 1 ]; then
     $K eval chat --model qwen2.5-coder-0.5b --policies windowkv,dynamickv,spindlekv,d2o,h2o,streamingllm \
