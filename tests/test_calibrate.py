@@ -252,7 +252,10 @@ def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibr
             seen.append((tuple(params["srh"]), tuple(params["layer_scores"])))
         return real(spec, params, budget, obs, planner)
 
-    monkeypatch.setattr(planning, "make_plan", spy)
+    # every driver that plans imports make_plan by name: spy on each
+    for module in ("kvcli.drivers.compress", "kvcli.drivers.chunked", "kvcli.drivers.check", "kvcli.drivers.reselect",
+                   "kvcli.drivers.reselect_bounded", "kvcli.evaluation.chat"):
+        monkeypatch.setattr(f"{module}.make_plan", spy)
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(f"line {i}: the ridge station logged wind and snow." for i in range(40)) + "\n")
     budget = 48
