@@ -51,10 +51,12 @@ def main():
         head = s.tokenize(prefix_text(s, text, agnostic=False))
         prompts = [s.tokenize(render(s, text, [], ask(f["question"]))) for f in planted]
         head = head[:min(common_prefix(head, p) for p in prompts)]
-        if s.ctx is not None:
+        n_ctx = -(-(n_tok + 512) // 256) * 256
+        if s.ctx is None:
+            s.create_context(n_ctx)
+        else:
             s.clear()
-        s.resize_context(-(-(n_tok + 512) // 256) * 256, 2) if s.ctx is not None else s.create_context(
-            -(-(n_tok + 512) // 256) * 256)
+            s.resize_context(n_ctx)
         stores = {}
         t0 = time.perf_counter()
         stores["exact"] = StoredDocument.read(s, head)

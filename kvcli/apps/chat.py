@@ -336,7 +336,7 @@ class Conversation:
         prompt = self.session.tokenize(self.conversation_text(question))
         before = self.prompt_len + (self.turns[-1].tokens_out if self.turns else 0)
         # exact: the whole prompt is held before its compaction; bounded: the kept entries, a chunk and the rest
-        held = len(prompt) - self.store.split + self.store.cap if getattr(self.store, "bounded", False) else len(prompt)
+        held = len(prompt) - self.store.split + self.store.cap if self.store.bounded else len(prompt)
         if held + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
             raise ContextFullError(f"the conversation ({len(prompt)} tokens with the document) does not fit the "
                                    f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
@@ -363,7 +363,7 @@ class Conversation:
     def _store_colsum_for(self, cfg) -> None:
         """A column-sum policy on a store read without the sums: read the document once more, with them (said)."""
         if "colsum" in cfg.observe[0] and self.store.colsum is None:
-            if getattr(self.store, "bounded", False):
+            if self.store.bounded:
                 raise KvcliError(f"policy {self.policy} scores by column sums, which bounded re-selection does not "
                                  "replay: choose a window policy (snapkv, pyramidkv, ...)")
             self._say(f"policy {self.policy} scores by column sums: reading the document again to store them")
@@ -531,7 +531,7 @@ class Conversation:
         if self.reselect and self.store is not None:
             ext = self.store.extension
             s.update(store_bytes=self.store.nbytes, store_path=str(self.store.path) if self.store.path else None,
-                     reselect_form="bounded" if getattr(self.store, "bounded", False) else "exact",
+                     reselect_form="bounded" if self.store.bounded else "exact",
                      document_read_s=round(self.store.read_s, 4),
                      stored_turn_tokens=0 if ext is None else ext.split - self.store.split,
                      stored_turns_bytes=0 if ext is None else ext.nbytes)
@@ -552,7 +552,7 @@ class Conversation:
             line = (f"[{label}, re-selected per question] {n} tokens read in {st.read_s:.2f}s; full cache stored "
                     f"({st.nbytes / 1e6:.2f} MB{where}); each question is answered from {self.budget} entries per "
                     "layer and KV head chosen for it")
-            if getattr(st, "bounded", False):
+            if st.bounded:
                 line = (f"[{label}, re-selected per question, bounded] {n} tokens read in chunks of {st.chunk} in "
                         f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, {st.nbytes / 1e6:.2f} MB{where});"
                         f" each question streams them through a cache of at most {st.cap} cells and is answered from "
@@ -588,7 +588,7 @@ class Conversation:
             r = self.last_reselection
             rows.insert(0, f"mode: re-selected per question"
                            + (f" (bounded: {len(self.store.chunks)} stored chunks streamed)"
-                              if getattr(self.store, "bounded", False) else "")
+                              if self.store.bounded else "")
                            + f"; document read once in {self.store.read_s:.2f}s, "
                            f"cache stored: {self.store.nbytes / 1e6:.2f} MB "
                            f"({self.store.path or 'in memory'}); last re-selection: "

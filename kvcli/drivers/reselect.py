@@ -133,6 +133,7 @@ class StoredDocument:
     read_s: float = 0.0              # the one prefill of the document
     keep: bool = True
     meta: dict = field(default_factory=dict)   # what the file's .kvc header carries besides (document, system)
+    bounded = False                  # the exact form (reselect_bounded.ChunkedStore: True)
     extension: Extension | None = None         # the last re-selected prompt's full cache (extend=True)
 
     # ------------------------------------------------------------------ reading once

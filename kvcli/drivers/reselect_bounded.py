@@ -49,7 +49,8 @@ from kvcli.planning.planner import Compression, make_plan, session_cells, shape_
 FORMAT = 1
 # A re-selected chat keeps the exact form (the document's full cache held while a question is re-selected) up to
 # this many bytes of full cache, though bounded reading would read the document in chunks: a bounded re-selection
-# streams every chunk with a probe, about twice the seconds of an exact one per question (docs/results.md,
+# streams every chunk with a probe, about 1.5x the seconds of an exact one per question (8k, measured on a loaded
+# machine: docs/results.md,
 # "Bounded re-selection"), and a full cache this size is a moderate addition to the process. Above it, past the
 # model's context, or with --chunk N / --max-cache, the bounded form. KVCLI_RESELECT_EXACT_MB moves it.
 EXACT_BELOW_BYTES = 256 << 20
@@ -104,13 +105,14 @@ class ChunkedStore:
     # ------------------------------------------------------------------ reading once
     @classmethod
     def read(cls, session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
-             split: int | None = None, seq: int = 0, spare: int | None = None, path=None, keep: bool = False, progress=None,
-             meta: dict | None = None) -> "ChunkedStore":
+             split: int | None = None, seq: int = 0, spare: int | None = None, path=None, keep: bool = False,
+             progress=None, meta: dict | None = None) -> "ChunkedStore":
         """Read tokens[:split] into `seq` by bounded reading with `cfg` and chunks of `chunk` tokens, storing every
         chunk's entries; the sequence is cleared afterwards. `spare`: a second sequence of the context, used per
         question to load a chunk through (append_saved)."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
+        cap = cap or cfg.budget + chunk
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
@@ -139,12 +141,13 @@ class ChunkedStore:
             # each question's probe (its last `window` tokens) will be held beside a chunk: the chunks leave it room
             room = cfg.observe[1] if "window" in cfg.observe[0] else 0
             t0 = time.perf_counter()
-            read_in_chunks(session, list(tokens[:split]), cfg, chunk - room, cap=(cap or cfg.budget + chunk) - room,
+            read_in_chunks(session, list(tokens[:split]), cfg, chunk - room, cap=cap - room,
                            seq=seq, progress=progress, scoring="chunk", on_prefilled=save)
             read_s = time.perf_counter() - t0
             session.clear(seq)
             store = cls(tokens=list(tokens[:split]), split=split, chunk=chunk, chunks=chunks, path=path, keep=keep,
-                        read_s=read_s, cap=cap or cfg.budget + chunk, read_policy=cfg.policy, read_budget=cfg.budget, meta=dict(meta or {}))
+                        read_s=read_s, cap=cap, read_policy=cfg.policy, read_budget=cfg.budget,
+                        meta=dict(meta or {}))
             outfile.write(part / "store.json", [json.dumps(store.manifest(session)).encode()])
             shutil.rmtree(path, ignore_errors=True)
             part.rename(path)
@@ -213,7 +216,7 @@ class ChunkedStore:
                                  on_step)
         plan_s += time.perf_counter() - t2
         return BoundedReselection(restored=self.split - cut, prefilled=len(rest), n_tokens=n, restore_s=restore_s,
-                           prefill_s=prefill_s, plan_s=plan_s, plan=plan, chunks=len(self.chunks))
+                                  prefill_s=prefill_s, plan_s=plan_s, plan=plan, chunks=len(self.chunks))
 
     @staticmethod
     def _compact(session, seq, cfg: Compression, obs, on_step):

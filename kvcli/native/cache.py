@@ -316,8 +316,7 @@ def set_state(ctx, seq: int, data: bytes | bytearray) -> None:
     if isinstance(data, bytearray):
         buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
     else:   # immutable bytes: a pointer to their buffer, which llama.cpp only reads
-        buf = ctypes.cast(ctypes.c_char_p(bytes(data) if not isinstance(data, bytes) else data),
-                          ctypes.POINTER(ctypes.c_uint8))
+        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
     got = llama.llama_state_seq_set_data(ctx, buf, len(data), int(seq))
     if got == 0:
         why = L.last_error() or ("llama.cpp refused it: the context's cache type, flash-attention setting or "
