@@ -5,7 +5,7 @@
 # LENGTHS / DOCS / POLICIES / BUDGETS override the defaults; reread (the document read again per question) is
 # left out: it costs a read per question.
 # PART=budget256 runs the first evaluation only (budget 256, 5 policies, 4k / 8k / 16k); PART=sweep the budget sweep
-# at 8k only (budgets 128 and 512 beside it); default: both.
+# at 8k only (budgets 128 and 512 beside it); PART=grid the rest of the grid (below); default: the first two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K=.venv/bin/kvcli
@@ -13,13 +13,29 @@ OUT=benchmarks/results
 POL=${POLICIES:-snapkv,compresskv,pyramidkv,h2o,streamingllm}
 BUD=${BUDGETS:-256}
 PART=${PART:-all}
-if [ "$PART" != sweep ]; then
+if [ "$PART" != sweep ] && [ "$PART" != grid ]; then
   for L in ${LENGTHS:-8k 4k 16k}; do
     $K eval chat --model qwen2.5-coder-0.5b --policies $POL --budgets $BUD --lengths $L --documents ${DOCS:-2} \
       --facts 6 --threads 2 --json-out $OUT/eval-chat-qwen-$L.json --plot docs/eval-chat-qwen-$L.png
   done
 fi
-if [ "$PART" != budget256 ]; then
+if [ "$PART" = grid ]; then
+  # 2026-11-26: the rest of issue #30's grid, one process per group (each reads its documents once):
+  # budgets 128 / 256 / 512 at 16k and 128 / 512 at 4k for the three window policies (every mode, two documents),
+  # then exact against bounded re-selection at 8k on four documents (seed 0: the first two are the 8k tables'),
+  # then the other policies at 8k on the 8k tables' two documents.
+  $K eval chat --model qwen2.5-coder-0.5b --policies snapkv,compresskv,pyramidkv --budgets 128,256,512 --lengths 16k \
+    --documents 2 --facts 6 --modes full,once,reselect,run --threads 2 --json-out $OUT/eval-chat-qwen-16k-grid.json
+  $K eval chat --model qwen2.5-coder-0.5b --policies snapkv,compresskv,pyramidkv --budgets 128,512 --lengths 4k \
+    --documents 2 --facts 6 --modes full,once,reselect,run --threads 2 --seed 1 \
+    --json-out $OUT/eval-chat-qwen-4k-b128-512.json
+  $K eval chat --model qwen2.5-coder-0.5b --policies snapkv,compresskv,pyramidkv --budgets 256 --lengths 8k \
+    --documents 4 --facts 6 --modes reselect,bounded --threads 2 --json-out $OUT/eval-chat-qwen-8k-bounded.json
+  $K eval chat --model qwen2.5-coder-0.5b --policies dynamickv,h2o,streamingllm,kvzip,windowkv,d2o,spindlekv \
+    --budgets 128,256,512 --lengths 8k --documents 2 --facts 6 --modes once,reselect,run --threads 2 \
+    --json-out $OUT/eval-chat-qwen-8k-others.json
+fi
+if [ "$PART" != budget256 ] && [ "$PART" != grid ]; then
   # Budgets 128 and 512 at 8k on the same two documents (seed 0), every mode, for the policies the issue's targets
   # name; the scores are greedy (they do not depend on the load), so on a shared machine run it under nice -n 15.
   # One process per group of policies: each reads its documents once; configurations that observe alike share

@@ -17,8 +17,9 @@ import json
 import math
 from pathlib import Path
 
-MODES = ("once", "reselect", "run", "reread")
-ORDER = ("snapkv", "compresskv", "pyramidkv", "windowkv", "dynamickv", "spindlekv", "d2o", "h2o", "streamingllm")
+MODES = ("once", "reselect", "bounded", "run", "reread")
+ORDER = ("snapkv", "compresskv", "pyramidkv", "windowkv", "dynamickv", "spindlekv", "d2o", "h2o", "streamingllm",
+         "kvzip")
 
 
 def pool(paths: list[str]) -> tuple[dict, dict]:
