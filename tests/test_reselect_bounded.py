@@ -4,11 +4,14 @@ What it must show: a document stored in one chunk is re-selected exactly as the 
 same observation at kvcli check's L2 thresholds, the same plan); stored in several chunks, the cache never holds
 more than the kept entries + one chunk + the probe while a question is re-selected; a chunk moved to other
 positions (llama.cpp's K-shift) is attended to as before (relative positions are what RoPE keeps); a changed or
-deleted store, a column-sum policy and the reference engine are refused in one line.
+deleted store, a column-sum policy and the reference engine are refused in one line; a kept store folder opens
+again (ChunkedStore.open) and re-selects as the store that was read, and a store folder that is damaged, another
+model's or another kvcli's is refused in one line.
 """
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -175,9 +178,13 @@ def test_chat_reselects_in_bounded_chunks_where_bounded_reading_applies(tiny_2k,
     r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "h2o", "--budget",
                                 "48", "--chunk", "128", "--fresh"], input=qs)
     assert r.exit_code != 0 and "column sums" in r.output and "Traceback" not in r.output
+    # --store keeps the bounded store: a folder, whose answers are those of the chat that did not keep it
     r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "snapkv", "--budget",
-                                "48", "--chunk", "128", "--store", str(tmp_path / "kept.kvc"), "--fresh"], input=qs)
-    assert r.exit_code != 0 and "--chunk 0" in r.output and not (tmp_path / "kept.kvc").exists()
+                                "48", "--chunk", "128", "--store", str(tmp_path / "kept"), "--fresh", "--json", "-n",
+                                "4"], input=qs)
+    assert r.exit_code == 0, r.output
+    assert [json.loads(line)["answer"] for line in r.stdout.splitlines()] == [x["answer"] for x in rows]
+    assert (tmp_path / "kept" / "store.json").is_file() and len(list((tmp_path / "kept").glob("chunk-*"))) > 1
     long = tmp_path / "long.txt"
     long.write_text(DOC * 5, encoding="utf-8")        # ~3.9k tokens: past the 2k context
     r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(long), "--policy", "snapkv", "--budget",
@@ -242,3 +249,116 @@ def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeyp
     conv.close()
     assert not conv.store.path.exists()
     conv.session.close()
+
+
+# ------------------------------------------------------------------------------ a kept store folder
+def kept_store(s, head, cfg, path):
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    return ChunkedStore.read(s, head, cfg, chunk=128, path=path, keep=True,
+                             meta={"document": DOC, "system": None})
+
+
+def test_a_kept_store_opens_and_reselects_as_it_was_read(tiny_2k, setup, tmp_path):
+    """A store folder opened again (kvcli run/chat --cache DIR) re-selects the same plans from the same chunks as the
+    store that read the document; /save DIR (save_as) writes a copy with the turns, which opens too."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, prompt = setup
+    cfg = cfg_of(tiny_2k)
+    read = kept_store(s, head, cfg, tmp_path / "store")
+    opened = ChunkedStore.open(tmp_path / "store", tiny_2k)
+    assert opened.keep and opened.bounded and opened.tokens == read.tokens and opened.split == read.split
+    assert [vars(c) for c in opened.chunks] == [vars(c) for c in read.chunks]
+    assert opened.meta["document"] == DOC and opened.meta["turns"] == []
+    plans = {}
+    for name, store in (("read", read), ("opened", opened)):
+        store.reselect(s, prompt, cfg, on_step=lambda obs, plan, name=name: plans.setdefault(name, []).append(plan))
+    assert len(plans["read"]) == len(plans["opened"]) == len(read.chunks)
+    for a, b in zip(plans["read"], plans["opened"]):
+        assert all(np.array_equal(a.kept(l, h), b.kept(l, h)) for l in range(a.n_layer) for h in range(a.n_head_kv))
+    turn = {"question": Q, "answer": "1074", "stopped": "eos", "tokens_in": 12, "tokens_out": 3}
+    size = opened.save_as(tmp_path / "copy", s, [turn])
+    copy = ChunkedStore.open(tmp_path / "copy", tiny_2k)
+    assert copy.meta["turns"] == [turn] and size == sum(f.stat().st_size for f in (tmp_path / "copy").iterdir())
+    opened.save_as(tmp_path / "store", s, [turn, turn])       # onto itself: rewritten in place
+    assert ChunkedStore.open(tmp_path / "store", tiny_2k).meta["turns"] == [turn, turn]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "store"]   # no .part / .old left behind
+    opened.close()
+    assert (tmp_path / "store").exists()                          # an opened store is kept
+
+
+def _rewrite_manifest(path, change):
+    from kvcli.drivers.reselect_bounded import write_manifest
+    m = json.loads((path / "store.json").read_text())
+    change(m)
+    write_manifest(path, m)      # with a valid checksum: what the other checks see
+
+
+def _damage(kind, path, other):
+    manifest = path / "store.json"
+    chunk = path / "chunk-0001.state"
+    if kind == "no store.json":
+        manifest.unlink()
+    elif kind == "store.json edited":
+        manifest.write_text(manifest.read_text().replace('"split": ', '"split": 1'))
+    elif kind == "store.json truncated":
+        manifest.write_bytes(manifest.read_bytes()[:100])
+    elif kind == "chunk missing":
+        chunk.unlink()
+    elif kind == "chunk truncated":
+        chunk.write_bytes(chunk.read_bytes()[:-10])
+    elif kind == "chunk corrupted":
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    elif kind == "other kvcli":
+        _rewrite_manifest(path, lambda m: m.update(kvcli_version="0.0.1"))
+    elif kind == "file outside the folder":
+        _rewrite_manifest(path, lambda m: m["chunks"][0].update(file="../chunk-0000.state"))
+    elif kind == "chunks that do not tile":
+        _rewrite_manifest(path, lambda m: m["chunks"][1].update(first_token=m["chunks"][1]["first_token"] + 1))
+    elif kind == "another model":
+        return other
+    return None
+
+
+DAMAGES = {"no store.json": "without store.json", "store.json edited": "corrupted (checksum mismatch)",
+           "store.json truncated": "corrupted or truncated", "chunk missing": "chunk-0001.state is missing",
+           "chunk truncated": "chunk-0001.state is truncated", "chunk corrupted": "chunk-0001.state is corrupted",
+           "other kvcli": "was written by kvcli 0.0.1", "file outside the folder": "corrupted (chunk 0)",
+           "chunks that do not tile": "does not follow chunk 0", "another model": "was compressed for model"}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGES))
+def test_a_damaged_or_foreign_store_is_refused(tiny_2k, other_tiny_2k, setup, tmp_path, kind):
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, _ = setup
+    path = tmp_path / "store"
+    kept_store(s, head, cfg_of(tiny_2k), path)
+    model = _damage(kind, path, other_tiny_2k) or tiny_2k
+    with pytest.raises(KvcliError, match=re.escape(DAMAGES[kind])):
+        ChunkedStore.open(path, model)
+
+
+def test_a_store_replaces_only_a_store(tiny_2k, setup, tmp_path):
+    """Writing a store where a folder of other files is refused before anything is read (nothing deleted); an
+    existing file is not replaced by a folder; an earlier store folder is replaced."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore, check_store_target
+    s, head, _ = setup
+    cfg = cfg_of(tiny_2k)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(KvcliError, match="not a kvcli store"):
+        kept_store(s, head, cfg, mine)
+    assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+    (tmp_path / "file.kvc").write_bytes(b"x")
+    with pytest.raises(KvcliError, match="is a file"):
+        kept_store(s, head, cfg, tmp_path / "file.kvc")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KvcliError, match="name a file"):           # the exact form's .kvc file
+        check_store_target(tmp_path / "empty", form="exact")
+    first = kept_store(s, head, cfg, tmp_path / "store")
+    (tmp_path / "store" / "stray").write_text("")          # a store folder is replaced whole
+    second = kept_store(s, head, cfg_of(tiny_2k, budget=64), tmp_path / "store")
+    assert second.read_budget == 64 and not (tmp_path / "store" / "stray").exists()
+    assert ChunkedStore.open(tmp_path / "store", tiny_2k).read_budget == 64 and first.path == second.path

@@ -7,7 +7,10 @@
   one prefill, as here (re-selection of a question over the stored document gives exactly run's prompt and plan:
   tests/test_reselect.py; a run that reads in bounded chunks answers from another cache);
 - `kvcli batch` with several questions reads each document once and answers as `kvcli run` does;
-- bad combinations, and corrupt, truncated or foreign stored files, are refused in one line (exit 2).
+- bad combinations, and corrupt, truncated or foreign stored files, are refused in one line (exit 2);
+- a document stored in bounded chunks (`chat --store DIR`, `compress --store -o DIR`, `/save DIR`) is a store
+  folder that `run/chat --cache DIR --policy P --budget N` re-select from without reading the document, with the
+  answers of the chat that read it; a damaged, foreign or misused one is refused in one line.
 """
 from __future__ import annotations
 
@@ -196,8 +199,12 @@ def test_bad_stored_files_are_refused_in_one_line(cli_runner, tiny, other_tiny, 
     (["compress", "--doc", "DOC", "-o", "OUT", "--colsum"], "add --store"),
     (["compress", "--doc", "DOC", "-o", "OUT", "--store", "--question", "q"], "drop --question"),
     (["compress", "--doc", "DOC", "-o", "OUT", "--store", "-p", "snapkv", "-b", "48"], "drop --budget"),
-    (["compress", "--doc", "DOC", "-o", "OUT", "--store", "--chunk", "128"], "drop --chunk"),
-    (["compress", "--doc", "LONG", "-o", "OUT", "--store"], "compress it with a policy instead"),
+    (["compress", "--doc", "DOC", "-o", "OUT", "--store", "--chunk", "128"], "give --policy P --budget N"),
+    (["compress", "--doc", "LONG", "-o", "OUT", "--store"], "longer than the model's context (2048 tokens)"),
+    (["compress", "--doc", "LONG", "-o", "OUT", "--store", "-p", "h2o", "-b", "48"], "column sums"),
+    (["compress", "--doc", "LONG", "-o", "OUT", "--store", "-p", "snapkv", "-b", "48", "--chunk-scoring", "question"],
+     "drop --chunk-scoring"),
+    (["compress", "--doc", "DOC", "-o", "OUT", "--store", "-b", "48"], "add --policy P"),
 ])
 def test_bad_combinations_one_line(cli_runner, tiny, files, tmp_path, args, message):
     names = {"DOC": files / "doc.txt", "LONG": files / "long.txt", "EMPTY": files / "empty.txt",
@@ -334,3 +341,94 @@ def test_batch_questions_on_ray_give_the_local_answers(run_kvcli, tiny, files, t
     a, b = read("local.jsonl"), read("ray.jsonl")
     assert set(a) == set(b) and all(a[k]["answer"] == b[k]["answer"] for k in a)
     assert not any((tmp_path / "kvcache" / "documents").iterdir())
+
+
+# ------------------------------------------------------------------------------ bounded store folders
+BOUNDED = ["-p", "snapkv", "-b", 48, "--chunk", 128]
+
+
+def chat_rows(cli_runner, *args, input):
+    r = cli_runner.invoke(cli, ["chat", *[str(a) for a in args], "--json", "-n", "6"], input=input)
+    assert r.exit_code == 0, r.output
+    return r, [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_bounded_store_folder_is_kept_and_reused(cli_runner, tiny, files, tmp_path, cache_dir):
+    """chat --store DIR keeps the bounded store as a folder; run --cache DIR and chat --cache DIR re-select from it
+    without reading the document and answer as the chat that read it; compress --store -o DIR writes the same store
+    (a document past the model's context too); /save DIR of a bounded chat writes one with the turns."""
+    store = tmp_path / "store"
+    piped = "\n".join(QS) + "\n"
+    r, rows = chat_rows(cli_runner, "--model", tiny, "--doc", files / "doc.txt", *BOUNDED, "--store", store,
+                        "--fresh", input=piped)
+    assert "bounded" in r.stderr and str(store) in r.stderr and "deleted at exit" not in r.stderr
+    assert (store / "store.json").is_file() and all(x["reselect_chunks"] > 1 for x in rows)
+    answers = [x["answer"] for x in rows]
+    run = ok_json(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "-n", 6, "--json", *ASK))
+    assert run["stats"]["document_reads"] == 0 and run["stats"]["read_s"] == 0 and run["stats"]["load_s"] > 0
+    assert [a["answer"] for a in run["answers"]] == answers
+    assert all(a["stats"]["reselect_chunks"] > 1 and a["stats"]["kv_cells"] <= 48 + 6 for a in run["answers"])
+    one = ok_json(kvcli(cli_runner, "run", "--cache", store, "-p", "snapkv", "-b", 48, "-n", 6, "--json", QS[1]))
+    assert one["answer"] == answers[1] and one["stats"]["document_reads"] == 0
+    r, again = chat_rows(cli_runner, "--cache", store, "-p", "snapkv", "-b", 48, "--fresh", input=piped)
+    assert "bounded] " in r.stderr and [x["answer"] for x in again] == answers
+    assert store.exists() and not list(cache_dir.glob("documents/*"))   # kept; nothing temporary made
+    # compress --store -o DIR: the same reading, the same store, the same answers
+    c = ok_json(kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", *BOUNDED,
+                      "-o", tmp_path / "compressed", "--json", "-q"))
+    assert c["form"] == "bounded" and c["chunks"] > 1 and c["read_policy"] == "snapkv" and c["read_budget"] == 48
+    assert c["file_bytes"] == sum(f.stat().st_size for f in (tmp_path / "compressed").iterdir())
+    run2 = ok_json(kvcli(cli_runner, "run", "--cache", tmp_path / "compressed", "-p", "snapkv", "-b", 48, "-n", 6,
+                         "--json", *ASK))
+    assert [a["answer"] for a in run2["answers"]] == answers
+    # past the model's context (2k): stored in bounded chunks without --chunk, answered without reading it
+    c = ok_json(kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "long.txt", "--store", "-p",
+                      "snapkv", "-b", 48, "-o", tmp_path / "long", "--json", "-q"))
+    assert c["form"] == "bounded" and c["stored_tokens"] > 2048
+    long = ok_json(kvcli(cli_runner, "run", "--cache", tmp_path / "long", "-p", "pyramidkv", "-b", 64, "-n", 4,
+                         "--json", *ASK2))
+    assert long["stats"]["document_reads"] == 0 and long["stats"]["answered"] == 2
+    assert all(a["stats"]["generated_tokens"] >= 1 and a["stats"]["reselect_chunks"] > 2 for a in long["answers"])
+    # /save DIR in a bounded chat: the store with the conversation's turns, which --cache continues
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny), "--doc", str(files / "doc.txt"),
+                                *[str(a) for a in BOUNDED], "-n", "4"], input=f"{QS[0]}\n/save {tmp_path / 'saved'}\n")
+    assert r.exit_code == 0, r.output
+    assert "1 turn(s)" in r.stderr and (tmp_path / "saved" / "store.json").is_file()
+    r, rows = chat_rows(cli_runner, "--cache", tmp_path / "saved", "-p", "snapkv", "-b", 48, input=QS[1] + "\n")
+    assert "1 turn(s)" in r.stderr and rows[0]["generated_tokens"] >= 1
+    assert rows[0]["prompt_tokens"] > again[1]["prompt_tokens"]   # the saved turn is in the prompt
+
+
+def test_bad_store_folders_are_refused_in_one_line(cli_runner, tiny, other_tiny, files, tmp_path):
+    store = tmp_path / "store"
+    ok_json(kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", *BOUNDED, "-o",
+                  store, "--json", "-q"))
+    snap = ["-p", "snapkv", "-b", 48]
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, *ASK), "give a compressing --policy P and --budget N")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, QS[0]), "give a compressing --policy P and --budget N")
+    one_line_error(cli_runner.invoke(cli, ["chat", "--cache", str(store)], input=QS[0] + "\n"),
+                   "give --policy P --budget N")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, "-p", "h2o", "-b", 48, QS[0]), "column sums")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, "--model", other_tiny, *snap, QS[0]),
+                   "was compressed for model")
+    one_line_error(kvcli(cli_runner, "run", "--cache", store, *snap, "--doc", files / "doc.txt", QS[0]), "drop --doc")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("mine")
+    one_line_error(kvcli(cli_runner, "run", "--cache", plain, *snap, QS[0]), "not a kvcli store")
+    # chat --store onto a folder that is not a store: refused before reading, nothing deleted
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny), "--doc", str(files / "doc.txt"),
+                                *[str(a) for a in BOUNDED], "--store", str(plain)], input=QS[0] + "\n")
+    one_line_error(r, "not a kvcli store")
+    assert [p.name for p in plain.iterdir()] == ["notes.txt"]
+    chunk = store / "chunk-0001.state"
+    raw = chunk.read_bytes()
+    for damage, msg in ((lambda: chunk.write_bytes(raw[:-7]), "is truncated"),
+                        (lambda: chunk.write_bytes(raw[:99] + bytes([raw[99] ^ 0xFF]) + raw[100:]), "is corrupted"),
+                        (chunk.unlink, "is missing"),
+                        (lambda: (store / "store.json").write_text("{"), "corrupted or truncated")):
+        damage()
+        one_line_error(kvcli(cli_runner, "run", "--cache", store, *snap, *ASK), msg)
+        one_line_error(cli_runner.invoke(cli, ["chat", "--cache", str(store), *[str(a) for a in snap]],
+                                         input=QS[0] + "\n"), msg)
+        chunk.write_bytes(raw)

@@ -62,7 +62,8 @@ from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes
+from kvcli.drivers.reselect_bounded import (ChunkedStore, check_store_target, check_usable, exact_below_bytes,
+                                            is_store, read_manifest)
 from kvcli.templating import GENERIC_SUFFIX
 
 CTX_PAD = 256
@@ -242,14 +243,9 @@ class Conversation:
         if self.store is not None:
             self.store.close()
         named = self.store_path is not None
+        if named:   # a folder for the bounded form, a .kvc file for the exact one: checked before the read
+            check_store_target(self.store_path, form=form)
         if form == "bounded":
-            if named and n + STORE_TAIL + 64 > limit:
-                raise KvcliError(f"--store keeps a document's full cache in the model's context ({limit} tokens), "
-                                 f"and this one is {n} tokens, re-selected in bounded chunks: drop --store")
-            if named:
-                raise KvcliError(f"--store keeps a document's full cache, and this one is re-selected in bounded "
-                                 f"chunks ({chunking.why}): add --chunk 0 for the exact form (its full cache held "
-                                 "while a question is re-selected), or drop --store")
             n_seq = max(2, self.seq + 2)    # and one to load the stored chunks through, per question
             if self.session.ctx is None:
                 self.session.create_context(chunking.n_ctx, n_seq)
@@ -558,7 +554,9 @@ class Conversation:
                         f" each question streams them through a cache of at most {st.cap} cells and is answered from "
                         f"{self.budget} entries per layer and KV head chosen for it")
             if self.load_s is not None:
-                line = (f"[{label}, re-selected per question] {n} tokens stored in {st.path} ({st.nbytes / 1e6:.2f} "
+                form = f", bounded] {n} tokens stored in {len(st.chunks)} chunks" if st.bounded else \
+                    f"] {n} tokens stored"
+                line = (f"[{label}, re-selected per question{form} in {st.path} ({st.nbytes / 1e6:.2f} "
                         f"MB; {len(self.turns)} turn(s)); loaded in {self.load_s:.2f}s (+ model {self.model_s:.2f}s)")
             return line
         saved = 1 - s["kv_bytes"] / s["kv_bytes_full"] if s["kv_bytes_full"] else 0.0
@@ -645,7 +643,11 @@ class Conversation:
     def from_store(cls, path, *, policy: str, budget: int, policy_args: dict | None = None, model: str | None = None,
                    seq: int = 0, n_threads: int | None = None, cache_type: str | None = None):
         """A re-selected conversation over a stored full document cache (kvcli compress --store, /save of a
-        re-selected chat, or any uncompressed .kvc file): the document is not read again."""
+        re-selected chat, or any uncompressed .kvc file), or a bounded store folder (`from_chunked_store`): the
+        document is not read again."""
+        if Path(path).expanduser().is_dir():
+            return cls.from_chunked_store(path, policy=policy, budget=budget, policy_args=policy_args, model=model,
+                                          seq=seq, n_threads=n_threads, cache_type=cache_type)
         t0 = time.perf_counter()
         f = kvc.read(path)
         kvc.check_versions(f)
@@ -682,6 +684,52 @@ class Conversation:
         conv.model_s = time.perf_counter() - t1
         conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
         conv.report = CompressReport(policy, budget, n, 0.0, params=cfg.params)
+        conv.load_s = t1 - t0
+        return conv
+
+    @classmethod
+    def from_chunked_store(cls, path, *, policy: str, budget: int | None, policy_args: dict | None = None,
+                           model: str | None = None, seq: int = 0, n_threads: int | None = None,
+                           cache_type: str | None = None):
+        """A re-selected conversation over a bounded store folder (kvcli chat --store DIR, kvcli compress --store
+        -o DIR, /save DIR of a bounded chat): its chunks are streamed for every question as in the chat that read
+        the document (kvcli/drivers/reselect_bounded.py); the document is not read again. Refused in one line when
+        the folder is not a whole store of this model (ChunkedStore.open) or the policy cannot be re-selected in
+        bounded chunks (a column-sum policy, no budget)."""
+        t0 = time.perf_counter()
+        path = Path(path).expanduser()
+        m = read_manifest(path)
+        if policy == "full" or budget is None:
+            raise KvcliError(f"{path} is a bounded store (the document in chunks, re-selected per question): give a "
+                             "compressing --policy P and --budget N")
+        recorded = Path(m["model"]["path"])
+        model_path = resolve_model(recorded) if model is None and recorded.is_file() else \
+            resolve_model(model or config.get("model"))
+        if cache_type is not None and cache_type != m["cache_type"]:
+            raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
+        store = ChunkedStore.open(path, model_path, manifest=m)   # the model's hash, then every chunk file
+        t1 = time.perf_counter()
+        session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                                n_threads=n_threads)
+        try:
+            conv = cls(session, store.meta["document"], policy=policy, budget=budget,
+                       policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True)
+            if common_prefix(conv.prefix_tokens, store.tokens) < store.split:
+                raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
+            cfg = conv._cfg(None)   # the policy checked now, not at the first question
+            check_usable(session, cfg)
+            store.cap = budget + store.chunk
+            conv.store = store
+            # as the chat that read it: the kept entries, a chunk, and TURN_ROOM; one more sequence to load through
+            session.create_context(min(session.n_ctx_train, -(-(store.cap + TURN_ROOM) // CTX_PAD) * CTX_PAD),
+                                   max(2, seq + 2))
+        except BaseException:
+            session.close()
+            raise
+        conv.model_s = time.perf_counter() - t1
+        conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
+        conv.report = CompressReport(policy, budget, len(conv.prefix_tokens), 0.0, params=cfg.params,
+                                     chunk=store.chunk, cap=store.cap)
         conv.load_s = t1 - t0
         return conv
 

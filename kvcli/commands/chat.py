@@ -14,7 +14,7 @@ from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
-from kvcli.outfile import check_target
+from kvcli.drivers.reselect_bounded import check_store_target, is_store
 from kvcli.apps.pipeline import Progress, progress_bar
 
 
@@ -55,7 +55,7 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
         document = read_documents(list(docs))
         explicit_budget(req.policy, req.budget, question, req.policy_args)
         if store:
-            check_target(store)
+            check_store_target(store)   # a file or a store folder: which one is known once the document is tokenized
         session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type,
                                 n_threads=req.threads)
         conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
@@ -76,10 +76,11 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
 @click.argument("question", required=False)
 @click.option("--doc", "docs", multiple=True, metavar="FILE",
               help="Document(s) to talk about (several are joined with their names).")
-@click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
-              help="Instead of --doc: a compressed document (kvcli compress, /save), or a stored full cache "
-              "(kvcli compress --store, --store FILE, /save of a re-selected chat), re-selected per question with "
-              "--policy P --budget N.")
+@click.option("--cache", "cache_path", metavar="FILE.kvc|DIR", type=click.Path(),
+              help="Instead of --doc: a compressed document (kvcli compress, /save), or a stored document "
+              "(kvcli compress --store, --store PATH, /save of a re-selected chat), re-selected per question with "
+              "--policy P --budget N: a .kvc file of its full cache, or a store folder (store.json + chunk files) "
+              "of a document stored in bounded chunks.")
 @model_option
 @request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=512,
                  cache_type_help="llama.cpp KV cache type (a --cache file brings its own).")
@@ -89,9 +90,12 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
 @click.option("--compress-once", is_flag=True, help="Compress the document once, before the questions (question-"
               "agnostic, or for QUESTION), and answer every question from that cache, instead of re-selecting the "
               "cache for every question from the stored full cache (the default with a compressing policy).")
-@click.option("--store", "store", metavar="FILE.kvc", default=None,
-              help="Re-selection: keep the document's full cache in FILE (reused later with --cache FILE --policy P "
-              "--budget N) instead of a temporary file in kvcli's cache folder, deleted at exit.")
+@click.option("--store", "store", metavar="PATH", default=None,
+              help="Re-selection: keep the stored document at PATH (reused later with --cache PATH --policy P "
+              "--budget N) instead of a temporary one in kvcli's cache folder, deleted at exit: a .kvc file of its "
+              "full cache (the exact form), or, for a document re-selected in bounded chunks (longer than the "
+              "context, above 256 MiB of full cache, --chunk N, --max-cache), a store folder: store.json (model, "
+              "tokens, turns, each chunk's SHA-256) and one file per chunk. An existing store is replaced.")
 @click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
               "(/reset before each one) instead of keeping the conversation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
@@ -136,6 +140,9 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
         if clash:
             raise KvcliError(f"--cache brings its own document and compression: drop {FLAGS[clash[0]]}")
         meta = kvc.peek_meta(cache_path)
+        if is_store(cache_path):
+            raise KvcliError(f"{cache_path} is a bounded store folder (a document stored in chunks): give --policy P "
+                             "--budget N to compress it for every question")
         if meta and meta.get("store") and not meta.get("compressed"):
             raise KvcliError(f"{cache_path} holds a document's full cache (compress --store): give --policy P "
                              "--budget N to compress it for every question")

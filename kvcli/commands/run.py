@@ -18,6 +18,7 @@ from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
 from kvcli.apps.pipeline import Progress, RunResult, run_document
 from kvcli.drivers.reselect import STORE_TAIL
+from kvcli.drivers.reselect_bounded import is_store
 
 
 def open_session(engine: str, model: str | None, **kw):
@@ -40,10 +41,12 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--doc", "docs", multiple=True, metavar="FILE",
               help="Document(s) to read ('-' for stdin; several are joined with their names). Default: stdin.")
 @model_option
-@click.option("--cache", "cache_path", metavar="FILE.kvc", type=click.Path(dir_okay=False),
-              help="Answer from a .kvc file written by kvcli compress (instead of --doc / stdin): a compressed "
-              "document, or a stored full cache (compress --store), which --policy P --budget N compress again for "
-              "every question (without them it is answered whole).")
+@click.option("--cache", "cache_path", metavar="FILE.kvc|DIR", type=click.Path(),
+              help="Answer from a stored document (instead of --doc / stdin): a .kvc file written by kvcli compress "
+              "(a compressed document, or a stored full cache of compress --store, which --policy P --budget N "
+              "compress again for every question; without them it is answered whole), or a store folder of a "
+              "document stored in bounded chunks (compress --store -o DIR, chat --store DIR), re-selected with "
+              "--policy P --budget N.")
 @click.option("--question", "question_opts", multiple=True, metavar="TEXT",
               help="A question about the document (repeatable; besides or instead of INSTRUCTION). Several questions "
               "are answered one after the other, each alone, the document read once: its full cache is stored (a "
@@ -65,8 +68,8 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
-    given, or from a --cache FILE.kvc (a compressed document, or a stored full cache). Only the
-    answer goes to stdout.
+    given, or from --cache PATH (a compressed document, a stored full cache, or a store folder of a
+    document stored in bounded chunks). Only the answer goes to stdout.
 
     Several questions (INSTRUCTION, --question, --questions FILE) are answered one after the other,
     each alone, one answer block per question on stdout (a blank line between blocks; --json: one
@@ -94,7 +97,8 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
             raise KvcliError(f"--cache brings its own document and compression: drop "
                              f"{FLAGS.get(clash[0], '--' + clash[0].replace('_', '-'))}")
         meta = kvc.peek_meta(cache_path)
-        if meta and meta.get("store") and not meta.get("compressed"):   # a stored document: answered whole
+        if is_store(cache_path) or meta and meta.get("store") and not meta.get("compressed"):
+            # a stored document: answered whole (a bounded store folder asks for --policy P --budget N)
             return run_questions(ctx, req, questions, docs, cache_path, model, system, no_template, engine, out_path,
                                  quiet, as_json)
         result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream, n_threads=req.threads)
@@ -189,7 +193,7 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
     if cache_path:
         policy_given = explicit(ctx, "policy", "budget", "policy_args")
         meta = kvc.peek_meta(cache_path)
-        store = bool(meta and meta.get("store") and not meta.get("compressed"))
+        store = bool(meta and meta.get("store") and not meta.get("compressed")) or is_store(cache_path)
         if policy_given or store:
             clash = [c for c in explicit(ctx, *FLAGS, "engine") if c not in ("policy", "budget", "policy_args")]
             if clash:

@@ -21,14 +21,21 @@ are read without re-indexing and get exact re-selection only; column-sum policie
 scores sum every query, and the chunks' own queries are not replayed.
 
 The store is a folder: one file per chunk (an uncompressed cache state of the chunk's cells, kvcli/native/state.py)
-and `store.json` (model, tokens, chunks and each file's SHA-256), written to a `.part` folder and renamed when the
-reading is done; a file that is gone, truncated or changed is refused in one line.
+and `store.json` (the model it is bound to, kvcli's and the native state's versions, the tokens, the document, the
+conversation's turns, the chunks with each file's size and SHA-256, and the SHA-256 of store.json itself), written to
+a `.part` folder and renamed when the reading is done (a store it replaces is moved aside first and removed after).
+It is a first-class stored document, as a `.kvc` file of the exact form is: `kvcli chat --store DIR` and
+`kvcli compress --store -o DIR` keep it, `/save DIR` of a bounded chat writes one, and `kvcli run/chat --cache DIR
+--policy P --budget N` re-select from it without reading the document (`ChunkedStore.open`). A store folder that is
+another model's, another kvcli's, or whose store.json or a chunk file is gone, truncated or changed is refused in
+one line, at opening (every chunk is checked) and again for each chunk a question reads.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -46,7 +53,9 @@ from kvcli.native.session import SeqSnapshot
 from kvcli.native.state import cells_from
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
 
-FORMAT = 1
+FORMAT = 2          # 2: store.json carries its own SHA-256 and the conversation's turns (1: temporary stores only)
+MANIFEST = "store.json"
+_CHUNK_FILE = re.compile(r"chunk-[0-9]{4,}\.state")
 # A re-selected chat keeps the exact form (the document's full cache held while a question is re-selected) up to
 # this many bytes of full cache, though bounded reading would read the document in chunks: a bounded re-selection
 # streams every chunk with a probe, about 1.5x the seconds of an exact one per question (8k, measured on a loaded
@@ -119,6 +128,8 @@ class ChunkedStore:
         if path is None:
             digest = hashlib.sha256(np.asarray(tokens[:split], np.int32).tobytes()).hexdigest()[:12]
             path = store_dir() / f"{Path(session.model_path).stem}.{digest}.{os.getpid()}.chunks"
+        else:
+            path = check_store_target(path, form="bounded")
         path = Path(path)
         part = path.with_name(path.name + ".part")
         shutil.rmtree(part, ignore_errors=True)
@@ -148,20 +159,60 @@ class ChunkedStore:
             store = cls(tokens=list(tokens[:split]), split=split, chunk=chunk, chunks=chunks, path=path, keep=keep,
                         read_s=read_s, cap=cap, read_policy=cfg.policy, read_budget=cfg.budget,
                         meta=dict(meta or {}))
-            outfile.write(part / "store.json", [json.dumps(store.manifest(session)).encode()])
-            shutil.rmtree(path, ignore_errors=True)
-            part.rename(path)
+            write_manifest(part, store.manifest(session))
+            replace_folder(part, path)
             done = True
             return store
         finally:
             if not done:
                 shutil.rmtree(part, ignore_errors=True)
 
-    def manifest(self, session) -> dict:
+    def manifest(self, session, turns: list | None = None) -> dict:
+        meta = {"document": self.meta.get("document", ""), "system": self.meta.get("system"),
+                "turns": list(self.meta.get("turns", []) if turns is None else turns)}
         return {"kvcli_store": FORMAT, **kvc.base_meta(session), "split": self.split, "chunk": self.chunk,
                 "read_policy": self.read_policy, "read_budget": self.read_budget, "read_s": round(self.read_s, 3),
-                "tokens": [int(t) for t in self.tokens], "meta": self.meta,
+                "tokens": [int(t) for t in self.tokens], "meta": meta,
                 "chunks": [vars(c) for c in self.chunks]}
+
+    # ------------------------------------------------------------------ a kept store, opened again
+    @classmethod
+    def open(cls, path, model_path=None, manifest: dict | None = None) -> "ChunkedStore":
+        """A store folder written before (kvcli chat --store DIR, kvcli compress --store -o DIR, /save DIR),
+        checked as a .kvc file is: store.json whole and of this kvcli and native state format
+        (`read_manifest`), made for the model at `model_path` (when given), and every chunk file present, of its
+        recorded size and SHA-256. Refused in one line otherwise. The folder is kept at close()."""
+        path = Path(path)
+        m = read_manifest(path) if manifest is None else manifest
+        if model_path is not None:
+            kvc.check_model(_Named(m, path), model_path)
+        chunks = [StoredChunk(**c) for c in m["chunks"]]
+        store = cls(tokens=list(m["tokens"]), split=m["split"], chunk=m["chunk"], chunks=chunks, path=path,
+                    keep=True, read_s=float(m["read_s"]), cap=m["chunk"] + m["read_budget"],
+                    read_policy=m["read_policy"], read_budget=m["read_budget"], meta=dict(m["meta"]))
+        for c in chunks:
+            store._read_chunk(c)
+        return store
+
+    def save_as(self, path, session, turns: list | None = None) -> int:
+        """Write the store (its chunk files, checked as they are copied, and the conversation's turns) to the
+        folder `path` (/save of a bounded chat); returns its size in bytes. The same folder is rewritten in place."""
+        path = check_store_target(path, form="bounded")
+        part = path.with_name(path.name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir()
+        done = False
+        try:
+            size = 0
+            for c in self.chunks:
+                size += outfile.write(part / c.file, [self._read_chunk(c)])
+            size += write_manifest(part, self.manifest(session, turns))
+            replace_folder(part, path)
+            done = True
+            return size
+        finally:
+            if not done:
+                shutil.rmtree(part, ignore_errors=True)
 
     # ------------------------------------------------------------------ per question
     def reselect(self, session, prompt: list[int], cfg: Compression, *, seq: int = 0, spare: int | None = None,
@@ -226,21 +277,182 @@ class ChunkedStore:
         session.apply_plan(plan, seq=seq, reindex=True)
         return plan
 
-    def _snapshot(self, c: StoredChunk) -> SeqSnapshot:
+    def _read_chunk(self, c: StoredChunk) -> bytes:
+        """A chunk file's bytes, refused in one line when it is gone, truncated or changed."""
         f = self.path / c.file
         try:
             state = f.read_bytes()
         except FileNotFoundError:
-            raise StoreMissing(f"the stored document cache {self.path} is gone ({c.file} missing)") from None
-        if hashlib.sha256(state).hexdigest() != c.sha256:
+            if not (self.path / MANIFEST).exists():
+                raise StoreMissing(f"the stored document cache {self.path} is gone ({c.file} missing)") from None
+            raise KvcliError(f"{self.path} is incomplete: its chunk file {c.file} is missing") from None
+        except IsADirectoryError:
+            raise KvcliError(f"{f} is corrupted (a directory, not a chunk file)") from None
+        except OSError as e:
+            raise KvcliError(f"cannot read {f}: {e.strerror}") from None
+        if len(state) < c.nbytes:
+            raise KvcliError(f"{f} is truncated ({len(state)} bytes, the store recorded {c.nbytes})")
+        if len(state) != c.nbytes or hashlib.sha256(state).hexdigest() != c.sha256:
             raise KvcliError(f"{f} is corrupted (its SHA-256 is not the one the store recorded)")
-        return SeqSnapshot(state=state, next_pos=c.first_pos + c.n, cells=c.n, prompt_tokens=c.n)
+        return state
+
+    def _snapshot(self, c: StoredChunk) -> SeqSnapshot:
+        return SeqSnapshot(state=self._read_chunk(c), next_pos=c.first_pos + c.n, cells=c.n, prompt_tokens=c.n)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Delete the store folder unless it is kept."""
         if not self.keep:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- the store folder
+class _Named:
+    """A manifest seen as kvc's checks see a file (meta, path): kvc.check_versions / check_model."""
+
+    def __init__(self, meta: dict, path: Path):
+        self.meta, self.path = meta, path
+
+
+def is_store(path) -> bool:
+    """A folder with a store.json: a bounded store (kvcli run/chat --cache DIR)."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / MANIFEST).exists()
+
+
+def _digest(m: dict) -> str:
+    return hashlib.sha256(json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+                          .encode("utf-8")).hexdigest()
+
+
+def write_manifest(folder: Path, m: dict) -> int:
+    """store.json with its own SHA-256 (over the rest, as canonical JSON), written atomically."""
+    m = {k: v for k, v in m.items() if k != "sha256"}
+    return outfile.write(folder / MANIFEST, [json.dumps({**m, "sha256": _digest(m)}, ensure_ascii=False)
+                                             .encode("utf-8")])
+
+
+def read_manifest(path) -> dict:
+    """store.json of the store folder `path`, refused in one line unless it is whole (its SHA-256), of this store
+    format, kvcli version and native state format, and well formed (chunks that tile the stored tokens, file names
+    inside the folder)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise KvcliError(f"store folder not found: {path}")
+    if not path.is_dir():
+        raise KvcliError(f"{path} is not a folder, not a kvcli store")
+    f = path / MANIFEST
+    if not f.exists():
+        raise KvcliError(f"{path} is a folder without {MANIFEST}: not a kvcli store (a .kvc file or a store folder "
+                         "written by kvcli chat --store / kvcli compress --store)")
+    if not f.is_file():
+        raise KvcliError(f"{f} is not a regular file")
+    try:
+        raw = f.read_bytes()
+    except OSError as e:
+        raise KvcliError(f"cannot read {f}: {e.strerror}") from None
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise KvcliError(f"{f} is corrupted or truncated (not JSON)") from None
+    if not isinstance(m, dict) or "kvcli_store" not in m:
+        raise KvcliError(f"{f} is not a kvcli store manifest")
+    if m["kvcli_store"] != FORMAT:
+        raise KvcliError(f"{path} is a store of format {m['kvcli_store']}; this kvcli reads format {FORMAT}: "
+                         "read the document again")
+    digest = m.pop("sha256", None)
+    if digest != _digest(m):
+        raise KvcliError(f"{f} is corrupted (checksum mismatch)")
+    kvc.check_versions(_Named(m, path))
+    why = _malformed(m)
+    if why:
+        raise KvcliError(f"{f} is corrupted ({why})")
+    return m
+
+
+def _malformed(m: dict) -> str:
+    """What is wrong with a manifest whose checksum holds (written by a kvcli with other rules), or ''."""
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    model = m.get("model")
+    if not (isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("hash", "name", "path"))):
+        return "no model it is bound to"
+    if not isinstance(m.get("cache_type"), str) or not isinstance(m.get("flash_attn"), bool):
+        return "no cache type"
+    tokens = m.get("tokens")
+    if not isinstance(tokens, list) or not all(count(t) for t in tokens):
+        return "tokens"
+    if not (count(m.get("split")) and m["split"] == len(tokens) > 0 and count(m.get("chunk")) and m["chunk"] > 0
+            and count(m.get("read_budget")) and isinstance(m.get("read_policy"), str)
+            and isinstance(m.get("read_s"), (int, float))):
+        return "split, chunk or reading policy"
+    meta = m.get("meta")
+    if not (isinstance(meta, dict) and isinstance(meta.get("document"), str)
+            and (meta.get("system") is None or isinstance(meta.get("system"), str))
+            and isinstance(meta.get("turns"), list)):
+        return "document"
+    keys = {"question": str, "answer": str, "stopped": str, "tokens_in": int, "tokens_out": int}
+    if not all(isinstance(t, dict) and set(t) == set(keys) and all(isinstance(t[k], v) for k, v in keys.items())
+               for t in meta["turns"]):
+        return "turns"
+    chunks = m.get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        return "no chunks"
+    first, names = 0, set()
+    fields = {"first_token", "n", "first_pos", "file", "sha256", "nbytes"}
+    for i, c in enumerate(chunks):
+        if not (isinstance(c, dict) and set(c) == fields and all(count(c[k]) for k in fields - {"file", "sha256"})
+                and c["n"] > 0 and isinstance(c["file"], str) and _CHUNK_FILE.fullmatch(c["file"])
+                and isinstance(c["sha256"], str) and c["file"] not in names):
+            return f"chunk {i}"
+        if c["first_token"] != first:
+            return f"chunk {i} does not follow chunk {i - 1}"
+        first += c["n"]
+        names.add(c["file"])
+    if first != m["split"]:
+        return f"the chunks hold {first} tokens, the store {m['split']}"
+    return ""
+
+
+def check_store_target(path, force: bool = True, form: str | None = None) -> Path:
+    """Where a store may be written, checked before the document is read (as outfile.check_target checks a file):
+    an existing folder is replaced only when it is a store folder (or empty); `form` "bounded" (a folder) refuses an
+    existing file, "exact" (a .kvc file) an existing folder; `force` False refuses anything existing."""
+    path = Path(path).expanduser()
+    outfile.check_names(path, "cannot write")
+    if not path.parent.is_dir():
+        raise KvcliError(f"cannot write {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        if not is_store(path) and any(path.iterdir()):
+            raise KvcliError(f"{path} is a folder that is not a kvcli store: kvcli replaces only a store folder "
+                             f"(one with {MANIFEST}): name a new path")
+        if form == "exact":
+            raise KvcliError(f"{path} is a folder, and this document's full cache is stored as one .kvc file (the "
+                             "exact form): name a file")
+    elif path.exists():
+        if form == "bounded":
+            raise KvcliError(f"{path} is a file, and this document is stored in bounded chunks, a folder of chunk "
+                             "files: name a new path")
+    if not force and (path.exists() or path.is_symlink()):
+        raise KvcliError(f"{path} exists: pass --force to overwrite it")
+    return path
+
+
+def replace_folder(part: Path, path: Path) -> None:
+    """Rename the written folder `part` to `path`; a store folder already there is moved aside first and removed
+    after, so that `path` is at every moment the old store or the new one (never a folder that is not a store)."""
+    old = None
+    if path.is_dir() and not path.is_symlink():
+        if not is_store(path) and any(path.iterdir()):
+            raise KvcliError(f"{path} is a folder that is not a kvcli store: not replaced")
+        old = path.with_name(f"{path.name}.old.{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    elif path.exists() or path.is_symlink():
+        raise KvcliError(f"{path} exists and is not a store folder: not replaced")
+    part.rename(path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_usable(session, cfg: Compression, spare: int | None = None) -> None:
