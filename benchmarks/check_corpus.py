@@ -1,0 +1,215 @@
+"""Issue #31's corpus sweep: `kvcli check` (kvcli.drivers.check.run_check, every policy both engines implement) on
+text nobody in this project wrote, the licence and metadata files that installed packages ship in the venv.
+
+Usage (one heavy process; the machine is shared, so run it niced):
+  OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/check_corpus.py \
+      [--models default,qwen2.5-coder-0.5b,gemma-3-270m] [--lengths 1000,2000] [--budgets 64,128] \
+      [--texts psf-licence,diskcache-metadata] [--threads 1] [--tokens 16]
+  .venv/bin/python benchmarks/check_corpus.py --table      # the pass-count table of what the files hold
+
+Runs go in the order model, length, text, budget (so the default model's 1k runs come first). After every run the
+model's file benchmarks/results/check-corpus-<model>.json is rewritten (a partial sweep is kept); a run already
+in the file (same text, length, budget, threads) is skipped, so an interrupted sweep resumes where it stopped.
+
+The texts (why these: docs/results.md, "Corpus sweep"):
+  psf-licence         typing_extensions' LICENSE: the PSF licence with Python's history, plain-text legal prose
+  diskcache-metadata  diskcache's METADATA: e-mail style package headers, then a reStructuredText README
+  rich-metadata       rich's METADATA: headers, then a Markdown README (badges, links, code, a table)
+Each is cut to its first LENGTH tokens (the model's own tokenizer) before the instruction is added, as
+`kvcli check --doc-tokens LENGTH` does.
+
+Pass counts per run: L1 and L3 arithmetic and plan agreement over the checked policies, L2 once per run (one
+observation per prompt). Engine verdicts: L1, L2, L3 arithmetic; plan agreement is the policy's sensitivity."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / ".venv" / "lib" / "python3.11" / "site-packages"
+OUT = ROOT / "benchmarks" / "results"
+
+TEXTS = {
+    "psf-licence": ("typing_extensions", "typing_extensions-4.16.0.dist-info/licenses/LICENSE"),
+    "diskcache-metadata": ("diskcache", "diskcache-5.6.3.dist-info/METADATA"),
+    "rich-metadata": ("rich", "rich-15.0.0.dist-info/METADATA"),
+}
+MODELS = {"default": None, "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b", "gemma-3-270m": "gemma-3-270m"}
+
+
+def _sh(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    except OSError:
+        return ""
+
+
+def text_info(key: str) -> dict:
+    package, rel = TEXTS[key]
+    path = SITE / rel
+    data = path.read_bytes()
+    return {"package": package, "file": str(path.relative_to(ROOT)), "chars": len(data.decode("utf-8")),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def model_file(name: str) -> Path:
+    return OUT / f"check-corpus-{name}.json"
+
+
+def load(name: str) -> dict:
+    f = model_file(name)
+    return json.loads(f.read_text()) if f.exists() else {"model": name, "texts": {}, "runs": []}
+
+
+def save(name: str, data: dict) -> None:
+    f = model_file(name)
+    tmp = f.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float))
+    os.replace(tmp, f)
+
+
+def counts(report: dict) -> dict:
+    """Pass counts of one run: policies checked, L1, L3 arithmetic and plan agreement passes; L2; what failed."""
+    checked = [e for e in report["policies"] if "skipped" not in e]
+    c = {"tokens": report["prompt_tokens"], "policies": len(checked),
+         "skipped": [e["policy"] for e in report["policies"] if "skipped" in e],
+         "errors": {e["policy"]: e["error"] for e in checked if "error" in e},
+         "l2": (report.get("l2") or {}).get("pass"),
+         "l1": sum(bool((e.get("l1") or {}).get("pass")) for e in checked),
+         "l3": sum(bool((e.get("l3") or {}).get("pass")) for e in checked),
+         "plans": sum(bool((e.get("plans") or {}).get("pass")) for e in checked),
+         "l1_fail": [e["policy"] for e in checked if e.get("l1") is not None and not e["l1"]["pass"]],
+         "l3_fail": {e["policy"]: {k: e["l3"].get(k) for k in ("kl", "logits_max_abs", "greedy_agree", "native_plan")}
+                     for e in checked if e.get("l3") is not None and not e["l3"]["pass"]},
+         "plan_miss": {e["policy"]: e["plans"].get("sensitivity") for e in checked
+                       if e.get("plans") is not None and not e["plans"]["pass"]}}
+    kls = [(e["l3"]["kl"], e["policy"]) for e in checked if e.get("l3") is not None]
+    c["kl_max"] = max(kls) if kls else (float("nan"), "-")
+    return c
+
+
+def l2_detail(report: dict) -> str:
+    l2 = report.get("l2") or {}
+    if l2.get("pass", True):
+        return ""
+    if "error" in l2:
+        return l2["error"]
+    bits = []
+    for k, v in l2.items():
+        if isinstance(v, dict) and not v.get("pass", True):
+            s = f"{k} max abs {v['max_abs']:.3g} rel {v['rel']:.3g}"
+            if v.get("rows_over"):
+                s += f", {v['rows_over']} of {v['rows']} rows over"
+                det = v.get("rows_over_detail") or []
+                if det:
+                    w = max(det, key=lambda x: x["engines"])
+                    s += (f" (worst layer {w.get('model_layer', w['layer'])} slot {w['slot']}: engines "
+                          f"{w['engines']:.3g}, native twin {w['native_precision']:.3g})")
+            bits.append(s)
+    return "; ".join(bits)
+
+
+def table(names) -> str:
+    rows = ["| model | text | length (prompt tokens) | budget | threads | L1 | L2 | L3 arithmetic | plan agreement | "
+            "same-plan KL max (policy) | skipped | s | load before |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    tot = {"l1": [0, 0], "l2": [0, 0], "l3": [0, 0], "plans": [0, 0]}
+    for name in names:
+        data = load(name)
+        for run in data["runs"]:
+            c = counts(run["report"])
+            n = c["policies"]
+            for k in ("l1", "l3", "plans"):
+                tot[k][0] += c[k]
+                tot[k][1] += n
+            tot["l2"][0] += bool(c["l2"])
+            tot["l2"][1] += 1
+            load_b = run.get("uptime_before", "").split("load average:")[-1].strip()
+            rows.append(f"| {name} | {run['text']} | {run['length']} ({c['tokens']}) | {run['budget']} | "
+                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'} | {c['l3']}/{n} | "
+                        f"{c['plans']}/{n} | {c['kl_max'][0]:.4f} ({c['kl_max'][1]}) | {','.join(c['skipped']) or '-'} | {run['report']['seconds']:.0f} | "
+                        f"{load_b} |")
+            tag = f"{name} {run['text']} {run['length']} b{run['budget']}"
+            if not c["l2"]:
+                notes.append(f"{tag}: L2 FAIL: {l2_detail(run['report'])}")
+            for p in c["l1_fail"]:
+                notes.append(f"{tag}: L1 FAIL {p}")
+            for p, v in c["errors"].items():
+                notes.append(f"{tag}: ERROR {p}: {v}")
+            for p, v in c["l3_fail"].items():
+                notes.append(f"{tag}: L3 arithmetic FAIL {p}: KL {v['kl']:.4g}, logits {v['logits_max_abs']:.3g}, "
+                             f"greedy {v['greedy_agree'] * 100:.1f}%, plan {v.get('native_plan')}")
+            for p, v in c["plan_miss"].items():
+                notes.append(f"{tag}: plan agreement miss {p}: {v}")
+    rows.append(f"| **total** | | | | | {tot['l1'][0]}/{tot['l1'][1]} | {tot['l2'][0]}/{tot['l2'][1]} | "
+                f"{tot['l3'][0]}/{tot['l3'][1]} | {tot['plans'][0]}/{tot['plans'][1]} | | | | |")
+    return "\n".join(rows + [""] + [f"- {x}" for x in notes])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--lengths", default="1000,2000")
+    ap.add_argument("--budgets", default="64,128")
+    ap.add_argument("--texts", default="psf-licence,diskcache-metadata")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=16, help="greedy tokens of L3")
+    ap.add_argument("--policies", default=None, help="default: every policy (kvcli check's default)")
+    ap.add_argument("--table", action="store_true", help="print the table of the result files and exit")
+    a = ap.parse_args()
+    names = [m for m in a.models.split(",") if m]
+    for m in names:
+        if m not in MODELS:
+            ap.error(f"unknown model {m} (one of {', '.join(MODELS)})")
+    if a.table:
+        print(table(names))
+        return 0
+
+    from kvcli.drivers.check import CheckSettings, Thresholds, run_check  # noqa: PLC0415
+    from kvcli.models import resolve_model  # noqa: PLC0415
+
+    texts = [t for t in a.texts.split(",") if t]
+    commit = _sh(["git", "rev-parse", "--short", "HEAD"])
+    for name in names:
+        path = resolve_model(MODELS[name])
+        data = load(name)
+        data["model_path"] = str(path)
+        for length in [int(x) for x in a.lengths.split(",") if x]:
+            for key in texts:
+                data["texts"][key] = text_info(key)
+                doc = (SITE / TEXTS[key][1]).read_text(encoding="utf-8")
+                for budget in [int(x) for x in a.budgets.split(",") if x]:
+                    done = [r for r in data["runs"] if (r["text"], r["length"], r["budget"], r["threads"])
+                            == (key, length, budget, a.threads)]
+                    if done:
+                        print(f"[corpus] {name} {key} {length} b{budget}: in the file, skipped", flush=True)
+                        continue
+                    settings = CheckSettings(budget=budget, n_tokens=a.tokens, doc_tokens=length,
+                                             threads=a.threads)
+                    before = _sh(["uptime"])
+                    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                    print(f"[corpus] {started} {name} {key} {length} b{budget} threads {a.threads} ({before})",
+                          flush=True)
+                    report = run_check(path, doc, a.policies.split(",") if a.policies else None, settings,
+                                       Thresholds(), log=lambda m: print(f"[check] {m}", flush=True))
+                    data["runs"].append({"text": key, "length": length, "budget": budget, "threads": a.threads,
+                                         "started": started, "uptime_before": before, "uptime_after": _sh(["uptime"]),
+                                         "commit": commit, "report": report})
+                    save(name, data)
+                    c = counts(report)
+                    print(f"[corpus] done in {report['seconds']} s: {c['tokens']} tokens, L1 {c['l1']}/"
+                          f"{c['policies']}, L2 {'pass' if c['l2'] else 'FAIL'}, L3 arithmetic {c['l3']}/"
+                          f"{c['policies']}, plans {c['plans']}/{c['policies']}", flush=True)
+        print(table([name]), flush=True)
+    print(table(names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
