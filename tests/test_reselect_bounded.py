@@ -175,6 +175,16 @@ def test_chat_reselects_in_bounded_chunks_where_bounded_reading_applies(tiny_2k,
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2 and all(x["reselect_chunks"] > 1 and x["generated_tokens"] >= 1 for x in rows)
     assert all(x["kv_cells"] <= 48 + x["generated_tokens"] for x in rows)
+    # a conversation (no --fresh): later questions stream the kept turns and prefill less than the whole
+    # conversation after the document, which a re-selection from the document alone prefills
+    r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "snapkv", "--budget",
+                                "48", "--chunk", "128", "--json", "-n", "4"], input=qs + "What is entry 7?\n")
+    assert r.exit_code == 0, r.output
+    conv = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["reselect_from"] for x in conv] == ["document", "conversation", "conversation"]
+    split = conv[0]["prompt_tokens"] - conv[0]["reselect_prefilled_tokens"]
+    assert all(x["reselect_prefilled_tokens"] < x["prompt_tokens"] - split for x in conv[1:])
+    assert conv[2]["reselect_chunks"] > conv[0]["reselect_chunks"]
     r = cli_runner.invoke(cli, ["chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "h2o", "--budget",
                                 "48", "--chunk", "128", "--fresh"], input=qs)
     assert r.exit_code != 0 and "column sums" in r.output and "Traceback" not in r.output
@@ -236,11 +246,14 @@ def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeyp
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(self, c)
+    kept = conv.store.extension
+    assert kept is not None and kept.split == conv.prompt_len
     monkeypatch.setattr(ChunkedStore, "_snapshot", interrupted)
     with pytest.raises(KeyboardInterrupt):
         conv.ask("And the stone station?", 3)
     monkeypatch.setattr(ChunkedStore, "_snapshot", real)
     assert len(conv.turns) == 1 and conv.session.cells_used() == 0
+    assert conv.store.extension is kept                              # the kept turns are as before the question
     import shutil
     shutil.rmtree(conv.store.path)
     gen = conv.ask("And the stone station?", 3)
@@ -362,3 +375,88 @@ def test_a_store_replaces_only_a_store(tiny_2k, setup, tmp_path):
     second = kept_store(s, head, cfg_of(tiny_2k, budget=64), tmp_path / "store")
     assert second.read_budget == 64 and not (tmp_path / "store" / "stray").exists()
     assert ChunkedStore.open(tmp_path / "store", tiny_2k).read_budget == 64 and first.path == second.path
+
+
+# ------------------------------------------------------------------------------ a conversation's turns
+def turn(s, answer, question):
+    """The tokens a conversation adds after a prompt: the answer, then the next question's user turn."""
+    from kvcli.apps.chat import TurnFormat
+    fmt = TurnFormat.probe(s, None)
+    return s.tokenize(answer + fmt.assistant_to_user + question + fmt.after_user)
+
+
+def test_kept_turns_observe_what_the_document_path_observes(tiny_2k, setup):
+    """With a budget that keeps every stored entry (nothing is evicted while the chunks stream), the turns kept from
+    the first question's re-selection are the cells the second question's prefill would compute: the same
+    observation (kvcli check's L2 thresholds) and the same plan as re-selecting it from the document alone."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, p1 = setup
+    store = ChunkedStore.read(s, head, cfg_of(tiny_2k), chunk=128)
+    cfg = cfg_of(tiny_2k, budget=store.split + 8)
+    window = cfg.observe[1]
+    p2 = p1 + turn(s, "Code 1074.", "And the stone station?")
+    r1 = store.reselect(s, p1, cfg, extend=True)
+    assert r1.source == "document" and store.extension.split == len(p1) and r1.keep_s > 0
+    assert [(c.first_token, c.n) for c in store.extension.chunks] == [(store.split, len(p1) - store.split)]
+    seen = {}
+    r2 = store.reselect(s, p2, cfg, on_step=lambda obs, plan: seen.update(turns=(obs.with_kv_arrays(), plan)))
+    assert r2.source == "conversation" and r2.prefilled == max(len(p2) - len(p1), window) < len(p2) - store.split
+    store.extension = None
+    r3 = store.reselect(s, p2, cfg, on_step=lambda obs, plan: seen.update(document=(obs.with_kv_arrays(), plan)))
+    assert r3.source == "document" and r3.prefilled == len(p2) - store.split
+    (obs_d, plan_d), (obs_t, plan_t) = seen["document"], seen["turns"]
+    assert obs_d.n == obs_t.n == len(p2)
+    l2 = compare_observations(obs_d, obs_t, Thresholds())
+    assert l2["pass"], l2
+    assert all(np.array_equal(plan_d.kept(l, h), plan_t.kept(l, h))
+               for l in range(plan_d.n_layer) for h in range(plan_d.n_head_kv))
+    store.close()
+
+
+def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setup):
+    """Three questions: the second and third prefill only the answer before them and their question; the kept turns
+    tile the conversation, one chunk per question; while the chunks stream the cache holds at most the kept entries +
+    the larger of a chunk and a turn (+ the probe); a prompt that leaves the kept turns part-way uses them up to
+    there, one that leaves them at once (another first question) is re-selected from the document."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    from kvcli.generate import generate
+    s, head, p1 = setup
+    cfg = cfg_of(tiny_2k)
+    window, chunk = cfg.observe[1], 128
+    store = ChunkedStore.read(s, head, cfg, chunk=chunk)
+    long_answer = "The river station logged code 1074 on its third entry, as the log of that morning says. " * 2
+    p2 = p1 + turn(s, long_answer, "And the stone station, which logged after it?")
+    p3 = p2 + turn(s, long_answer.replace("river", "stone"), "What is entry 7?")
+    held, rs = [], []
+    for p in (p1, p2, p3):
+        rs.append(store.reselect(s, p, cfg, extend=True, on_step=lambda obs, plan: held.append(obs.n)))
+        assert s.stats(0)["kv_cells"] <= cfg.budget and len(generate(s, 2).tokens) == 2
+    assert [r.source for r in rs] == ["document", "conversation", "conversation"]
+    assert [r.prefilled for r in rs] == [max(len(p1) - store.split, window), len(p2) - len(p1), len(p3) - len(p2)]
+    assert all(r.prefilled > window for r in rs[1:])
+    ext = store.extension
+    assert ext.split == len(p3) and [(c.first_token, c.n) for c in ext.chunks] == [
+        (store.split, len(p1) - store.split), (len(p1), len(p2) - len(p1)), (len(p2), len(p3) - len(p2))]
+    assert rs[2].chunks == len(store.chunks) + 2
+    biggest = max(chunk, *(c.n for c in ext.chunks))
+    assert max(held) <= cfg.budget + biggest + window, (held, biggest)
+    # leaves the kept turns inside the second question's chunk: the first chunk whole, the second replaced
+    p2b = p1 + turn(s, long_answer, "And the north station?")
+    same = next(i for i, (a, b) in enumerate(zip(p2b, p3)) if a != b)
+    r = store.reselect(s, p2b, cfg, extend=True)
+    assert r.source == "conversation" and r.restored == min(same, len(p2b) - window)
+    assert [c.first_token for c in store.extension.chunks] == [store.split, len(p1)]
+    assert store.extension.chunks[-1].n == len(p2b) - len(p1)
+    # another first question: only the document's last tokens of the kept turns apply, the rest is prefilled
+    other = head + s.tokenize("\n\nWhich code did the delta station log, and which code did the gamma station log "
+                              "in the entry after it, on the same morning?")
+    same = next(i for i, (a, b) in enumerate(zip(other, p2b)) if a != b)
+    assert store.split < same < len(p1)
+    r = store.reselect(s, other, cfg, extend=True)
+    assert r.restored == min(same, len(other) - window) and r.prefilled == len(other) - r.restored
+    assert [(c.first_token, c.n) for c in store.extension.chunks] == [(store.split, len(other) - store.split)]
+    # a short one, whose window reaches before the kept turns: re-selected from the document alone
+    short = head + s.tokenize("\n\nWhich code?")
+    r = store.reselect(s, short, cfg, extend=True)
+    assert r.source == "document" and r.restored == len(short) - window
+    store.close()

@@ -597,7 +597,9 @@ class Conversation:
                               + (f", turns kept {r.keep_s:.2f}s" if r.keep_s else "") + ")")
                            + ("" if self.store.extension is None else
                               f"; the conversation's full cache kept in memory: {s['stored_turn_tokens']} tokens "
-                              f"after the document ({s['stored_turns_bytes'] / 1e6:.2f} MB with it)"))
+                              f"after the document ({s['stored_turns_bytes'] / 1e6:.2f} MB "
+                              + (f"in {len(self.store.extension.chunks)} turn chunks)" if self.store.bounded
+                                 else "with it)")))
         else:
             rows.insert(0, f"mode: {self.mode}, compressed once")
         for il in range(len(s["per_layer_cells"])):

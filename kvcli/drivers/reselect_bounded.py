@@ -12,13 +12,20 @@ peak is the full cache. Here the cache never holds more than the entries kept so
         prefilled as a probe and rolled back (FINCH, as bounded reading scores its chunks), planned to the budget
         and compacted with re-indexing; then the rest of the prompt (the document's last tokens, the conversation,
         the question) is prefilled with the observation armed, planned and compacted like any last chunk.
+    a conversation's turns: before that last compaction, the cells of the prompt's tokens after the document are
+        saved (in memory, `TurnChunks`: one chunk per question, its answer before it and the question); the next
+        question streams them after the stored chunks like more stored chunks (probed, compacted) and prefills only
+        the last answer and the new question, so a question's cost does not grow with the turns before it. The
+        cache bound becomes kept + the larger of a chunk and one turn (a turn is an answer and a question: below a
+        1024-token chunk unless --max-tokens is larger).
 
 What the stored entries are: each chunk's K/V as bounded reading computed them, attending to the entries kept when
 the document was read (chosen without the question), not to the whole document. So a re-selection here is
 question-aware in what it keeps, while the entries it keeps carry the reading's approximation; docs/results.md
 ("Bounded re-selection") measures what that costs against exact re-selection. Models with sliding-window layers
 are read without re-indexing and get exact re-selection only; column-sum policies (h2o, d2o) are refused: their
-scores sum every query, and the chunks' own queries are not replayed.
+scores sum every query, and the chunks' own queries are not replayed. The kept turns' K/V are the same kind of
+approximation: computed when their question was re-selected, attending to the entries kept for that question.
 
 The store is a folder: one file per chunk (an uncompressed cache state of the chunk's cells, kvcli/native/state.py)
 and `store.json` (the model it is bound to, kvcli's and the native state's versions, the tokens, the document, the
@@ -89,6 +96,41 @@ class StoredChunk:
 
 
 @dataclass
+class TurnChunk:
+    """The cells of some of a conversation's tokens after the stored document (kept in memory, not stored), as a
+    re-selection prefilled them: first_token in the prompt, n cells from position first_pos."""
+    first_token: int
+    n: int
+    first_pos: int
+    state: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state)
+
+    def snapshot(self) -> SeqSnapshot:
+        return SeqSnapshot(state=self.state, next_pos=self.first_pos + self.n, cells=self.n, prompt_tokens=self.n)
+
+
+@dataclass
+class TurnChunks:
+    """A conversation's turns kept for the next question (ChunkedStore.reselect(extend=True)): the cells of
+    `tokens[store.split:]` in chunks, one per question (the answer before it and the question), each as the
+    re-selection of its question prefilled it, before the compaction. The next question streams them after the
+    stored chunks, as more chunks, and prefills only what is new (the last answer and the new question)."""
+    tokens: list[int]                 # the whole prompt they end
+    chunks: list[TurnChunk]
+
+    @property
+    def split(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+@dataclass
 class ChunkedStore:
     """A document's entries stored chunk by chunk (see the module doc). Same use as reselect.StoredDocument:
     read once, `reselect` per question, `close`."""
@@ -104,7 +146,7 @@ class ChunkedStore:
     read_budget: int = 0
     meta: dict = field(default_factory=dict)
     colsum = None                    # never stored: column-sum policies are refused
-    extension = None                 # the conversation's turns are not stored: each question prefills them again
+    extension: "TurnChunks | None" = None   # the conversation's turns, as the last re-selection computed them
     bounded = True
 
     @property
@@ -221,27 +263,38 @@ class ChunkedStore:
         window and compacted to the budget, then prefill the rest of `prompt` with the observation armed, plan
         and compact: `seq` then holds `prompt` compressed for its question, ready to decode. `on_step(obs, plan)`
         is called before each plan is applied. `spare`: the sequence chunks are loaded through (default seq + 1).
-        `extend` (keep the prompt's full cache for the next question, as exact re-selection may) does not apply:
-        a bounded store holds the document only, and the conversation is prefilled with every question."""
+
+        A conversation (`extend`): the cells of the prompt's tokens after the stored document, as this question's
+        prefill computed them (before the compaction), are kept in memory (`extension`, TurnChunks); the next
+        question, whose prompt starts with this one, streams them after the stored chunks as more chunks and
+        prefills only the last answer and its question (or the policy's window, when that is longer): no question
+        prefills the earlier turns again. Where the prompt leaves the kept one (an interrupted turn dropped,
+        /reset), the kept chunks up to where they differ are used and the rest prefilled."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
         n = len(prompt)
         if common_prefix(self.tokens, prompt) < self.split:
             raise KvcliError("the prompt does not start with the stored document's tokens")
         kinds, window = cfg.observe
+        reach = window if "window" in kinds else 0
+        turns, end, anchor = self._turns_for(prompt, reach)
         # the question's window must lie in what is prefilled now: the last chunk gives back what it lacks
-        cut = max(0, window - (n - self.split)) if "window" in kinds else 0
-        if self.chunks and cut > self.chunks[-1].n:
+        base = min(end, n - reach) if reach else end
+        streamed = list(self.chunks) + turns
+        last_first = streamed[-1].first_token if streamed else 0
+        if base < last_first:
             raise KvcliError(f"the policy's window ({window}) reaches past the stored document's last chunk")
+        cut = (streamed[-1].first_token + streamed[-1].n - base) if streamed else 0
         probe = list(prompt[-window:]) if "window" in kinds else []
         restore_s = prefill_s = plan_s = 0.0
         plan = None
         if seq in session.seqs:
             session.clear(seq)
-        for i, c in enumerate(self.chunks):
+        for i, c in enumerate(streamed):
             t0 = time.perf_counter()
-            session.append_saved(self._snapshot(c), seq, spare, filler=int(prompt[-1]))
-            last = i == len(self.chunks) - 1
+            snap = c.snapshot() if isinstance(c, TurnChunk) else self._snapshot(c)
+            session.append_saved(snap, seq, spare, filler=int(prompt[-1]))
+            last = i == len(streamed) - 1
             if last and cut:
                 session.truncate(seq, session.seq(seq).next_pos - cut)
             t1 = time.perf_counter()
@@ -257,17 +310,48 @@ class ChunkedStore:
             plan = self._compact(session, seq, cfg, obs, on_step)
             plan_s += time.perf_counter() - t2
         t1 = time.perf_counter()
-        rest = list(prompt[self.split - cut:])
+        rest = list(prompt[base:])
+        first_pos = session.seq(seq).next_pos          # the position of prompt[base]
         obs = session.prefill(rest, seq=seq, observe=kinds, window=window, progress=progress)
         t2 = time.perf_counter()
         prefill_s += t2 - t1
+        kept = None
+        if extend:   # the turns' cells from `anchor` on, before the compaction: the next question's last chunks
+            state, cells, _ = cells_from(session.save_seq(seq).state, first_pos - (base - anchor))
+            if cells != n - anchor:
+                raise KvcliError(f"the conversation's cells: {cells} saved, {n - anchor} prefilled")
+            keep = [c for c in turns if c.first_token < anchor]
+            kept = TurnChunks(tokens=list(prompt), chunks=keep + [TurnChunk(anchor, n - anchor,
+                                                                              first_pos - (base - anchor), state)])
+        t3 = time.perf_counter()
         cells = session_cells(session, seq)
         if cfg.spec.compresses(cells, cfg.budget):
             plan = self._compact(session, seq, cfg, obs if obs is not None else shape_observation(session.info, cells),
                                  on_step)
-        plan_s += time.perf_counter() - t2
-        return BoundedReselection(restored=self.split - cut, prefilled=len(rest), n_tokens=n, restore_s=restore_s,
-                                  prefill_s=prefill_s, plan_s=plan_s, plan=plan, chunks=len(self.chunks))
+        plan_s += time.perf_counter() - t3
+        if extend:
+            self.extension = kept
+        return BoundedReselection(restored=base, prefilled=len(rest), n_tokens=n, restore_s=restore_s,
+                                  prefill_s=prefill_s, plan_s=plan_s, plan=plan, chunks=len(streamed),
+                                  source="conversation" if turns else "document", keep_s=t3 - t2)
+
+    def _turns_for(self, prompt: list[int], reach: int) -> tuple[list[TurnChunk], int, int]:
+        """The kept turn chunks that `prompt` starts with, how far they reach into it exactly, and where the chunk
+        this question keeps begins (`anchor`): ([], split, split) without them. A kept chunk that the prompt leaves
+        part-way is cut there and replaced by the new one (anchor = its first token); one the policy's window
+        reaches into is cut for the prefill only (its cells stay right)."""
+        ext = self.extension
+        n = len(prompt)
+        if ext is None or not ext.chunks:
+            return [], self.split, self.split
+        same = min(common_prefix(ext.tokens, prompt), ext.split, n - 1)
+        turns = [c for c in ext.chunks if c.first_token < same]
+        if not turns or (reach and min(same, n - reach) < turns[-1].first_token):
+            return [], self.split, self.split
+        last = turns[-1]
+        whole = last.first_token + last.n <= same
+        return turns, (last.first_token + last.n if whole else same), (last.first_token + last.n if whole
+                                                                        else last.first_token)
 
     @staticmethod
     def _compact(session, seq, cfg: Compression, obs, on_step):
