@@ -126,7 +126,7 @@ def test_no_import_circle_in_kvcli():
 # The layers of the package, lowest first: a module imports its own layer and the ones before it only
 # (docs/internals.md, "Module layers"). A module is in the layer of its longest listed prefix.
 LAYERS = [
-    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.planning.formats", "kvcli.session", "kvcli.catalogue", "kvcli.models",
+    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.planning.formats", "kvcli.planning.rope", "kvcli.session", "kvcli.catalogue", "kvcli.models",
                     "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.taskclass",
                     "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
                     "kvcli.native.build"]),

@@ -127,7 +127,7 @@ class Thresholds:
         "l2_colsum_rtol": "L2: column sums (max abs / max column sum)",
         "l2_colmax_atol": "L2: column maxima of the reconstruction pass (kvzip; max abs)",
         "l2_colmax_mean_atol": "L2: column maxima of the reconstruction pass (kvzip; mean abs)",
-        "l2_kv_rtol": "L2: K and V rows (max abs / max abs value)",
+        "l2_kv_rtol": "L2: K and V rows, and the Q rows expected_attention observes (max abs / max abs value)",
         "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where the native engine's "
                                 "own other precision setting moves the row as far (0: none)",
         "l3_kl_max_f32": "L3 arithmetic (same plan in both engines): next-token KL(native || reference), "
@@ -286,6 +286,12 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         r = compare_arrays(native.colmax, reference.colmax)
         r["pass"] = r["max_abs"] <= th.l2_colmax_atol and r["mean_abs"] <= th.l2_colmax_mean_atol
         out["colmax"] = r
+    if native.queries is not None and reference.queries is not None:   # expected_attention's Q rows, like K rows
+        if not np.array_equal(native.query_positions, reference.query_positions):
+            raise KvcliError("the engines observed the Q rows of different positions")
+        r = compare_arrays(native.queries, reference.queries)
+        r["pass"] = r["rel"] <= th.l2_kv_rtol
+        out["queries"] = r
     twin: list = []   # the twin observation, taken at most once
 
     def twin_rows(name):
@@ -365,7 +371,7 @@ def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, .
     ws = {min(l2_window, n)}
     for p in names:
         kinds, w = specs[p].observe
-        if "window" in kinds:
+        if "window" in kinds or "query" in kinds:   # query rows: the longest window's (expected_attention)
             ws.add(min(w, n))
     return tuple(sorted(ws))
 
@@ -601,6 +607,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     # kvzip's reconstruction pass needs room after the prompt (kvcli/drivers/reconstruct.py); both engines get the
     # same context, so they feed the same passes
     recon = [c.params["repeat_chunk"] for c in specs.values() if "colmax" in c.spec.needs]
+    queried = ("query",) if any("query" in c.spec.needs for c in specs.values()) else ()   # expected_attention
     room = max([settings.n_tokens + 8] + [repeat_room(n, r) for r in recon])
     n_ctx = -(-(n + room) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
@@ -620,7 +627,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         log("reference prefill")
         runnable = [c for c in specs.values() if c.spec.native and c.spec.reference]
         shared = compress.Shared(reference, tokens, runnable if 3 in levels else [],
-                                 observe=("window", "colsum", "kv") + (("colmax",) if recon else ()),
+                                 observe=("window", "colsum", "kv") + (("colmax",) if recon else ()) + queried,
                                  window=window, planner="reference", repeat_chunk=max(recon, default=None))
         if shared.error is not None or shared.obs_error is not None:
             raise shared.error or shared.obs_error
@@ -632,7 +639,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         log("L2: native prefill with observation")
         try:
             native.clear(0)
-            nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv"), window=window)
+            nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv") + queried, window=window)
             if recon:   # the reconstruction pass's column maxima (kvzip), as the reference's Shared prefill made them
                 nat_obs.colmax, _ = reconstruct(native, tokens, 0, max(recon))
             twin = PrecisionTwin(model_path, tokens, settings, native.n_ctx)

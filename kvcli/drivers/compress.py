@@ -127,6 +127,8 @@ class Shared:
                 kinds |= set(k)
                 if "window" in k:
                     windows.add(w)
+                elif "query" in k:   # query rows: the longest window's, every prompt query at most
+                    windows.add(min(w, self.n))
         self.obs = self.first = self.state = self.error = self.obs_error = None
         self.prefill_s, self.used, self.reconstruct_s = 0.0, False, None
         try:

@@ -34,8 +34,10 @@ from kvcli.planning.formats import Observation, Plan
 OBS_WINDOW = 1
 OBS_COLSUM = 2
 OBS_COLMAX = 4
-_KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "colmax": OBS_COLMAX, "kv": 0}
-_SUMS = {"window", "colsum", "colmax"}   # the kinds the graph reduces (the others: positions, a K/V reader)
+OBS_QUERY = 8
+_KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "colmax": OBS_COLMAX, "query": OBS_QUERY, "kv": 0}
+# the kinds the graph captures (the others: positions, a K/V reader); "query": the window queries' Q rows
+_SUMS = {"window", "colsum", "colmax", "query"}
 
 
 
@@ -63,7 +65,7 @@ def observe_begin(ctx, seq: int, kinds, window_pos0=()) -> None:
     if not bits:
         return
     pos0 = np.asarray([window_pos0] if np.isscalar(window_pos0) else list(window_pos0), np.int32)
-    if not bits & OBS_WINDOW:
+    if not bits & (OBS_WINDOW | OBS_QUERY):
         pos0 = pos0[:0]
     L = lib()
     L.check(L.kvcli_observe_begin(_ctx(ctx), int(seq), bits, int(pos0.size), pos0.ctypes.data_as(I32P)), "observe")
@@ -120,6 +122,11 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
         obs.colsum = np.empty((n_layer, n_head, n), np.float32)
     if "colmax" in kinds:
         obs.colmax = np.empty((n_layer, n_head, n), np.float32)
+    if "query" in kinds:   # the Q rows of the queries at positions >= the first window position, in decode order
+        rows = L.check(L.kvcli_observe_n_queries(ctx, None), "observation")
+        obs.query_positions = np.empty(rows, np.int32)
+        L.check(L.kvcli_observe_n_queries(ctx, obs.query_positions.ctypes.data_as(I32P)), "observation")
+        obs.queries = np.empty((n_layer, n_head, rows, int(shapes.head_dim)), np.float32)
     if kinds & _SUMS:
         # layer by layer, each layer's accumulators released once copied: the host never holds both copies
         for i, il in enumerate(kv_layer_ids(shapes)):
@@ -132,6 +139,8 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
             if obs.colmax is not None:
                 L.check(L.kvcli_observe_read_colmax(ctx, il, obs.colmax[i].ctypes.data_as(F32P)),
                         "reading column maxima")
+            if obs.queries is not None:
+                L.check(L.kvcli_observe_read_queries(ctx, il, obs.queries[i].ctypes.data_as(F32P)), "reading queries")
             L.check(L.kvcli_observe_release(ctx, il), "releasing the observation")
     if "kv" in kinds:   # read one layer at a time, when a planner asks (Observation.kv_reader)
         obs.kv_reader = KvReader(ctx, seq, shapes, obs.positions)

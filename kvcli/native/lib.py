@@ -68,6 +68,8 @@ _SIGNATURES = {
     "kvcli_observe_read_window_sum": (c_int32, [c_void_p, c_int32, c_int32, F32P]),
     "kvcli_observe_read_colsum": (c_int32, [c_void_p, c_int32, F32P]),
     "kvcli_observe_read_colmax": (c_int32, [c_void_p, c_int32, F32P]),
+    "kvcli_observe_n_queries": (c_int32, [c_void_p, I32P]),
+    "kvcli_observe_read_queries": (c_int32, [c_void_p, c_int32, F32P]),
     "kvcli_observe_release": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_n_slots": (c_int32, [c_void_p, c_int32]),
     "kvcli_seq_read_kv": (c_int32, [c_void_p, c_int32, c_int32, c_int32, F32P]),

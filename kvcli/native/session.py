@@ -19,7 +19,8 @@ from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp
 from kvcli.native.lib import ATTN_PATHS, attn_path, lib
-from kvcli.planning.formats import window_lengths
+from kvcli.planning.formats import observed_windows
+from kvcli.planning.rope import rope_of
 from kvcli.templating import gguf_special_token_ids, render_chat
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -300,10 +301,10 @@ class NativeSession:
             raise ContextFull(f"{len(tokens)} more tokens do not fit: {self.cells_used()} of {self.n_ctx} "
                               "cells are in use")
         observe = tuple(observe)
-        windows = window_lengths(window, len(tokens)) if "window" in observe else ()
+        windows = observed_windows(observe, window, len(tokens))
         t0 = time.perf_counter()
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
-        armed = bool(set(observe) & {"window", "colsum", "colmax"})
+        armed = bool(set(observe) & {"window", "colsum", "colmax", "query"})
         if armed:
             cache.observe_begin(self.ctx, seq, observe,
                                 window_pos0=[st.next_pos + len(tokens) - w for w in windows])
@@ -322,7 +323,10 @@ class NativeSession:
         st.timings["prefill_s"] = st.timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         if not observe:
             return None
-        return cache.read_observation(self.ctx, seq, self.info, observe, windows)
+        obs = cache.read_observation(self.ctx, seq, self.info, observe, windows if "window" in observe else ())
+        if "query" in observe:
+            obs.rope = rope_of(self.info)
+        return obs
 
     def step(self, tokens: dict[int, int]) -> None:
         """Decode one token for each listed sequence, all in one batch."""

@@ -40,6 +40,12 @@ class Observation:
     # [n_layer, n_head, n]: the largest attention probability any observed query gave each slot (kvzip's
     # reconstruction pass, kvcli/drivers/reconstruct.py)
     colmax: np.ndarray | None = None
+    # [n_layer, n_head, w, head_dim]: the Q rows of the last w prompt queries, exactly as attention uses them
+    # (post-RoPE, llama.cpp's dimension order), per query head; their positions [w] int32; and how positions rotate
+    # Q/K rows (kvcli.planning.rope.Rope): expected attention's query statistics
+    queries: np.ndarray | None = None
+    query_positions: np.ndarray | None = None
+    rope: object | None = None
 
     @property
     def has_kv(self) -> bool:
@@ -82,8 +88,14 @@ class Observation:
         out = replace(self, window_sums=None, windows=(),
                       colsum=self.colsum if "colsum" in kinds else None,
                       colmax=self.colmax if "colmax" in kinds else None,
+                      queries=None, query_positions=None, rope=self.rope if "query" in kinds else None,
                       keys=self.keys if "kv" in kinds else None, values=self.values if "kv" in kinds else None,
                       kv_reader=self.kv_reader if "kv" in kinds else None)
+        if "query" in kinds:   # the last `window` query rows (all of them when fewer were observed)
+            if self.queries is None:
+                raise KvcliError("no query rows were observed (observe \"query\")")
+            rows = min(int(window), self.queries.shape[2])
+            out.queries, out.query_positions = self.queries[:, :, -rows:], self.query_positions[-rows:]
         if "window" in kinds:
             if window not in self.windows:
                 raise KvcliError(f"window {window} was not observed (the observation has {list(self.windows)})")
@@ -102,6 +114,8 @@ class Observation:
             "keys": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
             "values": (self.n_layer, self.n_head_kv, self.n, self.head_dim),
             "positions": (self.n,),
+            "queries": (self.n_layer, self.n_head, None, self.head_dim),
+            "query_positions": (None,),
         }
         for name, want in shapes.items():
             arr = getattr(self, name)
@@ -109,6 +123,9 @@ class Observation:
                 continue
             if arr.ndim != len(want) or any(w is not None and w != s for w, s in zip(want, arr.shape)):
                 raise ValueError(f"observation.{name} has shape {arr.shape}, expected {want}")
+        if (self.queries is None) != (self.query_positions is None) or (
+                self.queries is not None and self.queries.shape[2] != self.query_positions.shape[0]):
+            raise ValueError("observation.queries and query_positions must come together, one position per row")
 
 
 def sum_window_rows(rows: np.ndarray, windows) -> np.ndarray:
@@ -129,6 +146,18 @@ def window_lengths(window, n_tokens: int) -> tuple[int, ...]:
     if bad:
         raise KvcliError(f"observation window {bad[0]} must be in [1, {n_tokens}] (the prefilled tokens)")
     return ws
+
+
+def observed_windows(observe, window, n_tokens: int) -> tuple[int, ...]:
+    """The window lengths a prefill observing `observe` arms: those of `window` with "window" (window_lengths);
+    with "query" alone, the longest of `window` cut to the prefilled tokens (a query window longer than the prompt
+    takes every prompt query); () otherwise. The query rows are the longest window's."""
+    if "window" in observe:
+        return window_lengths(window, n_tokens)
+    if "query" in observe:
+        ws = (window,) if np.isscalar(window) else tuple(window)
+        return window_lengths(max(1, min(max(int(w) for w in ws), int(n_tokens))), n_tokens)
+    return ()
 
 
 @dataclass

@@ -79,15 +79,32 @@ class Observer:
     window: list = field(default_factory=list)         # per window length, per observed layer: [n_head, L] float64
     colsum: list = field(default_factory=list)         # per observed layer: [n_head, L] float64
     colmax: list = field(default_factory=list)         # per observed layer: [n_head, L], the largest probability
+    query_pos0: int | None = None                      # "query": the Q rows of queries at positions >= this
+    queries: list = field(default_factory=list)        # per observed layer: [n_head, rows, d] (post-RoPE, HF order)
+    query_positions: list = field(default_factory=list)
 
     def __post_init__(self):
         self.index = {il: i for i, il in enumerate(self.layers)}
         self.window = [[None] * len(self.layers) for _ in self.window_pos0]
         self.colsum = [None] * len(self.layers)
         self.colmax = [None] * len(self.layers)
+        self.queries = [None] * len(self.layers)
 
     def observes(self, layer: int) -> bool:
         return layer in self.index
+
+    def record_queries(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """q: [n_head, rows, d], the layer's queries as attention uses them, at positions q_pos [rows]."""
+        if self.query_pos0 is None:
+            return
+        rows = q_pos >= self.query_pos0
+        if not rows.any():
+            return
+        i = self.index[layer]
+        got = q[:, rows, :].to(torch.float32)
+        self.queries[i] = got if self.queries[i] is None else torch.cat([self.queries[i], got], dim=1)
+        if i == 0:
+            self.query_positions.extend(int(p) for p in q_pos[rows])
 
     def record(self, layer: int, probs: torch.Tensor, q_pos: torch.Tensor) -> None:
         """probs: [n_head, rows, L] of model layer `layer` for queries at positions q_pos [rows]. float64 sums:
@@ -160,6 +177,8 @@ def kvcli_attention(module, query, key, value, attention_mask, scaling: float, d
     key_pos = slots.key_pos.repeat_interleave(group, dim=0)[:, None, :]  # [n_head, 1, L]
     observer = st.observer if st.observer is not None and st.observer.observes(layer) else None
 
+    if observer is not None:
+        observer.record_queries(layer, q, st.q_pos)
     out = torch.empty_like(q)
     for r0 in range(0, q.shape[1], QUERY_CHUNK):
         r1 = min(r0 + QUERY_CHUNK, q.shape[1])

@@ -29,13 +29,14 @@ import torch
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.native.session import ContextFull
-from kvcli.planning.formats import Observation, Plan, window_lengths
+from kvcli.planning.formats import Observation, Plan, observed_windows
+from kvcli.planning.rope import rope_of
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
 from kvcli.reference.model import forward_cached, load, use_rope_context
 from kvcli.templating import gguf_special_token_ids, render_chat
 
-OBSERVE_KINDS = ("window", "colsum", "colmax", "kv")
+OBSERVE_KINDS = ("window", "colsum", "colmax", "query", "kv")
 
 
 @dataclass
@@ -220,10 +221,12 @@ class ReferenceSession:
             raise KvcliError(f"unknown observation kind '{bad[0]}' (choose from {', '.join(OBSERVE_KINDS)})")
         if not tokens:
             return None
-        windows = window_lengths(window, len(tokens)) if "window" in observe else ()
+        windows = observed_windows(observe, window, len(tokens))
         self._check_room(len(tokens))
-        kinds = frozenset(observe) & {"window", "colsum", "colmax"}
-        observer = Observer(self.info.kv_layers, kinds, tuple(st.next_pos + len(tokens) - w for w in windows)) \
+        kinds = frozenset(observe) & {"window", "colsum", "colmax", "query"}
+        observer = Observer(self.info.kv_layers, kinds,
+                            tuple(st.next_pos + len(tokens) - w for w in windows) if "window" in observe else (),
+                            query_pos0=st.next_pos + len(tokens) - max(windows) if "query" in observe else None) \
             if kinds else None
         t0 = time.perf_counter()
         self._forward(st, tokens, observer)
@@ -245,6 +248,10 @@ class ReferenceSession:
             obs.colsum = torch.stack(observer.colsum).to(torch.float32).numpy()
         if "colmax" in observe:
             obs.colmax = torch.stack(observer.colmax).to(torch.float32).numpy()
+        if "query" in observe:   # Q in llama.cpp's dimension order, as the native engine reports it
+            obs.queries = hf_to_gguf_dims(torch.stack(observer.queries), self.qk_permuted).to(torch.float32).numpy()
+            obs.query_positions = np.asarray(observer.query_positions, np.int32)
+            obs.rope = rope_of(i)
         if "kv" in observe:
             # K in llama.cpp's dimension order, as the native engine reports it (see hf_to_gguf_dims)
             layers = [st.cache.layers[il] for il in i.kv_layers]

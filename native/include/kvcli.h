@@ -38,6 +38,7 @@ enum kvcli_obs_kind {
     KVCLI_OBS_WINDOW = 1,   // attention of the window queries summed over the window, per query head and slot
     KVCLI_OBS_COLSUM = 2,   // column sums of the causal attention of every armed query, per query head
     KVCLI_OBS_COLMAX = 4,   // column maxima: the largest attention any armed query gives each slot, per query head
+    KVCLI_OBS_QUERY  = 8,   // the Q rows of the window queries (post-RoPE, as attention uses them), per query head
 };
 #define KVCLI_OBS_MAX_WINDOWS 16
 
@@ -45,9 +46,12 @@ enum kvcli_obs_kind {
 // graph, layer by layer; only the sums reach the host (float32, accumulated per cell over ubatches).
 // KVCLI_OBS_WINDOW: n_windows (1..KVCLI_OBS_MAX_WINDOWS) window lengths, given by their first
 // positions: window i sums the softmax rows of the queries of seq_id at positions >= window_pos0[i]
-// (rows added in decode order, in float32). Without KVCLI_OBS_WINDOW, n_windows must be 0.
+// (rows added in decode order, in float32). Without KVCLI_OBS_WINDOW or KVCLI_OBS_QUERY, n_windows must be 0.
 // KVCLI_OBS_COLSUM: every query of seq_id in an armed decode adds its row. KVCLI_OBS_COLMAX: each slot keeps the
-// largest probability any such query gave it (kvzip's reconstruction scores). Clears earlier captures.
+// largest probability any such query gave it (kvzip's reconstruction scores). KVCLI_OBS_QUERY: the Q rows (exactly
+// as attention uses them: post-RoPE, per query head) of the queries of seq_id at positions >= the smallest
+// window_pos0 (it needs the window positions, with or without KVCLI_OBS_WINDOW), in decode order (expected
+// attention's query statistics). Clears earlier captures.
 KVCLI_API int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int32_t kinds,
                                       int32_t n_windows, const int32_t * window_pos0);
 // Disarm. Captured data stays readable until the next kvcli_observe_begin (or kvcli_observe_release).
@@ -62,6 +66,10 @@ KVCLI_API int32_t kvcli_observe_read_window_sum(struct llama_context * ctx, int3
 KVCLI_API int32_t kvcli_observe_read_colsum(struct llama_context * ctx, int32_t il, float * dst);
 // dst: float[n_head][n_slots]             (Observation.colmax[il])
 KVCLI_API int32_t kvcli_observe_read_colmax(struct llama_context * ctx, int32_t il, float * dst);
+// Query rows captured so far (KVCLI_OBS_QUERY); pos (may be NULL): int32[n_rows], their positions.
+KVCLI_API int32_t kvcli_observe_n_queries(struct llama_context * ctx, int32_t * pos);
+// dst: float[n_head][n_rows][head_dim]    (Observation.queries[il])
+KVCLI_API int32_t kvcli_observe_read_queries(struct llama_context * ctx, int32_t il, float * dst);
 // Free layer il's accumulated sums (n_windows + 1 x n_head x the cache's size floats) once they are read, so the
 // host does not hold them next to their copy; il = -1: every layer. Reading a released layer is an error.
 KVCLI_API int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il);

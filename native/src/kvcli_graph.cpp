@@ -208,7 +208,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     // KQ product), reduced over the rows by out_prod with a 0/1 selection: out[i, c, h] =
     // sum_r sel[i, r] * p[c, r, h], rows added in ubatch order in float32. out_prod reads the rows in
     // place: no transposed copy of the probabilities.
-    if ((ext.obs.kinds & KVCLI_OBS_WINDOW) && !ext.obs.win_pos0.empty()) {
+    if ((ext.obs.kinds & (KVCLI_OBS_WINDOW | KVCLI_OBS_QUERY)) && !ext.obs.win_pos0.empty()) {
         const llama_pos first = *std::min_element(ext.obs.win_pos0.begin(), ext.obs.win_pos0.end());
         std::vector<llama_pos> win_pos;
         for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
@@ -217,10 +217,22 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
                 win_pos.push_back(ubatch.pos[i]);
             }
         }
+        ggml_tensor * q2 = nullptr;   // [hd * n_head, n_win]: the window rows of Q
         if (!inp->win_rows.empty()) {
-            const int64_t n_win = inp->win_rows.size(), hd = q->ne[0], n_w = ext.obs.win_pos0.size();
-            inp->win_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, n_win);
+            inp->win_idx = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) inp->win_rows.size());
             ggml_set_input(inp->win_idx);
+            q2 = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
+            q2 = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, q2, q->ne[0] * n_head, q->ne[2]), inp->win_idx);
+            if (ext.obs.kinds & KVCLI_OBS_QUERY) {
+                // the window queries' Q rows themselves (expected attention's query statistics): a graph output
+                ggml_format_name(q2, "kvcli_obs_qrows-%d", il);
+                ggml_set_output(q2);
+                ggml_build_forward_expand(gf, q2);
+                pend.qrows = q2;
+            }
+        }
+        if (q2 && (ext.obs.kinds & KVCLI_OBS_WINDOW)) {
+            const int64_t n_win = inp->win_rows.size(), n_w = ext.obs.win_pos0.size();
             inp->win_w.assign(n_w * n_win, 0.0f);
             for (int64_t r = 0; r < n_win; ++r) {
                 for (int64_t w = 0; w < n_w; ++w) {
@@ -229,9 +241,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             }
             inp->win_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_w, n_win);
             ggml_set_input(inp->win_sel);
-            ggml_tensor * q2 = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
-            q2 = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, q2, hd * n_head, q->ne[2]), inp->win_idx);
-            q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, hd, n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
+            q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, q->ne[0], n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, q2);                                    // [n_kv, n_win, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             kq = soft_cap(ctx0, kq, cap);
@@ -303,7 +313,7 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     auto & ext = *kv->kvcli_ext;
     bool any = false;
     for (const auto & p : ext.obs.pending) {
-        any = any || p.win || p.col || p.cmax;
+        any = any || p.win || p.col || p.cmax || p.qrows;
     }
     if (!any) {
         return;
@@ -312,8 +322,8 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     const uint32_t n_layer = kvcli_access::hparams(*kv).n_layer();
     const uint32_t kv_size = kv->get_size();
 
-    // window rows counted once per ubatch (every layer saw the same rows)
-    bool counted = false;
+    // window rows counted once per ubatch (every layer saw the same rows), query positions too
+    bool counted = false, queried = false;
     for (uint32_t il = 0; il < ext.obs.pending.size() && il < n_layer; ++il) {
         auto & p = ext.obs.pending[il];
         if (p.win) {
@@ -335,6 +345,25 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
         if (p.cmax) {
             accumulate_max(p.cmax, ext.obs.colmax, il, n_layer, p.cmax->ne[0], p.cmax->ne[2], kv_size);
             ext.obs.have_colmax = true;
+        }
+        if (p.qrows) {
+            // the window queries' Q rows, appended in decode order; their positions once per ubatch
+            if (!queried) {
+                const llama_pos first = *std::min_element(ext.obs.win_pos0.begin(), ext.obs.win_pos0.end());
+                for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+                    if (row_in_seq(ubatch, i, ext.obs.seq) && ubatch.pos[i] >= first) {
+                        ext.obs.query_pos.push_back(ubatch.pos[i]);
+                    }
+                }
+                ext.obs.query_width = p.qrows->ne[0];
+                queried = true;
+            }
+            if (ext.obs.queries.size() != n_layer) {
+                ext.obs.queries.assign(n_layer, {});
+            }
+            const std::vector<float> rows = host_copy(p.qrows);
+            auto & dst = ext.obs.queries[il];
+            dst.insert(dst.end(), rows.begin(), rows.end());
         }
         p = kvcli_pending{};
     }
@@ -405,14 +434,14 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
         llama_kv_cache * kv = kvcli_cache_of(ctx);
         kvcli_require_supported(kv);
         kvcli_check_seq(*kv, seq_id);
-        if (kinds <= 0 || (kinds & ~(KVCLI_OBS_WINDOW | KVCLI_OBS_COLSUM | KVCLI_OBS_COLMAX)) != 0) {
-            throw kvcli_error("observation kinds must be a non-empty combination of KVCLI_OBS_WINDOW, KVCLI_OBS_COLSUM "
-                              "and KVCLI_OBS_COLMAX");
+        if (kinds <= 0 || (kinds & ~(KVCLI_OBS_WINDOW | KVCLI_OBS_COLSUM | KVCLI_OBS_COLMAX | KVCLI_OBS_QUERY)) != 0) {
+            throw kvcli_error("observation kinds must be a non-empty combination of KVCLI_OBS_WINDOW, KVCLI_OBS_COLSUM, "
+                              "KVCLI_OBS_COLMAX and KVCLI_OBS_QUERY");
         }
-        const bool want_window = kinds & KVCLI_OBS_WINDOW;
+        const bool want_window = kinds & (KVCLI_OBS_WINDOW | KVCLI_OBS_QUERY);
         if (want_window != (n_windows > 0) || n_windows < 0 || n_windows > KVCLI_OBS_MAX_WINDOWS ||
             (n_windows > 0 && !window_pos0)) {
-            throw kvcli_error("KVCLI_OBS_WINDOW needs 1.." + std::to_string(KVCLI_OBS_MAX_WINDOWS) +
+            throw kvcli_error("KVCLI_OBS_WINDOW and KVCLI_OBS_QUERY need 1.." + std::to_string(KVCLI_OBS_MAX_WINDOWS) +
                               " window first positions (and none without it)");
         }
         for (int32_t i = 0; i < n_windows; ++i) {
@@ -434,6 +463,9 @@ int32_t kvcli_observe_begin(struct llama_context * ctx, kvcli_seq_id seq_id, int
         ext.obs.have_colsum = false;
         ext.obs.colmax.clear();
         ext.obs.have_colmax = false;
+        ext.obs.queries.clear();
+        ext.obs.query_pos.clear();
+        ext.obs.query_width = 0;
         return 0;
     });
 }
@@ -489,7 +521,7 @@ int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il) {
             throw kvcli_error("kvcli_observe_release: the observation is still armed (call kvcli_observe_end first)");
         }
         const int32_t lo = il < 0 ? 0 : il, hi = il < 0 ? n_layer : il + 1;
-        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum, &ext.obs.colmax}) {
+        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum, &ext.obs.colmax, &ext.obs.queries}) {
             for (int32_t l = lo; l < hi && (size_t) l < acc->size(); ++l) {
                 std::vector<float>().swap((*acc)[l]);   // clear() would keep the capacity
             }
@@ -527,6 +559,47 @@ int32_t kvcli_observe_read_colmax(struct llama_context * ctx, int32_t il, float 
             throw kvcli_error("no column maxima were captured (no armed llama_decode held tokens of the observed sequence)");
         }
         return read_sums(ctx, false, il, 0, dst, true);
+    });
+}
+
+int32_t kvcli_observe_n_queries(struct llama_context * ctx, int32_t * pos) {
+    return kvcli_guarded([&] {
+        const auto & ext = observed(ctx);
+        if (!(ext.obs.kinds & KVCLI_OBS_QUERY)) {
+            throw kvcli_error("query rows were not observed (kinds did not include KVCLI_OBS_QUERY)");
+        }
+        if (pos) {
+            std::copy(ext.obs.query_pos.begin(), ext.obs.query_pos.end(), pos);
+        }
+        return (int32_t) ext.obs.query_pos.size();
+    });
+}
+
+int32_t kvcli_observe_read_queries(struct llama_context * ctx, int32_t il, float * dst) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = nullptr;
+        const auto & ext = observed(ctx, &kv);
+        if (!(ext.obs.kinds & KVCLI_OBS_QUERY)) {
+            throw kvcli_error("query rows were not observed (kinds did not include KVCLI_OBS_QUERY)");
+        }
+        const auto & hp = kvcli_access::hparams(*kv);
+        if (il < 0 || (uint32_t) il >= hp.n_layer() || !dst) {
+            throw kvcli_error("kvcli_observe_read_queries: bad layer or dst");
+        }
+        const int64_t n_rows = (int64_t) ext.obs.query_pos.size(), n_head = hp.n_head(il);
+        if (ext.obs.queries.size() <= (size_t) il || ext.obs.queries[il].empty() || n_rows == 0 ||
+            ext.obs.query_width % n_head != 0 || (int64_t) ext.obs.queries[il].size() != n_rows * ext.obs.query_width) {
+            throw kvcli_error("layer " + std::to_string(il) + ": no query rows were captured (no armed llama_decode held "
+                              "window queries of the observed sequence), or they were released (kvcli_observe_release)");
+        }
+        const int64_t hd = ext.obs.query_width / n_head;
+        const float * src = ext.obs.queries[il].data();   // [n_rows][n_head][hd]
+        for (int64_t h = 0; h < n_head; ++h) {
+            for (int64_t r = 0; r < n_rows; ++r) {
+                std::memcpy(dst + ((size_t) h * n_rows + r) * hd, src + ((size_t) r * n_head + h) * hd, hd * sizeof(float));
+            }
+        }
+        return (int32_t) n_rows;
     });
 }
 

@@ -16,6 +16,7 @@ struct kvcli_pending {
     ggml_tensor * win = nullptr;     // F32 [n_windows, n_kv, n_head]: window rows summed per window length
     ggml_tensor * col = nullptr;     // F32 [1, n_kv, n_head]
     ggml_tensor * cmax = nullptr;    // F32 [n_kv, 1, n_head]: the largest probability of the rows, per cell
+    ggml_tensor * qrows = nullptr;   // F32 [head_dim * n_head, n_win]: the window queries' Q rows
 };
 
 struct kvcli_observation {
@@ -33,4 +34,7 @@ struct kvcli_observation {
     bool                            have_colsum = false;
     std::vector<std::vector<float>> colmax;      // per model layer: [n_head][kv_size], maxima over the armed rows
     bool                            have_colmax = false;
+    std::vector<std::vector<float>> queries;     // per model layer: [n_rows][n_head][head_dim], in decode order
+    std::vector<int32_t>            query_pos;   // [n_rows]: their positions
+    int64_t                         query_width = 0;  // head_dim * n_head of a row
 };
