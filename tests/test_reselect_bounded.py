@@ -416,7 +416,7 @@ def test_kept_turns_observe_what_the_document_path_observes(tiny_2k, setup):
 def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setup):
     """Three questions: the second and third prefill only the answer before them and their question; the kept turns
     tile the conversation, one chunk per question; while the chunks stream the cache holds at most the kept entries +
-    the larger of a chunk and a turn (+ the probe); a prompt that leaves the kept turns part-way uses them up to
+    a chunk (the probe included), the turns costing no probe of their own; a prompt that leaves the kept turns part-way uses them up to
     there, one that leaves them at once (another first question) is re-selected from the document."""
     from kvcli.drivers.reselect_bounded import ChunkedStore
     from kvcli.generate import generate
@@ -429,7 +429,8 @@ def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setu
     p3 = p2 + turn(s, long_answer.replace("river", "stone"), "What is entry 7?")
     held, rs = [], []
     for p in (p1, p2, p3):
-        rs.append(store.reselect(s, p, cfg, extend=True, on_step=lambda obs, plan: held.append(obs.n)))
+        held.append([])
+        rs.append(store.reselect(s, p, cfg, extend=True, on_step=lambda obs, plan: held[-1].append(obs.n)))
         assert s.stats(0)["kv_cells"] <= cfg.budget and len(generate(s, 2).tokens) == 2
     assert [r.source for r in rs] == ["document", "conversation", "conversation"]
     assert [r.prefilled for r in rs] == [max(len(p1) - store.split, window), len(p2) - len(p1), len(p3) - len(p2)]
@@ -438,8 +439,12 @@ def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setu
     assert ext.split == len(p3) and [(c.first_token, c.n) for c in ext.chunks] == [
         (store.split, len(p1) - store.split), (len(p1), len(p2) - len(p1)), (len(p2), len(p3) - len(p2))]
     assert rs[2].chunks == len(store.chunks) + 2
-    biggest = max(chunk, *(c.n for c in ext.chunks))
-    assert max(held) <= cfg.budget + biggest + window, (held, biggest)
+    # probed with the kept entries and at most a chunk (the probe's room left); the last step adds what it prefills
+    assert all(n <= cfg.budget + chunk - window for h in held for n in h[:-1]), held
+    assert all(h[-1] <= cfg.budget + chunk - window + r.prefilled for h, r in zip(held, rs)), held
+    # the turns are streamed beside the held cells while they fit (a probe every so many, not one each): here the
+    # first rides with the document's last chunk, the two together (132 tokens) need one probe more
+    assert [len(h) - len(held[0]) for h in held] == [0, 0, 1], held
     # leaves the kept turns inside the second question's chunk: the first chunk whole, the second replaced
     p2b = p1 + turn(s, long_answer, "And the north station?")
     same = next(i for i, (a, b) in enumerate(zip(p2b, p3)) if a != b)

@@ -17,7 +17,8 @@ peak is the full cache. Here the cache never holds more than the entries kept so
         question streams them after the stored chunks like more stored chunks (probed, compacted) and prefills only
         the last answer and the new question, so a question's cost does not grow with the turns before it. The
         cache bound becomes kept + the larger of a chunk and one turn (a turn is an answer and a question: below a
-        1024-token chunk unless --max-tokens is larger).
+        1024-token chunk unless --max-tokens is larger). The held cells are probed and compacted only when the
+        next chunk would not fit beside them (kept + chunk), so short turns accumulate without a probe of their own.
 
 What the stored entries are: each chunk's K/V as bounded reading computed them, attending to the entries kept when
 the document was read (chosen without the question), not to the whole document. So a re-selection here is
@@ -286,29 +287,31 @@ class ChunkedStore:
             raise KvcliError(f"the policy's window ({window}) reaches past the stored document's last chunk")
         cut = (streamed[-1].first_token + streamed[-1].n - base) if streamed else 0
         probe = list(prompt[-window:]) if "window" in kinds else []
+        # the cells held before a probe: the kept entries and a chunk, leaving the probe room (as the reading does).
+        # The held cells are probed and compacted only when the next chunk would not fit beside them: a stored
+        # chunk always (it fills a chunk), kept turns (short) only every so many, so they cost no probe of their own
+        limit = cfg.budget + self.chunk - len(probe)
         restore_s = prefill_s = plan_s = 0.0
         plan = None
         if seq in session.seqs:
             session.clear(seq)
         for i, c in enumerate(streamed):
             t0 = time.perf_counter()
+            cells = session_cells(session, seq) if i else 0
+            if i and cells + c.n > limit and cfg.spec.compresses(cells, cfg.budget):
+                obs = probe_window(session, seq, probe, None) if probe else shape_observation(session.info, cells)
+                if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (spindlekv)
+                    obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
+                t1 = time.perf_counter()
+                prefill_s += t1 - t0
+                plan = self._compact(session, seq, cfg, obs, on_step)
+                t0 = time.perf_counter()
+                plan_s += t0 - t1
             snap = c.snapshot() if isinstance(c, TurnChunk) else self._snapshot(c)
             session.append_saved(snap, seq, spare, filler=int(prompt[-1]))
-            last = i == len(streamed) - 1
-            if last and cut:
+            if i == len(streamed) - 1 and cut:
                 session.truncate(seq, session.seq(seq).next_pos - cut)
-            t1 = time.perf_counter()
-            restore_s += t1 - t0
-            cells = session_cells(session, seq)
-            if last or not cfg.spec.compresses(cells, cfg.budget):
-                continue
-            obs = probe_window(session, seq, probe, None) if probe else shape_observation(session.info, cells)
-            if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (spindlekv)
-                obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
-            t2 = time.perf_counter()
-            prefill_s += t2 - t1
-            plan = self._compact(session, seq, cfg, obs, on_step)
-            plan_s += time.perf_counter() - t2
+            restore_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         rest = list(prompt[base:])
         first_pos = session.seq(seq).next_pos          # the position of prompt[base]
