@@ -106,6 +106,20 @@ def test_several_questions_read_the_document_once_and_answer_as_run(cli_runner, 
     assert not any((cache_dir / "documents").iterdir())   # the temporary store is gone at exit
 
 
+def test_several_questions_on_a_document_past_the_context_stream_a_bounded_store(cli_runner, tiny, files, cache_dir):
+    """A document longer than the model's context (2k): several questions are answered from a store read chunk by
+    chunk (bounded re-selection), each within the budget + its answer; --chunk N asks for the same on a short one."""
+    for doc, extra in ((files / "long.txt", ()), (files / "doc.txt", ("--chunk", 128))):
+        r = ok_json(kvcli(cli_runner, "run", "--model", tiny, "--doc", doc, "-p", "snapkv", "-b", 48, *extra, "-n", 4,
+                          "--json", *ASK2))
+        s = r["stats"]
+        assert s["document_reads"] == 1 and s["answered"] == 2 and s["mode"] == "re-selected"
+        for a in r["answers"]:
+            assert a["stats"]["reselect_form"] == "bounded" and a["stats"]["reselect_chunks"] > 1
+            assert a["stats"]["kv_cells"] <= 48 + 4
+    assert not any((cache_dir / "documents").iterdir())   # the temporary store folder is gone at exit
+
+
 def test_plain_output_is_one_block_per_question(cli_runner, tiny, files, singles):
     r = kvcli(cli_runner, "run", "--model", tiny, "--doc", files / "doc.txt", "-p", "snapkv", "-b", 48, "-n", 6,
               "--question", QS[0], "--question", QS[1], "--question", QS[2])
@@ -193,9 +207,8 @@ def test_bad_stored_files_are_refused_in_one_line(cli_runner, tiny, other_tiny, 
     (["run", "--doc", "DOC", "--questions", "EMPTY"], "holds no question"),
     (["run", "--doc", "DOC", "--engine", "reference", *ASK2], "drop --engine reference"),
     (["run", "--doc", "DOC", "--no-template", *ASK2], "drop --no-template"),
-    (["run", "--doc", "DOC", "-p", "snapkv", "-b", "48", "--chunk", "128", *ASK2], "drop --chunk"),
     (["run", "--doc", "DOC", "-p", "snapkv", *ASK2], "needs --budget"),
-    (["run", "--doc", "LONG", "-p", "snapkv", "-b", "48", *ASK2], "ask one question per kvcli run"),
+    (["run", "--doc", "LONG", "-p", "h2o", "-b", "48", *ASK2], "column sums"),
     (["compress", "--doc", "DOC", "-o", "OUT", "--colsum"], "add --store"),
     (["compress", "--doc", "DOC", "-o", "OUT", "--store", "--question", "q"], "drop --question"),
     (["compress", "--doc", "DOC", "-o", "OUT", "--store", "-p", "snapkv", "-b", "48"], "drop --budget"),

@@ -17,7 +17,6 @@ from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
 from kvcli.apps.pipeline import Progress, RunResult, run_document
-from kvcli.drivers.reselect import STORE_TAIL
 from kvcli.drivers.reselect_bounded import is_store
 
 
@@ -75,8 +74,11 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
     each alone, one answer block per question on stdout (a blank line between blocks; --json: one
     object with "answers"). The document is read once (zero times from --cache): with a compressing
     policy its full cache is kept and compressed again for every question, from the prompt and the
-    observation one `kvcli run` of that question reads in one prefill. (A single-question run reads a
-    document above the bounded-reading threshold in chunks instead, whose cache and answer may differ.)
+    observation one `kvcli run` of that question reads in one prefill; a document whose full cache is
+    above 256 MiB, longer than the context or --max-cache, or read with --chunk N is stored chunk by chunk
+    as bounded reading reads it, and every question streams the stored chunks (as kvcli chat does). (A
+    single-question run reads a document above the bounded-reading threshold in chunks instead, whose cache
+    and answer may differ.)
     """
     questions = gather_questions(instruction, question_opts, questions_file)
     if len(questions) > 1 or (cache_path and explicit(ctx, "policy", "budget", "policy_args")):
@@ -219,22 +221,16 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
     if no_template:
         raise KvcliError("several questions are laid out with the model's chat template: drop --no-template, or ask "
                          "one question")
-    if req.chunk:
-        raise KvcliError("several questions read the document in one prefill and keep its full cache: drop --chunk, "
-                         "or ask one question")
     explicit_budget(req.policy, req.budget, None, req.policy_args)
     document = read_documents(list(docs))
     session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
     try:
+        # the store's form is chat's (Conversation.store_form): the full cache kept whole, or, for a document
+        # whose full cache is large, longer than the context or --max-cache, or with --chunk N, stored chunk by
+        # chunk as bounded reading reads it and streamed for every question
         conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
-                            system=system, reselect=True, max_cache=req.max_cache)
-        n, limit = len(conv.prefix_tokens), session.n_ctx_train
-        if n + STORE_TAIL + 64 > limit:
-            raise KvcliError(f"the document is {n} tokens: several questions keep its full cache, which must fit the "
-                             f"model's context ({limit} tokens); ask one question per kvcli run (read in chunks)")
-        if req.max_cache is not None and n + STORE_TAIL + 64 > req.max_cache:
-            raise KvcliError(f"the document is {n} tokens: several questions keep its full cache, more than "
-                             f"--max-cache {req.max_cache}; ask one question per kvcli run (read in chunks)")
+                            system=system, reselect=True, max_cache=req.max_cache, chunk=req.chunk)
+        n = len(conv.prefix_tokens)
         progress = Progress(n, not quiet and sys.stderr.isatty() and n > session.n_batch)
         try:
             conv.read_store(progress=progress.update)
@@ -277,7 +273,8 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
                    "kv_bytes_full": s["kv_bytes_full"], "decode_s": round(gen.decode_s, 4),
                    "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None}
             if conv.reselect and conv.last_reselection is not None:
-                row.update(conv.last_reselection.as_stats())
+                row.update(conv.last_reselection.as_stats(),
+                           reselect_form="bounded" if conv.store.bounded else "exact")
             answers.append({"question": q, "answer": gen.text, "stopped": gen.stopped, "stats": row})
             if gen.stopped in ("interrupted", "context_full"):
                 stopped = gen.stopped
