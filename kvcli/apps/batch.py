@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvcli.drivers.lockstep import Lockstep
-from kvcli.drivers.chunked import one_prefill_only, plan_chunking
+from kvcli.drivers.chunked import plan_chunking, reconstructs
 from kvcli.drivers.reconstruct import repeat_room
 from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.documents import decode_text
@@ -436,7 +436,7 @@ class Worker:
         try:
             # kvzip's reconstruction pass holds its chunk after the prompt in the reading context
             room = repeat_room(len(ready.tokens), self._cfg(ready.job).params["repeat_chunk"]) \
-                if one_prefill_only(s.policy) else 0
+                if reconstructs(s.policy) else 0
             reader = self._reader(ready.peak + room)
             try:
                 if ready.stored:

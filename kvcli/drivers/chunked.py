@@ -115,7 +115,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
     one_prefill = one_prefill_only(policy)
-    if one_prefill:   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
+    if reconstructs(policy):   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
         reserve = max(reserve, repeat_room(n_prompt, policies.get(policy).param("repeat_chunk").default))
     bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK    # bounded reading by default
                and n_prompt * cell_bytes > bounded_above_bytes() and not one_prefill)
@@ -148,13 +148,20 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
 
 
 def one_prefill_only(policy: str) -> bool:
-    """Policies that are read in one prefill only: kvzip, whose reconstruction pass re-reads the whole prompt."""
+    """Policies that are read in one prefill only: kvzip, whose reconstruction pass re-reads the whole prompt;
+    expected_attention, whose query statistics are the prompt's."""
+    return policy != "full" and bool({"colmax", "query"} & set(policies.get(policy).needs))
+
+
+def reconstructs(policy: str) -> bool:
+    """Policies whose reconstruction pass needs room in the context after the prompt: kvzip."""
     return policy != "full" and "colmax" in policies.get(policy).needs
 
 
 def refuse_chunked(policy: str, why: str) -> None:
-    raise KvcliError(f"policy '{policy}' reads the prompt in one prefill (its reconstruction pass re-reads the whole "
-                     f"prompt) and cannot read it in chunks: {why}")
+    what = "its reconstruction pass re-reads the whole prompt" if "colmax" in policies.get(policy).needs else \
+        "its scores come from the statistics of the whole prompt's queries"
+    raise KvcliError(f"policy '{policy}' reads the prompt in one prefill ({what}) and cannot read it in chunks: {why}")
 
 
 @dataclass

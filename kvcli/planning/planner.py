@@ -16,7 +16,9 @@ from kvcli import policies
 from kvcli.errors import KvcliError
 from kvcli.models import read_model_info
 from kvcli.native.lib import native_plan
+from kvcli.planning import host_plans
 from kvcli.planning.formats import Observation, Plan
+from kvcli.planning.rope import refusal as rope_refusal
 from kvcli.policies.base import PolicySpec
 from kvcli.policies.d2o import full_layer_set
 from kvcli.session import Session
@@ -111,6 +113,10 @@ def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, i
 def model_refusal(spec: PolicySpec, model_path) -> str | None:
     """Why the model at `model_path` cannot run the policy (None when it can): kvzip's reconstruction pass is rolled
     back, which the window cache of a model with sliding-window layers cannot follow."""
+    if "query" in spec.needs:
+        why = rope_refusal(read_model_info(model_path))
+        if why:
+            return f"policy '{spec.name}' does not support this model: {why} (it un-rotates the observed queries)"
     if "colmax" in spec.needs and read_model_info(model_path).sliding_layers:
         return (f"policy '{spec.name}' does not support models with sliding-window layers: its reconstruction pass is "
                 "rolled back after the prompt, which their window cache cannot follow (kvpress refuses Gemma 3 too)")
@@ -134,6 +140,8 @@ def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     replays the native engine's plans in the reference engine's chunked reading)."""
     if callable(planner):
         plan = planner(spec, params, budget, obs)
+    elif planner == "native" and spec.host_planned:   # planned in Python for the native engine (host_plans.py)
+        plan = host_plans.plan(spec.name, params, budget, obs)
     elif planner == "native":
         plan = native_plan(spec.name, params, budget, obs)
     elif planner == "reference":

@@ -150,6 +150,7 @@ class PolicySpec:
                         "inside the budget")
     agnostic: bool = False                          # scores without the question (kvzip): chat compresses once
     native: bool = True                             # implemented in C++ (native/src/policies/)
+    host_planned: bool = False                      # the native engine plans it in Python (kvcli/planning/host_plans.py)
     reference: bool = True                          # implemented in torch (kvcli/reference/policies/)
     resolve: Callable[[dict], dict] | None = None   # fills values that depend on other params
     # fills values that depend on the instruction text (windowkv's task=auto), before `resolve`; gets
@@ -227,7 +228,8 @@ class PolicySpec:
     # -- what to observe ------------------------------------------------------------
     def observe(self, params: dict) -> tuple[tuple[str, ...], int]:
         """(kinds, window) for Session.prefill(observe=kinds, window=window)."""
-        w = int(params[self.window_param]) if self.window_param and "window" in self.needs else 0
+        w = int(params[self.window_param]) if self.window_param and ("window" in self.needs or "query" in self.needs) \
+            else 0
         return self.needs, w
 
     def compresses(self, n: int, budget: int) -> bool:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 def chunked_note(spec) -> str:
     """What a policy keeps across chunks (for `kvcli policies --explain`)."""
+    if "query" in spec.needs:
+        return ("Chunked prefill: not available. The scores come from the statistics of the prompt's last queries over "
+                f"every entry of the prompt, so '{spec.name}' reads a prompt in one prefill; bounded reading does not "
+                "turn on by itself for it, and a prompt longer than the model's context or --max-cache, or --chunk N "
+                "shorter than the prompt, is refused in one line.")
     if "colmax" in spec.needs:
         return ("Chunked prefill: not available. The reconstruction pass feeds the whole prompt again after it, so "
                 f"'{spec.name}' reads a prompt in one prefill (the context holds the prompt + one reconstruction "

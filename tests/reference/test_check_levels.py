@@ -44,8 +44,9 @@ def tiny_prefilled(tiny_gguf):
     ref = ReferenceSession(tiny_gguf)
     doc = ref.detokenize(ref.tokenize(DOC)[:300])
     toks = ref.tokenize(ref.apply_chat_template([{"role": "user", "content": doc + "\n\nSummarise."}]))
-    windows = {policies.prepare(name, {}, b)[1].get("window", 32) for name in BOTH for b in (48, 100)}
-    obs = ref.prefill(toks, observe=("window", "colsum", "kv"), window=tuple(windows - {0} | {32}))
+    windows = {min(policies.prepare(name, {}, b)[1].get("window", 32), len(toks)) for name in BOTH for b in (48, 100)}
+    # "query": expected_attention's Q rows (the longest window's)
+    obs = ref.prefill(toks, observe=("window", "colsum", "kv", "query"), window=tuple(windows - {0} | {32}))
     obs.colmax, _ = reconstruct(ref, toks, 0)   # kvzip's reconstruction pass (column maxima)
     return obs
 

@@ -1,0 +1,66 @@
+"""expected_attention (issue #32) end to end on the tiny 2k-context model: run keeps the budget, chat compresses it
+once (question-agnostic), compress + run --cache, bench; reading in chunks is refused in one line;
+`kvcli policies --explain` shows its parameters and deviations."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import KVCLI, ROOT  # noqa: F401  (the subprocess fixture's module)
+
+EA = ["--policy", "expected_attention", "--budget", "64"]
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    import random
+    words = "alpha beta gamma delta river stone light north code station log entry".split()
+    rng = random.Random(5)
+    d = tmp_path_factory.mktemp("eadocs")
+    (d / "doc0.txt").write_text(" ".join(rng.choice(words) for _ in range(600)), encoding="utf-8")
+    return d
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_run_keeps_the_budget_and_chunks_are_refused(run_kvcli, tiny_2k, doc):
+    p = run_kvcli("run", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-n", "4", "--json", "What?")
+    assert p.returncode == 0, p.stderr
+    s = last_json(p.stdout)["stats"]
+    assert max(s["per_layer_cells"]) <= 64 + 4   # the budget + the answer
+    p = run_kvcli("run", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-n", "4", "--chunk", "256", "What?")
+    assert p.returncode == 2
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "one prefill" in err[0] and "queries" in err[0], p.stderr
+
+
+def test_chat_compresses_once(run_kvcli, tiny_2k, doc):
+    p = run_kvcli("chat", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-n", "3", input="First?\nSecond?\n")
+    assert p.returncode == 0, p.stderr
+    assert "[expected_attention @ 64, question-agnostic]" in p.stderr
+
+
+def test_compress_then_run_and_bench(run_kvcli, tiny_2k, doc, tmp_path):
+    out = tmp_path / "d.kvc"
+    p = run_kvcli("compress", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-o", out, "--json")
+    assert p.returncode == 0, p.stderr
+    meta = last_json(p.stdout)
+    assert meta["policy"] == "expected_attention" and meta["stats"]["kv_cells"] == 64
+    p = run_kvcli("run", "--cache", out, "-n", "3", "Q?")
+    assert p.returncode == 0, p.stderr
+    p = run_kvcli("bench", "--docs", doc, "--model", tiny_2k, "--policies", "expected_attention,snapkv", "--budgets",
+                  "64", "--gen", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = [r for r in json.loads(p.stdout)["rows"] if r["policy"] == "expected_attention"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+
+
+def test_explain(run_kvcli):
+    p = run_kvcli("policies", "--explain", "expected_attention")
+    assert p.returncode == 0, p.stderr
+    for text in ("Expected Attention", "n_future = 512", "window = 512", "Observes: query, kv", "Engines: native, "
+                 "reference", "numpy", "Deviations"):
+        assert text in p.stdout, text
