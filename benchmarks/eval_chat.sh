@@ -34,6 +34,10 @@ if [ "$PART" = grid ]; then
   $K eval chat --model qwen2.5-coder-0.5b --policies dynamickv,h2o,streamingllm,kvzip,windowkv,d2o,spindlekv \
     --budgets 128,256,512 --lengths 8k --documents 2 --facts 6 --modes once,reselect,run --threads 2 \
     --json-out $OUT/eval-chat-qwen-8k-others.json
+  # the other policies at 4k on the 4k tables' documents (seed 1), run beside the one above with one thread
+  $K eval chat --model qwen2.5-coder-0.5b --policies dynamickv,h2o,streamingllm,kvzip,windowkv,d2o,spindlekv \
+    --budgets 128,256,512 --lengths 4k --documents 2 --seed 1 --facts 6 --modes once,reselect,run --threads 1 \
+    --json-out $OUT/eval-chat-qwen-4k-others.json
 fi
 if [ "$PART" != budget256 ] && [ "$PART" != grid ]; then
   # Budgets 128 and 512 at 8k on the same two documents (seed 0), every mode, for the policies the issue's targets
