@@ -92,7 +92,7 @@ def read(path) -> KvcFile:
     if not path.exists():
         raise KvcliError(f"cache file not found: {path}")
     if path.is_dir():
-        raise KvcliError(f"{path} is a directory, not a .kvc file")
+        raise KvcliError(f"{path} is a directory, neither a .kvc file nor a store folder (no store.json)")
     if not path.is_file():  # a FIFO or a device would block or never end
         raise KvcliError(f"{path} is not a regular file, not a .kvc file")
     try:
