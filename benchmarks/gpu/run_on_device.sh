@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue #17's checks on a lent GPU machine (the device tool), from the repo root, after benchmarks/gpu/pack.sh:
+#   bash .gpu/src/benchmarks/gpu/run_on_device.sh        (results under $OUT; ~5 minutes on an H100/H200)
+# The machine has Python 3.12 with numpy, torch, click, pytest but no network: the rest comes from .gpu/.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+G=$PWD/.gpu
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
+mkdir -p /tmp/kv /tmp/site
+tar -xJf "$G/lib.tar.xz" -C /tmp/kv
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/whl/*.whl || exit 1
+cp -r "$G/site/llama_cpp" /tmp/site/
+# cudart / cuBLAS of the machine's CUDA 13 (toolkit or NVIDIA's wheels): the build's rpath names this machine's
+# toolkit folder and the build machine's wheel folder
+LIBS=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt -name 'libcublas.so.13*' -o -name 'libcudart.so.13*' \
+       2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}"
+export PYTHONPATH="/tmp/site:$G/src" KVCLI_LIB_DIR=/tmp/kv/lib KVCLI_TINY_TOKENIZER="$G/tokenizer.gguf"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+ldd /tmp/kv/lib/libggml-cuda.so | grep -E "cuda|cublas|not found" | tee "$OUT/ldd.txt"
+cd "$G/src"
+python3 -m kvcli.cli info 2>&1 | tee "$OUT/info.txt"
+timeout 330 python3 benchmarks/gpu/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+echo "gpu_check exit: ${PIPESTATUS[0]}"
+# the native tests (less the one that loads the default model, which does not travel), on the GPU build
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/native --ignore=tests/native/test_default_model.py \
+    --maxfail=10 2>&1 | tail -40 | tee "$OUT/native-tests.txt"
+echo "native tests exit: ${PIPESTATUS[0]}"
