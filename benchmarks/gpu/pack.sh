@@ -13,10 +13,10 @@ VPY=.venv/bin/python
 rm -rf .gpu/src .gpu/site .gpu/whl .gpu/lib.tar.xz
 mkdir -p .gpu/src .gpu/site .gpu/whl
 git archive "$COMMIT" kvcli benchmarks tests examples pytest.ini | tar -x -C .gpu/src
-tar -cJf .gpu/lib.tar.xz -C "$(dirname "$LIB")" "$(basename "$LIB")"
+tar -cJf .gpu/lib.tar.xz -C "$LIB" .
 # (found, not imported: importing the bindings loads a library)
 SITE=$($VPY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent)")
-rsync -a --exclude __pycache__ --exclude lib "$SITE/" .gpu/site/llama_cpp/
+cp -r "$SITE" .gpu/site/llama_cpp && rm -rf .gpu/site/llama_cpp/__pycache__ .gpu/site/llama_cpp/lib
 v() { $VPY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 $VPY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl \
     "gguf==$(v gguf)" "diskcache==$(v diskcache)"

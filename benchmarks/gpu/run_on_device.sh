@@ -8,8 +8,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 G=$PWD/.gpu
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
-mkdir -p /tmp/kv /tmp/site
-tar -xJf "$G/lib.tar.xz" -C /tmp/kv
+mkdir -p /tmp/kv/lib /tmp/site
+tar -xJf "$G/lib.tar.xz" -C /tmp/kv/lib
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/whl/*.whl || exit 1
 cp -r "$G/site/llama_cpp" /tmp/site/
 # cudart / cuBLAS of the machine's CUDA 13 (toolkit or NVIDIA's wheels): the build's rpath names this machine's
