@@ -1,5 +1,6 @@
 """Question-scored chunked reading (kvcli/drivers/chunked.py, scoring="question"): after every chunk but the last
-the prompt's last window is prefilled as a probe, observed and rolled back. The rollback must leave the
+the prompt's last tokens (chunked.probe_length) are prefilled as a probe, its last window observed, and rolled
+back. The rollback must leave the
 sequence exactly as it was, the probe's observation must cover exactly the held slots, the cache must
 stay within budget + chunk, and both engines must make the same plans from it (tests/reference covers
 that through kvcli check --chunk)."""
@@ -107,3 +108,21 @@ def test_cli_reports_the_scoring_and_refuses_a_bad_one(cli_runner, tiny, tmp_pat
     r = cli_runner.invoke(cli, ["run", "--model", str(tiny), "--doc", str(doc), "--policy", "snapkv", "--budget", "64",
                                 "--chunk-scoring", "both", "What?"])
     assert r.exit_code == 2 and "--chunk-scoring: 'both' is not one of" in r.output   # one line (issue #20.2b)
+
+
+def test_a_short_window_is_probed_with_the_question_before_it(tiny):
+    """A window of 8 (pyramidkv's, compresskv's) is the chat template's closing tokens: with chunks of 256 the probe
+    is the prompt's last 32 tokens, of which the last 8 queries are observed (chunked.probe_length)."""
+    from kvcli.drivers.chunked import probe_length
+    assert probe_length(8, 256) == 32 and probe_length(8, 96) == 12 and probe_length(64, 1024) == 64
+    s = _native(tiny)
+    toks = s.tokenize(DOC)[:700]
+    seen = []
+    rep = prefill_and_compress(s, toks, "snapkv", 48, {"window": 8}, chunk=256,
+                               on_step=lambda step, obs, plan: seen.append(obs))
+    assert len(rep.steps) >= 3
+    for step, obs in zip(rep.steps[:-1], seen[:-1]):
+        assert obs.windows == (8,) and obs.window_sums.shape[-1] == obs.n == step.cells_before
+        rows = obs.window_sums[0].sum(axis=-1)    # 8 observed queries' rows over the held slots
+        assert (rows > 0).all() and (rows < 8 * (1 + 1e-5)).all()
+    assert max(st.cells_before for st in rep.steps[:-1]) <= 48 + 256 - 32   # the chunks left the probe its room

@@ -17,12 +17,12 @@ budget + chunk cells, and llama.cpp bounds the window cache by the window (it re
 query can see any more).
 
 Which queries score a chunk (`scoring`), for the policies that observe a window:
-- "question" (default): the prompt's own last window (the question and the assistant turn's start,
-  in the question-aware layout) is prefilled after the chunk as a probe, observed, and rolled back
-  before the plan is applied: every chunk is scored by the queries the final compression will use,
-  as FINCH (Corallo & Papotti 2024; kvpress's FinchPress) does. It costs a `window`-token prefill
-  per chunk, and its cells come out of the chunk: a chunk before the last reads `window` tokens
-  fewer, so the cache still never holds more than budget + chunk.
+- "question" (default): the prompt's last tokens (`probe_length`: the window, and at least PROBE_MIN_TOKENS where
+  the chunk is 256 tokens or more: the question and the assistant turn's start, in the question-aware layout) are prefilled after the chunk as a probe, its
+  last window observed, and rolled back before the plan is applied: every chunk is scored by the queries the
+  final compression will use, as FINCH (Corallo & Papotti 2024; kvpress's FinchPress) does. It costs a
+  probe-length prefill per chunk, and its cells come out of the chunk: a chunk before the last reads that
+  many tokens fewer, so the cache still never holds more than budget + chunk.
 - "chunk": the chunk's own last window (plain SnapKV applied chunk by chunk). On a document that
   does not end in its question this is the only meaningful choice; with a question at the end it
   lets entries the question needs go before the question arrives (docs/long-documents.md).
@@ -247,7 +247,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
         refuse_chunked(policy, f"asked to read {len(tokens)} tokens in chunks of {chunk}")
     if window > chunk:
         raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
-    probe = list(tokens[-window:]) if scoring == "question" and "window" in observe else []
+    probe = question_probe(tokens, window, chunk) if scoring == "question" and "window" in observe else []
     chunk_observe = tuple(k for k in observe if k != "window") if probe else observe
     carry_colsum = "colsum" in observe
     i = session.info
@@ -269,7 +269,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
         before = session_cells(session, seq)
         probed = bool(probe) and not last
         if probed:
-            obs = probe_window(session, seq, probe, obs)
+            obs = probe_window(session, seq, probe, obs, window)
         prefill_s += time.perf_counter() - t1
         if on_prefilled is not None:
             on_prefilled(first_pos, take)
@@ -297,12 +297,31 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
                           cap=cap, steps=steps, peak_cells=peak, scoring=scoring if probe else "chunk")
 
 
-def probe_window(session: Session, seq: int, probe: list[int], obs):
-    """Prefill `probe` after what `seq` holds, observe its window, roll it back; return `obs` (the chunk's
-    own observation of the other kinds, or None) with the probe's window sums over the slots held before
+# A question probe holds at least this many of the prompt's last tokens, of which the policy's `window` last are
+# observed. A policy's window alone (8 tokens for pyramidkv, compresskv, dynamickv, spindlekv) is the chat
+# template's closing tokens, and prefilled after a chunk without the question before them it scores the chunk for
+# no question at all (bounded re-selection, 8k, 24 questions at budget 256: pyramidkv 17% and compresskv 33%
+# against 96% exact; docs/results.md, "Bounded re-selection"). In a one-go read the window's queries come after
+# the whole question; 32 tokens hold a short question and cost a 32-token prefill per chunk. Beyond the window the
+# probe takes at most an eighth of a chunk, so that a small --chunk keeps its room to read on.
+PROBE_MIN_TOKENS = 32
+
+
+def probe_length(window: int, chunk: int) -> int:
+    return max(window, min(PROBE_MIN_TOKENS, chunk // 8))
+
+
+def question_probe(tokens: list[int], window: int, chunk: int) -> list[int]:
+    """The prompt's last `probe_length` tokens: what is prefilled after a chunk to score it."""
+    return list(tokens[-probe_length(window, chunk):])
+
+
+def probe_window(session: Session, seq: int, probe: list[int], obs, window: int):
+    """Prefill `probe` after what `seq` holds, observe its last `window` queries, roll it back; return `obs` (the
+    chunk's own observation of the other kinds, or None) with the probe's window sums over the slots held before
     it (its own columns dropped: they are gone once it is rolled back)."""
     held = session.seq(seq).next_pos                 # positions >= held are the probe's
-    pobs = session.prefill(probe, seq=seq, observe=("window",), window=len(probe))
+    pobs = session.prefill(probe, seq=seq, observe=("window",), window=min(window, len(probe)))
     session.rollback(seq, len(probe))
     keep = np.flatnonzero(pobs.positions < held)
     sums = pobs.window_sums[..., keep]               # [1, n_layer, n_head, held slots]

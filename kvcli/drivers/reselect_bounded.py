@@ -53,7 +53,7 @@ import numpy as np
 
 from kvcli import kvc, outfile
 from kvcli.config import env_bytes
-from kvcli.drivers.chunked import keeps_positions, probe_window, read_in_chunks
+from kvcli.drivers.chunked import keeps_positions, probe_length, probe_window, question_probe, read_in_chunks
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix, store_dir
 from kvcli.errors import KvcliError
 from kvcli.native.cache import KvReader
@@ -211,8 +211,8 @@ class ChunkedStore:
         try:
             if seq in session.seqs:
                 session.clear(seq)
-            # each question's probe (its last `window` tokens) will be held beside a chunk: the chunks leave it room
-            room = cfg.observe[1] if "window" in cfg.observe[0] else 0
+            # each question's probe (chunked.question_probe) will be held beside a chunk: the chunks leave it room
+            room = probe_length(cfg.observe[1], chunk) if "window" in cfg.observe[0] else 0
             t0 = time.perf_counter()
             read_in_chunks(session, list(tokens[:split]), cfg, chunk - room, cap=cap - room,
                            seq=seq, progress=progress, scoring="chunk", on_prefilled=save)
@@ -305,7 +305,7 @@ class ChunkedStore:
         if base < last_first:
             raise KvcliError(f"the policy's window ({window}) reaches past the stored document's last chunk")
         cut = (streamed[-1].first_token + streamed[-1].n - base) if streamed else 0
-        probe = list(prompt[-window:]) if "window" in kinds else []
+        probe = question_probe(prompt, window, self.chunk) if "window" in kinds else []
         # the cells held before a probe: the kept entries and a chunk, leaving the probe room (as the reading does).
         # The held cells are probed and compacted only when the next chunk would not fit beside them: a stored
         # chunk always (it fills a chunk), kept turns (short) only every so many, so they cost no probe of their own
@@ -318,7 +318,8 @@ class ChunkedStore:
             t0 = time.perf_counter()
             cells = session_cells(session, seq) if i else 0
             if i and cells + c.n > limit and cfg.spec.compresses(cells, cfg.budget):
-                obs = probe_window(session, seq, probe, None) if probe else shape_observation(session.info, cells)
+                obs = (probe_window(session, seq, probe, None, window) if probe
+                       else shape_observation(session.info, cells))
                 if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (spindlekv)
                     obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
                 t1 = time.perf_counter()
