@@ -21,10 +21,14 @@ export PYTHONPATH="/tmp/site:$G/src" KVCLI_LIB_DIR=/tmp/kv/lib KVCLI_TINY_TOKENI
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 ldd /tmp/kv/lib/libggml-cuda.so | grep -E "cuda|cublas|not found" | tee "$OUT/ldd.txt"
 cd "$G/src"
-python3 -m kvcli.cli info 2>&1 | tee "$OUT/info.txt"
-timeout 330 python3 benchmarks/gpu/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout 240 python3 benchmarks/gpu/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit: ${PIPESTATUS[0]}"
+# the command line on the GPU, on gpu_check's random model of qwen2.5-0.5B's shape (its answer is noise)
+M=/tmp/kvcli_gpu_qwen05.gguf
+{ python3 -m kvcli.cli info $M
+  timeout 60 python3 -m kvcli.cli run --model $M --doc examples/station-log.txt --policy snapkv --budget 256 -n 16 \
+      --json "What is the locker number of the lower lake?"; } 2>&1 | tee "$OUT/cli.txt"
 # the native tests (less the one that loads the default model, which does not travel), on the GPU build
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/native --ignore=tests/native/test_default_model.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/native --ignore=tests/native/test_default_model.py \
     --maxfail=10 2>&1 | tail -40 | tee "$OUT/native-tests.txt"
 echo "native tests exit: ${PIPESTATUS[0]}"
