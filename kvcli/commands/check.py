@@ -20,9 +20,16 @@ EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "solar-garden.t
 
 def _epilog() -> str:
     d = Thresholds()
-    lines = ["Thresholds (--threshold KEY=VALUE; defaults suit the default model in product settings):"]
+    lines = ["Thresholds (--threshold KEY=VALUE; defaults suit the default model in product settings; each one's "
+             "reason, the figures measured where the engines are right, and what each level proves: "
+             "docs/internals.md, \"kvcli check\"):"]
     for key, doc in Thresholds.DOCS.items():
         lines.append(f"  {key} = {getattr(d, key)}: {doc}")
+    lines.append("What the levels prove: L1, L2 and L3 arithmetic are engine verdicts (the C++ planner is the torch "
+                 "one, the observation is computed alike, a given compressed cache decodes alike); plan agreement "
+                 "measures the policy (how far its plan and output move under observation differences within L2's "
+                 "limits), not the engines. L2's K/V allowance consults the native engine at its other precision "
+                 "setting (cache type, flash attention); it does not vary llama.cpp's 8-bit matmul inputs.")
     lines.append("Exit code: 0 when the engines agree (L1, L2 and L3's arithmetic verdict pass), 1 when one of "
                  "them fails (or errors), 2 on bad input. Plan agreement (each engine its own plan) is the policy's "
                  "sensitivity: a miss is printed as PLAN SENSITIVITY and listed in --json's \"plan_sensitive\"; "
