@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import POINTER, c_char, c_char_p, c_float, c_int32, c_int64, c_void_p
+from ctypes import POINTER, c_char, c_char_p, c_double, c_float, c_int32, c_int64, c_void_p
 
 import numpy as np
 
@@ -29,6 +29,12 @@ class PlanView(ctypes.Structure):
 
 
 KV_READER = ctypes.CFUNCTYPE(c_int32, c_void_p, c_int32, F32P, F32P)   # kvcli_kv_reader
+ROPE_NONE, ROPE_NORM, ROPE_NEOX = -1, 0, 2                              # kvcli_rope_type
+
+
+class RopeView(ctypes.Structure):
+    _fields_ = [("type", c_int32), ("n_rot", c_int32), ("freq_base", c_double), ("freq_scale", c_double),
+                ("freq_factors", F32P)]
 
 
 class ObsView(ctypes.Structure):
@@ -37,6 +43,8 @@ class ObsView(ctypes.Structure):
         ("n_slots", c_int32), ("n_windows", c_int32), ("windows", I32P),
         ("window_sums", F32P), ("colsum", F32P), ("keys", F32P), ("values", F32P),
         ("read_kv", KV_READER), ("read_kv_user", c_void_p), ("colmax", F32P),
+        ("n_query_rows", c_int32), ("queries", F32P), ("query_positions", I32P), ("positions", I32P),
+        ("rope", RopeView),
     ]
 
 
@@ -235,12 +243,20 @@ def obs_view(obs: Observation) -> tuple[ObsView, list]:
     return them), with its kv_reader as the planner's K/V reader when it holds no K/V arrays; the returned
     list keeps them alive (the last item: the reader's callback, None without one)."""
     arrs = [None if a is None else np.ascontiguousarray(a, np.float32)
-            for a in (obs.window_sums, obs.colsum, obs.keys, obs.values, obs.colmax)]
+            for a in (obs.window_sums, obs.colsum, obs.keys, obs.values, obs.colmax, obs.queries)]
+    ints = [None if a is None else np.ascontiguousarray(a, np.int32) for a in (obs.query_positions, obs.positions)]
     windows = np.asarray(obs.windows, np.int32)
     cb = _KvCallback(obs) if obs.kv_reader is not None and (obs.keys is None or obs.values is None) else None
+    rope, factors = RopeView(ROPE_NONE, 0, 0.0, 0.0, None), None
+    if obs.rope is not None:
+        factors = None if obs.rope.factors is None else np.ascontiguousarray(obs.rope.factors, np.float32)
+        rope = RopeView(ROPE_NEOX if obs.rope.neox else ROPE_NORM, obs.rope.n_rot, obs.rope.freq_base,
+                        obs.rope.freq_scale, _f32(factors))
+    n_rows = 0 if obs.queries is None else obs.queries.shape[2]
     v = ObsView(obs.n_layer, obs.n_head, obs.n_head_kv, obs.head_dim, obs.n, len(obs.windows), _i32(windows),
-                *[_f32(a) for a in arrs[:4]], cb.fn if cb else KV_READER(), None, _f32(arrs[4]))
-    return v, arrs + [windows, cb]
+                *[_f32(a) for a in arrs[:4]], cb.fn if cb else KV_READER(), None, _f32(arrs[4]),
+                n_rows, _f32(arrs[5]), *[_i32(a) for a in ints], rope)
+    return v, arrs + ints + [factors, windows, cb]
 
 
 def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) -> Plan:

@@ -16,7 +16,6 @@ from kvcli import policies
 from kvcli.errors import KvcliError
 from kvcli.models import read_model_info
 from kvcli.native.lib import native_plan
-from kvcli.planning import host_plans
 from kvcli.planning.formats import Observation, Plan
 from kvcli.planning.rope import refusal as rope_refusal
 from kvcli.policies.base import PolicySpec
@@ -140,8 +139,6 @@ def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
     replays the native engine's plans in the reference engine's chunked reading)."""
     if callable(planner):
         plan = planner(spec, params, budget, obs)
-    elif planner == "native" and spec.host_planned:   # planned in Python for the native engine (host_plans.py)
-        plan = host_plans.plan(spec.name, params, budget, obs)
     elif planner == "native":
         plan = native_plan(spec.name, params, budget, obs)
     elif planner == "reference":

@@ -5,12 +5,14 @@ positions still to come (docs/design/methods/expected_attention.md).
 Rotary pair j turns by the angle `pos * freqs[j]` (llama.cpp's theta: freq_scale x base^(-2j/n_rot), divided by the
 file's `rope_freqs` factors where the architecture reads them). Its two dimensions are (2j, 2j+1) where llama.cpp's
 converter permuted the Q/K rows for "normal" RoPE (llama), (j, j + d/2) for NEOX RoPE (qwen2, qwen3, phi3): the
-pairing of kvcli.reference.attention.hf_to_gguf_dims. Both engines fill Observation.rope from `rope_of(info)`.
-Models whose RoPE is not a plain rotation of every dimension (YaRN, LongRoPE, an attention factor, partial rotary
-dimensions, the per-layer bases of sliding-window models) are refused in one line (`refusal`).
+pairing of kvcli.reference.attention.hf_to_gguf_dims. Both engines fill Observation.rope from `rope_of(info)`; the
+native planner gets the same description (kvcli_rope) and computes `freqs` as `Rope.freqs` does. Models whose RoPE is
+not a plain rotation of every dimension (YaRN, LongRoPE, an attention factor, partial rotary dimensions, the
+per-layer bases of sliding-window models) are refused in one line (`refusal`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +26,26 @@ PRESCALED_Q_ARCHS = ("phi3",)
 NORM_ARCHS = ("llama",)                   # LLAMA_ROPE_TYPE_NORM (the GGUF's Q/K rows permuted)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rope:
-    freqs: np.ndarray    # [head_dim // 2] float64: the angle per position of rotary pair j
-    neox: bool           # pairs (j, j + d/2); else (2j, 2j + 1)
+    """How positions rotate the rows: llama.cpp's parameters (kvcli_rope in native/include/kvcli.h)."""
+    neox: bool                           # pairs (j, j + d/2); else (2j, 2j + 1)
+    n_rot: int                           # rotated dimensions (kvcli supports head_dim only)
+    freq_base: float
+    freq_scale: float = 1.0              # 1 / the linear scaling factor
+    factors: np.ndarray | None = None    # [n_rot // 2] float32: the file's rope_freqs (Llama 3.x), or None
+
+    @property
+    def freqs(self) -> np.ndarray:
+        """[n_rot // 2] float64: the angle per position of rotary pair j, with the operations of the native planner
+        (math.pow is the C library's pow), so both engines start from the same doubles."""
+        f = np.array([self.freq_scale * math.pow(self.freq_base, -(2 * j) / self.n_rot)
+                      for j in range(self.n_rot // 2)])
+        return f if self.factors is None else f / np.asarray(self.factors, np.float64)
 
     def pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(a, b): the two dimensions of each rotary pair, [head_dim // 2] each."""
-        h = self.freqs.shape[0]
+        """(a, b): the two dimensions of each rotary pair, [n_rot // 2] each."""
+        h = self.n_rot // 2
         j = np.arange(h)
         return (j, j + h) if self.neox else (2 * j, 2 * j + 1)
 
@@ -49,11 +63,6 @@ class Rope:
         """rows [..., w, d] rotated at `positions` [w] -> the rows before RoPE (float64)."""
         ang = np.asarray(positions, np.float64)[:, None] * self.freqs[None, :]     # [w, d/2]
         return self.turn(rows, np.cos(ang), -np.sin(ang))
-
-    def mean_rotation(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """The average over positions start..start+count-1 of the rotation: (mean cos, mean sin) per pair."""
-        ang = np.arange(start, start + count, dtype=np.float64)[:, None] * self.freqs[None, :]
-        return np.cos(ang).mean(axis=0), np.sin(ang).mean(axis=0)
 
 
 def refusal(info) -> str | None:
@@ -87,11 +96,11 @@ def rope_of(info) -> Rope:
     if why:
         raise KvcliError(f"expected attention cannot undo this model's RoPE: {why}")
     meta = header_values(info.path)
-    arch, d = info.architecture, int(info.head_dim)
+    arch = info.architecture
     factor = float(meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear") or 0.0) or 1.0
-    freqs = (1.0 / factor) * float(info.rope_theta) ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    factors = None
     if arch == "llama":   # llama.cpp divides each frequency by the file's rope_freqs (Llama 3.1+)
         factors = read_f32_tensor(info.path, "rope_freqs.weight")
-        if factors is not None:
-            freqs = freqs / np.asarray(factors, np.float64)
-    return Rope(freqs=freqs, neox=arch in NEOX_ARCHS)
+        factors = None if factors is None else np.asarray(factors, np.float32)
+    return Rope(neox=arch in NEOX_ARCHS, n_rot=int(info.head_dim), freq_base=float(info.rope_theta),
+                freq_scale=1.0 / factor, factors=factors)

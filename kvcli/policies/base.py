@@ -150,7 +150,6 @@ class PolicySpec:
                         "inside the budget")
     agnostic: bool = False                          # scores without the question (kvzip): chat compresses once
     native: bool = True                             # implemented in C++ (native/src/policies/)
-    host_planned: bool = False                      # the native engine plans it in Python (kvcli/planning/host_plans.py)
     reference: bool = True                          # implemented in torch (kvcli/reference/policies/)
     resolve: Callable[[dict], dict] | None = None   # fills values that depend on other params
     # fills values that depend on the instruction text (windowkv's task=auto), before `resolve`; gets

@@ -52,7 +52,6 @@ SPEC = PolicySpec(
     needs=("query", "kv"),
     window_param="window",
     agnostic=True,
-    host_planned=True,
     check=_check,
     widest=widest,
     budget_note="sinks and recent count inside the budget; budget entries per layer and KV head (kvpress's "
@@ -63,10 +62,6 @@ SPEC = PolicySpec(
         "length reproduces kvpress",
         "the queries are the Q rows attention used (post-RoPE, un-rotated exactly at their positions), so a "
         "projection bias (qwen2) and QK-norm are included as in kvpress 0.5.5's get_prerope_query_states",
-        "the native engine plans it in Python (kvcli/planning/host_plans.py, numpy float64), not in C++: the closed "
-        "form needs the model's RoPE (frequencies and pairing, from the GGUF header) and dense per-head linear "
-        "algebra (n x head_dim^2 per query head) that BLAS does in a fraction of a second; the torch planner is the "
-        "reference twin (kvcli check's L1 compares them)",
         "models whose RoPE is not a plain rotation of every dimension (YaRN, LongRoPE, an attention factor, partial "
         "rotary dimensions), models with sliding-window layers (gemma2, gemma3) and phi3 (llama.cpp scales its Q rows "
         "before attention, which the observation does not undo yet) are refused in one line",

@@ -218,6 +218,23 @@ KVCLI_API int32_t kvcli_attn_path_taken(struct llama_context * ctx, int32_t il);
 // policy calls it once per layer it merges, so it holds one layer's rows at a time (Observation.kv_reader).
 typedef int32_t (*kvcli_kv_reader)(void * user, int32_t il, float * keys, float * values);
 
+// RoPE of the observed Q/K rows (Observation.rope, kvcli/planning/rope.py): rotary pair j turns by the angle
+// pos x theta_j, theta_j = freq_scale x freq_base^(-2j / n_rot) / freq_factors[j] (freq_factors NULL: 1), over
+// dimensions (2j, 2j + 1) for KVCLI_ROPE_NORM and (j, j + n_rot / 2) for KVCLI_ROPE_NEOX (llama.cpp's
+// LLAMA_ROPE_TYPE_NORM / _NEOX values). Other rope types and scalings are refused by the planners that need it.
+enum kvcli_rope_type {
+    KVCLI_ROPE_NONE = -1,
+    KVCLI_ROPE_NORM = 0,
+    KVCLI_ROPE_NEOX = 2,
+};
+struct kvcli_rope {
+    int32_t       type;          // kvcli_rope_type
+    int32_t       n_rot;         // rotated dimensions
+    double        freq_base;
+    double        freq_scale;
+    const float * freq_factors;  // [n_rot / 2] or NULL
+};
+
 struct kvcli_obs_view {
     int32_t         n_layer, n_head, n_head_kv, head_dim, n_slots, n_windows;
     const int32_t * windows;     // [n_windows]: distinct window lengths, or NULL when n_windows == 0
@@ -228,6 +245,12 @@ struct kvcli_obs_view {
     kvcli_kv_reader read_kv;  // when keys and values are NULL: the K/V rows, one layer at a time, or NULL
     void *          read_kv_user;
     const float * colmax;     // [n_layer][n_head][n_slots] or NULL (Observation.colmax)
+    // KVCLI_OBS_QUERY (expected attention): the Q rows of the last prompt queries, post-RoPE, as attention used them
+    int32_t         n_query_rows;     // 0 when none were observed
+    const float *   queries;          // [n_layer][n_head][n_query_rows][head_dim] or NULL (Observation.queries)
+    const int32_t * query_positions;  // [n_query_rows] or NULL
+    const int32_t * positions;        // [n_slots] or NULL: the slots' positions (Observation.positions)
+    struct kvcli_rope rope;           // how positions rotate the Q/K rows (rope.type KVCLI_ROPE_NONE: not given)
 };
 
 struct kvcli_plan;  // opaque, owned by the library

@@ -16,9 +16,8 @@ from kvcli.errors import KvcliError
 from kvcli.native.lib import native_plan
 
 SRC = Path(__file__).resolve().parents[2] / "native" / "src"
-# the policies planned in C++ (native/src/policies/NAME.cpp); a host_planned one (expected_attention) is planned in
-# Python for the native engine (kvcli/planning/host_plans.py) and has no C++ reader to match
-CPP = [n for n in P.available() if not P.get(n).host_planned]
+# the policies planned in C++ (native/src/policies/NAME.cpp): every one
+CPP = P.available()
 GETTER = re.compile(r"params\.get_(\w+)\(([^;]*?)\)\s*(?:==|;|\))", re.S)
 # the helpers of plan/scores.cpp that read a shared parameter: read_gqa -> gqa, read_max_pool -> pool
 HELPERS = {"read_gqa": "gqa", "read_max_pool": "pool"}

@@ -1,13 +1,14 @@
 """expected_attention: the attention future queries are expected to give each entry (Devoto et al. 2025; kvpress
 ExpectedAttentionPress). Digest: docs/design/methods/expected_attention.md.
 
-Per layer: the observed Q rows (the last `window` prompt queries, post-RoPE) are turned back to before RoPE at their
+Per layer: the observed Q rows (the last `window` observed queries, post-RoPE) are turned back to before RoPE at their
 positions (rows at positions below `sinks` left out); their mean mu and covariance Sigma (divided by the row count)
 per query head are turned by the average RoPE rotation R of positions next..next+n_future-1. A key k (post-RoPE, as
 cached) of slot j >= sinks gets softmax_j(mu_R.k / sqrt(d) + k' Sigma_R k / (2d)) per query head, combined over the
 query heads of its KV head (`gqa`, mean), times ||v_j|| (+ epsilon first). The first `sinks` and last `recent` slots
 are kept; the best (budget - sinks - recent) of the others per KV head, ties to the lower slot. float64.
-Native twin (in Python, numpy): kvcli/planning/host_plans.py.
+Native twin: native/src/policies/expected_attention.cpp (the same float64 arithmetic in another order: identical plans
+up to near-ties).
 """
 import math
 
@@ -36,11 +37,10 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
     L, H, d, n = obs.n_layer, obs.n_head_kv, obs.head_dim, obs.n
     G = obs.n_head // H
     freqs = torch.from_numpy(np.asarray(obs.rope.freqs, np.float64))
-    half = freqs.numel()
-    j = torch.arange(half)
-    a, b = (j, j + half) if obs.rope.neox else (2 * j, 2 * j + 1)
+    a, b = (torch.from_numpy(x) for x in obs.rope.pairs())
     qpos = torch.from_numpy(np.asarray(obs.query_positions, np.int64))
     rows = qpos >= sinks
+    rows[: max(0, len(rows) - params["window"])] = False   # the last `window` rows (all when the view holds fewer)
     if not bool(rows.any()):
         raise KvcliError("policy 'expected_attention': no observed query lies after the sinks")
     back = qpos[rows].to(torch.float64)[:, None] * freqs[None, :]                # [w, d/2]

@@ -184,7 +184,11 @@ void validate_obs(const kvcli_obs_view * v) {
             if (v->windows[j] == v->windows[i]) throw PlanError("observation: window lengths must be distinct");
         }
     }
-    if ((v->keys || v->read_kv) && v->head_dim < 1) throw PlanError("observation: head_dim must be >= 1");
+    if ((v->keys || v->read_kv || v->queries) && v->head_dim < 1) throw PlanError("observation: head_dim must be >= 1");
+    if (v->n_query_rows < 0 || (v->n_query_rows > 0) != (v->queries != nullptr) ||
+        (v->n_query_rows > 0 && !v->query_positions)) {
+        throw PlanError("observation: queries need n_query_rows >= 1 and their positions");
+    }
 }
 
 // The plan must be well formed whatever the policy did: ascending slots inside [0, n).
@@ -249,6 +253,8 @@ struct kvcli_plan * kvcli_plan_make(const char * policy, const char * params, in
         o.n_windows = obs->window_sums ? obs->n_windows : 0; o.windows = obs->windows;
         o.window_sums = obs->window_sums; o.colsum = obs->colsum; o.keys = obs->keys; o.values = obs->values;
         o.read_kv = obs->read_kv; o.read_kv_user = obs->read_kv_user; o.colmax = obs->colmax;
+        o.n_query_rows = obs->queries ? obs->n_query_rows : 0; o.queries = obs->queries;
+        o.query_positions = obs->query_positions; o.positions = obs->positions; o.rope = obs->rope;
         Params p(name, params);
         PlanOut out;
         out.n_layer = o.n_layer;

@@ -8,6 +8,8 @@
 // the helpers below document, and every top-k breaks ties by the lower index.
 #pragma once
 
+#include "kvcli.h"
+
 #include <cstdint>
 #include <map>
 #include <set>
@@ -50,6 +52,11 @@ struct Obs {
     const float * values = nullptr;
     int32_t (*read_kv)(void * user, int32_t il, float * keys, float * values) = nullptr;  // kvcli_kv_reader
     void * read_kv_user = nullptr;
+    int n_query_rows = 0;                       // KVCLI_OBS_QUERY (require_query)
+    const float * queries = nullptr;            // [n_layer][n_head][n_query_rows][head_dim]: post-RoPE Q rows
+    const int32_t * query_positions = nullptr;  // [n_query_rows]
+    const int32_t * positions = nullptr;        // [n]: the slots' positions
+    kvcli_rope rope{KVCLI_ROPE_NONE, 0, 0.0, 0.0, nullptr};
 
     int group() const { return n_head / n_head_kv; }
     // index of window length w in windows, -1 if it was not observed
@@ -69,6 +76,10 @@ struct Obs {
     }
     const float * colmax_row(int l, int q) const {
         return colmax + (static_cast<size_t>(l) * n_head + q) * static_cast<size_t>(n);
+    }
+    // query row r of query head q in layer l (head_dim floats)
+    const float * query_row(int l, int q, int r) const {
+        return queries + ((static_cast<size_t>(l) * n_head + q) * n_query_rows + r) * static_cast<size_t>(head_dim);
     }
     bool has_kv() const { return (keys && values) || read_kv; }
     // Layer l's K and V rows (require_kv first): views of keys/values, or read now by the reader. NaN is a
@@ -142,6 +153,8 @@ void require_colsum(const Obs & obs, const std::string & policy);
 void require_colmax(const Obs & obs, const std::string & policy);
 // keys and values (or their reader) present (merging policies); Obs::layer_kv checks each layer for NaN.
 void require_kv(const Obs & obs, const std::string & policy);
+// The query observation (Q rows, their positions, the slots' positions and the RoPE) present.
+void require_query(const Obs & obs, const std::string & policy);
 // A per-layer list handed over by the registry (a closed-form schedule) has one value per layer.
 void require_per_layer(const Obs & obs, const std::string & policy, const std::string & key, size_t size);
 
@@ -170,5 +183,19 @@ std::vector<int32_t> topk_ascending(const std::vector<double> & s, int64_t k, co
 // All indices by descending score, ties by lower index (a stable sort on -score). Throws on NaN.
 std::vector<int32_t> rank_desc(const std::vector<double> & s, const std::string & policy);
 void check_finite(const std::vector<double> & s, const std::string & policy);
+
+// RoPE as llama.cpp rotates the observed Q/K rows (kvcli_rope; kvcli/planning/rope.py computes the same
+// frequencies): rotary pair j, dimensions (a(j), b(j)), turns by the angle pos x freqs[j].
+struct Rope {
+    std::vector<double> freqs;   // [n_rot / 2] = [head_dim / 2]
+    bool neox = false;
+    int a(int j) const { return neox ? j : 2 * j; }
+    int b(int j) const { return neox ? j + static_cast<int>(freqs.size()) : 2 * j + 1; }
+    // x[dim * stride], dim < head_dim, with every pair turned by (c[j], s[j]): a' = c a - s b, b' = s a + c b
+    void turn(double * x, size_t stride, const double * c, const double * s) const;
+};
+// The observation's RoPE (require_query first): freqs[j] = freq_scale x freq_base^(-2j / n_rot) / freq_factors[j].
+// A rope type other than norm/neox, partial rotary dimensions or a bad number is a PlanError naming the policy.
+Rope obs_rope(const Obs & obs, const std::string & policy);
 
 } // namespace kvcli

@@ -97,6 +97,55 @@ LayerKV Obs::layer_kv(int l, const std::string & policy) const {
     return out;
 }
 
+void require_query(const Obs & obs, const std::string & policy) {
+    if (!obs.queries || obs.n_query_rows < 1 || !obs.query_positions || !obs.positions || obs.rope.type == KVCLI_ROPE_NONE) {
+        throw PlanError("policy '" + policy + "' needs the query observation (observe \"query\": the Q rows, their "
+                        "positions and the model's RoPE)");
+    }
+}
+
+void Rope::turn(double * x, size_t stride, const double * c, const double * s) const {
+    for (size_t j = 0; j < freqs.size(); j++) {
+        double & xa = x[static_cast<size_t>(a(static_cast<int>(j))) * stride];
+        double & xb = x[static_cast<size_t>(b(static_cast<int>(j))) * stride];
+        const double va = xa, vb = xb;
+        xa = c[j] * va - s[j] * vb;
+        xb = s[j] * va + c[j] * vb;
+    }
+}
+
+Rope obs_rope(const Obs & obs, const std::string & policy) {
+    const kvcli_rope & r = obs.rope;
+    const std::string why = "policy '" + policy + "' cannot undo this RoPE: ";
+    if (r.type != KVCLI_ROPE_NORM && r.type != KVCLI_ROPE_NEOX) {
+        // llama.cpp's other LLAMA_ROPE_TYPE_* values: not a rotation of one position per row
+        const std::string name = r.type == 8 ? " (M-RoPE)" : r.type == 24 ? " (vision RoPE)" : r.type == 40 ? " (interleaved M-RoPE)" : "";
+        throw PlanError(why + "rope type " + std::to_string(r.type) + name + "; only norm (0) and neox (2) are supported");
+    }
+    // the pairs index [0, head_dim): a rotation of every dimension only
+    if (r.n_rot != obs.head_dim || obs.head_dim % 2 != 0) {
+        throw PlanError(why + "partial rotary dimensions (" + std::to_string(r.n_rot) + " of " +
+                        std::to_string(obs.head_dim) + ")");
+    }
+    if (!(r.freq_base > 0.0) || !std::isfinite(r.freq_base) || !(r.freq_scale > 0.0) || !std::isfinite(r.freq_scale)) {
+        throw PlanError(why + "freq_base and freq_scale must be finite and positive");
+    }
+    Rope out;
+    out.neox = r.type == KVCLI_ROPE_NEOX;
+    out.freqs.resize(static_cast<size_t>(r.n_rot / 2));
+    for (int j = 0; j < r.n_rot / 2; j++) {
+        // the operations of kvcli/planning/rope.py, so both engines start from the same doubles
+        double f = r.freq_scale * std::pow(r.freq_base, -static_cast<double>(2 * j) / static_cast<double>(r.n_rot));
+        if (r.freq_factors) {
+            const double k = static_cast<double>(r.freq_factors[j]);
+            if (!(k > 0.0) || !std::isfinite(k)) throw PlanError(why + "its frequency factors must be finite and positive");
+            f = f / k;
+        }
+        out.freqs[static_cast<size_t>(j)] = f;
+    }
+    return out;
+}
+
 void require_per_layer(const Obs & obs, const std::string & policy, const std::string & key, size_t size) {
     if (size != static_cast<size_t>(obs.n_layer)) {
         throw PlanError("policy '" + policy + "': " + key + " has " + std::to_string(size) + " values, the observation has " +
