@@ -96,6 +96,7 @@ _SIGNATURES = {
     "kvcli_cells_with_bias": (c_int32, [c_void_p]),
     "kvcli_attn_path_choose": (c_int32, [c_int32, c_int32, c_char_p, c_int32]),
     "kvcli_attn_path_taken": (c_int32, [c_void_p, c_int32]),
+    "kvcli_compact_path_taken": (c_int32, [c_void_p]),
     "kvcli_plan_make": (c_void_p, [c_char_p, c_char_p, c_int32, POINTER(ObsView)]),
     "kvcli_plan_free": (None, [c_void_p]),
     "kvcli_plan_get": (c_int32, [c_void_p, POINTER(PlanView)]),
@@ -147,6 +148,7 @@ def identity() -> dict:
 
 
 ATTN_PATHS = {1: "mask", 2: "split"}  # kvcli_attn_path_kind
+MOVES_PATHS = {1: "host", 2: "device"}  # kvcli_moves_path_kind: how a compaction moved the K/V rows
 
 
 def attn_path(flash_attn: bool, cache_on_cpu: bool) -> tuple[str, str]:

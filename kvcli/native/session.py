@@ -18,7 +18,7 @@ import numpy as np
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp
-from kvcli.native.lib import ATTN_PATHS, attn_path, lib
+from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
 from kvcli.planning.formats import observed_windows
 from kvcli.planning.rope import rope_of
 from kvcli.templating import gguf_special_token_ids, render_chat
@@ -491,6 +491,12 @@ class NativeSession:
         L = lib()
         return [ATTN_PATHS.get(L.check(L.kvcli_attn_path_taken(self.ctx, il), "kvcli_attn_path_taken"))
                 for il in cache.kv_layer_ids(self.info)]
+
+    def compact_path_taken(self) -> str | None:
+        """How the last compaction moved the kept K/V rows: "device" (a get_rows / set_rows graph on the cache's
+        backend) or "host" (through host memory); None before the first ($KVCLI_COMPACT, native/src/README.md)."""
+        L = lib()
+        return MOVES_PATHS.get(L.check(L.kvcli_compact_path_taken(self.ctx), "kvcli_compact_path_taken"))
 
     # ------------------------------------------------------------------ rolling back, saving and restoring a sequence
     # (the one place outside prefill/step/apply_plan that changes a SeqState: bench, eval and .kvc loading use these)

@@ -210,6 +210,20 @@ KVCLI_API int32_t kvcli_attn_path_choose(int32_t flash_attn, int32_t cache_on_cp
 // 0 when none was built yet, < 0 on bad arguments.
 KVCLI_API int32_t kvcli_attn_path_taken(struct llama_context * ctx, int32_t il);
 
+// How a compaction moves the kept K/V rows into the sequence's B cells (native/src/README.md, "CUDA"):
+enum kvcli_moves_path_kind {
+    // read to host memory, moved there (kvcli_moves.h), written back: every cache type and layout
+    KVCLI_MOVES_HOST   = 1,
+    // a graph of get_rows / set_rows on the backend holding each layer's K/V, no round trip through host
+    // memory: f32 and f16 caches in llama.cpp's row layout (flash attention; V not transposed)
+    KVCLI_MOVES_DEVICE = 2,
+};
+// $KVCLI_COMPACT (auto | host | device; read at every compaction): auto takes the device path where a layer's
+// cache is not in host memory and its type and layout allow it, else the host path; device forces it on any
+// backend (the CPU too, so the CPU CI tests it) and makes a compaction it cannot do fail.
+// The kvcli_moves_path_kind of the last compaction on ctx; 0 when there was none, < 0 on error.
+KVCLI_API int32_t kvcli_compact_path_taken(struct llama_context * ctx);
+
 // ---------------------------------------------------------------------------------
 // Planning: a pure function of an observation; needs no model.
 // ---------------------------------------------------------------------------------

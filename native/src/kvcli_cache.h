@@ -50,8 +50,12 @@ struct kvcli_kv_ext {
     // sequence (kvcli_attention.cpp); 0 = not built yet
     std::vector<int8_t> attn_path;
 
-    // backends that run the re-indexing (RoPE re-rotation) graph, one per device holding K, made on first use
-    std::vector<std::pair<ggml_backend_dev_t, ggml_backend_ptr>> rope_backends;
+    // backends that run kvcli's own graphs (re-indexing's RoPE re-rotation, compaction's row moves), one per
+    // device holding a layer's K/V, made on first use
+    std::vector<std::pair<ggml_backend_dev_t, ggml_backend_ptr>> graph_backends;
+
+    // how the last compaction moved the K/V rows (KVCLI_MOVES_*, kvcli_compact.cpp); 0 = none yet
+    int8_t moves_path = 0;
 };
 
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
@@ -129,6 +133,10 @@ void upload_bias(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells);
 // the cells were freed: ext.cells.rm(c) for each, and the tensors follow
 void rm_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells);
 
+// kvcli_reindex.cpp: the device holding a cache tensor (of layer il, for messages), and the backend that runs
+// kvcli's graphs on it
+ggml_backend_dev_t cache_tensor_device(const ggml_tensor * t, uint32_t il);
+ggml_backend_t graph_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_threads);
 // kvcli_reindex.cpp: throws when a layer's K cannot be re-rotated (checked before anything moves)
 void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext);
 // kvcli_reindex.cpp: re-rotate the K rows of cells `dst` by delta[il][j*n_head_kv + h] positions

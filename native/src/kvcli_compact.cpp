@@ -1,12 +1,18 @@
 // Compaction of a sequence by a plan (kvcli_apply_plan, kvcli_apply_plan_reindexed), as named steps:
 // validate, order (the plan's row moves, kvcli_moves.h), compose the slot bias, free the sequence's cells
-// and take B, move the K/V bytes (read from the cache tensors, moved on the host by kvcli_moves, written
-// back), rewrite the cells, upload the bias and, when re-indexing, re-rotate K (kvcli_reindex.cpp).
+// and take B, move the K/V bytes (on the host: read from the cache tensors, moved by kvcli_moves, written
+// back; or on the device: a graph of get_rows / set_rows), rewrite the cells, upload the bias and, when
+// re-indexing, re-rotate K (kvcli_reindex.cpp).
 #include "kvcli_cache.h"
+
+#include "ggml-alloc.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <memory>
 
 namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
@@ -35,6 +41,7 @@ struct compaction {
     std::vector<std::vector<float>> new_bias;            // per plan layer: [n_head_kv][B] (compose_bias)
     std::vector<uint32_t>   dst;                         // the B cells the sequence keeps (take_cells)
     llama_pos               n_next = 0;                  // the position after the sequence's last
+    int8_t                  path   = 0;                  // how the rows move: KVCLI_MOVES_* (validate)
 
     llama_kv_cells & cells() const { return kvcli_access::cells(*kv)[0]; }
 };
@@ -98,11 +105,61 @@ void check_layers(compaction & c) {
     }
 }
 
+// Whether the device path can move this cache's rows exactly: its rows go through float32 and back (get_rows /
+// set_rows), which is the identity for f32 and f16 only (no Hadamard rotation either: llama.cpp rotates quantised
+// caches only), and whole rows of a KV head must be contiguous.
+bool device_movable(const compaction & c, std::string & why) {
+    for (const row_format * f : { &c.fk, &c.fv }) {
+        if (f->type != GGML_TYPE_F32 && f->type != GGML_TYPE_F16) {
+            why = std::string("a ") + ggml_type_name(f->type) + " cache (the device path moves f32 and f16 rows only)";
+            return false;
+        }
+        if (f->transposed) {
+            why = "a transposed V cache (a context without flash attention)";
+            return false;
+        }
+    }
+    if (rot_size(*c.kv, 0) || rot_size(*c.kv, 1)) {
+        why = "a cache whose rows llama.cpp rotates (Hadamard)";
+        return false;
+    }
+    return true;
+}
+
+// KVCLI_COMPACT: auto (default) | host | device. auto moves on the device where a layer's K/V is not in host
+// memory (a GPU: the rows then never cross to the host) and device_movable allows it.
+int8_t moves_path(const compaction & c) {
+    const char * env = std::getenv("KVCLI_COMPACT");
+    const std::string want = env && *env ? env : "auto";
+    if (want != "auto" && want != "host" && want != "device") {
+        throw kvcli_error("KVCLI_COMPACT must be auto, host or device (got '" + want + "')");
+    }
+    if (want == "host") {
+        return KVCLI_MOVES_HOST;
+    }
+    std::string why;
+    const bool movable = device_movable(c, why);
+    if (want == "device") {
+        if (!movable) {
+            throw kvcli_error("KVCLI_COMPACT=device cannot move the rows of " + why + "; unset it or set it to host");
+        }
+        return KVCLI_MOVES_DEVICE;
+    }
+    const auto & layers = kvcli_access::layers(*c.kv);
+    bool off_host = false;
+    for (uint32_t il = 0; il < c.sh.n_layer_plan; ++il) {
+        const auto & L = layers[c.ikv_of[il]];
+        off_host = off_host || !ggml_backend_buffer_is_host(L.k->buffer) || !ggml_backend_buffer_is_host(L.v->buffer);
+    }
+    return off_host && movable ? KVCLI_MOVES_DEVICE : KVCLI_MOVES_HOST;
+}
+
 // the cache, the sequence and the plan can be compacted as asked; throws before anything changes
 void validate(compaction & c) {
     check_sequence(c);
     kvcli_moves::validate_plan(c.plan, c.sh.n_layer_plan, c.sh.n_head_kv, c.sh.head_dim, c.src.size());
     check_layers(c);
+    c.path = moves_path(c);
     if (c.reindex) {
         require_rerotatable(c.ctx, c.kv, *c.ext);
     }
@@ -179,7 +236,7 @@ void write_cells(ggml_tensor * t, const row_format & f, uint32_t kv_size, const 
 // K and V of every layer: the span of the sequence's old cells is read (one layer at a time, so the host holds
 // one layer's rows, not the sequence's), the moves build the B new cells on the host, which are written back.
 // Kept rows are byte copies; replacement rows are rotated (quantised caches) and converted to the cache type.
-void move_bytes(compaction & c) {
+void move_bytes_on_host(compaction & c) {
     const auto & layers = kvcli_access::layers(*c.kv);
     const uint32_t lo = c.src.front(), span = c.src.back() + 1 - lo, kv_size = c.sh.kv_size;
     std::vector<uint32_t> slot_cell(c.src.size());
@@ -200,6 +257,137 @@ void move_bytes(compaction & c) {
             write_cells(t, f, kv_size, c.dst, new_rows);
         }
     }
+}
+
+// The same B cells as move_bytes_on_host, byte for byte, by a graph on the backend of each layer's device:
+// per layer and K/V, the cache viewed as rows of one KV head ([head_dim, n_head_kv * kv_size], row cell*n_head_kv + h);
+// the kept rows gathered (get_rows, to float32) and scattered into their cells (set_rows), the replacement rows
+// and the zeros of dead slots uploaded and scattered after them. Only the indices, replacement rows and zeros
+// cross from the host.
+void move_bytes_on_device(compaction & c) {
+    const auto & layers = kvcli_access::layers(*c.kv);
+    const uint32_t nkv = c.sh.n_head_kv, hd = c.sh.head_dim, kv_size = c.sh.kv_size;
+    const int32_t B = c.moves.B;
+    const int n_threads = c.ctx->get_cparams().n_threads;
+
+    // per plan layer, the rows to gather (source row, destination row), replace (entry's row, destination) and zero
+    struct layer_rows {
+        std::vector<int32_t> src;
+        std::vector<int64_t> dst, rep_dst, zero_dst;
+        std::vector<int32_t> rep;
+    };
+    std::vector<layer_rows> rows(c.sh.n_layer_plan);
+    for (uint32_t il = 0; il < c.sh.n_layer_plan; ++il) {
+        layer_rows & r = rows[il];
+        for (uint32_t h = 0; h < nkv; ++h) {
+            std::vector<bool> filled(B, false);
+            for (const auto * mv = c.moves.begin(il, h); mv != c.moves.end(il, h); ++mv) {
+                const int64_t to = (int64_t) c.dst[mv->out] * nkv + h;
+                filled[mv->out] = true;
+                if (mv->rep >= 0) {
+                    r.rep.push_back(mv->rep);
+                    r.rep_dst.push_back(to);
+                } else {
+                    r.src.push_back((int32_t) ((int64_t) c.src[mv->slot] * nkv + h));
+                    r.dst.push_back(to);
+                }
+            }
+            for (int32_t j = 0; j < B; ++j) {
+                if (!filled[j]) {
+                    r.zero_dst.push_back((int64_t) c.dst[j] * nkv + h);
+                }
+            }
+        }
+    }
+
+    // plan layers grouped by the device holding their cache
+    std::vector<std::pair<ggml_backend_dev_t, std::vector<uint32_t>>> groups;
+    for (uint32_t il = 0; il < c.sh.n_layer_plan; ++il) {
+        const auto & L = layers[c.ikv_of[il]];
+        ggml_backend_dev_t dev = cache_tensor_device(L.k, L.il);
+        if (cache_tensor_device(L.v, L.il) != dev) {
+            throw kvcli_error("layer " + std::to_string(L.il) + " keeps K and V on different devices");
+        }
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto & g) { return g.first == dev; });
+        if (it == groups.end()) {
+            groups.push_back({ dev, {} });
+            it = groups.end() - 1;
+        }
+        it->second.push_back(il);
+    }
+
+    for (auto & [dev, ils] : groups) {
+        ggml_backend_t be = graph_backend(*c.ext, dev, n_threads);
+        // per layer and K/V: a view, get_rows, three set_rows, their inputs (indices, rows)
+        const size_t n_nodes = std::max<size_t>(GGML_DEFAULT_GRAPH_SIZE, ils.size() * 2 * 16 + 64);
+        ggml_init_params ip = { ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
+        ggml_context_ptr gctx(ggml_init(ip));
+        if (!gctx) {
+            throw kvcli_error("could not create the compaction graph context");
+        }
+        ggml_context * g = gctx.get();
+        ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
+        std::vector<std::pair<ggml_tensor *, const void *>> inputs;   // tensor, host data of its bytes
+        std::vector<std::vector<float>> host_rows;                    // replacement rows and zeros, kept alive
+        auto input = [&](ggml_type type, int64_t ne0, int64_t ne1, const void * data) {
+            ggml_tensor * t = ne1 > 0 ? ggml_new_tensor_2d(g, type, ne0, ne1) : ggml_new_tensor_1d(g, type, ne0);
+            ggml_set_input(t);
+            inputs.emplace_back(t, data);
+            return t;
+        };
+        for (uint32_t il : ils) {
+            const auto & L = layers[c.ikv_of[il]];
+            const layer_rows & r = rows[il];
+            for (auto [t, replace] : { std::make_pair(L.k, c.plan->replace_k), std::make_pair(L.v, c.plan->replace_v) }) {
+                ggml_tensor * view = ggml_view_2d(g, t, hd, (int64_t) nkv * kv_size, ggml_row_size(t->type, hd), 0);
+                ggml_tensor * out = view;
+                if (!r.src.empty()) {
+                    ggml_tensor * got = ggml_get_rows(g, view, input(GGML_TYPE_I32, (int64_t) r.src.size(), 0, r.src.data()));
+                    out = ggml_set_rows(g, out, got, input(GGML_TYPE_I64, (int64_t) r.dst.size(), 0, r.dst.data()));
+                }
+                if (!r.rep.empty()) {
+                    std::vector<float> & rr = host_rows.emplace_back((size_t) r.rep.size() * hd);
+                    for (size_t i = 0; i < r.rep.size(); ++i) {
+                        std::memcpy(rr.data() + i * hd, replace + (size_t) r.rep[i] * hd, hd * sizeof(float));
+                    }
+                    ggml_tensor * rep = input(GGML_TYPE_F32, hd, (int64_t) r.rep.size(), rr.data());
+                    out = ggml_set_rows(g, out, rep, input(GGML_TYPE_I64, (int64_t) r.rep_dst.size(), 0, r.rep_dst.data()));
+                }
+                if (!r.zero_dst.empty()) {
+                    std::vector<float> & zz = host_rows.emplace_back((size_t) r.zero_dst.size() * hd, 0.0f);
+                    ggml_tensor * zero = input(GGML_TYPE_F32, hd, (int64_t) r.zero_dst.size(), zz.data());
+                    out = ggml_set_rows(g, out, zero, input(GGML_TYPE_I64, (int64_t) r.zero_dst.size(), 0, r.zero_dst.data()));
+                }
+                if (out != view) {
+                    ggml_build_forward_expand(gf, out);
+                }
+            }
+        }
+        ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
+        if (!ga) {
+            throw kvcli_error("could not create the compaction graph allocator");
+        }
+        std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr_t)> ga_guard(ga, ggml_gallocr_free);
+        if (!ggml_gallocr_alloc_graph(ga, gf)) {
+            throw kvcli_error("could not allocate the compaction graph");
+        }
+        for (auto & [t, data] : inputs) {
+            ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
+        }
+        if (ggml_backend_graph_compute(be, gf) != GGML_STATUS_SUCCESS) {
+            throw kvcli_error("the compaction graph failed to compute");
+        }
+        ggml_backend_synchronize(be);
+    }
+}
+
+void move_bytes(compaction & c) {
+    if (c.path == KVCLI_MOVES_DEVICE) {
+        move_bytes_on_device(c);
+    } else {
+        move_bytes_on_host(c);
+    }
+    c.ext->moves_path = c.path;
 }
 
 // the B cells: positions p0 .. p0+B-1 (re-indexed), or n_next-B .. n_next-1 so decoding continues at n_next
@@ -284,6 +472,13 @@ extern "C" {
 
 int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan) {
     return kvcli_guarded([&] { return apply_plan_impl(ctx, seq_id, plan, false, 0); });
+}
+
+int32_t kvcli_compact_path_taken(struct llama_context * ctx) {
+    return kvcli_guarded([&] {
+        const auto * ext = kvcli_cache_of(ctx)->kvcli_ext.get();
+        return (int32_t) (ext ? ext->moves_path : 0);
+    });
 }
 
 int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan,

@@ -7,27 +7,26 @@
 #include <algorithm>
 
 namespace kvcli_cache_detail {
-namespace { // internal linkage
 
-// The device whose backend can run graphs over a layer's K: the buffer type's device; a host
+// The device whose backend can run graphs over a cache tensor: the buffer type's device; a host
 // buffer type without one (ggml's plain CPU buffer type has none) is the CPU device's.
-ggml_backend_dev_t k_device(const ggml_tensor * k, uint32_t il) {
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(k->buffer);
+ggml_backend_dev_t cache_tensor_device(const ggml_tensor * t, uint32_t il) {
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(t->buffer);
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
     if (!dev && ggml_backend_buft_is_host(buft)) {
         dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     }
     if (!dev) {
-        throw kvcli_error("the K cache of layer " + std::to_string(il) + " is in a buffer (" +
-                          ggml_backend_buft_name(buft) + ") no backend device owns; kvcli cannot re-rotate it");
+        throw kvcli_error("the KV cache of layer " + std::to_string(il) + " is in a buffer (" +
+                          ggml_backend_buft_name(buft) + ") no backend device owns; kvcli cannot run a graph on it");
     }
     return dev;
 }
 
-// The backend that runs graphs on `dev` for this cache (made once, kept with the cache).
-ggml_backend_t rope_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_threads) {
+// The backend that runs kvcli's own graphs on `dev` for this cache (made once, kept with the cache).
+ggml_backend_t graph_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_threads) {
     ggml_backend_t be = nullptr;
-    for (auto & [d, b] : ext.rope_backends) {
+    for (auto & [d, b] : ext.graph_backends) {
         if (d == dev) {
             be = b.get();
         }
@@ -35,10 +34,9 @@ ggml_backend_t rope_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_th
     if (!be) {
         be = ggml_backend_dev_init(dev, nullptr);
         if (!be) {
-            throw kvcli_error(std::string("could not start a backend on ") + ggml_backend_dev_name(dev) +
-                              " to re-rotate K");
+            throw kvcli_error(std::string("could not start a backend on ") + ggml_backend_dev_name(dev));
         }
-        ext.rope_backends.emplace_back(dev, ggml_backend_ptr(be));
+        ext.graph_backends.emplace_back(dev, ggml_backend_ptr(be));
     }
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     auto set_threads = reg ? (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
@@ -49,15 +47,13 @@ ggml_backend_t rope_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_th
     return be;
 }
 
-} // namespace
-
 // Throws when a layer's K cannot be re-rotated: no backend for its buffer, or RoPE factors that are not
 // plain F32 tensors in memory.
 void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext) {
     const auto & cparams = ctx->get_cparams();
     for (const auto & L : kvcli_access::layers(*kv)) {
         if (kvcli_access::hparams(*kv).has_rope(L.il)) {
-            rope_backend(ext, k_device(L.k, L.il), cparams.n_threads);
+            graph_backend(ext, cache_tensor_device(L.k, L.il), cparams.n_threads);
             const ggml_tensor * f = kvcli_access::model(*kv).get_rope_factors(cparams, L.il);
             if (f && (f->type != GGML_TYPE_F32 || !f->buffer)) {
                 throw kvcli_error("this model's RoPE frequency factors are not an F32 tensor in memory; "
@@ -101,7 +97,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
         if (!any) {
             continue;
         }
-        ggml_backend_dev_t dev = k_device(layers[ikv].k, il);
+        ggml_backend_dev_t dev = cache_tensor_device(layers[ikv].k, il);
         auto it = std::find_if(groups.begin(), groups.end(), [&](const auto & g) { return g.first == dev; });
         if (it == groups.end()) {
             groups.push_back({ dev, {} });
@@ -111,7 +107,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
     }
 
     for (auto & [dev, ikvs] : groups) {
-        ggml_backend_t be = rope_backend(ext, dev, cparams.n_threads);
+        ggml_backend_t be = graph_backend(ext, dev, cparams.n_threads);
         // nodes per (layer, run): K view, position view and up to ~12 for the quantized path
         const size_t n_nodes = std::max<size_t>(GGML_DEFAULT_GRAPH_SIZE, ikvs.size() * runs.size() * 24 + 64);
         ggml_init_params ip = { ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
