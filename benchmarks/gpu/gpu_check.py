@@ -17,7 +17,8 @@ Sections (DIR/gpu_check.json):
 - speed: per prompt length, a random model of qwen2.5-0.5B's shape (24 layers, 14 query / 2 KV heads of 64, FFN
   4864, f16; the default model's 49,152-token vocabulary): full cache vs snapkv at --budget (split path; mask path
   at the first length): prefill, observation, planning and compaction seconds, decode tok/s (interleaved rounds,
-  median), and the GPU memory nvidia-smi reports for this process after each step.
+  median), the GPU memory nvidia-smi reports for this process after each step, and the compaction's seconds on
+  the path it takes by itself (auto: the device path on a GPU) beside the host path's (KVCLI_COMPACT=host).
 Random weights: what is measured is arithmetic and placement, not answers.
 """
 from __future__ import annotations
@@ -289,12 +290,28 @@ def section_speed(model: Path, n: int, budget: int, n_decode: int, rounds: int, 
         sync(s)
         row["compaction_s"] = round(time.perf_counter() - t0, 4)
         row["compaction_pct_of_full_prefill"] = round(100 * row["compaction_s"] / row["full_prefill_s"], 2)
+        row["compaction_path"] = s.compact_path_taken()
         row["mem_snapkv_compacted"] = gpu_mem()
         t0 = time.perf_counter()
         s.resize_context(budget + n_decode + 64)   # what run/chat do: the KV buffer sized by what is kept
         row["resize_s"] = round(time.perf_counter() - t0, 4)
         row["mem_snapkv_resized"] = gpu_mem()
         row["snapkv_kv_cells"] = s.stats()["kv_cells"]
+        # the same plan applied through host memory (KVCLI_COMPACT=host), the path before the device one
+        os.environ["KVCLI_COMPACT"] = "host"
+        h = NativeSession(model, n_ctx=n_ctx)
+        try:
+            h.prefill(toks)
+            sync(h)
+            t0 = time.perf_counter()
+            h.apply_plan(plan)
+            sync(h)
+            row["compaction_host_s"] = round(time.perf_counter() - t0, 4)
+            row["compaction_host_path"] = h.compact_path_taken()
+            row["compaction_host_pct_of_full_prefill"] = round(100 * row["compaction_host_s"] / row["full_prefill_s"], 2)
+        finally:
+            os.environ.pop("KVCLI_COMPACT", None)
+            h.close()
         row["decode"] = interleaved_decode(sessions, n_decode, rounds)
         row["snapkv_layers"] = sorted(set(map(str, s.attn_paths_taken())))
         if with_mask:   # the path read at every graph build: measured on its own, after the others
