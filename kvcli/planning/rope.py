@@ -20,9 +20,6 @@ import numpy as np
 from kvcli.errors import KvcliError
 
 NEOX_ARCHS = ("qwen2", "qwen3", "phi3")   # llama.cpp's LLAMA_ROPE_TYPE_NEOX among kvcli's architectures
-# llama.cpp's graph scales Q by 1/sqrt(head_dim) before attention (kq_scale 1) for these: the observed Q rows are not
-# the model's queries (kvcli check's L2 sees it); refused until the observation undoes the scale
-PRESCALED_Q_ARCHS = ("phi3",)
 NORM_ARCHS = ("llama",)                   # LLAMA_ROPE_TYPE_NORM (the GGUF's Q/K rows permuted)
 
 
@@ -73,8 +70,6 @@ def refusal(info) -> str | None:
         return "sliding-window layers (their RoPE base differs per layer)"
     if arch not in NEOX_ARCHS + NORM_ARCHS:
         return f"architecture '{arch}'"
-    if arch in PRESCALED_Q_ARCHS:
-        return f"architecture '{arch}' (llama.cpp scales its Q rows before attention, which the observation keeps)"
     meta = header_values(info.path)
     scaling = str(meta.get(f"{arch}.rope.scaling.type") or "linear")
     if scaling not in ("none", "linear"):

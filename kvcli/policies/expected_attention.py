@@ -61,10 +61,10 @@ SPEC = PolicySpec(
         "observation holds their Q rows (n_layer x n_head x window x head_dim floats); window >= the prompt's "
         "length reproduces kvpress",
         "the queries are the Q rows attention used (post-RoPE, un-rotated exactly at their positions), so a "
-        "projection bias (qwen2) and QK-norm are included as in kvpress 0.5.5's get_prerope_query_states",
+        "projection bias (qwen2) and QK-norm are included as in kvpress 0.5.5's get_prerope_query_states; a model "
+        "whose graph scales Q before attention (phi3 in llama.cpp) has that scale undone by the observation",
         "models whose RoPE is not a plain rotation of every dimension (YaRN, LongRoPE, an attention factor, partial "
-        "rotary dimensions), models with sliding-window layers (gemma2, gemma3) and phi3 (llama.cpp scales its Q rows "
-        "before attention, which the observation does not undo yet) are refused in one line",
+        "rotary dimensions) and models with sliding-window layers (gemma2, gemma3) are refused in one line",
         "a document longer than one prefill (bounded reading, --chunk) is refused: the statistics of a chunk's "
         "queries are not those of the prompt",
         "the last `recent` prompt slots are always kept (kvcli's prompt ends with the instruction and the assistant "

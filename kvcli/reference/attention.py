@@ -31,6 +31,7 @@ pass (`active(...)`), so the model object itself stays a stock transformers mode
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -93,8 +94,9 @@ class Observer:
     def observes(self, layer: int) -> bool:
         return layer in self.index
 
-    def record_queries(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
-        """q: [n_head, rows, d], the layer's queries as attention uses them, at positions q_pos [rows]."""
+    def record_queries(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scaling: float) -> None:
+        """q: [n_head, rows, d], the layer's queries as attention uses them (logit = q.k x scaling), at positions
+        q_pos [rows]; kept scaled so that the logit is q.k / sqrt(d), as the native engine keeps them."""
         if self.query_pos0 is None:
             return
         rows = q_pos >= self.query_pos0
@@ -102,6 +104,9 @@ class Observer:
             return
         i = self.index[layer]
         got = q[:, rows, :].to(torch.float32)
+        f = scaling * math.sqrt(q.shape[-1])
+        if abs(f - 1.0) > 1e-6:
+            got = got * f
         self.queries[i] = got if self.queries[i] is None else torch.cat([self.queries[i], got], dim=1)
         if i == 0:
             self.query_positions.extend(int(p) for p in q_pos[rows])
@@ -178,7 +183,7 @@ def kvcli_attention(module, query, key, value, attention_mask, scaling: float, d
     observer = st.observer if st.observer is not None and st.observer.observes(layer) else None
 
     if observer is not None:
-        observer.record_queries(layer, q, st.q_pos)
+        observer.record_queries(layer, q, st.q_pos, scaling)
     out = torch.empty_like(q)
     for r0 in range(0, q.shape[1], QUERY_CHUNK):
         r1 = min(r0 + QUERY_CHUNK, q.shape[1])

@@ -38,7 +38,8 @@ enum kvcli_obs_kind {
     KVCLI_OBS_WINDOW = 1,   // attention of the window queries summed over the window, per query head and slot
     KVCLI_OBS_COLSUM = 2,   // column sums of the causal attention of every armed query, per query head
     KVCLI_OBS_COLMAX = 4,   // column maxima: the largest attention any armed query gives each slot, per query head
-    KVCLI_OBS_QUERY  = 8,   // the Q rows of the window queries (post-RoPE, as attention uses them), per query head
+    KVCLI_OBS_QUERY  = 8,   // the Q rows of the window queries (post-RoPE, as attention uses them), per query head,
+                            // scaled so that the attention logit is q.k / sqrt(head_dim) (kq_scale folded in)
 };
 #define KVCLI_OBS_MAX_WINDOWS 16
 

@@ -16,6 +16,7 @@
 #include "llama-impl.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -229,6 +230,11 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
                 ggml_set_output(q2);
                 ggml_build_forward_expand(gf, q2);
                 pend.qrows = q2;
+                // the rows are the model's queries where kq_scale is 1/sqrt(head_dim); a model that scales Q itself
+                // (phi3: Q / sqrt(head_dim), kq_scale 1) gets its scale undone on the host, so every model's rows
+                // mean the same (expected attention's logit mu.k / sqrt(head_dim))
+                const double f = (double) kq_scale * std::sqrt((double) q->ne[0]);
+                pend.qscale = std::fabs(f - 1.0) > 1e-6 ? (float) f : 1.0f;
             }
         }
         if (q2 && (ext.obs.kinds & KVCLI_OBS_WINDOW)) {
@@ -361,7 +367,10 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
             if (ext.obs.queries.size() != n_layer) {
                 ext.obs.queries.assign(n_layer, {});
             }
-            const std::vector<float> rows = host_copy(p.qrows);
+            std::vector<float> rows = host_copy(p.qrows);
+            if (p.qscale != 1.0f) {
+                for (auto & x : rows) x *= p.qscale;
+            }
             auto & dst = ext.obs.queries[il];
             dst.insert(dst.end(), rows.begin(), rows.end());
         }

@@ -17,6 +17,7 @@ struct kvcli_pending {
     ggml_tensor * col = nullptr;     // F32 [1, n_kv, n_head]
     ggml_tensor * cmax = nullptr;    // F32 [n_kv, 1, n_head]: the largest probability of the rows, per cell
     ggml_tensor * qrows = nullptr;   // F32 [head_dim * n_head, n_win]: the window queries' Q rows
+    float qscale = 1.0f;             // kq_scale x sqrt(head_dim): what the host multiplies the Q rows by
 };
 
 struct kvcli_observation {
@@ -34,7 +35,9 @@ struct kvcli_observation {
     bool                            have_colsum = false;
     std::vector<std::vector<float>> colmax;      // per model layer: [n_head][kv_size], maxima over the armed rows
     bool                            have_colmax = false;
-    std::vector<std::vector<float>> queries;     // per model layer: [n_rows][n_head][head_dim], in decode order
+    // per model layer: [n_rows][n_head][head_dim], in decode order, scaled so that attention's logit is
+    // q.k / sqrt(head_dim) (llama.cpp's kq_scale folded in: phi3 scales Q before attention and uses kq_scale 1)
+    std::vector<std::vector<float>> queries;
     std::vector<int32_t>            query_pos;   // [n_rows]: their positions
     int64_t                         query_width = 0;  // head_dim * n_head of a row
 };

@@ -195,14 +195,14 @@ def test_native_planner_refuses_other_rope_types():
 
 
 TINY = [("llama", {}, 4, 2), ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, 6, 2),
-        ("llama", "llama3", 4, 1), ("qwen2", {}, 6, 2), ("qwen2", {}, 4, 4)]
+        ("llama", "llama3", 4, 1), ("qwen2", {}, 6, 2), ("qwen2", {}, 4, 4), ("phi3", {}, 4, 2)]
 
 
 @pytest.mark.parametrize("arch,extra,n_head,n_head_kv", TINY,
-                         ids=["llama", "llama-linear", "llama-rope_freqs", "qwen2", "qwen2-mha"])
+                         ids=["llama", "llama-linear", "llama-rope_freqs", "qwen2", "qwen2-mha", "phi3"])
 def test_l1_on_tiny_gguf_observation(tmp_path, arch, extra, n_head, n_head_kv):
     """L1 on a real native observation (f16 cache, flash attention: the product's path): the C++ plan equals the torch
-    plan; for llama and qwen2 shapes, linear scaling and Llama 3 rope_freqs factors, GQA and MHA."""
+    plan; for llama, qwen2 and phi3 shapes, linear scaling and Llama 3 rope_freqs factors, GQA and MHA."""
     from kvcli.native.session import NativeSession  # noqa: PLC0415
     from kvcli.testing.tiny_gguf import llama3_rope_freqs, write_tiny  # noqa: PLC0415
     kw = {"rope_tensors": {"rope_freqs": llama3_rope_freqs(16)}} if extra == "llama3" else extra
@@ -212,7 +212,7 @@ def test_l1_on_tiny_gguf_observation(tmp_path, arch, extra, n_head, n_head_kv):
     s = NativeSession(path, n_ctx=512)
     try:
         obs = s.prefill(tokens, observe=("query", "kv"), window=128)
-        assert obs.rope.neox == (arch == "qwen2") and (obs.rope.factors is not None) == (extra == "llama3")
+        assert obs.rope.neox == (arch != "llama") and (obs.rope.factors is not None) == (extra == "llama3")
         if extra and extra != "llama3":
             assert obs.rope.freq_scale == 0.5
         for args, budget in (([], 64), (["covariance=off", "gqa=max"], 100), (["window=64", "recent=0"], 32)):

@@ -1,7 +1,8 @@
 """The `query` observation (expected_attention's Q rows, issue #32): both engines give the same rows of the same
 positions on a float32 tiny model (f32 cache, no flash attention), alone or beside window sums; a window longer than
 the prompt gives every query; the RoPE both engines describe (Observation.rope) is llama.cpp's, checked on the native
-engine's own Q and K rows (llama: adjacent pairs, qwen2: NEOX halves)."""
+engine's own Q and K rows (llama: adjacent pairs, qwen2: NEOX halves); phi3, whose Q llama.cpp scales by 1/sqrt(d)
+before attention (kq_scale 1), gives the model's own rows in both engines (the native observation undoes the scale)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ from kvcli.testing.tiny_gguf import write_tiny
 TOKENS = [int(t) for t in np.random.default_rng(1).integers(5, 200, size=100)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "phi3"])
 def tiny(request, tmp_path_factory):
     return request.param, write_tiny(tmp_path_factory.mktemp("q") / f"{request.param}.gguf", request.param,
                                      n_layer=2, n_head=4, n_head_kv=2, head_dim=16)
@@ -35,7 +36,7 @@ def test_engines_give_the_same_rows(tiny):
         nat, ref = (observe(S, path, kinds, window) for S in (NativeSession, ReferenceSession))
         for o in (nat, ref):
             assert o.queries.shape == (2, 4, rows, 16) and o.query_positions.tolist() == list(range(100 - rows, 100))
-            assert o.rope.neox == (arch == "qwen2")
+            assert o.rope.neox == (arch != "llama")
         np.testing.assert_allclose(nat.queries, ref.queries, atol=1e-4 * np.abs(ref.queries).max())
         if "window" in kinds:
             assert nat.windows == ref.windows == (4, 12)
