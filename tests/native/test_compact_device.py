@@ -60,12 +60,14 @@ def test_device_path_in_a_chunked_read_with_reindexing(session_factory, tiny_mod
     assert np.array_equal(dev_logits, host_logits)
 
 
-def test_auto_moves_a_cpu_cache_on_the_host(session_factory, tiny_model, monkeypatch):
+def test_auto_moves_on_the_host_for_a_cpu_cache_and_on_the_device_for_a_gpu_cache(session_factory, tiny_model,
+                                                                                   monkeypatch):
     monkeypatch.delenv("KVCLI_COMPACT", raising=False)
     s = session_factory(tiny_model, flash_attn=True, cache_type="f16")
     assert s.compact_path_taken() is None
     prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
-    assert s.compact_path_taken() == "host"
+    # a library with a GPU puts every layer's cache there (llama.cpp's default, n_gpu_layers=-1)
+    assert s.compact_path_taken() == ("device" if s.L.llama_supports_gpu_offload() else "host")
 
 
 @pytest.mark.parametrize("flash_attn,cache_type,model,says", [
