@@ -29,7 +29,8 @@ def _epilog() -> str:
                  "one, the observation is computed alike, a given compressed cache decodes alike); plan agreement "
                  "measures the policy (how far its plan and output move under observation differences within L2's "
                  "limits), not the engines. L2's K/V allowance consults the native engine at its other precision "
-                 "setting (cache type, flash attention); it does not vary llama.cpp's 8-bit matmul inputs.")
+                 "setting (cache type, flash attention); it does not vary llama.cpp's ubatch size or 8-bit matmul "
+                 "inputs, which move a few gemma-3-270m rows further (docs/models.md).")
     lines.append("Exit code: 0 when the engines agree (L1, L2 and L3's arithmetic verdict pass), 1 when one of "
                  "them fails (or errors), 2 on bad input. Plan agreement (each engine its own plan) is the policy's "
                  "sensitivity: a miss is printed as PLAN SENSITIVITY and listed in --json's \"plan_sensitive\"; "
