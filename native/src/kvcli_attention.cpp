@@ -90,7 +90,11 @@ ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor 
     ggml_tensor * cur = ggml_flash_attn_ext(ctx0, q, k, v, mask, kq_scale, 0.0f, soft_cap);
     ggml_prec_set_acc(cur, GGML_PREC_F32);
     ggml_format_name(cur, "kvcli_split_fa-%d", il);
-    // [hd_v, g, n_tokens, n_head_kv] -> [hd_v * (g, n_head_kv), n_tokens]: llama.cpp's head order h*g + r
+    // [hd_v, g, n_tokens, n_head_kv] -> [hd_v * (g, n_head_kv), n_tokens]: llama.cpp's head order h*g + r.
+    // One token (decoding): the output's memory is that order already, so a reshape, not a copy per layer.
+    if (n_tokens == 1) {
+        return ggml_reshape_2d(ctx0, cur, cur->ne[0] * n_head, 1);
+    }
     return ggml_cont_2d(ctx0, ggml_permute(ctx0, cur, 0, 1, 3, 2), cur->ne[0] * n_head, n_tokens);
 }
 
