@@ -48,6 +48,10 @@ from kvcli.planning.planner import make_plan, resolve  # noqa: E402
 from kvcli.testing.tiny_gguf import write_tiny  # noqa: E402
 
 QWEN05_SHAPE = dict(n_layer=24, n_head=14, n_head_kv=2, head_dim=64, n_ff=4864, dtype="f16", rope_theta=1e6)
+# Llama-3-8B's attention (32 query / 8 KV heads of 128) in 8 layers with a narrow FFN: a decode that attention
+# weighs on (8x qwen2.5-0.5B's K/V per token and layer), not a model anyone runs
+ATTN8B_SHAPE = dict(n_layer=8, n_head=32, n_head_kv=8, head_dim=128, n_ff=2048, dtype="f16", rope_theta=5e5)
+SHAPES = {"qwen05": QWEN05_SHAPE, "attn8b": ATTN8B_SHAPE}
 AGREE_SHAPE = dict(n_layer=4, n_head=8, n_head_kv=2, head_dim=64, n_ff=256, dtype="f32")
 AGREE_N, AGREE_BUDGET, AGREE_STEPS = 1024, 128, (42, 7, 1234, 99)
 # random weights give dissimilar keys: low codebook thresholds make spindlekv merge (as tests/native do)
@@ -353,7 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sections", default="paths,agreement,placement,speed")
-    ap.add_argument("--shape-layers", type=int, default=QWEN05_SHAPE["n_layer"],
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen05", help="the speed model's shape")
+    ap.add_argument("--shape-layers", type=int, default=None,
                     help="layers of the speed model (fewer to try the script on a CPU)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -370,8 +375,10 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in a.lengths.split(",")]
     t0 = time.perf_counter()
     agree_model = write_tiny(Path("/tmp/kvcli_gpu_agree.gguf"), "llama", seed=5, **AGREE_SHAPE)
-    speed_model = write_tiny(Path("/tmp/kvcli_gpu_qwen05.gguf"), "qwen2", seed=6,
-                             n_ctx_train=max(lengths) + a.decode + 256, **dict(QWEN05_SHAPE, n_layer=a.shape_layers))
+    shape = dict(SHAPES[a.shape])
+    shape["n_layer"] = a.shape_layers or shape["n_layer"]
+    speed_model = write_tiny(Path(f"/tmp/kvcli_gpu_{a.shape}.gguf"), "qwen2" if a.shape == "qwen05" else "llama",
+                             seed=6, n_ctx_train=max(lengths) + a.decode + 256, **shape)
     res["models_written_s"] = round(time.perf_counter() - t0, 1)
     save()
     wanted = a.sections.split(",")

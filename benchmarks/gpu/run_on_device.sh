@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue #17's checks on a lent GPU machine (the device tool), from the repo root, after benchmarks/gpu/pack.sh:
-#   bash .gpu/src/benchmarks/gpu/run_on_device.sh        (results under $OUT; ~5 minutes on an H100/H200)
+#   bash .gpu/src/benchmarks/gpu/run_on_device.sh [gpu_check.py's options]   (results under $OUT; ~3 minutes on an H200)
+#   GPU_CHECK_ONLY=1: gpu_check.py alone (no kvcli run, no tests)
 # The machine has Python 3.12 with numpy, torch, click, pytest but no network: the rest comes from .gpu/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -23,6 +24,7 @@ ldd /tmp/kv/lib/libggml-cuda.so | grep -E "cuda|cublas|not found"
 cd "$G/src"
 timeout 240 python3 benchmarks/gpu/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit: ${PIPESTATUS[0]}"
+[ "${GPU_CHECK_ONLY:-0}" = 1 ] && exit 0      # the checks alone (a short run: the speed section, say)
 # the command line on the GPU, on gpu_check's random model of qwen2.5-0.5B's shape (its answer is noise)
 M=/tmp/kvcli_gpu_qwen05.gguf
 { python3 -m kvcli.cli info $M
