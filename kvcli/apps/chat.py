@@ -63,7 +63,7 @@ from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.policies import parse_policy_args
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
 from kvcli.drivers.reselect_bounded import (ChunkedStore, check_store_target, check_usable, exact_below_bytes,
-                                            is_store, quality_note, read_manifest)
+                                            is_store, read_manifest)
 from kvcli.templating import GENERIC_SUFFIX
 
 CTX_PAD = 256
@@ -246,9 +246,6 @@ class Conversation:
         if named:   # a folder for the bounded form, a .kvc file for the exact one: checked before the read
             check_store_target(self.store_path, form=form)
         if form == "bounded":
-            note = quality_note(self.policy)
-            if note:
-                self._say(note)
             n_seq = max(2, self.seq + 2)    # and one to load the stored chunks through, per question
             if self.session.ctx is None:
                 self.session.create_context(chunking.n_ctx, n_seq)

@@ -73,25 +73,6 @@ _CHUNK_FILE = re.compile(r"chunk-[0-9]{4,}\.state")
 EXACT_BELOW_BYTES = 256 << 20
 
 
-# What the bounded form cost in quality where it was measured (docs/results.md, "Exact against bounded
-# re-selection": qwen2.5-coder-0.5b, 8k tokens, four documents, budget 256, 24 questions; snapkv 88% bounded
-# against 96% exact). A chat that goes bounded with one of these says so.
-BOUNDED_COST = {
-    "pyramidkv": "17% of 24 questions right, against 96% exact (its 8-token window is the probe; window=32: 83% "
-                 "on one 4k document)",
-    "compresskv": "33% of 24 questions right, against 96% exact",
-}
-
-
-def quality_note(policy: str) -> str | None:
-    """One line for a chat that re-selects `policy` in bounded form, where that was measured to lose most facts."""
-    cost = BOUNDED_COST.get(policy)
-    if cost is None:
-        return None
-    return (f"note: bounded re-selection with {policy} lost most facts where measured ({cost}; 8k tokens, "
-            "docs/results.md); snapkv lost least, and --chunk 0 keeps the exact form where memory allows")
-
-
 def exact_below_bytes() -> int:
     return env_bytes("KVCLI_RESELECT_EXACT_MB", EXACT_BELOW_BYTES)
 
