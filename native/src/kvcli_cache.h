@@ -137,6 +137,17 @@ void rm_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells);
 // kvcli's graphs on it
 ggml_backend_dev_t cache_tensor_device(const ggml_tensor * t, uint32_t il);
 ggml_backend_t graph_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_threads);
+// layers grouped by the device holding their cache, in first-seen order (one graph per device)
+using device_groups = std::vector<std::pair<ggml_backend_dev_t, std::vector<size_t>>>;
+inline void add_to_group(device_groups & groups, ggml_backend_dev_t dev, size_t layer) {
+    for (auto & [d, layers] : groups) {
+        if (d == dev) {
+            layers.push_back(layer);
+            return;
+        }
+    }
+    groups.push_back({ dev, { layer } });
+}
 // kvcli_reindex.cpp: throws when a layer's K cannot be re-rotated (checked before anything moves)
 void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext);
 // kvcli_reindex.cpp: re-rotate the K rows of cells `dst` by delta[il][j*n_head_kv + h] positions

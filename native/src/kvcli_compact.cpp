@@ -301,19 +301,14 @@ void move_bytes_on_device(compaction & c) {
     }
 
     // plan layers grouped by the device holding their cache
-    std::vector<std::pair<ggml_backend_dev_t, std::vector<uint32_t>>> groups;
+    device_groups groups;
     for (uint32_t il = 0; il < c.sh.n_layer_plan; ++il) {
         const auto & L = layers[c.ikv_of[il]];
         ggml_backend_dev_t dev = cache_tensor_device(L.k, L.il);
         if (cache_tensor_device(L.v, L.il) != dev) {
             throw kvcli_error("layer " + std::to_string(L.il) + " keeps K and V on different devices");
         }
-        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto & g) { return g.first == dev; });
-        if (it == groups.end()) {
-            groups.push_back({ dev, {} });
-            it = groups.end() - 1;
-        }
-        it->second.push_back(il);
+        add_to_group(groups, dev, il);
     }
 
     for (auto & [dev, ils] : groups) {
@@ -335,7 +330,7 @@ void move_bytes_on_device(compaction & c) {
             inputs.emplace_back(t, data);
             return t;
         };
-        for (uint32_t il : ils) {
+        for (size_t il : ils) {
             const auto & L = layers[c.ikv_of[il]];
             const layer_rows & r = rows[il];
             for (auto [t, replace] : { std::make_pair(L.k, c.plan->replace_k), std::make_pair(L.v, c.plan->replace_v) }) {

@@ -84,7 +84,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
     const int nrot_had = rot_size(*kv, 0);
 
     // layers that need it, grouped by the device holding their K
-    std::vector<std::pair<ggml_backend_dev_t, std::vector<size_t>>> groups;
+    device_groups groups;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const uint32_t il = layers[ikv].il;
         if (!hp.has_rope(il)) {
@@ -98,12 +98,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
             continue;
         }
         ggml_backend_dev_t dev = cache_tensor_device(layers[ikv].k, il);
-        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto & g) { return g.first == dev; });
-        if (it == groups.end()) {
-            groups.push_back({ dev, {} });
-            it = groups.end() - 1;
-        }
-        it->second.push_back(ikv);
+        add_to_group(groups, dev, ikv);
     }
 
     for (auto & [dev, ikvs] : groups) {
