@@ -390,7 +390,7 @@ def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget,
     assert len(tokens) > 2 * chunk
     spec, params = resolve_for_model(s.model_path, policy, args, budget, "Hi")
     _, window = spec.observe(params)
-    probe = window if scoring == "question" and "window" in spec.needs else 0
+    probe = chunked.probe_length(window, chunk) if scoring == "question" and "window" in spec.needs else 0
     try:
         replayed = chunked.check_room(spec, params, s.info.n_layer, len(tokens), budget, chunk, budget + chunk,
                                       window, probe)
@@ -402,6 +402,10 @@ def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget,
         real = [(st.tokens, st.cells_after) for st in rep.steps]
     except KvcliError as e:
         real = str(e)
+    if replayed is None:   # the scores decide a width before the last chunk: the reading checks each chunk itself
+        assert not refused and isinstance(real, list) and len(real) > 1   # (windowkv's partial review window, with
+        s.close()                                                          # the question probe's chunk sizes)
+        return
     if isinstance(replayed, list) and replayed[-1][1] is None:   # the scores decide the last chunk's width
         real[-1] = (real[-1][0], None)
     assert replayed == real
