@@ -13,6 +13,7 @@
 #include "ggml-cpp.h"
 
 #include <array>
+#include <functional>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -137,6 +138,11 @@ void rm_cells(kvcli_kv_ext & ext, const std::vector<uint32_t> & cells);
 // kvcli's graphs on it
 ggml_backend_dev_t cache_tensor_device(const ggml_tensor * t, uint32_t il);
 ggml_backend_t graph_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_threads);
+// kvcli_reindex.cpp: a no-alloc context for one of kvcli's own graphs of up to n_nodes nodes, and the running of
+// such a graph on be (its tensors allocated on be's buffer type, set_inputs fills them, then compute and wait);
+// `what` names the graph in errors
+ggml_context_ptr graph_context(size_t n_nodes, const std::string & what);
+void run_graph(ggml_backend_t be, ggml_cgraph * gf, const std::string & what, const std::function<void()> & set_inputs);
 // layers grouped by the device holding their cache, in first-seen order (one graph per device)
 using device_groups = std::vector<std::pair<ggml_backend_dev_t, std::vector<size_t>>>;
 inline void add_to_group(device_groups & groups, ggml_backend_dev_t dev, size_t layer) {

@@ -5,14 +5,11 @@
 // re-indexing, re-rotate K (kvcli_reindex.cpp).
 #include "kvcli_cache.h"
 
-#include "ggml-alloc.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <memory>
 
 namespace kvcli_cache_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
@@ -315,11 +312,7 @@ void move_bytes_on_device(compaction & c) {
         ggml_backend_t be = graph_backend(*c.ext, dev, n_threads);
         // per layer and K/V: a view, get_rows, three set_rows, their inputs (indices, rows)
         const size_t n_nodes = std::max<size_t>(GGML_DEFAULT_GRAPH_SIZE, ils.size() * 2 * 16 + 64);
-        ggml_init_params ip = { ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
-        ggml_context_ptr gctx(ggml_init(ip));
-        if (!gctx) {
-            throw kvcli_error("could not create the compaction graph context");
-        }
+        ggml_context_ptr gctx = graph_context(n_nodes, "compaction");
         ggml_context * g = gctx.get();
         ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
         std::vector<std::pair<ggml_tensor *, const void *>> inputs;   // tensor, host data of its bytes
@@ -358,21 +351,11 @@ void move_bytes_on_device(compaction & c) {
                 }
             }
         }
-        ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
-        if (!ga) {
-            throw kvcli_error("could not create the compaction graph allocator");
-        }
-        std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr_t)> ga_guard(ga, ggml_gallocr_free);
-        if (!ggml_gallocr_alloc_graph(ga, gf)) {
-            throw kvcli_error("could not allocate the compaction graph");
-        }
-        for (auto & [t, data] : inputs) {
-            ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
-        }
-        if (ggml_backend_graph_compute(be, gf) != GGML_STATUS_SUCCESS) {
-            throw kvcli_error("the compaction graph failed to compute");
-        }
-        ggml_backend_synchronize(be);
+        run_graph(be, gf, "compaction", [&] {
+            for (auto & [t, data] : inputs) {
+                ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
+            }
+        });
     }
 }
 

@@ -47,6 +47,31 @@ ggml_backend_t graph_backend(kvcli_kv_ext & ext, ggml_backend_dev_t dev, int n_t
     return be;
 }
 
+ggml_context_ptr graph_context(size_t n_nodes, const std::string & what) {
+    ggml_init_params ip = { ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
+    ggml_context_ptr ctx(ggml_init(ip));
+    if (!ctx) {
+        throw kvcli_error("could not create the " + what + " graph context");
+    }
+    return ctx;
+}
+
+void run_graph(ggml_backend_t be, ggml_cgraph * gf, const std::string & what, const std::function<void()> & set_inputs) {
+    ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
+    if (!ga) {
+        throw kvcli_error("could not create the " + what + " graph allocator");
+    }
+    std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr_t)> ga_guard(ga, ggml_gallocr_free);
+    if (!ggml_gallocr_alloc_graph(ga, gf)) {
+        throw kvcli_error("could not allocate the " + what + " graph");
+    }
+    set_inputs();
+    if (ggml_backend_graph_compute(be, gf) != GGML_STATUS_SUCCESS) {
+        throw kvcli_error("the " + what + " graph failed to compute");
+    }
+    ggml_backend_synchronize(be);
+}
+
 // Throws when a layer's K cannot be re-rotated: no backend for its buffer, or RoPE factors that are not
 // plain F32 tensors in memory.
 void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext) {
@@ -105,11 +130,7 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
         ggml_backend_t be = graph_backend(ext, dev, cparams.n_threads);
         // nodes per (layer, run): K view, position view and up to ~12 for the quantized path
         const size_t n_nodes = std::max<size_t>(GGML_DEFAULT_GRAPH_SIZE, ikvs.size() * runs.size() * 24 + 64);
-        ggml_init_params ip = { ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
-        ggml_context_ptr gctx(ggml_init(ip));
-        if (!gctx) {
-            throw kvcli_error("could not create the re-indexing graph context");
-        }
+        ggml_context_ptr gctx = graph_context(n_nodes, "re-indexing");
         ggml_context * g = gctx.get();
         ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
 
@@ -163,28 +184,18 @@ void rerotate_k(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext, co
             }
         }
 
-        ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
-        if (!ga) {
-            throw kvcli_error("could not create the re-indexing graph allocator");
-        }
-        std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr_t)> ga_guard(ga, ggml_gallocr_free);
-        if (!ggml_gallocr_alloc_graph(ga, gf)) {
-            throw kvcli_error("could not allocate the re-indexing graph");
-        }
-        ggml_backend_tensor_set(pos, pos_host.data(), 0, ggml_nbytes(pos));
-        if (rot) {
-            const auto & H = kvcli_access::hadamard(*kv, nrot_had);
-            ggml_backend_tensor_set(rot, H.data(), 0, ggml_nbytes(rot));
-        }
-        for (auto & [m, c] : factors) {
-            std::vector<uint8_t> buf(ggml_nbytes(m));
-            ggml_backend_tensor_get(m, buf.data(), 0, buf.size());
-            ggml_backend_tensor_set(c, buf.data(), 0, buf.size());
-        }
-        if (ggml_backend_graph_compute(be, gf) != GGML_STATUS_SUCCESS) {
-            throw kvcli_error("the re-indexing graph failed to compute");
-        }
-        ggml_backend_synchronize(be);
+        run_graph(be, gf, "re-indexing", [&] {
+            ggml_backend_tensor_set(pos, pos_host.data(), 0, ggml_nbytes(pos));
+            if (rot) {
+                const auto & H = kvcli_access::hadamard(*kv, nrot_had);
+                ggml_backend_tensor_set(rot, H.data(), 0, ggml_nbytes(rot));
+            }
+            for (auto & [m, c] : factors) {
+                std::vector<uint8_t> buf(ggml_nbytes(m));
+                ggml_backend_tensor_get(m, buf.data(), 0, buf.size());
+                ggml_backend_tensor_set(c, buf.data(), 0, buf.size());
+            }
+        });
     }
 }
 
