@@ -434,8 +434,8 @@ class Worker:
         seq = lock.free_seq()
         read_s = None
         try:
-            # kvzip's reconstruction pass holds its chunk after the prompt in the reading context
-            room = repeat_room(len(ready.tokens), self._cfg(ready.job).params["repeat_chunk"]) \
+            # kvzip's reconstruction pass holds its chunk after the prompt (bounded reading: after the chunk read)
+            room = repeat_room(ready.chunking.chunk or len(ready.tokens), self._cfg(ready.job).params["repeat_chunk"]) \
                 if reconstructs(s.policy) else 0
             reader = self._reader(ready.peak + room)
             try:

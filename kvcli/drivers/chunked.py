@@ -28,9 +28,19 @@ Which queries score a chunk (`scoring`), for the policies that observe a window:
   lets entries the question needs go before the question arrives (docs/long-documents.md).
 Column-sum policies (h2o, d2o) and streamingllm are not probed: their scores are not a window's.
 
+kvzip (question-agnostic) is scored by its reconstruction pass run chunk by chunk (kvcli/drivers/reconstruct.py,
+`start`/`end`): after a chunk is prefilled, "repeat the previous context" (REPEAT_NEXT + the last REPEAT_OVERLAP
+tokens before the chunk for a chunk after the first) and the chunk's tokens again are prefilled with column maxima
+observed over every held slot (the kept entries and the chunk), then rolled back; a kept entry's score is the
+larger of the maximum it carries from earlier chunks and the new chunk's (`_carry`, combined by max): the maximum
+over all passes, as the one-prefill pass takes it, over the passes that ran while the entry was held. Reported as
+chunk_scoring "reconstruction"; its seconds are `reconstruct_s` (part of compress_s).
+
 Memory bound: the cache never holds more than `cap` = budget + chunk cells (+ the answer). A
 policy whose widest layer keeps more than `budget` entries (pyramidkv, dynamickv, compresskv, ...)
-gets shorter chunks, never a bigger cache.
+gets shorter chunks, never a bigger cache. kvzip's reconstruction pass adds its own cells while it runs: at most
+budget + chunk + `reconstruct.pass_cells` (min(repeat_chunk, chunk) + the longest instruction, ~20 tokens); the
+report's `cap` (stats `cache_cap`) is that bound, and the context is sized for it (`plan_chunking`).
 
 What each policy carries across chunks is stated in `kvcli.policies.notes.chunked_note` (and `kvcli policies
 --explain`).
@@ -44,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcli import policies
-from kvcli.drivers.reconstruct import repeat_room
+from kvcli.drivers.reconstruct import REPEAT_MARGIN, pass_cells, reconstruct_scores, repeat_room
 from kvcli.config import env_bytes
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
@@ -115,10 +125,14 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
     one_prefill = one_prefill_only(policy)
-    if reconstructs(policy):   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
-        reserve = max(reserve, repeat_room(n_prompt, policies.get(policy).param("repeat_chunk").default))
-    bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK    # bounded reading by default
-               and n_prompt * cell_bytes > bounded_above_bytes() and not one_prefill)
+    asked = reserve
+    repeat = policies.get(policy).param("repeat_chunk").default if reconstructs(policy) else 0
+    if repeat:   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
+        reserve = max(reserve, repeat_room(n_prompt, repeat))
+    # bounded reading by default; not for kvzip, whose quality figures (docs/results.md) are its one-prefill pass's:
+    # it reads in chunks when asked (--chunk N, --max-cache) or when the prompt does not fit the context
+    bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK
+               and n_prompt * cell_bytes > bounded_above_bytes() and not one_prefill and not repeat)
     if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
@@ -126,42 +140,59 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     if budget is None:
         raise KvcliError(f"the prompt ({n_prompt} tokens) must be read in chunks: policy '{policy}' needs --budget N")
-    room = min(reserve, MIN_ROOM)   # the least room left for the answer / conversation
+    room = min(asked, MIN_ROOM)   # the least room left for the answer / conversation
+
+    def after(c: int) -> int:   # cells after budget + chunk: the answer's, or kvzip's pass over the chunk (more)
+        return max(room, repeat_room(c, repeat)) if repeat else room
     if chunk is None:
-        chunk = min((max_cache - budget - room) if max_cache else DEFAULT_CHUNK, n_ctx_train - budget - room)
+        chunk = min((max_cache - budget) if max_cache else DEFAULT_CHUNK + after(DEFAULT_CHUNK),
+                    n_ctx_train - budget)
+        chunk = _fit_chunk(chunk, after)
         if chunk < MIN_CHUNK:
             raise KvcliError(f"{where} leaves {max(chunk, 0)} cells to read the document through "
-                             f"(budget {budget} + {room} for the answer): lower --budget")
+                             f"(budget {budget} + {after(max(chunk, 0))} for the answer"
+                             f"{' and the reconstruction pass' if repeat else ''}): lower --budget")
     if chunk < MIN_CHUNK:
         raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
-    if budget + chunk + room > limit:
-        raise KvcliError(f"budget {budget} + chunk {chunk} + {room} cells for the answer do not fit {where}")
+    if budget + chunk + after(chunk) > limit:
+        raise KvcliError(f"budget {budget} + chunk {chunk} + {after(chunk)} cells for the answer"
+                         f"{' and the reconstruction pass over a chunk' if repeat else ''} do not fit {where}")
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     if one_prefill:
         refuse_chunked(policy, f"the prompt ({n_prompt} tokens) is longer than {where}" if not fits else
                        f"--chunk {chunk} is shorter than the prompt ({n_prompt} tokens)")
+    if repeat:   # the pass runs over one chunk, not the prompt: the context holds budget + chunk + the pass
+        reserve = max(asked, repeat_room(chunk, repeat))
     n_ctx = max_cache if max_cache else min(_pad(budget + chunk + reserve), n_ctx_train)
     why = "the prompt does not fit the context" if not fits else "bounded reading (the default with a budget)" \
         if bounded and not max_cache else f"--chunk {chunk}"
     return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)
 
 
+def _fit_chunk(space: int, after) -> int:
+    """The longest chunk c with c + after(c) <= space (after(c) grows by at most c: kvzip's pass over the chunk)."""
+    lo, hi = 0, max(space, 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mid + after(mid) <= space else (lo, mid - 1)
+    return lo if lo + after(lo) <= space else space - after(0)
+
+
 def one_prefill_only(policy: str) -> bool:
-    """Policies that are read in one prefill only: kvzip, whose reconstruction pass re-reads the whole prompt;
-    expected_attention, whose query statistics are the prompt's."""
-    return policy != "full" and bool({"colmax", "query"} & set(policies.get(policy).needs))
+    """Policies that are read in one prefill only: expected_attention, whose query statistics are the prompt's.
+    (kvzip is read in chunks with its reconstruction pass run chunk by chunk: see the module doc.)"""
+    return policy != "full" and "query" in policies.get(policy).needs
 
 
 def reconstructs(policy: str) -> bool:
-    """Policies whose reconstruction pass needs room in the context after the prompt: kvzip."""
+    """Policies whose reconstruction pass needs room in the context after the prompt (or the chunk): kvzip."""
     return policy != "full" and "colmax" in policies.get(policy).needs
 
 
 def refuse_chunked(policy: str, why: str) -> None:
-    what = "its reconstruction pass re-reads the whole prompt" if "colmax" in policies.get(policy).needs else \
-        "its scores come from the statistics of the whole prompt's queries"
-    raise KvcliError(f"policy '{policy}' reads the prompt in one prefill ({what}) and cannot read it in chunks: {why}")
+    raise KvcliError(f"policy '{policy}' reads the prompt in one prefill (its scores come from the statistics of the "
+                     f"whole prompt's queries) and cannot read it in chunks: {why}")
 
 
 @dataclass
@@ -243,8 +274,10 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     policy, budget, spec, params = cfg.policy, cfg.budget, cfg.spec, cfg.params
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
-    if "colmax" in observe:
+    if one_prefill_only(policy):
         refuse_chunked(policy, f"asked to read {len(tokens)} tokens in chunks of {chunk}")
+    recon = "colmax" in observe          # kvzip: its reconstruction pass after every chunk (see the module doc)
+    observe = tuple(k for k in observe if k != "colmax")   # the maxima come from the pass, not the chunk's prefill
     if window > chunk:
         raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
     probe = question_probe(tokens, window, chunk) if scoring == "question" and "window" in observe else []
@@ -253,6 +286,11 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     i = session.info
     group = i.n_head // i.n_head_kv
     carried = None                      # [n_layer, n_head, cells] accumulated column sums of held slots
+    maxima = None                       # kvzip: [n_layer, n_head, cells] the held slots' reconstruction maxima
+    report_cap, recon_s = cap, None
+    if recon:
+        report_cap = cap + pass_cells(session, params["repeat_chunk"], chunk)
+        recon_s = 0.0
     prefill_s = compress_s = 0.0
     steps: list[ChunkStep] = []
     plan = None
@@ -280,6 +318,16 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             obs.colsum = obs.colsum.copy()
             obs.colsum[:, :, :carried.shape[2]] += carried
         t2 = time.perf_counter()
+        if recon:   # the chunk's reconstruction pass scores every held slot; kept ones keep their larger maximum
+            r = reconstruct_scores(session, tokens, seq, params["repeat_chunk"], start=pos, end=pos + take,
+                                   restore_logits=last)
+            recon_s += r.seconds
+            peak = max(peak, before + r.longest)
+            obs.colmax = r.colmax
+            if maxima is not None:
+                k = maxima.shape[2]
+                obs.colmax[:, :, :k] = np.maximum(obs.colmax[:, :, :k], maxima)
+            maxima = obs.colmax
         if spec.compresses(obs.n, budget):
             plan = make_plan(spec, params, budget, obs, planner or session.engine)
             if on_step is not None:
@@ -287,6 +335,8 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             session.apply_plan(plan, seq=seq, reindex=reindex)
             if carry_colsum:
                 carried = _carry(obs.colsum, plan, group, reindex)
+            if recon:
+                maxima = _carry(maxima, plan, group, reindex)
         compress_s += time.perf_counter() - t2
         cells = session_cells(session, seq)
         steps.append(ChunkStep(pos, take, before, cells))
@@ -294,7 +344,8 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             on_cache(cells)
         pos += take
     return CompressReport(policy, budget, len(tokens), prefill_s, compress_s, plan, params=params, chunk=chunk,
-                          cap=cap, steps=steps, peak_cells=peak, scoring=scoring if probe else "chunk")
+                          cap=report_cap, steps=steps, peak_cells=peak,
+                          scoring="reconstruction" if recon else scoring if probe else "chunk", reconstruct_s=recon_s)
 
 
 # A question probe holds at least this many of the prompt's last tokens, of which the policy's `window` last are

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from kvcli.drivers.chunked import read_in_chunks
-from kvcli.drivers.reconstruct import reconstruct
+from kvcli.drivers.reconstruct import reconstruct, reconstruct_scores
 from kvcli.policies.kvzip import REPEAT_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
@@ -70,7 +70,9 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
     t1 = time.perf_counter()
     recon_s = None
     if "colmax" in observe:   # kvzip: the reconstruction pass (kvcli/drivers/reconstruct.py), timed on its own
-        obs.colmax, recon_s = reconstruct(session, tokens, seq, cfg.params["repeat_chunk"])
+        r = reconstruct_scores(session, tokens, seq, cfg.params["repeat_chunk"])
+        obs.colmax, recon_s = r.colmax, r.seconds
+        peak += r.longest   # a pass's cells are held after the prompt's
     plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
     if on_step is not None:
         on_step(0, obs, plan)

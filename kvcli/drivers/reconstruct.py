@@ -15,10 +15,16 @@ logits of the prompt (a rollback forgets them), at its own position and cell.
 The chunk length is `repeat_chunk`, or less when the context has less room (the same for every pass, so that both
 engines, given the same context, feed the same passes). The maxima are float32 in both engines; a maximum adds no
 rounding, so both engines' observations differ only by their attention arithmetic (kvcli check's L2).
+
+Bounded reading (kvcli/drivers/chunked.py) runs the passes of one chunk of the document at a time (`start`, `end`):
+the chunk's tokens fed again, introduced as pass i above (the first chunk by REPEAT_FIRST, a later one by REPEAT_NEXT
+and the REPEAT_OVERLAP tokens before it), scoring every slot the sequence holds (the entries kept from earlier
+chunks and the chunk's own); a pass holds at most `pass_cells` cells beyond them.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,28 +33,50 @@ from kvcli.policies.kvzip import REPEAT_FIRST, REPEAT_NEXT, REPEAT_OVERLAP
 from kvcli.session import Session
 
 MIN_REPEAT = 16   # fewer free cells than this for a pass's prompt tokens: refused (the context has no room)
+REPEAT_MARGIN = 64   # cells kept for a pass's instruction and overlap (they tokenise to about 20)
 
 
 def repeat_room(n_prompt: int, repeat_chunk: int) -> int:
-    """Cells a reconstruction pass needs beyond the prompt: its chunk and its instruction (with margin)."""
-    return min(int(n_prompt), int(repeat_chunk)) + 64
+    """Cells a reconstruction pass needs beyond the prompt (or, in bounded reading, beyond the kept entries and the
+    chunk: n_prompt = the chunk): its chunk and its instruction (with margin)."""
+    return min(int(n_prompt), int(repeat_chunk)) + REPEAT_MARGIN
 
 
-def passes(session: Session, tokens: list[int], repeat_chunk: int) -> list[list[int]]:
-    """The token lists of the reconstruction passes over `tokens`, given the room the session's context has now."""
-    first = session.tokenize(REPEAT_FIRST)
-    nxt = session.tokenize(REPEAT_NEXT)
+def _heads(session: Session) -> tuple[list[int], list[int]]:
+    return session.tokenize(REPEAT_FIRST), session.tokenize(REPEAT_NEXT)
+
+
+def pass_cells(session: Session, repeat_chunk: int, chunk: int) -> int:
+    """The most cells one pass over a chunk of `chunk` tokens holds: its share of the chunk and the longest
+    instruction (REPEAT_NEXT + the overlap)."""
+    first, nxt = _heads(session)
+    return min(int(repeat_chunk), int(chunk)) + max(len(first), len(nxt) + REPEAT_OVERLAP)
+
+
+def passes(session: Session, tokens: list[int], repeat_chunk: int, start: int = 0,
+           end: int | None = None) -> list[list[int]]:
+    """The token lists of the reconstruction passes over `tokens[start:end]` (a later chunk's passes are introduced
+    by the tokens before `start`), given the room the session's context has now."""
+    end = len(tokens) if end is None else end
+    first, nxt = _heads(session)
     free = session.n_ctx - session.cells_used()
-    c = min(int(repeat_chunk), len(tokens), free - max(len(first), len(nxt) + REPEAT_OVERLAP))
-    if c < min(MIN_REPEAT, len(tokens)):
+    c = min(int(repeat_chunk), end - start, free - max(len(first), len(nxt) + REPEAT_OVERLAP))
+    if c < min(MIN_REPEAT, end - start):
         raise KvcliError(f"policy 'kvzip': the context has {free} free cells after the prompt, too few for its "
                          f"reconstruction pass (at least {MIN_REPEAT} prompt tokens + the instruction); give it a "
                          "larger context")
     out = []
-    for a in range(0, len(tokens), c):
+    for a in range(start, end, c):
         head = first if a == 0 else nxt + list(tokens[max(0, a - REPEAT_OVERLAP):a])
-        out.append(list(head) + list(tokens[a:a + c]))
+        out.append(list(head) + list(tokens[a:min(a + c, end)]))
     return out
+
+
+@dataclass
+class Reconstruction:
+    colmax: np.ndarray   # [n_layer, n_head, slots of the sequence] float32
+    seconds: float
+    longest: int         # tokens of the longest pass (cells it held beyond the sequence)
 
 
 def reconstruct(session: Session, tokens: list[int], seq: int = 0, repeat_chunk: int = 2048,
@@ -56,25 +84,37 @@ def reconstruct(session: Session, tokens: list[int], seq: int = 0, repeat_chunk:
     """Run the reconstruction passes over `tokens` (the prompt just prefilled into `seq`) and return
     (colmax [n_layer, n_head, slots of seq] float32, seconds). The sequence is left as it was, its logits
     those of the prompt's last token."""
-    if not tokens:
+    r = reconstruct_scores(session, tokens, seq, repeat_chunk, progress)
+    return r.colmax, r.seconds
+
+
+def reconstruct_scores(session: Session, tokens: list[int], seq: int = 0, repeat_chunk: int = 2048,
+                       progress=None, *, start: int = 0, end: int | None = None,
+                       restore_logits: bool = True) -> Reconstruction:
+    """`reconstruct` over `tokens[start:end]`, the last tokens prefilled into `seq` (bounded reading: one chunk, the
+    sequence holding the entries kept from earlier chunks before it); every slot of the sequence is scored.
+    `restore_logits`: decode `tokens[end - 1]` again after the passes (a chunk before the last needs no logits)."""
+    end = len(tokens) if end is None else end
+    if end <= start:
         raise KvcliError("policy 'kvzip': nothing to reconstruct (empty prompt)")
     t0 = time.perf_counter()
     st = session.seq(seq)
     held = st.next_pos                       # positions >= held are a pass's tokens
-    acc = None
-    for ids in passes(session, tokens, repeat_chunk):
+    acc, longest = None, 0
+    for ids in passes(session, tokens, repeat_chunk, start, end):
         obs = session.prefill(ids, seq=seq, observe=("colmax",))
         session.rollback(seq, len(ids))
         keep = np.flatnonzero(obs.positions < held)
         m = obs.colmax[..., keep]
         acc = m if acc is None else np.maximum(acc, m)
+        longest = max(longest, len(ids))
         del obs
         if progress is not None:
             progress(len(ids))
-    # a rollback forgets the logits: the prompt's last token again, at its own position
-    session.rollback(seq, 1)
-    session.prefill([tokens[-1]], seq=seq)
+    if restore_logits:   # a rollback forgets the logits: the prompt's last token again, at its own position
+        session.rollback(seq, 1)
+        session.prefill([tokens[end - 1]], seq=seq)
     if acc.shape[-1] != session.seq(seq).cells:
         raise KvcliError(f"policy 'kvzip': the reconstruction scored {acc.shape[-1]} slots, the sequence holds "
                          f"{session.seq(seq).cells}")
-    return np.ascontiguousarray(acc, dtype=np.float32), time.perf_counter() - t0
+    return Reconstruction(np.ascontiguousarray(acc, dtype=np.float32), time.perf_counter() - t0, longest)

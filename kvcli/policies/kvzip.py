@@ -72,8 +72,12 @@ SPEC = PolicySpec(
         "kvpress appends it inside the user turn and closes it with the template's assistant header",
         "budget per KV head by default (alloc=head); kvpress's default (alloc=global) spreads it unevenly over "
         "heads and layers, which a cache of equal-width cells pays for with its widest head",
-        "a document longer than one prefill (bounded reading, --chunk) is refused: the reconstruction would need "
-        "every chunk's reconstruction pass over entries already dropped",
+        "bounded reading (--chunk N, --max-cache, or a prompt longer than the context; not by default) runs the "
+        "reconstruction pass chunk by chunk over that chunk only, scoring the kept entries and the chunk; a kept entry keeps the larger of its "
+        "earlier maximum and the new one. The one-prefill pass scores every entry with the passes over the whole "
+        "prompt (later chunks' passes see every earlier entry); bounded, an entry dropped at one chunk is never "
+        "scored by later passes, and each pass's softmax runs over the kept entries + the chunk (closer to kvpress, "
+        "whose softmax covers the sinks, the chunk repeated and the reconstruction tokens only)",
         "models with sliding-window layers (gemma2, gemma3) are refused, as kvpress refuses Gemma 3: llama.cpp's "
         "window cache cannot be rolled back past a reconstruction pass longer than its spare cells",
         "scores combined in float64 from the engine's float32 maxima; ties go to the lower (layer, head, slot)",

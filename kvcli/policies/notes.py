@@ -10,10 +10,20 @@ def chunked_note(spec) -> str:
                 "turn on by itself for it, and a prompt longer than the model's context or --max-cache, or --chunk N "
                 "shorter than the prompt, is refused in one line.")
     if "colmax" in spec.needs:
-        return ("Chunked prefill: not available. The reconstruction pass feeds the whole prompt again after it, so "
-                f"'{spec.name}' reads a prompt in one prefill (the context holds the prompt + one reconstruction "
-                "chunk); bounded reading does not turn on by itself for it, and a prompt longer than the model's "
-                "context or --max-cache, or --chunk N shorter than the prompt, is refused in one line.")
+        return ("Chunked prefill (--chunk N, or automatic when the document does not fit the context or --max-cache; "
+                "bounded reading does not turn on by itself for it above 64 MiB of full cache, as it does for the "
+                "other policies: its measured quality is the one-prefill pass's): after every chunk the reconstruction "
+                "pass runs over that chunk only ('repeat the previous context' and the chunk's tokens again, a chunk "
+                "after the first introduced by the 8 tokens before it, in passes of repeat_chunk), scoring every held "
+                "entry (the kept ones and the chunk's) by the largest attention its queries give it, then rolled back; the "
+                "policy plans over the kept entries + the chunk, to the same budget, and their positions are "
+                "re-indexed to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). Carried across chunks: a "
+                "kept entry's score is the larger of the maximum it carries from earlier chunks' passes and the new "
+                "chunk's (the one-prefill pass's maximum over all passes, over the passes that ran while the entry "
+                "was held: old entries compete with the new chunk on their best reconstruction score, not only on "
+                "the new chunk's queries, which look mostly at the chunk they repeat). The cache holds at most "
+                "budget + chunk + one pass (min(repeat_chunk, chunk) + the ~20-token instruction) cells; the pass's "
+                "seconds are reconstruct_s in the stats.")
     if spec.name == "full":
         return ("Chunked prefill: not available (full keeps every token, so a document longer than the context "
                 "cannot be read; choose a compressing policy).")

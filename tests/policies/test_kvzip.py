@@ -66,13 +66,12 @@ def test_kvzip_without_colmax_and_small_budget_refused():
         P.prepare("kvzip", ["sinks=10", "recent=6"], 16)
 
 
-def test_kvzip_is_read_in_one_prefill():
-    """Bounded reading does not turn on by itself for kvzip; a prompt that must be read in chunks is one line."""
+def test_kvzip_is_read_in_chunks_when_it_must_be():
+    """Bounded reading does not turn on by itself for kvzip; a prompt that must be read in chunks (longer than the
+    context, or --chunk N) is read in chunks, its reconstruction pass run chunk by chunk (tests/test_kvzip_chunked.py)."""
     from kvcli.drivers.chunked import plan_chunking
     c = plan_chunking(20_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20)
     assert c.chunk is None and c.n_ctx >= 20_000 + 2048
-    with pytest.raises(KvcliError, match="one prefill"):
-        plan_chunking(40_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20)
-    with pytest.raises(KvcliError, match="one prefill"):
-        plan_chunking(5_000, 256, 32_768, "kvzip", 1024, chunk=1024, cell_bytes=1 << 20)
-    assert "not available" in P.explain_text("kvzip")
+    assert plan_chunking(40_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20).chunk == 1024
+    assert plan_chunking(5_000, 256, 32_768, "kvzip", 1024, chunk=1024, cell_bytes=1 << 20).chunk == 1024
+    assert "reconstruction pass runs over that chunk only" in P.explain_text("kvzip")
