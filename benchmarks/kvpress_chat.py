@@ -7,7 +7,7 @@ Three steps, each in its own venv (kvpress is never a kvcli dependency; benchmar
         --facts 6 --check benchmarks/results/eval-chat-qwen-8k-kvzip-1024.json --out /tmp/chat-docs.json
     nice -n 10 /work/kvpress-venv/bin/python benchmarks/kvpress_chat.py peer --model M.gguf --docs /tmp/chat-docs.json \\
         --budget 1024 --presses kvzip,none,snapkv --out /tmp/chat-peer.json      # resumes; saved after each document
-    .venv/bin/python benchmarks/kvpress_chat.py score --peer /tmp/chat-peer.json \\
+    .venv/bin/python benchmarks/kvpress_chat.py score --peer /tmp/chat-peer.json --docs /tmp/chat-docs.json \\
         --json-out benchmarks/results/kvpress-chat-qwen-8k-1024.json
 
 export regenerates exactly the documents `run_chat_eval` builds (make_chat_document with the seed seed * 1000 + d) and
