@@ -53,7 +53,7 @@ out["native_f32_noflash"] = summary("native f32/no-flash vs f16/flash", K32, V32
 ref = ReferenceSession(path, n_ctx=n_ctx, n_threads=1)
 out["reference"] = summary("reference (float32)", *kv(ref))
 model = load(path).model
-from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
+from kvcli.reference.llamacpp_arithmetic import use_ggml_cpu_gelu
 use_ggml_cpu_gelu(model)
 ref.clear(0)
 out["reference_ggml_gelu"] = summary("reference + ggml f16 GELU", *kv(ref))

@@ -28,6 +28,7 @@ from kvcli.drivers.check import CheckSettings, Thresholds, build_tokens
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.reference.model import load
+from kvcli.reference.llamacpp_arithmetic import quantise_rows as quant
 from kvcli.reference.session import ReferenceSession
 
 doc, slot, layer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -93,18 +94,6 @@ out["token"] = [toks[slot], detok([toks[slot]])]
 out["context"] = detok(toks[max(0, slot - 12): slot + 4])
 out["same_token_slots"] = [i for i, t in enumerate(toks) if t == toks[slot]]
 print("slot", slot, "token", out["token"], "context", repr(out["context"]), flush=True)
-
-
-def quant(x, block, f16_scale):
-    """ggml-cpu's activation quantisation of rows of x, returned dequantised: Q8_0 (blocks of 32, d = amax/127 in
-    f32 for the rounding, stored f16) or Q8_K (blocks of 256, d = max/-127 in f32)."""
-    shp = x.shape
-    xb = x.reshape(*shp[:-1], shp[-1] // block, block)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(xb))
-    if f16_scale:
-        d = d.to(torch.float16).to(x.dtype)
-    return (q * d).reshape(shp)
 
 
 reader = gguf.GGUFReader(str(path))

@@ -7,7 +7,7 @@ other row):
   f32                  native engine, f32 cache, no flash attention (the precision twin L2 consults), ubatch 512
   ref                  reference engine as shipped (float32)
   refw511, refw513     reference with every sliding layer's window one shorter / longer than the file's 512
-  refgelu              reference with ggml's f16 GELU table (kvcli.testing.ggml_gelu)
+  refgelu              reference with ggml's f16 GELU table (kvcli.reference.llamacpp_arithmetic)
   refgeluq8            that and llama.cpp's 8-bit matmul inputs emulated (as benchmarks/gemma_outlier_k.py: Q8_0 for
                        Q5_0/Q8_0 weights, Q8_K for the K-quants)
 Each setting's K/V are saved as CACHE/K_<name>.npy, V_<name>.npy and reused when present (a run resumes).
@@ -28,7 +28,7 @@ from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.reference.model import load
 from kvcli.reference.session import ReferenceSession
-from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
+from kvcli.reference.llamacpp_arithmetic import quantise_rows as quant, use_ggml_cpu_gelu
 
 doc, slot, doc_tokens, cache, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 ALL = ["nb512", "nb2048", "nb64", "f32", "ref", "refw511", "refw513", "refgelu", "refgeluq8"]
@@ -56,16 +56,6 @@ def save(name, obs):
     np.save(f"{cache}/K_{name}.npy", obs.keys)
     np.save(f"{cache}/V_{name}.npy", obs.values)
     print(name, flush=True)
-
-
-def quant(x, block, f16_scale):
-    shp = x.shape
-    xb = x.reshape(*shp[:-1], shp[-1] // block, block)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(xb))
-    if f16_scale:
-        d = d.to(torch.float16).to(x.dtype)
-    return (q * d).reshape(shp)
 
 
 ref, gelu = None, False

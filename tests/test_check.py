@@ -254,3 +254,33 @@ def test_jaccard_per_head():
     a = [[np.array([0, 1, 2, 3]), np.array([0, 5])]]
     b = [[np.array([0, 1, 2, 4]), np.array([0, 5])]]
     assert jaccard_per_head(a, b) == [[pytest.approx(3 / 5), 1.0]]
+
+
+def test_l2_kv_rows_allowances_are_tried_in_order_and_each_row_says_which_allowed_it():
+    """Two rows beyond the threshold: one llama.cpp's own batch size moves as far as the engines differ (a "native"
+    source), the other the reference given llama.cpp's arithmetic brings within the threshold (a "reference"
+    source). Both pass, each naming its source; without the reference source the second fails; a source not needed
+    is never taken."""
+    ref = _kv(shape=(2, 2, 1000, 8))
+    scale = np.abs(ref).max()
+    nat = ref.copy()
+    nat[0, 1, 5] += 0.5 * scale
+    nat[1, 0, 9] += 0.5 * scale
+    precision = nat.copy()                         # moves neither row
+    ubatch = nat.copy()
+    ubatch[0, 1, 5] += 0.8 * scale                 # moves the first row further than the engines differ
+    emulated = ref.copy()
+    emulated[1, 0, 9] = nat[1, 0, 9] - 0.05 * scale  # the emulated reference lands near the native second row
+    th = Thresholds(l2_kv_sensitive_rows=0.01)
+    src = [("native_precision", "native", lambda: precision), ("native_ubatch", "native", lambda: ubatch),
+           ("reference_llamacpp_arithmetic", "reference", lambda: emulated)]
+    r = compare_kv_rows(nat, ref, th, src)
+    assert r["pass"] and r["rows_over"] == 2
+    by = {x["slot"]: x["explained_by"] for x in r["rows_over_detail"]}
+    assert by == {5: "native_ubatch", 9: "reference_llamacpp_arithmetic"}
+    assert not compare_kv_rows(nat, ref, th, src[:2])["pass"]
+
+    def never():
+        raise AssertionError("not needed, not taken")
+    assert compare_kv_rows(nat, ref, th, [("native_ubatch", "native", lambda: ubatch + np.where(
+        np.arange(1000)[None, None, :, None] == 9, 0.8 * scale, 0)), ("x", "reference", never)])["pass"]

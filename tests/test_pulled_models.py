@@ -4,10 +4,10 @@ What they depend on is pinned here: the thread count of both engines (THREADS: l
 differently with another thread count, and torch's reductions too), the documents and their cut, the budgets
 and `kvcli check`'s default thresholds (kvcli/drivers/check.py Thresholds; not loosened here).
 
-`./setup.sh` pulls qwen2.5-coder-0.5b, so the CI runs the quick tests here (a `kvcli run` on each pulled model);
-the `kvcli check` ones are too long for the CI's 45 minutes (the reference engine in torch; measured 2026-11-25 on
-2 cores at load 6-8: qwen, 10 policies, 1373 s wall, about 700 CPU-s; gemma 188 s) and run only with
-KVCLI_PULLED_TESTS=1.
+`./setup.sh` pulls qwen2.5-coder-0.5b, so the CI runs the tests of that model, its `kvcli check` of every policy
+included (measured 2026-11-26 on the 2 cores here, alone: 166 s before the precision allowance, 12 policies);
+gemma-3-270m's run only where it is pulled (its check: 126 s). KVCLI_PULLED_TESTS=0 skips the two checks (a quick
+local run); nothing else does.
 """
 from __future__ import annotations
 
@@ -29,10 +29,15 @@ THREADS = 2          # CI's cores; the qwen figures below were measured with it
 # 8 took a different budget from the observation, 4 layers' budgets differ by 1, KL 0.0667 (plan_kl_max 0.05),
 # greedy 75%.
 PLAN_SENSITIVE_QWEN = {"d2o": "variance-based layer budgets move with the observation (issue 31)"}
+# policies whose plan on this text is ill-conditioned at f16, so that L3 arithmetic passes only as a precision-
+# sensitive plan (kvcli.drivers.check.precision_sensitivity): measured 2026-11-26, 2 threads: spindlekv's plan decoded
+# by the native engine with an f16 and an f32 cache differs by KL 1.85; the reference's own cache rounded to f16
+# moves it by KL 0.62; native f32 (no flash attention) vs reference KL 0.024 (docs/internals.md).
+PRECISION_SENSITIVE_QWEN = {"spindlekv": "merged entries of multiplicity up to 68 in heads keeping one entry"}
 
 
-heavy = pytest.mark.skipif(os.environ.get("KVCLI_PULLED_TESTS") != "1",
-                           reason="kvcli check on a pulled model: minutes on 2 cores; KVCLI_PULLED_TESTS=1 runs it")
+heavy = pytest.mark.skipif(os.environ.get("KVCLI_PULLED_TESTS") == "0",
+                           reason="kvcli check on a pulled model: minutes on 2 cores; KVCLI_PULLED_TESTS=0 skips it")
 
 
 def pulled(name: str) -> Path:
@@ -71,6 +76,8 @@ def test_qwen_check_passes_l1_l3_for_every_policy():
     assert r["engines_agree"] and r["passed"], table
     for e in r["policies"]:
         assert "error" not in e and e["l1"]["pass"] and e["l3"]["pass"], table
+        if e["policy"] not in PRECISION_SENSITIVE_QWEN:   # within the f16 limits, no allowance needed
+            assert "precision" not in e["l3"], table
         if e["policy"] in PLAN_SENSITIVE_QWEN:   # reported as the policy's sensitivity, with its figures
             assert e["plans"]["pass"] or e["plans"].get("sensitivity"), table
         else:
@@ -99,9 +106,10 @@ def test_gemma_run_compresses_the_global_layers(run_kvcli, tmp_path):
 @heavy
 def test_gemma_check_passes():
     """kvcli check on gemma-3-270m and a 2k-token document, every level, snapkv and pyramidkv: identical plans (L1),
-    the engines' observations close (L2: one K row of ~6,000 is beyond the threshold, where llama.cpp's own f32
-    setting moves it four times as far; docs/models.md), both decode alike after compressing the 3 global layers
-    (L3). About 3.5 min on 1 thread, most of it the reference engine."""
+    the engines' observations close (L2: one K and one V row of 6,042 are beyond the threshold, allowed as
+    llama.cpp's arithmetic: the K row moves further with llama.cpp's batch size 64, the V row comes within the
+    threshold in the reference given llama.cpp's 8-bit matmul inputs and f16 GELU; docs/models.md), both decode
+    alike after compressing the 3 global layers (L3). About 2 min on 1 thread, most of it the reference engine."""
     pulled("gemma-3-270m")
     from kvcli.drivers.check import CheckSettings, Thresholds, run_check
     from kvcli.commands.check import format_report

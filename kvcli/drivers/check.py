@@ -8,10 +8,12 @@ L2 observation  each engine computes the observation from the same GGUF and toke
                 attention of a window query), column sums, K and V rows. Reported: max abs and
                 relative error (relative = max abs error / max abs value of the reference array).
                 A K/V row beyond its threshold is allowed (at most `l2_kv_sensitive_rows` of them)
-                only where the native engine at its other precision setting (f32 cache without
-                flash attention, or f16 with) moves that row at least as far: a token so sensitive
-                to llama.cpp's own precision choices says nothing about kvcli (report: the rows,
-                both distances).
+                only where llama.cpp's own settings move that row at least as far (the native engine
+                at its other precision setting, f32 cache without flash attention or f16 with, or at
+                a batch size of 64), or where the reference engine given llama.cpp's activation
+                arithmetic (8-bit matmul inputs, f16 GELU table) comes within the threshold: a token
+                so sensitive to llama.cpp's own arithmetic says nothing about kvcli (report: the
+                rows, every distance, which source allowed each).
 L3 end to end   two verdicts, after each engine compressed its cache:
   arithmetic    (the engine verdict) the reference engine applies the NATIVE plan (same kept sets, same merged
                 rows) to its own prefill, so both hold one and the same compressed cache: next-token logits
@@ -19,6 +21,9 @@ L3 end to end   two verdicts, after each engine compressed its cache:
                 both engines are fed the native engine's greedy tokens, and each step counts when the
                 reference's argmax is the same token), within limits stated per native cache type
                 (`Thresholds.arithmetic`). Must hold for every policy: only the engines' arithmetic differs.
+                Beyond the f16 limits, a plan passes as precision-sensitive only when the reference's own
+                cache rounded to f16 moves its output beyond them too and the engines agree at equal
+                precision (the native f32 cache without flash attention, f32 limits): `precision_sensitivity`.
   plan agreement (the policy's sensitivity) each engine plans from its own observation with its own planner:
                 Jaccard of the kept positions per layer and KV head, the layer budgets, how far from the
                 budget's boundary (in the policy's own score) the decisions lie on which the plans differ
@@ -95,11 +100,12 @@ class Thresholds:
     l2_colmax_atol: float = 0.3     # ... max abs difference
     l2_colmax_mean_atol: float = 0.005   # ... mean abs difference
     l2_kv_rtol: float = 0.1         # L2: max abs difference of K (and of V) rows / max abs K (V) value
-    # L2: the fraction of K (V) rows that may exceed l2_kv_rtol, each only where the native engine's other
-    # precision setting (f32 cache without flash attention vs f16 cache with it) moves that row at least as
-    # far as the engines differ there: a token whose K llama.cpp's own precision choices move by more than
-    # the threshold (measured: one row of 6,042 on gemma-3-270m, 2,014 tokens) is not an engine disagreement.
-    # A wrong mapping, mask or position moves most rows, in both precision settings alike.
+    # L2: the fraction of K (V) rows that may exceed l2_kv_rtol, each only where llama.cpp's own settings (f32
+    # cache without flash attention vs f16 with it; a batch size of 64) move that row at least as far as the
+    # engines differ there, or where the reference with llama.cpp's activation arithmetic emulated comes within
+    # l2_kv_rtol: a token whose K llama.cpp's own choices move by more than the threshold (measured: one K and one
+    # V row of 6,042 on gemma-3-270m, 2,014 tokens) is not an engine disagreement. A wrong mapping, mask or
+    # position moves most rows, in every setting alike.
     l2_kv_sensitive_rows: float = 0.001
     # L3 arithmetic (the engine verdict): both engines decode the SAME plan (the native planner's), so the only
     # difference left is their arithmetic; per native cache type (the reference is float32 throughout). Measured
@@ -128,8 +134,9 @@ class Thresholds:
         "l2_colmax_atol": "L2: column maxima of the reconstruction pass (kvzip; max abs)",
         "l2_colmax_mean_atol": "L2: column maxima of the reconstruction pass (kvzip; mean abs)",
         "l2_kv_rtol": "L2: K and V rows, and the Q rows expected_attention observes (max abs / max abs value)",
-        "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where the native engine's "
-                                "own other precision setting moves the row as far (0: none)",
+        "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where llama.cpp's "
+                                "own settings (precision, batch size) move the row as far or where the reference "
+                                "given llama.cpp's activation arithmetic comes within l2_kv_rtol (0: none)",
         "l3_kl_max_f32": "L3 arithmetic (same plan in both engines): next-token KL(native || reference), "
                          "native f32 cache (maximum; l3_kl_max=X sets every cache type)",
         "l3_kl_max_f16": "L3 arithmetic: the same, native f16 cache",
@@ -261,11 +268,12 @@ def compare_arrays(native: np.ndarray, reference: np.ndarray) -> dict:
 
 
 def compare_observations(native: Observation, reference: Observation, th: Thresholds,
-                         precision_twin=None) -> dict:
+                         allowances=None) -> dict:
     """L2: every field both observations hold (K/V rows read whole: a planner reads one layer at a time).
 
-    `precision_twin`: a callable giving the native engine's observation of the same tokens at its other
-    precision setting (called only when a few K/V rows exceed `l2_kv_rtol`, see `l2_kv_sensitive_rows`)."""
+    `allowances`: L2's K/V allowance (`l2_kv_sensitive_rows`), tried in order on the rows beyond `l2_kv_rtol` that no
+    earlier one explained, each taken only when needed: `Allowance`s, or one callable giving the native engine's
+    observation at its other precision setting (a "native" allowance)."""
     native, reference = native.with_kv_arrays(), reference.with_kv_arrays()
     out: dict = {}
     if native.n != reference.n:
@@ -292,19 +300,12 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         r = compare_arrays(native.queries, reference.queries)
         r["pass"] = r["rel"] <= th.l2_kv_rtol
         out["queries"] = r
-    twin: list = []   # the twin observation, taken at most once
-
-    def twin_rows(name):
-        if precision_twin is None:
-            return None
-        if not twin:
-            twin.append(precision_twin().with_kv_arrays())
-        return getattr(twin[0], name)
-
+    if callable(allowances):
+        allowances = [Allowance("native_precision", "native", allowances)]
     for name in ("keys", "values"):
         a, b = getattr(native, name), getattr(reference, name)
         if a is not None and b is not None:
-            out[name] = compare_kv_rows(a, b, th, lambda name=name: twin_rows(name))
+            out[name] = compare_kv_rows(a, b, th, [a_.rows(name) for a_ in allowances or []])
     if native.positions is not None and reference.positions is not None:
         out["positions_equal"] = bool(np.array_equal(native.positions, reference.positions))
     out["pass"] = bool(out.get("positions_equal", True)) and all(
@@ -312,58 +313,131 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
     return out
 
 
-def compare_kv_rows(native: np.ndarray, reference: np.ndarray, th: Thresholds, twin_rows) -> dict:
+class Allowance:
+    """One source L2's K/V allowance consults: `observe()` gives an Observation of the check's tokens, taken at most
+    once. kind "native": the native engine at another of llama.cpp's settings; a row passes where that setting moves
+    the native row at least as far as the engines differ. kind "reference": the reference engine with llama.cpp's
+    activation arithmetic emulated; a row passes where it lies within `l2_kv_rtol` of the native row."""
+
+    def __init__(self, label: str, kind: str, observe, setting: str = ""):
+        self.label, self.kind, self.setting, self._observe, self._obs = label, kind, setting, observe, None
+        self.used = False
+
+    def rows(self, name: str):
+        """(label, kind, callable giving this source's `name` rows, or None) for compare_kv_rows."""
+        def get():
+            if self._obs is None:
+                self.used = True
+                obs = self._observe()
+                self._obs = obs.with_kv_arrays() if obs is not None else False
+            return getattr(self._obs, name) if self._obs is not False else None
+        return self.label, self.kind, get
+
+
+def compare_kv_rows(native: np.ndarray, reference: np.ndarray, th: Thresholds, allowances) -> dict:
     """L2 for K (or V) rows [layer, kv head, slot, dim]: passes when every row is within `l2_kv_rtol` x the
-    largest reference value, or when the few rows beyond it (at most `l2_kv_sensitive_rows` of them) are
-    precision-sensitive: `twin_rows()` (the native rows at the engine's other precision setting) differs from
-    the native rows there at least as much as the reference does."""
+    largest reference value, or when the few rows beyond it (at most `l2_kv_sensitive_rows` of them) are each
+    explained by one of `allowances` ((label, kind, rows()) tried in order, see `Allowance`; a bare callable is the
+    native engine at its other precision setting): llama.cpp's own settings move the row at least as far as the
+    engines differ ("native"), or the reference given llama.cpp's activation arithmetic comes within the threshold
+    ("reference")."""
+    if callable(allowances):
+        allowances = [("native_precision", "native", allowances)]
     r = compare_arrays(native, reference)
     err = np.abs(native.astype(np.float64) - reference).max(axis=-1) if native.size else np.zeros(0)
-    over = np.argwhere(err > th.l2_kv_rtol * r["scale"])
+    limit = th.l2_kv_rtol * r["scale"]
+    over = np.argwhere(err > limit)
     r["rows"], r["rows_over"] = int(err.size), int(len(over))
     r["pass"] = not len(over)
     if len(over) and len(over) <= th.l2_kv_sensitive_rows * err.size:
-        twin = twin_rows()
-        if twin is not None:
-            spread = np.abs(native.astype(np.float64) - twin).max(axis=-1)
-            rows = [{"layer": int(il), "kv_head": int(h), "slot": int(p), "engines": float(err[il, h, p]),
-                     "native_precision": float(spread[il, h, p])} for il, h, p in over]
-            r["rows_over_detail"] = rows[:10]
-            r["pass"] = all(x["native_precision"] >= x["engines"] for x in rows)
+        rows = [{"layer": int(il), "kv_head": int(h), "slot": int(p), "engines": float(err[il, h, p]),
+                 "explained_by": None} for il, h, p in over]
+        for label, kind, get in allowances:
+            if all(x["explained_by"] for x in rows):
+                break
+            other = get()
+            if other is None:
+                continue
+            dist = np.abs(native.astype(np.float64) - other).max(axis=-1)
+            for x in rows:
+                d = float(dist[x["layer"], x["kv_head"], x["slot"]])
+                x[label] = d
+                ok = d >= x["engines"] if kind == "native" else d <= limit
+                if ok and not x["explained_by"]:
+                    x["explained_by"] = label
+        r["rows_over_detail"] = rows[:10]
+        r["pass"] = all(x["explained_by"] for x in rows)
     return r
 
 
-def _note_twin(l2: dict, twin: "PrecisionTwin", info) -> None:
-    """Name the twin's setting in the L2 report and give each row beyond the threshold its model layer."""
-    if not twin.used:
+def _note_allowances(l2: dict, allowances: list, info) -> None:
+    """Name the settings L2's allowance consulted and give each row beyond the threshold its model layer."""
+    used = [a for a in allowances if a.used]
+    if not used:
         return
-    l2["precision_twin"] = twin.setting
+    l2["allowances"] = {a.label: a.setting for a in used}
+    if used[0].label == "native_precision":
+        l2["precision_twin"] = used[0].setting
     for name in ("keys", "values"):
         for row in l2.get(name, {}).get("rows_over_detail", []):
             row["model_layer"] = info.kv_layers[row["layer"]] if info.kv_layers else row["layer"]
 
 
-class PrecisionTwin:
-    """The native engine's K/V observation of `tokens` at its other precision setting: an f32 cache without
-    flash attention for a check run with anything else, an f16 cache with flash attention for one run with
-    that (L2's `l2_kv_sensitive_rows`). A fresh context, taken only when called."""
+ALLOWANCE_UBATCH = 64   # the native twin's batch size: ggml-cpu's matmuls then block (and round) differently
 
-    def __init__(self, model_path, tokens, settings, n_ctx):
-        plain = settings.cache_type == "f32" and not settings.flash_attn
-        self.cache_type, self.flash_attn = ("f16", True) if plain else ("f32", False)
-        self.setting = f"{self.cache_type} cache, flash attention {'on' if self.flash_attn else 'off'}"
+
+class NativeTwin:
+    """The native engine's K/V observation of `tokens` at another of llama.cpp's settings, in a fresh context:
+    "precision": an f32 cache without flash attention for a check run with anything else (an f16 cache with flash
+    attention for one run with that); "ubatch": the check's cache and attention at a batch size of
+    ALLOWANCE_UBATCH tokens."""
+
+    def __init__(self, model_path, tokens, settings, n_ctx, what: str = "precision"):
+        self.cache_type, self.flash_attn, self.n_batch = settings.cache_type, settings.flash_attn, 512
+        if what == "precision":
+            plain = settings.cache_type == "f32" and not settings.flash_attn
+            self.cache_type, self.flash_attn = ("f16", True) if plain else ("f32", False)
+            self.setting = f"{self.cache_type} cache, flash attention {'on' if self.flash_attn else 'off'}"
+        else:
+            self.n_batch = ALLOWANCE_UBATCH
+            self.setting = f"batch size {ALLOWANCE_UBATCH} instead of 512"
         self.model_path, self.tokens, self.threads, self.n_ctx = model_path, tokens, settings.threads, n_ctx
-        self.used = False
 
     def __call__(self) -> Observation:
-        self.used = True
         session = NativeSession(self.model_path, n_ctx=0, cache_type=self.cache_type, flash_attn=self.flash_attn,
-                                n_threads=self.threads)
+                                n_batch=self.n_batch, n_threads=self.threads)
         try:
             session.create_context(self.n_ctx)
             return session.prefill(self.tokens, seq=0, observe=("kv",)).with_kv_arrays()
         finally:
             session.close()
+
+
+def emulated_reference(reference, tokens):
+    """The reference engine's K/V observation of `tokens` with llama.cpp's activation arithmetic emulated
+    (kvcli/reference/llamacpp_arithmetic.py), its sequence 0 put back afterwards."""
+    def observe() -> Observation:
+        from kvcli.reference.llamacpp_arithmetic import llamacpp_activations  # noqa: PLC0415
+        saved = reference.save_seq(0) if 0 in reference.seqs else None
+        reference.clear(0)
+        try:
+            with llamacpp_activations(reference.model, reference.model_path):
+                return reference.prefill(tokens, seq=0, observe=("kv",)).with_kv_arrays()
+        finally:
+            reference.clear(0)
+            if saved is not None:
+                reference.restore_seq(saved, 0)
+    return observe
+
+
+def l2_allowances(model_path, tokens, settings, n_ctx, reference) -> list:
+    """L2's K/V allowance sources, in the order they are consulted (docs/internals.md "kvcli check")."""
+    precision = NativeTwin(model_path, tokens, settings, n_ctx, "precision")
+    ubatch = NativeTwin(model_path, tokens, settings, n_ctx, "ubatch")
+    return [Allowance("native_precision", "native", precision, precision.setting),
+            Allowance("native_ubatch", "native", ubatch, ubatch.setting),
+            Allowance("reference_llamacpp_arithmetic", "reference", emulated_reference(reference, tokens),
+                      "reference with llama.cpp's 8-bit matmul inputs and f16 GELU table")]
 
 
 def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, ...]:
@@ -642,9 +716,9 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
             nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv") + queried, window=window)
             if recon:   # the reconstruction pass's column maxima (kvzip), as the reference's Shared prefill made them
                 nat_obs.colmax, _ = reconstruct(native, tokens, 0, max(recon))
-            twin = PrecisionTwin(model_path, tokens, settings, native.n_ctx)
-            report["l2"] = compare_observations(nat_obs, base_obs, th, twin)
-            _note_twin(report["l2"], twin, native.info)
+            allow = l2_allowances(model_path, tokens, settings, native.n_ctx, reference)
+            report["l2"] = compare_observations(nat_obs, base_obs, th, allow)
+            _note_allowances(report["l2"], allow, native.info)
         except KvcliError as e:
             report["l2"] = {"pass": False, "error": str(e)}
 
@@ -680,7 +754,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
                 entry["l1"] = l1_steps[0]
             if 3 in levels:
                 entry["l3"], entry["plans"] = _level3(native, shared, cfg, settings, th, planned["plan"],
-                                                      planned.get("calls"))
+                                                      planned.get("calls"), tokens)
         except KvcliError as e:
             entry["error"] = str(e)
     _with_skipped(report, unfit)
@@ -696,7 +770,7 @@ def _l1(cfg, obs, plan_n, th) -> dict:
                          th.l1_merge_atol)
 
 
-def _level3(native, shared, cfg, settings, th, plan_n, calls_n) -> tuple[dict, dict]:
+def _level3(native, shared, cfg, settings, th, plan_n, calls_n, tokens) -> tuple[dict, dict]:
     """L3 of one policy, after the native engine compressed sequence 0 with its own plan `plan_n` (made from the
     observation on which the torch planner's selections were `calls_n`; None: not recorded).
 
@@ -718,6 +792,10 @@ def _level3(native, shared, cfg, settings, th, plan_n, calls_n) -> tuple[dict, d
         return arith, plans
     state_n = native.save_seq(0)
     arith = _arithmetic(native, ref, settings, th, native_plan=plan_summary(plan_n))
+    if not arith["pass"]:
+        arith["precision"] = precision_sensitivity(native, shared, tokens, plan_n, settings, th,
+                                                   arith["native_tokens"][0])
+        arith["pass"] = arith["precision"]["pass"]
     native.restore_seq(state_n, 0)
     from kvcli.reference.policies._common import recording  # noqa: PLC0415
     with recording() as calls_r:
@@ -728,6 +806,65 @@ def _level3(native, shared, cfg, settings, th, plan_n, calls_n) -> tuple[dict, d
     margins = selection_margins(calls_n, calls_r) if calls_n is not None else None
     plans = _plans(native, ref, jac, settings, th, margins=margins, budgets=(plan_n, applied.plan))
     return arith, plans
+
+
+def _round_reference_cache(reference, seq: int, cache_type: str) -> None:
+    """Store the reference's cache of `seq` as a native `cache_type` cache stores it (f16: K and V rounded)."""
+    if cache_type != "f16":
+        raise KvcliError(f"no rounding of the reference cache to {cache_type}")
+    for layer in reference.seq(seq).cache.layers:
+        layer.keys.copy_(layer.keys.half().float())
+        layer.values.copy_(layer.values.half().float())
+
+
+def precision_sensitivity(native, shared, tokens, plan, settings, th, first: int) -> dict:
+    """L3 arithmetic when the native cache type's limits are missed: is the plan itself precision-sensitive?
+
+    Two measurements, each a next-token comparison after the native engine's first decoded token:
+    - `reference_rounding`: the reference engine decoding the same plan from its float32 cache and from that cache
+      rounded to the native cache type (f16). No llama.cpp in it: how far storing this plan's cache at that precision
+      moves the output by itself.
+    - `equal_precision`: the native engine at f32 without flash attention (a fresh context: prefill, the same plan)
+      against the reference, teacher-forced over the check's tokens, within the f32 limits.
+    The verdict passes when the rounding alone moves the reference beyond the cache type's limits (the plan is
+    ill-conditioned at that precision: measured, issue 31, spindlekv at budget 64 on qwen2.5-coder-0.5b, whose
+    merged entries of multiplicity up to 68 in heads keeping one entry turn f16 rounding into KL 0.62) and the
+    engines agree at equal precision. A compaction or mask defect of the f16 path moves a well-conditioned plan,
+    whose rounding stays within the limits, so it still fails; q8_0 and f32 checks have no such allowance."""
+    out: dict = {"pass": False, "cache_type": settings.cache_type}
+    if settings.cache_type != "f16":
+        out["why"] = f"no precision allowance for a {settings.cache_type} cache"
+        return out
+    ref, seq = shared.session, shared.seq
+
+    def reference_logits(rounded: bool) -> np.ndarray:
+        ref.restore_seq(shared.state, seq)
+        ref.apply_plan(plan, seq=seq)
+        if rounded:
+            _round_reference_cache(ref, seq, settings.cache_type)
+        ref.step({seq: first})
+        return ref.logits(seq)
+
+    limits = th.arithmetic(settings.cache_type)
+    err, kl = logits_distance(reference_logits(True), reference_logits(False))
+    out["reference_rounding"] = {"logits_max_abs": err, "kl": kl,
+                                 "beyond_limits": bool(kl > limits["kl_max"] or err > limits["logits_atol"])}
+    twin = NativeSession(native.model_path, n_ctx=0, cache_type="f32", flash_attn=False, n_threads=settings.threads)
+    try:
+        twin.create_context(native.n_ctx)
+        twin.prefill(tokens, seq=0)
+        twin.apply_plan(plan, seq=0)
+        ref.restore_seq(shared.state, seq)
+        ref.apply_plan(plan, seq=seq)
+        eq = greedy_compare(twin, ref, settings.n_tokens, 0, seq)
+    finally:
+        twin.close()
+    f32 = th.arithmetic("f32")
+    eq["pass"] = bool(eq["kl"] <= f32["kl_max"] and eq["logits_max_abs"] <= f32["logits_atol"]
+                      and eq["greedy_agree"] >= f32["greedy_min"])
+    out["equal_precision"] = {k: eq[k] for k in ("logits_max_abs", "kl", "greedy_agree", "pass")}
+    out["pass"] = out["reference_rounding"]["beyond_limits"] and eq["pass"]
+    return out
 
 
 def plan_summary(plan: Plan) -> dict:
@@ -909,10 +1046,10 @@ def _run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0
             kinds = ("window", "colsum", "kv")
             nat_obs = native.prefill(first, seq=0, observe=kinds, window=window)
             ref_obs = reference.prefill(first, seq=0, observe=kinds, window=window)
-            twin = PrecisionTwin(model_path, first, settings, native.n_ctx)
-            report["l2"] = compare_observations(nat_obs, ref_obs, th, twin)
+            allow = l2_allowances(model_path, first, settings, native.n_ctx, reference)
+            report["l2"] = compare_observations(nat_obs, ref_obs, th, allow)
             report["l2"]["tokens"] = len(first)
-            _note_twin(report["l2"], twin, native.info)
+            _note_allowances(report["l2"], allow, native.info)
         except KvcliError as e:
             report["l2"] = {"pass": False, "error": str(e)}
 

@@ -72,7 +72,7 @@ def test_check_chunked_on_tiny_sliding_model_tight(tmp_path):
     Its reference model computes GELU as llama.cpp's CPU backend does (test_reference_architectures.py says why)."""
     from kvcli.commands.check import format_report
     from kvcli.reference.model import load
-    from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
+    from kvcli.reference.llamacpp_arithmetic import use_ggml_cpu_gelu
     from kvcli.testing.tiny_gguf import write_tiny
     path = write_tiny(tmp_path / "gemma3.gguf", "gemma3", n_layer=4, sliding_window=32, swa_pattern=2)
     use_ggml_cpu_gelu(load(path).model)

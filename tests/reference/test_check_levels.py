@@ -202,3 +202,32 @@ def test_l2_precision_twin_is_the_native_engine_at_its_other_setting(tiny_gguf):
     row = keys["rows_over_detail"][0]
     assert row["model_layer"] == row["layer"]          # a model without sliding layers: plan layer = model layer
     assert 0 < row["native_precision"] < 0.05           # f16 rounding of the twin's cache, not a different model
+
+
+def test_l3_precision_allowance_needs_the_plan_sensitive_and_the_engines_agreeing_at_f32(tiny_gguf):
+    """L3 arithmetic at an f16 cache with limits f16 rounding cannot meet (tight): the verdict then measures the
+    plan's own sensitivity (the reference's cache rounded to f16 moves its output beyond the f16 limits) and the
+    engines at equal precision (native f32 without flash attention against the reference, within the f32 limits),
+    and passes only with both. With f32 limits nothing meets either, the same plan fails."""
+    needs_native_cache()
+    settings = CheckSettings(budget=96, n_tokens=4, cache_type="f16", flash_attn=True, doc_tokens=200, levels=(3,))
+    loose_f32 = Thresholds.tight().with_overrides({"l3_kl_max_f32": 1e-3, "l3_logits_atol_f32": 0.05})
+    r = run_check(tiny_gguf, DOC, ["snapkv"], settings, loose_f32)
+    l3 = r["policies"][0]["l3"]
+    p = l3["precision"]
+    assert p["reference_rounding"]["beyond_limits"] and p["reference_rounding"]["logits_max_abs"] > 0
+    assert p["equal_precision"]["pass"] and p["equal_precision"]["kl"] < 1e-3
+    assert p["pass"] and l3["pass"] and r["passed"]
+    impossible_f32 = loose_f32.with_overrides({"l3_kl_max_f32": 0.0, "l3_logits_atol_f32": 0.0})
+    r = run_check(tiny_gguf, DOC, ["snapkv"], settings, impossible_f32)
+    l3 = r["policies"][0]["l3"]
+    assert not l3["precision"]["equal_precision"]["pass"] and not l3["pass"] and not r["passed"]
+
+
+def test_l3_precision_allowance_is_for_f16_caches_only(tiny_gguf):
+    """f32 (and q8_0) checks have no precision allowance: a miss stays a miss, said why."""
+    needs_native_cache()
+    settings = CheckSettings(budget=96, n_tokens=4, cache_type="f32", flash_attn=True, doc_tokens=200, levels=(3,))
+    r = run_check(tiny_gguf, DOC, ["snapkv"], settings, Thresholds.tight())
+    l3 = r["policies"][0]["l3"]
+    assert not l3["pass"] and "no precision allowance" in l3["precision"]["why"]

@@ -6,7 +6,7 @@ and gate/up; all three rotate with NEOX RoPE, so their K rows are in the same or
 gemma2 and gemma3 have sliding-window layers (here layers 0 and 2 slide over 32 tokens of a 300-token document;
 1 and 3 are global and the only ones compressed), gemma2 soft-caps its attention scores (cap 4 in the tiny model)
 and both have GELU FFNs: their reference models compute GELU as llama.cpp's CPU backend does
-(kvcli.testing.ggml_gelu: an f16 table), or the engines would differ by ~2e-4 before kvcli does anything.
+(kvcli.reference.llamacpp_arithmetic: an f16 table), or the engines would differ by ~2e-4 before kvcli does anything.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SHAPES = {arch: dict(n_layer=4, sliding_window=32, swa_pattern=2) for arch in SL
 def tiny_model(tmp_path_factory, arch):
     """The tiny model of `arch`, its reference model with llama.cpp's CPU GELU where it has a GELU FFN."""
     from kvcli.reference.model import load
-    from kvcli.testing.ggml_gelu import use_ggml_cpu_gelu
+    from kvcli.reference.llamacpp_arithmetic import use_ggml_cpu_gelu
     path = write_tiny(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, **SHAPES.get(arch, {}))
     if arch in SLIDING:   # the gemmas: GELU FFNs
         use_ggml_cpu_gelu(load(path).model)   # the model object every ReferenceSession of this file shares
