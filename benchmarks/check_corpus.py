@@ -88,10 +88,43 @@ def counts(report: dict) -> dict:
          "l3_fail": {e["policy"]: {k: e["l3"].get(k) for k in ("kl", "logits_max_abs", "greedy_agree", "native_plan")}
                      for e in checked if e.get("l3") is not None and not e["l3"]["pass"]},
          "plan_miss": {e["policy"]: e["plans"].get("sensitivity") for e in checked
-                       if e.get("plans") is not None and not e["plans"]["pass"]}}
+                       if e.get("plans") is not None and not e["plans"]["pass"]},
+         # passes that needed an allowance (commit 32c62b2): L2 K/V rows explained by a named source, L3
+         # arithmetic beyond the f16 limits passed as a precision-sensitive plan
+         "l2_allowed": l2_allowed(report),
+         "l3_precision": {e["policy"]: e["l3"]["precision"] for e in checked
+                          if e.get("l3") is not None and e["l3"].get("precision") is not None}}
     kls = [(e["l3"]["kl"], e["policy"]) for e in checked if e.get("l3") is not None]
     c["kl_max"] = max(kls) if kls else (float("nan"), "-")
     return c
+
+
+def l2_allowed(report: dict) -> list[dict]:
+    """K/V rows beyond `l2_kv_rtol` (each with the distances measured and the source that explained it, or None)."""
+    l2 = report.get("l2") or {}
+    return [dict(row, array=k) for k in ("keys", "values") if isinstance(l2.get(k), dict)
+            for row in l2[k].get("rows_over_detail") or []]
+
+
+def row_line(row: dict, report: dict) -> str:
+    scale = ((report.get("l2") or {}).get(row["array"]) or {}).get("scale")
+    rtol = (report.get("thresholds") or {}).get("l2_kv_rtol")
+    lim = f", threshold {rtol * scale:.3g}" if scale and rtol else ""
+    dists = ", ".join(f"{k} {row[k]:.3g}" for k in ("native_precision", "native_ubatch",
+                                                     "reference_llamacpp_arithmetic") if k in row)
+    return (f"{row['array'][0].upper()} row layer {row.get('model_layer', row['layer'])} head {row['kv_head']} slot "
+            f"{row['slot']}: engines {row['engines']:.3g}{lim}; {dists}; allowed by {row['explained_by'] or 'none'}")
+
+
+def precision_line(v: dict) -> str:
+    rr, eq = v.get("reference_rounding") or {}, v.get("equal_precision") or {}
+    s = f"{'passed' if v.get('pass') else 'not passed'} as precision-sensitive"
+    if rr:
+        s += f"; reference f32 vs its cache rounded to f16: KL {rr['kl']:.4g}, logits {rr['logits_max_abs']:.3g}"
+    if eq:
+        s += (f"; native f32/no flash vs reference: KL {eq['kl']:.4g}, logits {eq['logits_max_abs']:.3g}, greedy "
+              f"{eq['greedy_agree'] * 100:.1f}%")
+    return s + (f" ({v['why']})" if v.get("why") else "")
 
 
 def l2_detail(report: dict) -> str:
@@ -110,45 +143,69 @@ def l2_detail(report: dict) -> str:
                 if det:
                     w = max(det, key=lambda x: x["engines"])
                     s += (f" (worst layer {w.get('model_layer', w['layer'])} slot {w['slot']}: engines "
-                          f"{w['engines']:.3g}, native twin {w['native_precision']:.3g})")
+                          f"{w['engines']:.3g}, native twin {w.get('native_precision', float('nan')):.3g})")
             bits.append(s)
     return "; ".join(bits)
 
 
+def run_l3(run: dict, policy: str) -> dict:
+    return next(e["l3"] for e in run["report"]["policies"] if e["policy"] == policy)
+
+
 def table(names) -> str:
-    rows = ["| model | text | length (prompt tokens) | budget | threads | L1 | L2 | L3 arithmetic | plan agreement | "
+    rows = ["| model | text | length (prompt tokens) | budget | threads | L1 | L2 (K/V rows allowed) | "
+            "L3 arithmetic (of which precision-sensitive) | plan agreement | "
             "same-plan KL max (policy) | skipped | s | load before |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     tot = {"l1": [0, 0], "l2": [0, 0], "l3": [0, 0], "plans": [0, 0]}
+
+    def total_row(label: str, t: dict) -> str:
+        return (f"| **{label}** | | | | | {t['l1'][0]}/{t['l1'][1]} | {t['l2'][0]}/{t['l2'][1]} | "
+                f"{t['l3'][0]}/{t['l3'][1]} | {t['plans'][0]}/{t['plans'][1]} | | | | |")
+
     for name in names:
         data = load(name)
+        tot_m = {k: [0, 0] for k in tot}
         for run in data["runs"]:
             c = counts(run["report"])
             n = c["policies"]
-            for k in ("l1", "l3", "plans"):
-                tot[k][0] += c[k]
-                tot[k][1] += n
-            tot["l2"][0] += bool(c["l2"])
-            tot["l2"][1] += 1
+            for t in (tot, tot_m):
+                for k in ("l1", "l3", "plans"):
+                    t[k][0] += c[k]
+                    t[k][1] += n
+                t["l2"][0] += bool(c["l2"])
+                t["l2"][1] += 1
             load_b = run.get("uptime_before", "").split("load average:")[-1].strip()
+            allowed = f" ({len(c['l2_allowed'])})" if c["l2_allowed"] else ""
+            n_prec = sum(bool(v.get("pass")) for v in c["l3_precision"].values())
+            prec = f" ({n_prec})" if n_prec else ""
             rows.append(f"| {name} | {run['text']} | {run['length']} ({c['tokens']}) | {run['budget']} | "
-                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'} | {c['l3']}/{n} | "
+                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'}{allowed} | {c['l3']}/{n}{prec} | "
                         f"{c['plans']}/{n} | {c['kl_max'][0]:.4f} ({c['kl_max'][1]}) | {','.join(c['skipped']) or '-'} | {run['report']['seconds']:.0f} | "
                         f"{load_b} |")
             tag = f"{name} {run['text']} {run['length']} b{run['budget']}"
             if not c["l2"]:
                 notes.append(f"{tag}: L2 FAIL: {l2_detail(run['report'])}")
+            for row in c["l2_allowed"] if c["l2"] else []:
+                notes.append(f"{tag}: L2 allowance: {row_line(row, run['report'])}")
+            for p, v in c["l3_precision"].items():
+                if v.get("pass"):
+                    notes.append(f"{tag}: L3 arithmetic {p}: KL {run_l3(run, p)['kl']:.4g}, logits "
+                                 f"{run_l3(run, p)['logits_max_abs']:.3g} beyond the f16 limits, "
+                                 f"{precision_line(v)}")
             for p in c["l1_fail"]:
                 notes.append(f"{tag}: L1 FAIL {p}")
             for p, v in c["errors"].items():
                 notes.append(f"{tag}: ERROR {p}: {v}")
             for p, v in c["l3_fail"].items():
                 notes.append(f"{tag}: L3 arithmetic FAIL {p}: KL {v['kl']:.4g}, logits {v['logits_max_abs']:.3g}, "
-                             f"greedy {v['greedy_agree'] * 100:.1f}%, plan {v.get('native_plan')}")
+                             f"greedy {v['greedy_agree'] * 100:.1f}%, plan {v.get('native_plan')}"
+                             + (f"; {precision_line(c['l3_precision'][p])}" if p in c["l3_precision"] else ""))
             for p, v in c["plan_miss"].items():
                 notes.append(f"{tag}: plan agreement miss {p}: {v}")
-    rows.append(f"| **total** | | | | | {tot['l1'][0]}/{tot['l1'][1]} | {tot['l2'][0]}/{tot['l2'][1]} | "
-                f"{tot['l3'][0]}/{tot['l3'][1]} | {tot['plans'][0]}/{tot['plans'][1]} | | | | |")
+        if len(names) > 1 and data["runs"]:
+            rows.append(total_row(f"{name} total", tot_m))
+    rows.append(total_row("total", tot))
     return "\n".join(rows + [""] + [f"- {x}" for x in notes])
 
 
@@ -198,9 +255,14 @@ def main() -> int:
                           flush=True)
                     report = run_check(path, doc, a.policies.split(",") if a.policies else None, settings,
                                        Thresholds(), log=lambda m: print(f"[check] {m}", flush=True))
-                    data["runs"].append({"text": key, "length": length, "budget": budget, "threads": a.threads,
-                                         "started": started, "uptime_before": before, "uptime_after": _sh(["uptime"]),
-                                         "commit": commit, "report": report})
+                    run = {"text": key, "length": length, "budget": budget, "threads": a.threads,
+                           "started": started, "uptime_before": before, "uptime_after": _sh(["uptime"]),
+                           "commit": commit, "report": report}
+                    # re-read the file before adding this run: another process may have written it meanwhile
+                    fresh = load(name)
+                    fresh["model_path"], fresh["texts"] = data["model_path"], {**fresh["texts"], **data["texts"]}
+                    fresh["runs"].append(run)
+                    data = fresh
                     save(name, data)
                     c = counts(report)
                     print(f"[corpus] done in {report['seconds']} s: {c['tokens']} tokens, L1 {c['l1']}/"
