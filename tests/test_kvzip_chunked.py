@@ -165,3 +165,19 @@ def test_check_chunked_kvzip_both_engines_agree(tiny):
     assert e["l3"]["pass"] and e["plans"]["jaccard_min"] == 1.0, table
     assert e["l3"]["peak_cells"][0] == e["l3"]["peak_cells"][1] > 48 + 96, table
     assert r["passed"], table
+
+
+def test_pass_decoded_in_short_calls_gives_the_same_maxima(tiny, monkeypatch):
+    """A pass is decoded in calls of `pass_rows` tokens (the observation's softmax rows bound the compute buffer):
+    the maxima over the calls are those of one call per pass."""
+    from kvcli.drivers import reconstruct as R
+    s = _session(tiny, "native")
+    toks = s.tokenize(DOC)[:300]
+    s.prefill(toks)
+    assert R.pass_rows(s) == 512
+    whole = R.reconstruct_scores(s, toks, 0, 2048).colmax
+    monkeypatch.setattr(R, "PASS_ROWS_BYTES", 40 * 1024 * s.info.n_head * 4)   # 40 rows over 1,024 cells
+    assert R.pass_rows(s) == 40
+    split = R.reconstruct_scores(s, toks, 0, 2048)
+    np.testing.assert_allclose(split.colmax, whole, rtol=1e-5, atol=1e-7)
+    assert split.longest == len(passes(s, toks, 2048)[0]) and s.seq(0).cells == 300

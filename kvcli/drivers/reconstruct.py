@@ -34,6 +34,19 @@ from kvcli.session import Session
 
 MIN_REPEAT = 16   # fewer free cells than this for a pass's prompt tokens: refused (the context has no room)
 REPEAT_MARGIN = 64   # cells kept for a pass's instruction and overlap (they tokenise to about 20)
+# A pass is decoded in calls of `pass_rows` tokens: observing column maxima, the native graph holds the softmax rows
+# of a call (tokens x cells x query heads, float32) in its compute buffer, which keeps its largest size. 512 rows
+# over qwen2.5-coder-0.5b's 2,560 cells (bounded reading, budget 256, chunk 1024) and 14 heads are 73 MB, more than
+# the whole KV cache; 16 MiB of rows keep the pass near bounded reading's memory (docs/results.md, kvzip). The
+# maxima are the same (a max over calls; each query's attention does not depend on the split).
+PASS_ROWS_BYTES = 16 << 20
+MIN_PASS_ROWS = 32
+
+
+def pass_rows(session: Session) -> int:
+    """Tokens per decode call of a reconstruction pass: PASS_ROWS_BYTES of softmax rows over the context's cells."""
+    row = max(1, session.n_ctx) * session.info.n_head * 4
+    return max(MIN_PASS_ROWS, min(512, PASS_ROWS_BYTES // row))
 
 
 def repeat_room(n_prompt: int, repeat_chunk: int) -> int:
@@ -100,15 +113,16 @@ def reconstruct_scores(session: Session, tokens: list[int], seq: int = 0, repeat
     t0 = time.perf_counter()
     st = session.seq(seq)
     held = st.next_pos                       # positions >= held are a pass's tokens
-    acc, longest = None, 0
+    acc, longest, rows = None, 0, pass_rows(session)
     for ids in passes(session, tokens, repeat_chunk, start, end):
-        obs = session.prefill(ids, seq=seq, observe=("colmax",))
+        for a in range(0, len(ids), rows):
+            obs = session.prefill(ids[a:a + rows], seq=seq, observe=("colmax",))
+            keep = np.flatnonzero(obs.positions < held)
+            m = obs.colmax[..., keep]
+            acc = m if acc is None else np.maximum(acc, m)
+            del obs
         session.rollback(seq, len(ids))
-        keep = np.flatnonzero(obs.positions < held)
-        m = obs.colmax[..., keep]
-        acc = m if acc is None else np.maximum(acc, m)
         longest = max(longest, len(ids))
-        del obs
         if progress is not None:
             progress(len(ids))
     if restore_logits:   # a rollback forgets the logits: the prompt's last token again, at its own position
