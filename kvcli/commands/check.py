@@ -32,8 +32,9 @@ def _epilog() -> str:
                  "llama.cpp's own settings (f32 cache without flash attention, or a batch size of 64) move at least "
                  "as far as the engines differ, or where the reference given llama.cpp's activation arithmetic "
                  "(8-bit matmul inputs, f16 GELU table) comes within the threshold (docs/models.md: gemma-3-270m). "
-                 "L3 arithmetic beyond the f16 limits passes only for a precision-sensitive plan: the reference's "
-                 "own cache rounded to f16 moves its output beyond the limits, and the native engine at f32 without "
+                 "L3 arithmetic beyond its limits passes only for a measured reason: the reference given llama.cpp's "
+                 "activation arithmetic comes within them, or (f16) a precision-sensitive plan: the reference's own "
+                 "cache rounded to f16 moves its output beyond the limits, and the native engine at f32 without "
                  "flash attention agrees with the reference within the f32 limits.")
     lines.append("Exit code: 0 when the engines agree (L1, L2 and L3's arithmetic verdict pass), 1 when one of "
                  "them fails (or errors), 2 on bad input. Plan agreement (each engine its own plan) is the policy's "
@@ -77,20 +78,29 @@ def _rows_over(v: dict, l2: dict) -> str:
     return text + ")"
 
 
-def _precision_note(l3: dict) -> str:
-    """L3 arithmetic's precision allowance (kvcli.drivers.check.precision_sensitivity), in one line."""
-    p = l3.get("precision")
-    if not p:
+def _allowance_note(l3: dict) -> str:
+    """L3 arithmetic's allowance (kvcli.drivers.check.arithmetic_allowance), in one line."""
+    a = l3.get("allowance")
+    if not a:
         return ""
-    if "reference_rounding" not in p:
-        return f"L3 arithmetic beyond the {p['cache_type']} limits ({p.get('why', '')})"
-    rr, eq = p["reference_rounding"], p["equal_precision"]
-    verdict = ("a precision-sensitive plan: the engines agree at equal precision" if p["pass"] else
-               "not explained by the plan's precision sensitivity")
-    return (f"L3 arithmetic beyond the {p['cache_type']} limits, {verdict}: the reference's own cache rounded to "
-            f"{p['cache_type']} moves its next token by KL {rr['kl']:.3g} (logits {rr['logits_max_abs']:.3g}); "
-            f"native f32 without flash attention vs reference: KL {eq['kl']:.3g}, logits {eq['logits_max_abs']:.3g}, "
-            f"greedy {eq['greedy_agree'] * 100:.1f}% ({'within' if eq['pass'] else 'beyond'} the f32 limits)")
+    ct = a["cache_type"]
+    em = a["llamacpp_arithmetic"]
+    text = (f"L3 arithmetic beyond the {ct} limits; the reference given llama.cpp's activation arithmetic: KL "
+            f"{em['kl']:.3g}, logits {em['logits_max_abs']:.3g}, greedy {em['greedy_agree'] * 100:.1f}% "
+            f"({'within' if em['pass'] else 'beyond'} the limits)")
+    p = a.get("precision")
+    if p and "reference_rounding" in p:
+        rr, eq = p["reference_rounding"], p["equal_precision"]
+        text += (f"; the reference's own cache rounded to {ct} moves its next token by KL {rr['kl']:.3g} (logits "
+                 f"{rr['logits_max_abs']:.3g}); native f32 without flash attention vs reference: KL {eq['kl']:.3g}, "
+                 f"logits {eq['logits_max_abs']:.3g}, greedy {eq['greedy_agree'] * 100:.1f}% "
+                 f"({'within' if eq['pass'] else 'beyond'} the f32 limits)")
+    elif p:
+        text += f"; {p.get('why', '')}"
+    verdict = {"llamacpp_arithmetic": "allowed: llama.cpp's activation arithmetic",
+               "precision": "allowed: a precision-sensitive plan, the engines agree at equal precision",
+               None: "not explained"}[a["by"]]
+    return f"{text}: {verdict}"
 
 
 def format_report(r: dict) -> str:
@@ -139,8 +149,8 @@ def format_report(r: dict) -> str:
             pls = "" if pl is None else (f"{pl['jaccard_min']:.3f}/{pl['jaccard_mean']:.3f}  {ar(pl)} "
                                          f"{'agree' if pl['pass'] else 'SENSITIVE'}")
             out.append(f"{name:<13} {l1s:<22} {ar(l3)} {ok(l3['pass']):<4}  {pls}")
-        if l3 is not None and l3.get("precision"):
-            out.append(f"{'':<13} {_precision_note(l3)}")
+        if l3 is not None and l3.get("allowance"):
+            out.append(f"{'':<13} {_allowance_note(l3)}")
         if l1 is not None and not l1["pass"] and l1.get("first_difference"):
             out.append(f"{'':<13} L1: {l1['first_difference']}")
         if pl is not None and pl.get("sensitivity"):

@@ -21,9 +21,11 @@ L3 end to end   two verdicts, after each engine compressed its cache:
                 both engines are fed the native engine's greedy tokens, and each step counts when the
                 reference's argmax is the same token), within limits stated per native cache type
                 (`Thresholds.arithmetic`). Must hold for every policy: only the engines' arithmetic differs.
-                Beyond the f16 limits, a plan passes as precision-sensitive only when the reference's own
-                cache rounded to f16 moves its output beyond them too and the engines agree at equal
-                precision (the native f32 cache without flash attention, f32 limits): `precision_sensitivity`.
+                Beyond the limits the same plan passes only for a measured reason (`arithmetic_allowance`):
+                the reference given llama.cpp's activation arithmetic (8-bit matmul inputs, f16 GELU) comes
+                within them, or (f16) the plan is precision-sensitive: the reference's own cache rounded to
+                f16 moves its output beyond them too and the engines agree at equal precision (the native f32
+                cache without flash attention, f32 limits): `precision_sensitivity`.
   plan agreement (the policy's sensitivity) each engine plans from its own observation with its own planner:
                 Jaccard of the kept positions per layer and KV head, the layer budgets, how far from the
                 budget's boundary (in the policy's own score) the decisions lie on which the plans differ
@@ -793,9 +795,9 @@ def _level3(native, shared, cfg, settings, th, plan_n, calls_n, tokens) -> tuple
     state_n = native.save_seq(0)
     arith = _arithmetic(native, ref, settings, th, native_plan=plan_summary(plan_n))
     if not arith["pass"]:
-        arith["precision"] = precision_sensitivity(native, shared, tokens, plan_n, settings, th,
-                                                   arith["native_tokens"][0])
-        arith["pass"] = arith["precision"]["pass"]
+        arith["allowance"] = arithmetic_allowance(native, state_n, shared, tokens, plan_n, settings, th,
+                                                  arith["native_tokens"][0])
+        arith["pass"] = arith["allowance"]["pass"]
     native.restore_seq(state_n, 0)
     from kvcli.reference.policies._common import recording  # noqa: PLC0415
     with recording() as calls_r:
@@ -806,6 +808,46 @@ def _level3(native, shared, cfg, settings, th, plan_n, calls_n, tokens) -> tuple
     margins = selection_margins(calls_n, calls_r) if calls_n is not None else None
     plans = _plans(native, ref, jac, settings, th, margins=margins, budgets=(plan_n, applied.plan))
     return arith, plans
+
+
+def arithmetic_allowance(native, state_n, shared, tokens, plan, settings, th, first: int) -> dict:
+    """L3 arithmetic beyond the native cache type's limits: the same plan passes only for one of two measured reasons,
+    tried in this order (each field of the result holds its figures):
+    - `llamacpp_arithmetic`: the reference engine given llama.cpp's activation arithmetic (8-bit matmul inputs, f16
+      GELU table: kvcli/reference/llamacpp_arithmetic.py) prefills, applies the plan and decodes again, teacher-forced
+      on the native tokens, within the cache type's limits: the miss was llama.cpp's rounding of the activations at a
+      sensitive step, not kvcli's cache (measured, issue 31: snapkv at budget 64 on qwen2.5-coder-0.5b and the
+      diskcache METADATA, next-token KL 0.056 against the float32 reference, 0.011 against the emulating one);
+    - `precision`: the plan is ill-conditioned at the cache's precision (`precision_sensitivity`, f16 only).
+    Neither emulation changes which entries are held or how they are attended: a compaction, mask or position defect
+    still fails."""
+    out: dict = {"pass": False, "by": None, "cache_type": settings.cache_type}
+    out["llamacpp_arithmetic"] = _emulated_arithmetic(native, state_n, shared, tokens, plan, settings, th)
+    if out["llamacpp_arithmetic"]["pass"]:
+        out.update({"pass": True, "by": "llamacpp_arithmetic"})
+        return out
+    out["precision"] = precision_sensitivity(native, shared, tokens, plan, settings, th, first)
+    if out["precision"]["pass"]:
+        out.update({"pass": True, "by": "precision"})
+    return out
+
+
+def _emulated_arithmetic(native, state_n, shared, tokens, plan, settings, th) -> dict:
+    """The native engine's compacted sequence (`state_n`) against the reference with llama.cpp's activation
+    arithmetic, the same plan, the cache type's limits."""
+    from kvcli.reference.llamacpp_arithmetic import llamacpp_activations  # noqa: PLC0415
+
+    ref, seq = shared.session, shared.seq
+    native.restore_seq(state_n, 0)
+    ref.clear(seq)
+    with llamacpp_activations(ref.model, ref.model_path):
+        ref.prefill(tokens, seq=seq)
+        ref.apply_plan(plan, seq=seq)
+        r = greedy_compare(native, ref, settings.n_tokens, 0, seq)
+    limits = th.arithmetic(settings.cache_type)
+    r["pass"] = bool(r["kl"] <= limits["kl_max"] and r["logits_max_abs"] <= limits["logits_atol"]
+                     and r["greedy_agree"] >= limits["greedy_min"])
+    return {k: r[k] for k in ("logits_max_abs", "kl", "greedy_agree", "pass")}
 
 
 def _round_reference_cache(reference, seq: int, cache_type: str) -> None:

@@ -214,14 +214,17 @@ def test_l3_precision_allowance_needs_the_plan_sensitive_and_the_engines_agreein
     loose_f32 = Thresholds.tight().with_overrides({"l3_kl_max_f32": 1e-3, "l3_logits_atol_f32": 0.05})
     r = run_check(tiny_gguf, DOC, ["snapkv"], settings, loose_f32)
     l3 = r["policies"][0]["l3"]
-    p = l3["precision"]
+    a = l3["allowance"]
+    assert not a["llamacpp_arithmetic"]["pass"]   # an f32 GGUF: the emulation rounds nothing, the miss stays
+    p = a["precision"]
+    assert a["by"] == "precision"
     assert p["reference_rounding"]["beyond_limits"] and p["reference_rounding"]["logits_max_abs"] > 0
     assert p["equal_precision"]["pass"] and p["equal_precision"]["kl"] < 1e-3
     assert p["pass"] and l3["pass"] and r["passed"]
     impossible_f32 = loose_f32.with_overrides({"l3_kl_max_f32": 0.0, "l3_logits_atol_f32": 0.0})
     r = run_check(tiny_gguf, DOC, ["snapkv"], settings, impossible_f32)
     l3 = r["policies"][0]["l3"]
-    assert not l3["precision"]["equal_precision"]["pass"] and not l3["pass"] and not r["passed"]
+    assert not l3["allowance"]["precision"]["equal_precision"]["pass"] and not l3["pass"] and not r["passed"]
 
 
 def test_l3_precision_allowance_is_for_f16_caches_only(tiny_gguf):
@@ -230,4 +233,4 @@ def test_l3_precision_allowance_is_for_f16_caches_only(tiny_gguf):
     settings = CheckSettings(budget=96, n_tokens=4, cache_type="f32", flash_attn=True, doc_tokens=200, levels=(3,))
     r = run_check(tiny_gguf, DOC, ["snapkv"], settings, Thresholds.tight())
     l3 = r["policies"][0]["l3"]
-    assert not l3["pass"] and "no precision allowance" in l3["precision"]["why"]
+    assert not l3["pass"] and "no precision allowance" in l3["allowance"]["precision"]["why"]
