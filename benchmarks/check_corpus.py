@@ -92,8 +92,9 @@ def counts(report: dict) -> dict:
          # passes that needed an allowance (commit 32c62b2): L2 K/V rows explained by a named source, L3
          # arithmetic beyond the f16 limits passed as a precision-sensitive plan
          "l2_allowed": l2_allowed(report),
-         "l3_precision": {e["policy"]: e["l3"]["precision"] for e in checked
-                          if e.get("l3") is not None and e["l3"].get("precision") is not None}}
+         # (runs before 6f060a7 hold the precision verdict alone, as l3.precision)
+         "l3_precision": {e["policy"]: e["l3"].get("allowance") or e["l3"]["precision"] for e in checked
+                          if e.get("l3") is not None and (e["l3"].get("allowance") or e["l3"].get("precision"))}}
     kls = [(e["l3"]["kl"], e["policy"]) for e in checked if e.get("l3") is not None]
     c["kl_max"] = max(kls) if kls else (float("nan"), "-")
     return c
@@ -116,9 +117,14 @@ def row_line(row: dict, report: dict) -> str:
             f"{row['slot']}: engines {row['engines']:.3g}{lim}; {dists}; allowed by {row['explained_by'] or 'none'}")
 
 
-def precision_line(v: dict) -> str:
+def precision_line(a: dict) -> str:
+    """An L3 arithmetic allowance (commit 6f060a7: l3.allowance, llama.cpp's arithmetic first, then precision)."""
+    em, v = a.get("llamacpp_arithmetic") or {}, (a if "reference_rounding" in a else a.get("precision") or {})
+    s = f"{'passed' if a.get('pass') else 'not passed'}" + (f" by {a['by']}" if a.get("by") else "")
+    if em:
+        s += (f"; reference with llama.cpp's activation arithmetic: KL {em['kl']:.4g}, logits "
+              f"{em['logits_max_abs']:.3g}")
     rr, eq = v.get("reference_rounding") or {}, v.get("equal_precision") or {}
-    s = f"{'passed' if v.get('pass') else 'not passed'} as precision-sensitive"
     if rr:
         s += f"; reference f32 vs its cache rounded to f16: KL {rr['kl']:.4g}, logits {rr['logits_max_abs']:.3g}"
     if eq:
