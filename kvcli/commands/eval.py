@@ -15,7 +15,14 @@ from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_tex
 from kvcli.evaluation.runner import run_fidelity, run_generation_eval, summary_table
 from kvcli.evaluation.tasks import RULER_TASKS
 from kvcli.models import resolve_model
+from kvcli.templating import GENERIC_SUFFIX
 
+AGNOSTIC_HELP = ("Compress each document before its question is seen (question-agnostic, as kvcli chat "
+                 "--compress-once): the prompt is split where the question begins; the chat template's head, the "
+                 f"document and kvcli's generic instruction (\"{GENERIC_SUFFIX}\") are prefilled once and "
+                 "compressed by every configuration, then the question follows as "
+                 "the next user turn (with the answer prefix) and is answered greedily from the compressed cache. "
+                 "Default: question-aware (the document and the question in one user turn, compressed together).")
 CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/drivers/chunked.py); on by itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
               "baseline: the first 32 tokens and the last budget - 32 (and, read in chunks, the context's worth).")
@@ -79,14 +86,15 @@ def eval_group():
 @click.option("--samples", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="Samples per length and depth.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, depths, samples, seed):
+@click.option("--agnostic", is_flag=True, help=AGNOSTIC_HELP)
+def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, depths, samples, seed, agnostic):
     """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
     path, lens = _prepare(model, lengths, plot_path)
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "niah", ["niah"], req.policies, req.budgets, lens, ds, samples,
                                  cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                                  seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
-                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler())
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler(), agnostic=agnostic)
     _finish(result, as_json, json_path, plot_path, quiet, plot_niah)
 
 
@@ -98,7 +106,9 @@ def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json,
 @click.option("--samples", type=click.IntRange(1, 1000), default=2, show_default=True,
               help="Samples per task, length (and depth).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, tasks, depths, samples, seed):
+@click.option("--agnostic", is_flag=True, help=AGNOSTIC_HELP)
+def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, tasks, depths, samples, seed,
+              agnostic):
     """RULER-style synthetic tasks with RULER's string-match metric."""
     path, lens = _prepare(model, lengths, plot_path)
     ts = parse_list(tasks, "--tasks", lambda s: s.lower())
@@ -109,7 +119,7 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
     result = run_generation_eval(path, "ruler", ts, req.policies, req.budgets, lens, ds, samples,
                                  cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                                  seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
-                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler())
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler(), agnostic=agnostic)
     _finish(result, as_json, json_path, plot_path, quiet, plot_scores)
 
 

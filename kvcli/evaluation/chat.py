@@ -51,10 +51,9 @@ from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import machine, peak_rss_bytes
 from kvcli.evaluation.runner import _greedy
-from kvcli.evaluation.tasks import _fit, string_match_all
+from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all  # noqa: F401 (the layout)
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import make_plan
-from kvcli.templating import GENERIC_SUFFIX, user_message
 
 MODES = ("full", "once", "reselect", "run", "reread", "bounded")
 DEFAULT_MODES = ("full", "once", "reselect", "run")
@@ -77,31 +76,6 @@ def make_chat_document(session, length: int, facts: int, seed: int) -> tuple[str
 
 def ask(question: str) -> str:
     return f"{question} Answer with the number only."
-
-
-def render(session, document: str, history: list[tuple[str, str]], question: str, agnostic: bool = False) -> str:
-    """The conversation's prompt: question-aware, the document and the first question in one user turn (as `run`
-    and re-selection lay it out); agnostic, the document and the generic instruction, then every question as its
-    own turn (as compress-once chat lays it out)."""
-    qs = [q for q, _ in history] + [question]
-    if agnostic:
-        msgs = [{"role": "user", "content": user_message(document, GENERIC_SUFFIX)}, {"role": "user", "content": qs[0]}]
-    else:
-        msgs = [{"role": "user", "content": user_message(document, qs[0])}]
-    for (_, a), q in zip(history, qs[1:]):
-        msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": q}]
-    return session.apply_chat_template(msgs, add_assistant=True)
-
-
-def prefix_text(session, document: str, agnostic: bool) -> str:
-    """The prompt every question's prompt starts with: the template's head and the document (agnostic: and the
-    generic instruction)."""
-    text = render(session, document, [], "KVCLIPROBEQUESTION", agnostic)
-    end = document.strip()
-    cut = text.index(end) + len(end)
-    if agnostic:
-        cut = text.index(GENERIC_SUFFIX, cut) + len(GENERIC_SUFFIX)
-    return text[:cut]
 
 
 def _record(mode, cfg_key, doc_i, q_i, fact, text, n_tokens, **extra) -> dict:

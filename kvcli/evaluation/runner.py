@@ -5,6 +5,14 @@ prompt, so each score can also be given as a fraction of the full cache's score 
 (the papers' headline form). One prefill per sample serves all configurations (see
 `compressed_variants`); prefill, planning and compaction are those of the driver, `kvcli.drivers.compress`.
 Decoding is greedy.
+
+Question-agnostic mode (`agnostic`, `kvcli eval niah|ruler --agnostic`): the document is compressed before its
+question is seen, as `kvcli chat --compress-once` compresses it. Each prompt is laid out as eval chat's `once` mode
+lays it out (`render` / `prefix_text` of kvcli/evaluation/tasks.py): the agnostic prefix (chat template head, the
+document and kvcli's generic instruction, kvcli.templating.GENERIC_SUFFIX, in one user turn) is prefilled and
+compressed by every configuration (one prefill, `Shared`, serves them all; kvzip's reconstruction pass runs once),
+then the question follows as the next user turn, with the assistant turn and the task's answer prefix, and is
+answered greedily from the compressed cache.
 """
 from __future__ import annotations
 
@@ -19,13 +27,16 @@ from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine
-from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, ruler_sample, string_match_all
+from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, prefix_text, render, ruler_sample, string_match_all
 from kvcli.generate import Sampler
 from kvcli.native.session import ContextFull, NativeSession
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TRUNCATE = "truncate"     # the baseline for documents longer than the context: keep the head and the last tokens
 TRUNCATE_HEAD = 32        # prompt tokens kept from the start (chat template + title), as llama.cpp's --keep
+AGNOSTIC_LAYOUT = ("question-agnostic: [template head, document, generic instruction] prefilled and compressed, then "
+                   "[next user turn: the question; assistant turn; answer prefix] prefilled after the compressed "
+                   "cache (eval chat's once layout)")
 
 
 def eval_configs(policies: list[str], budgets: list[int], long: bool = True) -> list[tuple[str, int | None]]:
@@ -61,7 +72,9 @@ def _session(model_path, n_ctx, cache_type, threads):
 
 def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict):
     """For each (policy, budget) of `cfgs`, leave sequence 0 of `session` holding `tokens` compressed by it,
-    and yield (policy, budget, status, first_logits, note); decode from seq 0 before the next item.
+    and yield (policy, budget, status, first_logits, note, stats); decode from seq 0 before the next item.
+    stats: the shared prefill's seconds (`prefill_s`), the configuration's planning + applying (`compress_s`,
+    kvzip's reconstruction pass included) and kvzip's pass alone (`reconstruct_s`).
 
     One prefill serves every configuration of a sample (`kvcli.drivers.compress.Shared`): the observation is captured
     once with the union of what the policies need (one window sum per window length the policies use: a
@@ -76,18 +89,21 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     shared = Shared(session, tokens, list(resolved.values()), planner="native")
     for pol, bud in sorted(cfgs, key=lambda c: c[0] == TRUNCATE):
         if pol in unavailable:
-            yield pol, bud, unavailable[pol], None, ""
+            yield pol, bud, unavailable[pol], None, "", {}
             continue
         if pol == TRUNCATE:
             session.clear()
             session.prefill(truncated(tokens, bud), seq=0)
-            yield pol, bud, "ok", session.logits(0), ""
+            yield pol, bud, "ok", session.logits(0), "", {}
             continue
         applied = shared.apply(resolved[(pol, bud)])
         if applied.error is None:
-            yield pol, bud, "ok", shared.first, applied.note
+            stats = {"prefill_s": round(shared.prefill_s, 4), "compress_s": round(applied.compress_s, 4)}
+            if applied.reconstruct_s is not None:
+                stats["reconstruct_s"] = round(applied.reconstruct_s, 4)
+            yield pol, bud, "ok", shared.first, applied.note, stats
         elif isinstance(applied.error, KvcliError):
-            yield pol, bud, f"error: {applied.error}", None, ""
+            yield pol, bud, f"error: {applied.error}", None, "", {}
         else:
             raise applied.error
 
@@ -130,6 +146,40 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
         yield pol, bud, "ok", session.logits(0), "", stats
 
 
+def agnostic_split(session, s) -> tuple[list[int], list[int]]:
+    """The question-agnostic layout of sample `s` as token ids: (prefix, question). The prefix is the chat
+    template's head, the document and kvcli's generic instruction (eval chat's `once` prefix, tasks.prefix_text);
+    the question is the next user turn, the assistant turn and the answer prefix (tasks.render's rest)."""
+    if not s.document:
+        raise KvcliError(f"task {s.task} has no question-agnostic layout")
+    prefix = prefix_text(session, s.document, agnostic=True)
+    full = render(session, s.document, [], s.question, agnostic=True) + s.answer_prefix
+    if not full.startswith(prefix):
+        raise KvcliError("the chat template does not extend the agnostic prefix")
+    return session.tokenize(prefix), session.tokenize(full[len(prefix):])
+
+
+def sample_variants(session, toks, question, cfgs, policy_args, unavailable, *, reserve: int, chunk=None,
+                    chunk_scoring="question"):
+    """The configurations of one prompt: `toks` compressed by each (in chunks when `chunk`), and, question-agnostic,
+    the `question` tokens prefilled after the compressed cache. Yields (policy, budget, status, first_logits, note,
+    stats), seq 0 ready to decode from first_logits."""
+    variants = chunked_variants(session, toks, cfgs, policy_args, unavailable, chunk, reserve + len(question or ()),
+                                chunk_scoring) if chunk else \
+        compressed_variants(session, toks, cfgs, policy_args, unavailable)
+    for pol, bud, status, first, note, stats in variants:
+        if status == "ok" and question:
+            t0 = time.perf_counter()
+            try:
+                session.prefill(question, seq=0)
+            except (KvcliError, ContextFull) as e:
+                yield pol, bud, f"error: {e}", None, note, stats
+                continue
+            stats = {**stats, "question_prefill_s": round(time.perf_counter() - t0, 4)}
+            first = session.logits(0)
+        yield pol, bud, status, first, note, stats
+
+
 def _greedy(session, first_logits, max_tokens: int, sampler=None) -> str:
     """Decode sequence 0 from the prompt's last logits (greedy, or `sampler`'s penalties), stopping at end of
     generation."""
@@ -155,8 +205,10 @@ def _greedy(session, first_logits, max_tokens: int, sampler=None) -> str:
 def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[str], budgets: list[int],
                         lengths: list[int], depths: list[float], samples: int, *, cache_type: str = "f16",
                         policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None,
-                        chunk: int | None = None, chunk_scoring: str = "question", sampler=None) -> dict:
+                        chunk: int | None = None, chunk_scoring: str = "question", sampler=None,
+                        agnostic: bool = False) -> dict:
     """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths).
+    `agnostic`: compress the document before the question (the module's docstring), not with it in the prompt.
 
     Lengths beyond the model's context (or any `chunk`) are read in chunks of `chunk` tokens (default
     kvcli.drivers.chunked.DEFAULT_CHUNK), compressed after each, by every policy; `truncate` is their baseline."""
@@ -192,18 +244,21 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             for task, d, i in plan:
                 s = niah_sample(tok, L, d, i, seed) if task == "niah" else ruler_sample(tok, task, L, d, i, seed)
                 built.append(s)
-            n_ctx = n_ctx_train if long else max(s.n_tokens + s.max_tokens for s in built) + 16
+            split = {id(s): agnostic_split(tok, s) if agnostic else (tok.tokenize(s.prompt), []) for s in built}
+            n_ctx = n_ctx_train if long else max(len(a) + len(q) + s.max_tokens for s in built
+                                                 for a, q in [split[id(s)]]) + 16
             session = _session(model_path, n_ctx, cache_type, threads)
             try:
                 for s in built:
-                    toks = tok.tokenize(s.prompt)
-                    variants = chunked_variants(session, toks, cfgs, policy_args, unavailable, chunk, s.max_tokens,
-                                                chunk_scoring) \
-                        if long else ((*v, {}) for v in compressed_variants(session, toks, cfgs, policy_args,
-                                                                            unavailable))
+                    toks, question = split[id(s)]
+                    variants = sample_variants(session, toks, question, cfgs, policy_args, unavailable,
+                                               reserve=s.max_tokens, chunk=chunk if long else None,
+                                               chunk_scoring=chunk_scoring)
                     for pol, bud, status, first, note, stats in variants:
                         rec = {"task": s.task, "length": L, "tokens": s.n_tokens, "depth": s.depth, "sample": s.index,
                                "policy": pol, "budget": bud, "answers": s.answers, "status": status, "score": None,
+                               "mode": "agnostic" if agnostic else "aware",
+                               **({"prefix_tokens": len(toks), "question_tokens": len(question)} if agnostic else {}),
                                **stats}
                         if status == "ok":
                             try:
@@ -229,7 +284,9 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent",
                          "chunk": chunk if long else None, "chunk_scoring": chunk_scoring if long else None,
-                         "sampling": None if sampler is None else vars(sampler.sampling)},
+                         "sampling": None if sampler is None else vars(sampler.sampling),
+                         "mode": "agnostic" if agnostic else "aware", "layout": AGNOSTIC_LAYOUT if agnostic else
+                         "question-aware: the document and the question in one user turn, compressed together"},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
             "cells": aggregate(records, ("task", "policy", "budget", "length", "depth")),
             "summary": aggregate(records, ("task", "policy", "budget", "length"))}
@@ -262,7 +319,7 @@ def aggregate(records: list[dict], keys: tuple[str, ...], metric: str = "score",
                 item["frac_of_full"] = item[metric] / base if base > 0 else None
             else:
                 item["ratio_to_full"] = item[metric] / base if base > 0 else None
-        for extra in ("kl_mean", "kv_cells", "peak_kv_cells"):
+        for extra in ("kl_mean", "kv_cells", "peak_kv_cells", "prefill_s", "compress_s", "reconstruct_s"):
             vals = [r[extra] for r in rs if r.get(extra) is not None]
             if vals:
                 item[extra] = float(np.mean(vals))
@@ -306,7 +363,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
                     continue
                 prefix, target = toks[:L], toks[L:L + cont]
                 ref_logp = None
-                for pol, bud, status, first, note in compressed_variants(session, prefix, cfgs, policy_args,
+                for pol, bud, status, first, note, _ in compressed_variants(session, prefix, cfgs, policy_args,
                                                                          unavailable):
                     rec = {**base, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None}
                     if note:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
+from kvcli.templating import GENERIC_SUFFIX, user_message
 
 TASKS = ("niah", "niah_single", "niah_multikey", "vt", "cwe")
 RULER_TASKS = ("niah_single", "niah_multikey", "vt", "cwe")
@@ -50,6 +51,12 @@ class Sample:
     index: int = 0
     n_tokens: int = 0               # measured prompt length
     meta: dict = field(default_factory=dict)
+    # the prompt's parts, for the question-agnostic layout (kvcli eval --agnostic: the document compressed
+    # before the question is seen): the user turn is `document` + the question, and the assistant's
+    # answer starts with `answer_prefix`
+    document: str = ""
+    question: str = ""
+    answer_prefix: str = ""
 
 
 def string_match_all(pred: str, refs: list[str]) -> float:
@@ -90,17 +97,45 @@ def _chat(session, user: str, answer_prefix: str = "") -> str:
     return session.apply_chat_template([{"role": "user", "content": user}], add_assistant=True) + answer_prefix
 
 
+# ------------------------------------------------------------------------------ the conversation layouts
+# (eval chat's modes, and eval niah/ruler --agnostic)
+def render(session, document: str, history: list[tuple[str, str]], question: str, agnostic: bool = False) -> str:
+    """The conversation's prompt: question-aware, the document and the first question in one user turn (as `run`
+    and re-selection lay it out); agnostic, the document and the generic instruction, then every question as its
+    own turn (as compress-once chat lays it out)."""
+    qs = [q for q, _ in history] + [question]
+    if agnostic:
+        msgs = [{"role": "user", "content": user_message(document, GENERIC_SUFFIX)}, {"role": "user", "content": qs[0]}]
+    else:
+        msgs = [{"role": "user", "content": user_message(document, qs[0])}]
+    for (_, a), q in zip(history, qs[1:]):
+        msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": q}]
+    return session.apply_chat_template(msgs, add_assistant=True)
+
+
+def prefix_text(session, document: str, agnostic: bool) -> str:
+    """The prompt every question's prompt starts with: the template's head and the document (agnostic: and the
+    generic instruction)."""
+    text = render(session, document, [], "KVCLIPROBEQUESTION", agnostic)
+    end = document.strip()
+    cut = text.index(end) + len(end)
+    if agnostic:
+        cut = text.index(GENERIC_SUFFIX, cut) + len(GENERIC_SUFFIX)
+    return text[:cut]
+
+
 def niah_sample(session, length: int, depth: float, index: int, seed: int = 0) -> Sample:
     def build(words):
         text, planted = md.make_document(words, seed=seed * 100003 + index * 7919 + int(depth * 1000),
                                          depths=[depth])
         fact = planted[0]
-        user = f"{text.strip()}\n\n{fact['question']} Answer with the number only."
-        return _chat(session, user, "The answer is"), fact
+        q = f"{fact['question']} Answer with the number only."
+        user = f"{text.strip()}\n\n{q}"
+        return _chat(session, user, "The answer is"), (fact, text.strip(), q)
 
-    prompt, n_tok, fact = _fit(build, length, lambda p: len(session.tokenize(p)), int(length / 1.35))
+    prompt, n_tok, (fact, doc, q) = _fit(build, length, lambda p: len(session.tokenize(p)), int(length / 1.35))
     return Sample("niah", length, prompt, [fact["answer"]], max_tokens=12, depth=depth, index=index, n_tokens=n_tok,
-                  meta={"needle": fact["sentence"]})
+                  meta={"needle": fact["sentence"]}, document=doc, question=q, answer_prefix="The answer is")
 
 
 # ------------------------------------------------------------------------------ RULER-style tasks
@@ -139,13 +174,15 @@ def ruler_sample(session, task: str, length: int, depth: float | None, index: in
             needles = [(d, f"One of the special magic numbers for {keys[0]} is: {vals[0]}.")]
             needles += [(o, f"One of the special magic numbers for {k} is: {v}.")
                         for o, k, v in zip(others, keys[1:], vals[1:])]
-            user = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-                    "I will quiz you about the numbers afterwards.\n" + _insert(hay, needles) +
-                    f"\nWhat is the special magic number for {keys[0]} mentioned in the provided text?")
-            return _chat(session, user, f"The special magic number for {keys[0]} mentioned in the provided text is"), {}
-        prompt, n_tok, _ = _fit(build, length, count, length // 25)
+            doc = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                   "I will quiz you about the numbers afterwards.\n" + _insert(hay, needles))
+            return _chat(session, f"{doc}\n{question}", prefix), doc
+        question = f"What is the special magic number for {keys[0]} mentioned in the provided text?"
+        prefix = f"The special magic number for {keys[0]} mentioned in the provided text is"
+        prompt, n_tok, doc = _fit(build, length, count, length // 25)
         return Sample(task, length, prompt, [vals[0]], max_tokens=16, depth=d, index=index, n_tokens=n_tok,
-                      meta={"key": keys[0], "distractors": n_keys - 1})
+                      meta={"key": keys[0], "distractors": n_keys - 1}, document=doc, question=question,
+                      answer_prefix=prefix)
     if task == "vt":
         value = str(rng0.randint(10000, 99999))
         names = []
@@ -158,13 +195,15 @@ def ruler_sample(session, task: str, length: int, depth: float | None, index: in
 
         def build(n):
             hay = [NOISE] * n
-            user = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n" +
-                    _insert(hay, list(zip(spots, lines))) +
-                    f"\nQuestion: Find all variables that are assigned the value {value} in the text above.")
-            return _chat(session, user, f"Answer: According to the chain(s) of variable assignment in the text above, "
-                                        f"5 variables are assigned the value {value}, they are:"), {}
-        prompt, n_tok, _ = _fit(build, length, count, length // 25)
-        return Sample(task, length, prompt, names, max_tokens=30, depth=None, index=index, n_tokens=n_tok)
+            doc = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n" +
+                   _insert(hay, list(zip(spots, lines))))
+            return _chat(session, f"{doc}\n{question}", prefix), doc
+        question = f"Question: Find all variables that are assigned the value {value} in the text above."
+        prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, "
+                  f"5 variables are assigned the value {value}, they are:")
+        prompt, n_tok, doc = _fit(build, length, count, length // 25)
+        return Sample(task, length, prompt, names, max_tokens=30, depth=None, index=index, n_tokens=n_tok,
+                      document=doc, question=question, answer_prefix=prefix)
     if task == "cwe":
         rng0.setstate(state)
         pool = list(WORDS)
@@ -181,11 +220,13 @@ def ruler_sample(session, task: str, length: int, depth: float | None, index: in
                       for i in range(n_rare) for _ in range(3)]
             rng.shuffle(words)
             listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-            user = ("Below is a numbered list of words. In these words, some appear more often than others. "
-                    f"Memorize the ones that appear most often.\n{listing}\n"
-                    "Question: What are the 10 most common words in the above list?")
-            return _chat(session, user, "Answer: The top 10 words that appear most often in the list are:"), {}
-        prompt, n_tok, _ = _fit(build, length, count, max(1, (length - 40 * freq) // 12))
+            doc = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                   f"Memorize the ones that appear most often.\n{listing}")
+            return _chat(session, f"{doc}\n{question}", prefix), doc
+        question = "Question: What are the 10 most common words in the above list?"
+        prefix = "Answer: The top 10 words that appear most often in the list are:"
+        prompt, n_tok, doc = _fit(build, length, count, max(1, (length - 40 * freq) // 12))
         return Sample(task, length, prompt, common, max_tokens=60, depth=None, index=index, n_tokens=n_tok,
-                      meta={"common_freq": freq, "rare_freq": 3})
+                      meta={"common_freq": freq, "rare_freq": 3}, document=doc, question=question,
+                      answer_prefix=prefix)
     raise KvcliError(f"unknown task '{task}': choose from {', '.join(TASKS)}")
