@@ -168,8 +168,8 @@ def test_check_chunked_kvzip_both_engines_agree(tiny):
 
 
 def test_pass_decoded_in_short_calls_gives_the_same_maxima(tiny, monkeypatch):
-    """A pass is decoded in calls of `pass_rows` tokens (the observation's softmax rows bound the compute buffer):
-    the maxima over the calls are those of one call per pass."""
+    """Bounded reading decodes a pass in calls of `pass_rows` tokens (the observation's softmax rows bound the compute
+    buffer): the maxima over the calls are those of one call per pass."""
     from kvcli.drivers import reconstruct as R
     s = _session(tiny, "native")
     toks = s.tokenize(DOC)[:300]
@@ -178,6 +178,6 @@ def test_pass_decoded_in_short_calls_gives_the_same_maxima(tiny, monkeypatch):
     whole = R.reconstruct_scores(s, toks, 0, 2048).colmax
     monkeypatch.setattr(R, "PASS_ROWS_BYTES", 40 * 1024 * s.info.n_head * 4)   # 40 rows over 1,024 cells
     assert R.pass_rows(s) == 40
-    split = R.reconstruct_scores(s, toks, 0, 2048)
+    split = R.reconstruct_scores(s, toks, 0, 2048, rows=R.pass_rows(s))
     np.testing.assert_allclose(split.colmax, whole, rtol=1e-5, atol=1e-7)
     assert split.longest == len(passes(s, toks, 2048)[0]) and s.seq(0).cells == 300

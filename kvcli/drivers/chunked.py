@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcli import policies
-from kvcli.drivers.reconstruct import REPEAT_MARGIN, pass_cells, reconstruct_scores, repeat_room
+from kvcli.drivers.reconstruct import pass_cells, pass_rows, reconstruct_scores, repeat_room
 from kvcli.config import env_bytes
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
@@ -320,7 +320,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
         t2 = time.perf_counter()
         if recon:   # the chunk's reconstruction pass scores every held slot; kept ones keep their larger maximum
             r = reconstruct_scores(session, tokens, seq, params["repeat_chunk"], start=pos, end=pos + take,
-                                   restore_logits=last)
+                                   restore_logits=last, rows=pass_rows(session))
             recon_s += r.seconds
             peak = max(peak, before + r.longest)
             obs.colmax = r.colmax

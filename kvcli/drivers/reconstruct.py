@@ -34,11 +34,13 @@ from kvcli.session import Session
 
 MIN_REPEAT = 16   # fewer free cells than this for a pass's prompt tokens: refused (the context has no room)
 REPEAT_MARGIN = 64   # cells kept for a pass's instruction and overlap (they tokenise to about 20)
-# A pass is decoded in calls of `pass_rows` tokens: observing column maxima, the native graph holds the softmax rows
-# of a call (tokens x cells x query heads, float32) in its compute buffer, which keeps its largest size. 512 rows
-# over qwen2.5-coder-0.5b's 2,560 cells (bounded reading, budget 256, chunk 1024) and 14 heads are 73 MB, more than
-# the whole KV cache; 16 MiB of rows keep the pass near bounded reading's memory (docs/results.md, kvzip). The
-# maxima are the same (a max over calls; each query's attention does not depend on the split).
+# In bounded reading a pass is decoded in calls of `pass_rows` tokens: observing column maxima, the native graph
+# holds the softmax rows of a call (tokens x cells x query heads, float32) in its compute buffer, which keeps its
+# largest size. 512 rows over qwen2.5-coder-0.5b's 2,560 cells (budget 256, chunk 1024) and 14 heads are 73 MB, more
+# than the whole KV cache; 16 MiB of rows keep the pass near bounded reading's memory (docs/results.md, kvzip). The
+# maxima are the same (a max over calls; each query's attention does not depend on the split). The one-prefill pass
+# keeps the session's batch (its memory is the whole prompt's cache anyway, and 32-token calls over a long prompt
+# cost time).
 PASS_ROWS_BYTES = 16 << 20
 MIN_PASS_ROWS = 32
 
@@ -103,20 +105,22 @@ def reconstruct(session: Session, tokens: list[int], seq: int = 0, repeat_chunk:
 
 def reconstruct_scores(session: Session, tokens: list[int], seq: int = 0, repeat_chunk: int = 2048,
                        progress=None, *, start: int = 0, end: int | None = None,
-                       restore_logits: bool = True) -> Reconstruction:
+                       restore_logits: bool = True, rows: int | None = None) -> Reconstruction:
     """`reconstruct` over `tokens[start:end]`, the last tokens prefilled into `seq` (bounded reading: one chunk, the
     sequence holding the entries kept from earlier chunks before it); every slot of the sequence is scored.
-    `restore_logits`: decode `tokens[end - 1]` again after the passes (a chunk before the last needs no logits)."""
+    `restore_logits`: decode `tokens[end - 1]` again after the passes (a chunk before the last needs no logits).
+    `rows`: tokens per decode call of a pass (bounded reading: `pass_rows`); None: the session's batch."""
     end = len(tokens) if end is None else end
     if end <= start:
         raise KvcliError("policy 'kvzip': nothing to reconstruct (empty prompt)")
     t0 = time.perf_counter()
     st = session.seq(seq)
     held = st.next_pos                       # positions >= held are a pass's tokens
-    acc, longest, rows = None, 0, pass_rows(session)
+    acc, longest = None, 0
     for ids in passes(session, tokens, repeat_chunk, start, end):
-        for a in range(0, len(ids), rows):
-            obs = session.prefill(ids[a:a + rows], seq=seq, observe=("colmax",))
+        step = rows or len(ids)
+        for a in range(0, len(ids), step):
+            obs = session.prefill(ids[a:a + step], seq=seq, observe=("colmax",))
             keep = np.flatnonzero(obs.positions < held)
             m = obs.colmax[..., keep]
             acc = m if acc is None else np.maximum(acc, m)
