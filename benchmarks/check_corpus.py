@@ -182,7 +182,8 @@ def table(names) -> str:
                 t["l2"][0] += bool(c["l2"])
                 t["l2"][1] += 1
             load_b = run.get("uptime_before", "").split("load average:")[-1].strip()
-            allowed = f" ({len(c['l2_allowed'])})" if c["l2_allowed"] else ""
+            n_allowed = sum(bool(row["explained_by"]) for row in c["l2_allowed"])
+            allowed = f" ({n_allowed})" if n_allowed else ""
             n_prec = sum(bool(v.get("pass")) for v in c["l3_precision"].values())
             prec = f" ({n_prec})" if n_prec else ""
             rows.append(f"| {name} | {run['text']} | {run['length']} ({c['tokens']}) | {run['budget']} | "
@@ -192,8 +193,9 @@ def table(names) -> str:
             tag = f"{name} {run['text']} {run['length']} b{run['budget']}"
             if not c["l2"]:
                 notes.append(f"{tag}: L2 FAIL: {l2_detail(run['report'])}")
-            for row in c["l2_allowed"] if c["l2"] else []:
-                notes.append(f"{tag}: L2 allowance: {row_line(row, run['report'])}")
+            for row in c["l2_allowed"]:   # every row beyond the threshold, allowed or not
+                notes.append(f"{tag}: L2 {'allowance' if row['explained_by'] else 'row not explained'}: "
+                             f"{row_line(row, run['report'])}")
             for p, v in c["l3_precision"].items():
                 if v.get("pass"):
                     notes.append(f"{tag}: L3 arithmetic {p}: KL {run_l3(run, p)['kl']:.4g}, logits "
