@@ -273,9 +273,8 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
                          allowances=None) -> dict:
     """L2: every field both observations hold (K/V rows read whole: a planner reads one layer at a time).
 
-    `allowances`: L2's K/V allowance (`l2_kv_sensitive_rows`), tried in order on the rows beyond `l2_kv_rtol` that no
-    earlier one explained, each taken only when needed: `Allowance`s, or one callable giving the native engine's
-    observation at its other precision setting (a "native" allowance)."""
+    `allowances`: L2's K/V allowance (`l2_kv_sensitive_rows`), `Allowance`s tried in order on the rows beyond
+    `l2_kv_rtol` that no earlier one explained, each taken only when needed."""
     native, reference = native.with_kv_arrays(), reference.with_kv_arrays()
     out: dict = {}
     if native.n != reference.n:
@@ -302,8 +301,6 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         r = compare_arrays(native.queries, reference.queries)
         r["pass"] = r["rel"] <= th.l2_kv_rtol
         out["queries"] = r
-    if callable(allowances):
-        allowances = [Allowance("native_precision", "native", allowances)]
     for name in ("keys", "values"):
         a, b = getattr(native, name), getattr(reference, name)
         if a is not None and b is not None:

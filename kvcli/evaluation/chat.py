@@ -51,7 +51,7 @@ from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import machine, peak_rss_bytes
 from kvcli.evaluation.runner import _greedy
-from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all  # noqa: F401 (the layout)
+from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import make_plan
 

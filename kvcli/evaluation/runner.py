@@ -244,13 +244,12 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             for task, d, i in plan:
                 s = niah_sample(tok, L, d, i, seed) if task == "niah" else ruler_sample(tok, task, L, d, i, seed)
                 built.append(s)
-            split = {id(s): agnostic_split(tok, s) if agnostic else (tok.tokenize(s.prompt), []) for s in built}
-            n_ctx = n_ctx_train if long else max(len(a) + len(q) + s.max_tokens for s in built
-                                                 for a, q in [split[id(s)]]) + 16
+            splits = [agnostic_split(tok, s) if agnostic else (tok.tokenize(s.prompt), []) for s in built]
+            n_ctx = n_ctx_train if long else max(len(a) + len(q) + s.max_tokens
+                                                 for s, (a, q) in zip(built, splits)) + 16
             session = _session(model_path, n_ctx, cache_type, threads)
             try:
-                for s in built:
-                    toks, question = split[id(s)]
+                for s, (toks, question) in zip(built, splits):
                     variants = sample_variants(session, toks, question, cfgs, policy_args, unavailable,
                                                reserve=s.max_tokens, chunk=chunk if long else None,
                                                chunk_scoring=chunk_scoring)
