@@ -655,9 +655,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     # checking several policies, one the model cannot run (kvzip on a sliding-window model) is skipped, said why
     unfit = {name: model_refusal(policies.get(name), model_path) for name in names} if len(names) > 1 else {}
     unfit = {k: v for k, v in unfit.items() if v}
-    if settings.chunk is not None and len(names) > 1:   # read in one prefill only (expected_attention)
-        unfit.update({name: "reads the prompt in one prefill (chunked prefill is refused)" for name in names
-                      if name not in unfit and chunked.one_prefill_only(name)})
     names = [name for name in names if name not in unfit]
     specs = {name: compress.resolve(model_path, name, settings.budget) for name in names}
 

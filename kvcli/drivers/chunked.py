@@ -124,15 +124,15 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
                              "and --budget to read it in chunks")
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
-    one_prefill = one_prefill_only(policy)
     asked = reserve
     repeat = policies.get(policy).param("repeat_chunk").default if reconstructs(policy) else 0
     if repeat:   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
         reserve = max(reserve, repeat_room(n_prompt, repeat))
-    # bounded reading by default; not for kvzip, whose quality figures (docs/results.md) are its one-prefill pass's:
-    # it reads in chunks when asked (--chunk N, --max-cache) or when the prompt does not fit the context
+    # bounded reading by default; not for the question-agnostic policies, whose quality figures (docs/results.md)
+    # are their one-prefill scores': they read in chunks when asked (--chunk N, --max-cache) or when the prompt does
+    # not fit the context
     bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK
-               and n_prompt * cell_bytes > bounded_above_bytes() and not one_prefill and not repeat)
+               and n_prompt * cell_bytes > bounded_above_bytes() and bounds_by_default(policy))
     if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
@@ -159,9 +159,6 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
                          f"{' and the reconstruction pass over a chunk' if repeat else ''} do not fit {where}")
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(_pad(n_prompt + reserve), limit))
-    if one_prefill:
-        refuse_chunked(policy, f"the prompt ({n_prompt} tokens) is longer than {where}" if not fits else
-                       f"--chunk {chunk} is shorter than the prompt ({n_prompt} tokens)")
     if repeat:   # the pass runs over one chunk, not the prompt: the context holds budget + chunk + the pass
         reserve = max(asked, repeat_room(chunk, repeat))
     n_ctx = max_cache if max_cache else min(_pad(budget + chunk + reserve), n_ctx_train)
@@ -179,20 +176,15 @@ def _fit_chunk(space: int, after) -> int:
     return lo if lo + after(lo) <= space else space - after(0)
 
 
-def one_prefill_only(policy: str) -> bool:
-    """Policies that are read in one prefill only: expected_attention, whose query statistics are the prompt's.
-    (kvzip is read in chunks with its reconstruction pass run chunk by chunk: see the module doc.)"""
-    return policy != "full" and "query" in policies.get(policy).needs
+def bounds_by_default(policy: str) -> bool:
+    """Whether bounded reading turns on by itself above BOUNDED_ABOVE_BYTES: not for the question-agnostic
+    policies (kvzip, expected_attention), whose measured quality is their one-prefill scores'."""
+    return not policies.get(policy).agnostic
 
 
 def reconstructs(policy: str) -> bool:
     """Policies whose reconstruction pass needs room in the context after the prompt (or the chunk): kvzip."""
     return policy != "full" and "colmax" in policies.get(policy).needs
-
-
-def refuse_chunked(policy: str, why: str) -> None:
-    raise KvcliError(f"policy '{policy}' reads the prompt in one prefill (its scores come from the statistics of the "
-                     f"whole prompt's queries) and cannot read it in chunks: {why}")
 
 
 @dataclass
@@ -274,11 +266,15 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     policy, budget, spec, params = cfg.policy, cfg.budget, cfg.spec, cfg.params
     cap = cap or budget + chunk
     observe, window = spec.observe(params)
-    if one_prefill_only(policy):
-        refuse_chunked(policy, f"asked to read {len(tokens)} tokens in chunks of {chunk}")
     recon = "colmax" in observe          # kvzip: its reconstruction pass after every chunk (see the module doc)
     observe = tuple(k for k in observe if k != "colmax")   # the maxima come from the pass, not the chunk's prefill
-    if window > chunk:
+    # the last chunk holds at least `tail` tokens: a window policy's whole window; for expected_attention, whose
+    # window is a most (the statistics of the chunk's last `window` queries, all of a shorter chunk's), at most a
+    # quarter of a chunk, so that a window longer than the chunk leaves the chunks their length
+    tail = window
+    if "query" in observe:
+        tail = min(window, chunk // 4)
+    elif window > chunk:
         raise KvcliError(f"policy '{policy}': its observation window ({window}) is longer than --chunk {chunk}")
     probe = question_probe(tokens, window, chunk) if scoring == "question" and "window" in observe else []
     chunk_observe = tuple(k for k in observe if k != "window") if probe else observe
@@ -295,9 +291,9 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     steps: list[ChunkStep] = []
     plan = None
     pos, cells, peak = 0, (session_cells(session, seq) if seq in session.seqs else 0), 0
-    check_room(spec, params, i.n_layer, len(tokens), budget, chunk, cap, window, len(probe), cells)
+    check_room(spec, params, i.n_layer, len(tokens), budget, chunk, cap, tail, len(probe), cells)
     while pos < len(tokens):
-        take, _ = next_chunk(len(tokens) - pos, cap, cells, chunk, window, len(probe), policy, budget)
+        take, _ = next_chunk(len(tokens) - pos, cap, cells, chunk, tail, len(probe), policy, budget)
         piece = tokens[pos: pos + take]
         last = pos + take == len(tokens)
         t1 = time.perf_counter()

@@ -65,8 +65,9 @@ SPEC = PolicySpec(
         "whose graph scales Q before attention (phi3 in llama.cpp) has that scale undone by the observation",
         "models whose RoPE is not a plain rotation of every dimension (YaRN, LongRoPE, an attention factor, partial "
         "rotary dimensions) and models with sliding-window layers (gemma2, gemma3) are refused in one line",
-        "a document longer than one prefill (bounded reading, --chunk) is refused: the statistics of a chunk's "
-        "queries are not those of the prompt",
+        "read in chunks (--chunk, --max-cache, a prompt longer than the context; bounded reading does not turn on "
+        "by itself for it), every chunk is scored by the statistics of its own last `window` queries and the "
+        "positions after it: the final scores are not the one-prefill ones (quality under chunking not measured)",
         "the last `recent` prompt slots are always kept (kvcli's prompt ends with the instruction and the assistant "
         "header); kvpress keeps nothing but the sinks (recent=0 reproduces it)",
         "budget = entries per KV head (kvpress: a fraction removed, the same count per KV head); the native cache "

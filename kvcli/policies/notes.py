@@ -5,10 +5,16 @@ from __future__ import annotations
 def chunked_note(spec) -> str:
     """What a policy keeps across chunks (for `kvcli policies --explain`)."""
     if "query" in spec.needs:
-        return ("Chunked prefill: not available. The scores come from the statistics of the prompt's last queries over "
-                f"every entry of the prompt, so '{spec.name}' reads a prompt in one prefill; bounded reading does not "
-                "turn on by itself for it, and a prompt longer than the model's context or --max-cache, or --chunk N "
-                "shorter than the prompt, is refused in one line.")
+        return ("Chunked prefill (--chunk N, or automatic when the document does not fit the context or --max-cache; "
+                "bounded reading does not turn on by itself for it above 64 MiB of full cache, as it does for the "
+                "other policies: its measured quality is the one-prefill scores'): after every chunk the statistics "
+                "(mean and covariance) of that chunk's last `window` queries, the most recent ones as the last "
+                "`window` prompt queries are in one prefill (all of a chunk shorter than the window), turned by the "
+                "average rotation of the n_future positions after the chunk, score every held entry (the kept ones "
+                "and the chunk's); the policy plans over them to the same budget, and their positions are re-indexed "
+                "to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). Nothing is carried across chunks "
+                "but the kept entries: each step's statistics re-score everything held. The last chunk holds the "
+                "prompt's end, so the last compression is the one-prefill policy over what was kept.")
     if "colmax" in spec.needs:
         return ("Chunked prefill (--chunk N, or automatic when the document does not fit the context or --max-cache; "
                 "bounded reading does not turn on by itself for it above 64 MiB of full cache, as it does for the "

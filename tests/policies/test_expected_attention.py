@@ -12,7 +12,7 @@ import pytest
 from test_policy_engines_agree import assert_same
 
 import kvcli.policies as P
-from kvcli.drivers.chunked import one_prefill_only
+from kvcli.drivers.chunked import bounds_by_default
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Observation
 from kvcli.native.lib import native_plan
@@ -132,7 +132,7 @@ def test_registry_checks_and_refusals():
         P.prepare("expected_attention", [], 12)
     with pytest.raises(KvcliError, match="must be one of"):
         P.prepare("expected_attention", ["covariance=maybe"], 64)
-    assert one_prefill_only("expected_attention")
+    assert not bounds_by_default("expected_attention")
     text = P.explain_text("expected_attention")
     assert "Expected Attention" in text and "n_future = 512" in text and "kvpress" in text
 
