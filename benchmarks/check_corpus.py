@@ -111,8 +111,9 @@ def row_line(row: dict, report: dict) -> str:
     scale = ((report.get("l2") or {}).get(row["array"]) or {}).get("scale")
     rtol = (report.get("thresholds") or {}).get("l2_kv_rtol")
     lim = f", threshold {rtol * scale:.3g}" if scale and rtol else ""
-    dists = ", ".join(f"{k} {row[k]:.3g}" for k in ("native_precision", "native_ubatch",
-                                                     "reference_llamacpp_arithmetic") if k in row)
+    dists = ", ".join(f"{k} {row[k]:.3g}" + (f" (to the reference {row[k + '_to_reference']:.3g})"
+                                             if k + "_to_reference" in row else "")
+                      for k in ("native_precision", "native_ubatch", "reference_llamacpp_arithmetic") if k in row)
     return (f"{row['array'][0].upper()} row layer {row.get('model_layer', row['layer'])} head {row['kv_head']} slot "
             f"{row['slot']}: engines {row['engines']:.3g}{lim}; {dists}; allowed by {row['explained_by'] or 'none'}")
 

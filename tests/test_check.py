@@ -189,6 +189,27 @@ def test_l2_kv_rows_beyond_the_threshold_pass_only_where_native_precision_moves_
     assert not compare_kv_rows(nat, ref, th, lambda: None)["pass"]      # no twin: no allowance
 
 
+def test_l2_kv_row_passes_where_the_native_engine_at_another_setting_agrees_with_the_reference():
+    """A row the twin moves less far than the engines differ, but into the reference's neighbourhood: the same
+    engine and patch agree with the reference at that setting, so the distance is llama.cpp's arithmetic at the
+    check's setting (gemma-3-270m's layer-11 K row at slot 398: engines 18.5, twin move 16.2, twin to reference
+    2.3, threshold 10.3). A twin that stays as far from the reference does not explain it."""
+    ref = _kv()
+    scale = np.abs(ref).max()
+    nat = ref.copy()
+    nat[1, 0, 17] += 0.18 * scale                      # beyond the threshold (0.1 x scale)
+    twin = nat.copy()
+    twin[1, 0, 17] -= 0.16 * scale                     # moved less than 0.18, to 0.02 x scale of the reference
+    r = compare_kv_rows(nat, ref, Thresholds(), [("native_precision", "native", lambda: twin)])
+    row = r["rows_over_detail"][0]
+    assert r["pass"] and row["explained_by"] == "native_precision"
+    assert row["native_precision"] == pytest.approx(0.16 * scale, rel=1e-5)
+    assert row["native_precision_to_reference"] == pytest.approx(0.02 * scale, rel=1e-4)
+    astray = nat.copy()
+    astray[1, 0, 17] += 0.16 * scale                   # moved as far, the other way: 0.34 x scale from the reference
+    assert not compare_kv_rows(nat, ref, Thresholds(), [("native_precision", "native", lambda: astray)])["pass"]
+
+
 def test_l2_kv_rows_systematic_error_fails_without_asking_the_twin():
     """A wrong mapping or position moves most rows: beyond the allowed fraction the twin is never consulted, and
     the tight thresholds allow no row at all."""

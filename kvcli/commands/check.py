@@ -30,7 +30,8 @@ def _epilog() -> str:
                  "measures the policy (how far its plan and output move under observation differences within L2's "
                  "limits), not the engines. L2's K/V allowance (a few rows beyond l2_kv_rtol) passes a row that "
                  "llama.cpp's own settings (f32 cache without flash attention, or a batch size of 64) move at least "
-                 "as far as the engines differ, or where the reference given llama.cpp's activation arithmetic "
+                 "as far as the engines differ or bring within the threshold of the reference (the same engine "
+                 "agreeing with the reference at that setting), or where the reference given llama.cpp's activation arithmetic "
                  "(8-bit matmul inputs, f16 GELU table) comes within the threshold (docs/models.md: gemma-3-270m). "
                  "L3 arithmetic beyond its limits passes only for a measured reason: the reference given llama.cpp's "
                  "activation arithmetic comes within them, or (f16) a precision-sensitive plan: the reference's own "
@@ -72,6 +73,8 @@ def _rows_over(v: dict, l2: dict) -> str:
         for label, words in _ALLOWANCE_WORDS.items():
             if label in worst:
                 text += f", {words} ({settings.get(label, '')}) by {worst[label]:.3g}"
+                if f"{label}_to_reference" in worst:
+                    text += f" (to {worst[label + '_to_reference']:.3g} of the reference)"
         if any(x["explained_by"] for x in detail):
             text += "; allowed: " + ", ".join(f"slot {x['slot']} by {x['explained_by']}" for x in detail
                                               if x["explained_by"])

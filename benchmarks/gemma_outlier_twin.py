@@ -1,0 +1,61 @@
+"""gemma-3-270m's L2 rows beyond the threshold on a venv text (issue #31): for each K/V row `kvcli check` finds
+beyond l2_kv_rtol, its distances between the check's native setting (f16 cache, flash attention), the precision
+twin (f32, no flash attention), the reference (float32 torch) and the reference with llama.cpp's activation
+arithmetic; and how far the twin lies from the reference over the whole layer (does the same engine at f32 agree
+with the reference?). The check's settings: 1 thread, default cache, budget 64 prompt, 16 tokens of room.
+
+    python benchmarks/gemma_outlier_twin.py [SITE_PACKAGES_RELATIVE_TEXT] [DOC_TOKENS] > result.json
+
+Default: diskcache's METADATA at 1000 tokens (the corpus sweep's one unexplained row, slot 398)."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvcli.models import resolve_model
+from kvcli.drivers.check import CheckSettings, build_tokens, NativeTwin, emulated_reference, Thresholds, compare_arrays
+from kvcli.native.session import NativeSession
+from kvcli.reference.session import ReferenceSession
+text = sys.argv[1] if len(sys.argv) > 1 else "diskcache-5.6.3.dist-info/METADATA"
+length = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+SITE = Path(".venv/lib/python3.11/site-packages")
+doc = (SITE / text).read_text()
+path = resolve_model("gemma-3-270m")
+st = CheckSettings(budget=64, n_tokens=16, doc_tokens=length, threads=1)
+nat = NativeSession(path, n_ctx=0, cache_type=st.cache_type, flash_attn=st.flash_attn, n_threads=1)
+toks = build_tokens(nat, doc, st)
+n_ctx = -(-(len(toks) + 24) // 256) * 256
+nat.create_context(n_ctx)
+a = nat.prefill(toks, seq=0, observe=("kv",)).with_kv_arrays()
+twin = NativeTwin(path, toks, st, n_ctx, "precision")()
+ref = ReferenceSession(path, n_ctx=n_ctx, n_threads=1)
+r = ref.prefill(toks, seq=0, observe=("kv",)).with_kv_arrays()
+emu = emulated_reference(ref, toks)()
+th = Thresholds()
+out = {"command": "python benchmarks/gemma_outlier_twin.py " + " ".join(sys.argv[1:]), "text": text,
+       "doc_tokens": length, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+       "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), "tokens": len(toks),
+       "rows": []}
+for name in ("keys", "values"):
+    A, T, R, E = (getattr(o, name).astype(np.float64) for o in (a, twin, r, emu))
+    scale = compare_arrays(getattr(a, name), getattr(r, name))["scale"]
+    limit = th.l2_kv_rtol * scale
+    d = lambda x, y: np.abs(x - y).max(axis=-1)
+    eng, mv, tr, er, et = d(A, R), d(A, T), d(T, R), d(E, R), d(E, T)
+    for il, h, p in np.argwhere(eng > limit):
+        row = {"kind": name, "layer": int(il), "model_layer": int(nat.info.kv_layers[il]) if nat.info.kv_layers else int(il),
+               "kv_head": int(h), "slot": int(p), "token": nat.detokenize([toks[p]]), "threshold": round(limit, 3),
+               "native_vs_reference": round(float(eng[il, h, p]), 3), "native_vs_twin": round(float(mv[il, h, p]), 3),
+               "twin_vs_reference": round(float(tr[il, h, p]), 3), "emulated_vs_reference": round(float(er[il, h, p]), 3),
+               "emulated_vs_twin": round(float(et[il, h, p]), 3),
+               "row_max_abs_native": round(float(np.abs(A[il, h, p]).max()), 2)}
+        # the rank of this row's twin-vs-reference distance among all rows of its layer
+        row["twin_vs_reference_layer_p99"] = round(float(np.quantile(tr[il], 0.99)), 3)
+        row["twin_vs_reference_layer_max"] = round(float(tr[il].max()), 3)
+        out["rows"].append(row)
+    out[name] = {"threshold": limit, "twin_vs_reference_max": float(tr.max()), "twin_rows_over": int((tr > limit).sum()),
+                 "native_vs_reference_max": float(eng.max())}
+print(json.dumps(out, indent=1))
