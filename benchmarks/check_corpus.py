@@ -185,6 +185,8 @@ def table(names) -> str:
             load_b = run.get("uptime_before", "").split("load average:")[-1].strip()
             n_allowed = sum(bool(row["explained_by"]) for row in c["l2_allowed"])
             allowed = f" ({n_allowed})" if n_allowed else ""
+            if run.get("l2_redone"):   # --redo-l2 after a change of L2's rule
+                allowed += f" [L2 again at {run['l2_redone']['commit']}]"
             n_prec = sum(bool(v.get("pass")) for v in c["l3_precision"].values())
             prec = f" ({n_prec})" if n_prec else ""
             rows.append(f"| {name} | {run['text']} | {run['length']} ({c['tokens']}) | {run['budget']} | "
@@ -228,6 +230,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens of L3")
     ap.add_argument("--policies", default=None, help="default: every policy (kvcli check's default)")
     ap.add_argument("--table", action="store_true", help="print the table of the result files and exit")
+    ap.add_argument("--redo-l2", action="store_true",
+                    help="re-take L2 (levels 2 only, one observation per model, length and text) for the runs in the "
+                         "files whose L2 failed, after a change of L2's rule: the new L2 replaces the old (kept as "
+                         "l2_superseded) and the run's verdict is recomputed; L1 and L3 are left as they were")
     a = ap.parse_args()
     names = [m for m in a.models.split(",") if m]
     for m in names:
@@ -238,6 +244,8 @@ def main() -> int:
         return 0
 
     from kvcli.drivers.check import CheckSettings, Thresholds, run_check  # noqa: PLC0415
+    if a.redo_l2:
+        return redo_l2(names, [t for t in a.texts.split(",") if t], [int(x) for x in a.lengths.split(",") if x])
     from kvcli.models import resolve_model  # noqa: PLC0415
 
     texts = [t for t in a.texts.split(",") if t]
@@ -278,6 +286,45 @@ def main() -> int:
                           f"{c['policies']}, L2 {'pass' if c['l2'] else 'FAIL'}, L3 arithmetic {c['l3']}/"
                           f"{c['policies']}, plans {c['plans']}/{c['policies']}", flush=True)
         print(table([name]), flush=True)
+    print(table(names))
+    return 0
+
+
+def redo_l2(names: list[str], texts: list[str], lengths: list[int]) -> int:
+    """`--redo-l2`: L2 does not depend on the budget or the policies (one observation of the prompt), so one
+    levels-2 check per (model, length, text) serves every run of it whose L2 failed."""
+    from kvcli.drivers.check import CheckSettings, Thresholds, _passed, run_check  # noqa: PLC0415
+    from kvcli.models import resolve_model  # noqa: PLC0415
+    commit = _sh(["git", "rev-parse", "--short", "HEAD"])
+    for name in names:
+        path = resolve_model(MODELS[name])
+        for length in lengths:
+            for key in texts:
+                runs = [r for r in load(name)["runs"] if (r["text"], r["length"]) == (key, length)
+                        and not (r["report"].get("l2") or {}).get("pass", True)]
+                if not runs:
+                    continue
+                doc = (SITE / TEXTS[key][1]).read_text(encoding="utf-8")
+                before, started = _sh(["uptime"]), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                print(f"[corpus] {started} {name} {key} {length}: L2 again for {len(runs)} run(s) ({before})",
+                      flush=True)
+                settings = CheckSettings(budget=runs[0]["budget"], n_tokens=runs[0]["report"]["settings"]["n_tokens"],
+                                         doc_tokens=length, threads=runs[0]["threads"], levels=(2,))
+                new = run_check(path, doc, ["snapkv"], settings, Thresholds(),
+                                log=lambda m: print(f"[check] {m}", flush=True))
+                redone = {"started": started, "commit": commit, "uptime_before": before,
+                          "uptime_after": _sh(["uptime"]), "seconds": new["seconds"]}
+                fresh = load(name)   # re-read: another process may have written the file meanwhile
+                for r in fresh["runs"]:
+                    if any(r["started"] == x["started"] for x in runs):
+                        if new["prompt_tokens"] != r["report"]["prompt_tokens"]:
+                            raise SystemExit(f"{name} {key} {length}: the prompt is {new['prompt_tokens']} tokens "
+                                             f"now, {r['report']['prompt_tokens']} in the run")
+                        r["report"]["l2_superseded"] = r["report"]["l2"]
+                        r["report"]["l2"], r["l2_redone"] = new["l2"], redone
+                        r["report"]["passed"] = _passed(r["report"])
+                save(name, fresh)
+                print(f"[corpus] L2 {'pass' if new['l2']['pass'] else 'FAIL'} in {new['seconds']} s", flush=True)
     print(table(names))
     return 0
 
