@@ -34,10 +34,32 @@ def test_run_keeps_the_budget(run_kvcli, tiny_2k, doc):
     assert s.get("chunks") is None   # a prompt that fits is read in one prefill (chunked: test_expected_attention_chunked)
 
 
-def test_chat_compresses_once(run_kvcli, tiny_2k, doc):
-    p = run_kvcli("chat", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-n", "3", input="First?\nSecond?\n")
+def test_chat_compresses_once_and_policy_switches(run_kvcli, tiny_2k, doc):
+    p = run_kvcli("chat", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-n", "3",
+                  input="First?\n/policy snapkv 48\nSecond?\n")
     assert p.returncode == 0, p.stderr
     assert "[expected_attention @ 64, question-agnostic]" in p.stderr
+    # a re-selected chat (snapkv) takes /policy expected_attention: the question re-selected with its statistics
+    p = run_kvcli("chat", "--model", tiny_2k, "--doc", doc / "doc0.txt", "--policy", "snapkv", "--budget", "64",
+                  "-n", "3", "--json", input="/policy expected_attention\nQ?\n")
+    assert p.returncode == 0, p.stderr
+    assert last_json(p.stdout)["mode"] == "re-selected"
+    assert "[expected_attention @ 64, re-selected per question]" in p.stderr
+
+
+def test_batch_and_eval(run_kvcli, tiny_2k, doc, tmp_path):
+    out = tmp_path / "b.jsonl"
+    p = run_kvcli("batch", "--docs", doc, "--model", tiny_2k, *EA, "-n", "3", "--question", "Q1?", "--question", "Q2?",
+                  "--out", out)
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["error"] is None and r["stats"]["kv_cells"] == 64 for r in rows)
+    assert rows[0]["stats"]["document_reads"] == 1   # one read serves both questions (re-selected per question)
+    p = run_kvcli("eval", "chat", "--model", tiny_2k, "--policies", "expected_attention", "--budgets", "64",
+                  "--lengths", "1k", "--documents", "1", "--facts", "2", "--modes", "once,run", "--json", "-q")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert {r["mode"] for r in res["records"] if r["policy"] == "expected_attention"} == {"once", "run"}
 
 
 def test_compress_then_run_and_bench(run_kvcli, tiny_2k, doc, tmp_path):

@@ -49,6 +49,11 @@ def conversation(model, policy="snapkv", budget=48, **kw):
     return conv
 
 
+def _rows(obs):
+    """The observation with its K/V rows read out now (they are read lazily, and the sequence moves on)."""
+    return obs.with_kv_arrays() if obs.has_kv else obs
+
+
 def run_observation(session, tokens, cfg):
     """What `run` observes: one prefill of the whole prompt into a fresh sequence."""
     session.clear(1) if 1 in session.seqs else None
@@ -56,7 +61,7 @@ def run_observation(session, tokens, cfg):
     return obs
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv", "d2o"])
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv", "d2o", "expected_attention"])
 def test_native_reselection_observes_what_run_observes(tiny, policy):
     from kvcli.planning.planner import make_plan, resolve
     from kvcli.apps.chat import Conversation
@@ -71,7 +76,8 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     r = conv.store.reselect(session, prompt, cfg, seq=0, on_step=lambda obs, plan: seen.update(
         obs=obs.with_kv_arrays() if obs.has_kv else obs, plan=plan))
     kinds, window = cfg.observe
-    assert r.restored == (min(conv.store.split, len(prompt) - window) if "window" in kinds else conv.store.split)
+    prefills_window = "window" in kinds or "query" in kinds   # expected_attention's Q rows: its last window
+    assert r.restored == (min(conv.store.split, len(prompt) - window) if prefills_window else conv.store.split)
     assert r.prefilled == len(prompt) - r.restored
     ran = run_observation(session, prompt, cfg)
     ran = ran.with_kv_arrays() if ran.has_kv else ran
@@ -91,7 +97,7 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     session.close()
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "expected_attention"])
 def test_reference_reselection_observes_what_run_observes(tiny, policy):
     from kvcli.planning.planner import make_plan, resolve
     from kvcli.apps.chat import TurnFormat, user_content
@@ -102,11 +108,12 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     q = "Which code did the stone station log?"
     head = ref.tokenize(fmt.head + DOC.strip())
     prompt = ref.tokenize(fmt.head + user_content(DOC, q) + fmt.after_user)
-    cfg = resolve(tiny, policy, 48, {}, q)
+    # expected_attention with a window shorter than a turn, so that the second question restores the first's prompt
+    cfg = resolve(tiny, policy, 48, {"window": 16} if policy == "expected_attention" else {}, q)
     store = StoredDocument.read(ref, head, colsum="colsum" in cfg.observe[0])
     assert store.path is None and store.snapshot is not None   # the reference engine keeps it in memory
     seen = {}
-    store.reselect(ref, prompt, cfg, on_step=lambda obs, plan: seen.update(obs=obs, plan=plan))
+    store.reselect(ref, prompt, cfg, on_step=lambda obs, plan: seen.update(obs=_rows(obs), plan=plan))
     ran = run_observation(ref, prompt, cfg)
     l2 = compare_observations(ran, seen["obs"], Thresholds.tight())
     assert l2["pass"], l2
@@ -129,7 +136,7 @@ def test_reference_reselection_observes_what_run_observes(tiny, policy):
     s.create_context(1024)
     n_store = StoredDocument.read(s, head, colsum="colsum" in cfg.observe[0])
     seen_n = {}
-    n_store.reselect(s, prompt, cfg, on_step=lambda obs, plan: seen_n.update(obs=obs))
+    n_store.reselect(s, prompt, cfg, on_step=lambda obs, plan: seen_n.update(obs=_rows(obs)))
     assert compare_observations(seen_n["obs"], seen["obs"], Thresholds())["pass"]
     n_store.close()
     s.close()

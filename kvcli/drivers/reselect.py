@@ -17,6 +17,7 @@ its last STORE_TAIL tokens), and, when a column-sum policy (h2o, d2o) is used, t
   window reaches into it, `restore_point`), and they attend to every restored key as they would have;
 - column sums: the stored sums of the first `split` queries plus those of the prefilled rest (queries are
   causal: the stored ones never saw what follows them), so a column-sum policy must restore exactly `split`;
+- Q rows (expected_attention): its last `window` queries lie in the prefilled rest, as window sums do;
 - K/V rows: read from the cache as restored.
 (tests/test_reselect.py checks both engines against `run`'s single prefill: L2 for the observation, L1 for the plan.)
 
@@ -221,7 +222,8 @@ class StoredDocument:
         back: its sums are split's)."""
         kinds, window = cfg.observe
         r = self.split if split is None else split
-        if "window" in kinds and n_prompt - r < window:
+        # expected_attention's statistics are its last `window` queries' (Q rows): prefilled, like a window's
+        if ("window" in kinds or "query" in kinds) and n_prompt - r < window:
             if "colsum" in kinds:
                 raise KvcliError(f"the policy's window ({window}) reaches into the stored document, whose column "
                                  f"sums cover its first {r} tokens: lower window=")
