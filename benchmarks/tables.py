@@ -175,8 +175,10 @@ def plot_merged_eval(results: list[dict], path: str) -> None:
               if task == "all tasks" and not isinstance(v, str)}
     reference = {L: (sum(f) / len(f), f"{L} tokens, {len(f)} prompts")
                  for (L, task), f in full_scores.items() if task == "all tasks"}
+    agnostic = results[0].get("settings", {}).get("mode") == "agnostic"   # kvcli eval ... --agnostic
     plot_panels(series, reference, path, ylabel="score % (mean +- s.e.)",
-                title=f"{Path(results[0]['model']).stem}: RULER-style tasks, prompts pooled over rounds")
+                title=f"{Path(results[0]['model']).stem}: RULER-style tasks, "
+                      + ("compressed before the question" if agnostic else "prompts pooled over rounds"))
 
 
 def plot_merged_fidelity(results: list[dict], path: str) -> None:

@@ -1,12 +1,15 @@
-"""Peak memory of kvzip read by bounded reading against snapkv's, same document and budget (issue #32's must-show:
-"kvzip's peak RSS with bounded reading within 10% of snapkv's for the same document").
+"""Peak memory of a question-agnostic policy read by bounded reading against snapkv's, same document and budget
+(issue #32's must-show: "kvzip's peak RSS with bounded reading within 10% of snapkv's for the same document";
+expected_attention measured the same way).
 
-    python benchmarks/memory_kvzip.py DOC --model qwen2.5-coder-0.5b [--budget 256] [--chunk 1024] [--json-out FILE]
+    python benchmarks/memory_bounded.py DOC --model qwen2.5-coder-0.5b [--policies kvzip,expected_attention]
+        [--budget 256] [--chunk 1024] [--one-prefill] [--json-out FILE]
 
 Runs, each a fresh `kvcli run` process under `/usr/bin/time -f %M` (the kernel's maximum resident set) beside the
-`peak_rss_bytes` (VmHWM) of its own --json stats: snapkv --chunk N, kvzip --chunk N (its reconstruction pass chunk by
-chunk), and kvzip --chunk 0 (one prefill + the one-prefill pass) for scale. RSS does not depend on the machine's
-load; the times do (the JSON keeps them with the load).
+`peak_rss_bytes` (VmHWM) of its own --json stats: snapkv --chunk N, then each policy --chunk N (kvzip with its
+reconstruction pass chunk by chunk, expected_attention with each chunk's query statistics), and with --one-prefill
+each policy --chunk 0 (one prefill) for scale. RSS does not depend on the machine's load; the times do (the JSON
+keeps them with the load).
 """
 from __future__ import annotations
 
@@ -51,14 +54,16 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--question", default="What is the locker number of the old quarry?")
-    ap.add_argument("--one-prefill", action="store_true", help="also kvzip --chunk 0")
+    ap.add_argument("--policies", default="kvzip", help="comma-separated policies compared with snapkv")
+    ap.add_argument("--one-prefill", action="store_true", help="also each policy with --chunk 0")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
     b, c = str(a.budget), str(a.chunk)
-    runs = [("snapkv bounded", ["--policy", "snapkv", "--budget", b, "--chunk", c]),
-            ("kvzip bounded", ["--policy", "kvzip", "--budget", b, "--chunk", c])]
+    names = [p for p in a.policies.split(",") if p]
+    runs = [("snapkv bounded", ["--policy", "snapkv", "--budget", b, "--chunk", c])]
+    runs += [(f"{p} bounded", ["--policy", p, "--budget", b, "--chunk", c]) for p in names]
     if a.one_prefill:
-        runs.append(("kvzip one prefill", ["--policy", "kvzip", "--budget", b, "--chunk", "0"]))
+        runs += [(f"{p} one prefill", ["--policy", p, "--budget", b, "--chunk", "0"]) for p in names]
     rows = []
     for label, args in runs:
         row = {"run": label, **measure(a.doc, a.model, a.question, args)}
@@ -66,9 +71,10 @@ def main() -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
     ok = {r["run"]: r for r in rows if "error" not in r}
     summary = {}
-    if {"snapkv bounded", "kvzip bounded"} <= ok.keys():
-        for k in ("time_max_rss_bytes", "peak_rss_bytes"):
-            summary[f"kvzip_over_snapkv_{k}"] = round(ok["kvzip bounded"][k] / ok["snapkv bounded"][k], 4)
+    for p in names:
+        if {"snapkv bounded", f"{p} bounded"} <= ok.keys():
+            for k in ("time_max_rss_bytes", "peak_rss_bytes"):
+                summary[f"{p}_over_snapkv_{k}"] = round(ok[f"{p} bounded"][k] / ok["snapkv bounded"][k], 4)
     res = {"doc": str(a.doc), "model": a.model, "budget": a.budget, "chunk": a.chunk, "threads":
            os.environ.get("KVCLI_THREADS"), "rows": rows, "summary": summary}
     text = json.dumps(res, indent=1)
