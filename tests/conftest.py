@@ -67,6 +67,24 @@ def word_doc(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_1k(tmp_path_factory):
+    """The default tiny random llama GGUF (kvcli.testing.tiny_gguf) with a 1k context: the engine-protocol and
+    chunked-reading tests' model, opened in either engine by `tiny_session`."""
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny1k") / "tiny.gguf", n_ctx_train=1024)
+
+
+def tiny_session(model, engine: str):
+    """A 1k-context session of `model` in `engine`: native with an f32 cache and no flash attention (exact against
+    the float32 reference), or the reference."""
+    from kvcli.native.session import NativeSession
+    from kvcli.reference.session import ReferenceSession
+    if engine == "native":
+        return NativeSession(model, n_ctx=1024, cache_type="f32", flash_attn=False, n_threads=2)
+    return ReferenceSession(model, n_ctx=1024)
+
+
+@pytest.fixture(scope="session")
 def tiny_2k(tmp_path_factory):
     """A tiny random llama GGUF with a 2k context (2 layers, 4 query / 2 KV heads, head_dim 16): the re-selection
     tests' model."""

@@ -13,25 +13,16 @@ import pytest
 from kvcli.drivers.chunked import DEFAULT_CHUNK, bounds_by_default, plan_chunking, read_in_chunks
 from kvcli.drivers.compress import compress_as
 from kvcli.errors import KvcliError
-from kvcli.native.session import NativeSession
 from kvcli.planning.planner import resolve, session_cells
-from kvcli.reference.session import ReferenceSession
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, tiny_session
 
 DOC = (EXAMPLES / "solar-garden.txt").read_text()
 CELL = 12_288   # K + V bytes of one f16 cell of qwen2.5-coder-0.5b (24 layers x 2 KV heads x 64)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("eachunked") / "tiny.gguf", n_ctx_train=1024)
-
-
-def _session(model, engine):
-    if engine == "native":
-        return NativeSession(model, n_ctx=1024, cache_type="f32", flash_attn=False, n_threads=2)
-    return ReferenceSession(model, n_ctx=1024)
+def tiny(tiny_1k):
+    return tiny_1k
 
 
 def test_plan_chunking_reads_it_in_chunks_when_asked_or_too_long():
@@ -48,7 +39,7 @@ def test_plan_chunking_reads_it_in_chunks_when_asked_or_too_long():
 
 @pytest.mark.parametrize("engine", ["native", "reference"])
 def test_bounded_reading_keeps_the_budget_within_the_bound(tiny, engine):
-    s = _session(tiny, engine)
+    s = tiny_session(tiny, engine)
     toks = s.tokenize(DOC)[:400]
     cfg = resolve(tiny, "expected_attention", 48, {"window": 32})
     seen = []
@@ -67,7 +58,7 @@ def test_both_planners_agree_at_every_step(tiny):
     """The native and the reference planner, given the same chunk observations, keep the same entries (L1 of
     kvcli check --chunk, run below on both engines)."""
     from kvcli.planning.planner import make_plan
-    s = _session(tiny, "native")
+    s = tiny_session(tiny, "native")
     toks = s.tokenize(DOC)[:300]
     cfg = resolve(tiny, "expected_attention", 48, {"window": 32})
     steps = []
@@ -81,7 +72,7 @@ def test_both_planners_agree_at_every_step(tiny):
 
 
 def test_one_chunk_gives_the_one_prefill_plan(tiny):
-    a, b = _session(tiny, "native"), _session(tiny, "native")
+    a, b = tiny_session(tiny, "native"), tiny_session(tiny, "native")
     toks = a.tokenize(DOC)[:300]
     cfg = resolve(tiny, "expected_attention", 64, {})
     one = compress_as(a, toks, cfg, planner="native")
@@ -96,12 +87,12 @@ def test_one_chunk_gives_the_one_prefill_plan(tiny):
 def test_a_window_longer_than_the_chunk_takes_the_chunk(tiny):
     """expected_attention's window is a most: a chunk shorter than it gives its statistics from every query of the
     chunk. A window policy (snapkv) still refuses a window longer than the chunk."""
-    s = _session(tiny, "native")
+    s = tiny_session(tiny, "native")
     toks = s.tokenize(DOC)[:300]
     rep = read_in_chunks(s, toks, resolve(tiny, "expected_attention", 48, {}), 96, planner="native")
     assert len(rep.steps) >= 3 and session_cells(s, 0) == 48
     with pytest.raises(KvcliError, match="longer than --chunk"):
-        read_in_chunks(_session(tiny, "native"), toks, resolve(tiny, "snapkv", 200, {"window": 128}), 96)
+        read_in_chunks(tiny_session(tiny, "native"), toks, resolve(tiny, "snapkv", 200, {"window": 128}), 96)
 
 
 def test_check_chunked_both_engines_agree(tiny):

@@ -13,26 +13,17 @@ from kvcli.drivers.chunked import DEFAULT_CHUNK, _carry, plan_chunking, read_in_
 from kvcli.drivers.compress import compress_as
 from kvcli.drivers.reconstruct import pass_cells, passes, repeat_room
 from kvcli.errors import KvcliError
-from kvcli.native.session import NativeSession
 from kvcli.planning.planner import resolve, session_cells
 from kvcli.policies.kvzip import REPEAT_CHUNK, REPEAT_FIRST
-from kvcli.reference.session import ReferenceSession
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, tiny_session
 
 DOC = (EXAMPLES / "solar-garden.txt").read_text()
 CELL = 12_288   # K + V bytes of one f16 cell of qwen2.5-coder-0.5b (24 layers x 2 KV heads x 64)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("kvzipchunked") / "tiny.gguf", n_ctx_train=1024)
-
-
-def _session(model, engine):
-    if engine == "native":
-        return NativeSession(model, n_ctx=1024, cache_type="f32", flash_attn=False, n_threads=2)
-    return ReferenceSession(model, n_ctx=1024)
+def tiny(tiny_1k):
+    return tiny_1k
 
 
 def _watch_cells(s):
@@ -49,7 +40,7 @@ def _watch_cells(s):
 
 @pytest.mark.parametrize("engine", ["native", "reference"])
 def test_bounded_kvzip_keeps_the_budget_within_the_bound(tiny, engine):
-    s = _session(tiny, engine)
+    s = tiny_session(tiny, engine)
     toks = s.tokenize(DOC)[:400]
     held = _watch_cells(s)
     cfg = resolve(tiny, "kvzip", 48, {})
@@ -71,7 +62,7 @@ def test_bounded_kvzip_keeps_the_budget_within_the_bound(tiny, engine):
 def test_kept_entries_carry_their_larger_maximum(tiny):
     """Every step's scores of the kept slots are at least what they carried from the steps before (max of old and
     new); the new chunk's pass adds to them somewhere (the kept entries compete with the new chunk on both)."""
-    s = _session(tiny, "native")
+    s = tiny_session(tiny, "native")
     toks = s.tokenize(DOC)[:400]
     seen = []
     read_in_chunks(s, toks, resolve(tiny, "kvzip", 48, {}), 96, planner="native",
@@ -89,7 +80,7 @@ def test_kept_entries_carry_their_larger_maximum(tiny):
 
 def test_one_chunk_gives_the_one_prefill_plan(tiny):
     """Read in one chunk, the reading is the one-prefill kvzip: the same passes, the same maxima, the same plan."""
-    a, b = _session(tiny, "native"), _session(tiny, "native")
+    a, b = tiny_session(tiny, "native"), tiny_session(tiny, "native")
     toks = a.tokenize(DOC)[:300]
     cfg = resolve(tiny, "kvzip", 64, {})
     got = {}
@@ -107,7 +98,7 @@ def test_one_chunk_gives_the_one_prefill_plan(tiny):
 
 
 def test_later_chunks_are_introduced_by_the_tokens_before_them(tiny):
-    s = _session(tiny, "native")
+    s = tiny_session(tiny, "native")
     toks = s.tokenize(DOC)[:300]
     first, nxt = s.tokenize("\n\nRepeat the previous context exactly."), \
         s.tokenize("\n\nRepeat the part of the previous context exactly, starting with")
@@ -169,7 +160,7 @@ def test_pass_decoded_in_short_calls_gives_the_same_maxima(tiny, monkeypatch):
     """Bounded reading decodes a pass in calls of `pass_rows` tokens (the observation's softmax rows bound the compute
     buffer): the maxima over the calls are those of one call per pass."""
     from kvcli.drivers import reconstruct as R
-    s = _session(tiny, "native")
+    s = tiny_session(tiny, "native")
     toks = s.tokenize(DOC)[:300]
     s.prefill(toks)
     assert R.pass_rows(s) == 512

@@ -8,37 +8,29 @@ import pytest
 
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
-from kvcli.reference.session import ReferenceSession
 from kvcli.session import Session
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, tiny_session
 
 DOC = (EXAMPLES / "solar-garden.txt").read_text()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kvcli.testing.tiny_gguf import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("protocol") / "tiny.gguf", n_ctx_train=1024)
-
-
-def _make(engine, model):
-    if engine == "native":
-        return NativeSession(model, n_ctx=1024, cache_type="f32", flash_attn=False, n_threads=2)
-    return ReferenceSession(model, n_ctx=1024)
+def tiny(tiny_1k):
+    return tiny_1k
 
 
 def test_both_engines_are_sessions(tiny):
     deferred = NativeSession(tiny, n_ctx=0)     # the context is made later: n_ctx is 0 until then
     assert isinstance(deferred, Session) and deferred.n_ctx == 0
     for engine in ("native", "reference"):
-        assert isinstance(_make(engine, tiny), Session)
+        assert isinstance(tiny_session(tiny, engine), Session)
 
 
 @pytest.mark.parametrize("engine", ["native", "reference"])
 def test_truncate_removes_the_positions_past_a_point(tiny, engine):
     """Prefill A, then X, truncate back to A's end, prefill B: the logits of A then B. `prompt_tokens` still
     counts X (as /reset always left it); rollback lowers it."""
-    a, b = _make(engine, tiny), _make(engine, tiny)
+    a, b = tiny_session(tiny, engine), tiny_session(tiny, engine)
     toks = a.tokenize(DOC)
     first, extra, then = toks[:150], toks[300:340], toks[150:200]
     a.prefill(first)
