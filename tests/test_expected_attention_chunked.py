@@ -118,3 +118,15 @@ def test_run_with_chunk_keeps_the_budget(run_kvcli, tiny_2k, word_doc):
     assert st["chunks"] >= 3 and st["chunk_scoring"] == "chunk"
     assert st["peak_kv_cells"] <= st["cache_cap"] == 64 + 256
     assert max(st["per_layer_cells"]) <= 64 + 4   # the budget + the answer
+
+
+def test_chat_compressed_once_in_chunks_says_so(run_kvcli, tiny_2k, word_doc):
+    """kvcli chat --compress-once --chunk N: the summary line says how the document was read, and every answer's
+    --json stats carry the chunked read's figures."""
+    p = run_kvcli("chat", "--model", tiny_2k, "--doc", word_doc(600), "--policy", "expected_attention", "--budget",
+                  "64", "--compress-once", "--chunk", "256", "-n", "3", "--json", input="Q1?\nQ2?\n")
+    assert p.returncode == 0, p.stderr
+    assert "chunks of 256 (at most 320 cells)" in p.stderr
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert len(rows) == 2 and all(r["chunks"] >= 3 and r["cache_cap"] == 320 and r["chunk_scoring"] == "chunk"
+                                  for r in rows)

@@ -533,6 +533,8 @@ class Conversation:
                      stored_turns_bytes=0 if ext is None else ext.nbytes)
             if self.last_reselection is not None:
                 s.update(self.last_reselection.as_stats())
+        elif self.report is not None:   # compressed once: how the document was read (chunks, kvzip's pass)
+            s.update(self.report.as_stats())
         return s
 
     def summary_line(self) -> str:
@@ -567,6 +569,9 @@ class Conversation:
             line += f"; loaded in {self.load_s:.2f}s (+ model {self.model_s:.2f}s)"
         elif self.report is not None:
             line += f"; prefill {self.report.prefill_s:.2f}s, compress {self.report.compress_s:.2f}s"
+            if self.report.chunk is not None:
+                line += (f"; read in {len(self.report.steps)} chunks of {self.report.chunk} (at most "
+                         f"{self.report.cap} cells)")
             if self.report.note:
                 line += f" ({self.report.note})"
         return line
@@ -882,6 +887,8 @@ class Repl:
             extra = {"mode": self.conv.mode}
             if self.conv.reselect:
                 extra.update(store_bytes=s["store_bytes"], **self.conv.last_reselection.as_stats())
+            elif self.conv.report is not None:   # compressed once: how the document was read
+                extra.update(self.conv.report.as_stats())
             self._write(json.dumps({"question": question, "answer": gen.text, "stopped": gen.stopped,
                                     "prompt_tokens": self.conv.prompt_len if self.conv.reselect
                                     else pos0 + self.conv.turns[-1].tokens_in, **extra,
