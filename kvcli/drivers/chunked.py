@@ -26,7 +26,9 @@ Which queries score a chunk (`scoring`), for the policies that observe a window:
 - "chunk": the chunk's own last window (plain SnapKV applied chunk by chunk). On a document that
   does not end in its question this is the only meaningful choice; with a question at the end it
   lets entries the question needs go before the question arrives (docs/long-documents.md).
-Column-sum policies (h2o, d2o) and streamingllm are not probed: their scores are not a window's.
+Column-sum policies (h2o, d2o) and streamingllm are not probed: their scores are not a window's. Nor is
+expected_attention (question-agnostic): each chunk is scored by the statistics of its own last `window` queries (all
+of a shorter chunk's) and the rotation of the positions after it, the most recent queries as in one prefill.
 
 kvzip (question-agnostic) is scored by its reconstruction pass run chunk by chunk (kvcli/drivers/reconstruct.py,
 `start`/`end`): after a chunk is prefilled, "repeat the previous context" (REPEAT_NEXT + the last REPEAT_OVERLAP
