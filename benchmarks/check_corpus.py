@@ -230,6 +230,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens of L3")
     ap.add_argument("--policies", default=None, help="default: every policy (kvcli check's default)")
     ap.add_argument("--table", action="store_true", help="print the table of the result files and exit")
+    ap.add_argument("--redo", action="store_true",
+                    help="run again the runs already in the files (after a change of the check's rules); the old run "
+                         "moves to the file's superseded_runs")
     ap.add_argument("--redo-l2", action="store_true",
                     help="re-take L2 (levels 2 only, one observation per model, length and text) for the runs in the "
                          "files whose L2 failed, after a change of L2's rule: the new L2 replaces the old (kept as "
@@ -261,7 +264,7 @@ def main() -> int:
                 for budget in [int(x) for x in a.budgets.split(",") if x]:
                     done = [r for r in data["runs"] if (r["text"], r["length"], r["budget"], r["threads"])
                             == (key, length, budget, a.threads)]
-                    if done:
+                    if done and not a.redo:
                         print(f"[corpus] {name} {key} {length} b{budget}: in the file, skipped", flush=True)
                         continue
                     settings = CheckSettings(budget=budget, n_tokens=a.tokens, doc_tokens=length,
@@ -278,7 +281,10 @@ def main() -> int:
                     # re-read the file before adding this run: another process may have written it meanwhile
                     fresh = load(name)
                     fresh["model_path"], fresh["texts"] = data["model_path"], {**fresh["texts"], **data["texts"]}
-                    fresh["runs"].append(run)
+                    same = [r for r in fresh["runs"] if (r["text"], r["length"], r["budget"], r["threads"])
+                            == (key, length, budget, a.threads)]
+                    fresh["superseded_runs"] = fresh.get("superseded_runs", []) + same
+                    fresh["runs"] = [r for r in fresh["runs"] if not any(r is x for x in same)] + [run]
                     data = fresh
                     save(name, data)
                     c = counts(report)
