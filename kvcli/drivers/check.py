@@ -370,8 +370,8 @@ def compare_kv_rows(native: np.ndarray, reference: np.ndarray, th: Thresholds, a
                 d = float(dist[at])
                 x[label] = d
                 if kind == "native":
-                    x[f"{label}_to_reference"] = float(to_ref[at])
-                    ok = d >= x["engines"] or float(to_ref[at]) <= limit
+                    x[f"{label}_to_reference"] = t = float(to_ref[at])
+                    ok = d >= x["engines"] or t <= limit
                 else:
                     ok = d <= limit
                 if ok and not x["explained_by"]:
