@@ -2,25 +2,10 @@
 # Issue #17's checks on a lent GPU machine (the device tool), from the repo root, after benchmarks/gpu/pack.sh:
 #   bash .gpu/src/benchmarks/gpu/run_on_device.sh [gpu_check.py's options]   (results under $OUT; ~3 minutes on an H200)
 #   GPU_CHECK_ONLY=1: gpu_check.py alone (no kvcli run, no tests)
-# The machine has Python 3.12 with numpy, torch, click, pytest but no network: the rest comes from .gpu/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-G=$PWD/.gpu
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
-mkdir -p /tmp/kv/lib /tmp/site
-tar -xJf "$G/lib.tar.xz" -C /tmp/kv/lib
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/whl/*.whl || exit 1
-cp -r "$G/site/llama_cpp" /tmp/site/
-# cudart / cuBLAS of the machine's CUDA 13 (toolkit or NVIDIA's wheels): the build's rpath names this machine's
-# toolkit folder and the build machine's wheel folder
-LIBS=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt -name 'libcublas.so.13*' -o -name 'libcudart.so.13*' \
-       2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
-export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}"
-export PYTHONPATH="/tmp/site:$G/src" KVCLI_LIB_DIR=/tmp/kv/lib KVCLI_TINY_TOKENIZER="$G/tokenizer.gguf"
-echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-ldd /tmp/kv/lib/libggml-cuda.so | grep -E "cuda|cublas|not found"
+source benchmarks/gpu/device_env.sh || exit 1
 cd "$G/src"
 timeout 240 python3 benchmarks/gpu/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit: ${PIPESTATUS[0]}"
