@@ -6,7 +6,9 @@ with the reference?). The check's settings: 1 thread, default cache, budget 64 p
 
     python benchmarks/gemma_outlier_twin.py [SITE_PACKAGES_RELATIVE_TEXT] [DOC_TOKENS] > result.json
 
-Default: diskcache's METADATA at 1000 tokens (the corpus sweep's one unexplained row, slot 398)."""
+Default: diskcache's METADATA at 1000 tokens (the corpus sweep's one unexplained row, slot 398). Each row also
+has L2's other sources: the batch-64 twin and the emulated reference against the native row (rule (3)), and the
+row's context; `explained` says whether one of L2's three sources would allow it alone (the count limit aside)."""
 import json
 import subprocess
 import sys
@@ -31,6 +33,7 @@ n_ctx = -(-(len(toks) + 24) // 256) * 256
 nat.create_context(n_ctx)
 a = nat.prefill(toks, seq=0, observe=("kv",)).with_kv_arrays()
 twin = NativeTwin(path, toks, st, n_ctx, "precision")()
+ub = NativeTwin(path, toks, st, n_ctx, "ubatch")()   # L2's second source, batch 64
 ref = ReferenceSession(path, n_ctx=n_ctx, n_threads=1)
 r = ref.prefill(toks, seq=0, observe=("kv",)).with_kv_arrays()
 emu = emulated_reference(ref, toks)()
@@ -40,22 +43,32 @@ out = {"command": "python benchmarks/gemma_outlier_twin.py " + " ".join(sys.argv
        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), "tokens": len(toks),
        "rows": []}
 for name in ("keys", "values"):
-    A, T, R, E = (getattr(o, name).astype(np.float64) for o in (a, twin, r, emu))
+    A, T, R, E, U = (getattr(o, name).astype(np.float64) for o in (a, twin, r, emu, ub))
     scale = compare_arrays(getattr(a, name), getattr(r, name))["scale"]
     limit = th.l2_kv_rtol * scale
     d = lambda x, y: np.abs(x - y).max(axis=-1)
     eng, mv, tr, er, et = d(A, R), d(A, T), d(T, R), d(E, R), d(E, T)
+    en, un, ur = d(E, A), d(U, A), d(U, R)   # L2's rule (3) reads the emulation against the native row
     for il, h, p in np.argwhere(eng > limit):
         row = {"kind": name, "layer": int(il), "model_layer": int(nat.info.kv_layers[il]) if nat.info.kv_layers else int(il),
                "kv_head": int(h), "slot": int(p), "token": nat.detokenize([toks[p]]), "threshold": round(limit, 3),
                "native_vs_reference": round(float(eng[il, h, p]), 3), "native_vs_twin": round(float(mv[il, h, p]), 3),
                "twin_vs_reference": round(float(tr[il, h, p]), 3), "emulated_vs_reference": round(float(er[il, h, p]), 3),
-               "emulated_vs_twin": round(float(et[il, h, p]), 3),
+               "emulated_vs_twin": round(float(et[il, h, p]), 3), "emulated_vs_native": round(float(en[il, h, p]), 3),
+               "ubatch_vs_native": round(float(un[il, h, p]), 3), "ubatch_vs_reference": round(float(ur[il, h, p]), 3),
+               "context": nat.detokenize(toks[max(0, p - 10): p + 4]),
                "row_max_abs_native": round(float(np.abs(A[il, h, p]).max()), 2)}
         # the rank of this row's twin-vs-reference distance among all rows of its layer
+        row["explained"] = bool(mv[il, h, p] >= eng[il, h, p] or tr[il, h, p] <= limit or un[il, h, p] >= eng[il, h, p]
+                                or ur[il, h, p] <= limit or en[il, h, p] <= limit)
         row["twin_vs_reference_layer_p99"] = round(float(np.quantile(tr[il], 0.99)), 3)
         row["twin_vs_reference_layer_max"] = round(float(tr[il].max()), 3)
         out["rows"].append(row)
     out[name] = {"threshold": limit, "twin_vs_reference_max": float(tr.max()), "twin_rows_over": int((tr > limit).sum()),
-                 "native_vs_reference_max": float(eng.max())}
+                 "native_vs_reference_max": float(eng.max()), "rows_over": int((eng > limit).sum()), "rows": int(eng.size),
+                 # the other settings' own rows beyond the threshold: (model layer, slot, token, distance)
+                 **{f"{k}_rows_over": [[int(nat.info.kv_layers[il]) if nat.info.kv_layers else int(il), int(p),
+                                        nat.detokenize([toks[p]]), round(float(x[il, h, p]), 3)]
+                                       for il, h, p in np.argwhere(x > limit)]
+                    for k, x in (("twin_vs_reference", tr), ("ubatch_vs_native", un), ("emulated_vs_native", en))}}
 print(json.dumps(out, indent=1))
