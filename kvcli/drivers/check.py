@@ -108,9 +108,10 @@ class Thresholds:
     # engines differ there or bring it within l2_kv_rtol of the reference, or where the reference with llama.cpp's
     # activation arithmetic emulated comes within l2_kv_rtol: a token whose K llama.cpp's own choices move by more
     # than the threshold (measured: one K and one V row of 6,042 on gemma-3-270m, 2,014 tokens; one K row of 3,042,
-    # 1,014 tokens) is not an engine disagreement. A wrong mapping, mask or
-    # position moves most rows, in every setting alike.
-    l2_kv_sensitive_rows: float = 0.001
+    # 1,014 tokens; ten V rows of 3,042 on a Markdown README's URLs, 0.33%, gemma-3-270m at 1k) is not an engine
+    # disagreement. The fraction only guards the per-row test: a wrong mapping, mask or position moves most rows,
+    # in every setting alike (so no setting explains them either).
+    l2_kv_sensitive_rows: float = 0.01
     # L3 arithmetic (the engine verdict): both engines decode the SAME plan (the native planner's), so the only
     # difference left is their arithmetic; per native cache type (the reference is float32 throughout). Measured
     # (docs/internals.md "kvcli check", docs/results.md, issue 31): the native engine's 8-bit activations and its
@@ -138,7 +139,7 @@ class Thresholds:
         "l2_colmax_atol": "L2: column maxima of the reconstruction pass (kvzip; max abs)",
         "l2_colmax_mean_atol": "L2: column maxima of the reconstruction pass (kvzip; mean abs)",
         "l2_kv_rtol": "L2: K and V rows, and the Q rows expected_attention observes (max abs / max abs value)",
-        "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol where llama.cpp's "
+        "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol, each only where llama.cpp's "
                                 "own settings (precision, batch size) move the row as far or where the reference "
                                 "given llama.cpp's activation arithmetic comes within l2_kv_rtol (0: none)",
         "l3_kl_max_f32": "L3 arithmetic (same plan in both engines): next-token KL(native || reference), "
@@ -351,10 +352,12 @@ def compare_kv_rows(native: np.ndarray, reference: np.ndarray, th: Thresholds, a
     over = np.argwhere(err > limit)
     r["rows"], r["rows_over"] = int(err.size), int(len(over))
     r["pass"] = not len(over)
-    if len(over) and len(over) <= th.l2_kv_sensitive_rows * err.size:
+    if len(over):
+        r["rows_allowed"] = allowed = int(th.l2_kv_sensitive_rows * err.size)
+        # the report names the rows also beyond the fraction (no source is consulted then: the array fails)
         rows = [{"layer": int(il), "kv_head": int(h), "slot": int(p), "engines": float(err[il, h, p]),
-                 "explained_by": None} for il, h, p in over]
-        for label, kind, get in allowances:
+                 "explained_by": None} for il, h, p in over[:max(allowed, 10)]]
+        for label, kind, get in allowances if len(over) <= allowed else []:
             if all(x["explained_by"] for x in rows):
                 break
             other = get()
@@ -377,7 +380,7 @@ def compare_kv_rows(native: np.ndarray, reference: np.ndarray, th: Thresholds, a
                 if ok and not x["explained_by"]:
                     x["explained_by"] = label
         r["rows_over_detail"] = rows[:10]
-        r["pass"] = all(x["explained_by"] for x in rows)
+        r["pass"] = len(over) <= allowed and all(x["explained_by"] for x in rows)
     return r
 
 
