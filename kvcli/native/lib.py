@@ -5,8 +5,11 @@ that function is used, not at import.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import signal
+import threading
 from ctypes import POINTER, c_char, c_char_p, c_double, c_float, c_int32, c_int64, c_void_p
 
 import numpy as np
@@ -261,6 +264,27 @@ def obs_view(obs: Observation) -> tuple[ObsView, list]:
     return v, arrs + ints + [factors, windows, cb]
 
 
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C while a C planner runs is delivered once it has returned. Python runs a signal's handler at the next
+    bytecode, and while C code runs that is the entry of the planner's K/V reader callback, before its `try`: the
+    KeyboardInterrupt cannot cross the C frames, ctypes only prints it ("Exception ignored"), the planner fails on
+    the reader and the interrupt is lost (an interrupted `kvcli eval chat` then exited with the planner's error
+    and kept nothing of what it had scored). The signal is re-sent to the process after the call, under the
+    handler that was in place. Only the main thread receives signals; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit: list[int] = []
+    prev = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+        if hit:
+            signal.raise_signal(signal.SIGINT)
+
+
 def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) -> Plan:
     """Run the C++ planner of `policy` on `obs` (kvcli_plan_make).
 
@@ -271,7 +295,8 @@ def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) 
         params = policies.get(policy).native_params(params, budget, obs.n_layer, obs.n)
     L = lib()
     ov, keep = obs_view(obs)
-    handle = L.kvcli_plan_make(policy.encode(), params.encode(), int(budget), ctypes.byref(ov))
+    with sigint_deferred():
+        handle = L.kvcli_plan_make(policy.encode(), params.encode(), int(budget), ctypes.byref(ov))
     if not handle:
         if keep[-1] is not None and keep[-1].error is not None:   # the K/V reader failed: its own error
             raise keep[-1].error

@@ -6,6 +6,8 @@ each layer at most once, in order, the same layers, and give the same plans as f
 """
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 from policy_obs import random_obs
@@ -70,6 +72,27 @@ def test_a_failing_reader_is_the_planners_error(policy):
         with pytest.raises(KvcliError, match="layer 1 cannot be read"):
             planner(policy, params, 64, lazy)
         assert rec.layers == [0, 1]                            # stopped at the failing layer
+
+
+@pytest.mark.parametrize("policy", ["d2o", "spindlekv"])
+def test_ctrl_c_while_the_native_planner_reads_is_a_keyboard_interrupt_after_it(policy):
+    """Ctrl-C that arrives while the C planner runs is a KeyboardInterrupt once it has returned, not the planner's
+    error (it reached the reader callback's entry, where it cannot cross the C frames and was lost): the planner
+    reads every layer, then the interrupt comes."""
+    obs = random_obs(3, n_layer=3, n_head=4, n_head_kv=2, n=150, w=8, kv=True)
+    _, params, _ = P.prepare(policy, [], 64)
+    lazy, rec = by_reader(obs)
+    reader = lazy.kv_reader
+
+    def interrupted(il, k, v):
+        if il == 0:
+            signal.raise_signal(signal.SIGINT)
+        reader(il, k, v)
+    lazy.kv_reader = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        native_plan(policy, params, 64, lazy)
+    assert rec.layers == [0, 1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the handler is back
 
 
 def test_nan_in_a_read_layer_is_refused_by_both_planners():
