@@ -6,10 +6,13 @@ bindings load the patched library, never a stock one.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from kvcli.errors import KvcliError
@@ -25,6 +28,28 @@ def lib_dir() -> Path:
 def build_info() -> dict:
     p = lib_dir() / "build_info.json"
     return json.loads(p.read_text()) if p.exists() else {}
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C during a C call that calls back into Python is delivered once the call has returned. Python runs a
+    signal's handler at the next bytecode, and while C code runs that is the entry of a ctypes callback (llama.cpp's
+    log sink while a model loads, a planner's K/V reader), before any `try` of its own: the KeyboardInterrupt cannot
+    cross the C frames, ctypes prints it as "Exception ignored ... Traceback" and the interrupt is lost (Ctrl-C
+    while `kvcli run` loaded its model: that message, then the whole run; during d2o's planning in `kvcli eval chat`:
+    the planner failed and nothing scored was kept). The signal is re-sent to the process after the call, under
+    the handler that was in place. Only the main thread receives signals; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit: list[int] = []
+    prev = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+        if hit:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _log_sink(level, text, user_data):

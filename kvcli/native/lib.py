@@ -5,18 +5,15 @@ that function is used, not at import.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import signal
-import threading
 from ctypes import POINTER, c_char, c_char_p, c_double, c_float, c_int32, c_int64, c_void_p
 
 import numpy as np
 
 from kvcli import policies
 from kvcli.errors import KvcliError
-from kvcli.native import load_llama_cpp
+from kvcli.native import load_llama_cpp, sigint_deferred
 from kvcli.planning.formats import Observation, Plan
 
 F32P = POINTER(c_float)
@@ -262,27 +259,6 @@ def obs_view(obs: Observation) -> tuple[ObsView, list]:
                 *[_f32(a) for a in arrs[:4]], cb.fn if cb else KV_READER(), None, _f32(arrs[4]),
                 n_rows, _f32(arrs[5]), *[_i32(a) for a in ints], rope)
     return v, arrs + ints + [factors, windows, cb]
-
-
-@contextlib.contextmanager
-def sigint_deferred():
-    """Ctrl-C while a C planner runs is delivered once it has returned. Python runs a signal's handler at the next
-    bytecode, and while C code runs that is the entry of the planner's K/V reader callback, before its `try`: the
-    KeyboardInterrupt cannot cross the C frames, ctypes only prints it ("Exception ignored"), the planner fails on
-    the reader and the interrupt is lost (an interrupted `kvcli eval chat` then exited with the planner's error
-    and kept nothing of what it had scored). The signal is re-sent to the process after the call, under the
-    handler that was in place. Only the main thread receives signals; elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    hit: list[int] = []
-    prev = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, prev)
-        if hit:
-            signal.raise_signal(signal.SIGINT)
 
 
 def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) -> Plan:

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
-from kvcli.native import cache, load_llama_cpp
+from kvcli.native import cache, load_llama_cpp, sigint_deferred
 from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
 from kvcli.planning.formats import observed_windows
 from kvcli.planning.rope import rope_of
@@ -71,7 +71,8 @@ class NativeSession:
         mparams = L.llama_model_default_params()
         if n_gpu_layers is not None:
             mparams.n_gpu_layers = int(n_gpu_layers)
-        self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
+        with sigint_deferred():   # its log goes through a Python callback (kvcli/native/__init__.py)
+            self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
             raise KvcliError(f"llama.cpp could not load {self.model_path} (set KVCLI_DEBUG=1 to see its log)")
         layers = cache.model_kv_layers(self.model, self.info.n_layer_model)
@@ -128,7 +129,8 @@ class NativeSession:
         threads = n_threads or default_threads()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        self.ctx = L.llama_init_from_model(self.model, cparams)
+        with sigint_deferred():
+            self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             if self._owns_model:
                 L.llama_model_free(self.model)
