@@ -318,8 +318,10 @@ def redo_l2(names: list[str], texts: list[str], lengths: list[int]) -> int:
                                          doc_tokens=length, threads=runs[0]["threads"], levels=(2,))
                 new = run_check(path, doc, ["snapkv"], settings, Thresholds(),
                                 log=lambda m: print(f"[check] {m}", flush=True))
+                # the thresholds L2 was taken under again (the run's own `thresholds` stay those of its L1 and L3)
                 redone = {"started": started, "commit": commit, "uptime_before": before,
-                          "uptime_after": _sh(["uptime"]), "seconds": new["seconds"]}
+                          "uptime_after": _sh(["uptime"]), "seconds": new["seconds"],
+                          "l2_thresholds": {k: v for k, v in new["thresholds"].items() if k.startswith("l2_")}}
                 fresh = load(name)   # re-read: another process may have written the file meanwhile
                 for r in fresh["runs"]:
                     if any(r["started"] == x["started"] for x in runs):
