@@ -19,7 +19,7 @@ from pathlib import Path
 
 MODES = ("once", "reselect", "bounded", "run", "reread")
 ORDER = ("snapkv", "compresskv", "pyramidkv", "windowkv", "dynamickv", "spindlekv", "d2o", "h2o", "streamingllm",
-         "kvzip")
+         "kvzip", "expected_attention")
 
 
 def pool(paths: list[str]) -> tuple[dict, dict]:

@@ -19,12 +19,22 @@ exec > >(tee -a "$OUT/main.log") 2>&1
 date -u; uptime
 if [ "${SMALL:-0}" = 1 ]; then
     M=${MODEL:?MODEL: the GGUF}; G=$PWD; KV=(.venv/bin/python -m kvcli.cli)
-else
+elif [ -f .gpu/lib.tar.xz ]; then
     source benchmarks/gpu/device_env.sh || exit 1
+    SRC=$G/src
+else   # a later call on the same machine: device_env.sh's set-up stays in /tmp while it is warm; the code is the tree's
+    LIBS=$(find /usr/local/cuda*/ /opt -name 'libcublas.so.13*' -o -name 'libcudart.so.13*' 2>/dev/null |
+           xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}" PYTHONPATH="/tmp/site:$PWD" KVCLI_LIB_DIR=/tmp/kv/lib \
+           PYTHONUNBUFFERED=1
+    SRC=$PWD
+fi
+if [ "${SMALL:-0}" != 1 ]; then
     M=/tmp/q/qwen2.5-coder-0.5b.gguf
     cat /tmp/q/part* > $M && (cd /tmp/q && sha256sum -c model.sha256) || exit 1
     rm -f /tmp/q/part*
-    cd "$G/src"; KV=(python3 -m kvcli.cli)
+    cd "$SRC"; KV=(python3 -m kvcli.cli)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 T=${T:-480}
 POL=${POLICIES:-dynamickv h2o streamingllm kvzip windowkv d2o spindlekv expected_attention}
