@@ -126,3 +126,25 @@ def test_eval_chat_bounded_mode(cli_runner, tiny, tmp_path, monkeypatch):
     assert len(recs) == 3 and {x["policy"] for x in recs} == {"snapkv"}
     assert all(x["reselect_chunks"] > 1 and x["kv_cells"] <= 48 + 12 and x["read_s"] > 0 for x in recs)
     assert not any((tmp_path / "cache" / "documents").iterdir())
+
+
+def test_eval_chat_from_document_reads_the_same_document(cli_runner, tiny, tmp_path, monkeypatch):
+    """--from-document 1 --documents 1 evaluates the second document of a two-document run (same text, questions
+    and answers, numbered 1), so a split evaluation pools like one run."""
+    from kvcli.cli import cli
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    res = {}
+    for name, args in (("both", ["--documents", "2"]), ("second", ["--documents", "1", "--from-document", "1"])):
+        out = tmp_path / f"{name}.json"
+        r = cli_runner.invoke(cli, ["eval", "chat", "--model", str(tiny), "--policies", "snapkv", "--budgets", "48",
+                                    "--lengths", "600", "--facts", "3", "--modes", "full,reselect", "--quiet",
+                                    "--json-out", str(out), *args])
+        assert r.exit_code == 0, r.output
+        res[name] = json.loads(out.read_text())
+    assert res["second"]["first_document"] == 1
+    key = ("mode", "policy", "budget", "doc", "question", "answer_expected", "prediction", "score", "doc_tokens")
+    assert [tuple(x[k] for k in key) for x in res["second"]["records"]] == \
+        [tuple(x[k] for k in key) for x in res["both"]["records"] if x["doc"] == 1]
+    r = cli_runner.invoke(cli, ["eval", "chat", "--model", str(tiny), "--policies", "snapkv", "--budgets", "48",
+                                "--lengths", "600", "--from-document", "-1"])
+    assert r.exit_code == 2 and "-1" in r.output

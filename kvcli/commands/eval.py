@@ -159,14 +159,18 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
               "with the document read again for every question (slow); bounded: reselect in the bounded form (the "
               "document stored chunk by chunk as bounded reading reads it, per configuration; window policies).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def chat_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, documents, facts, modes, seed):
+@click.option("--from-document", "first", type=click.IntRange(0, 999), default=0, show_default=True,
+              help="Start at this document (0-based) of the seed's series: documents FROM .. FROM+N-1 are those a run "
+              "with more --documents reads there, so one evaluation can be split over processes or machines and "
+              "pooled (benchmarks/eval_chat_tables.py).")
+def chat_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, documents, facts, modes, seed, first):
     """Many questions over one document, asked in one conversation, scored per question (SCBench's multi-turn
     mode), for each way of compressing: full, once, reselect and run."""
     path, lens = _prepare(model, lengths, plot_path)
     ms = parse_list(modes, "--modes", lambda s: s.lower())
     result = run_chat_eval(path, req.policies, req.budgets, lens, documents, facts, ms, cache_type=req.cache_type,
                            policy_args=req.scoped_args, threads=req.threads, seed=seed,
-                           log=None if quiet else log_stderr)
+                           first_document=first, log=None if quiet else log_stderr)
     if result.get("interrupted") and not result["records"]:
         raise KeyboardInterrupt
     click.echo(json.dumps(result, default=_jsonable) if as_json else chat_table(result))

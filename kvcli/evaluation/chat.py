@@ -86,14 +86,15 @@ def _record(mode, cfg_key, doc_i, q_i, fact, text, n_tokens, **extra) -> dict:
 
 def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: list[int], documents: int,
                   facts: int = 6, modes=DEFAULT_MODES, *, cache_type: str = "f16", policy_args: dict | None = None,
-                  threads: int | None = None, seed: int = 0, max_tokens: int = 12, log=None) -> dict:
+                  threads: int | None = None, seed: int = 0, max_tokens: int = 12, first_document: int = 0,
+                  log=None) -> dict:
     log = log or (lambda m: None)
     policy_args = policy_args or {}
     for m in modes:
         if m not in MODES:
             raise KvcliError(f"unknown mode '{m}': choose from {', '.join(MODES)}")
-    if documents < 1 or facts < 1:
-        raise KvcliError("--documents and --facts must be >= 1")
+    if documents < 1 or facts < 1 or first_document < 0:
+        raise KvcliError("--documents and --facts must be >= 1, --from-document >= 0")
     keys = [(p, b) for p in policies if p != "full" for b in budgets]
     cfgs = {k: resolve(model_path, k[0], k[1], policy_args.get(k[0], {})) for k in keys}
     full = resolve(model_path, "full", None)
@@ -107,10 +108,11 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
             session = NativeSession(model_path, n_ctx=-(-(L + ROOM) // 256) * 256, cache_type=cache_type,
                                     n_threads=threads, n_seq=2 if "bounded" in modes else 1)
             try:
-                for d in range(documents):
+                for d in range(first_document, first_document + documents):
                     doc_seed = seed * 1000 + d
                     text, planted, n_tok = make_chat_document(tok, L, facts, doc_seed)
-                    log(f"[{L} tokens, document {d + 1}/{documents}: {n_tok} tokens, {facts} questions]")
+                    log(f"[{L} tokens, document {d + 1}/{first_document + documents}: {n_tok} tokens, {facts} "
+                        "questions]")
                     store = None
                     if set(modes) & {"full", "once", "reselect", "run"}:
                         session.clear()
@@ -141,8 +143,9 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
         interrupted = True
     tok.close()
     return {"kind": "chat", "model": str(model_path), "policies": policies, "budgets": budgets, "lengths": lengths,
-            "documents": documents, "facts": facts, "modes": list(modes), "records": records, "reads": reads,
-            "summary": summarise(records), "machine": machine(threads), "peak_rss_bytes": peak_rss_bytes(),
+            "documents": documents, "first_document": first_document, "facts": facts, "modes": list(modes),
+            "records": records, "reads": reads, "summary": summarise(records), "machine": machine(threads),
+            "peak_rss_bytes": peak_rss_bytes(),
             "seconds": round(time.perf_counter() - t_start, 1), "interrupted": interrupted}
 
 
