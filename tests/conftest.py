@@ -21,6 +21,16 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.fixture()
+def sigint_raises():
+    """In-process Ctrl-C tests: SIGINT raises KeyboardInterrupt for the test's duration, also in a run started with
+    SIGINT ignored (as sigint_default says), where Python installs no handler and raise_signal would do nothing."""
+    import signal  # noqa: PLC0415
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     from kvcli.models import default_model_path

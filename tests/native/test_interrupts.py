@@ -11,6 +11,8 @@ import pytest
 import kvcli.native as native
 from kvcli.native.session import NativeSession
 
+pytestmark = pytest.mark.usefixtures("sigint_raises")
+
 
 @pytest.fixture()
 def interrupting_log():

@@ -75,7 +75,7 @@ def test_a_failing_reader_is_the_planners_error(policy):
 
 
 @pytest.mark.parametrize("policy", ["d2o", "spindlekv"])
-def test_ctrl_c_while_the_native_planner_reads_is_a_keyboard_interrupt_after_it(policy):
+def test_ctrl_c_while_the_native_planner_reads_is_a_keyboard_interrupt_after_it(policy, sigint_raises):
     """Ctrl-C that arrives while the C planner runs is a KeyboardInterrupt once it has returned, not the planner's
     error (it reached the reader callback's entry, where it cannot cross the C frames and was lost): the planner
     reads every layer, then the interrupt comes."""
