@@ -10,7 +10,8 @@
 # seed 0), so the scores sit beside them; snapkv runs at 4k and 8k too, to compare the GPU's greedy answers with
 # the CPU's on the same documents. RULER=1 adds #32's 8k rounds (question-aware and -agnostic, seeds 0-3, the
 # depths of benchmarks/results/ruler-agnostic-qwen-8k-r*.json).
-# SMALL=1 tries the script on a CPU build before a lease (4k only, two policies, a short T).
+# SMALL=1 MODEL=GGUF tries the script on this machine's CPU build before a lease (with POLICIES, LENGTHS and a
+# short T: e.g. POLICIES=h2o LENGTHS=4k T=60).
 # Returns: $OUT/main.log, $OUT/results.tar.gz (every JSON), $OUT/logs.tar.gz (each process's stderr).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -18,23 +19,13 @@ mkdir -p "$OUT/j" "$OUT/l"
 exec > >(tee -a "$OUT/main.log") 2>&1
 date -u; uptime
 if [ "${SMALL:-0}" = 1 ]; then
-    M=${MODEL:?MODEL: the GGUF}; G=$PWD; KV=(.venv/bin/python -m kvcli.cli)
-elif [ -f .gpu/lib.tar.xz ]; then
+    M=${MODEL:?MODEL: the GGUF}; KV=(.venv/bin/python -m kvcli.cli)
+else   # (device_env.sh also takes a warm machine's earlier set-up when .gpu/ did not travel with this call)
     source benchmarks/gpu/device_env.sh || exit 1
-    SRC=$G/src
-else   # a later call on the same machine: device_env.sh's set-up stays in /tmp while it is warm; the code is the tree's
-    LIBS=$(find /usr/local/cuda*/ /opt -name 'libcublas.so.13*' -o -name 'libcudart.so.13*' 2>/dev/null |
-           xargs -r -n1 dirname | sort -u | tr '\n' ':')
-    export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}" PYTHONPATH="/tmp/site:$PWD" KVCLI_LIB_DIR=/tmp/kv/lib \
-           PYTHONUNBUFFERED=1
-    SRC=$PWD
-fi
-if [ "${SMALL:-0}" != 1 ]; then
     M=/tmp/q/qwen2.5-coder-0.5b.gguf
     cat /tmp/q/part* > $M && (cd /tmp/q && sha256sum -c model.sha256) || exit 1
     rm -f /tmp/q/part*
     cd "$SRC"; KV=(python3 -m kvcli.cli)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 T=${T:-480}
 POL=${POLICIES:-dynamickv h2o streamingllm kvzip windowkv d2o spindlekv expected_attention}
