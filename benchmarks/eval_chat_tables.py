@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-MODES = ("once", "reselect", "bounded", "run", "reread")
+MODES = ("once", "alone", "context", "reselect", "bounded", "run", "reread")
 ORDER = ("snapkv", "compresskv", "pyramidkv", "windowkv", "dynamickv", "spindlekv", "d2o", "h2o", "streamingllm",
          "kvzip", "expected_attention")
 

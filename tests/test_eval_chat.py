@@ -148,3 +148,44 @@ def test_eval_chat_from_document_reads_the_same_document(cli_runner, tiny, tmp_p
     r = cli_runner.invoke(cli, ["eval", "chat", "--model", str(tiny), "--policies", "snapkv", "--budgets", "48",
                                 "--lengths", "600", "--from-document", "-1"])
     assert r.exit_code == 2 and "-1" in r.output
+
+
+def test_alone_and_context_modes_ask_each_question_alone(tiny, tmp_path, monkeypatch):
+    """`alone` asks each question after the `once` cache without the earlier turns, `context` after the cache of
+    the document alone (kvpress's pipeline layout, its full cache among the configurations): every question's cache
+    is the compressed one plus that question's own tokens (nothing of an earlier question or answer left), and
+    `alone`'s first question is `once`'s."""
+    import kvcli.evaluation.chat as ec
+    from kvcli.native.session import NativeSession
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    res = ec.run_chat_eval(tiny, ["snapkv", "kvzip"], [48], [600], 1, 3, ("once", "alone", "context"), max_tokens=6)
+    recs = res["records"]
+    s = NativeSession(tiny, n_ctx=0)
+    text, planted, _ = ec.make_chat_document(s, 600, 3, 0)
+    assert {(r["mode"], r["policy"]) for r in recs} == \
+        {("once", "snapkv"), ("once", "kvzip"), ("alone", "snapkv"), ("alone", "kvzip"),
+         ("context", "full"), ("context", "snapkv"), ("context", "kvzip")}
+    for mode, agnostic in (("alone", True), ("context", False)):
+        prefix = ec.prefix_text(s, text, agnostic)
+        for pol in {r["policy"] for r in recs if r["mode"] == mode}:
+            rs = [r for r in recs if r["mode"] == mode and r["policy"] == pol]
+            assert [r["question"] for r in rs] == [0, 1, 2]
+            # the cells after the answer: the compressed prefix, the question's tokens, 6 answer tokens (the random
+            # model never stops early)
+            asked = [ec.ask(planted[r["question"]]["question"]) for r in rs]
+            base = {r["kv_cells"] - 6 - len(s.tokenize(ec.render(s, text, [], q, agnostic)[len(prefix):]))
+                    for r, q in zip(rs, asked)}
+            assert len(base) == 1, (mode, pol, base)
+            if pol == "full":
+                assert base == {len(s.tokenize(prefix))}
+            else:
+                assert base.pop() < len(s.tokenize(prefix))
+    for pol in ("snapkv", "kvzip"):
+        first = {r["mode"]: (r["prediction"], r["kv_cells"]) for r in recs if r["question"] == 0 and r["policy"] == pol}
+        assert first["alone"] == first["once"]
+    # once's later questions carry the conversation: more cells than alone's
+    assert all(a["kv_cells"] < o["kv_cells"] for o, a in zip(
+        [r for r in recs if r["mode"] == "once"], [r for r in recs if r["mode"] == "alone"]) if o["question"] > 0)
+    assert [x["mode"] for x in res["reads"]] == ["store", "context"]
+    assert all(r["reconstruct_s"] > 0 for r in recs if r["mode"] == "context" and r["policy"] == "kvzip")
+    s.close()

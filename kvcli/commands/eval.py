@@ -153,7 +153,9 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
 @click.option("--facts", type=click.IntRange(1, 20), default=6, show_default=True,
               help="Facts planted per document at spread depths; one question each, asked in one conversation.")
 @click.option("--modes", default=",".join(CHAT_MODES), show_default=True,
-              help="full: full cache; once: compressed before the questions (question-agnostic); reselect: "
+              help="full: full cache; once: compressed before the questions (question-agnostic); alone: the "
+              "once cache, each question asked alone after it; context: compressed from the document alone and each "
+              "question asked alone in its turn (kvpress's pipeline layout; the full cache on it too); reselect: "
               "re-selected for every question from the stored full cache (kvcli chat's default); run: each question "
               "compressed alone, question-aware, from the stored cache (kvcli run --question ...); reread: the same "
               "with the document read again for every question (slow); bounded: reselect in the bounded form (the "

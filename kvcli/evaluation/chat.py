@@ -8,6 +8,14 @@ documents and questions:
 - `once`: compressed once before any question (question-agnostic: the document followed by kvcli's generic
   instruction, whose window scores the entries; `kvcli chat --compress-once`), then every question appended,
   with the earlier turns, after the compressed document.
+- `alone`: the `once` cache, each question asked alone after it (its own turn after the generic instruction, without
+  the earlier turns): a compressed-once file asked one question at a time.
+- `context`: compressed once from the document alone, as kvpress's pipeline compresses its context (the template's
+  head and the document, the user's turn left open: no instruction; a window policy's window is the document's
+  end), each question then appended alone in that turn ("\n\n" and the question, the turn closed) and answered from
+  it, the earlier ones dropped. The full cache on the same layout is among its configurations (kvpress's
+  press=None). Read again for the mode: one prefill (and kvzip's reconstruction pass) serves every configuration
+  (`Shared`).
 - `reselect`: the document's full cache read once and stored; every question is answered from a cache
   re-selected for it (kvcli/drivers/reselect.py: `kvcli chat`'s default): restore, prefill the rest of the conversation
   with observation, plan, compact.
@@ -55,7 +63,7 @@ from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import make_plan
 
-MODES = ("full", "once", "reselect", "run", "reread", "bounded")
+MODES = ("full", "once", "alone", "context", "reselect", "run", "reread", "bounded")
 DEFAULT_MODES = ("full", "once", "reselect", "run")
 ROOM = 1024     # cells for the conversation after the document
 SHARE = True    # configurations that re-select the same prompt alike share its restore and observed prefill
@@ -114,7 +122,7 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                     log(f"[{L} tokens, document {d + 1}/{first_document + documents}: {n_tok} tokens, {facts} "
                         "questions]")
                     store = None
-                    if set(modes) & {"full", "once", "reselect", "run"}:
+                    if set(modes) & {"full", "once", "alone", "reselect", "run"}:
                         session.clear()
                         store = StoredDocument.read(session, session.tokenize(prefix_text(session, text, False)),
                                                     colsum=any("colsum" in c.observe[0] for c in cfgs.values()))
@@ -155,7 +163,7 @@ def _mode_full(session, text, planted, cfgs, full, max_tokens, store):
     return _mode_once(session, text, planted, {("full", None): full}, full, max_tokens, store, mode="full")
 
 
-def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once"):
+def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once", history_kept=True):
     prefix = prefix_text(session, text, agnostic=True)
     tokens = session.tokenize(prefix)
     recs = []
@@ -176,9 +184,48 @@ def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once
             recs.append(_record(mode, key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
                                 answer_s=round(time.perf_counter() - t2, 4), kv_cells=int(session.stats(0)["kv_cells"]),
                                 **({"shared": True} if "shared_s" in shared else {})))
-            history.append((q, answer.strip()))
+            if history_kept:
+                history.append((q, answer.strip()))
         session.clear(0)
     return {"records": _in_order(recs, cfgs)}
+
+
+def _mode_alone(session, text, planted, cfgs, full, max_tokens, store):
+    return _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="alone", history_kept=False)
+
+
+def _mode_context(session, text, planted, cfgs, full, max_tokens, store):
+    prefix = prefix_text(session, text, agnostic=False)
+    tokens = session.tokenize(prefix)
+    every = {("full", None): full, **cfgs}
+    session.clear()
+    t0 = time.perf_counter()
+    shared = Shared(session, tokens, list(every.values()), planner="native")
+    read_s = time.perf_counter() - t0
+    if shared.error is not None:
+        raise shared.error
+    recs = []
+    for key, cfg in every.items():
+        applied = shared.apply(cfg)
+        if applied.error is not None:
+            raise applied.error
+        mark = session.seq(0).next_pos
+        for i, fact in enumerate(planted):
+            full_text = render(session, text, [], ask(fact["question"]))
+            if not full_text.startswith(prefix):
+                raise KvcliError("the chat template does not extend the document's prefix")
+            session.truncate(0, mark)
+            t1 = time.perf_counter()
+            session.prefill(session.tokenize(full_text[len(prefix):]), seq=0)
+            t2 = time.perf_counter()
+            answer = _greedy(session, session.logits(0), max_tokens)
+            extra = {} if applied.plan is None else {"compress_s": round(applied.compress_s, 4),
+                                                     "reconstruct_s": applied.reconstruct_s}
+            recs.append(_record("context", key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
+                                answer_s=round(time.perf_counter() - t2, 4),
+                                kv_cells=int(session.stats(0)["kv_cells"]), **extra))
+    session.clear(0)
+    return {"records": recs, "read_s": read_s}
 
 
 def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store, mode="reselect"):
@@ -299,7 +346,8 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store):
     return {"records": recs}
 
 
-MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "reselect": _mode_reselect, "run": _mode_run,
+MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "alone": _mode_alone, "context": _mode_context,
+                "reselect": _mode_reselect, "run": _mode_run,
                 "reread": _mode_reread, "bounded": _mode_bounded}
 
 
@@ -351,7 +399,8 @@ def plot_chat(result: dict, path: str) -> None:
         rows = [r for r in result["summary"] if r["length"] == L]
         full = [r for r in rows if r["mode"] == "full"]
         keys = sorted({(r["policy"], r["budget"]) for r in rows if r["mode"] != "full"}, key=lambda k: (k[0], k[1]))
-        modes = [m for m in ("once", "reselect", "run", "reread") if any(r["mode"] == m for r in rows)]
+        modes = [m for m in ("once", "alone", "context", "reselect", "run", "reread")
+                 if any(r["mode"] == m for r in rows)]
         width = 0.8 / max(1, len(modes))
         for j, m in enumerate(modes):
             ys, es = [], []
