@@ -10,6 +10,10 @@
 # seed 0), so the scores sit beside them; snapkv runs at 4k and 8k too, to compare the GPU's greedy answers with
 # the CPU's on the same documents. RULER=1 adds #32's 8k rounds (question-aware and -agnostic, seeds 0-3, the
 # depths of benchmarks/results/ruler-agnostic-qwen-8k-r*.json).
+# LAYOUTS=1 adds #32's comparison of answer layouts at 8k, budget 1024, on the ten documents of the kvpress
+# comparison (seeds 0-4, documents 0 and 1, one process each): kvzip, snapkv and expected_attention in the modes
+# once, alone and context, and kvzip with kvpress's parameters (alloc=global, recent=0) in context. GRID=0 leaves
+# out the grid above. EA16=1 adds expected_attention's second 16k document (reselect, run: #30's grid).
 # SMALL=1 MODEL=GGUF tries the script on this machine's CPU build before a lease (with POLICIES, LENGTHS and a
 # short T: e.g. POLICIES=h2o LENGTHS=4k T=60).
 # Returns: $OUT/main.log, $OUT/results.tar.gz (every JSON), $OUT/logs.tar.gz (each process's stderr).
@@ -35,13 +39,29 @@ go() {   # name, then the eval's arguments: one background process stopped by SI
     timeout -s INT -k 30 "$T" "${KV[@]}" eval "$@" --threads 1 --json-out "$OUT/j/$name.json" \
         > "$OUT/l/$name.out" 2> "$OUT/l/$name.err" &
 }
-for L in $LENS; do
+[ "${GRID:-1}" = 1 ] && for L in $LENS; do
     seed=0; [ "$L" = 4k ] && seed=1
     for P in $POL $([ "$L" != 16k ] && echo snapkv); do
         go "chat-$L-$P" chat --model $M --policies $P --budgets 128,256,512 --lengths $L --documents 2 --facts 6 \
             --modes full,once,reselect,run --seed $seed
     done
 done
+if [ "${LAYOUTS:-0}" = 1 ]; then
+    LL=${LAYOUT_LENGTH:-8k}
+    for S in 0 1 2 3 4; do
+        for D in 0 1; do
+            go "layouts-$LL-s$S-d$D" chat --model $M --policies kvzip,snapkv,expected_attention --budgets 1024 \
+                --lengths $LL --documents 1 --from-document $D --seed $S --facts 6 --modes once,alone,context
+            go "layouts-kvpress-params-$LL-s$S-d$D" chat --model $M --policies kvzip --budgets 1024 --lengths $LL \
+                --documents 1 --from-document $D --seed $S --facts 6 --modes context \
+                --policy-arg kvzip.alloc=global --policy-arg kvzip.recent=0
+        done
+    done
+fi
+if [ "${EA16:-0}" = 1 ]; then   # #30's expected_attention 16k cells left at one document: its second one
+    go chat-16k-expected_attention-d1 chat --model $M --policies expected_attention --budgets 128,256,512 \
+        --lengths 16k --documents 1 --from-document 1 --seed 0 --facts 6 --modes reselect,run
+fi
 if [ "${RULER:-0}" = 1 ]; then
     depth=(0.25 0.75 0.5 0.1)
     for r in 0 1 2 3; do
@@ -61,7 +81,7 @@ done
 wait $(jobs -p) 2>/dev/null    # (a bare `wait` would also wait for the tee above, which never ends)
 date -u
 for f in "$OUT"/l/*.err; do     # each process's last progress line
-    printf '%-34s %s\n' "$(basename "$f" .err)" "$(grep -E '^(\s+(full|once|reselect|run)|\[)' "$f" | tail -1 | cut -c1-150)"
+    printf '%-34s %s\n' "$(basename "$f" .err)" "$(grep -E '^(\s+(full|once|alone|context|reselect|run)|\[)' "$f" | tail -1 | cut -c1-150)"
 done
 ls "$OUT/j" | wc -l
 tar -czf "$OUT/results.tar.gz" -C "$OUT" j && tar -czf "$OUT/logs.tar.gz" -C "$OUT" l && rm -rf "$OUT/j" "$OUT/l"
