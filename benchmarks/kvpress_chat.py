@@ -9,6 +9,8 @@ Three steps, each in its own venv (kvpress is never a kvcli dependency; benchmar
         --budget 1024 --presses kvzip,none,snapkv --out /tmp/chat-peer.json      # resumes; saved after each document
     .venv/bin/python benchmarks/kvpress_chat.py score --peer /tmp/chat-peer.json --docs /tmp/chat-docs.json \\
         --json-out benchmarks/results/kvpress-chat-qwen-8k-1024.json
+    .venv/bin/python benchmarks/kvpress_chat.py compare --kvcli EVAL.json ... --peer benchmarks/results/kvpress-chat-*.json \\
+        --mode context --policy kvzip --budget 1024 --press kvzip     # paired per question, on the documents both have
 
 export regenerates exactly the documents `run_chat_eval` builds (make_chat_document with the seed seed * 1000 + d) and
 checks them against an eval's records (doc_tokens, n_tokens, expected answers). peer runs kvpress's
@@ -169,6 +171,56 @@ def score(args) -> None:
     Path(args.json_out).write_text(json.dumps(result, indent=1))
 
 
+def _by_document(records: list[dict], where: str) -> dict:
+    """(document's planted answers, question) -> score; a document is known by its answers, as
+    benchmarks/eval_chat_tables.py knows it."""
+    answers: dict = {}
+    for r in records:
+        answers.setdefault(r["doc"], {})[r["question"]] = r["answer_expected"]
+    out = {}
+    for r in records:
+        a = answers[r["doc"]]
+        key = (tuple(a[q] for q in sorted(a)), r["question"])
+        if key in out:
+            raise SystemExit(f"{where}: question {r['question']} of document {r['doc']} is there twice")
+        out[key] = r["score"]
+    return out
+
+
+def compare(args) -> None:
+    """kvcli's scores (one mode, policy and budget of eval-chat JSONs) beside kvpress's (one press of scored peer
+    JSONs) on the questions both answered, paired per question."""
+    import numpy as np
+
+    ours, theirs = {}, {}
+    for f in args.kvcli:
+        recs = [r for r in json.loads(Path(f).read_text())["records"] if r["mode"] == args.mode and
+                r["policy"] == args.policy and (args.policy == "full" or r["budget"] == args.budget)]
+        ours.update(_by_document(recs, f))
+    for f in args.peer:
+        recs = [r for r in json.loads(Path(f).read_text())["records"] if r["press"] == args.press]
+        theirs.update(_by_document(recs, f))
+    both = sorted(set(ours) & set(theirs))
+    if not both:
+        sys.exit("error: no question answered on both sides")
+    a, b = (np.array([d[k] for k in both], np.float64) for d in (ours, theirs))
+
+    def ms(x):
+        return round(float(x.mean()), 1), round(float(x.std(ddof=1) / math.sqrt(len(x))), 1)
+
+    row = {"mode": args.mode, "policy": args.policy, "budget": args.budget, "press": args.press,
+           "questions": len(both), "documents": len({k[0] for k in both}), "kvcli": ms(a), "kvpress": ms(b),
+           "paired_difference": ms(a - b), "both_right": int(((a > 0) & (b > 0)).sum()),
+           "only_kvcli": int(((a > 0) & (b == 0)).sum()), "only_kvpress": int(((a == 0) & (b > 0)).sum()),
+           "kvcli_files": args.kvcli, "kvpress_files": args.peer}
+    print(f"{args.mode} {args.policy}@{args.budget} vs {args.press}: {row['questions']} questions, "
+          f"{row['documents']} documents: kvcli {row['kvcli'][0]} +- {row['kvcli'][1]}, kvpress {row['kvpress'][0]} "
+          f"+- {row['kvpress'][1]}, paired {row['paired_difference'][0]:+} +- {row['paired_difference'][1]} "
+          f"(both right {row['both_right']}, only kvcli {row['only_kvcli']}, only kvpress {row['only_kvpress']})")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(row, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="step", required=True)
@@ -193,8 +245,16 @@ def main() -> None:
     c.add_argument("--docs", required=True)
     c.add_argument("--docs-source", help="how the documents were made, for the record")
     c.add_argument("--json-out", required=True)
+    d = sub.add_parser("compare", help="kvcli's scores beside kvpress's, paired per question (kvcli's venv)")
+    d.add_argument("--kvcli", nargs="+", required=True, help="eval-chat JSONs")
+    d.add_argument("--peer", nargs="+", required=True, help="JSONs written by score")
+    d.add_argument("--mode", default="once")
+    d.add_argument("--policy", default="kvzip")
+    d.add_argument("--budget", type=int, default=1024, help="(not for --policy full)")
+    d.add_argument("--press", default="kvzip")
+    d.add_argument("--json-out")
     args = ap.parse_args()
-    {"export": export, "peer": peer, "score": score}[args.step](args)
+    {"export": export, "peer": peer, "score": score, "compare": compare}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 # LAYOUTS=1 adds #32's comparison of answer layouts at 8k, budget 1024, on the ten documents of the kvpress
 # comparison (seeds 0-4, documents 0 and 1, one process each): kvzip, snapkv and expected_attention in the modes
 # once, alone and context, and kvzip with kvpress's parameters (alloc=global, recent=0) in context. GRID=0 leaves
-# out the grid above. EA16=1 adds expected_attention's second 16k document (reselect, run: #30's grid).
+# out the grid above. VARIANTS=1: kvzip with alloc=global, and with recent=0, alone (once, context; the same
+# documents). EA16=1 adds expected_attention's second 16k document (reselect, run: #30's grid).
 # SMALL=1 MODEL=GGUF tries the script on this machine's CPU build before a lease (with POLICIES, LENGTHS and a
 # short T: e.g. POLICIES=h2o LENGTHS=4k T=60).
 # Returns: $OUT/main.log, $OUT/results.tar.gz (every JSON), $OUT/logs.tar.gz (each process's stderr).
@@ -55,6 +56,16 @@ if [ "${LAYOUTS:-0}" = 1 ]; then
             go "layouts-kvpress-params-$LL-s$S-d$D" chat --model $M --policies kvzip --budgets 1024 --lengths $LL \
                 --documents 1 --from-document $D --seed $S --facts 6 --modes context \
                 --policy-arg kvzip.alloc=global --policy-arg kvzip.recent=0
+        done
+    done
+fi
+if [ "${VARIANTS:-0}" = 1 ]; then   # #32: which of kvpress's two parameters moves kvzip's score (once, context)
+    for S in 0 1 2 3 4; do
+        for D in 0 1; do
+            for V in alloc=global recent=0; do
+                go "variant-${V/=/-}-8k-s$S-d$D" chat --model $M --policies kvzip --budgets 1024 --lengths 8k \
+                    --documents 1 --from-document $D --seed $S --facts 6 --modes once,context --policy-arg kvzip.$V
+            done
         done
     done
 fi
