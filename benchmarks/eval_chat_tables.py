@@ -81,8 +81,8 @@ def tables(cells: dict, docs: dict) -> str:
         out.append("| policy | budget | " + " | ".join(modes) + " |")
         out.append("|---|---|" + "---|" * len(modes))
         for pol, bud in keys:
-            out.append(f"| {pol} | {bud} | " + " | ".join(cell(cells.get((L, m, pol, bud), []), n_table)
-                                                      for m in modes) + " |")
+            out.append(f"| {pol} | {'-' if bud is None else bud} | " +
+                       " | ".join(cell(cells.get((L, m, pol, bud), []), n_table) for m in modes) + " |")
         out.append("")
     return "\n".join(out)
 

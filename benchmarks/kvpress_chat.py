@@ -11,6 +11,7 @@ Three steps, each in its own venv (kvpress is never a kvcli dependency; benchmar
         --json-out benchmarks/results/kvpress-chat-qwen-8k-1024.json
     .venv/bin/python benchmarks/kvpress_chat.py compare --kvcli EVAL.json ... --peer benchmarks/results/kvpress-chat-*.json \\
         --mode context --policy kvzip --budget 1024 --press kvzip     # paired per question, on the documents both have
+    .venv/bin/python benchmarks/kvpress_chat.py figure --rows ROW.json ... --out FIG.png   # compare's rows (--json-out)
 
 export regenerates exactly the documents `run_chat_eval` builds (make_chat_document with the seed seed * 1000 + d) and
 checks them against an eval's records (doc_tokens, n_tokens, expected answers). peer runs kvpress's
@@ -208,7 +209,7 @@ def compare(args) -> None:
     def ms(x):
         return round(float(x.mean()), 1), round(float(x.std(ddof=1) / math.sqrt(len(x))), 1)
 
-    row = {"mode": args.mode, "policy": args.policy, "budget": args.budget, "press": args.press,
+    row = {"label": args.label, "mode": args.mode, "policy": args.policy, "budget": args.budget, "press": args.press,
            "questions": len(both), "documents": len({k[0] for k in both}), "kvcli": ms(a), "kvpress": ms(b),
            "paired_difference": ms(a - b), "both_right": int(((a > 0) & (b > 0)).sum()),
            "only_kvcli": int(((a > 0) & (b == 0)).sum()), "only_kvpress": int(((a == 0) & (b > 0)).sum()),
@@ -219,6 +220,29 @@ def compare(args) -> None:
           f"(both right {row['both_right']}, only kvcli {row['only_kvcli']}, only kvpress {row['only_kvpress']})")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(row, indent=1))
+
+
+def figure(args) -> None:
+    """compare's rows side by side: each configuration's score and the peer's on the same questions."""
+    import numpy as np
+
+    from kvcli.evaluation.report import pyplot, save_png
+    rows = [json.loads(Path(f).read_text()) for f in args.rows]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(rows), 3.6))
+    x = np.arange(len(rows))
+    for off, side, label in ((-0.2, "kvcli", "kvcli"), (0.2, "kvpress", "kvpress 0.5.5")):
+        ax.bar(x + off, [r[side][0] for r in rows], 0.4, yerr=[r[side][1] for r in rows], capsize=2, label=label)
+    for i, r in enumerate(rows):
+        d, se = r["paired_difference"]
+        ax.text(i, 103, f"{d:+.0f} +- {se:.0f}", ha="center", fontsize=7)
+    ax.set_xticks(x)
+    ax.set_xticklabels([r.get("label") or f"{r['mode']} {r['policy']}" for r in rows], fontsize=7)
+    ax.set_ylim(0, 112)
+    ax.set_ylabel("correct answers (%)")
+    ax.set_title(args.title, fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    save_png(fig, args.out)
 
 
 def main() -> None:
@@ -252,9 +276,14 @@ def main() -> None:
     d.add_argument("--policy", default="kvzip")
     d.add_argument("--budget", type=int, default=1024, help="(not for --policy full)")
     d.add_argument("--press", default="kvzip")
+    d.add_argument("--label", help="the configuration's name in figure")
     d.add_argument("--json-out")
+    e = sub.add_parser("figure", help="compare's rows as bars, kvcli beside kvpress (kvcli's venv)")
+    e.add_argument("--rows", nargs="+", required=True, help="JSONs written by compare")
+    e.add_argument("--title", default="")
+    e.add_argument("--out", required=True)
     args = ap.parse_args()
-    {"export": export, "peer": peer, "score": score, "compare": compare}[args.step](args)
+    {"export": export, "peer": peer, "score": score, "compare": compare, "figure": figure}[args.step](args)
 
 
 if __name__ == "__main__":
