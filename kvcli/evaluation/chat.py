@@ -163,6 +163,20 @@ def _mode_full(session, text, planted, cfgs, full, max_tokens, store):
     return _mode_once(session, text, planted, {("full", None): full}, full, max_tokens, store, mode="full")
 
 
+def _answer_after(session, prefix: str, prompt: str, mark: int, max_tokens: int) -> tuple[str, dict]:
+    """Drop sequence 0's cells from `mark` (what followed the compressed `prefix`), prefill the rest of `prompt` after
+    it and answer greedily: (answer, the record's seconds and cells)."""
+    if not prompt.startswith(prefix):
+        raise KvcliError("the chat template does not extend the compressed prefix")
+    session.truncate(0, mark)
+    t1 = time.perf_counter()
+    session.prefill(session.tokenize(prompt[len(prefix):]), seq=0)
+    t2 = time.perf_counter()
+    answer = _greedy(session, session.logits(0), max_tokens)
+    return answer, {"question_prefill_s": round(t2 - t1, 4), "answer_s": round(time.perf_counter() - t2, 4),
+                    "kv_cells": int(session.stats(0)["kv_cells"])}
+
+
 def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once", history_kept=True):
     prefix = prefix_text(session, text, agnostic=True)
     tokens = session.tokenize(prefix)
@@ -173,16 +187,9 @@ def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once
         history = []
         for i, fact in enumerate(planted):
             q = ask(fact["question"])
-            full_text = render(session, text, history, q, agnostic=True)
-            if not full_text.startswith(prefix):
-                raise KvcliError("the chat template does not extend the agnostic prefix")
-            session.truncate(0, mark)
-            t1 = time.perf_counter()
-            session.prefill(session.tokenize(full_text[len(prefix):]), seq=0)
-            t2 = time.perf_counter()
-            answer = _greedy(session, session.logits(0), max_tokens)
-            recs.append(_record(mode, key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
-                                answer_s=round(time.perf_counter() - t2, 4), kv_cells=int(session.stats(0)["kv_cells"]),
+            answer, stats = _answer_after(session, prefix, render(session, text, history, q, agnostic=True), mark,
+                                          max_tokens)
+            recs.append(_record(mode, key, 0, i, fact, answer, len(tokens), **stats,
                                 **({"shared": True} if "shared_s" in shared else {})))
             if history_kept:
                 history.append((q, answer.strip()))
@@ -210,20 +217,12 @@ def _mode_context(session, text, planted, cfgs, full, max_tokens, store):
         if applied.error is not None:
             raise applied.error
         mark = session.seq(0).next_pos
+        extra = {} if applied.plan is None else {"compress_s": round(applied.compress_s, 4),
+                                                 "reconstruct_s": applied.reconstruct_s}
         for i, fact in enumerate(planted):
-            full_text = render(session, text, [], ask(fact["question"]))
-            if not full_text.startswith(prefix):
-                raise KvcliError("the chat template does not extend the document's prefix")
-            session.truncate(0, mark)
-            t1 = time.perf_counter()
-            session.prefill(session.tokenize(full_text[len(prefix):]), seq=0)
-            t2 = time.perf_counter()
-            answer = _greedy(session, session.logits(0), max_tokens)
-            extra = {} if applied.plan is None else {"compress_s": round(applied.compress_s, 4),
-                                                     "reconstruct_s": applied.reconstruct_s}
-            recs.append(_record("context", key, 0, i, fact, answer, len(tokens), question_prefill_s=round(t2 - t1, 4),
-                                answer_s=round(time.perf_counter() - t2, 4),
-                                kv_cells=int(session.stats(0)["kv_cells"]), **extra))
+            answer, stats = _answer_after(session, prefix, render(session, text, [], ask(fact["question"])), mark,
+                                          max_tokens)
+            recs.append(_record("context", key, 0, i, fact, answer, len(tokens), **stats, **extra))
     session.clear(0)
     return {"records": recs, "read_s": read_s}
 
