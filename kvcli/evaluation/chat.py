@@ -32,13 +32,14 @@ documents and questions:
   configuration): `run` as a loop of single-question `kvcli run` processes in one prefill would do it. Not in the
   default modes: it costs a read per question.
 
-The document is read once per document for `full`, `once` and `reselect` together: its full cache is stored
-(kvcli/drivers/reselect.py) and each of them starts from it. `once` re-selects once, for the generic instruction (the
-agnostic prefix: the document followed by it, observed as one prefill of it observes, tests/test_reselect.py),
-and appends the questions after that cache; `full` restores the whole document and appends the conversation.
-`reread` reads the document again for every question: one prefill per question serves every configuration
+The document is read once per document for `full`, `once`, `alone`, `reselect` and `run` together: its full cache is
+stored (kvcli/drivers/reselect.py) and each of them starts from it. `once` (and `alone`) re-selects once, for the
+generic instruction (the agnostic prefix: the document followed by it, observed as one prefill of it observes,
+tests/test_reselect.py), and appends the questions after that cache; `full` restores the whole document and appends
+the conversation. `context` reads the document's prefix again (its prompt is not the stored one's extension with
+an observed tail). `reread` reads the document again for every question: one prefill per question serves every configuration
 (`Shared`). Configurations that would re-select the same prompt with the same observation (the same policy at
-several budgets; in `run` and `once` every configuration's prompt is the same) share one restore and observed
+several budgets; in `run`, `once` and `alone` every configuration's prompt is the same) share one restore and observed
 prefill (`_reselections`): the prefilled sequence is saved, put back for each of the others and planned from the
 same observation, as `Shared` does; their answers are those of separate re-selections (tests/test_eval_chat.py),
 their records carry `shared` and the seconds of the restore and plan (`shared_s`) instead of `reselect_s`.
