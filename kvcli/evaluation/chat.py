@@ -37,12 +37,13 @@ stored (kvcli/drivers/reselect.py) and each of them starts from it. `once` (and 
 generic instruction (the agnostic prefix: the document followed by it, observed as one prefill of it observes,
 tests/test_reselect.py), and appends the questions after that cache; `full` restores the whole document and appends
 the conversation. `context` reads the document again (one prefill serving every configuration): its compressed
-prompt is the stored prompt itself, with nothing after it for a re-selection to prefill and observe. `reread` reads the document again for every question: one prefill per question serves every configuration
-(`Shared`). Configurations that would re-select the same prompt with the same observation (the same policy at
-several budgets; in `run`, `once` and `alone` every configuration's prompt is the same) share one restore and observed
-prefill (`_reselections`): the prefilled sequence is saved, put back for each of the others and planned from the
-same observation, as `Shared` does; their answers are those of separate re-selections (tests/test_eval_chat.py),
-their records carry `shared` and the seconds of the restore and plan (`shared_s`) instead of `reselect_s`.
+prompt is the stored prompt itself, with nothing after it for a re-selection to prefill and observe. `reread` reads
+the document again for every question: one prefill per question serves every configuration (`Shared`).
+Configurations that would re-select the same prompt with the same observation (the same policy at several budgets;
+in `run`, `once` and `alone` every configuration's prompt is the same) share one restore and observed prefill
+(`_reselections`): the prefilled sequence is saved, put back for each of the others and planned from the same
+observation, as `Shared` does; their answers are those of separate re-selections (tests/test_eval_chat.py), their
+records carry `shared` and the seconds of the restore and plan (`shared_s`) instead of `reselect_s`.
 Decoding is greedy. The prompt of every mode is rendered with the model's own chat template, as the app renders it.
 """
 from __future__ import annotations

@@ -32,7 +32,8 @@ SPEC = PolicySpec(
               "shorter than it gives all of its queries); their rows are observed, n_layer x n_head x window x "
               "head_dim floats. With the question in the prompt (re-selection, `run`) a short window (32: the "
               "question's queries) makes the policy question-aware: on qwen2.5-coder-0.5b at 8k, RULER needles 100 "
-              "at 256-2048 entries and the chat re-selected 100 from 256, against 0-42 with 512 (docs/results.md)", paper_default="every prompt query after the sinks (kvpress)", min=2, max=4096),
+              "at 256-2048 entries and the chat re-selected 100 from 256, against 0-42 with 512 (docs/results.md)",
+              paper_default="every prompt query after the sinks (kvpress)", min=2, max=4096),
         Param("n_future", "int", 512, "future positions whose RoPE rotation is averaged (the next n_future after the "
               "prompt)", paper_default="512 (kvpress n_future_positions)", min=1, max=1 << 20),
         Param("sinks", "int", 4, "first slots always kept, and left out of the statistics and of the normalisation",
