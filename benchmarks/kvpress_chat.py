@@ -10,7 +10,8 @@ Three steps, each in its own venv (kvpress is never a kvcli dependency; benchmar
     .venv/bin/python benchmarks/kvpress_chat.py score --peer /tmp/chat-peer.json --docs /tmp/chat-docs.json \\
         --json-out benchmarks/results/kvpress-chat-qwen-8k-1024.json
     .venv/bin/python benchmarks/kvpress_chat.py compare --kvcli EVAL.json ... \\
-        --peer benchmarks/results/kvpress-chat-*.json --mode context --policy kvzip --budget 1024 --press kvzip     # paired per question, on the documents both have
+        --peer benchmarks/results/kvpress-chat-*.json --mode context --policy kvzip --budget 1024 --press kvzip
+                                        # paired per question, on the documents both have
     .venv/bin/python benchmarks/kvpress_chat.py figure --rows ROW.json ... --out FIG.png   # compare's rows (--json-out)
 
 export regenerates exactly the documents `run_chat_eval` builds (make_chat_document with the seed seed * 1000 + d) and
