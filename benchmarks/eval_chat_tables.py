@@ -22,17 +22,22 @@ ORDER = ("snapkv", "compresskv", "pyramidkv", "windowkv", "dynamickv", "spindlek
          "kvzip", "expected_attention")
 
 
+def planted_answers(records: list[dict], by=("length", "doc")) -> dict:
+    """A document's identity across files: (its records' `by` fields) -> its planted answers in question order."""
+    answers: dict = {}
+    for r in records:
+        answers.setdefault(tuple(r[k] for k in by), {})[r["question"]] = r["answer_expected"]
+    return {d: tuple(a[q] for q in sorted(a)) for d, a in answers.items()}
+
+
 def pool(paths: list[str]) -> tuple[dict, dict]:
     """(cells: (length, mode, policy, budget) -> [scores], docs: length -> {doc id: tokens})."""
     by_doc: dict = {}
     for p in paths:
         res = json.loads(Path(p).read_text())
-        answers: dict = {}
+        answers = planted_answers(res["records"])
         for r in res["records"]:
-            answers.setdefault((r["length"], r["doc"]), {})[r["question"]] = r["answer_expected"]
-        for r in res["records"]:
-            a = answers[(r["length"], r["doc"])]
-            doc = (r["doc_tokens"], tuple(a[q] for q in sorted(a)))
+            doc = (r["doc_tokens"], answers[(r["length"], r["doc"])])
             key = (r["length"], doc, r["mode"], r["policy"], r["budget"], r["question"])
             if key in by_doc:
                 if by_doc[key] != r["score"]:

@@ -176,13 +176,12 @@ def score(args) -> None:
 def _by_document(records: list[dict], where: str) -> dict:
     """(document's planted answers, question) -> score; a document is known by its answers, as
     benchmarks/eval_chat_tables.py knows it."""
-    answers: dict = {}
-    for r in records:
-        answers.setdefault(r["doc"], {})[r["question"]] = r["answer_expected"]
+    from eval_chat_tables import planted_answers   # (benchmarks/ is the script's folder, first on sys.path)
+
+    answers = planted_answers(records, by=("doc",))
     out = {}
     for r in records:
-        a = answers[r["doc"]]
-        key = (tuple(a[q] for q in sorted(a)), r["question"])
+        key = (answers[(r["doc"],)], r["question"])
         if key in out:
             raise SystemExit(f"{where}: question {r['question']} of document {r['doc']} is there twice")
         out[key] = r["score"]
@@ -210,12 +209,13 @@ def compare(args) -> None:
     def ms(x):
         return round(float(x.mean()), 1), round(float(x.std(ddof=1) / math.sqrt(len(x))), 1)
 
-    row = {"label": args.label, "mode": args.mode, "policy": args.policy, "budget": args.budget, "press": args.press,
+    budget = None if args.policy == "full" else args.budget
+    row = {"label": args.label, "mode": args.mode, "policy": args.policy, "budget": budget, "press": args.press,
            "questions": len(both), "documents": len({k[0] for k in both}), "kvcli": ms(a), "kvpress": ms(b),
            "paired_difference": ms(a - b), "both_right": int(((a > 0) & (b > 0)).sum()),
            "only_kvcli": int(((a > 0) & (b == 0)).sum()), "only_kvpress": int(((a == 0) & (b > 0)).sum()),
            "kvcli_files": args.kvcli, "kvpress_files": args.peer}
-    print(f"{args.mode} {args.policy}@{args.budget} vs {args.press}: {row['questions']} questions, "
+    print(f"{args.mode} {args.policy}{'' if budget is None else f'@{budget}'} vs {args.press}: {row['questions']} questions, "
           f"{row['documents']} documents: kvcli {row['kvcli'][0]} +- {row['kvcli'][1]}, kvpress {row['kvpress'][0]} "
           f"+- {row['kvpress'][1]}, paired {row['paired_difference'][0]:+} +- {row['paired_difference'][1]} "
           f"(both right {row['both_right']}, only kvcli {row['only_kvcli']}, only kvpress {row['only_kvpress']})")
