@@ -31,8 +31,8 @@ LAYER_POLICIES = ("pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "sp
 INSTRUCTION = "What happened at the station? Answer in one sentence."
 
 
-def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES) -> dict:
-    model = default_model_path()
+def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES, model=None) -> dict:
+    model = model or default_model_path()
     s = NativeSession(model, n_ctx=0, cache_type="f16")
     tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), INSTRUCTION))
     s.create_context(-(-(len(tokens) + 16) // 256) * 256)
@@ -51,13 +51,18 @@ def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES) -> dict:
         plan = make_plan(spec, params, b, obs.restrict(ks, w), "native")
         live = int(plan.n_kept.sum())
         cells = int(plan.max_kept)
+        # a layer-ragged layout: every layer as wide as its own widest KV head
+        layer_entries = int(plan.n_kept.max(axis=1).sum()) * i.n_head_kv
         per_entry = per_cell / (i.n_layer * i.n_head_kv)
         rows.append({"policy": name, "budget": b, "cells": cells, "live_entries": live,
                      "budget_entries": b * i.n_layer * i.n_head_kv,
+                     "layer_ragged_entries": layer_entries,
                      "cells_bytes": cells * per_cell, "live_bytes": int(live * per_entry),
+                     "layer_ragged_bytes": int(layer_entries * per_entry),
                      "budget_bytes": b * per_cell,
                      "layer_widest": int(plan.n_kept.max(axis=1).argmax()),
-                     "ragged_saving": 1 - live / (cells * i.n_layer * i.n_head_kv)})
+                     "ragged_saving": 1 - live / (cells * i.n_layer * i.n_head_kv),
+                     "layer_ragged_over_live": layer_entries / live})
     s.close()
     return {"model": Path(model).name, "doc": doc.name, "prompt_tokens": len(tokens), "cache_type": "f16",
             "bytes_per_cell": per_cell, "command": "python benchmarks/layout.py " + " ".join(sys.argv[1:]),
@@ -67,11 +72,13 @@ def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES) -> dict:
 def table(res: dict) -> str:
     out = [f"{res['model']}, {res['doc']} ({res['prompt_tokens']} tokens), f16 cache, "
            f"{res['bytes_per_cell']:,} bytes per cell",
-           "| policy | budget | cells held | MB held | live entries MB (ragged) | budget MB | ragged saves |",
-           "|---|---|---|---|---|---|---|"]
+           "| policy | budget | cells held | MB held | live entries MB (ragged) | layer-ragged MB | layer-ragged / live "
+           "| budget MB | ragged saves |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         out.append(f"| {r['policy']} | {r['budget']} | {r['cells']} | {r['cells_bytes'] / 1e6:.2f} | "
-                   f"{r['live_bytes'] / 1e6:.2f} | {r['budget_bytes'] / 1e6:.2f} | {100 * r['ragged_saving']:.0f}% |")
+                   f"{r['live_bytes'] / 1e6:.2f} | {r['layer_ragged_bytes'] / 1e6:.2f} | "
+                   f"{r['layer_ragged_over_live']:.3f} | {r['budget_bytes'] / 1e6:.2f} | {100 * r['ragged_saving']:.0f}% |")
     return "\n".join(out)
 
 
@@ -80,11 +87,14 @@ def main() -> None:
     ap.add_argument("doc", nargs="?", default="examples/station-log.txt")
     ap.add_argument("--budgets", default="128,256,512")
     ap.add_argument("--policies", default=",".join(LAYER_POLICIES))
+    ap.add_argument("--model", default=None, help="GGUF path or pulled model name (default: the bundled model).")
     ap.add_argument("-o", "--out", default=None, help="Write the JSON here (kvcli/data/layout.json).")
     a = ap.parse_args()
     for name in a.policies.split(","):
         policies.get(name)
-    res = measure(Path(a.doc), [int(b) for b in a.budgets.split(",")], a.policies.split(","))
+    from kvcli.models import resolve_model  # noqa: PLC0415
+    model = resolve_model(a.model) if a.model else None
+    res = measure(Path(a.doc), [int(b) for b in a.budgets.split(",")], a.policies.split(","), model)
     print(table(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")

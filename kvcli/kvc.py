@@ -12,8 +12,14 @@ Layout (little endian):
     prefix_logits   float32  logits after the prompt's last token (only when an answer to it is still due)
     colsum          float32  [n_layer * n_head * split] attention column sums of the stored queries (a stored
                              document read for a column-sum policy: kvcli/drivers/reselect.py)
-    state           uint8    llama_state_seq_get_data of the sequence: cells, K/V rows, and (our
-                             native patch) the slot bias and header of a compressed sequence
+    state           zblocks  llama_state_seq_get_data of the sequence: cells, K/V rows, and (our
+                             native patch) the slot bias and header of a compressed sequence, its all-zero
+                             64-byte blocks left out (format 2; format 1 stored it whole, as uint8)
+
+zblocks: u64 n_bytes, one bit per 64-byte block (numpy.packbits order; the last block zero-padded), then the
+blocks whose bit is set. A compacted sequence's dead slots (a (layer, KV head) keeping fewer entries than the
+widest) are zero rows in the state: the file holds the live entries, whatever the memory layout holds
+(native/src/README.md, "The ragged layout").
 
 The digest covers every byte before it, so truncation and corruption are both caught. The
 meta records everything needed to refuse a file that does not fit (kvc format, kvcli version,
@@ -40,10 +46,41 @@ from kvcli.native.session import CACHE_TYPES
 from kvcli.native.state import Reader
 
 MAGIC = b"KVCLIKVC"
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)   # format 1: the state stored whole (uint8); it loads as it did
 _HEAD = struct.Struct("<8sIIQ")
 _DIGEST = 32
-_DTYPES = {"int32": np.int32, "float32": np.float32, "uint8": np.uint8}
+_DTYPES = {"int32": np.int32, "float32": np.float32, "uint8": np.uint8, "zblocks": np.uint8}
+_ZBLOCK = 64
+
+
+def pack_zero_blocks(data) -> bytes:
+    """`data` without its all-zero 64-byte blocks: u64 length, a bit per block, the other blocks (zblocks)."""
+    raw = np.frombuffer(data, np.uint8)
+    n = raw.size
+    blocks = np.zeros(-(-n // _ZBLOCK) * _ZBLOCK, np.uint8)
+    blocks[:n] = raw
+    blocks = blocks.reshape(-1, _ZBLOCK)
+    keep = blocks.any(axis=1)
+    return struct.pack("<Q", n) + np.packbits(keep).tobytes() + blocks[keep].tobytes()
+
+
+def unpack_zero_blocks(packed, where="") -> bytes:
+    """The bytes pack_zero_blocks left out put back; a clear error when the block list does not add up."""
+    if len(packed) < 8:
+        raise KvcliError(f"{where} is corrupted (zero-block state shorter than its header)")
+    n = struct.unpack_from("<Q", packed)[0]
+    n_blocks = -(-n // _ZBLOCK)
+    bits = (n_blocks + 7) // 8
+    if len(packed) < 8 + bits:
+        raise KvcliError(f"{where} is corrupted (zero-block state without its block map)")
+    keep = np.unpackbits(np.frombuffer(packed, np.uint8, bits, 8))[:n_blocks].astype(bool)
+    body = np.frombuffer(packed, np.uint8, offset=8 + bits)
+    if body.size != int(keep.sum()) * _ZBLOCK:
+        raise KvcliError(f"{where} is corrupted (zero-block state: {body.size} bytes for {int(keep.sum())} blocks)")
+    out = np.zeros((n_blocks, _ZBLOCK), np.uint8)
+    out[keep] = body.reshape(-1, _ZBLOCK)
+    return out.reshape(-1)[:n].tobytes()
 
 
 @dataclass
@@ -69,7 +106,7 @@ class KvcFile:
             out.append(("prefix_logits", "float32", np.ascontiguousarray(self.prefix_logits, np.float32).tobytes()))
         if self.colsum is not None:
             out.append(("colsum", "float32", np.ascontiguousarray(self.colsum, np.float32).tobytes()))
-        out.append(("state", "uint8", bytes(self.state)))
+        out.append(("state", "zblocks", pack_zero_blocks(self.state)))
         return out
 
 
@@ -104,9 +141,9 @@ def read(path) -> KvcFile:
     if len(raw) < _HEAD.size:
         raise KvcliError(f"{path} is truncated ({len(raw)} bytes)")
     _, fmt, _, meta_len = _HEAD.unpack_from(raw)
-    if fmt != FORMAT:
-        raise KvcliError(f"{path} is a .kvc file of format {fmt}; this kvcli reads format {FORMAT}: "
-                         "compress the document again")
+    if fmt not in READS:
+        raise KvcliError(f"{path} is a .kvc file of format {fmt}; this kvcli reads formats "
+                         f"{', '.join(map(str, READS))}: compress the document again")
     p = _HEAD.size
     if len(raw) < p + meta_len + _DIGEST:
         raise KvcliError(f"{path} is truncated ({len(raw)} bytes)")
@@ -127,8 +164,11 @@ def read(path) -> KvcFile:
     for name, dtype, k in blob_list:
         if dtype not in _DTYPES:
             raise KvcliError(f"{path} is corrupted (unknown blob type {dtype})")
-        blobs[name] = raw[p:p + k] if dtype == "uint8" else np.frombuffer(raw, _DTYPES[dtype], k // np.dtype(
-            _DTYPES[dtype]).itemsize, p).copy()
+        if dtype == "zblocks":
+            blobs[name] = unpack_zero_blocks(memoryview(raw)[p:p + k], str(path))
+        else:
+            blobs[name] = raw[p:p + k] if dtype == "uint8" else np.frombuffer(raw, _DTYPES[dtype], k // np.dtype(
+                _DTYPES[dtype]).itemsize, p).copy()
         p += k
     if "state" not in blobs or "prefix_tokens" not in blobs:
         raise KvcliError(f"{path} is corrupted (no cache state)")

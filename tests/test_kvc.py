@@ -71,8 +71,40 @@ def test_corrupted_and_foreign_files_refused(tmp_path):
     raw = bytearray(newer.read_bytes())
     raw[8:12] = (kvc.FORMAT + 1).to_bytes(4, "little")
     newer.write_bytes(bytes(raw))
-    with pytest.raises(KvcliError, match=f"format {kvc.FORMAT + 1}; this kvcli reads format {kvc.FORMAT}"):
+    with pytest.raises(KvcliError, match=f"format {kvc.FORMAT + 1}; this kvcli reads formats 1, {kvc.FORMAT}"):
         kvc.read(newer)
+
+
+def _write_format_1(path, f):
+    """A .kvc file as kvcli wrote it before format 2: the state stored whole, as uint8."""
+    import hashlib
+    import json
+    blobs = [(n, t, b) if n != "state" else (n, "uint8", bytes(f.state)) for n, t, b in f.blobs()]
+    meta = json.dumps(dict(f.meta, blobs=[[n, t, len(b)] for n, t, b in blobs]), sort_keys=True).encode()
+    body = kvc._HEAD.pack(kvc.MAGIC, 1, 0, len(meta)) + meta + b"".join(b for _, _, b in blobs)
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+def test_state_zero_blocks_are_left_out_and_format_1_still_loads(tmp_path):
+    """Format 2 leaves the state's all-zero 64-byte blocks out (a compacted sequence's dead slots are zero rows):
+    the file shrinks by them and reads back byte for byte; a format-1 file (state whole) loads as before."""
+    rng = np.random.default_rng(0)
+    state = bytearray(rng.integers(1, 255, 64 * 100 + 13, dtype=np.uint8).tobytes())
+    state[64 * 10:64 * 70] = bytes(64 * 60)          # 60 zero blocks
+    f = _toy()
+    f.state = bytes(state)
+    path = tmp_path / "z.kvc"
+    size = kvc.write(path, f)
+    back = kvc.read(path)
+    assert back.state == bytes(state)
+    old = tmp_path / "old.kvc"
+    _write_format_1(old, f)
+    assert kvc.read(old).state == bytes(state)
+    # the 60 zero blocks, less the length, the block map (13 bytes) and the last block's padding (51 bytes)
+    assert 60 * 64 - 8 - 13 - 51 - 8 <= old.stat().st_size - size <= 60 * 64
+    assert kvc.unpack_zero_blocks(kvc.pack_zero_blocks(b"")) == b""
+    with pytest.raises(KvcliError, match="zero-block state"):
+        kvc.unpack_zero_blocks(kvc.pack_zero_blocks(bytes(state))[:-1], "x.kvc")
 
 
 def test_interrupted_write_leaves_old_file_intact(tmp_path, monkeypatch):

@@ -296,6 +296,23 @@ def get_header(ctx, seq: int) -> dict | None:
             "original_tokens": int(h.original_tokens), "kvcli_version": h.kvcli_version.decode(errors="replace")}
 
 
+# ------------------------------------------------------------------------------ layout
+def layout_trim(ctx) -> None:
+    """Trim the cache to the ragged layout (native/src/kvcli_layout.cpp) once llama.cpp's state I/O has moved its
+    rows: a state is saved and restored through the full layout."""
+    L = lib()
+    L.check(L.kvcli_layout_trim(_ctx(ctx)), "kvcli_layout_trim")
+
+
+def layout_fronts(ctx) -> list[int]:
+    """Per cache layer, the first cell whose K/V row it stores (0: every cell; the ragged layout's dead prefix)."""
+    L = lib()
+    n = L.check(L.kvcli_layout_fronts(_ctx(ctx), None), "kvcli_layout_fronts")
+    out = (ctypes.c_int32 * n)()
+    L.check(L.kvcli_layout_fronts(_ctx(ctx), out), "kvcli_layout_fronts")
+    return list(out)
+
+
 # ------------------------------------------------------------------------------ state files
 def get_state(ctx, seq: int) -> bytearray:
     """llama_state_seq_get_data of `seq`: cells, K/V rows, and (our patch) slot bias + header. Written by llama.cpp
@@ -308,9 +325,11 @@ def get_state(ctx, seq: int) -> bytearray:
     out = bytearray(size)
     buf = (ctypes.c_uint8 * size).from_buffer(out)
     got = llama.llama_state_seq_get_data(ctx, buf, size, int(seq))
+    why = "" if got else lib().last_error() or "llama.cpp error"
+    layout_trim(ctx)   # the state was written through the full layout (native/src/kvcli_layout.cpp)
     del buf   # the bytearray may be resized once nothing points into it
     if got == 0:
-        raise KvcliError(f"could not save the state of sequence {seq}: {lib().last_error() or 'llama.cpp error'}")
+        raise KvcliError(f"could not save the state of sequence {seq}: {why}")
     del out[got:]
     return out
 
@@ -327,7 +346,9 @@ def set_state(ctx, seq: int, data: bytes | bytearray) -> None:
     else:   # immutable bytes: a pointer to their buffer, which llama.cpp only reads
         buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
     got = llama.llama_state_seq_set_data(ctx, buf, len(data), int(seq))
+    why = "" if got else L.last_error() or ("llama.cpp refused it: the context's cache type, flash-attention "
+                                            "setting or size differs from the one it was saved with (KVCLI_DEBUG=1 "
+                                            "shows its log)")
+    layout_trim(ctx)   # the state was read through the full layout (native/src/kvcli_layout.cpp)
     if got == 0:
-        why = L.last_error() or ("llama.cpp refused it: the context's cache type, flash-attention setting or "
-                                 "size differs from the one it was saved with (KVCLI_DEBUG=1 shows its log)")
         raise KvcliError(f"cannot load the cache state: {why}")

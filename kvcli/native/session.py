@@ -469,10 +469,11 @@ class NativeSession:
             "kv_cells": live["n_cells"],
             "kv_bytes": kv_held + live["bias_bytes"],
             "kv_bytes_full": self.bytes_per_cell() * st.tokens_read,  # every token seen
-            # the K/V bytes of the live entries alone: what a ragged per-(layer, head) layout would hold
-            # (the cells are as wide as the widest layer and head; the rest of their rows are dead)
-            "kv_bytes_live": kv_held * live["live_entries"] // (live["n_cells"] * i.n_layer * i.n_head_kv)
-            if live["n_cells"] else 0,
+            # the K/V bytes of the live entries alone: a (layer, KV head, cell) that is not dead. kv_bytes holds
+            # each layer's rows from its front on (the ragged layout, native/src/kvcli_layout.cpp): the live
+            # entries plus the dead slots of a layer whose KV heads keep different counts, or that sit past a
+            # live one (another sequence's block, KVCLI_LAYOUT=cells)
+            "kv_bytes_live": self.bytes_per_cell() * live["live_entries"] // (i.n_layer * i.n_head_kv),
             # what the context's KV cache allocated (all sequences, whatever they hold): K/V + slot-bias buffers
             "kv_bytes_allocated": mem["kv_bytes"] + mem["bias_bytes"],
             "kv_cells_allocated": mem["kv_size"],

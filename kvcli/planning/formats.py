@@ -186,10 +186,12 @@ class Plan:
     def first_slot(self, layer: int, head: int, reindexed: bool) -> int:
         """The slot where the kept entries of (layer, head) start after this plan's compaction: the one owner
         of the layout. Every layer is rewritten into B = max_kept slots; a (layer, head) keeping k entries holds
-        them in slots 0..k-1, or right-aligned in B-k..B-1 with re-indexing (their positions then equal their
-        slots, so the latest entry of every head sits next to the next token). The native cache's
-        compaction (native/src/kvcli_compact.cpp) lays cells out the same way."""
-        return self.max_kept - int(self.n_kept[layer, head]) if reindexed else 0
+        them right-aligned in B-k..B-1, dead padding first. With re-indexing their positions then equal their
+        slots, so the latest entry of every head sits next to the next token; in every compaction a layer's
+        dead slots lead its block, which the native cache's ragged layout does not store
+        (native/src/kvcli_layout.cpp). The native compaction (kvcli_moves.cpp) lays cells out the same way.
+        `reindexed` is kept for the callers that name the compaction they mean; both align alike."""
+        return self.max_kept - int(self.n_kept[layer, head])
 
     def offsets(self) -> np.ndarray:
         """Start of each (l, h) in `slots`, shape [n_layer, n_head_kv]."""

@@ -225,6 +225,15 @@ enum kvcli_moves_path_kind {
 // The kvcli_moves_path_kind of the last compaction on ctx; 0 when there was none, < 0 on error.
 KVCLI_API int32_t kvcli_compact_path_taken(struct llama_context * ctx);
 
+// The ragged layout (native/src/kvcli_layout.cpp; $KVCLI_LAYOUT = ragged (default) | cells, read at every
+// compaction and trim): each cache layer stores the cells from its front on, the leading cells held and dead in
+// every KV head of that layer having no row. Compaction trims; a saved or restored state leaves the cache in the
+// full layout until kvcli_layout_trim (or the next decoded ubatch) trims it again. Returns 0, < 0 on error.
+KVCLI_API int32_t kvcli_layout_trim(struct llama_context * ctx);
+// per cache layer (kvcli_model_kv_layers order), the first cell it stores, into out (may be NULL); returns the
+// number of cache layers, < 0 on error
+KVCLI_API int32_t kvcli_layout_fronts(struct llama_context * ctx, int32_t * out);
+
 // ---------------------------------------------------------------------------------
 // Planning: a pure function of an observation; needs no model.
 // ---------------------------------------------------------------------------------

@@ -64,11 +64,12 @@ bool on_cpu(const ggml_tensor * t) {
     return dev ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU : ggml_backend_buft_is_host(buft);
 }
 
-// q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed),
-// kq_mask [n_kv, n_tps, 1, 1] F16, bias [kv_size, n_head_kv] F32 -> [hd_v * n_head, n_tokens];
+// q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed) from cell c0,
+// kq_mask [n_kv, n_tps, 1, 1] F16 from cell c0, bias [kv_size, n_head_kv] F32 -> [hd_v * n_head, n_tokens];
 // soft_cap: llama.cpp's logit_softcap of flash attention (0: none)
 ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                              ggml_tensor * kq_mask, ggml_tensor * bias, float kq_scale, float soft_cap, int il) {
+                              ggml_tensor * kq_mask, ggml_tensor * bias, int64_t c0, float kq_scale, float soft_cap,
+                              int il) {
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tokens = q->ne[2];
     const int64_t n_head_kv = k->ne[1], n_kv = k->ne[2], g = n_head / n_head_kv;
 
@@ -84,7 +85,8 @@ ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor 
         v = ggml_cast(ctx0, v, GGML_TYPE_F16);
     }
 
-    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, 1, n_head_kv, bias->nb[1], bias->nb[1], bias->nb[1], 0);
+    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, 1, n_head_kv, bias->nb[1], bias->nb[1], bias->nb[1],
+                                   c0 * bias->nb[0]);
     ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, kq_mask->ne[1], 1, n_head_kv), b);
 
     ggml_tensor * cur = ggml_flash_attn_ext(ctx0, q, k, v, mask, kq_scale, 0.0f, soft_cap);
@@ -131,9 +133,14 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     if (!split) {
         return nullptr;
     }
+    // the ragged layout: kvcli_attn_hook viewed K and V from the layer's front; llama.cpp's mask follows
+    const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
+    if (c0 > 0) {
+        kq_mask = kvcli_cache_detail::trim_cells(ctx0, kq_mask, 0, c0);
+    }
     // soft-capping (gemma2) as build_attn_mha passes it: the slot bias, in the mask, is added after the cap
     const auto & hp = kvcli_access::hparams(*kv);
-    return split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], kq_scale,
+    return split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], c0, kq_scale,
                            hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f, il);
 }
 

@@ -265,6 +265,7 @@ void kvcli_on_cells_freed(llama_kv_cache * kv) {
         }
     }
     rm_cells(ext, freed);
+    layout_follow(kv, ext); // a freed cell below a layer's front gets its row back before llama.cpp reuses it
 }
 
 void kvcli_on_seq_cp(llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst) {
@@ -290,10 +291,19 @@ void kvcli_on_apply_ubatch(llama_kv_cache * kv, const std::vector<llama_seq_id> 
             rm_cells(*kv->kvcli_ext, idxs[s]);
         }
     }
+    auto & ext = *kv->kvcli_ext;
+    layout_follow(kv, ext); // the graph that writes these cells is built after this
+    if (ext.trim_pending) {
+        layout_trim(kv, ext); // a state read or written since: its rows have moved by now
+    }
 }
 
 bool kvcli_refuse_shift(llama_kv_cache * kv, llama_seq_id seq_id, const char * op) {
     if (!kv->kvcli_ext || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || !kv->kvcli_ext->cells.seq(seq_id).compressed) {
+        if (kv->kvcli_ext) {
+            // llama.cpp's K-shift rotates every row of every layer: the full layout until the next compaction
+            layout_full(kv, *kv->kvcli_ext);
+        }
         return false;
     }
     const std::string msg = std::string(op) + " refused: sequence " + std::to_string(seq_id) +
@@ -369,8 +379,13 @@ int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32
         std::vector<float> row(hd);
         if (!trans) {
             const size_t head_b = ggml_row_size(t->type, hd), row_b = ggml_row_size(t->type, (int64_t) hd * nkv);
-            std::vector<uint8_t> buf((size_t) (hi - lo) * row_b);
-            ggml_backend_tensor_get(t, buf.data(), (size_t) lo * row_b, buf.size());
+            // rows below the layer's front (kvcli_layout.cpp) are not stored: zeros, as the dead slots they are
+            const uint32_t from = std::min(hi, std::max(lo, kv->kvcli_ext ? layer_front(*kv->kvcli_ext, it->second) : 0u));
+            std::vector<uint8_t> buf((size_t) (hi - lo) * row_b, 0);
+            if (hi > from) {
+                ggml_backend_tensor_get(t, buf.data() + (size_t) (from - lo) * row_b, (size_t) from * row_b,
+                                        (size_t) (hi - from) * row_b);
+            }
             for (uint32_t i = 0; i < n; ++i) {
                 for (uint32_t h = 0; h < nkv; ++h) {
                     to_float_row(t->type, buf.data() + (size_t) (cs[i] - lo) * row_b + h * head_b, row.data(), hd);
@@ -459,12 +474,16 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
                 held.emplace_back(s, c);
             }
         }
-        int64_t k_cell = 0, v_cell = 0;
-        for (const auto & L : layers) {
-            k_cell += ggml_row_size(L.k->type, hp.n_embd_k_gqa(L.il));
+        // bytes held: every layer's rows of the held cells, from the layer's front on (kvcli_layout.cpp)
+        int64_t k_bytes = 0, v_bytes = 0;
+        for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+            const auto & L = layers[ikv];
+            const uint32_t f = kv->kvcli_ext ? layer_front(*kv->kvcli_ext, ikv) : 0;
+            const int64_t rows = std::count_if(held.begin(), held.end(), [&](const auto & sc) { return sc.second >= f; });
+            k_bytes += rows * (int64_t) ggml_row_size(L.k->type, hp.n_embd_k_gqa(L.il));
             if (L.v) {
-                v_cell += v_trans ? (int64_t) hp.n_embd_v_gqa(L.il) * ggml_type_size(L.v->type)
-                                  : (int64_t) ggml_row_size(L.v->type, hp.n_embd_v_gqa(L.il));
+                v_bytes += rows * (v_trans ? (int64_t) hp.n_embd_v_gqa(L.il) * ggml_type_size(L.v->type)
+                                           : (int64_t) ggml_row_size(L.v->type, hp.n_embd_v_gqa(L.il)));
             }
         }
         const kvcli_kv_ext * ext = kv->kvcli_ext && !kv->kvcli_ext->bias.empty() ? kv->kvcli_ext.get() : nullptr;
@@ -499,8 +518,8 @@ int32_t kvcli_stats_get(struct llama_context * ctx, kvcli_seq_id seq_id, struct 
             }
         }
         out->n_cells      = (int32_t) held.size();
-        out->k_bytes      = (int64_t) held.size() * k_cell;
-        out->v_bytes      = (int64_t) held.size() * v_cell;
+        out->k_bytes      = k_bytes;
+        out->v_bytes      = v_bytes;
         out->bias_bytes   = ext ? biased_cells * (int64_t) ext->bias.size() * nkv0 * (int64_t) sizeof(float) : 0;
         out->live_entries = live;
         if (per_layer_cells) {

@@ -57,6 +57,17 @@ struct kvcli_kv_ext {
 
     // how the last compaction moved the K/V rows (KVCLI_MOVES_*, kvcli_compact.cpp); 0 = none yet
     int8_t moves_path = 0;
+
+    // the ragged layout (kvcli_layout.cpp): per cache layer, cells [0, front) hold no K/V row in that layer
+    // (empty: every layer holds every cell, llama.cpp's own allocation); layout_gen changes with every relayout,
+    // so a graph built over the old tensors is never reused
+    std::vector<uint32_t> front;
+    uint64_t              layout_gen = 0;
+    // a state was written or read through the full layout: trim again once llama.cpp's I/O has finished (its host
+    // reader and writer move the rows when they are destroyed, after state_read / state_write return)
+    bool                  trim_pending = false;
+    // the context that owns the cache (set by kvcli's C entry points): a relayout waits for its graphs first
+    llama_context *       ctx = nullptr;
 };
 
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
@@ -64,6 +75,8 @@ struct kvcli_access {
     static llama_kv_cache * kv(const llama_kv_cache_context * mctx) { return mctx->kv; }
 
     static auto & layers(const llama_kv_cache & kv)        { return kv.layers; }
+    static auto & layers_mut(llama_kv_cache & kv)          { return kv.layers; }
+    static auto & ctxs_bufs(llama_kv_cache & kv)           { return kv.ctxs_bufs; }
     static auto & map_layer_ids(const llama_kv_cache & kv) { return kv.map_layer_ids; }
     static auto & cells(llama_kv_cache & kv)               { return kv.v_cells; }
     static const auto & cells(const llama_kv_cache & kv)   { return kv.v_cells; }
@@ -154,6 +167,27 @@ inline void add_to_group(device_groups & groups, ggml_backend_dev_t dev, size_t 
     }
     groups.push_back({ dev, { layer } });
 }
+// a view of t without its first c0 cells along dimension dim (K/V views: 2, a mask: 0), strides unchanged
+inline ggml_tensor * trim_cells(ggml_context * ctx, ggml_tensor * t, int dim, int64_t c0) {
+    int64_t ne[4] = { t->ne[0], t->ne[1], t->ne[2], t->ne[3] };
+    ne[dim] -= c0;
+    return ggml_view_4d(ctx, t, ne[0], ne[1], ne[2], ne[3], t->nb[1], t->nb[2], t->nb[3], (size_t) c0 * t->nb[dim]);
+}
+
+// kvcli_layout.cpp: the ragged layout. A layer's rows start at its front: the leading cells that are held and
+// dead (-inf slot bias in every KV head) in that layer have no row there. Attention, observation and reads start
+// at the front; every path that would touch a row below it (compaction, state save, a K-shift) first returns the
+// cache to the full layout (layout_full) and re-trims after (layout_trim).
+uint32_t layer_front(const kvcli_kv_ext & ext, size_t ikv);
+// the fronts the cache's cells allow now (all 0 under KVCLI_LAYOUT=cells or where trimming does not apply)
+std::vector<uint32_t> allowed_fronts(const llama_kv_cache & kv, const kvcli_kv_ext & ext);
+// reallocates every layer's K/V for these fronts, keeping each row that both layouts hold
+void relayout(llama_kv_cache * kv, kvcli_kv_ext & ext, const std::vector<uint32_t> & front);
+void layout_full(llama_kv_cache * kv, kvcli_kv_ext & ext);
+void layout_trim(llama_kv_cache * kv, kvcli_kv_ext & ext);
+// cells were freed or overwritten: any layer whose front is no longer allowed gets its rows back
+void layout_follow(llama_kv_cache * kv, kvcli_kv_ext & ext);
+
 // kvcli_reindex.cpp: throws when a layer's K cannot be re-rotated (checked before anything moves)
 void require_rerotatable(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext);
 // kvcli_reindex.cpp: re-rotate the K rows of cells `dst` by delta[il][j*n_head_kv + h] positions

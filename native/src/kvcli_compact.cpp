@@ -50,6 +50,7 @@ void check_sequence(compaction & c) {
     kvcli_check_seq(*c.kv, c.seq);
     llama_synchronize(c.ctx);
     c.ext = &kvcli_ext_of(c.kv);
+    c.ext->ctx = c.ctx;
     if (c.ext->obs.armed) {
         throw kvcli_error("observation is still armed: call kvcli_observe_end before applying a plan");
     }
@@ -435,6 +436,9 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     compaction c(ctx, seq_id, plan, reindex, p0);
     validate(c);
     order(c);
+    // the moves read and write rows of every cell: through the full layout, trimmed again once the cells are
+    // rewritten (kvcli_layout.cpp); a failure in between leaves the full layout, which is always valid
+    layout_full(c.kv, *c.ext);
     compose_bias(c);
     take_cells(c);
     move_bytes(c);
@@ -443,6 +447,7 @@ static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const k
     if (reindex) {
         rerotate(c);
     }
+    layout_trim(c.kv, *c.ext);
     return c.moves.B;
 }
 

@@ -63,11 +63,12 @@ bool row_in_seq(const llama_ubatch & ub, uint32_t i, llama_seq_id s) {
     return false;
 }
 
-// bias of layer il as [n_kv, 1, n_head, 1]: query head q uses KV head q / (n_head/n_head_kv)
-ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64_t n_kv, int64_t n_head) {
+// bias of layer il, cells [c0, c0 + n_kv), as [n_kv, 1, n_head, 1]: query head q uses KV head q / (n_head/n_head_kv)
+ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64_t c0, int64_t n_kv, int64_t n_head) {
     const int64_t n_head_kv = bias->ne[1];
     const int64_t g = n_head / n_head_kv;
-    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, n_head_kv, 1, bias->nb[1], bias->nb[1], bias->nb[1] * n_head_kv, 0);
+    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, n_head_kv, 1, bias->nb[1], bias->nb[1], bias->nb[1] * n_head_kv,
+                                   c0 * bias->nb[0]);
     if (g > 1) {
         b = ggml_repeat_4d(ctx0, b, n_kv, g, n_head_kv, 1);      // [n_kv, g, n_head_kv]: element (j, r, h) = bias[j, h]
         b = ggml_reshape_4d(ctx0, b, n_kv, 1, n_head, 1);        // head q = r + g*h
@@ -94,14 +95,14 @@ std::vector<float> & layer_acc(std::vector<std::vector<float>> & acc, uint32_t i
     return a;
 }
 
-// adds one ubatch's reduced output t ([n_w, n_kv, n_head]) to acc[il] ([n_w][n_head][kv_size], cells 0..n_kv-1)
+// adds one ubatch's reduced output t ([n_w, n_kv, n_head]) to acc[il] ([n_w][n_head][kv_size], cells c0..c0+n_kv-1)
 void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
-                int64_t n_kv, int64_t n_head, uint32_t kv_size) {
+                int64_t c0, int64_t n_kv, int64_t n_head, uint32_t kv_size) {
     const std::vector<float> tmp = host_copy(t);
     auto & a = layer_acc(acc, il, n_layer, (size_t) n_w * n_head * kv_size);
     for (int64_t w = 0; w < n_w; ++w) {
         for (int64_t h = 0; h < n_head; ++h) {
-            float * dst = a.data() + ((size_t) w * n_head + h) * kv_size;
+            float * dst = a.data() + ((size_t) w * n_head + h) * kv_size + c0;
             for (int64_t c = 0; c < n_kv; ++c) {
                 dst[c] += tmp[((size_t) h * n_kv + c) * n_w + w];
             }
@@ -109,13 +110,13 @@ void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t
     }
 }
 
-// max-combines one ubatch's column maxima t ([n_kv, 1, n_head]) into acc[il] ([n_head][kv_size], cells 0..n_kv-1)
+// max-combines one ubatch's column maxima t ([n_kv, 1, n_head]) into acc[il] ([n_head][kv_size], cells c0..c0+n_kv-1)
 void accumulate_max(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer,
-                    int64_t n_kv, int64_t n_head, uint32_t kv_size) {
+                    int64_t c0, int64_t n_kv, int64_t n_head, uint32_t kv_size) {
     const std::vector<float> tmp = host_copy(t);
     auto & a = layer_acc(acc, il, n_layer, (size_t) n_head * kv_size);
     for (int64_t h = 0; h < n_head; ++h) {
-        float * dst = a.data() + (size_t) h * kv_size;
+        float * dst = a.data() + (size_t) h * kv_size + c0;
         const float * src = tmp.data() + (size_t) h * n_kv;
         for (int64_t c = 0; c < n_kv; ++c) {
             dst[c] = std::max(dst[c], src[c]);
@@ -146,17 +147,19 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
     }
     auto & ext = *kv->kvcli_ext;
     const uint64_t bias = (!ext.bias.empty() && ext.cells.any_compressed()) ? 1 : 0;
+    // a relayout (kvcli_layout.cpp) replaced the cache's tensors: a graph built over the old ones is not reused
+    const uint64_t key = bias | ((ext.layout_gen & 0x7fffffffu) << 1);
     if (ext.obs.armed) {
         // nonzero, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
-        return ((ext.obs.key_counter + 1) << 1) | bias;
+        return key | ((ext.obs.key_counter + 1) << 32);
     }
-    return bias;
+    return key;
 }
 
 ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_result * res,
                               const llama_kv_cache_context * mctx, const llama_ubatch & ubatch,
-                              ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_b, ggml_tensor * kq_mask,
-                              float kq_scale, int il) {
+                              ggml_tensor * q, ggml_tensor ** kp, ggml_tensor ** vp, ggml_tensor * kq_b,
+                              ggml_tensor * kq_mask, float kq_scale, int il) {
     llama_kv_cache * kv = kvcli_access::kv(mctx);
     if (!kv || !kv->kvcli_ext) {
         return kq_mask;
@@ -169,14 +172,22 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     }
     const auto & map_ids = kvcli_access::map_layer_ids(*kv);
     auto it = map_ids.find(il);
-    if (it == map_ids.end() || k->ne[3] != 1 || kq_mask->ne[3] != 1) {
+    if (it == map_ids.end() || (*kp)->ne[3] != 1 || kq_mask->ne[3] != 1) {
         return kq_mask; // one stream only (kvcli_require_supported)
     }
+    // the ragged layout: this layer stores cells [c0, kv_size) only, so K, V and the mask start at c0
+    const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
+    if (c0 > 0) {
+        *kp = kvcli_cache_detail::trim_cells(ctx0, *kp, 2, c0);
+        *vp = kvcli_cache_detail::trim_cells(ctx0, *vp, 2, c0);
+        kq_mask = ggml_cont(ctx0, kvcli_cache_detail::trim_cells(ctx0, kq_mask, 0, c0));
+    }
+    ggml_tensor * k = *kp;
     const int64_t n_kv = k->ne[2], n_head = q->ne[1], n_tps = kq_mask->ne[1];
     ggml_tensor * bias = nullptr;
     ggml_tensor * mask = kq_mask;
     if (!ext.bias.empty() && ext.cells.any_compressed()) {
-        bias = bias_per_query_head(ctx0, ext.bias[it->second], n_kv, n_head);
+        bias = bias_per_query_head(ctx0, ext.bias[it->second], c0, n_kv, n_head);
         mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, n_tps, n_head, 1), bias);
     }
     if (!ext.obs.armed) {
@@ -203,6 +214,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
 
     auto inp = std::make_unique<obs_input>();
     kvcli_pending pend;
+    pend.c0 = c0;
     ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3); // [hd, n_kv, n_head_kv]
 
     // Both kinds: softmax rows [n_kv, rows, n_head] (the allocator runs the softmax in place of the
@@ -342,14 +354,14 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
                 }
                 counted = true;
             }
-            accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, n_kv, n_head, kv_size);
+            accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, p.c0, n_kv, n_head, kv_size);
         }
         if (p.col) {
-            accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.col->ne[1], p.col->ne[2], kv_size);
+            accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.c0, p.col->ne[1], p.col->ne[2], kv_size);
             ext.obs.have_colsum = true;
         }
         if (p.cmax) {
-            accumulate_max(p.cmax, ext.obs.colmax, il, n_layer, p.cmax->ne[0], p.cmax->ne[2], kv_size);
+            accumulate_max(p.cmax, ext.obs.colmax, il, n_layer, p.c0, p.cmax->ne[0], p.cmax->ne[2], kv_size);
             ext.obs.have_colmax = true;
         }
         if (p.qrows) {

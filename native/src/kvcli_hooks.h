@@ -23,11 +23,12 @@ class llama_io_read_i;
 uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx);
 
 // in build_attn (KV-cache overload): returns the mask to use (kq_mask + slot bias when a sequence
-// is compacted) and adds the observation nodes when observation is armed
+// is compacted) and adds the observation nodes when observation is armed; a layer of the ragged layout
+// (kvcli_layout.cpp) gets *k and *v viewed from its first stored cell, and the mask to match
 ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_result * res,
                               const llama_kv_cache_context * mctx, const llama_ubatch & ubatch,
-                              ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_b, ggml_tensor * kq_mask,
-                              float kq_scale, int il);
+                              ggml_tensor * q, ggml_tensor ** k, ggml_tensor ** v, ggml_tensor * kq_b,
+                              ggml_tensor * kq_mask, float kq_scale, int il);
 
 // after a ubatch graph computed: copies observation outputs to host
 void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch);

@@ -109,7 +109,7 @@ move_list plan_moves(const kvcli_plan_view & p, const std::vector<int32_t> & src
         }
         for (int32_t j = 0; j < n; ++j) {
             const int64_t e = order[j];
-            m.moves[m.off[i] + j] = { e, (uint32_t) p.slots[e], (uint32_t) (reindex ? m.B - n + j : j), rep_of[e] };
+            m.moves[m.off[i] + j] = { e, (uint32_t) p.slots[e], (uint32_t) (m.B - n + j), rep_of[e] };
         }
     }
     return m;

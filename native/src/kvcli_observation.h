@@ -18,6 +18,7 @@ struct kvcli_pending {
     ggml_tensor * cmax = nullptr;    // F32 [n_kv, 1, n_head]: the largest probability of the rows, per cell
     ggml_tensor * qrows = nullptr;   // F32 [head_dim * n_head, n_win]: the window queries' Q rows
     float qscale = 1.0f;             // kq_scale x sqrt(head_dim): what the host multiplies the Q rows by
+    int64_t c0 = 0;                  // the cell of column 0 (a layer of the ragged layout starts at its front)
 };
 
 struct kvcli_observation {

@@ -61,6 +61,11 @@ using namespace kvcli_cache_detail;
 // ---------------------------------------------------------------------------------
 
 void kvcli_state_write_prefix(const llama_kv_cache * kv, llama_io_write_i & io, llama_seq_id seq_id) {
+    if (kv->kvcli_ext) {
+        // llama.cpp writes every row of the written cells: the full layout while it does (trimmed again by the
+        // suffix); the cache is the context's own, not a constant one
+        layout_full(const_cast<llama_kv_cache *>(kv), *kv->kvcli_ext);
+    }
     const uint32_t magic = STATE_MAGIC, format = (uint32_t) kvcli_state_format();
     const uint64_t fp = model_fingerprint(*kv);
     io.write(&magic, sizeof(magic));
@@ -89,6 +94,10 @@ void kvcli_state_write_prefix(const llama_kv_cache * kv, llama_io_write_i & io, 
 void kvcli_state_write_suffix(const llama_kv_cache * kv, llama_io_write_i & io, llama_seq_id seq_id) {
     const uint32_t magic = SUFFIX_MAGIC;
     io.write(&magic, sizeof(magic));
+    if (kv->kvcli_ext) {
+        // not now: llama.cpp's host writer reads the rows after state_write returns (kvcli_layout_trim, next ubatch)
+        kv->kvcli_ext->trim_pending = true;
+    }
 
     // the written cells, in the order llama_kv_cache::state_write wrote them (single stream)
     std::vector<uint32_t> cells;
@@ -251,6 +260,10 @@ void kvcli_state_read_suffix(llama_kv_cache * kv, llama_io_read_i & io, llama_se
             info.compressed = true;
             info.off_cell   = (p.flags & STATE_SEQ_OFF_CELL) != 0;
             info.header     = p.header;
+        }
+        if (kv->kvcli_ext) {
+            // not now: llama.cpp's host reader writes the rows after state_read returns
+            kv->kvcli_ext->trim_pending = true;
         }
     } catch (const std::exception & e) {
         kvcli_set_error(e.what());

@@ -36,7 +36,9 @@ def test_truncated_cells_lose_their_bias_and_a_new_token_in_one_attends_normally
 
     s.truncate(0, N - k)  # a plain compaction puts the B cells at positions N-B .. N-1
     assert cache.cells_with_bias(s.ctx) == B - k
-    entries = [[tuple(x[:B - k] for x in e) for e in row] for row in entries_from_plan(plan, obs.keys, obs.values)]
+    # kept entries are right-aligned in the B cells (Plan.first_slot): the last k cells held the latest k of each
+    entries = [[tuple(x[:max(0, len(x) - k)] for x in e) for e in row]
+               for row in entries_from_plan(plan, obs.keys, obs.values)]
     tok = 4321
     s.step({0: tok})
     want = ref.step(tok, N - k, entries)
@@ -91,7 +93,7 @@ def _expected_moves(plan, src_pos, reindex):
             if reindex:
                 order.sort(key=lambda e: src_pos[plan.slots[e]])  # sort is stable, as the C++ side
             for j, e in enumerate(order):
-                yield l, h, e, int(plan.slots[e]), (B - n + j) if reindex else j
+                yield l, h, e, int(plan.slots[e]), B - n + j   # right-aligned in both kinds (Plan.first_slot)
 
 
 @pytest.mark.parametrize("cache_type,transposed", [

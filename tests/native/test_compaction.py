@@ -73,8 +73,9 @@ def test_random_plans_match_numpy_attention_over_kept_entries(session_factory, t
     for l in range(plan.n_layer):
         for h in range(plan.n_head_kv):
             n = plan.n_kept[l, h]
-            np.testing.assert_allclose(keys[l, h, :n], entries[l][h][0], atol=1e-6)
-            np.testing.assert_allclose(values[l, h, :n], entries[l][h][1], atol=1e-6)
+            f = plan.first_slot(l, h, reindexed=False)   # right-aligned: dead slots first
+            np.testing.assert_allclose(keys[l, h, f:f + n], entries[l][h][0], atol=1e-6)
+            np.testing.assert_allclose(values[l, h, f:f + n], entries[l][h][1], atol=1e-6)
 
 
 def test_random_plan_with_flash_attention(session_factory, tiny_model):
@@ -105,7 +106,7 @@ def test_quantised_cache_replacement_rows_are_requantised(session_factory, tiny_
     for r, e in enumerate(plan.replace_entry):
         flat = int(np.searchsorted(offs.reshape(-1), e, side="right") - 1)
         l, h = divmod(flat, s.info.n_head_kv)
-        j = e - offs[l, h]
+        j = plan.first_slot(l, h, reindexed=False) + e - offs[l, h]   # right-aligned: dead slots first
         scale = np.abs(plan.replace_k[r]).max()
         assert np.abs(keys[l, h, j] - plan.replace_k[r]).max() <= tol * scale
         assert np.abs(values[l, h, j] - plan.replace_v[r]).max() <= tol * np.abs(plan.replace_v[r]).max()
@@ -113,9 +114,10 @@ def test_quantised_cache_replacement_rows_are_requantised(session_factory, tiny_
     rep = set(plan.replace_entry.tolist())
     for l in range(plan.n_layer):
         for h in range(plan.n_head_kv):
+            f = plan.first_slot(l, h, reindexed=False)
             for j, slot in enumerate(plan.kept(l, h)):
                 if offs[l, h] + j not in rep:
-                    np.testing.assert_array_equal(keys[l, h, j], obs.keys[l, h, slot])
+                    np.testing.assert_array_equal(keys[l, h, f + j], obs.keys[l, h, slot])
 
 
 def test_stats_measure_the_compacted_cache(session_factory, tiny_model):
@@ -131,7 +133,11 @@ def test_stats_measure_the_compacted_cache(session_factory, tiny_model):
     s.apply_plan(plan)
     st = cache.stats(s.ctx, 0, info.n_layer, info.n_head_kv)
     B = plan.max_kept
-    assert st["n_cells"] == B and st["k_bytes"] == B * row * info.n_layer
+    # the ragged layout (native/src/kvcli_layout.cpp): each layer stores its widest KV head's entries, right-aligned
+    # in the B cells, so layer l's first B - max_h n_kept[l, h] cells hold no row there
+    widest = plan.n_kept.max(axis=1)
+    assert cache.layout_fronts(s.ctx) == (B - widest).tolist() and (B - widest).max() > 0
+    assert st["n_cells"] == B and st["k_bytes"] == int(widest.sum()) * row == st["v_bytes"]
     assert st["bias_bytes"] == B * info.n_layer * info.n_head_kv * 4
     assert st["live_entries"] == plan.entries()
     assert st["per_head_entries"] == plan.n_kept.tolist()
@@ -154,11 +160,14 @@ def test_compacting_twice_and_removing_the_sequence(session_factory, tiny_model)
     s.apply_plan(p1)
     # second compaction over the compacted slots: keep the first half of each (l, h)'s entries
     n1 = p1.max_kept
-    kept2 = [[np.arange(max(1, p1.n_kept[l, h] // 2), dtype=np.int32) for h in range(ref.n_head_kv)]
+    half = [[np.arange(max(1, p1.n_kept[l, h] // 2), dtype=np.int32) for h in range(ref.n_head_kv)]
+            for l in range(ref.n_layer)]
+    # the compacted slots of (l, h) are right-aligned: its j-th entry sits in slot first_slot + j
+    kept2 = [[(p1.first_slot(l, h, reindexed=False) + half[l][h]).astype(np.int32) for h in range(ref.n_head_kv)]
              for l in range(ref.n_layer)]
     p2 = Plan.from_lists(kept2)
     assert cache.apply_plan(s.ctx, 0, p2, ref.head_dim) == p2.max_kept
-    composed = Plan.from_lists([[p1.kept(l, h)[kept2[l][h]] for h in range(ref.n_head_kv)]
+    composed = Plan.from_lists([[p1.kept(l, h)[half[l][h]] for h in range(ref.n_head_kv)]
                                 for l in range(ref.n_layer)])
     s.step({0: 99})
     want = ref.step(99, N, entries_from_plan(composed, obs.keys, obs.values))

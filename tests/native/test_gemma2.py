@@ -107,7 +107,7 @@ def test_random_plans_on_the_global_layers_match_numpy(session_factory, tiny_gem
         for gi, probs in enumerate(rec):
             for q in range(ref.n_head):
                 n = int(plan.n_kept[gi, q // 2])
-                want[gi, q, :n] += probs[q][:n]                     # the compacted block: entries 0..n-1 (plan order)
+                want[gi, q, B - n:B] += probs[q][:n]                # the compacted block: right-aligned, plan order
                 want[gi, q, B: B + 1 + j + 1] += probs[q][n:]       # the decoded token, then these tokens
     _close(s.logits(), logits)
     # slots are cells in cell order; in position order they are the block (positions N-B..N-1), then N, N+1, ...

@@ -136,8 +136,8 @@ def test_second_compaction_composes_the_bias(session_factory, tiny_model, reinde
     for l in range(nl):
         for h in range(nkv):
             k = p1.n_kept[l, h]
-            live1[l, h] = np.arange(B1 - k, B1) if reindex else np.arange(k)
-            dead1[l, h] = np.arange(B1 - k) if reindex else np.arange(k, B1)
+            live1[l, h] = np.arange(B1 - k, B1)   # right-aligned in both kinds (Plan.first_slot)
+            dead1[l, h] = np.arange(B1 - k)
             bias[l, h, live1[l, h]] = p1.log_mult[offs[l, h]:offs[l, h] + k]
             bias[l, h, dead1[l, h]] = -np.inf
     # plan 2 keeps, per (l, h), every dead slot, some live ones and some chunk tokens, with log(2) on half
@@ -221,7 +221,7 @@ def test_observation_of_a_compacted_sequence(session_factory, tiny_model, reinde
         for h in range(ref.n_head_kv):
             k = p1.n_kept[l, h]
             lm = p1.log_mult[p1.offsets()[l, h]:][:k] if p1.log_mult is not None else np.zeros(k)
-            b = np.r_[np.full(B - k, -np.inf), lm] if reindex else np.r_[lm, np.full(B - k, -np.inf)]
+            b = np.r_[np.full(B - k, -np.inf), lm]   # right-aligned in both kinds
             row.append((keys[l, h].astype(np.float64), values[l, h].astype(np.float64), b))
         entries.append(row)
     win, col = _observe_numpy(ref, entries, chunk, pos0, w)
@@ -229,7 +229,7 @@ def test_observation_of_a_compacted_sequence(session_factory, tiny_model, reinde
     for l in range(ref.n_layer):
         for q in range(ref.n_head):
             k = p1.n_kept[l, q // g]
-            dead = np.arange(B - k) if reindex else np.arange(k, B)
+            dead = np.arange(B - k)
             assert dead.size == B - k
             assert (obs.window_sums[0, l, q][dead] == 0).all() and (obs.colsum[l, q][dead] == 0).all()
     np.testing.assert_allclose(obs.window_sums, win, atol=w * 2e-5)

@@ -234,12 +234,13 @@ def compress_in_native_cache(session, policy: str, args: list, budget: int = 48,
     off = plan.offsets()
     for l in range(plan.n_layer):
         for h in range(plan.n_head_kv):
+            f = plan.first_slot(l, h, reindexed=False)   # right-aligned: dead slots first
             for j, slot in enumerate(plan.kept(l, h)):
                 r = row_of.get(int(off[l, h]) + j)
                 want_k = obs.keys[l, h, slot] if r is None else plan.replace_k[r]
                 want_v = obs.values[l, h, slot] if r is None else plan.replace_v[r]
-                np.testing.assert_allclose(k[l, h, j], want_k, atol=1e-6)
-                np.testing.assert_allclose(v[l, h, j], want_v, atol=1e-6)
+                np.testing.assert_allclose(k[l, h, f + j], want_k, atol=1e-6)
+                np.testing.assert_allclose(v[l, h, f + j], want_v, atol=1e-6)
     stats = session.stats()
     assert stats["kv_cells"] == plan.max_kept and stats["per_layer_cells"] == plan.cells_per_layer()
     session.step({0: 1000})                                   # decoding goes on over the merged cells

@@ -152,15 +152,15 @@ def test_two_compactions_equal_one_with_the_composed_plan(tiny_gguf, reindex):
     kept2 = [[np.array([0, 2, 3, 6, 9, 12, 13], np.int32), np.array([1, 4, 5, 8, 11, 13], np.int32)],
              [np.array([0, 1, 5, 7], np.int32), np.array([2, 3, 10, 12, 13], np.int32)],
              [np.array([1, 3, 7, 9, 10], np.int32), np.array([0, 6, 11], np.int32)]]
-    if reindex:   # the same live entries: entry j of a (l, h) keeping c sits in slot B1 - c + j
-        kept2 = [[(k[k < c] + 14 - c).astype(np.int32) for k, c in zip(layer, cl)] for layer, cl in zip(kept2, counts1)]
+    # the same live entries in both kinds: entry j of a (l, h) keeping c sits in slot B1 - c + j (right-aligned)
+    kept2 = [[(k[k < c] + 14 - c).astype(np.int32) for k, c in zip(layer, cl)] for layer, cl in zip(kept2, counts1)]
     lm2 = [[np.where(np.arange(len(k)) == 0, math.log(3.0), 0.0).astype(np.float32) for k in layer]
            for layer in kept2]
     a.apply_plan(Plan.from_lists(kept2, log_mult=lm2), reindex=reindex)
     kept_c, lm_c = [], []                             # the composed plan, applied to b in one go
     for l in range(N_LAYER):
-        # entry index (in kept1 order) of each slot plan 2 picks: slot j (or slot B1 - c + j re-indexed)
-        ent = [kept2[l][h] - (14 - counts1[l][h] if reindex else 0) for h in range(N_KV)]
+        # entry index (in kept1 order) of each slot plan 2 picks: slot B1 - c + j
+        ent = [kept2[l][h] - (14 - counts1[l][h]) for h in range(N_KV)]
         live = [(ent[h] >= 0) & (ent[h] < counts1[l][h]) for h in range(N_KV)]
         kept_c.append([kept1[l][h][ent[h][live[h]]] for h in range(N_KV)])
         lm_c.append([lm1[l][h][ent[h][live[h]]] + lm2[l][h][live[h]] for h in range(N_KV)])
@@ -212,14 +212,16 @@ def test_observing_a_compressed_sequence_equals_the_masked_full_cache(tiny_gguf)
     for l in range(N_LAYER):
         for q in range(N_HEAD):
             k = kept[l][q // group]
-            np.testing.assert_allclose(oa.window_sums[0, l, q, :k.size], ob.window_sums[0, l, q, k], atol=w * 1e-6)
-            np.testing.assert_allclose(oa.colsum[l, q, :k.size], ob.colsum[l, q, k], atol=1e-5)
-            assert (oa.window_sums[0, l, q, k.size:10] == 0).all() and (oa.colsum[l, q, k.size:10] == 0).all()
+            f = 10 - k.size   # right-aligned in the 10 cells: dead slots first
+            np.testing.assert_allclose(oa.window_sums[0, l, q, f:10], ob.window_sums[0, l, q, k], atol=w * 1e-6)
+            np.testing.assert_allclose(oa.colsum[l, q, f:10], ob.colsum[l, q, k], atol=1e-5)
+            assert (oa.window_sums[0, l, q, :f] == 0).all() and (oa.colsum[l, q, :f] == 0).all()
             np.testing.assert_allclose(oa.window_sums[0, l, q, 10:], ob.window_sums[0, l, q, n:], atol=w * 1e-6)
             np.testing.assert_allclose(oa.colsum[l, q, 10:], ob.colsum[l, q, n:], atol=1e-5)
         for h in range(N_KV):
-            np.testing.assert_allclose(oa.keys[l, h, :kept[l][h].size], ob.keys[l, h, kept[l][h]], atol=1e-6)
-            assert (oa.keys[l, h, kept[l][h].size:10] == 0).all() and (oa.values[l, h, kept[l][h].size:10] == 0).all()
+            f = 10 - kept[l][h].size
+            np.testing.assert_allclose(oa.keys[l, h, f:10], ob.keys[l, h, kept[l][h]], atol=1e-6)
+            assert (oa.keys[l, h, :f] == 0).all() and (oa.values[l, h, :f] == 0).all()
     np.testing.assert_allclose(a.logits(), b.logits(), atol=1e-4)
 
 

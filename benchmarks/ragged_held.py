@@ -1,0 +1,93 @@
+"""The bytes the native cache holds after each policy's compaction, ragged layout against llama.cpp's cells.
+
+    python benchmarks/ragged_held.py [DOC] --model qwen2.5-coder-0.5b [--budgets 64,256,1024] [-o OUT.json]
+
+Prefills DOC once (observing what every policy needs), keeps the full cache's state, and for each policy and budget
+restores it, applies the policy's native plan (one compaction, as `kvcli compress` and a re-selected chat do) and
+reallocates the context for what it holds (`resize_context`, as a long-lived chat does), under KVCLI_LAYOUT=ragged and
+=cells. Reports from the live cache: kv_bytes (K/V rows held, bias excluded), kv_bytes_live (the live entries'
+rows), their ratio, and kv_bytes_allocated (the context's KV buffers, what llama.cpp allocated). kvzip is left out:
+its scores come from a second (reconstruction) pass that this single prefill does not run (`kvcli compress` does).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcli.models import resolve_model  # noqa: E402
+from kvcli.native import cache  # noqa: E402
+from kvcli.native.session import NativeSession  # noqa: E402
+from kvcli.planning.planner import make_plan, resolve_for_model  # noqa: E402
+from kvcli.templating import build_prompt  # noqa: E402
+
+POLICIES = ("snapkv", "pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
+INSTRUCTION = "What happened at the station? Answer in one sentence."
+
+
+def measure(doc: Path, model: Path, budgets: list[int], names=POLICIES) -> dict:
+    s = NativeSession(model, n_ctx=0, cache_type="f16")
+    tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), INSTRUCTION))
+    n_ctx = -(-(len(tokens) + 16) // 256) * 256
+    s.create_context(n_ctx)
+    specs = {}
+    for name in names:
+        for b in budgets:
+            spec, params = resolve_for_model(model, name, {}, b, INSTRUCTION)
+            specs[name, b] = (spec, params, *spec.observe(params))
+    kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
+    windows = sorted({w for *_, w in specs.values() if w})
+    t0 = time.time()
+    obs = s.prefill(tokens, seq=0, observe=kinds, window=windows)
+    prefill_s = time.time() - t0
+    if "kv" in kinds:
+        obs = obs.with_kv_arrays()
+    full = s.save_seq(0)
+    rows = []
+    for (name, b), (spec, params, ks, w) in specs.items():
+        plan = make_plan(spec, params, b, obs.restrict(ks, w), "native")
+        for layout in ("cells", "ragged"):
+            os.environ["KVCLI_LAYOUT"] = layout
+            s.resize_context(n_ctx)
+            s.clear(0)
+            s.restore_seq(full, 0)
+            s.apply_plan(plan)
+            s.resize_context(plan.max_kept + 16)
+            st = s.stats(0)
+            live = cache.stats(s.ctx, 0, s.info.n_layer_model, s.info.n_head_kv)
+            rows.append({"policy": name, "budget": b, "layout": layout, "cells": st["kv_cells"],
+                         "kv_bytes": live["k_bytes"] + live["v_bytes"], "kv_bytes_live": st["kv_bytes_live"],
+                         "held_over_live": round((live["k_bytes"] + live["v_bytes"]) / st["kv_bytes_live"], 4),
+                         "kv_bytes_allocated": st["kv_bytes_allocated"], "bias_bytes": live["bias_bytes"],
+                         "fronts": cache.layout_fronts(s.ctx)})
+            print(f"{name:11s} {b:5d} {layout:6s} held/live {rows[-1]['held_over_live']:.3f} "
+                  f"held {rows[-1]['kv_bytes'] / 1e6:7.2f} MB allocated {st['kv_bytes_allocated'] / 1e6:7.2f} MB",
+                  flush=True)
+    os.environ.pop("KVCLI_LAYOUT", None)
+    s.close()
+    return {"model": model.name, "doc": doc.name, "prompt_tokens": len(tokens), "cache_type": "f16",
+            "prefill_s": round(prefill_s, 1), "command": "python benchmarks/ragged_held.py " + " ".join(sys.argv[1:]),
+            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": os.popen("uptime").read().strip(),
+            "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("doc", nargs="?", default="examples/station-log.txt")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--budgets", default="64,256,1024")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("-o", "--out", default=None)
+    a = ap.parse_args()
+    res = measure(Path(a.doc), resolve_model(a.model), [int(x) for x in a.budgets.split(",")], a.policies.split(","))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
