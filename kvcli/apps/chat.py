@@ -948,7 +948,7 @@ class Repl:
                 words = words[1:]
                 if words and "=" not in words[0]:
                     kw["budget"] = _positive(words.pop(0), "/policy NAME N")
-                kw["policy_args"] = parse_policy_args(words) if words else None
+                kw["policy_args"] = parse_policy_args(words, kw["policy"]) if words else None
             else:
                 if len(words) != 1:
                     raise KvcliError("usage: /budget N")
