@@ -96,7 +96,7 @@ def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
     assert sum(c.n for c in store.chunks) == store.split and len(store.chunks) > 1
     assert all(c.n <= chunk - probe_length(window, chunk) for c in store.chunks)           # each leaves its question's probe room
     assert all((store.path / c.file).stat().st_size == c.nbytes for c in store.chunks)
-    assert not list(cache_dir.glob("documents/*.part"))           # the folder was renamed into place
+    assert not list(cache_dir.glob("documents/*/*.part"))         # the folder was renamed into place
     held = []
     r = store.reselect(s, prompt, cfg, on_step=lambda obs, plan: held.append(obs.n))
     assert r.chunks == len(store.chunks) and len(held) == len(store.chunks)

@@ -54,7 +54,7 @@ from kvcli import __version__, config, kvc, policies
 from kvcli.drivers import compress
 from kvcli.planning.planner import CompressReport, resolve
 from kvcli.drivers.chunked import plan_chunking
-from kvcli.errors import KvcliError
+from kvcli.errors import KvcliError, Terminated
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import generate
 from kvcli.models import resolve_model
@@ -900,8 +900,8 @@ class Repl:
             self._write("\n")
         if gen.stopped == "interrupted":
             self.say("[interrupted: the partial answer stays in the conversation]")
-            if not self.interactive:
-                raise KeyboardInterrupt
+            if not self.interactive or Terminated.signum is not None:   # SIGTERM/SIGHUP: leave, as a script's Ctrl-C
+                raise Terminated() if Terminated.signum is not None else KeyboardInterrupt
         elif gen.stopped == "context_full":
             msg = self.conv._full_message()
             if not self.interactive:
@@ -1001,6 +1001,8 @@ class Repl:
                 try:
                     line = input("> ")
                 except KeyboardInterrupt:
+                    if Terminated.signum is not None:
+                        raise
                     self._write("\n")
                     self.say("(Ctrl-D or /quit leaves)")
                     continue
@@ -1011,6 +1013,8 @@ class Repl:
                     if not self.handle(line):
                         break
                 except KeyboardInterrupt:  # while a turn was being appended: it was rolled back
+                    if Terminated.signum is not None:
+                        raise
                     self._write("\n")
                     self.say("[interrupted]")
                 except KvcliError as e:  # a bad command or a full context: say it, stay in the chat

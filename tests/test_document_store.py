@@ -1,0 +1,214 @@
+"""The document store (issue #48, kvcli/document_store.py): what a chat writes outlives it only as an entry
+`kvcli documents list` shows. Real `kvcli chat` processes on the default model, stopped by SIGTERM, SIGHUP and
+kill -9 while they read a document in bounded chunks (--chunk 256: a chunk file every second or two), then
+`kvcli documents list --json` / `prune --all`; the cap, the expiry and the locks through the module's API."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcli import document_store
+from kvcli.errors import KvcliError
+from tests.conftest import KVCLI, ROOT, sigint_default
+
+
+@pytest.fixture()
+def store_env(tmp_path, monkeypatch):
+    """A store of its own: KVCLI_CACHE for this process (the API) and for the kvcli processes it starts."""
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVCLI_STORE_MAX_BYTES", raising=False)
+    monkeypatch.delenv("KVCLI_STORE_EXPIRY_HOURS", raising=False)
+    monkeypatch.setenv("KVCLI_CONFIG", str(tmp_path / "none.toml"))
+    (tmp_path / "none.toml").write_text("")
+    return document_store.root()
+
+
+@pytest.fixture(scope="module")
+def long_doc(tmp_path_factory):
+    """About 2,800 tokens of the default model: 11 chunks of 256."""
+    from kvcli.evaluation.logbook import make_document
+    text, _ = make_document(2000, 0, 1)
+    p = tmp_path_factory.mktemp("storedoc") / "log.txt"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def kvcli(*args, input=None, timeout=120):
+    return subprocess.run([*KVCLI, *map(str, args)], input=input, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ), cwd=ROOT)
+
+
+def listed() -> list[dict]:
+    p = kvcli("documents", "list", "--json")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def du(path: Path) -> int:
+    return int(subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True, check=True).stdout.split()[0])
+
+
+def start_chat(doc, *extra):
+    """A chat reading `doc` in bounded chunks, its questions' stdin held open (it waits for them after the read)."""
+    return subprocess.Popen([*KVCLI, "chat", "--doc", str(doc), "--policy", "snapkv", "--budget", "128",
+                             "--chunk", "256", "-n", "2", "--threads", "2", *extra],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ), cwd=ROOT, preexec_fn=sigint_default)
+
+
+def wait_for(cond, proc, timeout=60.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if cond():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"kvcli ended first ({proc.returncode}): {proc.stderr.read()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return list(root.glob("*/chunks.part/chunk-*.state"))
+
+
+def chunks_recorded(root: Path) -> int:
+    """The chunks the reading entry records as done (entry.json, rewritten after each chunk file)."""
+    for rec in root.glob("*/entry.json"):
+        try:
+            return len(json.loads(rec.read_text()).get("chunks_done") or [])
+        except ValueError:   # being replaced
+            return 0
+    return 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_reading_leaves_nothing(store_env, long_doc, sig):
+    proc = start_chat(long_doc)
+    wait_for(lambda: len(chunk_files(store_env)) >= 1, proc)
+    assert [e["state"] for e in listed()] == ["reading"]   # listed while it reads, in use
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err          # as Ctrl-C
+    assert f"kvcli: stopped by {sig.name}" in err and "Traceback" not in err
+    assert listed() == [] and list(store_env.iterdir()) == []
+
+
+def test_sigterm_while_chatting_removes_the_temporary_store(store_env, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("The locker of the lower lake is number 41. " * 20, encoding="utf-8")
+    proc = subprocess.Popen([*KVCLI, "chat", "--doc", str(doc), "--policy", "snapkv", "--budget", "64", "-n", "2"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ), cwd=ROOT, preexec_fn=sigint_default)
+    wait_for(lambda: any(e.state == "temporary" for e in document_store.entries(sweep_first=False)), proc)
+    [e] = listed()        # read, stored, waiting for a question
+    assert e["in_use"] and e["form"] == "exact" and e["bytes"] > 0
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert list(store_env.iterdir()) == []
+
+
+def test_kill9_leaves_a_listed_partial_read_that_prune_removes(store_env, long_doc, tmp_path):
+    proc = start_chat(long_doc)
+    wait_for(lambda: chunks_recorded(store_env) >= 1, proc)
+    proc.kill()
+    proc.wait()
+    [e] = listed()        # the next kvcli finds it: its owner is gone, its chunks are a partial read
+    assert e["state"] == "partial" and not e["in_use"] and e["chunks_done"] >= 1
+    assert e["model"] == "SmolLM2-135M-Instruct.Q4_1" and e["tokens"] > 2000 and e["document_sha256"]
+    assert e["bytes"] == e["store_bytes"] == du(Path(e["entry"]))
+    assert du(store_env) == du(store_env.parent / store_env.name) == e["bytes"] + store_env.lstat().st_size
+    # the next chat (another document, to its end) leaves the partial read listed and its own store removed
+    short = tmp_path / "short.txt"
+    short.write_text("The locker of the lower lake is number 41. " * 20, encoding="utf-8")
+    p = kvcli("chat", "--doc", short, "--policy", "snapkv", "--budget", "64", "-n", "2", input="Which locker?\n")
+    assert p.returncode == 0, p.stderr
+    assert [x["state"] for x in listed()] == ["partial"]
+    p = kvcli("documents", "prune", "--all")
+    assert p.returncode == 0 and "removed 1 stored document(s)" in p.stderr, p.stderr
+    assert list(store_env.iterdir()) == []
+
+
+def test_a_kept_store_is_listed_and_removed(store_env, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("The locker of the lower lake is number 41. " * 20, encoding="utf-8")
+    kept = tmp_path / "kept.kvc"
+    p = kvcli("chat", "--doc", doc, "--policy", "snapkv", "--budget", "64", "-n", "2", "--store", kept,
+              input="Which locker?\n")
+    assert p.returncode == 0, p.stderr
+    [e] = listed()
+    assert (e["state"], e["path"], e["form"]) == ("kept", str(kept), "exact")
+    assert e["bytes"] == kept.stat().st_size + e["store_bytes"]
+    table = kvcli("documents", "list").stdout
+    assert e["id"] in table and "kept" in table and str(kept) in table
+    # used again with --cache: still one entry, marked used now
+    p = kvcli("chat", "--cache", kept, "--policy", "snapkv", "--budget", "64", "-n", "2", input="Which?\n")
+    assert p.returncode == 0, p.stderr
+    [again] = listed()
+    assert again["id"] == e["id"] and again["last_used"] >= e["last_used"]
+    assert kvcli("documents", "prune").returncode == 0 and len(listed()) == 1   # kept: not expired
+    p = kvcli("documents", "prune", "--all")
+    assert p.returncode == 0, p.stderr
+    assert not kept.exists() and list(store_env.iterdir()) == []
+
+
+def _cached(tokens, payload_bytes: int, key=None) -> document_store.Entry:
+    e = document_store.create(form="exact", model_path=Path(__file__), tokens=tokens, key=key)
+    e.payload.write_bytes(b"x" * payload_bytes)
+    e.finish("cached")
+    return e
+
+
+def test_live_entries_are_never_removed_by_another_process(store_env):
+    mine = document_store.create(form="exact", model_path=Path(__file__), tokens=[1, 2, 3])
+    p = kvcli("documents", "prune", "--all")
+    assert p.returncode == 0 and "1 in use by a running kvcli left" in p.stderr, p.stderr
+    p = kvcli("documents", "rm", mine.id)
+    assert p.returncode == 2 and "in use by a running kvcli" in p.stderr
+    assert (store_env / mine.id).is_dir()
+    mine.release()   # still "reading": a read that never finished goes
+    assert list(store_env.iterdir()) == []
+
+
+def test_cap_removes_least_recently_used_and_says_so(store_env, monkeypatch, capsys):
+    a = _cached([1], 4000, key="a")
+    b = _cached([2], 4000, key="b")
+    a.release(), b.release()
+    document_store.find("a").release()   # a used after b: b is the least recently used
+    held = sum(i.store_bytes for i in document_store.entries())   # payloads, entry folders and records
+    monkeypatch.setenv("KVCLI_STORE_MAX_BYTES", str(held + 4000 - 1))   # no room for 4000 more bytes
+    c = document_store.create(form="exact", model_path=Path(__file__), tokens=[3], reserve=4000)
+    err = capsys.readouterr().err
+    assert "past its cap" in err and b.id in err and a.id not in err
+    assert sorted(i.id for i in document_store.entries()) == sorted([a.id, c.id])
+    c.abandon()
+    with pytest.raises(KvcliError, match="not an integer|positive integer"):
+        monkeypatch.setenv("KVCLI_STORE_MAX_BYTES", "lots")
+        document_store.max_bytes()
+
+
+def test_cached_and_partial_entries_expire_kept_ones_do_not(store_env, monkeypatch, tmp_path):
+    c = _cached([1], 10, key="c")
+    kept = tmp_path / "k.kvc"
+    k = document_store.create(form="exact", model_path=Path(__file__), tokens=[2], kept_path=kept)
+    kept.write_bytes(b"y")
+    k.finish("kept")
+    c.release(), k.release()
+    monkeypatch.setenv("KVCLI_STORE_EXPIRY_HOURS", str(1 / 3600))   # a second
+    time.sleep(1.2)
+    assert [i.state for i in document_store.entries()] == ["kept"] and kept.exists()
+    assert document_store.find("c") is None
+
+
+def test_durations():
+    assert [document_store.parse_duration(x) for x in ("90s", "30m", "12h", "2d", "1w", "5")] == \
+        [90, 1800, 43200, 172800, 604800, 5]
+    with pytest.raises(KvcliError, match="--older-than"):
+        document_store.parse_duration("soon")
