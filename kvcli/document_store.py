@@ -26,8 +26,8 @@ a store another process uses. Every process that opens the store (`create`, `ent
 temporary store whose owner died goes; temporary, cached and partial entries unused for longer than the expiry (a
 day; KVCLI_STORE_EXPIRY_HOURS or `store_expiry_hours` in the config file) go; then the size cap (KVCLI_STORE_MAX_BYTES
 or `store_max_bytes`; default 10 GiB) removes the least recently used entries not in use, and says so on stderr.
-Anything else found in the root (a store left by an older kvcli) is listed as `unknown` and pruned when its process
-(the pid in its name) is gone.
+A store an older kvcli left in the root (`MODEL.DIGEST.PID.kvc`, `.chunks`, `.chunks.part`) is removed by the sweep
+once its process is gone; anything else found there is listed as `unknown` and removed by `prune`.
 
 The API (kvcli/drivers/reselect*.py use it; a server keeping documents by key would too):
 
@@ -63,6 +63,7 @@ import numpy as np
 
 from kvcli import config, outfile
 from kvcli.errors import KvcliError
+from kvcli.models import model_hash
 
 FORMAT = 1
 RECORD, LOCK = "entry.json", "lock"
@@ -226,8 +227,11 @@ class Entry:
             os.close(self._fd)
             self._fd = None
 
-    def __del__(self):   # an entry dropped without release keeps no fd open
-        self._unlock()
+    def __del__(self):   # an entry dropped without release keeps no fd open (its lock free: the next sweep decides)
+        try:
+            self._unlock()
+        except Exception:  # noqa: BLE001 - at interpreter exit os may be gone; the fd closes with the process
+            pass
 
 
 def _owner() -> dict:
@@ -322,7 +326,6 @@ def register_kept(path, *, form: str, model_path, tokens, settings: dict | None 
 
 
 def _model_hash(path: Path) -> str | None:
-    from kvcli.models import model_hash  # noqa: PLC0415 (models imports the native layer lazily; keep this light)
     try:
         return model_hash(path)
     except OSError:
@@ -454,15 +457,18 @@ def entries(sweep_first: bool = True) -> list[Info]:
 
 def sweep() -> None:
     """What dead processes left, and what expired: a read whose owner died becomes partial (chunks on disk) or goes;
-    a temporary entry whose owner died goes; temporary, cached and partial entries unused past the expiry go; a kept
-    or cached entry whose payload is gone is forgotten."""
+    a temporary entry whose owner died goes; cached and partial entries unused past the expiry go; a kept or cached
+    entry whose payload is gone is forgotten; an older kvcli's store whose process is gone goes."""
     expiry = expiry_s()
     r = root()
     for child in list(r.iterdir()):
         rec = _read_record(child) if child.is_dir() else None
-        if rec is None:
-            if child.name.startswith(_NEW) and not _unknown_in_use(child):
-                shutil.rmtree(child, ignore_errors=True)
+        if rec is None:   # an entry whose creation died, or a store an older kvcli left (its pid in its name)
+            if (child.name.startswith(_NEW) or _LEGACY_PID.search(child.name)) and not _unknown_in_use(child):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
             continue
         e = _hold_exclusive(child)
         if e is None:

@@ -207,6 +207,23 @@ def test_cached_and_partial_entries_expire_kept_ones_do_not(store_env, monkeypat
     assert document_store.find("c") is None
 
 
+def test_what_an_older_kvcli_left_is_swept_once_its_process_is_gone(store_env):
+    dead = 2 ** 22 + 17      # above the largest pid_max (2^22): nobody's pid
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        for name in (f"M.0123456789ab.{dead}.kvc", f"M.0123456789ab.{dead}.chunks.part", f"M.0123456789ab.{live.pid}.kvc"):
+            p = store_env / name
+            p.mkdir() if name.endswith(".part") else p.write_bytes(b"old")
+        assert [(i.state, i.in_use) for i in document_store.entries()] == [("unknown", True)]   # the live one's
+        removed, busy = document_store.prune(everything=True)
+        assert not removed and [i.id for i in busy] == [f"M.0123456789ab.{live.pid}.kvc"]
+    finally:
+        live.kill()
+        live.wait()
+    removed, busy = document_store.prune()
+    assert len(removed) == 1 and not busy and list(store_env.iterdir()) == []
+
+
 def test_durations():
     assert [document_store.parse_duration(x) for x in ("90s", "30m", "12h", "2d", "1w", "5")] == \
         [90, 1800, 43200, 172800, 604800, 5]

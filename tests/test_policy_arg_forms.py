@@ -14,14 +14,9 @@ from kvcli.policies import get, parse_policy_args, parse_scoped_args
 SNAP = ["--policy", "snapkv", "--budget", "64"]
 
 
-@pytest.fixture(scope="module")
-def doc(tmp_path_factory):
-    import random
-    words = "alpha beta gamma delta river stone light north code station log entry".split()
-    rng = random.Random(3)
-    d = tmp_path_factory.mktemp("pargdocs")
-    (d / "doc0.txt").write_text(" ".join(rng.choice(words) for _ in range(300)), encoding="utf-8")
-    return d
+@pytest.fixture()
+def doc(word_doc):
+    return word_doc(300, 3)
 
 
 def test_parser_forms():
@@ -44,7 +39,7 @@ def test_parser_forms():
 
 
 def _invoke(cli_runner, command, tiny_2k, doc, tmp_path, *args):
-    d = str(doc / "doc0.txt")
+    d = str(doc)
     extra = {"run": ["--doc", d, "-n", "2", "What?"],
              "chat": ["--doc", d, "-n", "2", "--quiet"],
              "compress": ["--doc", d, "-o", str(tmp_path / "c.kvc"), "--force", "--quiet"],
@@ -68,7 +63,7 @@ def test_single_policy_commands_take_both_forms(cli_runner, tiny_2k, doc, tmp_pa
 
 def test_documented_example_runs(cli_runner, tiny_2k, doc):
     """README / docs/results.md: `--policy-arg expected_attention.window=32` on run."""
-    r = cli_runner.invoke(cli, ["run", "--model", str(tiny_2k), "--doc", str(doc / "doc0.txt"), "--policy",
+    r = cli_runner.invoke(cli, ["run", "--model", str(tiny_2k), "--doc", str(doc), "--policy",
                                 "expected_attention", "--budget", "64", "--policy-arg", "expected_attention.window=32",
                                 "-n", "2", "--json", "What?"])
     assert r.exit_code == 0, r.output
@@ -77,13 +72,13 @@ def test_documented_example_runs(cli_runner, tiny_2k, doc):
 
 def test_bench_and_eval_keep_the_scoped_form(cli_runner, tiny_2k, doc):
     common = ["--model", str(tiny_2k), "--policies", "snapkv", "--budgets", "64"]
-    r = cli_runner.invoke(cli, ["bench", "--docs", str(doc / "doc0.txt"), *common, "--policy-arg", "snapkv.window=8",
+    r = cli_runner.invoke(cli, ["bench", "--docs", str(doc), *common, "--policy-arg", "snapkv.window=8",
                                 "--gen", "2", "--repeat", "1", "--json", "--quiet"])
     assert r.exit_code == 0, r.output
     assert {row["status"] for row in json.loads(r.stdout)["rows"]} == {"ok"}
     r = cli_runner.invoke(cli, ["eval", "chat", *common, "--lengths", "1k", "--documents", "1", "--facts", "2",
                                 "--modes", "once", "--policy-arg", "snapkv.window=8", "--json", "-q"])
     assert r.exit_code == 0, r.output
-    for command in (["bench", "--docs", str(doc / "doc0.txt")], ["eval", "chat"]):
+    for command in (["bench", "--docs", str(doc)], ["eval", "chat"]):
         r = cli_runner.invoke(cli, [*command, *common, "--policy-arg", "window=8"])
         assert r.exit_code == 2 and "POLICY.KEY=VALUE" in r.output, r.output

@@ -135,8 +135,8 @@ class StoredDocument:
              colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None,
              in_memory_if_unwritable=None) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
-        to `path` (a .kvc file; None: a temporary entry of the document store, kvcli/document_store.py) for the native engine, in memory for the
-        reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
+        to `path` (a .kvc file; None: a temporary entry of the document store, kvcli/document_store.py) for the
+        native engine, in memory for the reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
         A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
         called with the one-line reason and the cache is kept in memory instead."""
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
