@@ -395,7 +395,8 @@ class Info:
         r = self.record
         model = r.get("model") or {}
         used = self.last_used
-        return {"id": self.id, "state": self.state, "in_use": self.in_use, "path": r.get("path") or str(self.folder),
+        where = r.get("part") if self.state == "partial" else r.get("path")   # a partial read is in its .part
+        return {"id": self.id, "state": self.state, "in_use": self.in_use, "path": where or str(self.folder),
                 "entry": str(self.folder), "bytes": self.bytes, "store_bytes": self.store_bytes,
                 "form": r.get("form"), "model": model.get("name"), "model_path": model.get("path"),
                 "model_hash": model.get("hash"), "tokens": r.get("tokens"),

@@ -115,6 +115,28 @@ def test_sigterm_while_chatting_removes_the_temporary_store(store_env, tmp_path)
     assert list(store_env.iterdir()) == []
 
 
+def test_sigterm_at_the_chat_prompt_on_a_terminal_leaves(store_env, tiny_2k, tmp_path):
+    """On a terminal a chat stays at its prompt after Ctrl-C; after SIGTERM or SIGHUP it leaves, cleaning up."""
+    import pty
+    doc = tmp_path / "d.txt"
+    doc.write_text("The locker of the lower lake is number 41. " * 20, encoding="utf-8")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([*KVCLI, "chat", "--model", str(tiny_2k), "--doc", str(doc), "--policy", "snapkv",
+                             "--budget", "64", "-n", "2"], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "XDG_STATE_HOME": str(tmp_path)}, cwd=ROOT,
+                            preexec_fn=sigint_default)
+    os.close(slave)
+    try:
+        wait_for(lambda: any(e.state == "temporary" for e in document_store.entries(sweep_first=False)), proc)
+        time.sleep(1.0)   # at its prompt
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+    assert proc.returncode == 130 and "stopped by SIGTERM" in err, err
+    assert list(store_env.iterdir()) == []
+
+
 def test_kill9_leaves_a_listed_partial_read_that_prune_removes(store_env, long_doc, tmp_path):
     proc = start_chat(long_doc)
     wait_for(lambda: chunks_recorded(store_env) >= 1, proc)
