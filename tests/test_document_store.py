@@ -133,6 +133,9 @@ def test_sigterm_at_the_chat_prompt_on_a_terminal_leaves(store_env, tiny_2k, tmp
         _, err = proc.communicate(timeout=60)
     finally:
         os.close(master)
+        if proc.poll() is None:   # it stayed at its prompt: the test fails, nothing is left running
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130 and "stopped by SIGTERM" in err, err
     assert list(store_env.iterdir()) == []
 
@@ -244,6 +247,17 @@ def test_what_an_older_kvcli_left_is_swept_once_its_process_is_gone(store_env):
         live.wait()
     removed, busy = document_store.prune()
     assert len(removed) == 1 and not busy and list(store_env.iterdir()) == []
+
+
+def test_documents_command_errors_are_one_line(store_env, cli_runner):
+    from kvcli.cli import cli
+    r = cli_runner.invoke(cli, ["documents", "path"])
+    assert r.exit_code == 0 and r.output.strip() == str(store_env)
+    for args, message in ((["rm", "nope"], "no stored document 'nope'"), (["prune", "--older-than", "soon"],
+                                                                          "--older-than expects a duration")):
+        r = cli_runner.invoke(cli, ["documents", *args])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"kvcli: error: {message}"), r.output
 
 
 def test_durations():
