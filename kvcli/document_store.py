@@ -41,6 +41,11 @@ The API (kvcli/drivers/reselect*.py use it; a server keeping documents by key wo
     e.abandon()                 the read failed or was interrupted: its files go
     register_kept(path, form=..., model_path=..., tokens=[...])   list a store written whole at a user's path
     find(key) -> Entry | None   a finished cached/kept entry of this key, held by this process (touched)
+    key_of(model_path, tokens, **settings)   such a key
+
+    Keeping documents by key (a server): StoredDocument.read(..., key=k) / ChunkedStore.read(..., key=k) store as a
+    `cached` entry that stays after close(); later `e = find(k)` holds it, StoredDocument.from_file(e.payload, s) or
+    ChunkedStore.open(e.payload) reads it, and `e.release()` lets it go (the cap and expiry then govern it).
     use_path(path) -> Entry | None  the entry of a kept store at `path` (kvcli run/chat --cache PATH), held
     entries() -> [Info]         every entry, after a sweep; Info.as_json() is `kvcli documents list --json`'s
     remove(id) / prune(older_than=None, everything=False) / enforce_cap(reserve=0)
@@ -91,6 +96,13 @@ def expiry_s() -> float:
     if not hours > 0:
         raise KvcliError(f"the store's expiry must be a number of hours > 0 (got {hours})")
     return hours * 3600
+
+
+def key_of(model_path, tokens, **settings) -> str:
+    """A key for a stored document (`find`, the drivers' `key=`): the model's hash, the tokens, the settings."""
+    h = hashlib.sha256(f"{_model_hash(Path(model_path))}|{json.dumps(settings, sort_keys=True)}|".encode())
+    h.update(np.asarray(tokens, np.int32).tobytes())
+    return h.hexdigest()[:32]
 
 
 def document_sha256(tokens) -> str:

@@ -260,6 +260,29 @@ def test_documents_command_errors_are_one_line(store_env, cli_runner):
         assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"kvcli: error: {message}"), r.output
 
 
+def test_a_document_kept_by_key_is_found_and_reused(store_env, tiny_2k, word_doc):
+    """The API a server would use: read once under a key (a `cached` entry that outlives close()), find it, reuse."""
+    from kvcli.drivers.reselect import StoredDocument
+    from kvcli.native.session import NativeSession
+    s = NativeSession(tiny_2k, n_ctx=1024, n_threads=2)
+    try:
+        tokens = s.tokenize(word_doc(200, 4).read_text())
+        key = document_store.key_of(tiny_2k, tokens, form="exact")
+        assert document_store.find(key) is None
+        read = StoredDocument.read(s, tokens, key=key, meta={"document": "d"})
+        read.close()
+        [info] = document_store.entries()
+        assert info.state == "cached" and not info.in_use and info.record["key"] == key
+        e = document_store.find(key)
+        again = StoredDocument.from_file(e.payload, s)
+        assert again.tokens == read.tokens and [i.in_use for i in document_store.entries()] == [True]
+        again.close()
+        e.release()
+        assert [i.state for i in document_store.entries()] == ["cached"]
+    finally:
+        s.close()
+
+
 def test_durations():
     assert [document_store.parse_duration(x) for x in ("90s", "30m", "12h", "2d", "1w", "5")] == \
         [90, 1800, 43200, 172800, 604800, 5]

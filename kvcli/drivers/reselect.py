@@ -133,19 +133,20 @@ class StoredDocument:
     @classmethod
     def read(cls, session: Session, tokens: list[int], *, split: int | None = None, seq: int = 0,
              colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None,
-             in_memory_if_unwritable=None) -> "StoredDocument":
+             in_memory_if_unwritable=None, key: str | None = None) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
         to `path` (a .kvc file; None: a temporary entry of the document store, kvcli/document_store.py) for the
         native engine, in memory for the reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
         A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
-        called with the one-line reason and the cache is kept in memory instead."""
+        called with the one-line reason and the cache is kept in memory instead. `key` (no `path`): the store stays
+        in the document store after close() as a `cached` entry of that key, for `document_store.find(key)`."""
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
         # the native engine's store is a file: an entry of the document store (kvcli/document_store.py) from now
         # on, so that whatever ends this process, the file is listed or removed by the next kvcli
         entry = None if session.engine != "native" else document_store.create(
-            form="exact", model_path=session.model_path, tokens=tokens[:split], kept_path=path,
+            form="exact", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
             settings={"split": split, "colsum": bool(colsum), "cache_type": session.cache_type},
             reserve=0 if keep else split * session.bytes_per_cell())
         try:
@@ -179,8 +180,9 @@ class StoredDocument:
             if entry is not None:
                 entry.abandon()
             raise
-        entry.finish("kept" if keep else "temporary")
-        store.entry = entry
+        cached = key is not None and path is None   # stays in the document store after close()
+        entry.finish("kept" if keep else "cached" if cached else "temporary")
+        store.entry, store.keep = entry, keep or cached
         return store
 
     def to_kvc(self, session, state: bytes) -> kvc.KvcFile:

@@ -157,10 +157,11 @@ class ChunkedStore:
     @classmethod
     def read(cls, session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
              split: int | None = None, seq: int = 0, spare: int | None = None, path=None, keep: bool = False,
-             progress=None, meta: dict | None = None) -> "ChunkedStore":
+             progress=None, meta: dict | None = None, key: str | None = None) -> "ChunkedStore":
         """Read tokens[:split] into `seq` by bounded reading with `cfg` and chunks of `chunk` tokens, storing every
         chunk's entries; the sequence is cleared afterwards. `spare`: a second sequence of the context, used per
-        question to load a chunk through (append_saved)."""
+        question to load a chunk through (append_saved). `key` (no `path`): the store stays in the document store
+        after close() as a `cached` entry of that key, for `document_store.find(key)`."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
         cap = cap or cfg.budget + chunk
@@ -172,7 +173,7 @@ class ChunkedStore:
         # an entry of the document store (kvcli/document_store.py) from now on: whatever ends this process, what it
         # wrote is listed (a partial read, with what resuming it needs) or removed by the next kvcli
         entry = document_store.create(
-            form="bounded", model_path=session.model_path, tokens=tokens[:split], kept_path=path,
+            form="bounded", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
             settings={"split": split, "chunk": chunk, "cap": cap, "policy": cfg.policy, "budget": cfg.budget,
                       "params": cfg.spec.render(cfg.params), "cache_type": session.cache_type},
             reserve=0 if keep else split * session.bytes_per_cell())
@@ -208,8 +209,9 @@ class ChunkedStore:
                         meta=dict(meta or {}))
             write_manifest(part, store.manifest(session))
             replace_folder(part, path)
-            entry.finish("kept" if keep else "temporary")
-            store.entry = entry
+            cached = key is not None and path is None   # stays in the document store after close()
+            entry.finish("kept" if keep else "cached" if cached else "temporary")
+            store.entry, store.keep = entry, keep or cached
             done = True
             return store
         finally:
