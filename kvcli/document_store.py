@@ -184,10 +184,6 @@ class Entry:
     def part(self) -> Path | None:
         return Path(self.record["part"]) if self.record.get("part") else None
 
-    @property
-    def kept(self) -> bool:
-        return self.record["state"] == "kept" or bool(self.record.get("kept_path"))
-
     def update(self, **fields) -> None:
         self.record.update(fields)
         _write_record(self.folder, self.record)
