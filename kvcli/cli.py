@@ -107,7 +107,8 @@ def terminate_as_interrupt() -> None:
         if first:   # a second signal while cleaning up must not cut the cleanup short
             raise Terminated()
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
+        if signal.getsignal(sig) is not signal.SIG_IGN:   # `nohup kvcli ...` ignores SIGHUP: it still does
+            signal.signal(sig, handler)
 
 
 def main() -> None:

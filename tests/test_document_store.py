@@ -283,6 +283,19 @@ def test_a_document_kept_by_key_is_found_and_reused(store_env, tiny_2k, word_doc
         s.close()
 
 
+def test_an_ignored_sighup_stays_ignored():
+    """`nohup kvcli batch ...` must survive the terminal closing: kvcli handles SIGHUP only where it is not ignored."""
+    from kvcli.cli import terminate_as_interrupt
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        terminate_as_interrupt()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and callable(signal.getsignal(signal.SIGTERM))
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def test_durations():
     assert [document_store.parse_duration(x) for x in ("90s", "30m", "12h", "2d", "1w", "5")] == \
         [90, 1800, 43200, 172800, 604800, 5]

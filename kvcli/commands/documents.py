@@ -13,9 +13,9 @@ from kvcli import document_store
 def documents_cmd():
     """Stored documents: the full caches re-selection keeps on disk (kvcli chat, run with several questions,
     batch, compress --store). Each is kept (a --store PATH you named), temporary (in use by a running
-    kvcli, removed when it ends), cached, or partial (a read whose process was killed). Temporary, cached and
-    partial ones expire after a day unused (KVCLI_STORE_EXPIRY_HOURS); past KVCLI_STORE_MAX_BYTES (default
-    10 GiB) the least recently used not in use are removed. docs/terminal.md, "Stored documents"."""
+    kvcli, removed when it ends), cached, or partial (a read whose process was killed). Cached and partial
+    ones expire after a day unused (KVCLI_STORE_EXPIRY_HOURS); past KVCLI_STORE_MAX_BYTES (default 10 GiB)
+    the least recently used not in use are removed. docs/terminal.md, "Stored documents"."""
 
 
 def _size(n: int) -> str:
