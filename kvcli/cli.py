@@ -1,7 +1,8 @@
 """The kvcli command line: a thin click layer over the library.
 
 stdout carries only answers (or --json); progress, statistics and warnings go to stderr.
-Exit codes: 0 success, 1 internal error, 2 bad input (one line on stderr), 130 interrupted.
+Exit codes: 0 success, 1 internal error, 2 bad input (one line on stderr), 130 interrupted (Ctrl-C, and SIGTERM
+or SIGHUP, which finish as Ctrl-C does: `terminate_as_interrupt`).
 Each command lives in kvcli/commands/<name>.py and is listed in COMMANDS.
 """
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import sys
 
 import click
 
 from kvcli import __version__
-from kvcli.errors import KvcliError
+from kvcli.errors import KvcliError, Terminated
 
-COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch"]
+COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch", "documents"]
 
 
 def usage_line(e: click.UsageError) -> str:
@@ -59,7 +61,11 @@ class KvcliGroup(click.Group):
             click.echo(f"kvcli: error: {e}", err=True)
             ctx.exit(e.exit_code)
         except KeyboardInterrupt:
-            click.echo("kvcli: interrupted", err=True)
+            try:   # after SIGHUP the terminal may be gone: the exit status says it
+                click.echo("kvcli: interrupted" if Terminated.signum is None else
+                           f"kvcli: stopped by {signal.Signals(Terminated.signum).name}", err=True)
+            except OSError:
+                pass
             ctx.exit(130)
         except BrokenPipeError:  # `kvcli run ... | head`: the reader left, nothing to report
             sys.stderr.close()
@@ -90,7 +96,23 @@ for _name in COMMANDS:
         cli.add_command(_cmd)
 
 
+def terminate_as_interrupt() -> None:
+    """SIGTERM (kill, timeout, a service manager) and SIGHUP (the terminal closed) raise Terminated, a
+    KeyboardInterrupt: the process cleans up as after Ctrl-C (a temporary store removed, kvcli/document_store.py)
+    instead of dying where it stands. Python runs the handler between bytecodes, so native work (a llama_decode) finishes
+    first, as with Ctrl-C."""
+    def handler(signum, frame):
+        first = Terminated.signum is None
+        Terminated.signum = signum
+        if first:   # a second signal while cleaning up must not cut the cleanup short
+            raise Terminated()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:   # `nohup kvcli ...` ignores SIGHUP: it still does
+            signal.signal(sig, handler)
+
+
 def main() -> None:
+    terminate_as_interrupt()
     cli(prog_name="kvcli")
 
 

@@ -3,7 +3,8 @@
 Order, first found wins: the flag, then the environment variable, then the config file, then
 kvcli's built-in default.
 
-    KVCLI_MODEL, KVCLI_POLICY, KVCLI_BUDGET         environment variables
+    KVCLI_MODEL, KVCLI_POLICY, KVCLI_BUDGET,        environment variables
+    KVCLI_STORE_MAX_BYTES, KVCLI_STORE_EXPIRY_HOURS
     $KVCLI_CONFIG, else $XDG_CONFIG_HOME/kvcli/config.toml (default ~/.config/kvcli/config.toml)
 
 The config file is TOML with any of these top-level keys:
@@ -14,6 +15,8 @@ The config file is TOML with any of these top-level keys:
     max_tokens = 512
     temperature = 0.0
     system = "Answer in one short paragraph."
+    store_max_bytes = 10737418240     # the stored documents' cap (KVCLI_STORE_MAX_BYTES; `kvcli documents`)
+    store_expiry_hours = 24           # unused temporary and partial stores expire (KVCLI_STORE_EXPIRY_HOURS)
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ KEYS: dict[str, tuple[type, str | None]] = {
     "max_tokens": (int, None),
     "temperature": (float, None),
     "system": (str, None),
+    "store_max_bytes": (int, "KVCLI_STORE_MAX_BYTES"),         # the document store's cap (kvcli/document_store.py)
+    "store_expiry_hours": (float, "KVCLI_STORE_EXPIRY_HOURS"),  # unused temporary/partial stores go after this
 }
 
 

@@ -5,3 +5,10 @@ class KvcliError(Exception):
     """A problem with the user's input or set-up, explained in one line."""
 
     exit_code = 2
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (kvcli/cli.py): the process finishes as Ctrl-C finishes it (every `finally` and
+    `except KeyboardInterrupt` cleans up, exit 130), but a chat does not stay at its prompt as it does after Ctrl-C."""
+
+    signum: int | None = None   # set when one arrived: code that catches KeyboardInterrupt asks `Terminated.signum`

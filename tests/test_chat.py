@@ -248,7 +248,8 @@ def test_recompress_commands_and_failed_recompress_restores(tiny, monkeypatch):
     import io
 
     from kvcli.drivers import compress
-    from kvcli.apps.chat import Conversation, Repl
+    from kvcli.apps.chat import Conversation
+    from kvcli.apps.chat_repl import Repl
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
     s = NativeSession(tiny, n_ctx=0)

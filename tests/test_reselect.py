@@ -252,7 +252,7 @@ def test_kept_turns_that_cannot_be_restored_fall_back_to_the_document(tiny, monk
 def test_fresh_and_run_keep_no_turns(tiny, cli_runner, tmp_path):
     """--fresh answers each question from the document alone and `kvcli run`'s several questions are each asked
     alone: neither keeps the conversation in the stored cache."""
-    from kvcli.apps.chat import Repl
+    from kvcli.apps.chat_repl import Repl
     from kvcli.cli import cli
     conv = conversation(tiny)
     out = io.StringIO()
@@ -321,7 +321,7 @@ def test_deleted_store_is_read_again_and_said(tiny):
     conv.notify = said.append
     first = conv.ask("Which code did the river station log?", 6).text
     path = conv.store.path
-    assert path.exists() and path.parent.name == "documents"
+    assert path.exists() and path.parent.parent.name == "documents"   # an entry of the document store
     path.unlink()
     conv.reset()
     assert conv.ask("Which code did the river station log?", 6).text == first
@@ -348,7 +348,7 @@ def test_deleted_store_mid_conversation_reads_again_and_answers_the_same(tiny):
 
 
 def test_policy_switch_reselects_without_reading_and_reads_for_colsum(tiny):
-    from kvcli.apps.chat import Repl
+    from kvcli.apps.chat_repl import Repl
     conv = conversation(tiny)
     read_s = conv.store.read_s
     path = conv.store.path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,7 +97,7 @@ def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
     assert sum(c.n for c in store.chunks) == store.split and len(store.chunks) > 1
     assert all(c.n <= chunk - probe_length(window, chunk) for c in store.chunks)           # each leaves its question's probe room
     assert all((store.path / c.file).stat().st_size == c.nbytes for c in store.chunks)
-    assert not list(cache_dir.glob("documents/*.part"))           # the folder was renamed into place
+    assert not list(cache_dir.glob("documents/*/*.part"))         # the folder was renamed into place
     held = []
     r = store.reselect(s, prompt, cfg, on_step=lambda obs, plan: held.append(obs.n))
     assert r.chunks == len(store.chunks) and len(held) == len(store.chunks)
@@ -300,7 +301,11 @@ def test_a_kept_store_opens_and_reselects_as_it_was_read(tiny_2k, setup, tmp_pat
     assert copy.meta["turns"] == [turn] and size == sum(f.stat().st_size for f in (tmp_path / "copy").iterdir())
     opened.save_as(tmp_path / "store", s, [turn, turn])       # onto itself: rewritten in place
     assert ChunkedStore.open(tmp_path / "store", tiny_2k).meta["turns"] == [turn, turn]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "store"]   # no .part / .old left behind
+    # no .part / .old left behind; both folders listed as kept stores, once each (kvcli/document_store.py)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "kvcache") == ["copy", "store"]
+    from kvcli import document_store
+    assert sorted((i.state, Path(i.kept_path).name) for i in document_store.entries()) == \
+        [("kept", "copy"), ("kept", "store")]
     opened.close()
     assert (tmp_path / "store").exists()                          # an opened store is kept
 

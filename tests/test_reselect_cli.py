@@ -385,7 +385,9 @@ def test_bounded_store_folder_is_kept_and_reused(cli_runner, tiny, files, tmp_pa
     assert one["answer"] == answers[1] and one["stats"]["document_reads"] == 0
     r, again = chat_rows(cli_runner, "--cache", store, "-p", "snapkv", "-b", 48, "--fresh", input=piped)
     assert "bounded] " in r.stderr and [x["answer"] for x in again] == answers
-    assert store.exists() and not list(cache_dir.glob("documents/*"))   # kept; nothing temporary made
+    # kept, and listed as such (kvcli documents); nothing temporary made
+    assert store.exists() and [json.loads((p / "entry.json").read_text())["state"]
+                               for p in cache_dir.glob("documents/*")] == ["kept"]
     # compress --store -o DIR: the same reading, the same store, the same answers
     c = ok_json(kvcli(cli_runner, "compress", "--model", tiny, "--doc", files / "doc.txt", "--store", *BOUNDED,
                       "-o", tmp_path / "compressed", "--json", "-q"))

@@ -8,7 +8,8 @@ import click
 from click.core import ParameterSource
 
 from kvcli import config, kvc, policies
-from kvcli.apps.chat import Conversation, Repl
+from kvcli.apps.chat import Conversation
+from kvcli.apps.chat_repl import Repl
 from kvcli.commands.options import Request, model_option, request_options
 from kvcli.documents import read_documents
 from kvcli.errors import KvcliError

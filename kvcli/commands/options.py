@@ -9,7 +9,8 @@ Usage (the API `kvcli batch` and every other command use):
 `request_options(*groups, **defaults)` adds the options of each group to the command and hands the
 function one keyword argument `req` (a `Request`) in their place; the other options arrive as usual.
 Groups:
-    policy      --policy/-p, --budget/-b, --policy-arg KEY=VALUE (repeatable; a repeated key is refused)
+    policy      --policy/-p, --budget/-b, --policy-arg [POLICY.]KEY=VALUE (repeatable; a repeated key is refused,
+                POLICY must be --policy's)
     policies    --policies, --budgets (comma lists), --policy-arg POLICY.KEY=VALUE (bench, eval)
     chunking    --chunk, --max-cache, --chunk-scoring
     chunk       --chunk, --chunk-scoring (commands without a cache cap)
@@ -34,7 +35,7 @@ from kvcli import config, policies
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import parse_int_list, parse_list
 from kvcli.generate import Sampler, Sampling
-from kvcli.policies import parse_policy_args
+from kvcli.policies import parse_policy_args, parse_scoped_args
 
 class SharedOption(click.Option):
     """An option built here, in the one module of the shared flags (tests/test_command_flags.py checks that every
@@ -99,21 +100,6 @@ class Request:
         return Sampler(self.sampling)
 
 
-def parse_scoped_args(items) -> dict:
-    """--policy-arg POLICY.KEY=VALUE (repeatable) -> {policy: {key: value}}; a repeated key is refused."""
-    out: dict[str, dict] = {}
-    for item in items:
-        lhs, sep, value = item.partition("=")
-        pol, dot, key = lhs.partition(".")
-        if not sep or not dot or not pol.strip() or not key.strip():
-            raise KvcliError(f"--policy-arg expects POLICY.KEY=VALUE (e.g. snapkv.window=32), got '{item}'")
-        args = out.setdefault(pol.strip().lower(), {})
-        if key.strip() in args:
-            raise KvcliError(f"--policy-arg {pol.strip()}.{key.strip()} given twice")
-        args[key.strip()] = value.strip()
-    return out
-
-
 def _sampling_options(d: dict, penalties_only: bool = False) -> list:
     s = Sampling.greedy() if penalties_only else Sampling()
 
@@ -156,8 +142,9 @@ def _group_options(group: str, d: dict) -> list:
                               show_default="budget" in d,
                               help="Entries kept per layer and KV head, observation window included. Default: "
                                    "$KVCLI_BUDGET."),
-                shared_option("--policy-arg", "policy_args", multiple=True, metavar="KEY=VALUE",
-                              help="Policy parameter (repeatable).")]
+                shared_option("--policy-arg", "policy_args", multiple=True, metavar="[POLICY.]KEY=VALUE",
+                              help="Policy parameter, e.g. window=32 or snapkv.window=32 (repeatable; POLICY, "
+                                   "if given, must be --policy).")]
     if group == "policies":
         return [shared_option("--policies", default=d.get("policies", "full,snapkv"), show_default=True,
                               help="Comma-separated policies."),
@@ -206,7 +193,7 @@ def _request(groups, kw: dict) -> Request:
         req.sampling = replace(Sampling.greedy(), **{n: kw.pop(n) for n in names}).validate()
     if "policy" in groups:
         req.policy = (req.policy or "full").lower()
-        req.policy_args = parse_policy_args(list(kw.pop("policy_args")))
+        req.policy_args = parse_policy_args(list(kw.pop("policy_args")), req.policy)
         if req.policy == "full":
             req.budget = None
     if "policies" in groups:

@@ -39,15 +39,13 @@ policies only).
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kvcli import kvc
+from kvcli import document_store, kvc
 from kvcli.drivers.reconstruct import reconstruct
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import Compression, make_plan, shape_observation
@@ -57,13 +55,6 @@ from kvcli.session import Session
 # last tokens with what follows it ("\n\n" + the question). A policy whose window reaches further back has the
 # restored entries cut back to make room for it (`restore_point`).
 STORE_TAIL = 8
-
-
-def store_dir() -> Path:
-    """Where stored document caches live unless a path is named: $KVCLI_CACHE/documents (~/.cache/kvcli)."""
-    root = Path(os.environ.get("KVCLI_CACHE", Path.home() / ".cache" / "kvcli")) / "documents"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def common_prefix(a, b) -> int:
@@ -136,46 +127,62 @@ class StoredDocument:
     meta: dict = field(default_factory=dict)   # what the file's .kvc header carries besides (document, system)
     bounded = False                  # the exact form (reselect_bounded.ChunkedStore: True)
     extension: Extension | None = None         # the last re-selected prompt's full cache (extend=True)
+    entry: object = None             # its kvcli.document_store.Entry, held while this process uses the file
 
     # ------------------------------------------------------------------ reading once
     @classmethod
     def read(cls, session: Session, tokens: list[int], *, split: int | None = None, seq: int = 0,
              colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None,
-             in_memory_if_unwritable=None) -> "StoredDocument":
+             in_memory_if_unwritable=None, key: str | None = None) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
-        to `path` (a .kvc file; None: a new file in store_dir()) for the native engine, in memory for the
-        reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
+        to `path` (a .kvc file; None: a temporary entry of the document store, kvcli/document_store.py) for the
+        native engine, in memory for the reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
         A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
-        called with the one-line reason and the cache is kept in memory instead."""
+        called with the one-line reason and the cache is kept in memory instead. `key` (no `path`): the store stays
+        in the document store after close() as a `cached` entry of that key, for `document_store.find(key)`."""
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
-        t0 = time.perf_counter()
-        if seq in getattr(session, "seqs", {}):
-            session.clear(seq)
-        obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else (), progress=progress)
-        read_s = time.perf_counter() - t0
-        sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split],
-                                                                                   np.float32)
-        snap = session.save_seq(seq)
-        session.clear(seq)
-        store = cls(tokens=list(tokens[:split]), split=split, colsum=sums, read_s=read_s, keep=keep,
-                    meta=dict(meta or {}))
-        if session.engine != "native":
-            store.snapshot, store.path = snap, None
-            return store
-        store.nbytes = len(snap.state)
-        if path is None:
-            digest = hashlib.sha256(np.asarray(tokens[:split], np.int32).tobytes()).hexdigest()[:12]
-            path = store_dir() / f"{Path(session.model_path).stem}.{digest}.{os.getpid()}.kvc"
-        store.path = Path(path)
+        # the native engine's store is a file: an entry of the document store (kvcli/document_store.py) from now
+        # on, so that whatever ends this process, the file is listed or removed by the next kvcli
+        entry = None if session.engine != "native" else document_store.create(
+            form="exact", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
+            settings={"split": split, "colsum": bool(colsum), "cache_type": session.cache_type},
+            reserve=0 if keep else split * session.bytes_per_cell())
         try:
-            kvc.write(store.path, store.to_kvc(session, snap.state))
-        except KvcliError as e:
-            if in_memory_if_unwritable is None:
-                raise
-            in_memory_if_unwritable(f"{e}: the document's full cache is kept in memory instead")
-            store.snapshot, store.path = snap, None
+            t0 = time.perf_counter()
+            if seq in getattr(session, "seqs", {}):
+                session.clear(seq)
+            obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else (),
+                                  progress=progress)
+            read_s = time.perf_counter() - t0
+            sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split],
+                                                                                       np.float32)
+            snap = session.save_seq(seq)
+            session.clear(seq)
+            store = cls(tokens=list(tokens[:split]), split=split, colsum=sums, read_s=read_s, keep=keep,
+                        meta=dict(meta or {}))
+            if entry is None:
+                store.snapshot, store.path = snap, None
+                return store
+            store.nbytes = len(snap.state)
+            store.path = Path(path) if path is not None else entry.payload
+            try:
+                kvc.write(store.path, store.to_kvc(session, snap.state))
+            except KvcliError as e:
+                if in_memory_if_unwritable is None:
+                    raise
+                in_memory_if_unwritable(f"{e}: the document's full cache is kept in memory instead")
+                store.snapshot, store.path = snap, None
+                entry.abandon()
+                return store
+        except BaseException:
+            if entry is not None:
+                entry.abandon()
+            raise
+        cached = key is not None and path is None   # stays in the document store after close()
+        entry.finish("kept" if keep else "cached" if cached else "temporary")
+        store.entry, store.keep = entry, keep or cached
         return store
 
     def to_kvc(self, session, state: bytes) -> kvc.KvcFile:
@@ -213,7 +220,8 @@ class StoredDocument:
         return cls(tokens=[int(t) for t in f.prefix_tokens[:n]], split=n, colsum=f.colsum, path=Path(path),
                    nbytes=len(f.state), keep=True,
                    meta={"document": f.meta["document"], "system": f.meta.get("system"),
-                         "turns": f.meta["conversation"].get("turns", []), "store": bool(st)})
+                         "turns": f.meta["conversation"].get("turns", []), "store": bool(st)},
+                   entry=document_store.use_path(path) if path is not None else None)   # listed: in use, used now
 
     # ------------------------------------------------------------------ per question
     def restore_point(self, n_prompt: int, cfg: Compression, split: int | None = None) -> int:
@@ -353,13 +361,20 @@ class StoredDocument:
             if not hasattr(self.snapshot, "state"):
                 raise KvcliError("this stored document is held in memory by the reference engine: nothing to save")
             self.meta["turns"] = list(turns or [])
-            return kvc.write(path, self.to_kvc(session, self.snapshot.state))
-        f = kvc.read(self.path)
-        f.meta["conversation"]["turns"] = list(turns or [])
-        return kvc.write(path, f)
+            size = kvc.write(path, self.to_kvc(session, self.snapshot.state))
+        else:
+            f = kvc.read(self.path)
+            f.meta["conversation"]["turns"] = list(turns or [])
+            size = kvc.write(path, f)
+        document_store.register_kept(path, form="exact", model_path=session.model_path, tokens=self.tokens)
+        return size
 
     def close(self) -> None:
-        """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache)."""
+        """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache); its
+        document store entry is released (a temporary one removed, a kept one marked used now)."""
+        if self.entry is not None:
+            self.entry.release()
+            self.entry = None
         if self.path is not None and not self.keep:
             self.path.unlink(missing_ok=True)
         self.snapshot = self.extension = None

@@ -49,12 +49,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from kvcli import kvc, outfile
+from kvcli import document_store, kvc, outfile
 from kvcli.config import env_bytes
 from kvcli.drivers.chunked import keeps_positions, probe_length, probe_window, question_probe, read_in_chunks
-from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix, store_dir
+from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix
 from kvcli.errors import KvcliError
 from kvcli.native.cache import KvReader
 from kvcli.native.session import SeqSnapshot
@@ -149,6 +147,7 @@ class ChunkedStore:
     colsum = None                    # never stored: column-sum policies are refused
     extension: "TurnChunks | None" = None   # the conversation's turns, as the last re-selection computed them
     bounded = True
+    entry: object = None             # its kvcli.document_store.Entry, held while this process uses the folder
 
     @property
     def nbytes(self) -> int:
@@ -158,25 +157,28 @@ class ChunkedStore:
     @classmethod
     def read(cls, session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
              split: int | None = None, seq: int = 0, spare: int | None = None, path=None, keep: bool = False,
-             progress=None, meta: dict | None = None) -> "ChunkedStore":
+             progress=None, meta: dict | None = None, key: str | None = None) -> "ChunkedStore":
         """Read tokens[:split] into `seq` by bounded reading with `cfg` and chunks of `chunk` tokens, storing every
         chunk's entries; the sequence is cleared afterwards. `spare`: a second sequence of the context, used per
-        question to load a chunk through (append_saved)."""
+        question to load a chunk through (append_saved). `key` (no `path`): the store stays in the document store
+        after close() as a `cached` entry of that key, for `document_store.find(key)`."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
         cap = cap or cfg.budget + chunk
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
-        if path is None:
-            digest = hashlib.sha256(np.asarray(tokens[:split], np.int32).tobytes()).hexdigest()[:12]
-            path = store_dir() / f"{Path(session.model_path).stem}.{digest}.{os.getpid()}.chunks"
-        else:
+        if path is not None:
             path = check_store_target(path, form="bounded")
-        path = Path(path)
+        # an entry of the document store (kvcli/document_store.py) from now on: whatever ends this process, what it
+        # wrote is listed (a partial read, with what resuming it needs) or removed by the next kvcli
+        entry = document_store.create(
+            form="bounded", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
+            settings={"split": split, "chunk": chunk, "cap": cap, "policy": cfg.policy, "budget": cfg.budget,
+                      "params": cfg.spec.render(cfg.params), "cache_type": session.cache_type},
+            reserve=0 if keep else split * session.bytes_per_cell())
+        path = Path(path) if path is not None else entry.payload
         part = path.with_name(path.name + ".part")
-        shutil.rmtree(part, ignore_errors=True)
-        part.mkdir(parents=True)
         chunks: list[StoredChunk] = []
         done = False
 
@@ -188,8 +190,11 @@ class ChunkedStore:
             outfile.write(part / name, [state])
             first_token = chunks[-1].first_token + chunks[-1].n if chunks else 0
             chunks.append(StoredChunk(first_token, n, first_pos, name, hashlib.sha256(state).hexdigest(), len(state)))
+            entry.update(chunks_done=[vars(c) for c in chunks], last_used=time.time())   # what a resumed read needs
 
         try:
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir(parents=True)
             if seq in session.seqs:
                 session.clear(seq)
             # each question's probe (chunked.question_probe) will be held beside a chunk: the chunks leave it room
@@ -204,11 +209,15 @@ class ChunkedStore:
                         meta=dict(meta or {}))
             write_manifest(part, store.manifest(session))
             replace_folder(part, path)
+            cached = key is not None and path is None   # stays in the document store after close()
+            entry.finish("kept" if keep else "cached" if cached else "temporary")
+            store.entry, store.keep = entry, keep or cached
             done = True
             return store
         finally:
-            if not done:
+            if not done:   # an error, Ctrl-C, SIGTERM or SIGHUP (kvcli/cli.py): nothing of the read stays
                 shutil.rmtree(part, ignore_errors=True)
+                entry.abandon()
 
     def manifest(self, session, turns: list | None = None) -> dict:
         meta = {"document": self.meta.get("document", ""), "system": self.meta.get("system"),
@@ -235,6 +244,7 @@ class ChunkedStore:
                     read_policy=m["read_policy"], read_budget=m["read_budget"], meta=dict(m["meta"]))
         for c in chunks:
             store._read_chunk(c)
+        store.entry = document_store.use_path(path)   # a listed store: in use now, and used now
         return store
 
     def save_as(self, path, session, turns: list | None = None) -> int:
@@ -252,6 +262,7 @@ class ChunkedStore:
             size += write_manifest(part, self.manifest(session, turns))
             replace_folder(part, path)
             done = True
+            document_store.register_kept(path, form="bounded", model_path=session.model_path, tokens=self.tokens)
             return size
         finally:
             if not done:
@@ -389,7 +400,11 @@ class ChunkedStore:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Delete the store folder unless it is kept."""
+        """Delete the store folder unless it is kept; its document store entry is released (a temporary one
+        removed, a kept one marked used now)."""
+        if self.entry is not None:
+            self.entry.release()
+            self.entry = None
         if not self.keep:
             shutil.rmtree(self.path, ignore_errors=True)
 

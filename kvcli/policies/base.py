@@ -185,7 +185,7 @@ class PolicySpec:
         policies whose parameters depend on it (windowkv task=auto); the result never does
         again, so validating it a second time needs no instruction.
         """
-        given = parse_policy_args(args) if not isinstance(args, dict) else dict(args)
+        given = parse_policy_args(args, self.name) if not isinstance(args, dict) else dict(args)
         known = {p.name: p for p in self.params}
         unknown = [k for k in given if k not in known]
         if unknown:
@@ -270,21 +270,50 @@ class PolicySpec:
         return "\n".join(out)
 
 
-def parse_policy_args(items: list | tuple | None) -> dict:
-    """["k=v", ...] -> {k: v}; a clear error for an item without '=' or a repeated key."""
+def split_policy_arg(item) -> tuple[str | None, str, str]:
+    """One --policy-arg item -> (policy or None, key, value): "key=value" or "policy.key=value" (no parameter
+    name holds a dot, so a dot before the '=' names the policy). The one parser of --policy-arg for every command."""
+    if not isinstance(item, str) or "=" not in item:
+        raise KvcliError(f"--policy-arg expects key=value or policy.key=value (got '{item}')")
+    lhs, value = item.split("=", 1)
+    pol, dot, key = lhs.strip().rpartition(".") if "." in lhs else ("", "", lhs.strip())
+    key, pol = key.strip(), pol.strip().lower()
+    if not key or (dot and not pol):
+        raise KvcliError(f"--policy-arg expects key=value or policy.key=value (got '{item}')")
+    if ";" in value or ";" in lhs:
+        raise KvcliError(f"--policy-arg values may not contain ';' (got '{item}')")
+    return (pol if dot else None), key, value.strip()
+
+
+def parse_policy_args(items: list | tuple | None, policy: str | None = None) -> dict:
+    """["k=v", "policy.k=v", ...] -> {k: v} for `policy`, the policy in use: an item naming another policy is
+    refused (one line naming both), as are a malformed item and a repeated key. Without `policy`, only "k=v"."""
     out: dict[str, str] = {}
     for item in items or ():
-        if not isinstance(item, str) or "=" not in item:
-            raise KvcliError(f"--policy-arg expects key=value (got '{item}')")
-        k, v = item.split("=", 1)
-        k = k.strip()
-        if not k:
-            raise KvcliError(f"--policy-arg expects key=value (got '{item}')")
-        if ";" in v or ";" in k:
-            raise KvcliError(f"--policy-arg values may not contain ';' (got '{item}')")
+        pol, k, v = split_policy_arg(item)
+        if pol is not None and pol != (policy or "").lower():
+            using = f"the policy in use is '{policy.lower()}'" if policy else "no policy is named here"
+            raise KvcliError(f"--policy-arg {item.split('=', 1)[0].strip()} is a parameter of policy '{pol}', but "
+                             f"{using}")
         if k in out:
             raise KvcliError(f"--policy-arg {k} given twice")
-        out[k] = v.strip()
+        out[k] = v
+    return out
+
+
+def parse_scoped_args(items) -> dict[str, dict]:
+    """--policy-arg POLICY.KEY=VALUE (repeatable; bench and eval, which run several policies) ->
+    {policy: {key: value}}; an item without its policy, and a repeated key, are refused."""
+    out: dict[str, dict] = {}
+    for item in items or ():
+        pol, k, v = split_policy_arg(item)
+        if pol is None:
+            raise KvcliError(f"--policy-arg expects POLICY.KEY=VALUE here, as several policies run (e.g. "
+                             f"snapkv.window=32), got '{item}'")
+        args = out.setdefault(pol, {})
+        if k in args:
+            raise KvcliError(f"--policy-arg {pol}.{k} given twice")
+        args[k] = v
     return out
 
 

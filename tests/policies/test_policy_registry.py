@@ -85,7 +85,7 @@ def test_observe():
     ("dynamickv", ["r_max=nan"], r"parameter r_max must be finite"),
     ("dynamickv", ["r_max=0.5"], r"parameter r_max must be >= 1"),
     ("windowkv", ["task=auto"], r"task=auto classifies the instruction, but none reached the policy"),
-    ("snapkv", ["window"], r"--policy-arg expects key=value \(got 'window'\)"),
+    ("snapkv", ["window"], r"--policy-arg expects key=value or policy.key=value \(got 'window'\)"),
     ("snapkv", ["=3"], r"--policy-arg expects key=value"),
     ("snapkv", ["window=3", "window=4"], r"--policy-arg window given twice"),
     ("snapkv", ["window=3;kernel=5"], r"may not contain ';'"),
