@@ -68,6 +68,8 @@ class NativeSession:
         self.flash_attn = flash_attn
         # attention path of compacted layers (and why): checks $KVCLI_ATTN_PATH before any model is loaded
         self.attn_path = attn_path(flash_attn, cache_on_cpu=not L.llama_supports_gpu_offload() or n_gpu_layers == 0)
+        if os.environ.get("KVCLI_LAYOUT", "") not in ("", "ragged", "cells"):   # native/src/kvcli_layout.cpp
+            raise KvcliError(f"KVCLI_LAYOUT must be ragged or cells (got {os.environ['KVCLI_LAYOUT']!r})")
         mparams = L.llama_model_default_params()
         if n_gpu_layers is not None:
             mparams.n_gpu_layers = int(n_gpu_layers)

@@ -179,6 +179,8 @@ inline ggml_tensor * trim_cells(ggml_context * ctx, ggml_tensor * t, int dim, in
 // at the front; every path that would touch a row below it (compaction, state save, a K-shift) first returns the
 // cache to the full layout (layout_full) and re-trims after (layout_trim).
 uint32_t layer_front(const kvcli_kv_ext & ext, size_t ikv);
+// $KVCLI_LAYOUT: ragged (default) or cells; anything else throws
+bool ragged_wanted();
 // the fronts the cache's cells allow now (all 0 under KVCLI_LAYOUT=cells or where trimming does not apply)
 std::vector<uint32_t> allowed_fronts(const llama_kv_cache & kv, const kvcli_kv_ext & ext);
 // reallocates every layer's K/V for these fronts, keeping each row that both layouts hold

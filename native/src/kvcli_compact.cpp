@@ -158,6 +158,7 @@ void validate(compaction & c) {
     kvcli_moves::validate_plan(c.plan, c.sh.n_layer_plan, c.sh.n_head_kv, c.sh.head_dim, c.src.size());
     check_layers(c);
     c.path = moves_path(c);
+    ragged_wanted(); // a bad $KVCLI_LAYOUT is refused before anything moves
     if (c.reindex) {
         require_rerotatable(c.ctx, c.kv, *c.ext);
     }

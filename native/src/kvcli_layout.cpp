@@ -29,8 +29,6 @@
 
 namespace kvcli_cache_detail {
 
-namespace {
-
 // KVCLI_LAYOUT: ragged (default) | cells
 bool ragged_wanted() {
     const char * env = std::getenv("KVCLI_LAYOUT");
@@ -40,6 +38,8 @@ bool ragged_wanted() {
     }
     return want == "ragged";
 }
+
+namespace {
 
 bool trimmed(const kvcli_kv_ext & ext) {
     return std::any_of(ext.front.begin(), ext.front.end(), [](uint32_t f) { return f > 0; });

@@ -1,0 +1,99 @@
+"""The ragged layout (native/src/kvcli_layout.cpp, issue #45): each cache layer stores the cells from its front on.
+
+Every test runs the same plan under KVCLI_LAYOUT=ragged and =cells (llama.cpp's allocation, every layer as wide as
+its widest) and holds the two to the same logits, observation and rows, while the ragged one allocates less."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcli.native import cache
+from kvcli.planning.formats import Plan
+from npref import prompt_tokens
+
+N = 120
+
+
+def _uneven_plan(n_layer: int, n_head_kv: int, widths: list[int], seed: int) -> Plan:
+    """Layer l keeps widths[l] entries in every KV head (a layer-budget policy's shape), at random slots."""
+    rng = np.random.default_rng(seed)
+    kept = [[np.sort(rng.choice(N, widths[l], replace=False)).astype(np.int32) for _ in range(n_head_kv)]
+            for l in range(n_layer)]
+    return Plan.from_lists(kept)
+
+
+def _compacted(session_factory, model, layout, monkeypatch, widths, **kw):
+    monkeypatch.setenv("KVCLI_LAYOUT", layout)
+    s = session_factory(model, flash_attn=True, cache_type=kw.pop("cache_type", "f16"), **kw)
+    s.prefill(prompt_tokens(N, 3))
+    s.apply_plan(_uneven_plan(s.info.n_layer, s.info.n_head_kv, widths, seed=4))
+    return s
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+def test_ragged_layout_holds_each_layer_and_decodes_as_the_cells_layout(session_factory, tiny_model_64, monkeypatch,
+                                                                         cache_type):
+    widths = [60, 12]
+    cells = _compacted(session_factory, tiny_model_64, "cells", monkeypatch, widths, cache_type=cache_type)
+    ragged = _compacted(session_factory, tiny_model_64, "ragged", monkeypatch, widths, cache_type=cache_type)
+    assert cache.layout_fronts(cells.ctx) == [0, 0]
+    assert cache.layout_fronts(ragged.ctx) == [0, 48]           # B = 60: layer 1's first 48 cells are dead
+    rc, rr = (cache.stats(s.ctx, 0, s.info.n_layer_model, s.info.n_head_kv) for s in (cells, ragged))
+    k_row = rc["k_bytes"] // (2 * 60)                          # one cell's K row in one layer
+    assert rr["k_bytes"] == (60 + 12) * k_row and rr["v_bytes"] == rr["k_bytes"]
+    assert ragged.stats()["kv_bytes_live"] == cells.stats()["kv_bytes_live"] == rr["k_bytes"] + rr["v_bytes"]
+    # what the context allocated falls by layer 1's 48 rows of K and V
+    assert cells.stats()["kv_bytes_allocated"] - ragged.stats()["kv_bytes_allocated"] == 48 * 2 * k_row
+    keys_c, values_c = cache.read_kv(cells.ctx, 0, cells.info)
+    keys_r, values_r = cache.read_kv(ragged.ctx, 0, ragged.info)
+    np.testing.assert_array_equal(keys_r, keys_c)              # dead rows read as the zeros they were
+    np.testing.assert_array_equal(values_r, values_c)
+    for t in (11, 22, 33):
+        for s in (cells, ragged):
+            s.step({0: t})
+        np.testing.assert_array_equal(ragged.logits(), cells.logits())
+
+
+def test_observation_state_and_removal_under_the_ragged_layout(session_factory, tiny_model, monkeypatch):
+    widths = [40, 9, 25]
+    cells = _compacted(session_factory, tiny_model, "cells", monkeypatch, widths)
+    ragged = _compacted(session_factory, tiny_model, "ragged", monkeypatch, widths)
+    assert cache.layout_fronts(ragged.ctx) == [0, 31, 15]
+    # observing more tokens over the trimmed layers: the same sums at the same cells
+    more = prompt_tokens(12, 8)
+    oc = cells.prefill(more, observe=("window", "colsum"), window=4)
+    orr = ragged.prefill(more, observe=("window", "colsum"), window=4)
+    np.testing.assert_allclose(orr.colsum, oc.colsum, atol=1e-6)
+    np.testing.assert_allclose(orr.window_sums, oc.window_sums, atol=1e-6)
+    # a saved state restores into a fresh context and is trimmed again there
+    snap = ragged.save_seq(0)
+    assert cache.layout_fronts(ragged.ctx) == [0, 31, 15]
+    monkeypatch.setenv("KVCLI_LAYOUT", "ragged")
+    t = session_factory(tiny_model, flash_attn=True, cache_type="f16")
+    t.restore_seq(snap, 0)
+    assert cache.layout_fronts(t.ctx) == [0, 31, 15]
+    for s in (cells, t):
+        s.step({0: 77})
+    np.testing.assert_allclose(t.logits(), cells.logits(), atol=1e-5)
+    # removing the sequence gives every layer its rows back before a new prompt can use those cells
+    t.clear(0)
+    assert cache.layout_fronts(t.ctx) == [0, 0, 0]
+    toks = prompt_tokens(30, 12)
+    t.prefill(toks)
+    fresh = session_factory(tiny_model, flash_attn=True, cache_type="f16")
+    fresh.prefill(toks)
+    np.testing.assert_allclose(t.logits(), fresh.logits(), atol=1e-5)
+
+
+def test_a_bad_layout_value_is_a_clear_error(session_factory, tiny_model, monkeypatch):
+    from kvcli.errors import KvcliError
+    monkeypatch.setenv("KVCLI_LAYOUT", "squashed")
+    with pytest.raises(KvcliError, match="KVCLI_LAYOUT must be ragged or cells"):
+        session_factory(tiny_model, flash_attn=True, cache_type="f16")
+    monkeypatch.setenv("KVCLI_LAYOUT", "cells")
+    s = session_factory(tiny_model, flash_attn=True, cache_type="f16")
+    s.prefill(prompt_tokens(N, 3))
+    monkeypatch.setenv("KVCLI_LAYOUT", "squashed")        # changed after the session opened: the compaction refuses
+    with pytest.raises(KvcliError, match="KVCLI_LAYOUT must be ragged or cells"):
+        s.apply_plan(_uneven_plan(3, 2, [20, 10, 5], seed=1))
+    assert not cache.is_compressed(s.ctx, 0)
