@@ -138,8 +138,8 @@ def test_resize_refuses_a_context_smaller_than_what_it_holds(tiny):
 
 def test_explain_reports_the_bytes_layer_budget_policies_occupy():
     """kvcli policies --explain: for the policies whose layers keep different counts, the measured layout record
-    (benchmarks/layout.py) gives the bytes held (cells as wide as the widest layer) next to the live entries' and
-    the budget's; the uniform policies have no such note."""
+    (benchmarks/layout.py) gives the bytes held (each layer as wide as its widest KV head: the ragged layout) next
+    to the live entries', the budget's and the shared cells'; the uniform policies have no such note."""
     from kvcli import policies as P
     rec = json.loads(P.LAYOUT_RECORD.read_text())
     per_cell = rec["bytes_per_cell"]
@@ -149,7 +149,9 @@ def test_explain_reports_the_bytes_layer_budget_policies_occupy():
     for name in ("pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv"):
         text = P.explain_text(name)
         row = next(r for r in rec["rows"] if r["policy"] == name and r["budget"] == 256)
-        assert f"budget 256: {row['cells']} cells, {row['cells_bytes'] / 1e6:.2f} MB held" in text
-        assert "ragged per-layer layout" in text
+        assert row["live_bytes"] <= row["layer_ragged_bytes"] <= row["cells_bytes"]
+        assert f"budget 256: {row['layer_ragged_bytes'] / 1e6:.2f} MB held" in text
+        assert f"shared cells: {row['cells']} cells, {row['cells_bytes'] / 1e6:.2f} MB" in text
+        assert "KVCLI_LAYOUT=ragged" in text
     for name in ("snapkv", "h2o", "streamingllm"):
-        assert "ragged per-layer layout" not in P.explain_text(name)
+        assert "KVCLI_LAYOUT=ragged" not in P.explain_text(name)

@@ -53,21 +53,22 @@ LAYOUT_RECORD = Path(__file__).resolve().parents[1] / "data" / "layout.json"
 
 
 def layout_note(name: str) -> str:
-    """For a policy whose layers keep different counts: the bytes its cache occupies (cells as wide as the
-    widest layer) next to its live entries' and the budget's, as benchmarks/layout.py measured them from its
-    plans (kvcli/data/layout.json). Empty for the policies that keep the budget in every layer."""
+    """For a policy whose layers keep different counts: the bytes the native cache holds for it (each layer as
+    wide as its own widest KV head: the ragged layout, native/src/README.md) next to its live entries', the
+    budget's and what llama.cpp's shared cells held before, as benchmarks/layout.py measured them from its plans
+    (kvcli/data/layout.json). Empty for the policies that keep the budget in every layer."""
     rec = json.loads(LAYOUT_RECORD.read_text(encoding="utf-8"))
     rows = [r for r in rec["rows"] if r["policy"] == name]
     if not rows:
         return ""
-    per = "; ".join(f"budget {r['budget']}: {r['cells']} cells, {r['cells_bytes'] / 1e6:.2f} MB held, live entries "
-                    f"{r['live_bytes'] / 1e6:.2f} MB ({100 * (1 - r['ragged_saving']):.0f}%), the budget's "
-                    f"{r['budget_bytes'] / 1e6:.2f} MB" for r in rows)
-    return (f"Memory: the layers keep different counts, and the native cache is as wide as its widest layer, so it "
-            f"occupies more than the budget's bytes. Measured from this policy's plans (benchmarks/layout.py, "
-            f"{rec['model']}, {rec['doc']} of {rec['prompt_tokens']} tokens, f16 cache): {per}. A ragged per-layer "
-            "layout would hold the live entries only; `kvcli bench` and the --json stats report `kv_bytes_live` next "
-            "to `kv_bytes` for your own documents.")
+    per = "; ".join(f"budget {r['budget']}: {r['layer_ragged_bytes'] / 1e6:.2f} MB held for live entries of "
+                    f"{r['live_bytes'] / 1e6:.2f} MB (the budget's {r['budget_bytes'] / 1e6:.2f} MB; shared cells: "
+                    f"{r['cells']} cells, {r['cells_bytes'] / 1e6:.2f} MB)" for r in rows)
+    return (f"Memory: the layers keep different counts; the native cache stores each layer as wide as its own widest "
+            f"KV head (KVCLI_LAYOUT=ragged, the default; =cells gives every layer the widest layer's cells). "
+            f"Measured from this policy's plans (benchmarks/layout.py, {rec['model']}, {rec['doc']} of "
+            f"{rec['prompt_tokens']} tokens, f16 cache): {per}. `kvcli bench` and the --json stats report `kv_bytes` "
+            "(held) next to `kv_bytes_live` for your own documents.")
 
 
 def prepare(name: str, policy_args=None, budget: int | None = None,

@@ -44,9 +44,10 @@ SPEC = PolicySpec(
               "that KV head's score (selection is per KV head)",
               paper_default="max over the group's query heads (kvpress, the authors' code)", choices=("mean", "max", "sum")),
         Param("alloc", "choice", "head", "how the budget is spread: head = budget entries per KV head (the cache "
-              "is as wide as its widest KV head, so this keeps it at the budget); layer = budget x n_head_kv per "
+              "stores each layer as wide as its widest KV head, so this keeps it at the budget); layer = budget x n_head_kv per "
               "layer over its KV heads (kvpress layerwise=True); global = budget x n_head_kv x n_layer over all "
-              "(kvpress's default: heads and layers keep different counts, the native cache as wide as the widest)",
+              "(kvpress's default: heads and layers keep different counts; in memory each layer is as wide as its "
+              "widest KV head, the .kvc file holds the live entries only)",
               paper_default="global (kvpress layerwise=False; the paper's non-uniform head budgets)",
               choices=("head", "layer", "global")),
         Param("repeat_chunk", "int", REPEAT_CHUNK, "prompt tokens fed again per reconstruction pass (each pass holds the "
@@ -60,7 +61,8 @@ SPEC = PolicySpec(
     resolved_away=("repeat_chunk",),
     budget_note="sinks and recent count inside the budget; alloc=head keeps budget per layer and KV head, "
                 "alloc=layer/global keep budget x n_head_kv per layer / budget x n_head_kv x n_layer in total, "
-                "different counts per KV head (the native cache is as wide as its widest KV head)",
+                "different counts per KV head (in memory each layer is as wide as its widest KV head; a .kvc file "
+                "leaves the dead entries out)",
     deviations=(
         "the reconstruction scores are the softmax over every entry the reconstruction query sees (the whole "
         "prompt and the reconstruction tokens before it); kvpress scores with a softmax over the sinks, the chunk "

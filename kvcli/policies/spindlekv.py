@@ -105,9 +105,10 @@ SPEC = PolicySpec(
     budget_note="the budget is the eviction-stage budget (r = budget / n, window included, Eq. 5-6; floors make "
                 "the layers sum to at most budget x n_layer); the codebook then merges entries, so the cache "
                 "ends up smaller by a data-dependent amount that cannot be set in advance: read the achieved "
-                "ratio from kv_bytes / kv_bytes_full. In the native cache every layer holds as many cells as the widest "
-                "(layer, KV head) of the sequence (llama.cpp's cells are shared by all layers), so the shallow "
-                "layers, which keep the most, set the memory: the codebook only saves bytes where it narrows them",
+                "ratio from kv_bytes / kv_bytes_full. The native cache stores each layer as wide as its own widest KV "
+                "head (the ragged layout), so the codebook saves bytes where it narrows a layer's widest head; its "
+                "KV heads merge different counts, which stay as dead slots in memory (held / live 1.10-1.14 on "
+                "qwen2.5-coder-0.5b, benchmarks/layout.py)",
     deviations=(
         "storage: instead of a codebook plus a per-entry (index, magnitude, position) rebuilt in the graph, each "
         "key-codebook group of a (layer, KV head) becomes one cell with bias log(count). This approximates every "
