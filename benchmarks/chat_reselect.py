@@ -75,7 +75,7 @@ def cli_run(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
 
 def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
     """The old and the new way on one read and one load, question by question."""
-    from kvcli.apps.chat import Conversation, Turn
+    from kvcli.apps.chat import Conversation
     from kvcli.generate import generate
     from kvcli.native.session import NativeSession
     from kvcli.models import resolve_model
@@ -105,7 +105,8 @@ def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
             cpu["new"] = (time.process_time() - c0, None)   # conv.ask: tokenizing, re-selection and answer
             new = conv.last_reselection
             row = {"question": q}
-            for name, key, r, g in (("whole_conversation_prefilled", "old", old, g_old), ("turns_kept", "new", new, g_new)):
+            for name, key, r, g in (("whole_conversation_prefilled", "old", old, g_old), ("turns_kept", "new", new,
+                                                                                          g_new)):
                 per_q = r.total_s + g.decode_s
                 row[name] = {"answer": g.text, "from": r.source, "restored": r.restored, "prefilled": r.prefilled,
                              "reselect_s": round(r.total_s, 3), "restore_s": round(r.restore_s, 3),

@@ -162,7 +162,8 @@ def run_l3(run: dict, policy: str) -> dict:
 def table(names) -> str:
     rows = ["| model | text | length (prompt tokens) | budget | threads | L1 | L2 (K/V rows allowed) | "
             "L3 arithmetic (of which precision-sensitive) | plan agreement | "
-            "same-plan KL max (policy) | skipped | s | load before |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "same-plan KL max (policy) | skipped | s | load before |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     tot = {"l1": [0, 0], "l2": [0, 0], "l3": [0, 0], "plans": [0, 0]}
 
@@ -190,8 +191,10 @@ def table(names) -> str:
             n_prec = sum(bool(v.get("pass")) for v in c["l3_precision"].values())
             prec = f" ({n_prec})" if n_prec else ""
             rows.append(f"| {name} | {run['text']} | {run['length']} ({c['tokens']}) | {run['budget']} | "
-                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'}{allowed} | {c['l3']}/{n}{prec} | "
-                        f"{c['plans']}/{n} | {c['kl_max'][0]:.4f} ({c['kl_max'][1]}) | {','.join(c['skipped']) or '-'} | {run['report']['seconds']:.0f} | "
+                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'}{allowed} | "
+                        f"{c['l3']}/{n}{prec} | "
+                        f"{c['plans']}/{n} | {c['kl_max'][0]:.4f} ({c['kl_max'][1]}) | "
+                        f"{','.join(c['skipped']) or '-'} | {run['report']['seconds']:.0f} | "
                         f"{load_b} |")
             tag = f"{name} {run['text']} {run['length']} b{run['budget']}"
             if not c["l2"]:

@@ -61,7 +61,8 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['doc']} | {r['run']} | error: {r['error']} | | | | | |")
             continue
         out.append(f"| {r['doc']} ({r['prompt_tokens']}) | {r['run']} | {r['time_max_rss_bytes'] / 1e6:.0f} | "
-                   f"{r['peak_rss_bytes'] / 1e6:.0f} | {r['kv_bytes_allocated'] / 1e6:.1f} ({r['kv_cells_allocated']}) | "
+                   f"{r['peak_rss_bytes'] / 1e6:.0f} | {r['kv_bytes_allocated'] / 1e6:.1f} "
+                   f"({r['kv_cells_allocated']}) | "
                    f"{r['peak_kv_cells']} | {r['kv_bytes'] / 1e6:.2f} | {r['kv_bytes_live'] / 1e6:.2f} |")
     return "\n".join(out)
 

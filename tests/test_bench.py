@@ -55,7 +55,8 @@ def result(tiny, docs, tmp_path_factory):
     r = CliRunner().invoke(cli, ["bench", "--docs", str(docs), "--model", str(tiny), "--policies",
                                  "full,streamingllm,snapkv,nosuchpolicy", "--budgets", "32,64,128",
                                  "--cache-type", "f16,q8_0", "--gen", "6", "--repeat", "2", "--batch", "4",
-                                 "--ctx", "512", "--policy-arg", "snapkv.window=8", "--json", "--quiet", "--csv", str(out / "b.csv"),
+                                 "--ctx", "512", "--policy-arg", "snapkv.window=8", "--json", "--quiet", "--csv",
+                                 str(out / "b.csv"),
                                  "--plot", str(out / "b.png")])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout), out

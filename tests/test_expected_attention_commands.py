@@ -31,7 +31,8 @@ def test_run_keeps_the_budget(run_kvcli, tiny_2k, doc):
     assert p.returncode == 0, p.stderr
     s = last_json(p.stdout)["stats"]
     assert max(s["per_layer_cells"]) <= 64 + 4   # the budget + the answer
-    assert s.get("chunks") is None   # a prompt that fits is read in one prefill (chunked: test_expected_attention_chunked)
+    # a prompt that fits is read in one prefill (chunked: test_expected_attention_chunked)
+    assert s.get("chunks") is None
 
 
 def test_chat_compresses_once_and_policy_switches(run_kvcli, tiny_2k, doc):

@@ -312,7 +312,8 @@ def section_speed(model: Path, n: int, budget: int, n_decode: int, rounds: int, 
             sync(h)
             row["compaction_host_s"] = round(time.perf_counter() - t0, 4)
             row["compaction_host_path"] = h.compact_path_taken()
-            row["compaction_host_pct_of_full_prefill"] = round(100 * row["compaction_host_s"] / row["full_prefill_s"], 2)
+            row["compaction_host_pct_of_full_prefill"] = round(100 * row["compaction_host_s"]
+                                                               / row["full_prefill_s"], 2)
         finally:
             os.environ.pop("KVCLI_COMPACT", None)
             h.close()

@@ -61,7 +61,8 @@ MIN_DOC_CELLS = 64      # a cache that leaves a document fewer cells than this a
 @dataclass
 class Settings:
     """Everything a worker needs; `fingerprint` is the part that decides an answer. The defaults are `kvcli
-    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading (kvcli/drivers/chunked.py)."""
+    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading
+    (kvcli/drivers/chunked.py)."""
 
     instruction: str
     model: str | None = None

@@ -38,7 +38,8 @@ L3 end to end   two verdicts, after each engine compressed its cache:
                 is the one after the first decoded token, the first that reads the compressed caches.
 
 Chunked prefill (`chunk`, `kvcli check --chunk N`): both engines read the prompt with the driver
-(kvcli/drivers/compress.py; its chunked loop is in kvcli/drivers/chunked.py): prefill a chunk, observe it (a window policy
+(kvcli/drivers/compress.py; its chunked loop is in kvcli/drivers/chunked.py): prefill a chunk, observe it (a window
+policy
 through the question probe, prefilled and rolled back, unless `chunk_scoring` is "chunk"), plan over
 everything held, compact with re-indexed positions (a model with sliding-window layers: keeping them). L1 is
 checked at every planning step: the torch planner on the native observation of that step must make the native
@@ -319,7 +320,8 @@ class Allowance:
     """One source L2's K/V allowance consults: `observe()` gives an Observation of the check's tokens, taken at most
     once. kind "native": the native engine at another of llama.cpp's settings; a row passes where that setting moves
     the native row at least as far as the engines differ, or puts it within `l2_kv_rtol` of the reference row (the
-    same engine and patch agree with the reference at that setting). kind "reference": the reference engine with llama.cpp's
+    same engine and patch agree with the reference at that setting). kind "reference": the reference engine with
+    llama.cpp's
     activation arithmetic emulated; a row passes where it lies within `l2_kv_rtol` of the native row."""
 
     def __init__(self, label: str, kind: str, observe, setting: str = ""):

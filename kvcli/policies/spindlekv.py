@@ -105,7 +105,8 @@ SPEC = PolicySpec(
     budget_note="the budget is the eviction-stage budget (r = budget / n, window included, Eq. 5-6; floors make "
                 "the layers sum to at most budget x n_layer); the codebook then merges entries, so the cache "
                 "ends up smaller by a data-dependent amount that cannot be set in advance: read the achieved "
-                "ratio from kv_bytes / kv_bytes_full. In the native cache every layer holds as many cells as the widest "
+                "ratio from kv_bytes / kv_bytes_full. In the native cache every layer holds as many cells as the "
+                "widest "
                 "(layer, KV head) of the sequence (llama.cpp's cells are shared by all layers), so the shallow "
                 "layers, which keep the most, set the memory: the codebook only saves bytes where it narrows them",
     deviations=(

@@ -90,7 +90,8 @@ def write_fixtures(root: Path) -> Fixtures:
                     bad_model=root / "bad.gguf", text_model=root / "text.gguf")
     good = root / "good.kvc"
     r = subprocess.run([sys.executable, "-m", "kvcli.cli", "compress", "--doc", str(fx.paths["doc"]), "-o", str(good),
-                        "--policy", "snapkv", "--budget", "48", "--policy-arg", "window=8", "-q", "--force"], cwd=ROOT, env=case_env(fx),
+                        "--policy", "snapkv", "--budget", "48", "--policy-arg", "window=8", "-q", "--force"],
+                       cwd=ROOT, env=case_env(fx),
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"fuzz fixtures: compress failed: {r.stderr.strip()}")
@@ -215,7 +216,8 @@ def make_case(rnd: random.Random, fx: Fixtures, index: int) -> Case:
                 "--depths", pick(rnd, (["0.5", "0.1,0.9"], ["2", "x"])), "--samples", "1", "-q"]
         return Case(index, argv + _maybe(rnd, 0.2, "--chunk", pick(rnd, (["64"], ["1", "-1", "abc"]))))
     if cmd == "policies":
-        return Case(index, ["policies", *_maybe(rnd, 0.7, "--explain", pick(rnd, POLICIES)), *_maybe(rnd, 0.3, "--json")])
+        return Case(index, ["policies", *_maybe(rnd, 0.7, "--explain", pick(rnd, POLICIES)),
+                            *_maybe(rnd, 0.3, "--json")])
     if cmd == "info":
         return Case(index, ["info", *([str(fx.paths[rnd.choice(["bad_model", "text_model", "missing"])])]
                                      if rnd.random() < 0.5 else []), *_maybe(rnd, 0.5, "--json")])

@@ -68,7 +68,8 @@ def test_kvzip_without_colmax_and_small_budget_refused():
 
 def test_kvzip_is_read_in_chunks_when_it_must_be():
     """Bounded reading does not turn on by itself for kvzip; a prompt that must be read in chunks (longer than the
-    context, or --chunk N) is read in chunks, its reconstruction pass run chunk by chunk (tests/test_kvzip_chunked.py)."""
+    context, or --chunk N) is read in chunks, its reconstruction pass run chunk by chunk
+    (tests/test_kvzip_chunked.py)."""
     from kvcli.drivers.chunked import plan_chunking
     c = plan_chunking(20_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20)
     assert c.chunk is None and c.n_ctx >= 20_000 + 2048

@@ -161,7 +161,8 @@ def test_errors_are_clear_in_both_engines():
     obs = random_obs(3, 3, 4, 2, 150, w=32, kv=True)
     _, params, _ = P.prepare("spindlekv", [], 64)
     obs.values = None
-    for run in (lambda: native_plan("spindlekv", params, 64, obs), lambda: reference_plan("spindlekv", params, 64, obs)):
+    for run in (lambda: native_plan("spindlekv", params, 64, obs),
+                lambda: reference_plan("spindlekv", params, 64, obs)):
         with pytest.raises(KvcliError, match="needs the kv observation"):
             run()
     with pytest.raises(KvcliError, match="budget 8 must be larger than window=8"):
