@@ -302,7 +302,7 @@ def main() -> int:
 def redo_l2(names: list[str], texts: list[str], lengths: list[int]) -> int:
     """`--redo-l2`: L2 does not depend on the budget or the policies (one observation of the prompt), so one
     levels-2 check per (model, length, text) serves every run of it whose L2 failed."""
-    from kvcli.drivers.check import CheckSettings, Thresholds, _passed, run_check  # noqa: PLC0415
+    from kvcli.drivers.check import CheckSettings, Thresholds, passed, run_check  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
     commit = _sh(["git", "rev-parse", "--short", "HEAD"])
     for name in names:
@@ -333,7 +333,7 @@ def redo_l2(names: list[str], texts: list[str], lengths: list[int]) -> int:
                                              f"now, {r['report']['prompt_tokens']} in the run")
                         r["report"]["l2_superseded"] = r["report"]["l2"]
                         r["report"]["l2"], r["l2_redone"] = new["l2"], redone
-                        r["report"]["passed"] = _passed(r["report"])
+                        r["report"]["passed"] = passed(r["report"])
                 save(name, fresh)
                 print(f"[corpus] L2 {'pass' if new['l2']['pass'] else 'FAIL'} in {new['seconds']} s", flush=True)
     print(table(names))

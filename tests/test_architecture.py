@@ -106,7 +106,7 @@ def test_resolution_of_relative_and_submodule_imports():
     # `from kvcli import policies` and `from kvcli.native import cache` name submodules; `from kvcli.errors
     # import KvcliError` a name inside one.
     assert ({"kvcli.planning.planner", "kvcli.policies", "kvcli.errors"}
-            <= graph["kvcli.drivers.check"] | graph["kvcli.planning.planner"])
+            <= graph["kvcli.drivers.check.levels"] | graph["kvcli.planning.planner"])
     assert "kvcli.native.cache" in graph["kvcli.drivers.bench"]
     assert _resolve("kvcli.reference.policies", True, 3, "policies.base") == "kvcli.policies.base"
     assert _resolve("kvcli.reference.compact", False, 1, "session") == "kvcli.reference.session"
