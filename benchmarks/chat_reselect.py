@@ -30,20 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def machine() -> str:
-    """CPU model, cores and memory of this machine."""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU")
-    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith("MemTotal")), 0)
-    return f"{cpu}, {os.cpu_count()} cores, {mem / 2**20:.0f} GB"
+from helpers import ROOT, machine, uptime
 
 
 def busy() -> list[str]:

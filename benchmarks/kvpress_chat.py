@@ -31,11 +31,12 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from helpers import machine
 
 
 def export(args) -> None:
@@ -72,17 +73,6 @@ def export(args) -> None:
                                           "seed": args.seed, "documents": docs}, indent=1))
 
 
-def _machine(threads: int) -> dict:
-    import torch
-    cpu = platform.processor()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads,
-            "python": platform.python_version()}
-
-
 def peer(args) -> None:
     import torch
     import transformers
@@ -114,7 +104,8 @@ def peer(args) -> None:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
     out.update(model=str(path), kvpress=getattr(kvpress, "__version__", "0.5.5"), transformers=transformers.__version__,
                budget=args.budget, max_new_tokens=args.max_new_tokens, question_prefix="\\n\\n",
-               machine=_machine(args.threads), model_load_s=round(load_s, 1))
+               machine=machine(args.threads, torch=torch.__version__, torch_threads=args.threads),
+               model_load_s=round(load_s, 1))
     for press_name in args.presses.split(","):
         for doc in docs["documents"]:
             if (press_name, doc["doc"]) in done:
