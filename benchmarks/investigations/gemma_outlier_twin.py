@@ -4,7 +4,7 @@ twin (f32, no flash attention), the reference (float32 torch) and the reference 
 arithmetic; and how far the twin lies from the reference over the whole layer (does the same engine at f32 agree
 with the reference?). The check's settings: 1 thread, default cache, budget 64 prompt, 16 tokens of room.
 
-    python benchmarks/gemma_outlier_twin.py [SITE_PACKAGES_RELATIVE_TEXT] [DOC_TOKENS] > result.json
+    python benchmarks/investigations/gemma_outlier_twin.py [SITE_PACKAGES_RELATIVE_TEXT] [DOC_TOKENS] > result.json
 
 Default: diskcache's METADATA at 1000 tokens (the corpus sweep's one unexplained row, slot 398). Each row also
 has L2's other sources: the batch-64 twin and the emulated reference against the native row (rule (3)), and the
@@ -39,7 +39,7 @@ ref = ReferenceSession(path, n_ctx=n_ctx, n_threads=1)
 r = ref.prefill(toks, seq=0, observe=("kv",)).with_kv_arrays()
 emu = emulated_reference(ref, toks)()
 th = Thresholds()
-out = {"command": "python benchmarks/gemma_outlier_twin.py " + " ".join(sys.argv[1:]), "text": text,
+out = {"command": "python benchmarks/investigations/gemma_outlier_twin.py " + " ".join(sys.argv[1:]), "text": text,
        "doc_tokens": length, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), "tokens": len(toks),
        "rows": []}

@@ -8,7 +8,7 @@ configurations plan the second from the first's observation (d2o merge=none read
 plan fails once the first was applied: run it as its own group).
 
     python examples/make_docs.py --tokens 3000 --facts 3 --seed 21 -o /tmp/x/doc.txt --facts-json /tmp/x/facts.json
-    python benchmarks/reselect_digits.py OUT.txt windowkv,snapkv,spindlekv_nocb 1 [STORE.kvc]
+    python benchmarks/investigations/reselect_digits.py OUT.txt windowkv,snapkv,spindlekv_nocb 1 [STORE.kvc]
 
 As run for benchmarks/results/reselect-digits-qwen-3k-b128.json (the store was first read by StoredDocument.read
 and its .kvc file copied; later runs loaded it)."""
