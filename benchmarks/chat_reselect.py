@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers import ROOT, machine, uptime
+from bench_common import ROOT, machine, uptime
 
 
 def busy() -> list[str]:

@@ -36,7 +36,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from helpers import machine
+from bench_common import machine
 
 
 def export(args) -> None:

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from helpers import ROOT, run_max_rss
+from bench_common import ROOT, run_max_rss
 POLICIES = ("streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
 QUESTION = "What happened at the station? Answer in one sentence."
 

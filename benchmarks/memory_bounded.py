@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import ROOT, run_max_rss
+from bench_common import ROOT, run_max_rss
 STATS = ("peak_rss_bytes", "kv_bytes_allocated", "kv_cells_allocated", "peak_kv_cells", "cache_cap", "kv_cells",
          "prompt_tokens", "chunks", "chunk", "chunk_scoring", "prefill_s", "compress_s", "reconstruct_s")
 

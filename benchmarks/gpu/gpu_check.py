@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from helpers import machine  # noqa: E402
+from bench_common import machine  # noqa: E402
 
 from kvcli import policies  # noqa: E402
 from kvcli.drivers.compress import _prefill_kinds, prefill_and_compress  # noqa: E402

@@ -1,4 +1,5 @@
-"""Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/investigations/check_same_plan.py
+"""Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python
+benchmarks/investigations/check_same_plan.py
 BUDGET POLICY[,POLICY] [DOC [DOC_TOKENS]]
 (docs/results.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli check does it
 (each engine its own observation and

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: where a figure was measured (`machine`, `uptime`) and a command's peak
-resident set (`run_max_rss`). `python benchmarks/X.py` puts this folder first on sys.path: `from helpers import ...`
-(benchmarks/gpu/ scripts add it themselves).
+resident set (`run_max_rss`). `python benchmarks/X.py` puts this folder first on sys.path:
+`from bench_common import ...` (benchmarks/gpu/ scripts add it themselves).
 
 kvcli is imported from this checkout, so the scripts that run in a peer's venv without kvcli installed
 (benchmarks/kvpress_chat.py peer, in the venv of benchmarks/setup_kvpress.sh) describe the machine the same way.
