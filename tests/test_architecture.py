@@ -138,7 +138,7 @@ LAYERS = [
     ("planning", ["kvcli.planning"]),
     ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat"]),
     ("app", ["kvcli.apps"]),
-    ("commands", ["kvcli.commands", "kvcli.cli"]),
+    ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz"]),   # the fuzzer drives the command line
 ]
 
 

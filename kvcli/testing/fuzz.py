@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcli import policies
 from kvcli.testing.tiny_gguf import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,8 @@ CLASSES = ("ok", "clean error", "internal", "crash", "hang")
 
 # each value list: (valid values, invalid values); an invalid one is drawn with probability BAD
 BAD = 0.06
-POLICIES = (["full", "snapkv", "pyramidkv", "streamingllm", "h2o", "windowkv", "dynamickv", "compresskv", "d2o",
-             "spindlekv", "SnapKV"], ["truncate", "bogus", ""])
+# every policy of the registry (kvcli/policies, the one list), and a name in capitals (names are case-insensitive)
+POLICIES = ([*policies.available(), "SnapKV"], ["truncate", "bogus", ""])
 BUDGETS = (["4", "8", "16", "24", "32", "48", "64", "128"], ["0", "-3", "abc", "2.5", "99999999999", "1"])
 POLICY_ARGS = (["window=4", "window=8", "kernel=3", "kernel=1"],
                ["window=0", "window=abc", "kernel=2", "bogus=1", "window", "=3", "window=8;x"])
