@@ -10,21 +10,10 @@ import csv
 import json
 
 import pytest
+from helpers import native_missing
 
 from kvcli.cli import cli
-from kvcli.errors import KvcliError
 from kvcli.testing.tiny_gguf import write_tiny_llama
-
-
-def native_missing(*names) -> list[str]:
-    from kvcli.native.lib import lib
-    out = []
-    for n in names:
-        try:
-            getattr(lib(), n)
-        except KvcliError:
-            out.append(n)
-    return out
 
 
 NEEDS = ("kvcli_stats_get", "kvcli_apply_plan", "kvcli_observe_begin")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import last_json
 
 from tests.conftest import KVCLI, ROOT  # noqa: F401  (the subprocess fixture's module)
 
@@ -20,10 +21,6 @@ def doc(tmp_path_factory):
     d = tmp_path_factory.mktemp("eadocs")
     (d / "doc0.txt").write_text(" ".join(rng.choice(words) for _ in range(600)), encoding="utf-8")
     return d
-
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_run_keeps_the_budget(run_kvcli, tiny_2k, doc):

@@ -27,15 +27,8 @@ def tiny(tiny_2k):
     return tiny_2k
 
 
-@pytest.fixture(scope="module")
-def other_tiny(other_tiny_2k):
-    return other_tiny_2k
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
-    return tmp_path / "kvcache"
+# every test stores its documents in a cache folder of its own (conftest.py)
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 def native(model):

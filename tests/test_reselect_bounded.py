@@ -24,10 +24,8 @@ DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i,
 Q = "Which code did the river station log?"
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
-    return tmp_path / "kvcache"
+# every test stores its documents in a cache folder of its own (conftest.py)
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 @pytest.fixture(scope="module")

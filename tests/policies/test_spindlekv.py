@@ -10,8 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from policy_obs import random_obs
-from test_d2o import assert_same
+from policy_obs import assert_same, engine_plans, random_obs
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
@@ -22,10 +21,8 @@ from kvcli.reference.policies import reference_plan
 
 
 def both(args, budget, obs):
-    _, params, _ = P.prepare("spindlekv", args, budget)
-    nat, ref = native_plan("spindlekv", params, budget, obs), reference_plan("spindlekv", params, budget, obs)
-    nat.validate(obs.n, obs.head_dim)
-    ref.validate(obs.n, obs.head_dim)
+    """spindlekv's plan of `obs`, the same in both engines."""
+    nat, ref = engine_plans("spindlekv", args, budget, obs)
     assert_same(nat, ref)
     return nat
 
