@@ -11,7 +11,7 @@ Runs go in the order model, length, text, budget (so the default model's 1k runs
 model's file benchmarks/results/check-corpus-<model>.json is rewritten (a partial sweep is kept); a run already
 in the file (same text, length, budget, threads) is skipped, so an interrupted sweep resumes where it stopped.
 
-The texts (why these: docs/results.md, "Corpus sweep"):
+The texts (why these: docs/results/engine-agreement.md, "Corpus sweep"):
   psf-licence         typing_extensions' LICENSE: the PSF licence with Python's history, plain-text legal prose
   diskcache-metadata  diskcache's METADATA: e-mail style package headers, then a reStructuredText README
   rich-metadata       rich's METADATA: headers, then a Markdown README (badges, links, code, a table)

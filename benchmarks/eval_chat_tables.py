@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Pool several `kvcli eval chat` JSONs (other policies, budgets, modes or documents of one setting) into one
-markdown table per length and one figure, for docs/results.md ("Many questions over one document").
+markdown table per length and one figure, for docs/results/chat-and-reselection.md ("Many questions over one document").
 
     python benchmarks/eval_chat_tables.py benchmarks/results/eval-chat-qwen-8k*.json --plot
     docs/eval-chat-qwen-8k-budgets.png

@@ -1,7 +1,8 @@
 """Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python
 benchmarks/investigations/check_layer_swap.py
 BUDGET POLICY [DOC [DOC_TOKENS]]
-(docs/results.md, "Native vs reference engine"). pyramidkv @256: is the first-token KL a property of the plans? In the
+(docs/results/engine-agreement.md, "Native vs reference engine"). pyramidkv @256: is the first-token KL a property of
+the plans? In the
 NATIVE engine only: the native
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""

@@ -1,7 +1,8 @@
 """Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python
 benchmarks/investigations/check_same_plan.py
 BUDGET POLICY[,POLICY] [DOC [DOC_TOKENS]]
-(docs/results.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli check does it
+(docs/results/engine-agreement.md, "Native vs reference engine"). Why does L3 differ? For each policy: (a) L3 as kvcli
+check does it
 (each engine its own observation and
 planner); (b) the reference engine applying the NATIVE plan (same kept sets, same merged rows), so the
 only difference left is the engines' arithmetic; (c) native planner on the reference observation vs torch

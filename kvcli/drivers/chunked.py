@@ -65,7 +65,7 @@ from kvcli.session import Session
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
 # Bounded reading turns on by itself only when the prompt's full cache would pass this many bytes: below it
 # the memory saved is small next to the weights and the runtime, and one prefill keeps more (a short document
-# read in chunks is scored chunk by chunk; docs/results.md "What bounded reading costs"). KVCLI_BOUNDED_ABOVE_MB
+# read in chunks is scored chunk by chunk; docs/results/memory.md "What bounded reading costs"). KVCLI_BOUNDED_ABOVE_MB
 # moves it (0: bound every prompt longer than budget + chunk).
 BOUNDED_ABOVE_BYTES = 64 << 20
 
@@ -351,7 +351,8 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
 # observed. A policy's window alone (8 tokens for pyramidkv, compresskv, dynamickv, spindlekv) is the chat
 # template's closing tokens, and prefilled after a chunk without the question before them it scores the chunk for
 # no question at all (bounded re-selection, 8k, 24 questions at budget 256: pyramidkv 17% and compresskv 33%
-# against 96% exact; with this probe 88% and 79%: docs/results.md, "Exact against bounded re-selection"). In a one-go
+# against 96% exact; with this probe 88% and 79%: docs/results/chat-and-reselection.md, "Exact against bounded
+# re-selection"). In a one-go
 # read the window's queries come after
 # the whole question; 32 tokens hold a short question and cost a 32-token prefill per chunk. Beyond the window the
 # probe takes at most an eighth of a chunk, so that a small --chunk keeps its room to read on.
