@@ -8,7 +8,8 @@ from pathlib import Path
 
 from setuptools import Command, find_packages, setup
 
-VERSION = re.search(r'__version__ = "([^"]+)"', Path(__file__).with_name("kvcli").joinpath("__init__.py").read_text()).group(1)
+VERSION = re.search(r'__version__ = "([^"]+)"',
+                    Path(__file__).with_name("kvcli").joinpath("__init__.py").read_text()).group(1)
 
 
 class BuildNative(Command):

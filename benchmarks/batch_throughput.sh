@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/results.md "Batch throughput": documents per hour over the same generated documents of
+# docs/results/speed.md "Batch throughput": documents per hour over the same generated documents of
 #   1. kvcli batch --policy snapkv --budget 128      (one model load, compressed documents decoded together)
 #   2. kvcli batch --policy full                     (one model load, the same --max-cache: fewer held at once)
 #   3. a shell loop of kvcli run --policy full       (a model load and one document at a time)

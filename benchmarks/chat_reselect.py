@@ -30,20 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def machine() -> str:
-    """CPU model, cores and memory of this machine."""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU")
-    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith("MemTotal")), 0)
-    return f"{cpu}, {os.cpu_count()} cores, {mem / 2**20:.0f} GB"
+from bench_common import ROOT, machine, uptime
 
 
 def busy() -> list[str]:
@@ -75,7 +62,7 @@ def cli_run(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
 
 def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
     """The old and the new way on one read and one load, question by question."""
-    from kvcli.apps.chat import Conversation, Turn
+    from kvcli.apps.chat import Conversation
     from kvcli.generate import generate
     from kvcli.native.session import NativeSession
     from kvcli.models import resolve_model
@@ -105,7 +92,8 @@ def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
             cpu["new"] = (time.process_time() - c0, None)   # conv.ask: tokenizing, re-selection and answer
             new = conv.last_reselection
             row = {"question": q}
-            for name, key, r, g in (("whole_conversation_prefilled", "old", old, g_old), ("turns_kept", "new", new, g_new)):
+            for name, key, r, g in (("whole_conversation_prefilled", "old", old, g_old), ("turns_kept", "new", new,
+                                                                                          g_new)):
                 per_q = r.total_s + g.decode_s
                 row[name] = {"answer": g.text, "from": r.source, "restored": r.restored, "prefilled": r.prefilled,
                              "reselect_s": round(r.total_s, 3), "restore_s": round(r.restore_s, 3),

@@ -11,7 +11,7 @@ Runs go in the order model, length, text, budget (so the default model's 1k runs
 model's file benchmarks/results/check-corpus-<model>.json is rewritten (a partial sweep is kept); a run already
 in the file (same text, length, budget, threads) is skipped, so an interrupted sweep resumes where it stopped.
 
-The texts (why these: docs/results.md, "Corpus sweep"):
+The texts (why these: docs/results/engine-agreement.md, "Corpus sweep"):
   psf-licence         typing_extensions' LICENSE: the PSF licence with Python's history, plain-text legal prose
   diskcache-metadata  diskcache's METADATA: e-mail style package headers, then a reStructuredText README
   rich-metadata       rich's METADATA: headers, then a Markdown README (badges, links, code, a table)
@@ -162,7 +162,8 @@ def run_l3(run: dict, policy: str) -> dict:
 def table(names) -> str:
     rows = ["| model | text | length (prompt tokens) | budget | threads | L1 | L2 (K/V rows allowed) | "
             "L3 arithmetic (of which precision-sensitive) | plan agreement | "
-            "same-plan KL max (policy) | skipped | s | load before |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "same-plan KL max (policy) | skipped | s | load before |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     tot = {"l1": [0, 0], "l2": [0, 0], "l3": [0, 0], "plans": [0, 0]}
 
@@ -190,8 +191,10 @@ def table(names) -> str:
             n_prec = sum(bool(v.get("pass")) for v in c["l3_precision"].values())
             prec = f" ({n_prec})" if n_prec else ""
             rows.append(f"| {name} | {run['text']} | {run['length']} ({c['tokens']}) | {run['budget']} | "
-                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'}{allowed} | {c['l3']}/{n}{prec} | "
-                        f"{c['plans']}/{n} | {c['kl_max'][0]:.4f} ({c['kl_max'][1]}) | {','.join(c['skipped']) or '-'} | {run['report']['seconds']:.0f} | "
+                        f"{run['threads']} | {c['l1']}/{n} | {'pass' if c['l2'] else 'FAIL'}{allowed} | "
+                        f"{c['l3']}/{n}{prec} | "
+                        f"{c['plans']}/{n} | {c['kl_max'][0]:.4f} ({c['kl_max'][1]}) | "
+                        f"{','.join(c['skipped']) or '-'} | {run['report']['seconds']:.0f} | "
                         f"{load_b} |")
             tag = f"{name} {run['text']} {run['length']} b{run['budget']}"
             if not c["l2"]:
@@ -299,7 +302,7 @@ def main() -> int:
 def redo_l2(names: list[str], texts: list[str], lengths: list[int]) -> int:
     """`--redo-l2`: L2 does not depend on the budget or the policies (one observation of the prompt), so one
     levels-2 check per (model, length, text) serves every run of it whose L2 failed."""
-    from kvcli.drivers.check import CheckSettings, Thresholds, _passed, run_check  # noqa: PLC0415
+    from kvcli.drivers.check import CheckSettings, Thresholds, passed, run_check  # noqa: PLC0415
     from kvcli.models import resolve_model  # noqa: PLC0415
     commit = _sh(["git", "rev-parse", "--short", "HEAD"])
     for name in names:
@@ -330,7 +333,7 @@ def redo_l2(names: list[str], texts: list[str], lengths: list[int]) -> int:
                                              f"now, {r['report']['prompt_tokens']} in the run")
                         r["report"]["l2_superseded"] = r["report"]["l2"]
                         r["report"]["l2"], r["l2_redone"] = new["l2"], redone
-                        r["report"]["passed"] = _passed(r["report"])
+                        r["report"]["passed"] = passed(r["report"])
                 save(name, fresh)
                 print(f"[corpus] L2 {'pass' if new['l2']['pass'] else 'FAIL'} in {new['seconds']} s", flush=True)
     print(table(names))

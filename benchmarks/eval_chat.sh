@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-question evaluation of docs/results.md ("Many questions over one document"): qwen2.5-coder-0.5b,
+# The multi-question evaluation of docs/results/chat-and-reselection.md ("Many questions over one document"): qwen2.5-coder-0.5b,
 # every question of a document asked in one conversation, for full / compress-once / re-selected / each question
 # alone (run). Measure alone on a quiet machine (the JSON's machine field records the load).
 # LENGTHS / DOCS / POLICIES / BUDGETS override the defaults; reread (the document read again per question) is

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Pool several `kvcli eval chat` JSONs (other policies, budgets, modes or documents of one setting) into one
-markdown table per length and one figure, for docs/results.md ("Many questions over one document").
+markdown table per length and one figure, for docs/results/chat-and-reselection.md ("Many questions over one document").
 
-    python benchmarks/eval_chat_tables.py benchmarks/results/eval-chat-qwen-8k*.json --plot docs/eval-chat-qwen-8k-budgets.png
+    python benchmarks/eval_chat_tables.py benchmarks/results/eval-chat-qwen-8k*.json --plot
+    docs/eval-chat-qwen-8k-budgets.png
 
 A document is known by its length and its planted answers (runs with other seeds or --documents pool as other
 documents); a record found in two files (the same document, mode, policy, budget and question: e.g. `full` in

@@ -5,7 +5,8 @@ Three steps, each in its own venv (kvpress is never a kvcli dependency; benchmar
 
     .venv/bin/python benchmarks/kvpress_chat.py export --model qwen2.5-coder-0.5b --length 8192 --documents 2 \\
         --facts 6 --check benchmarks/results/eval-chat-qwen-8k-kvzip-1024.json --out /tmp/chat-docs.json
-    nice -n 10 /work/kvpress-venv/bin/python benchmarks/kvpress_chat.py peer --model M.gguf --docs /tmp/chat-docs.json \\
+    nice -n 10 /work/kvpress-venv/bin/python benchmarks/kvpress_chat.py peer --model M.gguf --docs /tmp/chat-docs.json
+    \\
         --budget 1024 --presses kvzip,none,snapkv --out /tmp/chat-peer.json      # resumes; saved after each document
     .venv/bin/python benchmarks/kvpress_chat.py score --peer /tmp/chat-peer.json --docs /tmp/chat-docs.json \\
         --json-out benchmarks/results/kvpress-chat-qwen-8k-1024.json
@@ -30,11 +31,12 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bench_common import machine
 
 
 def export(args) -> None:
@@ -71,17 +73,6 @@ def export(args) -> None:
                                           "seed": args.seed, "documents": docs}, indent=1))
 
 
-def _machine(threads: int) -> dict:
-    import torch
-    cpu = platform.processor()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads,
-            "python": platform.python_version()}
-
-
 def peer(args) -> None:
     import torch
     import transformers
@@ -113,7 +104,8 @@ def peer(args) -> None:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
     out.update(model=str(path), kvpress=getattr(kvpress, "__version__", "0.5.5"), transformers=transformers.__version__,
                budget=args.budget, max_new_tokens=args.max_new_tokens, question_prefix="\\n\\n",
-               machine=_machine(args.threads), model_load_s=round(load_s, 1))
+               machine=machine(args.threads, torch=torch.__version__, torch_threads=args.threads),
+               model_load_s=round(load_s, 1))
     for press_name in args.presses.split(","):
         for doc in docs["documents"]:
             if (press_name, doc["doc"]) in done:
@@ -122,8 +114,8 @@ def peer(args) -> None:
             questions = ["\n\n" + f["asked"] for f in doc["facts"]]
             n_context = pipe.preprocess(context, questions, "", int(1e10))["context_ids"].shape[1]
             ratio = 1.0 - args.budget / n_context
-            press = {"kvzip": lambda: KVzipPress(compression_ratio=ratio),
-                     "snapkv": lambda: SnapKVPress(compression_ratio=ratio),
+            press = {"kvzip": lambda ratio=ratio: KVzipPress(compression_ratio=ratio),
+                     "snapkv": lambda ratio=ratio: SnapKVPress(compression_ratio=ratio),
                      "none": lambda: None}[press_name]()
             load0 = os.getloadavg()[0]
             started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -215,7 +207,8 @@ def compare(args) -> None:
            "paired_difference": ms(a - b), "both_right": int(((a > 0) & (b > 0)).sum()),
            "only_kvcli": int(((a > 0) & (b == 0)).sum()), "only_kvpress": int(((a == 0) & (b > 0)).sum()),
            "kvcli_files": args.kvcli, "kvpress_files": args.peer}
-    print(f"{args.mode} {args.policy}{'' if budget is None else f'@{budget}'} vs {args.press}: {row['questions']} questions, "
+    print(f"{args.mode} {args.policy}{'' if budget is None else f'@{budget}'} vs {args.press}: {row['questions']} "
+          "questions, "
           f"{row['documents']} documents: kvcli {row['kvcli'][0]} +- {row['kvcli'][1]}, kvpress {row['kvpress'][0]} "
           f"+- {row['kvpress'][1]}, paired {row['paired_difference'][0]:+} +- {row['paired_difference'][1]} "
           f"(both right {row['both_right']}, only kvcli {row['only_kvcli']}, only kvpress {row['only_kvpress']})")

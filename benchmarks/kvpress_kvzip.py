@@ -100,7 +100,8 @@ def kvcli_side(args) -> None:
         jac = np.array([r["jaccard"] for r in rows])
         result["allocations"][alloc] = {
             "jaccard_mean": float(jac.mean()), "jaccard_min": float(jac.min()), "jaccard_median": float(np.median(jac)),
-            "entries_kvcli": int(sum(r["kvcli"] for r in rows)), "entries_kvpress": int(sum(r["kvpress"] for r in rows)),
+            "entries_kvcli": int(sum(r["kvcli"] for r in rows)),
+                                        "entries_kvpress": int(sum(r["kvpress"] for r in rows)),
             "kvpress_seconds": run["seconds"], "kvcli_reconstruct_s": rep.reconstruct_s, "per_head": rows}
         print(f"alloc={alloc}: Jaccard mean {jac.mean():.3f} min {jac.min():.3f} median {np.median(jac):.3f} "
               f"(kvcli {result['allocations'][alloc]['entries_kvcli']} entries, kvpress "

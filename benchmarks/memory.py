@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common import ROOT, run_max_rss
 POLICIES = ("streamingllm", "snapkv", "h2o", "pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
 QUESTION = "What happened at the station? Answer in one sentence."
 
@@ -35,22 +33,20 @@ def runs(budget: int) -> list[tuple[str, str, list[str]]]:
 
 
 def measure(doc: Path, label: str, args: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".time") as t:
-        cmd = ["/usr/bin/time", "-f", "%M", "-o", t.name, sys.executable, "-m", "kvcli.cli", "run", "--doc", str(doc),
-               "-n", "16", "--json", "--quiet", *args, QUESTION]
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        row = {"doc": doc.name, "run": label, "command": "kvcli run --doc DOC -n 16 " + " ".join(args)}
-        if r.returncode != 0:
-            row["error"] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-            return row
-        s = json.loads(r.stdout)["stats"]
-        row.update(time_max_rss_bytes=int(Path(t.name).read_text().split()[-1]) * 1024,
-                   peak_rss_bytes=s["peak_rss_bytes"], kv_bytes_allocated=s["kv_bytes_allocated"],
-                   kv_cells_allocated=s["kv_cells_allocated"], peak_kv_cells=s.get("peak_kv_cells"),
-                   kv_bytes=s["kv_bytes"], kv_bytes_live=s["kv_bytes_live"], kv_bytes_full=s["kv_bytes_full"],
-                   prompt_tokens=s["prompt_tokens"], chunks=s.get("chunks"))
+    cmd = [sys.executable, "-m", "kvcli.cli", "run", "--doc", str(doc), "-n", "16", "--json", "--quiet", *args,
+           QUESTION]
+    r, max_rss = run_max_rss(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    row = {"doc": doc.name, "run": label, "command": "kvcli run --doc DOC -n 16 " + " ".join(args)}
+    if r.returncode != 0:
+        row["error"] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         return row
+    s = json.loads(r.stdout)["stats"]
+    row.update(time_max_rss_bytes=max_rss,
+               peak_rss_bytes=s["peak_rss_bytes"], kv_bytes_allocated=s["kv_bytes_allocated"],
+               kv_cells_allocated=s["kv_cells_allocated"], peak_kv_cells=s.get("peak_kv_cells"),
+               kv_bytes=s["kv_bytes"], kv_bytes_live=s["kv_bytes_live"], kv_bytes_full=s["kv_bytes_full"],
+               prompt_tokens=s["prompt_tokens"], chunks=s.get("chunks"))
+    return row
 
 
 def table(rows: list[dict]) -> str:
@@ -61,7 +57,8 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['doc']} | {r['run']} | error: {r['error']} | | | | | |")
             continue
         out.append(f"| {r['doc']} ({r['prompt_tokens']}) | {r['run']} | {r['time_max_rss_bytes'] / 1e6:.0f} | "
-                   f"{r['peak_rss_bytes'] / 1e6:.0f} | {r['kv_bytes_allocated'] / 1e6:.1f} ({r['kv_cells_allocated']}) | "
+                   f"{r['peak_rss_bytes'] / 1e6:.0f} | {r['kv_bytes_allocated'] / 1e6:.1f} "
+                   f"({r['kv_cells_allocated']}) | "
                    f"{r['peak_kv_cells']} | {r['kv_bytes'] / 1e6:.2f} | {r['kv_bytes_live'] / 1e6:.2f} |")
     return "\n".join(out)
 

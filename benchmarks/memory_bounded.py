@@ -16,35 +16,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common import ROOT, run_max_rss
 STATS = ("peak_rss_bytes", "kv_bytes_allocated", "kv_cells_allocated", "peak_kv_cells", "cache_cap", "kv_cells",
          "prompt_tokens", "chunks", "chunk", "chunk_scoring", "prefill_s", "compress_s", "reconstruct_s")
 
 
 def measure(doc: Path, model: str, question: str, args: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".time") as t:
-        cmd = ["/usr/bin/time", "-f", "%M", "-o", t.name, sys.executable, "-m", "kvcli.cli", "run", "--model", model,
-               "--doc", str(doc), "-n", "16", "--json", "--quiet", *args, question]
-        t0 = time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        row = {"command": f"kvcli run --model {model} --doc {doc.name} -n 16 --json --quiet " + " ".join(args)
-                          + f" '{question}'", "wall_s": round(time.time() - t0, 1),
-               "load_after": os.getloadavg()}
-        if r.returncode != 0:
-            row["error"] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-            return row
-        out = json.loads(r.stdout)
-        s = out["stats"]
-        row["time_max_rss_bytes"] = int(Path(t.name).read_text().split()[-1]) * 1024
-        row.update({k: s.get(k) for k in STATS})
-        row["answer"] = out.get("answer", out.get("text"))
+    cmd = [sys.executable, "-m", "kvcli.cli", "run", "--model", model, "--doc", str(doc), "-n", "16", "--json",
+           "--quiet", *args, question]
+    t0 = time.time()
+    r, max_rss = run_max_rss(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    row = {"command": f"kvcli run --model {model} --doc {doc.name} -n 16 --json --quiet " + " ".join(args)
+                      + f" '{question}'", "wall_s": round(time.time() - t0, 1),
+           "load_after": os.getloadavg()}
+    if r.returncode != 0:
+        row["error"] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         return row
+    out = json.loads(r.stdout)
+    s = out["stats"]
+    row["time_max_rss_bytes"] = max_rss
+    row.update({k: s.get(k) for k in STATS})
+    row["answer"] = out.get("answer", out.get("text"))
+    return row
 
 
 def main() -> None:

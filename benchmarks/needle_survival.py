@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
             o = Origins(sess.info.n_layer, sess.info.n_head_kv)
             t0 = time.perf_counter()
             prefill_and_compress(sess, toks, policy, BUDGET, {}, chunk=CHUNK, cap=BUDGET + CHUNK, scoring=sc,
-                                 on_step=lambda st, obs, plan: o.on_plan(obs.n, plan))
+                                 on_step=lambda st, obs, plan, o=o: o.on_plan(obs.n, plan))
             kept = o.kept(sess.stats(0)["kv_cells"])
             share = np.mean([np.isin(np.arange(a, b), h).mean() for layer in kept for h in layer])
             pred = _greedy(sess, sess.logits(0), s.max_tokens)

@@ -1,4 +1,5 @@
-"""What bounded re-selection costs against exact re-selection (docs/results.md, "Bounded re-selection").
+"""What bounded re-selection costs against exact re-selection (docs/results/chat-and-reselection.md, "Bounded
+re-selection").
 
 The documents and questions of `kvcli eval chat` (a generated logbook of about LENGTH tokens with six planted facts);
 each question asked alone (question-aware, as `kvcli run --question` asks it) from one stored document: exact

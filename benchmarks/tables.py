@@ -27,11 +27,13 @@ def _f(v, fmt):
 def bench_tables(res: dict) -> str:
     out = [f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, "
            f"{res['machine']['threads']} threads; load average at start {res['machine'].get('load_avg_1m_at_start')}.",
-           f"Settings: {res['settings']['gen']} tokens decoded per configuration, {res['settings']['repeat']} repeats.", ""]
+           f"Settings: {res['settings']['gen']} tokens decoded per configuration, "
+           f"{res['settings']['repeat']} repeats.", ""]
     for doc in dict.fromkeys(r["doc"] for r in res["rows"]):
         rows = [r for r in res["rows"] if r["doc"] == doc]
         out.append(f"**{doc}** ({rows[0]['prompt_tokens']} prompt tokens)\n")
-        out.append("| config | prefill tok/s | compress s (share) | decode tok/s median (min–max) | x full | cells | KV MB "
+        out.append("| config | prefill tok/s | compress s (share) | decode tok/s median (min–max) | x full | cells | "
+                   "KV MB "
                    "| KV vs full | peak RSS MB | agreement | KL |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
@@ -39,15 +41,18 @@ def bench_tables(res: dict) -> str:
                 out.append(f"| {r['config']} | {r.get('status')} |||||||||")
                 continue
             out.append(
-                f"| {r['config']} | {r['prefill_tok_s']:.0f} | {r['compress_s']:.3f} ({100 * r['compress_share']:.1f}%) | "
+                f"| {r['config']} | {r['prefill_tok_s']:.0f} | {r['compress_s']:.3f} "
+                f"({100 * r['compress_share']:.1f}%) | "
                 f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_min']:.1f}–{r['decode_tok_s_max']:.1f}) | "
                 f"{_f(r.get('decode_speedup_vs_full'), '{:.2f}')} | {r['kv_cells']} | {r['kv_bytes'] / 1e6:.2f} | "
-                f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}')} | {_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}')} | "
+                f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}')} | "
+                f"{_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}')} | "
                 f"{100 * r['agreement']:.0f}% | {r['kl_mean']:.3f} |")
         out.append("")
     if res.get("batch"):
         s = res["settings"]
-        out.append(f"**Batch at equal memory**: {s['ctx']} cells, up to {s['batch']} documents, {s['gen']} tokens each, "
+        out.append(f"**Batch at equal memory**: {s['ctx']} cells, up to {s['batch']} documents, {s['gen']} tokens "
+                   "each, "
                    "all decoded together\n")
         out.append("| config | documents held | cells | KV MB | aggregate tok/s | x full | status |")
         out.append("|---|---|---|---|---|---|---|")
@@ -75,7 +80,8 @@ def eval_tables(res: dict) -> str:
         for pol, bud in keys:
             cells = []
             for L in lengths:
-                m = [s for s in res["summary"] if (s["task"], s["policy"], s["budget"], s["length"]) == (task, pol, bud, L)]
+                m = [s for s in res["summary"] if (s["task"], s["policy"], s["budget"], s["length"]) == (task, pol,
+                                                                                                         bud, L)]
                 if not m:
                     cells.append("")
                 elif m[0].get(metric) is None:
@@ -202,7 +208,8 @@ def pool_fidelity(results: list[dict]) -> tuple[dict, dict]:
     for L in sorted({r["length"] for r in recs}):
         docs = sorted({(r["run"], r["doc"]) for r in recs if r["length"] == L})
         full_ppl[L] = [full.get((run, doc, L)) for run, doc in docs]
-        for pol, b in dict.fromkeys((r["policy"], r["budget"]) for r in recs if r["length"] == L and r["policy"] != "full"):
+        for pol, b in dict.fromkeys((r["policy"],
+                                     r["budget"]) for r in recs if r["length"] == L and r["policy"] != "full"):
             m = [r for r in recs if (r["length"], r["policy"], r["budget"]) == (L, pol, b)]
             ok = [r for r in m if r["ppl"] is not None and full.get((r["run"], r["doc"], L))]
             if len(ok) < len(m):
@@ -240,7 +247,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", help="JSON written by kvcli bench / kvcli eval --json-out")
     ap.add_argument("--merge", action="store_true", help="pool several eval runs into one table per setting")
-    ap.add_argument("--plot", metavar="PNG", help="with --merge: score (or perplexity ratio) vs budget, one panel per length")
+    ap.add_argument("--plot", metavar="PNG", help="with --merge: score (or perplexity ratio) vs budget, one panel per "
+                                                  "length")
     args = ap.parse_args()
     if args.plot:
         from kvcli.errors import KvcliError  # noqa: PLC0415

@@ -234,11 +234,13 @@ def summarise(runs: list[dict], tools: list[str]) -> dict:
     if {"kvcli-snapkv", "kvpress-snapkv"} <= set(tools):
         out["kvpress_over_kvcli_answer"] = round(med["kvpress-snapkv"]["answer_s"] / med["kvcli-snapkv"]["answer_s"], 3)
     if {"kvcli-snapkv", "stock-full"} <= set(tools):
-        out["kvcli_snapkv_over_stock_answer"] = round(med["kvcli-snapkv"]["answer_s"] / med["stock-full"]["answer_s"], 3)
+        out["kvcli_snapkv_over_stock_answer"] = round(med["kvcli-snapkv"]["answer_s"]
+                                                      / med["stock-full"]["answer_s"], 3)
         k, st = med["kvcli-snapkv"], med["stock-full"]
         out["kvcli_snapkv_prefill_compress_over_stock_prefill"] = round(
             (k["prefill_s"] + k["compress_s"]) / st["prefill_s"], 3)
-    for ours, theirs in (("kvcli-full", "stock-full"), ("kvcli-full", "stock-full-fa"), ("stock-full", "stock-full-fa")):
+    for ours, theirs in (("kvcli-full", "stock-full"), ("kvcli-full", "stock-full-fa"), ("stock-full",
+                                                                                         "stock-full-fa")):
         if {ours, theirs} <= set(tools):
             out[f"{ours}_over_{theirs}_answer".replace("-", "_")] = round(
                 med[ours]["answer_s"] / med[theirs]["answer_s"], 3)
@@ -254,7 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every tool (default: all cores)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every tool (default: all "
+                                                                             "cores)")
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
     ap.add_argument("--seed", type=int, default=0, help="seed of the logbook document")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled SmolLM2-135M Q4_1)")

@@ -113,7 +113,8 @@ def pull(name: str, *, progress=lambda msg: None, download=_download) -> Path:
         progress(f"{name}: already pulled, checking its SHA-256")
         digest, size = sha256_file(final)
         if digest != entry.sha256:
-            raise KvcliError(f"{final} exists but its SHA-256 is {digest}, not {entry.sha256}: delete it and pull again")
+            raise KvcliError(f"{final} exists but its SHA-256 is {digest}, not {entry.sha256}: "
+                             "delete it and pull again")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")

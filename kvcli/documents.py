@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvcli.errors import KvcliError
 
-MAX_DOCUMENT_MB = 64   # each document is read up to this size (README.md): an endless stream is refused
+MAX_DOCUMENT_MB = 64   # each document is read up to this size (docs/usage.md): an endless stream is refused
 _BLOCK = 1 << 20
 
 

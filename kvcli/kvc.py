@@ -178,7 +178,8 @@ def read(path) -> KvcFile:
         model = meta.get("model")
         n_layer, n_head_kv = (model.get(k) if isinstance(model, dict) else None for k in ("n_layer", "n_head_kv"))
         if not (_count(n_layer) and n_layer and _count(n_head_kv) and n_head_kv):
-            raise KvcliError(f"{path} is corrupted (metadata model.n_layer / model.n_head_kv are not positive integers)")
+            raise KvcliError(f"{path} is corrupted "
+                             "(metadata model.n_layer / model.n_head_kv are not positive integers)")
         if flat is None or counts.size != n_layer * n_head_kv or int(counts.sum()) != flat.size:
             raise KvcliError(f"{path} is corrupted (kept positions do not match the model's shape)")
         offs = np.concatenate([[0], np.cumsum(counts)])

@@ -109,3 +109,17 @@ def other_tiny_2k(tmp_path_factory):
     from kvcli.testing.tiny_gguf import write_tiny_llama
     return write_tiny_llama(tmp_path_factory.mktemp("other2k") / "other.gguf", n_layer=2, n_head=4, n_head_kv=2,
                             head_dim=16, n_ctx_train=2048, seed=7)
+
+
+@pytest.fixture(scope="module")
+def other_tiny(other_tiny_2k):
+    """The re-selection tests' foreign model (tiny_2k's shape, other weights)."""
+    return other_tiny_2k
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    """KVCLI_CACHE in the test's own folder (stored documents land there); the re-selection tests use it for every
+    test (pytestmark)."""
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
+    return tmp_path / "kvcache"

@@ -105,7 +105,8 @@ def test_resolution_of_relative_and_submodule_imports():
     graph = import_graph()
     # `from kvcli import policies` and `from kvcli.native import cache` name submodules; `from kvcli.errors
     # import KvcliError` a name inside one.
-    assert {"kvcli.planning.planner", "kvcli.policies", "kvcli.errors"} <= graph["kvcli.drivers.check"] | graph["kvcli.planning.planner"]
+    assert ({"kvcli.planning.planner", "kvcli.policies", "kvcli.errors"}
+            <= graph["kvcli.drivers.check.levels"] | graph["kvcli.planning.planner"])
     assert "kvcli.native.cache" in graph["kvcli.drivers.bench"]
     assert _resolve("kvcli.reference.policies", True, 3, "policies.base") == "kvcli.policies.base"
     assert _resolve("kvcli.reference.compact", False, 1, "session") == "kvcli.reference.session"
@@ -126,7 +127,8 @@ def test_no_import_circle_in_kvcli():
 # The layers of the package, lowest first: a module imports its own layer and the ones before it only
 # (docs/internals.md, "Module layers"). A module is in the layer of its longest listed prefix.
 LAYERS = [
-    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.planning.formats", "kvcli.planning.rope", "kvcli.session", "kvcli.catalogue", "kvcli.models",
+    ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.planning.formats", "kvcli.planning.rope",
+                    "kvcli.session", "kvcli.catalogue", "kvcli.models",
                     "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.document_store", "kvcli.taskclass",
                     "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
                     "kvcli.native.build"]),
@@ -136,7 +138,7 @@ LAYERS = [
     ("planning", ["kvcli.planning"]),
     ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat"]),
     ("app", ["kvcli.apps"]),
-    ("commands", ["kvcli.commands", "kvcli.cli"]),
+    ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz"]),   # the fuzzer drives the command line
 ]
 
 
@@ -173,7 +175,8 @@ def test_the_command_line_starts_without_the_heavy_dependencies():
 def test_a_compresskv_run_reads_its_calibration_without_torch():
     """The calibration side-car is applied with numpy and gguf only: before, resolving compresskv imported the
     calibration tool (torch), 195 MB more peak RSS for `kvcli run --policy compresskv` than for snapkv."""
-    code = ("import sys; from kvcli.models import default_model_path; from kvcli.planning.planner import resolve_for_model; "
+    code = ("import sys; from kvcli.models import default_model_path; from kvcli.planning.planner import "
+            "resolve_for_model; "
             "spec, params = resolve_for_model(default_model_path(), 'compresskv', {}, 128); "
             "print(bool(params.get('layer_scores')), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

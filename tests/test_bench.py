@@ -10,21 +10,10 @@ import csv
 import json
 
 import pytest
+from helpers import native_missing
 
 from kvcli.cli import cli
-from kvcli.errors import KvcliError
 from kvcli.testing.tiny_gguf import write_tiny_llama
-
-
-def native_missing(*names) -> list[str]:
-    from kvcli.native.lib import lib
-    out = []
-    for n in names:
-        try:
-            getattr(lib(), n)
-        except KvcliError:
-            out.append(n)
-    return out
 
 
 NEEDS = ("kvcli_stats_get", "kvcli_apply_plan", "kvcli_observe_begin")
@@ -55,7 +44,8 @@ def result(tiny, docs, tmp_path_factory):
     r = CliRunner().invoke(cli, ["bench", "--docs", str(docs), "--model", str(tiny), "--policies",
                                  "full,streamingllm,snapkv,nosuchpolicy", "--budgets", "32,64,128",
                                  "--cache-type", "f16,q8_0", "--gen", "6", "--repeat", "2", "--batch", "4",
-                                 "--ctx", "512", "--policy-arg", "snapkv.window=8", "--json", "--quiet", "--csv", str(out / "b.csv"),
+                                 "--ctx", "512", "--policy-arg", "snapkv.window=8", "--json", "--quiet", "--csv",
+                                 str(out / "b.csv"),
                                  "--plot", str(out / "b.png")])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout), out

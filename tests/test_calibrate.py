@@ -253,8 +253,9 @@ def test_bench_eval_and_check_plan_compresskv_with_the_models_calibration(calibr
         return real(spec, params, budget, obs, planner)
 
     # every driver that plans imports make_plan by name: spy on each
-    for module in ("kvcli.drivers.compress", "kvcli.drivers.chunked", "kvcli.drivers.check", "kvcli.drivers.reselect",
-                   "kvcli.drivers.reselect_bounded", "kvcli.evaluation.chat"):
+    for module in ("kvcli.drivers.compress", "kvcli.drivers.chunked", "kvcli.drivers.check.levels",
+                   "kvcli.drivers.check.verdicts", "kvcli.drivers.reselect", "kvcli.drivers.reselect_bounded",
+                   "kvcli.evaluation.chat"):
         monkeypatch.setattr(f"{module}.make_plan", spy)
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(f"line {i}: the ridge station logged wind and snow." for i in range(40)) + "\n")

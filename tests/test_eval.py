@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from helpers import native_missing
 
 from kvcli.cli import cli
 from kvcli.errors import KvcliError
@@ -13,17 +14,6 @@ from kvcli.evaluation.measure import parse_size
 from kvcli.evaluation.runner import aggregate
 from kvcli.evaluation.tasks import string_match_all
 from kvcli.testing.tiny_gguf import write_tiny_llama
-
-
-def native_missing(*names) -> list[str]:
-    from kvcli.native.lib import lib
-    out = []
-    for n in names:
-        try:
-            getattr(lib(), n)
-        except KvcliError:
-            out.append(n)
-    return out
 
 
 def need_compaction():

@@ -33,7 +33,6 @@ def test_agnostic_compression_does_not_depend_on_the_question(tiny, monkeypatch)
     """Two questions over one document: the agnostic prefix (template head, document, generic instruction) is the
     same, kvzip and snapkv keep the same entries for both, and each question is prefilled after the compressed
     cache (eval chat's `once` layout). Question-aware, the same two questions give other plans."""
-    from kvcli.drivers.compress import resolve
     from kvcli.evaluation.chat import prefix_text
     from kvcli.evaluation.runner import agnostic_split, sample_variants
     from kvcli.evaluation.tasks import _chat, ruler_sample

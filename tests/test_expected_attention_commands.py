@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import last_json
 
 from tests.conftest import KVCLI, ROOT  # noqa: F401  (the subprocess fixture's module)
 
@@ -22,16 +23,13 @@ def doc(tmp_path_factory):
     return d
 
 
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_run_keeps_the_budget(run_kvcli, tiny_2k, doc):
     p = run_kvcli("run", "--model", tiny_2k, "--doc", doc / "doc0.txt", *EA, "-n", "4", "--json", "What?")
     assert p.returncode == 0, p.stderr
     s = last_json(p.stdout)["stats"]
     assert max(s["per_layer_cells"]) <= 64 + 4   # the budget + the answer
-    assert s.get("chunks") is None   # a prompt that fits is read in one prefill (chunked: test_expected_attention_chunked)
+    # a prompt that fits is read in one prefill (chunked: test_expected_attention_chunked)
+    assert s.get("chunks") is None
 
 
 def test_chat_compresses_once_and_policy_switches(run_kvcli, tiny_2k, doc):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import last_json
 
 from tests.conftest import KVCLI, ROOT  # noqa: F401  (the subprocess fixture's module)
 
@@ -21,10 +22,6 @@ def doc(tmp_path_factory):
     for i, n in enumerate((600, 420)):
         (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(n)), encoding="utf-8")
     return d
-
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_run_reports_the_reconstruction_and_keeps_the_budget(run_kvcli, tiny_2k, doc):

@@ -2,11 +2,12 @@
 
 What they depend on is pinned here: the thread count of both engines (THREADS: llama.cpp's CPU kernels round
 differently with another thread count, and torch's reductions too), the documents and their cut, the budgets
-and `kvcli check`'s default thresholds (kvcli/drivers/check.py Thresholds; not loosened here).
+and `kvcli check`'s default thresholds (kvcli/drivers/check/thresholds.py; not loosened here).
 
 `./setup.sh` pulls qwen2.5-coder-0.5b, so the CI runs the tests of that model, its `kvcli check` of every policy
 included (measured 2026-11-26 on the 2 cores here, load about 1 as other jobs started: 166 s, 12 policies, before
-the L3 allowance); gemma-3-270m's run only where it is pulled (its check: 126 s at load about 4, beside other jobs). KVCLI_PULLED_TESTS=0 skips the two checks (a quick
+the L3 allowance); gemma-3-270m's run only where it is pulled (its check: 126 s at load about 4, beside other jobs).
+KVCLI_PULLED_TESTS=0 skips the two checks (a quick
 local run); nothing else does.
 """
 from __future__ import annotations

@@ -74,7 +74,8 @@ def test_ctrl_c_during_a_reply_leaves_a_consistent_conversation(tiny, monkeypatc
     s.close()
 
 
-# ------------------------------------------------------------------------------ 3: piped chat goes on after a bad command
+# ------------------------------------------------------------------------------ 3: piped chat goes on after a bad
+# command
 def test_piped_chat_reports_a_bad_command_and_goes_on(tiny, tmp_path):
     doc = tmp_path / "d.txt"
     doc.write_text("alpha beta gamma delta. " * 20)

@@ -1,4 +1,5 @@
-"""Re-selection per question (kvcli/drivers/reselect.py, the re-selected mode of kvcli/apps/chat.py) on tiny random models.
+"""Re-selection per question (kvcli/drivers/reselect.py, the re-selected mode of kvcli/apps/chat.py) on tiny random
+models.
 
 What it must show: a re-selection observes what `run`'s one prefill of the same prompt observes (L2 thresholds of
 kvcli check) and plans from it as the other engine's planner does (L1), in both engines, also for the later questions
@@ -26,15 +27,8 @@ def tiny(tiny_2k):
     return tiny_2k
 
 
-@pytest.fixture(scope="module")
-def other_tiny(other_tiny_2k):
-    return other_tiny_2k
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
-    return tmp_path / "kvcache"
+# every test stores its documents in a cache folder of its own (conftest.py)
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 def native(model):
@@ -166,6 +160,7 @@ def test_conversation_turns_kept_in_the_store_observe_what_run_observes(tiny, po
     conv = Conversation(session, DOC, policy=policy, budget=48, reselect=True)
     conv.compress()
     again = conversation(tiny, policy=policy, store_turns=False)   # every turn prefilled again at every question
+    prev: list[int] = []   # the previous turn's prompt
     for i, q in enumerate(QS3):
         prompt = session.tokenize(conv.conversation_text(q))
         answer = conv.ask(q, 8).text

@@ -25,10 +25,8 @@ DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i,
 Q = "Which code did the river station log?"
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
-    return tmp_path / "kvcache"
+# every test stores its documents in a cache folder of its own (conftest.py)
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +93,8 @@ def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
     assert [c["n"] for c in manifest["chunks"]] == [c.n for c in store.chunks]
     _, window = cfg.observe
     assert sum(c.n for c in store.chunks) == store.split and len(store.chunks) > 1
-    assert all(c.n <= chunk - probe_length(window, chunk) for c in store.chunks)           # each leaves its question's probe room
+    # each leaves its question's probe room
+    assert all(c.n <= chunk - probe_length(window, chunk) for c in store.chunks)
     assert all((store.path / c.file).stat().st_size == c.nbytes for c in store.chunks)
     assert not list(cache_dir.glob("documents/*/*.part"))         # the folder was renamed into place
     held = []
@@ -427,7 +426,8 @@ def test_kept_turns_observe_what_the_document_path_observes(tiny_2k, setup):
 def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setup):
     """Three questions: the second and third prefill only the answer before them and their question; the kept turns
     tile the conversation, one chunk per question; while the chunks stream the cache holds at most the kept entries +
-    a chunk (the probe included), the turns costing no probe of their own; a prompt that leaves the kept turns part-way uses them up to
+    a chunk (the probe included), the turns costing no probe of their own; a prompt that leaves the kept turns part-way
+    uses them up to
     there, one that leaves them at once (another first question) is re-selected from the document."""
     from kvcli.drivers.reselect_bounded import ChunkedStore
     from kvcli.generate import generate

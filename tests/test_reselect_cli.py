@@ -34,11 +34,6 @@ def tiny(tiny_2k):
 
 
 @pytest.fixture(scope="module")
-def other_tiny(other_tiny_2k):
-    return other_tiny_2k
-
-
-@pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("docs")
     (d / "doc.txt").write_text(DOC, encoding="utf-8")
@@ -48,10 +43,8 @@ def files(tmp_path_factory):
     return d
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "kvcache"))
-    return tmp_path / "kvcache"
+# every test stores its documents in a cache folder of its own (conftest.py)
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 def kvcli(cli_runner, *args):

@@ -26,8 +26,10 @@ def _fidelity(doc, ppl):
     return {"kind": "eval", "task": "fidelity", "model": "/m/qwen.gguf", "records": recs}
 
 
-ROUNDS = [_ruler(0, {"vt": {("full", None): 100, ("snapkv", 128): 100}, "niah_single": {("full", None): 100, ("snapkv", 128): 0}}),
-          _ruler(1, {"vt": {("full", None): 50, ("snapkv", 128): 50}, "niah_single": {("full", None): 100, ("snapkv", 128): 100}})]
+ROUNDS = [_ruler(0, {"vt": {("full", None): 100, ("snapkv", 128): 100},
+                     "niah_single": {("full", None): 100, ("snapkv", 128): 0}}),
+          _ruler(1, {"vt": {("full", None): 50, ("snapkv", 128): 50},
+                     "niah_single": {("full", None): 100, ("snapkv", 128): 100}})]
 DOCS = [_fidelity("a.txt", {("full", None): 2.0, ("h2o", 128): 4.0}),
         _fidelity("b.txt", {("full", None): 4.0, ("h2o", 128): 20.0})]
 
@@ -55,13 +57,16 @@ def test_merge_cli_tables_and_plots(tmp_path):
         paths.append(tmp_path / f"r{i}.json")
         paths[-1].write_text(json.dumps(res))
     run = [sys.executable, str(ROOT / "benchmarks" / "tables.py"), "--merge"]
-    out = subprocess.run([*run, *map(str, paths[:2]), "--plot", str(tmp_path / "r.png")], capture_output=True, text=True)
+    out = subprocess.run([*run, *map(str, paths[:2]), "--plot", str(tmp_path / "r.png")], capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr
     assert "| snapkv | 62 +- 24 (0.71) |" in out.stdout and (tmp_path / "r.png").stat().st_size > 1000
-    out = subprocess.run([*run, *map(str, paths[2:]), "--plot", str(tmp_path / "f.png")], capture_output=True, text=True)
+    out = subprocess.run([*run, *map(str, paths[2:]), "--plot", str(tmp_path / "f.png")], capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr
     assert "| h2o | 4.00 (2.00–5.00) [1.00] |" in out.stdout and (tmp_path / "f.png").stat().st_size > 1000
     mixed = subprocess.run([*run, str(paths[0]), str(paths[2])], capture_output=True, text=True)
     assert mixed.returncode == 2 and "not a mix" in mixed.stderr.strip().splitlines()[-1]
-    bad = subprocess.run([*run, str(paths[0]), "--plot", str(tmp_path / "no" / "x.png")], capture_output=True, text=True)
+    bad = subprocess.run([*run, str(paths[0]), "--plot", str(tmp_path / "no" / "x.png")], capture_output=True,
+                         text=True)
     assert bad.returncode == 2 and "does not exist" in bad.stderr.strip().splitlines()[-1]

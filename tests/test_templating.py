@@ -71,7 +71,8 @@ def test_tiny_model_custom_template_same_in_both_engines(tiny_custom):
         a = native.apply_chat_template(msgs)
         assert a == reference.apply_chat_template(msgs)
         # block tags eat their line's newline (trim_blocks), expressions keep theirs
-        assert a == '<|im_start|>\n[USER] "Capital of France?"<|im_end|>\n[ASSISTANT] "say \\"hi\\""<|im_end|>\n[ASSISTANT] '
+        assert a == ('<|im_start|>\n[USER] "Capital of France?"<|im_end|>\n'
+                     '[ASSISTANT] "say \\"hi\\""<|im_end|>\n[ASSISTANT] ')
         assert a == reference.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         assert native.tokenize(a) == reference.tokenize(a)
         for engine in (native, reference):

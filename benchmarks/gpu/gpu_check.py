@@ -39,6 +39,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_common import machine  # noqa: E402
 
 from kvcli import policies  # noqa: E402
 from kvcli.drivers.compress import _prefill_kinds, prefill_and_compress  # noqa: E402
@@ -312,7 +315,8 @@ def section_speed(model: Path, n: int, budget: int, n_decode: int, rounds: int, 
             sync(h)
             row["compaction_host_s"] = round(time.perf_counter() - t0, 4)
             row["compaction_host_path"] = h.compact_path_taken()
-            row["compaction_host_pct_of_full_prefill"] = round(100 * row["compaction_host_s"] / row["full_prefill_s"], 2)
+            row["compaction_host_pct_of_full_prefill"] = round(100 * row["compaction_host_s"]
+                                                               / row["full_prefill_s"], 2)
         finally:
             os.environ.pop("KVCLI_COMPACT", None)
             h.close()
@@ -338,15 +342,13 @@ def section_speed(model: Path, n: int, budget: int, n_decode: int, rounds: int, 
     return row
 
 
-def machine() -> dict:
-    m = {"host": platform.node(), "cpu_cores": os.cpu_count(), "python": platform.python_version(),
-         "load_1m": os.getloadavg()[0], "build": build_info()}
+def gpu_name() -> str | None:
+    """nvidia-smi's name, memory and driver of the GPU (None without nvidia-smi)."""
     try:
-        m["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
     except OSError:
-        m["gpu"] = None
-    return m
+        return None
 
 
 def main(argv=None) -> int:
@@ -364,7 +366,8 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     L = load_llama_cpp()
     cap = LogCapture(L)
-    res = {"machine": machine(), "args": {k: str(v) for k, v in vars(a).items()}, "sections": {}}
+    res = {"machine": machine(host=platform.node(), build=build_info(), gpu=gpu_name()),
+           "args": {k: str(v) for k, v in vars(a).items()}, "sections": {}}
     dest = a.out / "gpu_check.json"
 
     def save():

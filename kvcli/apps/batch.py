@@ -9,7 +9,7 @@ in `kvcli run` when bounded reading applies, kvcli/drivers/chunked.py), moved in
 cache (save_seq / restore_seq), then all held documents decode together, one `llama_decode` per token
 step. Reading apart matters for speed: llama.cpp's attention spans every used cell of a unified cache, so
 a document prefilled beside 20 held ones attended over their cells too (masked) and took up to twice as
-long per token (docs/results.md, "Batch throughput"). A compressed document occupies a few
+long per token (docs/results/speed.md, "Batch throughput"). A compressed document occupies a few
 hundred cells instead of thousands, so more of them decode at once in the same memory.
 
 Results go to a JSONL file, one line per document as it finishes (`ResultsFile`): appended, flushed and
@@ -61,7 +61,8 @@ MIN_DOC_CELLS = 64      # a cache that leaves a document fewer cells than this a
 @dataclass
 class Settings:
     """Everything a worker needs; `fingerprint` is the part that decides an answer. The defaults are `kvcli
-    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading (kvcli/drivers/chunked.py)."""
+    run`'s: its sampling (llama.cpp's sampler chain, greedy with a DRY penalty) and its reading
+    (kvcli/drivers/chunked.py)."""
 
     instruction: str
     model: str | None = None

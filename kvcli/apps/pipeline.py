@@ -76,7 +76,8 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     """Prefill the templated prompt, compress it with `policy`, and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
-    after each (kvcli/drivers/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks the
+    after each (kvcli/drivers/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks
+    the
     queries that score each chunk."""
     prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)

@@ -34,7 +34,8 @@ from kvcli.errors import KvcliError
               help="Results, one JSON line per document (path, answer, stats, error), appended as each finishes. "
                    "Documents it already answers (same path, content and settings) are skipped.")
 @model_option
-# the flags and defaults of `kvcli run` (sampling: llama.cpp's chain, greedy with DRY; reading: kvcli/drivers/chunked.py)
+# the flags and defaults of `kvcli run` (sampling: llama.cpp's chain, greedy with DRY; reading:
+# kvcli/drivers/chunked.py)
 @request_options("policy", "sampling", "cache_type", "chunking", "threads", max_tokens=256,
                  max_tokens_help="Most tokens of each answer (reserved in the cache for every held document).")
 @click.option("--system", default=config.default("system"), help="System message.")

@@ -23,7 +23,8 @@ AGNOSTIC_HELP = ("Compress each document before its question is seen (question-a
                  "compressed by every configuration, then the question follows as "
                  "the next user turn (with the answer prefix) and is answered greedily from the compressed cache. "
                  "Default: question-aware (the document and the question in one user turn, compressed together).")
-CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/drivers/chunked.py); on by itself "
+CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/drivers/chunked.py); on by "
+              "itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
               "baseline: the first 32 tokens and the last budget - 32 (and, read in chunks, the context's worth).")
 
@@ -38,7 +39,8 @@ def shared_options(default_lengths: str, chunked: bool = True):
             click.option("--lengths", default=default_lengths, show_default=True,
                          help="Comma-separated prompt lengths in tokens (1k = 1024)."),
             click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write a PNG plot."),
-            click.option("--json-out", "json_path", default=None, metavar="FILE", help="Also write the result as JSON."),
+            click.option("--json-out", "json_path", default=None, metavar="FILE",
+                         help="Also write the result as JSON."),
             click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr."),
             json_option,
         ]):

@@ -58,7 +58,8 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--no-template", is_flag=True, help="Plain-completion prompt instead of the chat template (base "
               "models; a model without a chat template gets one anyway).")
 @click.option("--engine", type=click.Choice(["native", "reference"]), default="native", show_default=True)
-@click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE (atomically).")
+@click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE "
+                                                                            "(atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
 @json_option
 @click.pass_context

@@ -173,7 +173,7 @@ class Bench:
         self.threads = threads
         if chunk and batch:
             raise KvcliError("--batch measures caches of whole prefills: it does not combine with --chunk")
-        self.chunk = chunk or None           # chunked prefill (kvcli/drivers/chunked.py): every configuration reads alone
+        self.chunk = chunk or None   # chunked prefill (kvcli/drivers/chunked.py): every configuration reads alone
         self.chunk_scoring = chunk_scoring
         self.share_prefill = share_prefill and not self.chunk
         self.log = log or (lambda msg: None)
@@ -284,7 +284,8 @@ class Bench:
     def measure_shared(self, cfgs: list[Config], doc: Doc, n_ctx_train: int) -> list[dict]:
         """Configurations of one cache type that observe the same way share one prefill, timed once:
         budgets never change the prefill. Each then restores the prefilled state, plans, applies its
-        plan (timed as its compression; kvcli.drivers.compress.Shared), decodes and is scored exactly as in `measure`."""
+        plan (timed as its compression; kvcli.drivers.compress.Shared), decodes and is scored exactly as in
+        `measure`."""
         n = len(doc.tokens)
         rows, groups = {}, {}
         for cfg in cfgs:
@@ -532,7 +533,8 @@ def table(result: dict) -> str:
         lines.append(f"{doc:<18} {r['config']:<22} {r['prefill_tok_s']:>8.1f} {100 * r['compress_share']:>6.1f} "
                      f"{dec:>24} {r['kv_cells']:>6} {r['kv_bytes'] / 1e6:>7.2f} "
                      f"{_f(r.get('kv_bytes_vs_full'), '{:.3f}'):>6} {r['kv_bytes_live'] / 1e6:>7.2f} "
-                     f"{r['kv_bytes_allocated'] / 1e6:>8.2f} {_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}'):>7} "
+                     f"{r['kv_bytes_allocated'] / 1e6:>8.2f} "
+                     f"{_f(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 1e6, '{:.0f}'):>7} "
                      f"{_f(r['agreement'] and 100 * r['agreement'], '{:.0f}%'):>6} {_f(r['kl_mean'], '{:.3f}'):>7}")
     if result.get("batch"):
         s = result["settings"]

@@ -18,7 +18,8 @@ query can see any more).
 
 Which queries score a chunk (`scoring`), for the policies that observe a window:
 - "question" (default): the prompt's last tokens (`probe_length`: the window, and at least PROBE_MIN_TOKENS where
-  the chunk is 256 tokens or more: the question and the assistant turn's start, in the question-aware layout) are prefilled after the chunk as a probe, its
+  the chunk is 256 tokens or more: the question and the assistant turn's start, in the question-aware layout) are
+  prefilled after the chunk as a probe, its
   last window observed, and rolled back before the plan is applied: every chunk is scored by the queries the
   final compression will use, as FINCH (Corallo & Papotti 2024; kvpress's FinchPress) does. It costs a
   probe-length prefill per chunk, and its cells come out of the chunk: a chunk before the last reads that
@@ -49,7 +50,6 @@ What each policy carries across chunks is stated in `kvcli.policies.notes.chunke
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -65,7 +65,7 @@ from kvcli.session import Session
 DEFAULT_CHUNK = 1024     # tokens per chunk when chunking turns on by itself
 # Bounded reading turns on by itself only when the prompt's full cache would pass this many bytes: below it
 # the memory saved is small next to the weights and the runtime, and one prefill keeps more (a short document
-# read in chunks is scored chunk by chunk; docs/results.md "What bounded reading costs"). KVCLI_BOUNDED_ABOVE_MB
+# read in chunks is scored chunk by chunk; docs/results/memory.md "What bounded reading costs"). KVCLI_BOUNDED_ABOVE_MB
 # moves it (0: bound every prompt longer than budget + chunk).
 BOUNDED_ABOVE_BYTES = 64 << 20
 
@@ -255,7 +255,8 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     back), "chunk" with the chunk's own last window. `on_step(step, obs, plan)` is called after each
     planning step (kvcli check compares the planners there); `on_cache(cells)` after each compaction
     (progress display); `on_prefilled(first_pos, n)` after each chunk's prefill, before its compaction, while
-    the sequence holds the chunk's n entries from position first_pos (bounded re-selection stores them). Returns a kvcli.planning.planner.CompressReport with `chunks`, `steps` and `peak_cells`.
+    the sequence holds the chunk's n entries from position first_pos (bounded re-selection stores them). Returns a
+    kvcli.planning.planner.CompressReport with `chunks`, `steps` and `peak_cells`.
     """
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
@@ -350,7 +351,9 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
 # observed. A policy's window alone (8 tokens for pyramidkv, compresskv, dynamickv, spindlekv) is the chat
 # template's closing tokens, and prefilled after a chunk without the question before them it scores the chunk for
 # no question at all (bounded re-selection, 8k, 24 questions at budget 256: pyramidkv 17% and compresskv 33%
-# against 96% exact; with this probe 88% and 79%: docs/results.md, "Exact against bounded re-selection"). In a one-go read the window's queries come after
+# against 96% exact; with this probe 88% and 79%: docs/results/chat-and-reselection.md, "Exact against bounded
+# re-selection"). In a one-go
+# read the window's queries come after
 # the whole question; 32 tokens hold a short question and cost a 32-token prefill per chunk. Beyond the window the
 # probe takes at most an eighth of a chunk, so that a small --chunk keeps its room to read on.
 PROBE_MIN_TOKENS = 32

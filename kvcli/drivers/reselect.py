@@ -1,7 +1,8 @@
 """Re-selection: a document's full cache read once, stored, and compressed again for every question.
 
 A cache compressed before the questions are known keeps what a generic instruction attends to, and loses what
-later questions need (docs/results.md, "Many questions over one document"). Re-selection keeps the document's
+later questions need (docs/results/chat-and-reselection.md, "Many questions over one document"). Re-selection keeps the
+document's
 full cache where memory is cheap (a file, `StoredDocument`) and, for each question:
 
     restore the stored entries (positions 0..r-1)  ->  prefill the rest of the prompt (the document's last

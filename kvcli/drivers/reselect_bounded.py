@@ -22,7 +22,8 @@ peak is the full cache. Here the cache never holds more than the entries kept so
 
 What the stored entries are: each chunk's K/V as bounded reading computed them, attending to the entries kept when
 the document was read (chosen without the question), not to the whole document. So a re-selection here is
-question-aware in what it keeps, while the entries it keeps carry the reading's approximation; docs/results.md
+question-aware in what it keeps, while the entries it keeps carry the reading's approximation;
+docs/results/chat-and-reselection.md
 ("Bounded re-selection") measures what that costs against exact re-selection. Models with sliding-window layers
 are read without re-indexing and get exact re-selection only; column-sum policies (h2o, d2o) are refused: their
 scores sum every query, and the chunks' own queries are not replayed. The kept turns' K/V are the same kind of

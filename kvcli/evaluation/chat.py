@@ -141,7 +141,8 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                                 reads.append({"length": L, "doc": d, "mode": mode, "read_s": round(out["read_s"], 3)})
                             log(f"  {mode}: {time.perf_counter() - t0:.1f}s, " + ", ".join(
                                 f"{p}{'' if b is None else f'@{b}'} "
-                                f"{np.mean([r['score'] for r in out['records'] if (r['policy'], r['budget']) == (p, b)]):.0f}"
+                                + format(np.mean([r['score'] for r in out['records']
+                                                  if (r['policy'], r['budget']) == (p, b)]), ".0f")
                                 for p, b in sorted({(r['policy'], r['budget']) for r in out['records']},
                                                    key=lambda k: (k[0], k[1] or 0))))
                     finally:
@@ -272,7 +273,7 @@ def _reselections(session, store, prompts: dict, cfgs: dict):
     for keys in groups.values():
         seen: dict = {}
 
-        def grab(obs, plan, seen=seen, share=len(keys) > 1):
+        def grab(obs, plan, seen=seen, share=len(keys) > 1):   # noqa: B008 (binds this group's values)
             if share:
                 seen.update(obs=obs, state=session.save_seq(0))
 

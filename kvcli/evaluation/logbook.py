@@ -49,7 +49,7 @@ def make_document(words: int, facts: int = 0, seed: int = 0, depths: list[float]
     planted = []
     depths = depths or ([(i + 0.5) / facts for i in range(facts)] if facts else [])
     used = set()
-    for i, depth in enumerate(depths):
+    for depth in depths:
         while True:
             obj, place = rng.choice(OBJECTS), rng.choice(PLACES)
             if (obj, place) not in used:

@@ -405,7 +405,8 @@ def summary_table(result: dict) -> str:
     tasks = sorted({r["task"] for r in rows})
     lines = []
     for task in tasks:
-        lines.append(f"{task}: {'perplexity (ratio to full) [mean KL to full]' if fid else 'score % (fraction of full)'}")
+        lines.append(f"{task}: "
+                     f"{'perplexity (ratio to full) [mean KL to full]' if fid else 'score % (fraction of full)'}")
         head = f"{'policy':<22}" + "".join(f"{L:>24}" for L in lengths)
         lines += [head, "-" * len(head)]
         keys = []

@@ -13,7 +13,8 @@ Order of calls for one compressed prompt (one sequence `seq`, next position `p` 
 4. a plan (`kvcli.native.lib.native_plan` or a torch policy), then `apply_plan(ctx, seq, plan, head_dim)`:
    the sequence now holds `plan.max_kept` cells; keep decoding it at position `p + len(tokens)`.
    With `reindex_p0=0` the kept entries get positions B-k..B-1 instead (right-aligned in the B cells, K
-   re-rotated) and decoding continues at B = `plan.max_kept`; repeating 1-4 chunk after chunk reads a document of any length
+   re-rotated) and decoding continues at B = `plan.max_kept`; repeating 1-4 chunk after chunk reads a document of any
+   length
    (kvcli/drivers/chunked.py). Observation of a compacted sequence covers its cells (compacted + new).
 5. `set_header(...)` to label it, `get_state`/`set_state` to copy it out / back in (kvcli/kvc.py writes
    it into a .kvc file).

@@ -29,7 +29,7 @@ def layer_weights(sigma2: list[float], head_var: list[list[float]], allocation: 
         x = [1.0 / max(s, SIGMA2_FLOOR) for s in sigma2]
     elif allocation == "exp_decay":                  # Table 4: softmax of -sigma2
         x = [-s for s in sigma2]
-    elif allocation == "code":                       # authors' code: softmax(-v), v = mean of min-max-normalised head variances
+    elif allocation == "code":   # authors' code: softmax(-v), v = mean of min-max-normalised head variances
         x = []
         for hv in head_var:
             lo, hi = min(hv), max(hv)
@@ -141,9 +141,11 @@ def _check(p: dict, budget: int) -> None:
 
 SPEC = PolicySpec(
     name="d2o",
-    summary="variance-based layer budgets, heavy hitters + recent per KV head, evicted keys merged into the nearest kept key",
+    summary="variance-based layer budgets, heavy hitters + recent per KV head, evicted keys merged into the nearest "
+            "kept key",
     keeps="per layer l: C_l entries per KV head (C_l from the variance of the layer's accumulated attention, "
-          "summing to budget x n_layer): the first `sinks` slots that receive attention, the top heavy hitters by accumulated "
+          "summing to budget x n_layer): the first `sinks` slots that receive attention, the top heavy hitters by "
+          "accumulated "
           "attention (colsum) and the last M_l slots (N:M = heavy:recent); each evicted entry whose key has "
           "cosine similarity >= tau with its most similar kept key is merged into it (weighted average of K "
           "and V, written as a replacement row); the others are dropped",
@@ -160,7 +162,8 @@ SPEC = PolicySpec(
               "included) and the recent window", paper_default="3 (code scripts: 1)", min=0, max=1000),
         Param("recent", "int", 1, "M of the N:M split (recent window M_l = C_l*M/(N+M), rounded half up, >= 1)",
               paper_default="1 (code scripts: 1)", min=0, max=1000),
-        Param("sinks", "int", 4, "first slots always kept (those that receive attention: a re-indexed compaction's dead padding "
+        Param("sinks", "int", 4, "first slots always kept (those that receive attention: a re-indexed compaction's "
+                                 "dead padding "
               "comes first and is skipped), counted inside the heavy hitters",
               paper_default="not stated (code: 4)", min=0, max=4096),
         Param("merge", "choice", "paper", "paper: k_c <- (e*k_c + sum exp(u_i) k_i) / (e + sum exp(u_i)), V with "
@@ -180,7 +183,8 @@ SPEC = PolicySpec(
     needs=("colsum", "kv"),
     budget_note="layer budgets C_l sum to budget x (number of compressed layers); a layer's share is clamped "
                 "to [ceil(min_frac x n), n] and the excess shared among the other layers; layers listed in "
-                "full_layers keep the whole prompt on top of that. In the native cache every layer holds as many cells as "
+                "full_layers keep the whole prompt on top of that. In the native cache every layer holds as many "
+                "cells as "
                 "the widest layer (llama.cpp's cells are shared by all layers), so the bytes follow max C_l, not "
                 "the mean",
     deviations=(

@@ -42,7 +42,8 @@ SPEC = PolicySpec(
               min=0, max=4096),
         Param("gqa", "choice", "max", "how the scores of the query heads that share a KV head are combined into "
               "that KV head's score (selection is per KV head)",
-              paper_default="max over the group's query heads (kvpress, the authors' code)", choices=("mean", "max", "sum")),
+              paper_default="max over the group's query heads (kvpress, the authors' code)", choices=("mean", "max",
+                                                                                                      "sum")),
         Param("alloc", "choice", "head", "how the budget is spread: head = budget entries per KV head (the cache "
               "stores each layer as wide as its widest KV head, so this keeps it at the budget); layer = budget x n_head_kv per "
               "layer over its KV heads (kvpress layerwise=True); global = budget x n_head_kv x n_layer over all "
@@ -50,7 +51,8 @@ SPEC = PolicySpec(
               "widest KV head, the .kvc file holds the live entries only)",
               paper_default="global (kvpress layerwise=False; the paper's non-uniform head budgets)",
               choices=("head", "layer", "global")),
-        Param("repeat_chunk", "int", REPEAT_CHUNK, "prompt tokens fed again per reconstruction pass (each pass holds the "
+        Param("repeat_chunk", "int", REPEAT_CHUNK, "prompt tokens fed again per reconstruction pass (each pass holds "
+                                                   "the "
               "prompt + this many cells + the instruction; fewer when the context has less room)",
               paper_default="2048 (kvpress chunk_size; the authors' code 2K)", min=16, max=1 << 20),
     ),
@@ -77,7 +79,8 @@ SPEC = PolicySpec(
         "kvcli answers what kvpress's pipeline answers; per KV head it answered 7-8 points more (qwen2.5-coder-0.5b, "
         "8k tokens, budget 1024, 60 questions compressed once; docs/results.md)",
         "bounded reading (--chunk N, --max-cache, or a prompt longer than the context; not by default) runs the "
-        "reconstruction pass chunk by chunk over that chunk only, scoring the kept entries and the chunk; a kept entry keeps the larger of its "
+        "reconstruction pass chunk by chunk over that chunk only, scoring the kept entries and the chunk; a kept "
+        "entry keeps the larger of its "
         "earlier maximum and the new one. The one-prefill pass scores every entry with the passes over the whole "
         "prompt (later chunks' passes see every earlier entry); bounded, an entry dropped at one chunk is never "
         "scored by later passes, and each pass's softmax runs over the kept entries + the chunk (closer to kvpress, "

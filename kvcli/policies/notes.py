@@ -21,7 +21,8 @@ def chunked_note(spec) -> str:
                 "other policies: its measured quality is the one-prefill pass's): after every chunk the reconstruction "
                 "pass runs over that chunk only ('repeat the previous context' and the chunk's tokens again, a chunk "
                 "after the first introduced by the 8 tokens before it, in passes of repeat_chunk), scoring every held "
-                "entry (the kept ones and the chunk's) by the largest attention its queries give it, then rolled back; the "
+                "entry (the kept ones and the chunk's) by the largest attention its queries give it, then rolled "
+                "back; the "
                 "policy plans over the kept entries + the chunk, to the same budget, and their positions are "
                 "re-indexed to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). Carried across chunks: a "
                 "kept entry's score is the larger of the maximum it carries from earlier chunks' passes and the new "
@@ -55,6 +56,7 @@ def chunked_note(spec) -> str:
               if "window" in spec.needs else "positions only")
     return ("Chunked prefill (--chunk N, automatic when the document does not fit the context or --max-cache): "
             "after every chunk the policy plans over the kept entries + the chunk, to the same budget, observing "
-            f"{window}; the kept entries' positions are re-indexed to B-k..B-1 per layer and KV head (right-aligned, K re-rotated). "
+            f"{window}; the kept entries' positions are re-indexed to B-k..B-1 per layer and KV head (right-aligned, "
+            "K re-rotated). "
             f"Carried across chunks: {carried}. The last chunk holds the question, so the last compression is the "
             "one-prefill policy on the question's window.")

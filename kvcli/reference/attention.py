@@ -22,7 +22,8 @@ pos[q] - pos[j] >= n. Such a layer is never compacted nor observed: it keeps eve
 
 While an `Observer` is armed (prefill only), the same P of each layer it observes is also reduced as it is
 computed, block of queries by block: the rows of the window queries summed per window length
-(`Observation.window_sums`) and the column sums over every query (`Observation.colsum`), both in float64. Nothing is recomputed
+(`Observation.window_sums`) and the column sums over every query (`Observation.colsum`), both in float64. Nothing is
+recomputed
 for the observation (it is the attention itself) and no attention row is kept.
 
 The function reads its per-call state from `_ACTIVE`, set by the session around each forward

@@ -2,7 +2,7 @@
 
 The reference engine stays float32 by design. Two of llama.cpp's roundings move a few tokens' K/V rows of some models
 (gemma-3-270m) further than kvcli check's L2 threshold, and `kvcli check` consults this emulation for those rows only
-(kvcli/drivers/check.py, L2's allowance):
+(kvcli/drivers/check/allowances.py, L2's allowance):
 - ggml-cpu rounds the activation row to the weight type's vec-dot type before every matmul with a quantised weight:
   Q8_0 (blocks of 32, one scale stored in f16) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights, Q8_K (blocks of 256, an f32
   scale) for the K- and I-quants; f16 for F16 weights, bf16 for BF16; nothing for F32.

@@ -15,7 +15,8 @@ TAIL_WORDS = 256
 
 # Latin/Cyrillic/... words (apostrophes inside), digit runs, single CJK characters (no spaces to split on),
 # and the punctuation that carries task framing ("Answer:", "Type:", "?", code braces).
-_TOKEN = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?|\d+|[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]|[?:{}();=\[\]#]")
+_TOKEN = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?|\d+"
+                    r"|[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]|[?:{}();=\[\]#]")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 
 

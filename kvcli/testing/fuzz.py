@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcli import policies
 from kvcli.testing.tiny_gguf import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,8 @@ CLASSES = ("ok", "clean error", "internal", "crash", "hang")
 
 # each value list: (valid values, invalid values); an invalid one is drawn with probability BAD
 BAD = 0.06
-POLICIES = (["full", "snapkv", "pyramidkv", "streamingllm", "h2o", "windowkv", "dynamickv", "compresskv", "d2o",
-             "spindlekv", "SnapKV"], ["truncate", "bogus", ""])
+# every policy of the registry (kvcli/policies, the one list), and a name in capitals (names are case-insensitive)
+POLICIES = ([*policies.available(), "SnapKV"], ["truncate", "bogus", ""])
 BUDGETS = (["4", "8", "16", "24", "32", "48", "64", "128"], ["0", "-3", "abc", "2.5", "99999999999", "1"])
 POLICY_ARGS = (["window=4", "window=8", "kernel=3", "kernel=1"],
                ["window=0", "window=abc", "kernel=2", "bogus=1", "window", "=3", "window=8;x"])
@@ -90,7 +91,8 @@ def write_fixtures(root: Path) -> Fixtures:
                     bad_model=root / "bad.gguf", text_model=root / "text.gguf")
     good = root / "good.kvc"
     r = subprocess.run([sys.executable, "-m", "kvcli.cli", "compress", "--doc", str(fx.paths["doc"]), "-o", str(good),
-                        "--policy", "snapkv", "--budget", "48", "--policy-arg", "window=8", "-q", "--force"], cwd=ROOT, env=case_env(fx),
+                        "--policy", "snapkv", "--budget", "48", "--policy-arg", "window=8", "-q", "--force"],
+                       cwd=ROOT, env=case_env(fx),
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"fuzz fixtures: compress failed: {r.stderr.strip()}")
@@ -215,7 +217,8 @@ def make_case(rnd: random.Random, fx: Fixtures, index: int) -> Case:
                 "--depths", pick(rnd, (["0.5", "0.1,0.9"], ["2", "x"])), "--samples", "1", "-q"]
         return Case(index, argv + _maybe(rnd, 0.2, "--chunk", pick(rnd, (["64"], ["1", "-1", "abc"]))))
     if cmd == "policies":
-        return Case(index, ["policies", *_maybe(rnd, 0.7, "--explain", pick(rnd, POLICIES)), *_maybe(rnd, 0.3, "--json")])
+        return Case(index, ["policies", *_maybe(rnd, 0.7, "--explain", pick(rnd, POLICIES)),
+                            *_maybe(rnd, 0.3, "--json")])
     if cmd == "info":
         return Case(index, ["info", *([str(fx.paths[rnd.choice(["bad_model", "text_model", "missing"])])]
                                      if rnd.random() < 0.5 else []), *_maybe(rnd, 0.5, "--json")])

@@ -254,7 +254,8 @@ class NpGemma:
                 heads.append(probs[-1] @ vals)
             if record is not None and not self.sliding[il]:
                 record.append(probs)
-            x = x + self._norm(self.w[p + "attn_output.weight"] @ np.concatenate(heads), self.w[p + "post_attention_norm.weight"])
+            x = x + self._norm(self.w[p + "attn_output.weight"] @ np.concatenate(heads),
+                               self.w[p + "post_attention_norm.weight"])
             xn = self._norm(x, self.w[p + "ffn_norm.weight"])
             gate = self.w[p + "ffn_gate.weight"] @ xn
             gelu = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))

@@ -1,4 +1,5 @@
-"""Chunked reading of a model with sliding-window layers (kvcli/drivers/chunked.py): the global layers' cache is compacted
+"""Chunked reading of a model with sliding-window layers (kvcli/drivers/chunked.py): the global layers' cache is
+compacted
 after every chunk WITHOUT re-indexing (the entries keep their positions, as llama.cpp's window cache does), and
 llama.cpp bounds the window cache. Checked on a tiny random gemma3 against the numpy pass of tests/native/npref.py,
 which replays the reading chunk by chunk over exactly the entries each of the engine's plans kept."""
@@ -40,7 +41,8 @@ def _replay(ref, tokens, report, plans):
             row = []
             for slots in layer:
                 live = [e for e in slots if e is not None]
-                row.append((np.array([e[0] for e in live]).reshape(-1, d), np.array([e[1] for e in live]).reshape(-1, d),
+                row.append((np.array([e[0] for e in live]).reshape(-1, d),
+                            np.array([e[1] for e in live]).reshape(-1, d),
                             np.zeros(len(live))))
             out.append(row)
         return out

@@ -1,9 +1,13 @@
-"""Random observations for the planner cross-checks (no model needed)."""
+"""Random observations for the planner cross-checks (no model needed), and the two engines' plans of one
+observation compared (`engine_plans`, `assert_same`)."""
 from __future__ import annotations
 
 import numpy as np
 
+import kvcli.policies as P
+from kvcli.native.lib import native_plan
 from kvcli.planning.formats import Observation, sum_window_rows
+from kvcli.reference.policies import reference_plan
 
 
 # the window lengths the policy tests plan with (besides w itself)
@@ -47,3 +51,27 @@ def random_obs(seed: int, n_layer: int = 4, n_head: int = 6, n_head_kv: int = 2,
         obs.keys = rng.normal(size=(n_layer, n_head_kv, n, head_dim)).astype(np.float32)
         obs.values = rng.normal(size=(n_layer, n_head_kv, n, head_dim)).astype(np.float32)
     return obs
+
+
+def engine_plans(name, args, budget, obs):
+    """The C++ planner's and the torch planner's plans of `obs` (each validated)."""
+    _, params, _ = P.prepare(name, args, budget)
+    nat = native_plan(name, params, budget, obs)
+    ref = reference_plan(name, params, budget, obs)
+    nat.validate(obs.n, obs.head_dim)
+    ref.validate(obs.n, obs.head_dim)
+    return nat, ref
+
+
+def assert_same(a, b):
+    """Two plans alike: kept slots identical, log-multiplicities and merged rows within 1e-5."""
+    assert np.array_equal(a.n_kept, b.n_kept), f"n_kept differ:\n{a.n_kept}\n{b.n_kept}"
+    assert np.array_equal(a.slots, b.slots), "kept slots differ"
+    assert (a.log_mult is None) == (b.log_mult is None)
+    if a.log_mult is not None:
+        np.testing.assert_allclose(a.log_mult, b.log_mult, atol=1e-5)
+    assert np.array_equal(a.replace_entry, b.replace_entry), "merged entries differ"
+    for x, y in ((a.replace_k, b.replace_k), (a.replace_v, b.replace_v)):
+        assert (x is None) == (y is None)
+        if x is not None:
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from policy_obs import random_obs
+from policy_obs import assert_same, engine_plans, random_obs
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
@@ -19,24 +19,9 @@ from kvcli.policies.d2o import layer_budgets, layer_weights, split
 from kvcli.reference.policies import reference_plan
 
 
-def assert_same(a, b):
-    assert np.array_equal(a.n_kept, b.n_kept), f"n_kept differ:\n{a.n_kept}\n{b.n_kept}"
-    assert np.array_equal(a.slots, b.slots), "kept slots differ"
-    assert (a.log_mult is None) == (b.log_mult is None)
-    if a.log_mult is not None:
-        np.testing.assert_allclose(a.log_mult, b.log_mult, atol=1e-5)
-    assert np.array_equal(a.replace_entry, b.replace_entry), "merged entries differ"
-    for x, y in ((a.replace_k, b.replace_k), (a.replace_v, b.replace_v)):
-        assert (x is None) == (y is None)
-        if x is not None:
-            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
-
-
 def both(args, budget, obs):
-    _, params, _ = P.prepare("d2o", args, budget)
-    nat, ref = native_plan("d2o", params, budget, obs), reference_plan("d2o", params, budget, obs)
-    nat.validate(obs.n, obs.head_dim)
-    ref.validate(obs.n, obs.head_dim)
+    """d2o's plan of `obs`, the same in both engines."""
+    nat, ref = engine_plans("d2o", args, budget, obs)
     assert_same(nat, ref)
     return nat
 

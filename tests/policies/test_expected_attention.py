@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from test_policy_engines_agree import assert_same
+from policy_obs import assert_same
 
 import kvcli.policies as P
 from kvcli.drivers.chunked import bounds_by_default

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_policy_engines_agree import assert_same, both
+from policy_obs import assert_same, engine_plans
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
@@ -31,7 +31,7 @@ def test_kvzip_planners_identical(ties):
         for vi, args in enumerate(VARIANTS):
             obs = colmax_obs(10 * si + vi, *shape, ties=ties)
             for budget in (40, 97):
-                nat, ref = both("kvzip", args, budget, obs)
+                nat, ref = engine_plans("kvzip", args, budget, obs)
                 assert_same(nat, ref)
                 params = P.get("kvzip").validate(args)
                 L, H = obs.n_layer, obs.n_head_kv
@@ -50,7 +50,7 @@ def test_kvzip_planners_identical(ties):
 def test_kvzip_keeps_the_highest_maxima():
     """alloc=head keeps, per KV head, the slots whose largest group maximum is highest (gqa=max)."""
     obs = colmax_obs(3, 2, 4, 2, 120)
-    nat, _ = both("kvzip", ["sinks=0", "recent=0"], 30, obs)
+    nat, _ = engine_plans("kvzip", ["sinks=0", "recent=0"], 30, obs)
     for l in range(2):
         for h in range(2):
             score = obs.colmax[l, 2 * h:2 * h + 2].max(axis=0)
@@ -61,14 +61,15 @@ def test_kvzip_without_colmax_and_small_budget_refused():
     obs = colmax_obs(0, 2, 4, 2, 100)
     obs.colmax = None
     with pytest.raises(KvcliError, match="colmax"):
-        both("kvzip", [], 50, obs)
+        engine_plans("kvzip", [], 50, obs)
     with pytest.raises(KvcliError, match="sinks \\+ recent"):
         P.prepare("kvzip", ["sinks=10", "recent=6"], 16)
 
 
 def test_kvzip_is_read_in_chunks_when_it_must_be():
     """Bounded reading does not turn on by itself for kvzip; a prompt that must be read in chunks (longer than the
-    context, or --chunk N) is read in chunks, its reconstruction pass run chunk by chunk (tests/test_kvzip_chunked.py)."""
+    context, or --chunk N) is read in chunks, its reconstruction pass run chunk by chunk
+    (tests/test_kvzip_chunked.py)."""
     from kvcli.drivers.chunked import plan_chunking
     c = plan_chunking(20_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20)
     assert c.chunk is None and c.n_ctx >= 20_000 + 2048

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from policy_obs import random_obs
+from policy_obs import assert_same, engine_plans, random_obs
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
@@ -45,28 +45,6 @@ def compresskv_calibration(obs, seed, allocator="paper"):
             f"allocator={allocator}", "min_budget=16"]
 
 
-def assert_same(a, b):
-    assert np.array_equal(a.n_kept, b.n_kept), f"n_kept differ:\n{a.n_kept}\n{b.n_kept}"
-    assert np.array_equal(a.slots, b.slots), "kept slots differ"
-    assert (a.log_mult is None) == (b.log_mult is None)
-    if a.log_mult is not None:
-        np.testing.assert_allclose(a.log_mult, b.log_mult, atol=1e-5)
-    assert np.array_equal(a.replace_entry, b.replace_entry)
-    for x, y in ((a.replace_k, b.replace_k), (a.replace_v, b.replace_v)):
-        assert (x is None) == (y is None)
-        if x is not None:
-            np.testing.assert_allclose(x, y, atol=1e-5)
-
-
-def both(name, args, budget, obs):
-    spec, params, _ = P.prepare(name, args, budget)
-    nat = native_plan(name, params, budget, obs)
-    ref = reference_plan(name, params, budget, obs)
-    nat.validate(obs.n, obs.head_dim)
-    ref.validate(obs.n, obs.head_dim)
-    return nat, ref
-
-
 @pytest.mark.parametrize("name", PART1)
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
 def test_identical_plans(name, ties):
@@ -77,7 +55,7 @@ def test_identical_plans(name, ties):
                 if isinstance(args, str):
                     args = compresskv_calibration(obs, seed, "round_robin" if args.endswith("_rr") else "paper")
                 for budget in (40, 97):
-                    nat, ref = both(name, args, budget, obs)
+                    nat, ref = engine_plans(name, args, budget, obs)
                     assert_same(nat, ref)
                     if name != "full":
                         assert nat.entries() < n_layer * n_head_kv * n, "nothing was evicted"
@@ -87,7 +65,7 @@ def test_identical_plans(name, ties):
 def test_short_prompts_keep_everything(name):
     for n in (5, 40, 64):            # shorter than the windows, and exactly the budget
         obs = random_obs(n, 3, 6, 2, n, w=32)
-        nat, ref = both(name, [], 64, obs)
+        nat, ref = engine_plans(name, [], 64, obs)
         assert_same(nat, ref)
         assert (nat.n_kept == n).all() and nat.entries() == 3 * 2 * n
 

@@ -59,7 +59,8 @@ def test_run_json_stats_follow_each_policys_schedule(cli_runner, default_model, 
     n_layer = 30
     for policy in POLICIES:
         r = cli_runner.invoke(cli, ["run", "--model", str(default_model), "--policy", policy, "--budget", str(BUDGET),
-                                    "--doc", str(doc), "-n", str(GEN), "--json", "--chunk", "0", QUESTION])   # one prefill: its schedule
+                                    "--doc", str(doc), "-n", str(GEN), "--json", "--chunk", "0",
+                                    QUESTION])   # one prefill: its schedule
         assert r.exit_code == 0, (policy, r.output)
         res = json.loads(r.stdout)
         st = res["stats"]

@@ -10,8 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from policy_obs import random_obs
-from test_d2o import assert_same
+from policy_obs import assert_same, engine_plans, random_obs
 
 import kvcli.policies as P
 from kvcli.errors import KvcliError
@@ -22,10 +21,8 @@ from kvcli.reference.policies import reference_plan
 
 
 def both(args, budget, obs):
-    _, params, _ = P.prepare("spindlekv", args, budget)
-    nat, ref = native_plan("spindlekv", params, budget, obs), reference_plan("spindlekv", params, budget, obs)
-    nat.validate(obs.n, obs.head_dim)
-    ref.validate(obs.n, obs.head_dim)
+    """spindlekv's plan of `obs`, the same in both engines."""
+    nat, ref = engine_plans("spindlekv", args, budget, obs)
     assert_same(nat, ref)
     return nat
 
@@ -161,7 +158,8 @@ def test_errors_are_clear_in_both_engines():
     obs = random_obs(3, 3, 4, 2, 150, w=32, kv=True)
     _, params, _ = P.prepare("spindlekv", [], 64)
     obs.values = None
-    for run in (lambda: native_plan("spindlekv", params, 64, obs), lambda: reference_plan("spindlekv", params, 64, obs)):
+    for run in (lambda: native_plan("spindlekv", params, 64, obs),
+                lambda: reference_plan("spindlekv", params, 64, obs)):
         with pytest.raises(KvcliError, match="needs the kv observation"):
             run()
     with pytest.raises(KvcliError, match="budget 8 must be larger than window=8"):

@@ -104,7 +104,8 @@ def test_reindexed_keys_equal_a_fresh_rotation_at_the_new_positions(tiny_gguf):
 
 
 def test_reindexing_a_common_suffix_is_a_shift_attention_does_not_see(tiny_gguf):
-    """Keeping the last k tokens in every head and re-indexing them to 0..k-1 (B = k: no padding) shifts every key and the next
+    """Keeping the last k tokens in every head and re-indexing them to 0..k-1 (B = k: no padding) shifts every key and
+    the next
     queries by the same n - k: RoPE attention depends only on differences, so the logits are unchanged."""
     a, b = ReferenceSession(tiny_gguf), ReferenceSession(tiny_gguf)
     toks = a.tokenize(PROMPT)

@@ -1,11 +1,12 @@
 """Why does spindlekv's L3 arithmetic fail on qwen2.5-coder-0.5b (7acde29)? One prefill per engine; the native plan
 and the reference's own plan compared, then decoded in both engines with the native plan, the reference plan, and
 the native plan without its merged rows / log-multiplicities."""
-import json, sys, time
+import json
+import sys
 import numpy as np
 from kvcli.drivers import compress
 from kvcli.planning.planner import make_plan
-from kvcli.drivers.check import CheckSettings, build_tokens, greedy_compare, compare_plans
+from kvcli.drivers.check import CheckSettings, build_tokens, greedy_compare
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.planning.formats import Plan
@@ -42,10 +43,13 @@ strip = lambda d: {k: v for k, v in d.items() if k != "native_tokens"}
 
 def run(plan_n, plan_r, tag, reprefill=False):
     if reprefill:
-        nat.clear(0); nat.prefill(toks, seq=0); nat.apply_plan(plan_n, seq=0)
+        nat.clear(0)
+        nat.prefill(toks, seq=0)
+        nat.apply_plan(plan_n, seq=0)
     else:
         nat.restore_seq(state_n, 0)
-    ref.restore_seq(snap_r, 0); ref.apply_plan(plan_r, seq=0)
+    ref.restore_seq(snap_r, 0)
+    ref.apply_plan(plan_r, seq=0)
     r = strip(greedy_compare(nat, ref, 8))
     out[tag] = r
     print(tag, "KL %.4g logits %.3g greedy %.3f" % (r["kl"], r["logits_max_abs"], r["greedy_agree"]), flush=True)

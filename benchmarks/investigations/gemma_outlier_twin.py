@@ -4,7 +4,7 @@ twin (f32, no flash attention), the reference (float32 torch) and the reference 
 arithmetic; and how far the twin lies from the reference over the whole layer (does the same engine at f32 agree
 with the reference?). The check's settings: 1 thread, default cache, budget 64 prompt, 16 tokens of room.
 
-    python benchmarks/gemma_outlier_twin.py [SITE_PACKAGES_RELATIVE_TEXT] [DOC_TOKENS] > result.json
+    python benchmarks/investigations/gemma_outlier_twin.py [SITE_PACKAGES_RELATIVE_TEXT] [DOC_TOKENS] > result.json
 
 Default: diskcache's METADATA at 1000 tokens (the corpus sweep's one unexplained row, slot 398). Each row also
 has L2's other sources: the batch-64 twin and the emulated reference against the native row (rule (3)), and the
@@ -39,7 +39,7 @@ ref = ReferenceSession(path, n_ctx=n_ctx, n_threads=1)
 r = ref.prefill(toks, seq=0, observe=("kv",)).with_kv_arrays()
 emu = emulated_reference(ref, toks)()
 th = Thresholds()
-out = {"command": "python benchmarks/gemma_outlier_twin.py " + " ".join(sys.argv[1:]), "text": text,
+out = {"command": "python benchmarks/investigations/gemma_outlier_twin.py " + " ".join(sys.argv[1:]), "text": text,
        "doc_tokens": length, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), "tokens": len(toks),
        "rows": []}
@@ -52,14 +52,16 @@ for name in ("keys", "values"):
     en, un, ur = d(E, A), d(U, A), d(U, R)   # L2's rule (3) reads the emulation against the native row
     # which rows L2's own per-row test would allow (its three sources; every row consulted, the count limit aside)
     l2 = compare_kv_rows(getattr(a, name), getattr(r, name), Thresholds(l2_kv_sensitive_rows=1.0),
-                         [("native_precision", "native", lambda: T), ("native_ubatch", "native", lambda: U),
-                          ("reference_llamacpp_arithmetic", "reference", lambda: E)])
+                         [("native_precision", "native", lambda T=T: T), ("native_ubatch", "native", lambda U=U: U),
+                          ("reference_llamacpp_arithmetic", "reference", lambda E=E: E)])
     allowed = {(x["layer"], x["kv_head"], x["slot"]) for x in l2.get("rows_over_detail", []) if x["explained_by"]}
     for il, h, p in np.argwhere(eng > limit):
-        row = {"kind": name, "layer": int(il), "model_layer": int(nat.info.kv_layers[il]) if nat.info.kv_layers else int(il),
+        row = {"kind": name, "layer": int(il),
+               "model_layer": int(nat.info.kv_layers[il]) if nat.info.kv_layers else int(il),
                "kv_head": int(h), "slot": int(p), "token": nat.detokenize([toks[p]]), "threshold": round(limit, 3),
                "native_vs_reference": round(float(eng[il, h, p]), 3), "native_vs_twin": round(float(mv[il, h, p]), 3),
-               "twin_vs_reference": round(float(tr[il, h, p]), 3), "emulated_vs_reference": round(float(er[il, h, p]), 3),
+               "twin_vs_reference": round(float(tr[il, h, p]), 3), "emulated_vs_reference": round(float(er[il, h,
+                                                                                                           p]), 3),
                "emulated_vs_twin": round(float(et[il, h, p]), 3), "emulated_vs_native": round(float(en[il, h, p]), 3),
                "ubatch_vs_native": round(float(un[il, h, p]), 3), "ubatch_vs_reference": round(float(ur[il, h, p]), 3),
                "context": nat.detokenize(toks[max(0, p - 10): p + 4]),
@@ -69,8 +71,10 @@ for name in ("keys", "values"):
         row["twin_vs_reference_layer_p99"] = round(float(np.quantile(tr[il], 0.99)), 3)
         row["twin_vs_reference_layer_max"] = round(float(tr[il].max()), 3)
         out["rows"].append(row)
-    out[name] = {"threshold": limit, "twin_vs_reference_max": float(tr.max()), "twin_rows_over": int((tr > limit).sum()),
-                 "native_vs_reference_max": float(eng.max()), "rows_over": int((eng > limit).sum()), "rows": int(eng.size),
+    out[name] = {"threshold": limit, "twin_vs_reference_max": float(tr.max()),
+                 "twin_rows_over": int((tr > limit).sum()),
+                 "native_vs_reference_max": float(eng.max()), "rows_over": int((eng > limit).sum()),
+                 "rows": int(eng.size),
                  # the other settings' own rows beyond the threshold: (model layer, slot, token, distance)
                  **{f"{k}_rows_over": [[int(nat.info.kv_layers[il]) if nat.info.kv_layers else int(il), int(p),
                                         nat.detokenize([toks[p]]), round(float(x[il, h, p]), 3)]

@@ -1,5 +1,6 @@
 """gemma-3-270m's L2 K outlier (issue 31: a global layer's K row far beyond l2_kv_rtol at one slot): which token
-it is, and where the engines' difference there comes from. Continues benchmarks/gemma_outlier.py (which found a V
+it is, and where the engines' difference there comes from. Continues benchmarks/investigations/gemma_outlier.py (which
+found a V
 row of the typing_extensions licence moved by llama.cpp's 8-bit matmul inputs) for a K row.
 
 The native engine gives K at its f16/flash setting (what check compares) and at f32/no-flash (the precision twin

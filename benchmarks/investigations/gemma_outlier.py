@@ -1,11 +1,15 @@
 """gemma-3-270m L2 outlier: which token, and whether llama.cpp's arithmetic (8-bit activations, f16 GELU table)
 emulated in the reference moves the reference's row to the native one. Usage: DOC SLOT [DOC_TOKENS]"""
-import json, sys, time
-import numpy as np, torch
+import json
+import sys
+import time
+import numpy as np
+import torch
 from kvcli.drivers.check import CheckSettings, build_tokens
 from kvcli.native.session import NativeSession
 from kvcli.reference.session import ReferenceSession
 from kvcli.reference.model import load
+from kvcli.reference.llamacpp_arithmetic import use_ggml_cpu_gelu
 from kvcli.models import resolve_model
 import gguf
 
@@ -29,9 +33,13 @@ def kv(sess):
     return o.keys.astype(np.float64), o.values.astype(np.float64)
 
 nat.create_context(n_ctx)
-t = time.time(); K16, V16 = kv(nat); nat.close()
-tw = NativeSession(path, n_ctx=0, cache_type="f32", flash_attn=False, n_threads=1); tw.create_context(n_ctx)
-K32, V32 = kv(tw); tw.close()
+t = time.time()
+K16, V16 = kv(nat)
+nat.close()
+tw = NativeSession(path, n_ctx=0, cache_type="f32", flash_attn=False, n_threads=1)
+tw.create_context(n_ctx)
+K32, V32 = kv(tw)
+tw.close()
 print("native done", time.time() - t, flush=True)
 
 def dist(a, b):  # per row max abs over head_dim: [layer, head, slot]
@@ -39,7 +47,7 @@ def dist(a, b):  # per row max abs over head_dim: [layer, head, slot]
 
 def summary(name, K, V):
     r = {}
-    for what, A, N, T in (("K", K, K16, K32), ("V", V, V16, V32)):
+    for what, A, N in (("K", K, K16), ("V", V, V16)):
         d = dist(A, N)                      # this reference vs native f16/flash
         worst = np.unravel_index(np.argmax(d), d.shape)
         r[what] = {"slot_by_layer": [float(d[l, :, slot].max()) for l in range(d.shape[0])],
@@ -53,7 +61,6 @@ out["native_f32_noflash"] = summary("native f32/no-flash vs f16/flash", K32, V32
 ref = ReferenceSession(path, n_ctx=n_ctx, n_threads=1)
 out["reference"] = summary("reference (float32)", *kv(ref))
 model = load(path).model
-from kvcli.reference.llamacpp_arithmetic import use_ggml_cpu_gelu
 use_ggml_cpu_gelu(model)
 ref.clear(0)
 out["reference_ggml_gelu"] = summary("reference + ggml f16 GELU", *kv(ref))
@@ -63,7 +70,8 @@ out["reference_ggml_gelu"] = summary("reference + ggml f16 GELU", *kv(ref))
 reader = gguf.GGUFReader(str(path))
 types = {t.name: t.tensor_type.name for t in reader.tensors}
 names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down"}
 
 def q8(block, f16_scale):
     def hook(mod, args):

@@ -1,8 +1,15 @@
-"""Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_layer_swap.py BUDGET POLICY [DOC [DOC_TOKENS]]
-(docs/results.md, "Native vs reference engine"). pyramidkv @256: is the first-token KL a property of the plans? In the NATIVE engine only: the native
+"""Usage: [KVCLI_MODEL=PATH|NAME] KVCLI_THREADS=1 OMP_NUM_THREADS=1 .venv/bin/python
+benchmarks/investigations/check_layer_swap.py
+BUDGET POLICY [DOC [DOC_TOKENS]]
+(docs/results/engine-agreement.md, "Native vs reference engine"). pyramidkv @256: is the first-token KL a property of
+the plans? In the
+NATIVE engine only: the native
 plan vs the reference engine's plan (both applied to the same native prefill), and hybrids that take the
 reference plan's kept set in one layer only."""
-import json, os, sys, numpy as np
+import json
+import os
+import sys
+import numpy as np
 from kvcli.planning.planner import make_plan, resolve_for_model
 from kvcli.drivers.check import logits_distance
 from kvcli.models import default_model_path, resolve_model
@@ -78,4 +85,5 @@ for l in range(pn.n_layer):
     diff = sum(len(set(a.tolist()) ^ set(b.tolist())) for a, b in zip(kn[l], kr[l]))
     res.append((l, k, e, diff))
     print(f"  layer {l:2d}: {diff:3d} entries differ; KL vs native plan {k:.4f}, max abs {e:.3f}", flush=True)
-json.dump({"kl": kl, "err": err, "layers": res}, open(f"benchmarks/results/check-layer-swap-{name}-{budget}{tag_model}{tag}.json", "w"))
+json.dump({"kl": kl, "err": err, "layers": res},
+          open(f"benchmarks/results/check-layer-swap-{name}-{budget}{tag_model}{tag}.json", "w"))

@@ -1,4 +1,4 @@
-"""The setup benchmarks/check_same_plan.py and check_layer_swap.py share: their optional DOC [DOC_TOKENS]
+"""The setup benchmarks/investigations/check_same_plan.py and check_layer_swap.py share: their optional DOC [DOC_TOKENS]
 arguments (after two of their own), the prompt's tokens as kvcli check builds them, and a native
 session whose context holds them."""
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Compressed attention's split vs mask path (issue #17) on 1 and 2 threads, against the uncompressed
 cache and against attention without flash attention (f32 soft_max_ext): max |logit difference| over
-forced decode steps. Not a timing. Usage: python benchmarks/attn_path_threads.py [MODEL.gguf]
+forced decode steps. Not a timing. Usage: python benchmarks/investigations/attn_path_threads.py [MODEL.gguf]
 (default model; env N=prompt tokens, B=budget, STEPS, POLICY, CT=cache type)."""
 from __future__ import annotations
 

@@ -8,11 +8,15 @@ configurations plan the second from the first's observation (d2o merge=none read
 plan fails once the first was applied: run it as its own group).
 
     python examples/make_docs.py --tokens 3000 --facts 3 --seed 21 -o /tmp/x/doc.txt --facts-json /tmp/x/facts.json
-    python benchmarks/reselect_digits.py OUT.txt windowkv,snapkv,spindlekv_nocb 1 [STORE.kvc]
+    python benchmarks/investigations/reselect_digits.py OUT.txt windowkv,snapkv,spindlekv_nocb 1 [STORE.kvc]
 
 As run for benchmarks/results/reselect-digits-qwen-3k-b128.json (the store was first read by StoredDocument.read
 and its .kvc file copied; later runs loaded it)."""
-import dataclasses, json, sys, time
+import dataclasses
+import os
+import json
+import sys
+import time
 import numpy as np
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
@@ -43,7 +47,6 @@ groups = {
 only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(groups)
 head = s.tokenize(prefix_text(s, text, False))
 t0 = time.time()
-import os
 store = StoredDocument.from_file(STORE, s) if os.path.exists(STORE) else StoredDocument.read(s, head, colsum=True)
 say("stored", store.split, f"{time.time()-t0:.0f}s")
 tb = lambda t: s.token_bytes(t).decode("utf-8", "replace")
@@ -57,7 +60,6 @@ def digit_slots(prompt, ans):
 
 def kept_map(plan, slots):
     """per layer: for each of the slots, how many KV heads keep it"""
-    off = plan.offsets() if hasattr(plan, "offsets") else None
     rows = []
     kl = plan.kept_lists()
     for l in range(plan.n_layer):
@@ -73,13 +75,15 @@ for f in facts[:int(sys.argv[3])]:
     for g in only:
         cfgs = [(lab, resolve(model, g.split("_")[0], budget, args)) for lab, args in groups[g]]
         seen = {}
-        def grab(obs, plan):
+        def grab(obs, plan, seen=seen):
             seen.update(obs=obs, state=s.save_seq(0), plan=plan)
-        if 0 in s.seqs: s.clear(0)
+        if 0 in s.seqs:
+            s.clear(0)
         r = store.reselect(s, prompt, cfgs[0][1], seq=0, on_step=grab)
         first = s.logits(0).copy()
         for lab, cfg in cfgs:
-            plan = seen["plan"] if lab == cfgs[0][0] else make_plan(cfg.spec, cfg.params, cfg.budget, seen["obs"], s.engine)
+            plan = seen["plan"] if lab == cfgs[0][0] else make_plan(cfg.spec, cfg.params, cfg.budget, seen["obs"],
+                                                                    s.engine)
             say(f"{lab}: n_kept min/max/mean {plan.n_kept.min()}/{plan.n_kept.max()}/{plan.n_kept.mean():.1f} "
                 f"replaced {len(plan.replace_entry)}")
             say("   kept heads per layer for [is,sp,d1..d4,.]:", kept_map(plan, ds) if ds else "?")

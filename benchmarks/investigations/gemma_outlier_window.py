@@ -1,4 +1,5 @@
-"""gemma-3-270m's K outlier, second step (after benchmarks/gemma_outlier_k.py): how far llama.cpp's own settings move
+"""gemma-3-270m's K outlier, second step (after benchmarks/investigations/gemma_outlier_k.py): how far llama.cpp's own
+settings move
 the row, and whether the reference's sliding window or GELU account for it. K/V of the same prompt under named
 settings, every pair compared at SLOT (per global layer: the distance, its rank among the layer's rows, the largest
 other row):
@@ -8,7 +9,8 @@ other row):
   ref                  reference engine as shipped (float32)
   refw511, refw513     reference with every sliding layer's window one shorter / longer than the file's 512
   refgelu              reference with ggml's f16 GELU table (kvcli.reference.llamacpp_arithmetic)
-  refgeluq8            that and llama.cpp's 8-bit matmul inputs emulated (as benchmarks/gemma_outlier_k.py: Q8_0 for
+  refgeluq8            that and llama.cpp's 8-bit matmul inputs emulated (as
+                       benchmarks/investigations/gemma_outlier_k.py: Q8_0 for
                        Q5_0/Q8_0 weights, Q8_K for the K-quants)
 Each setting's K/V are saved as CACHE/K_<name>.npy, V_<name>.npy and reused when present (a run resumes).
 
