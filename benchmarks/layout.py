@@ -72,13 +72,15 @@ def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES, model=None) -> 
 def table(res: dict) -> str:
     out = [f"{res['model']}, {res['doc']} ({res['prompt_tokens']} tokens), f16 cache, "
            f"{res['bytes_per_cell']:,} bytes per cell",
-           "| policy | budget | cells held | MB held | live entries MB (ragged) | layer-ragged MB | layer-ragged / live "
+           "| policy | budget | cells held | MB held | live entries MB (ragged) | layer-ragged MB "
+           "| layer-ragged / live "
            "| budget MB | ragged saves |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         out.append(f"| {r['policy']} | {r['budget']} | {r['cells']} | {r['cells_bytes'] / 1e6:.2f} | "
                    f"{r['live_bytes'] / 1e6:.2f} | {r['layer_ragged_bytes'] / 1e6:.2f} | "
-                   f"{r['layer_ragged_over_live']:.3f} | {r['budget_bytes'] / 1e6:.2f} | {100 * r['ragged_saving']:.0f}% |")
+                   f"{r['layer_ragged_over_live']:.3f} | {r['budget_bytes'] / 1e6:.2f} | "
+                   f"{100 * r['ragged_saving']:.0f}% |")
     return "\n".join(out)
 
 

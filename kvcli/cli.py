@@ -99,8 +99,8 @@ for _name in COMMANDS:
 def terminate_as_interrupt() -> None:
     """SIGTERM (kill, timeout, a service manager) and SIGHUP (the terminal closed) raise Terminated, a
     KeyboardInterrupt: the process cleans up as after Ctrl-C (a temporary store removed, kvcli/document_store.py)
-    instead of dying where it stands. Python runs the handler between bytecodes, so native work (a llama_decode) finishes
-    first, as with Ctrl-C."""
+    instead of dying where it stands. Python runs the handler between bytecodes, so native work (a llama_decode)
+    finishes first, as with Ctrl-C."""
     def handler(signum, frame):
         first = Terminated.signum is None
         Terminated.signum = signum

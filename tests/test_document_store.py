@@ -236,7 +236,8 @@ def test_what_an_older_kvcli_left_is_swept_once_its_process_is_gone(store_env):
     dead = 2 ** 22 + 17      # above the largest pid_max (2^22): nobody's pid
     live = subprocess.Popen(["sleep", "60"])
     try:
-        for name in (f"M.0123456789ab.{dead}.kvc", f"M.0123456789ab.{dead}.chunks.part", f"M.0123456789ab.{live.pid}.kvc"):
+        for name in (f"M.0123456789ab.{dead}.kvc", f"M.0123456789ab.{dead}.chunks.part",
+                     f"M.0123456789ab.{live.pid}.kvc"):
             p = store_env / name
             p.mkdir() if name.endswith(".part") else p.write_bytes(b"old")
         assert [(i.state, i.in_use) for i in document_store.entries()] == [("unknown", True)]   # the live one's

@@ -269,7 +269,8 @@ class Conversation:
                                          colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
                                          path=self.store_path, keep=named,
                                          progress=progress, meta={"document": self.document, "system": self.system},
-                                         in_memory_if_unwritable=None if named else self._say)  # --store FILE: must be written
+                                         # --store FILE: must be written
+                                         in_memory_if_unwritable=None if named else self._say)
         self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
@@ -549,7 +550,8 @@ class Conversation:
                     "layer and KV head chosen for it")
             if st.bounded:
                 line = (f"[{label}, re-selected per question, bounded] {n} tokens read in chunks of {st.chunk} in "
-                        f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, {st.nbytes / 1e6:.2f} MB{where});"
+                        f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, "
+                        f"{st.nbytes / 1e6:.2f} MB{where});"
                         f" each question streams them through a cache of at most {st.cap} cells and is answered from "
                         f"{self.budget} entries per layer and KV head chosen for it")
             if self.load_s is not None:
@@ -580,13 +582,14 @@ class Conversation:
         rows = [f"sequence: {s['kv_cells']} cells held, next position {s['next_pos']}, context "
                 f"{self.session.cells_used()}/{s['n_ctx']} cells; {s['kv_bytes'] / 1e6:.2f} MB of "
                 f"{s['kv_bytes_full'] / 1e6:.2f} MB uncompressed; {len(self.turns)} turn(s) since the document",
-                f"memory: KV buffer allocated {s['kv_bytes_allocated'] / 1e6:.2f} MB ({s['kv_cells_allocated']} cells); "
+                f"memory: KV buffer allocated {s['kv_bytes_allocated'] / 1e6:.2f} MB "
+                f"({s['kv_cells_allocated']} cells); "
                 f"live entries {s['kv_bytes_live'] / 1e6:.2f} MB; process peak RSS "
                 + ("not measured" if s["peak_rss_bytes"] is None else f"{s['peak_rss_bytes'] / 1e6:.0f} MB"),
                 f"{'layer':>5} {'live cells':>10} {'entries per KV head':>22} {'bytes':>10}"]
         if self.reselect:
             r = self.last_reselection
-            rows.insert(0, f"mode: re-selected per question"
+            rows.insert(0, "mode: re-selected per question"
                            + (f" (bounded: {len(self.store.chunks)} stored chunks streamed)"
                               if self.store.bounded else "")
                            + f"; document read once in {self.store.read_s:.2f}s, "

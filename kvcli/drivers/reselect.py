@@ -137,7 +137,8 @@ class StoredDocument:
              in_memory_if_unwritable=None, key: str | None = None) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
         to `path` (a .kvc file; None: a temporary entry of the document store, kvcli/document_store.py) for the
-        native engine, in memory for the reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
+        native engine, in memory for the reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is
+        cleared afterwards.
         A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
         called with the one-line reason and the cache is kept in memory instead. `key` (no `path`): the store stays
         in the document store after close() as a `cached` entry of that key, for `document_store.find(key)`."""

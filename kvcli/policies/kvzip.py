@@ -45,7 +45,8 @@ SPEC = PolicySpec(
               paper_default="max over the group's query heads (kvpress, the authors' code)", choices=("mean", "max",
                                                                                                       "sum")),
         Param("alloc", "choice", "head", "how the budget is spread: head = budget entries per KV head (the cache "
-              "stores each layer as wide as its widest KV head, so this keeps it at the budget); layer = budget x n_head_kv per "
+              "stores each layer as wide as its widest KV head, so this keeps it at the budget); layer = budget x "
+              "n_head_kv per "
               "layer over its KV heads (kvpress layerwise=True); global = budget x n_head_kv x n_layer over all "
               "(kvpress's default: heads and layers keep different counts; in memory each layer is as wide as its "
               "widest KV head, the .kvc file holds the live entries only)",
