@@ -16,7 +16,7 @@ import click
 from kvcli import __version__
 from kvcli.errors import KvcliError
 
-COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch"]
+COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch", "serve"]
 
 
 def usage_line(e: click.UsageError) -> str:
