@@ -11,8 +11,8 @@ from the compressed cache:
     request 2's prompt       [ system + document ][ question 2 ]
                               restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
 
-The first request that shares no prefix with a store reads its whole prompt into a new store (StoredDocument.read,
-kept in memory), then re-selects from it; later requests that start with the same document (another question,
+The first request that shares no prefix of REUSE_MIN tokens with a store reads its whole prompt into a new store
+(StoredDocument.read, kept in memory; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it; later requests that start with the same document (another question,
 another conversation, another client) restore it instead of reading it. A re-selection that prefilled at least
 NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted answer) keeps the prompt's full
 cache as a store of its own; each store also keeps the last prompt re-selected from it (its `extension`, as in
@@ -37,7 +37,10 @@ from kvcli.native.session import NativeSession
 from kvcli.planning.planner import resolve
 
 DEFAULT_CTX = 16384       # cells of the KV cache unless --ctx says (at most the model's training context)
-NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's full cache becomes a store of its own
+NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's full cache becomes a store of its own,
+                          # and the shortest prompt read into a store (a short chat is answered without keeping it)
+REUSE_MIN = 64            # shared prefix below which a store is not restored (restoring a long store to keep a few
+                          # tokens, a chat template's head, costs more than prefilling them)
 
 
 class BadRequest(KvcliError):
@@ -243,7 +246,7 @@ class Engine:
         colsum = "colsum" in cfg.observe[0]
         found, same = self.store.best(prompt)
         read_tokens, read_s = 0, 0.0
-        doc = None if found is None else self._usable(found, same, n, colsum)
+        doc = None if found is None or same < min(REUSE_MIN, n - 1) else self._usable(found, same, n, colsum)
         fresh = doc is None
         if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
             doc = StoredDocument.read(session, prompt, split=max(1, min(n - 1, n - STORE_TAIL)), seq=seq,
@@ -256,8 +259,9 @@ class Engine:
             raise
         stored = None
         if fresh:
-            self.store.add(doc)
-            stored = doc
+            if n >= NEW_STORE_MIN:
+                self.store.add(doc)
+                stored = doc
         else:
             if r.prefilled >= NEW_STORE_MIN and doc.extension is not None:
                 # a long new part (another document after a shared head): its full cache becomes a store of its own

@@ -337,6 +337,7 @@ class Server:
         async def produce():
             try:
                 answer = await self._run(request, prompt, choice, on_text, cancel)
+                self._timed(route, answer, started, choice)   # here: also when the stream was cancelled
                 queue.put_nowait(("done", answer))
             except BaseException as e:   # noqa: BLE001 (handed to the stream, which reports it)
                 queue.put_nowait(("error", e))
@@ -359,7 +360,6 @@ class Server:
                     yield _sse(err.body())
                     yield "data: [DONE]\n\n"
                     return
-                self._timed(route, value, started, choice)
                 if value is None:
                     return
                 yield chunk({}, finish=value.finish_reason, kvcli=value.stats)

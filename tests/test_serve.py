@@ -1,0 +1,284 @@
+"""kvcli serve as a real process on the default model, talked to with the official `openai` client (and raw HTTP
+where the wire format itself is checked: server-sent events, error statuses, a client that hangs up).
+
+One server for the module (snapkv @ 64, an API key, a small context and body limit so the refusals are cheap to
+provoke); a ~350-token logbook is the document every question carries in its user message.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.conftest import KVCLI, ROOT
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-123"
+CTX = 1024
+BODY_LIMIT = 64 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def document():
+    from kvcli.evaluation.logbook import make_document
+    text, planted = make_document(260, facts=2, seed=5)
+    return text, planted
+
+
+@pytest.fixture(scope="module")
+def server(default_model, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [*KVCLI, "serve", "--model", str(default_model), "--policy", "snapkv", "--budget", "64", "--port",
+           str(port), "--api-key", KEY, "--ctx", str(CTX), "--max-body-bytes", str(BODY_LIMIT), "--max-tokens", "16",
+           "--threads", "2"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "KVCLI_API_KEY": ""})
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, f"kvcli serve exited: {log.read_text()}"
+            try:
+                if raw("GET", port, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, "kvcli serve did not answer /health in 180 s"
+            time.sleep(0.3)
+        yield {"port": port, "proc": proc, "log": log, "model": default_model.stem}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def raw(method: str, port: int, path: str, body: bytes | None = None, headers: dict | None = None,
+        timeout: float = 300):
+    """(status, decoded JSON or text) of one plain HTTP request."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        data = r.read().decode()
+        try:
+            return r.status, json.loads(data)
+        except ValueError:
+            return r.status, data
+    finally:
+        c.close()
+
+
+def auth(extra: dict | None = None) -> dict:
+    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(extra or {})}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def messages(document, question: str) -> list[dict]:
+    return [{"role": "user", "content": f"{document[0]}\n\n{question}"}]
+
+
+def stats(resp) -> dict:
+    return resp.model_extra["kvcli"]
+
+
+def alive(server) -> None:
+    assert server["proc"].poll() is None
+    status, body = raw("GET", server["port"], "/health")
+    assert status == 200 and body["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------- answers
+def test_models_and_health(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [server["model"]]
+    alive(server)
+
+
+def test_document_read_once(server, client, document):
+    """The first question reads the document; the second (another question, the same document) restores it."""
+    q1, q2 = (f["question"] for f in document[1])
+    first = client.chat.completions.create(model=server["model"], messages=messages(document, q1))
+    s1 = stats(first)
+    assert first.object == "chat.completion" and first.choices[0].message.content
+    assert first.usage.prompt_tokens == s1["prompt_tokens"] > 300
+    assert first.usage.completion_tokens > 0
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert s1["policy"] == "snapkv" and s1["budget"] == 64
+    # prompts whose store was made by an earlier test would restore: this document is new to the server
+    assert s1["document_read_tokens"] > 300 and s1["prefix_reused_tokens"] == 0
+    assert s1["kv_cells"] < s1["prompt_tokens"] and s1["kv_bytes"] < s1["kv_bytes_full"]   # compressed
+
+    second = client.chat.completions.create(model=server["model"], messages=messages(document, q2))
+    s2 = stats(second)
+    assert s2["document_read_tokens"] == 0                      # not read again
+    assert s2["prefix_reused_tokens"] >= s1["document_read_tokens"] - 40
+    assert s2["prefilled_tokens"] < 64                          # the question (and the policy's window) only
+    assert s2["prefix_reused_tokens"] + s2["prefilled_tokens"] == second.usage.prompt_tokens
+    assert s2["store_entries"] == s1["store_entries"]
+
+
+def test_streaming_matches_and_ends_with_done(server, client, document):
+    q = document[1][0]["question"]
+    whole = client.chat.completions.create(model=server["model"], messages=messages(document, q))
+    pieces, finish = [], None
+    for ch in client.chat.completions.create(model=server["model"], messages=messages(document, q), stream=True):
+        assert ch.object == "chat.completion.chunk"
+        if ch.choices and ch.choices[0].delta.content:
+            pieces.append(ch.choices[0].delta.content)
+        if ch.choices and ch.choices[0].finish_reason:
+            finish = ch.choices[0].finish_reason
+    assert "".join(pieces) == whole.choices[0].message.content   # greedy: the same answer, streamed
+    assert finish == whole.choices[0].finish_reason
+
+    # the wire: data: lines of JSON chunks, the usage chunk asked for, then data: [DONE]
+    body = json.dumps({"model": server["model"], "messages": messages(document, q), "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    status, text = raw("POST", server["port"], "/v1/chat/completions", body, auth())
+    assert status == 200
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 300
+    assert chunks[-2]["kvcli"]["document_read_tokens"] == 0
+
+
+def test_completions_and_policy_per_request(server, client, document):
+    out = client.completions.create(model=server["model"], prompt="The capital of France is", max_tokens=4)
+    assert out.object == "text_completion" and out.choices[0].text and out.usage.completion_tokens <= 4
+    q = document[1][1]["question"]
+    full = client.chat.completions.create(model=server["model"], messages=messages(document, q),
+                                          extra_body={"kvcli": {"policy": "full"}})
+    s = stats(full)
+    assert s["policy"] == "full" and s["budget"] is None
+    assert s["kv_cells"] == s["prompt_tokens"] and s["document_read_tokens"] == 0   # uncompressed, not re-read
+    small = client.chat.completions.create(model=server["model"], messages=messages(document, q),
+                                           extra_body={"kvcli": {"budget": 48, "policy_args": {"window": 16}}})
+    assert stats(small)["budget"] == 48 and stats(small)["kv_cells"] < s["kv_cells"]
+
+
+def test_two_clients_at_once(server, client, document):
+    """Two requests in flight together are both answered, each as it is answered alone."""
+    qs = [f["question"] for f in document[1]]
+    alone = [client.chat.completions.create(model=server["model"], messages=messages(document, q))
+             .choices[0].message.content for q in qs]
+    together, errors = [None, None], []
+
+    def ask(i):
+        try:
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key=KEY, max_retries=0,
+                              timeout=300)
+            together[i] = c.chat.completions.create(model=server["model"], messages=messages(document, qs[i]))
+        except Exception as e:   # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    assert [r.choices[0].message.content for r in together] == alone
+    assert all(stats(r)["document_read_tokens"] == 0 for r in together)
+
+
+def test_disconnect_mid_answer_stops_it(server, client, document):
+    body = json.dumps({"model": server["model"], "messages": messages(document, "Write a long story."),
+                       "stream": True, "max_tokens": 400}).encode()
+    c = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=300)
+    c.request("POST", "/v1/chat/completions", body=body, headers=auth())
+    r = c.getresponse()
+    assert r.status == 200
+    seen = b""
+    while seen.count(b"data: ") < 4:   # the role chunk and a few tokens
+        seen += r.read1(4096)
+    c.close()   # hang up mid-answer
+    # the server goes on: the next request is answered, and the dropped one stopped well before its 400 tokens
+    after = client.chat.completions.create(model=server["model"], messages=messages(document, "Say yes."),
+                                           max_tokens=2)
+    assert after.choices[0].message.content is not None
+    alive(server)
+    log = server["log"].read_text()
+    assert "client left" in log
+    line = [ln for ln in log.splitlines() if ln.startswith("chat:") and "cancelled" in ln]
+    assert line and int(line[-1].split(" generated")[0].rsplit(" ", 1)[1]) < 400
+
+
+# ---------------------------------------------------------------------------------- refusals
+def test_malformed_json(server):
+    status, body = raw("POST", server["port"], "/v1/chat/completions", b'{"model": ', auth())
+    assert status == 400 and body["error"]["code"] == "invalid_json" and body["error"]["message"]
+    alive(server)
+
+
+@pytest.mark.parametrize("change,param", [({"model": "no-such-model"}, "model"),
+                                          ({"temperature": "hot"}, "temperature"),
+                                          ({"max_tokens": 0}, "max_tokens"),
+                                          ({"messages": []}, "messages"),
+                                          ({"kvcli": {"policy": "no-such-policy"}}, "kvcli"),
+                                          ({"kvcli": {"policy": "snapkv", "budget": -3}}, "kvcli")])
+def test_bad_parameter(server, change, param):
+    body = {"model": server["model"], "messages": [{"role": "user", "content": "hi"}], **change}
+    status, out = raw("POST", server["port"], "/v1/chat/completions", json.dumps(body).encode(), auth())
+    assert status == 400 and out["error"]["param"] == param, out
+    alive(server)
+
+
+def test_bad_parameter_through_the_client(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert "unknown model" in str(e.value)
+
+
+def test_prompt_too_long(server, client):
+    long = "station log entry " * (CTX // 2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": long}])
+    assert "prompt too long" in str(e.value)
+    alive(server)
+
+
+def test_api_key(server):
+    body = json.dumps({"model": server["model"], "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, out = raw("POST", server["port"], "/v1/chat/completions", body,
+                          {"Content-Type": "application/json", **headers})
+        assert status == 401 and out["error"]["code"] == "invalid_api_key"
+    assert raw("GET", server["port"], "/v1/models")[0] == 401
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    alive(server)
+
+
+def test_body_over_the_limit(server):
+    big = json.dumps({"model": server["model"], "messages": [{"role": "user", "content": "x" * BODY_LIMIT}]})
+    status, out = raw("POST", server["port"], "/v1/chat/completions", big.encode(), auth())
+    assert status == 413 and out["error"]["code"] == "request_too_large"
+    alive(server)
+
+
+def test_not_found_is_an_error_body(server):
+    status, out = raw("GET", server["port"], "/v1/nothing", headers=auth())
+    assert status == 404 and out["error"]["message"]
