@@ -12,8 +12,9 @@ from the compressed cache:
                               restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
 
 The first request that shares no prefix of REUSE_MIN tokens with a store reads its whole prompt into a new store
-(StoredDocument.read, kept in memory; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it; later requests that start with the same document (another question,
-another conversation, another client) restore it instead of reading it. A re-selection that prefilled at least
+(StoredDocument.read, kept in memory; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it;
+later requests that start with the same document (another question, another conversation, another client) restore
+it instead of reading it. A re-selection that prefilled at least
 NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted answer) keeps the prompt's full
 cache as a store of its own; each store also keeps the last prompt re-selected from it (its `extension`, as in
 `kvcli chat`), so a conversation's next turn prefills only the last answer and the new question.
@@ -248,34 +249,32 @@ class Engine:
         read_tokens, read_s = 0, 0.0
         doc = None if found is None or same < min(REUSE_MIN, n - 1) else self._usable(found, same, n, colsum)
         fresh = doc is None
-        if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
-            doc = StoredDocument.read(session, prompt, split=max(1, min(n - 1, n - STORE_TAIL)), seq=seq,
-                                      colsum=colsum, in_memory=True)
-            read_tokens, read_s = doc.split, doc.read_s
-        try:
+        try:   # whatever happens, the sequence is left empty for the next request
+            if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
+                doc = StoredDocument.read(session, prompt, split=max(1, min(n - 1, n - STORE_TAIL)), seq=seq,
+                                          colsum=colsum, in_memory=True)
+                read_tokens, read_s = doc.split, doc.read_s
             r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh)
-        except BaseException:
+            stored = None
+            if fresh:
+                if n >= NEW_STORE_MIN:
+                    self.store.add(doc)
+                    stored = doc
+            else:
+                if r.prefilled >= NEW_STORE_MIN and doc.extension is not None:
+                    # a long new part (another document after a shared head): its full cache becomes a store too
+                    ext, doc.extension = doc.extension, None
+                    stored = StoredDocument(tokens=ext.tokens, split=ext.split, colsum=ext.colsum,
+                                            snapshot=ext.snapshot, nbytes=ext.nbytes, keep=False)
+                    self.store.add(stored, keep=found)
+                if found in self.store:
+                    self.store.touch(found, keep=found)
+            st = session.stats(seq)
+            t1 = time.perf_counter()
+            gen, finish = self._decode(c, on_text, cancelled)
+            t2 = time.perf_counter()
+        finally:
             session.clear(seq)
-            raise
-        stored = None
-        if fresh:
-            if n >= NEW_STORE_MIN:
-                self.store.add(doc)
-                stored = doc
-        else:
-            if r.prefilled >= NEW_STORE_MIN and doc.extension is not None:
-                # a long new part (another document after a shared head): its full cache becomes a store of its own
-                ext, doc.extension = doc.extension, None
-                stored = StoredDocument(tokens=ext.tokens, split=ext.split, colsum=ext.colsum,
-                                        snapshot=ext.snapshot, nbytes=ext.nbytes, keep=False)
-                self.store.add(stored, keep=found)
-            if found in self.store:
-                self.store.touch(found, keep=found)
-        st = session.stats(seq)
-        t1 = time.perf_counter()
-        gen, finish = self._decode(c, on_text, cancelled)
-        t2 = time.perf_counter()
-        session.clear(seq)
         self.requests += 1
         stats = {"policy": c.policy, "budget": c.budget, "prompt_tokens": n,
                  "document_read_tokens": read_tokens, "document_read_s": round(read_s, 4),
