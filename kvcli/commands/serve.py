@@ -30,7 +30,7 @@ def parse_size(text: str, flag: str) -> int:
                  max_tokens_help="Longest answer, in tokens, when a request gives no max_tokens.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; then set --api-key).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port to listen on.")
 @click.option("--api-key", default=lambda: os.environ.get("KVCLI_API_KEY"), metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise). Default: $KVCLI_API_KEY, else none.")
 @click.option("--ctx", type=click.IntRange(64, 1 << 20), default=None, metavar="CELLS",
