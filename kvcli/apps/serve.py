@@ -12,7 +12,7 @@ from the compressed cache:
                               restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
 
 The first request that shares no prefix of REUSE_MIN tokens with a store reads its whole prompt into a new store
-(StoredDocument.read, kept in memory; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it;
+(`read_in_memory`; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it;
 later requests that start with the same document (another question, another conversation, another client) restore
 it instead of reading it. A re-selection that prefilled at least
 NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted answer) keeps the prompt's full
@@ -29,6 +29,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
 from kvcli.errors import KvcliError
@@ -130,6 +132,19 @@ class MemoryStore(DocumentStore):
     def stats(self) -> dict:
         return {"store_entries": len(self.docs), "store_bytes": self.total_bytes(), "store_max_bytes": self.max_bytes,
                 "store_evicted": self.evicted, "store_tokens": [d.split for d in self.docs.values()]}
+
+
+def read_in_memory(session, tokens: list[int], split: int, seq: int, colsum: bool) -> StoredDocument:
+    """StoredDocument.read's prefill, kept in memory: a server's stores are not files of kvcli's document store
+    (whose entries outlive the process), they live as long as the server."""
+    t0 = time.perf_counter()
+    obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else ())
+    read_s = time.perf_counter() - t0
+    sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split], np.float32)
+    snap = session.save_seq(seq)
+    session.clear(seq)
+    return StoredDocument(tokens=list(tokens[:split]), split=split, colsum=sums, snapshot=snap,
+                          nbytes=len(snap.state), read_s=read_s, keep=False)
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -251,8 +266,7 @@ class Engine:
         fresh = doc is None
         try:   # whatever happens, the sequence is left empty for the next request
             if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
-                doc = StoredDocument.read(session, prompt, split=max(1, min(n - 1, n - STORE_TAIL)), seq=seq,
-                                          colsum=colsum, in_memory=True)
+                doc = read_in_memory(session, prompt, max(1, min(n - 1, n - STORE_TAIL)), seq, colsum)
                 read_tokens, read_s = doc.split, doc.read_s
             r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh)
             stored = None

@@ -141,13 +141,12 @@ class StoredDocument:
     @classmethod
     def read(cls, session: Session, tokens: list[int], *, split: int | None = None, seq: int = 0,
              colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None,
-             in_memory_if_unwritable=None, in_memory: bool = False) -> "StoredDocument":
+             in_memory_if_unwritable=None) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
         to `path` (a .kvc file; None: a new file in store_dir()) for the native engine, in memory for the
         reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is cleared afterwards.
         A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
-        called with the one-line reason and the cache is kept in memory instead. `in_memory`: kept in memory, no file
-        (kvcli serve's document store, kvcli/apps/serve.py)."""
+        called with the one-line reason and the cache is kept in memory instead."""
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
@@ -162,9 +161,8 @@ class StoredDocument:
         session.clear(seq)
         store = cls(tokens=list(tokens[:split]), split=split, colsum=sums, read_s=read_s, keep=keep,
                     meta=dict(meta or {}))
-        if session.engine != "native" or in_memory:
+        if session.engine != "native":
             store.snapshot, store.path = snap, None
-            store.nbytes = len(getattr(snap, "state", b""))
             return store
         store.nbytes = len(snap.state)
         if path is None:
