@@ -64,6 +64,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--suffix", default="", help="text after each question, e.g. ' Answer with the number only.' "
+                    "(kvcli eval chat's phrasing)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="more flags for kvcli serve, e.g. --server-arg=--dry-multiplier --server-arg=0")
     ap.add_argument("-o", "--out", default=None)
     a = ap.parse_args()
 
@@ -72,7 +76,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "kvcli.cli", "serve", "--model", a.model, "--policy", a.policy, "--budget",
-           str(a.budget), "--threads", str(a.threads), "--max-tokens", str(a.max_tokens), "--port", str(port)]
+           str(a.budget), "--threads", str(a.threads), "--max-tokens", str(a.max_tokens), "--port", str(port),
+           *a.server_arg]
     before = uptime()
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -88,8 +93,8 @@ def main() -> None:
         load_s = time.time() - t0
 
         def body(fact):
-            return {"model": a.model, "messages": [{"role": "user", "content": f"{text}\n\n{fact['question']}"}],
-                    "max_tokens": a.max_tokens}
+            content = f"{text}\n\n{fact['question']}{a.suffix}"
+            return {"model": a.model, "messages": [{"role": "user", "content": content}], "max_tokens": a.max_tokens}
 
         rows = []
         for i, fact in enumerate(facts, 1):
@@ -116,7 +121,7 @@ def main() -> None:
         proc.wait(timeout=60)
     after = uptime()
     first = rows[0]["seconds"]
-    result = {"command": " ".join(cmd[2:]), "document_words": a.words, "seed": a.seed,
+    result = {"command": " ".join(cmd[2:]), "document_words": a.words, "seed": a.seed, "suffix": a.suffix,
               "server_load_s": round(load_s, 2),
               "uptime_before": before, "uptime_after": after, "requests": rows, "two_clients": together,
               "two_clients_wall_s": round(both_s, 2),

@@ -294,7 +294,8 @@ class Engine:
                  "document_read_tokens": read_tokens, "document_read_s": round(read_s, 4),
                  "prefix_reused_tokens": 0 if fresh else r.restored, "prefilled_tokens": r.prefilled,
                  "restored_from": "new store" if fresh else r.source, "new_store_tokens": stored.split if stored else 0,
-                 "reselect_s": round(r.total_s, 4), "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
+                 **{k: v for k, v in r.as_stats().items() if k.endswith("_s")},   # restore, prefill, plan, keep
+                 "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
                  "kv_bytes_full": self.session.bytes_per_cell() * n,
                  "prompt_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
                  "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
