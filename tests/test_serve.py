@@ -282,3 +282,16 @@ def test_body_over_the_limit(server):
 def test_not_found_is_an_error_body(server):
     status, out = raw("GET", server["port"], "/v1/nothing", headers=auth())
     assert status == 404 and out["error"]["message"]
+
+
+def test_port_in_use_and_bad_flags_are_one_line(run_kvcli):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        p = run_kvcli("serve", "--port", s.getsockname()[1], timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().startswith("kvcli: error: cannot listen on 127.0.0.1:")
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = run_kvcli("serve", "--policy", "snapkv", timeout=120)
+    assert p.returncode == 2 and "needs --budget" in p.stderr
+    p = run_kvcli("serve", "--store-max-bytes", "lots", timeout=120)
+    assert p.returncode == 2 and "--store-max-bytes" in p.stderr

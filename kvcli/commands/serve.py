@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 
 import click
@@ -62,6 +63,7 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_max_bytes, ma
     body_bytes = parse_size(max_body_bytes, "--max-body-bytes")
     if req.policy != "full" and req.budget is None:
         raise KvcliError(f"policy '{req.policy}' needs --budget N (entries kept per layer and KV head)")
+    _check_address(host, port)   # before the model loads: a port in use is one line, at once
     name = model or config.get("model")
     path = resolve_model(name)
     model_id = name if name and not str(name).lower().endswith(".gguf") else path.stem
@@ -79,6 +81,20 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_max_bytes, ma
                     timeout_graceful_shutdown=2)
     finally:
         engine.close()
+
+
+def _check_address(host: str, port: int) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise KvcliError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: a port in TIME_WAIT is free
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise KvcliError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 COMMANDS = [serve_cmd]
