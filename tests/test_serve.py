@@ -284,14 +284,15 @@ def test_not_found_is_an_error_body(server):
     assert status == 404 and out["error"]["message"]
 
 
-def test_port_in_use_and_bad_flags_are_one_line(run_kvcli):
+def test_port_in_use_and_bad_flags_are_one_line(cli_runner):
+    from kvcli.cli import cli
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        p = run_kvcli("serve", "--port", s.getsockname()[1], timeout=120)
-    assert p.returncode == 2 and p.stderr.strip().startswith("kvcli: error: cannot listen on 127.0.0.1:")
-    assert len(p.stderr.strip().splitlines()) == 1
-    p = run_kvcli("serve", "--policy", "snapkv", timeout=120)
-    assert p.returncode == 2 and "needs --budget" in p.stderr
-    p = run_kvcli("serve", "--store-max-bytes", "lots", timeout=120)
-    assert p.returncode == 2 and "--store-max-bytes" in p.stderr
+        r = cli_runner.invoke(cli, ["serve", "--port", str(s.getsockname()[1])])
+    assert r.exit_code == 2 and r.output.strip().startswith("kvcli: error: cannot listen on 127.0.0.1:")
+    assert len(r.output.strip().splitlines()) == 1
+    r = cli_runner.invoke(cli, ["serve", "--policy", "snapkv"])
+    assert r.exit_code == 2 and "needs --budget" in r.output
+    r = cli_runner.invoke(cli, ["serve", "--store-max-bytes", "lots"])
+    assert r.exit_code == 2 and "--store-max-bytes" in r.output
