@@ -219,10 +219,42 @@ def test_disconnect_mid_answer_stops_it(server, client, document):
                                            max_tokens=2)
     assert after.choices[0].message.content is not None
     alive(server)
-    log = server["log"].read_text()
-    assert "client left" in log
-    line = [ln for ln in log.splitlines() if ln.startswith("chat:") and "cancelled" in ln]
+    assert "client left" in server["log"].read_text()
+    line = cancelled_lines(server)
     assert line and int(line[-1].split(" generated")[0].rsplit(" ", 1)[1]) < 400
+
+
+def test_conversation_turn_restores_the_last_prompt(server, client, document):
+    """The next turn of a conversation (its messages, the answer, a new question) restores the last prompt's full
+    cache kept beside the document, not the document alone."""
+    q1, q2 = (f["question"] for f in document[1])
+    first = client.chat.completions.create(model=server["model"], messages=messages(document, q1))
+    turn = messages(document, q1) + [{"role": "assistant", "content": first.choices[0].message.content},
+                                     {"role": "user", "content": q2}]
+    s = stats(client.chat.completions.create(model=server["model"], messages=turn))
+    assert s["restored_from"] == "conversation" and s["document_read_tokens"] == 0
+    assert s["prefix_reused_tokens"] > stats(first)["prompt_tokens"] - 40
+
+
+def cancelled_lines(server) -> list[str]:
+    return [ln for ln in server["log"].read_text().splitlines() if ln.startswith("chat:") and "cancelled" in ln]
+
+
+def test_disconnect_without_streaming_stops_it(server, document):
+    before = len(cancelled_lines(server))
+    body = json.dumps({"model": server["model"], "messages": messages(document, "Write a long story, please."),
+                       "max_tokens": 400}).encode()
+    c = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=1.5)
+    c.request("POST", "/v1/chat/completions", body=body, headers=auth())
+    with pytest.raises(TimeoutError):
+        c.getresponse()
+    c.close()   # gone before the answer: the server sees it (polled every quarter second) and stops at a token
+    deadline = time.time() + 60
+    while len(cancelled_lines(server)) == before and time.time() < deadline:
+        time.sleep(0.2)
+    lines = cancelled_lines(server)
+    assert len(lines) > before and int(lines[-1].split(" generated")[0].rsplit(" ", 1)[1]) < 400
+    alive(server)
 
 
 # ---------------------------------------------------------------------------------- refusals
@@ -296,3 +328,24 @@ def test_port_in_use_and_bad_flags_are_one_line(cli_runner):
     assert r.exit_code == 2 and "needs --budget" in r.output
     r = cli_runner.invoke(cli, ["serve", "--store-max-bytes", "lots"])
     assert r.exit_code == 2 and "--store-max-bytes" in r.output
+
+
+def test_memory_store_evicts_least_recently_used():
+    from kvcli.apps.serve import MemoryStore
+    from kvcli.drivers.reselect import StoredDocument
+
+    def doc(first):
+        return StoredDocument(tokens=[first, 1, 2, 3], split=4, nbytes=100, keep=False)
+
+    store = MemoryStore(max_bytes=250)
+    a, b, c = doc(10), doc(20), doc(30)
+    store.add(a)
+    store.add(b)
+    assert store.best([20, 1, 2, 9]) == (b, 3) and store.best([99]) == (None, 0)
+    store.touch(a)            # a used last: b is the least recently used
+    store.add(c)
+    assert a in store and c in store and b not in store
+    assert store.stats()["store_entries"] == 2 and store.stats()["store_evicted"] == 1
+    big = StoredDocument(tokens=[40], split=1, nbytes=400, keep=False)
+    store.add(big)            # alone above the cap: nothing else stays, and neither does it
+    assert store.stats()["store_entries"] == 0
