@@ -236,6 +236,42 @@ def test_conversation_turn_restores_the_last_prompt(server, client, document):
     assert s["prefix_reused_tokens"] > stats(first)["prompt_tokens"] - 40
 
 
+def test_new_document_after_a_shared_system_prompt_is_stored(server, client):
+    """A second document after the same long system prompt restores the system prompt and becomes a store of its
+    own (it prefilled more than NEW_STORE_MIN tokens), which its next question restores."""
+    from kvcli.evaluation.logbook import make_document
+    system = {"role": "system", "content": "You answer questions about station logbooks. " * 12}
+    docs = [make_document(220, facts=1, seed=s) for s in (11, 12)]
+
+    def ask(i):
+        text, planted = docs[i]
+        return stats(client.chat.completions.create(model=server["model"], messages=[
+            system, {"role": "user", "content": f"{text}\n\n{planted[0]['question']}"}]))
+
+    first = ask(0)
+    assert first["document_read_tokens"] > 300
+    other = ask(1)   # the system prompt restored from the first document's store, the new document prefilled
+    assert other["document_read_tokens"] == 0 and 64 <= other["prefix_reused_tokens"] < 200
+    assert other["new_store_tokens"] == other["prompt_tokens"]
+    assert other["store_entries"] == first["store_entries"] + 1
+    again = ask(1)
+    assert again["document_read_tokens"] == 0 and again["prefilled_tokens"] < 64
+
+
+def test_column_sum_policy_per_request(server, client, document):
+    """h2o scores by the column sums of every query, which cannot be cut back to a shorter prefix, and which the
+    stores read for snapkv lack: its first question reads again the prefix the prompt shares with them, up to the
+    line break before the question, with the sums; every later question about the document restores that whole."""
+    qs = [f["question"] for f in document[1]] + ["What was the weather on day 1?"]
+    h2o = {"kvcli": {"policy": "h2o", "budget": 64}}
+    s = [stats(client.chat.completions.create(model=server["model"], messages=messages(document, q), extra_body=h2o))
+         for q in qs]
+    assert all(x["policy"] == "h2o" for x in s)
+    assert 300 < s[0]["document_read_tokens"] < s[0]["prompt_tokens"] - 8 and s[0]["prefilled_tokens"] < 40
+    for later in s[1:]:
+        assert later["document_read_tokens"] == 0 and later["prefix_reused_tokens"] == s[0]["document_read_tokens"]
+
+
 def cancelled_lines(server) -> list[str]:
     return [ln for ln in server["log"].read_text().splitlines() if ln.startswith("chat:") and "cancelled" in ln]
 

@@ -19,6 +19,11 @@ NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted
 cache as a store of its own; each store also keeps the last prompt re-selected from it (its `extension`, as in
 `kvcli chat`), so a conversation's next turn prefills only the last answer and the new question.
 
+A column-sum policy (h2o, d2o) cannot restore part of a store: its sums are those of all the stored queries. Its
+first request stores the prompt less its last STORE_TAIL tokens, which the same prompt again restores whole; a
+request that shares only a prefix with a store (another question about the document) reads that prefix again into a
+store of its own, which every later question about the document restores.
+
 Stores live behind `DocumentStore` (best match, add, touch, evict): `MemoryStore` keeps them in memory up to
 --store-max-bytes, least recently used evicted. One model, one sequence: requests run one at a time (the HTTP
 layer queues them); nothing here is thread-safe by itself.
@@ -59,8 +64,9 @@ class DocumentStore:
     """Where full document caches are kept between requests: the interface the engine uses (an on-disk managed
     store can take MemoryStore's place)."""
 
-    def best(self, prompt: list[int]) -> tuple[StoredDocument | None, int]:
-        """The store sharing the longest common prefix (in tokens) with `prompt`, and that prefix's length."""
+    def best(self, prompt: list[int], accept=None) -> tuple[StoredDocument | None, int]:
+        """The store sharing the longest common prefix (in tokens) with `prompt`, and that prefix's length; among
+        the stores `accept(store, prefix)` accepts, when given."""
         raise NotImplementedError
 
     def add(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
@@ -91,11 +97,11 @@ class MemoryStore(DocumentStore):
         self.docs: OrderedDict[int, StoredDocument] = OrderedDict()
         self.evicted = 0
 
-    def best(self, prompt):
+    def best(self, prompt, accept=None):
         best, n = None, 0
         for doc in reversed(self.docs.values()):   # most recent first: it wins a tie
             k = common_prefix(doc.tokens, prompt)
-            if k > n:
+            if k > n and (accept is None or accept(doc, k)):
                 best, n = doc, k
         return best, n
 
@@ -260,13 +266,24 @@ class Engine:
         t0 = time.perf_counter()
         n, seq, session = len(prompt), 0, self.session
         colsum = "colsum" in cfg.observe[0]
-        found, same = self.store.best(prompt)
+        found, same = self.store.best(prompt)   # the longest prefix any store shares
+        reuse = found is not None and same >= min(REUSE_MIN, n - 1)
+        if reuse and colsum:   # a column-sum store is restored whole or not at all (its sums are all its queries')
+            found, same = self.store.best(prompt, lambda d, k: d.colsum is not None and d.split <= min(k, n - 1))
+            reuse = found is not None
         read_tokens, read_s = 0, 0.0
-        doc = None if found is None or same < min(REUSE_MIN, n - 1) else self._usable(found, same, n, colsum)
+        doc = self._usable(found, same, n) if reuse else None
         fresh = doc is None
         try:   # whatever happens, the sequence is left empty for the next request
             if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
-                doc = read_in_memory(session, prompt, max(1, min(n - 1, n - STORE_TAIL)), seq, colsum)
+                split = min(n - 1, n - STORE_TAIL)
+                shared = self.store.best(prompt)[1]
+                if colsum and shared >= REUSE_MIN:
+                    # the prefix this prompt shares with a store is a document another question asked about: stored
+                    # up to the line break before it differs (a question's first words are often shared too), where
+                    # every question about it can restore it whole
+                    split = min(self._line_start(prompt, shared), n - 1)
+                doc = read_in_memory(session, prompt, max(1, split), seq, colsum)
                 read_tokens, read_s = doc.split, doc.read_s
             r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh)
             stored = None
@@ -303,13 +320,17 @@ class Engine:
         return Answer(text=gen.text, finish_reason=finish, prompt_tokens=n, completion_tokens=len(gen.tokens),
                       stats=stats)
 
-    def _usable(self, doc: StoredDocument, same: int, n: int, colsum: bool) -> StoredDocument | None:
-        """`doc`, or a view of it, that re-selection can restore `same` tokens of for an n-token prompt; None when
-        its prefix cannot be used exactly (a column-sum policy needs the stored queries' sums whole)."""
-        if same == 0:
-            return None
-        if colsum:
-            return doc if doc.colsum is not None and same >= doc.split and doc.split < n else None
+    def _line_start(self, tokens: list[int], upto: int) -> int:
+        """The position after the last token of tokens[:upto] that holds a line break (upto when none is near)."""
+        for i in range(upto - 1, max(0, upto - 256), -1):
+            if b"\n" in self.session.token_bytes(tokens[i]):
+                return i + 1
+        return upto
+
+    def _usable(self, doc: StoredDocument, same: int, n: int) -> StoredDocument:
+        """`doc`, or a view of it, that re-selection can restore `same` tokens of for an n-token prompt."""
+        if doc.colsum is not None and doc.split <= same and doc.split < n:
+            return doc   # whole: a column-sum policy needs it so, the others cut it back as they need
         if min(same, doc.split) >= n:   # the prompt ends inside the store (a repeated prompt): its last token is
             # prefilled again for its logits, from a view of the store cut before it
             return replace(doc, tokens=doc.tokens[:n - 1], split=n - 1, colsum=None, extension=None, keep=True)
