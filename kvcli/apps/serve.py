@@ -115,7 +115,7 @@ class MemoryStore(DocumentStore):
         self._evict(keep or doc)
 
     def total_bytes(self) -> int:
-        return sum(held_bytes(d) for d in self.docs.values())
+        return sum(held_bytes(d) for d in list(self.docs.values()))   # a copy: /health reads it beside the worker
 
     def _evict(self, keep: StoredDocument) -> None:
         if self.max_bytes is None:
@@ -137,7 +137,7 @@ class MemoryStore(DocumentStore):
 
     def stats(self) -> dict:
         return {"store_entries": len(self.docs), "store_bytes": self.total_bytes(), "store_max_bytes": self.max_bytes,
-                "store_evicted": self.evicted, "store_tokens": [d.split for d in self.docs.values()]}
+                "store_evicted": self.evicted, "store_tokens": [d.split for d in list(self.docs.values())]}
 
 
 def read_in_memory(session, tokens: list[int], split: int, seq: int, colsum: bool) -> StoredDocument:
