@@ -38,7 +38,6 @@ from starlette.routing import Route
 
 from kvcli.apps.serve import BadRequest, Choice, Engine
 from kvcli.errors import KvcliError
-from kvcli.generate import Sampling
 from kvcli.policies import parse_policy_args
 
 
