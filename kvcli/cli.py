@@ -18,7 +18,8 @@ import click
 from kvcli import __version__
 from kvcli.errors import KvcliError, Terminated
 
-COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch", "documents"]
+COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch",
+            "documents", "serve"]
 
 
 def usage_line(e: click.UsageError) -> str:

@@ -26,6 +26,7 @@ EXPECTED = {
     "run": SINGLE | SAMPLING,
     "chat": SINGLE | SAMPLING,
     "batch": SINGLE | SAMPLING,
+    "serve": {"--model", "--threads", "--cache-type", "--policy", "--budget", "--policy-arg"} | SAMPLING,   # no chunking: prompts held whole
     "compress": SINGLE,                                    # compresses and saves; decodes nothing
     "bench": SWEEP | {"--chunk", "--chunk-scoring"},       # decodes teacher-forced: no sampling
     "eval niah": SWEEP | {"--cache-type", "--chunk", "--chunk-scoring"} | PENALTIES,   # greedy (+ penalties)
@@ -54,6 +55,7 @@ HELP_OVERRIDES = {
     ("run", "--cache-type"): "the reference engine has no cache type",
     ("chat", "--cache-type"): "a --cache file brings its own",
     ("batch", "--max-tokens"): "reserved in the cache for every held document",
+    ("serve", "--max-tokens"): "the default of a request that gives no max_tokens",
     ("bench", "--chunk"): "every document, and it implies --no-share-prefill",
     ("eval niah", "--chunk"): "every prompt, and the truncation baseline",
     ("eval ruler", "--chunk"): "every prompt, and the truncation baseline",

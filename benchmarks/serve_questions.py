@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""kvcli serve on one document and six questions (issue #47's measurement; docs/serve.md).
+
+    python benchmarks/serve_questions.py --model qwen2.5-coder-0.5b --policy snapkv --budget 256 \
+        -o benchmarks/results/serve-six-questions-qwen.json
+
+A station logbook with six planted facts (kvcli.evaluation.logbook.make_document, --words words, --seed) is the
+document; a real `kvcli serve` process answers six requests one after another, each carrying the whole document and
+one fact's question in its user message (as a client that knows nothing of kvcli sends them), then two more at
+once from two threads (the first two questions again). Recorded per request: the client's wall seconds, the
+answer, right or not (the planted number in it), and the server's kvcli stats (tokens restored, prefilled, read);
+at the end the server's peak RSS (VmHWM, from the last answer's stats) and `uptime` before and after. The machine
+may be shared: the ratios of one run (later requests / the first) are what to quote.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvcli.evaluation.logbook import make_document  # noqa: E402
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def post(port: int, body: dict) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        out = json.loads(r.read())
+    return time.perf_counter() - t0, out
+
+
+def row(i: int, fact: dict, secs: float, out: dict) -> dict:
+    text = out["choices"][0]["message"]["content"]
+    s = out["kvcli"]
+    return {"request": i, "question": fact["question"], "expected": fact["answer"], "answer": text.strip(),
+            "right": fact["answer"] in text, "seconds": round(secs, 2), "prompt_tokens": s["prompt_tokens"],
+            "document_read_tokens": s["document_read_tokens"], "prefix_reused_tokens": s["prefix_reused_tokens"],
+            "prefilled_tokens": s["prefilled_tokens"], "reselect_s": s["reselect_s"], "decode_s": s["decode_s"],
+            "completion_tokens": out["usage"]["completion_tokens"], "kv_bytes": s["kv_bytes"],
+            "kv_bytes_full": s["kv_bytes_full"], "peak_rss_bytes": s["peak_rss_bytes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--policy", default="snapkv")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--words", type=int, default=4200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--suffix", default="", help="text after each question, e.g. ' Answer with the number only.' "
+                    "(kvcli eval chat's phrasing)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="more flags for kvcli serve, e.g. --server-arg=--dry-multiplier --server-arg=0")
+    ap.add_argument("-o", "--out", default=None)
+    a = ap.parse_args()
+
+    text, facts = make_document(a.words, facts=6, seed=a.seed)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvcli.cli", "serve", "--model", a.model, "--policy", a.policy, "--budget",
+           str(a.budget), "--threads", str(a.threads), "--max-tokens", str(a.max_tokens), "--port", str(port),
+           *a.server_arg]
+    before = uptime()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        load_s = time.time() - t0
+
+        def body(fact):
+            content = f"{text}\n\n{fact['question']}{a.suffix}"
+            return {"model": a.model, "messages": [{"role": "user", "content": content}], "max_tokens": a.max_tokens}
+
+        rows = []
+        for i, fact in enumerate(facts, 1):
+            secs, out = post(port, body(fact))
+            rows.append(row(i, fact, secs, out))
+            print(json.dumps(rows[-1]), flush=True)
+        together: list = [None, None]
+
+        def ask(k):
+            secs, out = post(port, body(facts[k]))
+            together[k] = row(len(facts) + 1 + k, facts[k], secs, out)
+
+        t1 = time.perf_counter()
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        both_s = time.perf_counter() - t1
+        for r in together:
+            print(json.dumps(r), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    after = uptime()
+    first = rows[0]["seconds"]
+    result = {"command": " ".join(cmd[2:]), "document_words": a.words, "seed": a.seed, "suffix": a.suffix,
+              "server_load_s": round(load_s, 2),
+              "uptime_before": before, "uptime_after": after, "requests": rows, "two_clients": together,
+              "two_clients_wall_s": round(both_s, 2),
+              "right": sum(r["right"] for r in rows), "first_s": first,
+              "later_max_ratio": round(max(r["seconds"] for r in rows[1:]) / first, 4),
+              "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in rows + together)}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("requests", "two_clients")}, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""The engine behind `kvcli serve`: one model, documents read once, every request answered from a cache re-selected
+for it (the HTTP layer is kvcli/apps/serve_http.py).
+
+A request's rendered prompt (its messages through the model's chat template, or a completion's text) is matched
+against the stored full caches, llama-server's rule: the store whose tokens share the longest common prefix with
+the prompt is restored up to that prefix, the rest of the prompt is prefilled with the policy's observation,
+planned and compacted (StoredDocument.reselect, the re-selection `kvcli chat` does), and the answer is decoded
+from the compressed cache:
+
+    stored full caches       [ system + document + question 1 ][ ... ]      (in memory, LRU-capped)
+    request 2's prompt       [ system + document ][ question 2 ]
+                              restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
+
+The first request that shares no prefix of REUSE_MIN tokens with a store reads its whole prompt into a new store
+(`read_in_memory`; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it;
+later requests that start with the same document (another question, another conversation, another client) restore
+it instead of reading it. A re-selection that prefilled at least
+NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted answer) keeps the prompt's full
+cache as a store of its own; each store also keeps the last prompt re-selected from it (its `extension`, as in
+`kvcli chat`), so a conversation's next turn prefills only the last answer and the new question.
+
+A column-sum policy (h2o, d2o) cannot restore part of a store: its sums are those of all the stored queries. Its
+first request stores the prompt less its last STORE_TAIL tokens, which the same prompt again restores whole; a
+request that shares only a prefix with a store (another question about the document) reads that prefix again into a
+store of its own, which every later question about the document restores.
+
+Stores live behind `DocumentStore` (best match, add, touch, evict): `MemoryStore` keeps them in memory up to
+--store-max-bytes, least recently used evicted. One model, one sequence: requests run one at a time (the HTTP
+layer queues them); nothing here is thread-safe by itself.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
+from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import peak_rss_bytes
+from kvcli.generate import Sampler, Sampling, generate
+from kvcli.native.session import NativeSession
+from kvcli.planning.planner import resolve
+
+DEFAULT_CTX = 16384       # cells of the KV cache unless --ctx says (at most the model's training context)
+NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's full cache becomes a store of its own,
+                          # and the shortest prompt read into a store (a short chat is answered without keeping it)
+REUSE_MIN = 64            # shared prefix below which a store is not restored (restoring a long store to keep a few
+                          # tokens, a chat template's head, costs more than prefilling them)
+
+
+class BadRequest(KvcliError):
+    """A request the server refuses (HTTP 400) with an OpenAI-style error code."""
+
+    def __init__(self, message: str, code: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+# ---------------------------------------------------------------------------------- stores
+class DocumentStore:
+    """Where full document caches are kept between requests: the interface the engine uses (an on-disk managed
+    store can take MemoryStore's place)."""
+
+    def best(self, prompt: list[int], accept=None) -> tuple[StoredDocument | None, int]:
+        """The store sharing the longest common prefix (in tokens) with `prompt`, and that prefix's length; among
+        the stores `accept(store, prefix)` accepts, when given."""
+        raise NotImplementedError
+
+    def add(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
+        """Keep a new store (most recently used), evicting as the cap requires; `keep` is never evicted."""
+        raise NotImplementedError
+
+    def touch(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
+        """`doc` was just used (its extension may have changed size): most recently used, cap enforced."""
+        raise NotImplementedError
+
+    def __contains__(self, doc) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+
+def held_bytes(doc: StoredDocument) -> int:
+    """Memory a store holds: its full cache and the extension it keeps (the last prompt re-selected from it)."""
+    return doc.nbytes + (doc.extension.nbytes if doc.extension is not None else 0)
+
+
+class MemoryStore(DocumentStore):
+    """Stores in memory, least recently used evicted above `max_bytes` (None: no cap)."""
+
+    def __init__(self, max_bytes: int | None):
+        self.max_bytes = max_bytes
+        self.docs: OrderedDict[int, StoredDocument] = OrderedDict()
+        self.evicted = 0
+
+    def best(self, prompt, accept=None):
+        best, n = None, 0
+        for doc in reversed(self.docs.values()):   # most recent first: it wins a tie
+            k = common_prefix(doc.tokens, prompt)
+            if k > n and (accept is None or accept(doc, k)):
+                best, n = doc, k
+        return best, n
+
+    def add(self, doc, keep=None):
+        self.docs[id(doc)] = doc
+        self._evict(keep or doc)
+
+    def touch(self, doc, keep=None):
+        if id(doc) in self.docs:
+            self.docs.move_to_end(id(doc))
+        self._evict(keep or doc)
+
+    def total_bytes(self) -> int:
+        return sum(held_bytes(d) for d in list(self.docs.values()))   # a copy: /health reads it beside the worker
+
+    def _evict(self, keep: StoredDocument) -> None:
+        if self.max_bytes is None:
+            return
+        for key in list(self.docs):
+            if self.total_bytes() <= self.max_bytes:
+                return
+            if key != id(keep):
+                self.docs.pop(key).close()
+                self.evicted += 1
+        if self.total_bytes() > self.max_bytes and keep.extension is not None:   # alone above the cap
+            keep.extension = None
+        if self.total_bytes() > self.max_bytes and id(keep) in self.docs:
+            self.docs.pop(id(keep)).close()
+            self.evicted += 1
+
+    def __contains__(self, doc) -> bool:
+        return id(doc) in self.docs
+
+    def stats(self) -> dict:
+        return {"store_entries": len(self.docs), "store_bytes": self.total_bytes(), "store_max_bytes": self.max_bytes,
+                "store_evicted": self.evicted, "store_tokens": [d.split for d in list(self.docs.values())]}
+
+
+def read_in_memory(session, tokens: list[int], split: int, seq: int, colsum: bool) -> StoredDocument:
+    """StoredDocument.read's prefill, kept in memory: a server's stores are not files of kvcli's document store
+    (whose entries outlive the process), they live as long as the server."""
+    t0 = time.perf_counter()
+    obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else ())
+    read_s = time.perf_counter() - t0
+    sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split], np.float32)
+    snap = session.save_seq(seq)
+    session.clear(seq)
+    return StoredDocument(tokens=list(tokens[:split]), split=split, colsum=sums, snapshot=snap,
+                          nbytes=len(snap.state), read_s=read_s, keep=False)
+
+
+# ---------------------------------------------------------------------------------- requests
+@dataclass
+class Choice:
+    """What a request asks of the model, checked."""
+    policy: str
+    budget: int | None
+    policy_args: dict
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str] = field(default_factory=list)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised from the text callback to end a generation (a stop string, a client gone): generate() keeps the
+    tokens decoded so far, as for Ctrl-C."""
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str            # "stop" or "length" (OpenAI's), "cancelled" when the client left
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict
+
+
+class StopFilter:
+    """Text pieces through to `emit`, holding back what could be the start of a stop string; raises Stopped at
+    one (the text before it is emitted, the stop string is not)."""
+
+    def __init__(self, stops: list[str], emit):
+        self.stops, self.emit = [s for s in stops if s], emit
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buf, self.text, self.hit = "", "", False
+
+    def __call__(self, piece: str) -> None:
+        self.buf += piece
+        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._out(self.buf[:cut])
+            self.buf, self.hit = "", True
+            raise Stopped()
+        safe = len(self.buf) - self.hold
+        if safe > 0:
+            self._out(self.buf[:safe])
+            self.buf = self.buf[safe:]
+
+    def flush(self) -> None:
+        self._out(self.buf)
+        self.buf = ""
+
+    def _out(self, text: str) -> None:
+        if text:
+            self.text += text
+            self.emit(text)
+
+
+class Engine:
+    """The loaded model, its one sequence and the document stores."""
+
+    def __init__(self, model_path, *, model_id: str, n_ctx: int | None, cache_type: str, threads: int | None,
+                 defaults: Choice, store: DocumentStore):
+        self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
+        limit = self.session.n_ctx_train
+        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit))
+        self.model_path, self.model_id = Path(model_path), model_id
+        self.defaults, self.store = defaults, store
+        self.requests = 0
+        self.check(defaults)   # the flags' policy resolved now, not at the first request
+
+    def close(self) -> None:
+        self.session.close()
+
+    @property
+    def n_ctx(self) -> int:
+        return min(self.session.n_ctx, self.session.n_ctx_train)
+
+    def check(self, c: Choice):
+        """The policy resolved for the model (one-line BadRequest when it cannot be)."""
+        try:
+            return resolve(self.model_path, c.policy, c.budget, dict(c.policy_args))
+        except KvcliError as e:
+            raise BadRequest(str(e), param="kvcli") from None
+
+    # ------------------------------------------------------------------ prompts
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self.session.apply_chat_template(messages, add_assistant=True)
+        except KvcliError as e:
+            raise BadRequest(str(e), param="messages") from None
+        return self.session.tokenize(text)
+
+    def completion_prompt(self, text: str) -> list[int]:
+        return self.session.tokenize(text, add_special=True)
+
+    def check_length(self, prompt: list[int]) -> None:
+        if len(prompt) < 2:   # one token to store at least, one to prefill after it
+            raise BadRequest(f"the prompt is {len(prompt)} token(s): at least 2 are needed", param="prompt")
+        # the whole prompt is held uncompressed before its compaction, and one token more to answer
+        if len(prompt) + 1 > self.n_ctx:
+            raise BadRequest(f"prompt too long: {len(prompt)} tokens, this server's context holds {self.n_ctx} "
+                             "(kvcli serve --ctx N raises it, up to the model's training context "
+                             f"{self.session.n_ctx_train})", code="context_length_exceeded", param="messages")
+
+    # ------------------------------------------------------------------ one request
+    def answer(self, prompt: list[int], c: Choice, on_text=None, cancelled=lambda: False) -> Answer:
+        """Re-select a cache for `prompt` from the stores (reading it into a new one when none shares a prefix that
+        can be used), decode the answer; `on_text(piece)` streams it; `cancelled()` is asked between tokens."""
+        self.check_length(prompt)
+        cfg = self.check(c)
+        t0 = time.perf_counter()
+        n, seq, session = len(prompt), 0, self.session
+        colsum = "colsum" in cfg.observe[0]
+        found, same = self.store.best(prompt)   # the longest prefix any store shares
+        reuse = found is not None and same >= min(REUSE_MIN, n - 1)
+        if reuse and colsum:   # a column-sum store is restored whole or not at all (its sums are all its queries')
+            found, same = self.store.best(prompt, lambda d, k: d.colsum is not None and d.split <= min(k, n - 1))
+            reuse = found is not None
+        read_tokens, read_s = 0, 0.0
+        doc = self._usable(found, same, n) if reuse else None
+        fresh = doc is None
+        try:   # whatever happens, the sequence is left empty for the next request
+            if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
+                split = min(n - 1, n - STORE_TAIL)
+                shared = self.store.best(prompt)[1]
+                if colsum and shared >= REUSE_MIN:
+                    # the prefix this prompt shares with a store is a document another question asked about: stored
+                    # up to the line break before it differs (a question's first words are often shared too), where
+                    # every question about it can restore it whole
+                    split = min(self._line_start(prompt, shared), n - 1)
+                doc = read_in_memory(session, prompt, max(1, split), seq, colsum)
+                read_tokens, read_s = doc.split, doc.read_s
+            r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh)
+            stored = None
+            if fresh:
+                if n >= NEW_STORE_MIN:
+                    self.store.add(doc)
+                    stored = doc
+            else:
+                if r.prefilled >= NEW_STORE_MIN and doc.extension is not None:
+                    # a long new part (another document after a shared head): its full cache becomes a store too
+                    ext, doc.extension = doc.extension, None
+                    stored = StoredDocument(tokens=ext.tokens, split=ext.split, colsum=ext.colsum,
+                                            snapshot=ext.snapshot, nbytes=ext.nbytes, keep=False)
+                    self.store.add(stored, keep=found)
+                if found in self.store:
+                    self.store.touch(found, keep=found)
+            st = session.stats(seq)
+            t1 = time.perf_counter()
+            gen, finish = self._decode(c, on_text, cancelled)
+            t2 = time.perf_counter()
+        finally:
+            session.clear(seq)
+        self.requests += 1
+        stats = {"policy": c.policy, "budget": c.budget, "prompt_tokens": n,
+                 "document_read_tokens": read_tokens, "document_read_s": round(read_s, 4),
+                 "prefix_reused_tokens": 0 if fresh else r.restored, "prefilled_tokens": r.prefilled,
+                 "restored_from": "new store" if fresh else r.source, "new_store_tokens": stored.split if stored else 0,
+                 **{k: v for k, v in r.as_stats().items() if k.endswith("_s")},   # restore, prefill, plan, keep
+                 "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
+                 "kv_bytes_full": self.session.bytes_per_cell() * n,
+                 "prompt_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
+                 "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
+                 "peak_rss_bytes": peak_rss_bytes(), **self.store.stats()}
+        return Answer(text=gen.text, finish_reason=finish, prompt_tokens=n, completion_tokens=len(gen.tokens),
+                      stats=stats)
+
+    def _line_start(self, tokens: list[int], upto: int) -> int:
+        """The position after the last token of tokens[:upto] that holds a line break (upto when none is near)."""
+        for i in range(upto - 1, max(0, upto - 256), -1):
+            if b"\n" in self.session.token_bytes(tokens[i]):
+                return i + 1
+        return upto
+
+    def _usable(self, doc: StoredDocument, same: int, n: int) -> StoredDocument:
+        """`doc`, or a view of it, that re-selection can restore `same` tokens of for an n-token prompt."""
+        if doc.colsum is not None and doc.split <= same and doc.split < n:
+            return doc   # whole: a column-sum policy needs it so, the others cut it back as they need
+        if min(same, doc.split) >= n:   # the prompt ends inside the store (a repeated prompt): its last token is
+            # prefilled again for its logits, from a view of the store cut before it
+            return replace(doc, tokens=doc.tokens[:n - 1], split=n - 1, colsum=None, extension=None, keep=True)
+        return doc
+
+    def _decode(self, c: Choice, on_text, cancelled):
+        out = StopFilter(c.stop, on_text or (lambda piece: None))
+        gone = [False]
+
+        def piece(text):
+            if gone[0] or out.hit:   # generate() flushes its decoder after a stop: nothing more goes out
+                return
+            if cancelled():
+                gone[0] = True
+                raise Stopped()
+            out(text)
+
+        limit = max(1, min(c.max_tokens, self.session.n_ctx - self.session.cells_used(),
+                           self.session.n_ctx_train - self.session.seq(0).next_pos))
+        gen = generate(self.session, limit, Sampler(c.sampling), seq=0, on_text=piece)
+        if not out.hit and not gone[0]:
+            out.flush()
+        gen.text = out.text
+        if gone[0]:
+            return gen, "cancelled"
+        return gen, "stop" if gen.stopped == "eog" or out.hit else "length"
