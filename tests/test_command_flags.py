@@ -26,7 +26,8 @@ EXPECTED = {
     "run": SINGLE | SAMPLING,
     "chat": SINGLE | SAMPLING,
     "batch": SINGLE | SAMPLING,
-    "serve": {"--model", "--threads", "--cache-type", "--policy", "--budget", "--policy-arg"} | SAMPLING,   # no chunking: prompts held whole
+    # no chunking: prompts held whole
+    "serve": {"--model", "--threads", "--cache-type", "--policy", "--budget", "--policy-arg"} | SAMPLING,
     "compress": SINGLE,                                    # compresses and saves; decodes nothing
     "bench": SWEEP | {"--chunk", "--chunk-scoring"},       # decodes teacher-forced: no sampling
     "eval niah": SWEEP | {"--cache-type", "--chunk", "--chunk-scoring"} | PENALTIES,   # greedy (+ penalties)
