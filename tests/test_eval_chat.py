@@ -31,6 +31,9 @@ def test_eval_chat_modes_tiny(cli_runner, tiny, tmp_path, monkeypatch):
         assert sum(x["mode"] == mode for x in recs) == 12
     assert {x["budget"] for x in recs if x["mode"] != "full"} == {48}
     assert all(x["kv_cells"] <= 48 + 12 for x in recs if x["mode"] in ("reselect", "run", "reread"))
+    # every answer records the memory it cost: bytes held (the ragged layout) and the live entries' bytes
+    assert all(0 < x["kv_bytes_live"] <= x["kv_bytes"] for x in recs)
+    assert all(summary_row.get("kv_bytes", 0) > 0 for summary_row in res["summary"])
     assert all(0 <= x["score"] <= 100 and x["doc_tokens"] <= 600 for x in recs)
     summary = {(s["mode"], s["policy"]): s for s in res["summary"]}
     assert summary[("reselect", "snapkv")]["questions"] == 6 and summary[("reselect", "snapkv")]["documents"] == 2

@@ -177,7 +177,14 @@ def _answer_after(session, prefix: str, prompt: str, mark: int, max_tokens: int)
     t2 = time.perf_counter()
     answer = _greedy(session, session.logits(0), max_tokens)
     return answer, {"question_prefill_s": round(t2 - t1, 4), "answer_s": round(time.perf_counter() - t2, 4),
-                    "kv_cells": int(session.stats(0)["kv_cells"])}
+                    **held(session)}
+
+
+def held(session) -> dict:
+    """What sequence 0's cache holds now: cells, the K/V bytes held (each layer from its front: the ragged layout)
+    and the live entries' bytes, so a score can be read against the memory it cost (issue #45)."""
+    st = session.stats(0)
+    return {"kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]), "kv_bytes_live": int(st["kv_bytes_live"])}
 
 
 def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once", history_kept=True):
@@ -241,7 +248,7 @@ def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store, mode="
             answer = _greedy(session, session.logits(0), max_tokens)
             recs.append(_record(mode, key, 0, i, fact, answer, len(prompts[key]), **stats,
                                 answer_s=round(time.perf_counter() - t2, 4),
-                                kv_cells=int(session.stats(0)["kv_cells"])))
+                                **held(session)))
             histories[key].append((q, answer.strip()))
             session.clear(0)
     return {"records": _in_order(recs, cfgs)}
@@ -315,7 +322,7 @@ def _mode_reread(session, text, planted, cfgs, full, max_tokens, store):
                 raise applied.error
             answer = _greedy(session, shared.first, max_tokens)
             recs.append(_record("reread", key, 0, i, fact, answer, len(tokens), read_s=round(prefill_s, 3),
-                                kv_cells=int(session.stats(0)["kv_cells"])))
+                                **held(session)))
     return {"records": recs}
 
 
@@ -340,7 +347,7 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store):
                 recs.append(_record("bounded", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
                                     reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
                                     read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
-                                    kv_cells=int(session.stats(0)["kv_cells"])))
+                                    **held(session)))
                 history.append((q, answer.strip()))
                 session.clear(0)
         finally:
@@ -371,19 +378,24 @@ def summarise(records: list[dict]) -> list[dict]:
             v = [r[k] for r in rs if k in r]
             if v:
                 row[k] = round(float(np.mean(v)), 3)
+        for k in ("kv_bytes", "kv_bytes_live"):   # the memory the answers cost, held and live (mean per question)
+            v = [r[k] for r in rs if k in r]
+            if v:
+                row[k] = int(np.mean(v))
         out.append(row)
     return out
 
 
 def chat_table(result: dict) -> str:
     lines = [f"{'length':>6} {'mode':>9} {'policy':>12} {'budget':>6} {'score':>6} {'s.e.':>5} {'n':>4} "
-             f"{'s/question':>10}"]
+             f"{'s/question':>10} {'MB held':>8}"]
     for r in result["summary"]:
         per_q = r.get("reselect_s", 0) + r.get("answer_s", 0) if "reselect_s" in r else \
             r.get("question_prefill_s", 0) + r.get("answer_s", 0) if "answer_s" in r else None
+        held_mb = f"{r['kv_bytes'] / 1e6:.2f}" if "kv_bytes" in r else "-"
         lines.append(f"{r['length']:>6} {r['mode']:>9} {r['policy']:>12} {r['budget'] or '-':>6} {r['score']:>6.1f} "
                      f"{r['stderr'] if r['stderr'] is not None else '-':>5} {r['questions']:>4} "
-                     f"{'-' if per_q is None else f'{per_q:.2f}':>10}")
+                     f"{'-' if per_q is None else f'{per_q:.2f}':>10} {held_mb:>8}")
     for x in result.get("reads", []):
         lines.append(f"read of document {x['doc']} at {x['length']} ({x['mode']}): {x['read_s']:.1f}s"
                      + (f", stored {x['store_bytes'] / 1e6:.1f} MB" if x.get("store_bytes") else ""))

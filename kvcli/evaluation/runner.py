@@ -139,7 +139,9 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
             else:
                 rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
                                            chunk=chunk, cap=bud + chunk, scoring=scoring)
-                stats = {"kv_cells": int(session.stats(0)["kv_cells"]), **rep.as_stats()}
+                st = session.stats(0)
+                stats = {"kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]),
+                         "kv_bytes_live": int(st["kv_bytes_live"]), **rep.as_stats()}
         except KvcliError as e:
             yield pol, bud, f"error: {e}", None, "", {}
             continue
@@ -318,7 +320,8 @@ def aggregate(records: list[dict], keys: tuple[str, ...], metric: str = "score",
                 item["frac_of_full"] = item[metric] / base if base > 0 else None
             else:
                 item["ratio_to_full"] = item[metric] / base if base > 0 else None
-        for extra in ("kl_mean", "kv_cells", "peak_kv_cells", "prefill_s", "compress_s", "reconstruct_s"):
+        for extra in ("kl_mean", "kv_cells", "kv_bytes", "kv_bytes_live", "peak_kv_cells", "prefill_s", "compress_s",
+                      "reconstruct_s"):
             vals = [r[extra] for r in rs if r.get(extra) is not None]
             if vals:
                 item[extra] = float(np.mean(vals))
