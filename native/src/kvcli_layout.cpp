@@ -75,7 +75,8 @@ std::vector<uint32_t> allowed_fronts(const llama_kv_cache & kv, const kvcli_kv_e
             }
             ++f;
         }
-        front[ikv] = f;
+        // the last held cell keeps its row: every graph's view (n_kv >= used_max_p1) then keeps at least one cell
+        front[ikv] = std::min<uint32_t>(f, cells.used_max_p1() > 0 ? cells.used_max_p1() - 1 : 0);
     }
     return front;
 }
