@@ -89,7 +89,8 @@ def main() -> None:
               f"held {held[name, b, layout]['kv_bytes'] / 1e6:.2f} MB, live "
               f"{held[name, b, layout]['kv_bytes_live'] / 1e6:.2f} MB", flush=True)
     res = {"model": model.name, "doc": Path(a.doc).name, "prompt_tokens": len(tokens), "threads": a.threads,
-           "steps": a.steps, "rounds": a.rounds, "command": "python benchmarks/ragged_decode.py " + " ".join(sys.argv[1:]),
+           "steps": a.steps, "rounds": a.rounds,
+           "command": "python benchmarks/ragged_decode.py " + " ".join(sys.argv[1:]),
            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": os.popen("uptime").read().strip(),
            "rows": rows}
     if a.out:

@@ -294,7 +294,7 @@ def test_kvc_metadata_is_checked_against_a_schema(tiny, full_kvc, tmp_path, edit
 def test_d2o_full_layers_out_of_range_is_refused_before_the_prefill(tiny, monkeypatch, tmp_path):
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
-    from kvcli.apps.pipeline import run_document
+    from kvcli.apps.run_document import run_document
     s = NativeSession(tiny, n_ctx=0)
     prefilled = []
     monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
@@ -356,7 +356,7 @@ def test_a_layer_schedule_without_room_to_read_on_is_refused_before_the_prefill(
                                                                                args, chunk):
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
-    from kvcli.apps.pipeline import run_document
+    from kvcli.apps.run_document import run_document
     s = NativeSession(tiny, n_ctx=0)
     prefilled = []
     monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
@@ -384,7 +384,7 @@ def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget,
     from kvcli.drivers.compress import prefill_and_compress
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
-    from kvcli.apps.pipeline import build_prompt
+    from kvcli.apps.run_document import build_prompt
     from kvcli.planning.planner import resolve_for_model
     s = NativeSession(tiny, n_ctx=384)
     tokens = s.tokenize(build_prompt(s, LONG_DOC, "Hi"))

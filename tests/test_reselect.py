@@ -271,7 +271,7 @@ def test_fresh_and_run_keep_no_turns(tiny, cli_runner, tmp_path):
 def test_first_answer_is_runs_answer_and_turns_survive(tiny):
     """The first re-selected answer is what `run` answers (same prompt, same plan); a follow-up is asked after the
     earlier turn, which stays in the prompt; /reset forgets it; each re-selection restores the stored document."""
-    from kvcli.apps.pipeline import run_document
+    from kvcli.apps.run_document import run_document
     conv = conversation(tiny)
     q1, q2 = "Which code did the river station log?", "And the stone station?"
     g1 = conv.ask(q1, 8)

@@ -16,7 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.drivers.reselect_bounded import check_store_target, is_store
-from kvcli.apps.pipeline import Progress, progress_bar
+from kvcli.apps.run_document import Progress, progress_bar
 
 
 def explicit(ctx: click.Context, *names: str) -> list[str]:

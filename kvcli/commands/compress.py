@@ -17,7 +17,7 @@ from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
-from kvcli.apps.pipeline import Progress
+from kvcli.apps.run_document import Progress
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument
 from kvcli.drivers.reselect_bounded import MANIFEST, check_store_target
 

@@ -16,7 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
-from kvcli.apps.pipeline import Progress, RunResult, run_document
+from kvcli.apps.run_document import Progress, RunResult, run_document
 from kvcli.drivers.reselect_bounded import is_store
 
 
