@@ -27,6 +27,10 @@
 #include <cstdlib>
 #include <map>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace kvcli_cache_detail {
 
 // KVCLI_LAYOUT: ragged (default) | cells
@@ -183,6 +187,12 @@ void relayout(llama_kv_cache * kv, kvcli_kv_ext & ext, const std::vector<uint32_
     for (auto & g : groups) {
         owned.emplace_back(std::move(g.ctx), ggml_backend_buffer_ptr(g.buf));
     }
+    std::vector<uint8_t>().swap(rows);
+#if defined(__GLIBC__)
+    // host buffers of a few MB come from the heap once glibc's dynamic mmap threshold has risen: freed, they stay
+    // resident until the heap is trimmed, and a chunked read relayouts after every chunk
+    malloc_trim(0);
+#endif
     ext.front = front;
     ++ext.layout_gen;
     ext.trim_pending = false;
