@@ -38,3 +38,34 @@ def run_max_rss(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, 
                            **kwargs)
         words = Path(t.name).read_text().split()
     return r, int(words[-1]) * 1024 if words and words[-1].isdigit() else None
+
+
+def native_plans(model, text: str, configs, instruction: str, threads: int | None = None):
+    """One prefill of `text` (templated with `instruction`) on the native engine, observing what every (policy,
+    budget) of `configs` needs, and each one's native plan made from it right away (while the cache is the full one).
+    Returns (session, prompt tokens, the context's cells, {(policy, budget): Plan}, prefill seconds); the session
+    holds the full cache in sequence 0."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import time  # noqa: PLC0415
+
+    from kvcli.native.session import NativeSession  # noqa: PLC0415
+    from kvcli.planning.planner import make_plan, resolve_for_model  # noqa: PLC0415
+    from kvcli.templating import build_prompt  # noqa: PLC0415
+
+    s = NativeSession(model, n_ctx=0, cache_type="f16", **({"n_threads": threads} if threads else {}))
+    tokens = s.tokenize(build_prompt(s, text, instruction))
+    n_ctx = -(-(len(tokens) + 16) // 256) * 256
+    s.create_context(n_ctx)
+    specs = {}
+    for name, b in configs:
+        spec, params = resolve_for_model(model, name, {}, b, instruction)
+        specs[name, b] = (spec, params, *spec.observe(params))
+    kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
+    windows = sorted({w for *_, w in specs.values() if w})   # every window length, from one prefill
+    t0 = time.time()
+    obs = s.prefill(tokens, seq=0, observe=kinds, window=windows)
+    prefill_s = time.time() - t0
+    plans = {key: make_plan(spec, params, key[1], obs.restrict(ks, w), "native")
+             for key, (spec, params, ks, w) in specs.items()}
+    return s, tokens, n_ctx, plans, prefill_s

@@ -21,11 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import native_plans  # noqa: E402
 from kvcli import policies  # noqa: E402
-from kvcli.planning.planner import make_plan, resolve_for_model  # noqa: E402
 from kvcli.models import default_model_path  # noqa: E402
-from kvcli.native.session import NativeSession  # noqa: E402
-from kvcli.templating import build_prompt  # noqa: E402
 
 LAYER_POLICIES = ("pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
 INSTRUCTION = "What happened at the station? Answer in one sentence."
@@ -33,22 +31,12 @@ INSTRUCTION = "What happened at the station? Answer in one sentence."
 
 def measure(doc: Path, budgets: list[int], names=LAYER_POLICIES, model=None) -> dict:
     model = model or default_model_path()
-    s = NativeSession(model, n_ctx=0, cache_type="f16")
-    tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), INSTRUCTION))
-    s.create_context(-(-(len(tokens) + 16) // 256) * 256)
-    specs = {}
-    for name in names:
-        for b in budgets:
-            spec, params = resolve_for_model(model, name, {}, b, INSTRUCTION)
-            specs[name, b] = (spec, params, *spec.observe(params))
-    kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
-    windows = sorted({w for *_, w in specs.values() if w})   # every window length, from one prefill
-    obs = s.prefill(tokens, seq=0, observe=kinds, window=windows)
+    s, tokens, _, plans, _ = native_plans(model, doc.read_text(encoding="utf-8"),
+                                          [(n, b) for n in names for b in budgets], INSTRUCTION)
     per_cell = s.bytes_per_cell()
     i = s.info
     rows = []
-    for (name, b), (spec, params, ks, w) in specs.items():
-        plan = make_plan(spec, params, b, obs.restrict(ks, w), "native")
+    for (name, b), plan in plans.items():
         live = int(plan.n_kept.sum())
         cells = int(plan.max_kept)
         # a layer-ragged layout: every layer as wide as its own widest KV head

@@ -23,10 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import native_plans  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
-from kvcli.native.session import NativeSession  # noqa: E402
-from kvcli.planning.planner import make_plan, resolve_for_model  # noqa: E402
-from kvcli.templating import build_prompt  # noqa: E402
 
 INSTRUCTION = "What happened at the station? Answer in one sentence."
 
@@ -43,22 +41,9 @@ def main() -> None:
     a = ap.parse_args()
     model = resolve_model(a.model)
     configs = [(c.split("@")[0], int(c.split("@")[1])) for c in a.configs.split(",")]
-    s = NativeSession(model, n_ctx=0, cache_type="f16", n_threads=a.threads)
-    tokens = s.tokenize(build_prompt(s, Path(a.doc).read_text(encoding="utf-8"), INSTRUCTION))
-    n_ctx = -(-(len(tokens) + 16) // 256) * 256
-    s.create_context(n_ctx)
-    specs = {}
-    for name, b in configs:
-        spec, params = resolve_for_model(model, name, {}, b, INSTRUCTION)
-        specs[name, b] = (spec, params, *spec.observe(params))
-    kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
-    windows = sorted({w for *_, w in specs.values() if w})
-    obs = s.prefill(tokens, seq=0, observe=kinds, window=windows)
-    if "kv" in kinds:
-        obs = obs.with_kv_arrays()
+    s, tokens, n_ctx, plans, _ = native_plans(model, Path(a.doc).read_text(encoding="utf-8"), configs, INSTRUCTION,
+                                              threads=a.threads)
     full = s.save_seq(0)
-    plans = {k: make_plan(spec, params, k[1], obs.restrict(ks, w), "native")
-             for k, (spec, params, ks, w) in specs.items()}
     times: dict[tuple, list[float]] = {}
     held: dict[tuple, dict] = {}
     for _ in range(a.rounds):

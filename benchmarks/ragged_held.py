@@ -20,37 +20,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import native_plans  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 from kvcli.native import cache  # noqa: E402
-from kvcli.native.session import NativeSession  # noqa: E402
-from kvcli.planning.planner import make_plan, resolve_for_model  # noqa: E402
-from kvcli.templating import build_prompt  # noqa: E402
 
 POLICIES = ("snapkv", "pyramidkv", "windowkv", "dynamickv", "compresskv", "d2o", "spindlekv")
 INSTRUCTION = "What happened at the station? Answer in one sentence."
 
 
 def measure(doc: Path, model: Path, budgets: list[int], names=POLICIES) -> dict:
-    s = NativeSession(model, n_ctx=0, cache_type="f16")
-    tokens = s.tokenize(build_prompt(s, doc.read_text(encoding="utf-8"), INSTRUCTION))
-    n_ctx = -(-(len(tokens) + 16) // 256) * 256
-    s.create_context(n_ctx)
-    specs = {}
-    for name in names:
-        for b in budgets:
-            spec, params = resolve_for_model(model, name, {}, b, INSTRUCTION)
-            specs[name, b] = (spec, params, *spec.observe(params))
-    kinds = tuple(sorted({k for *_, ks, _ in specs.values() for k in ks}))
-    windows = sorted({w for *_, w in specs.values() if w})
-    t0 = time.time()
-    obs = s.prefill(tokens, seq=0, observe=kinds, window=windows)
-    prefill_s = time.time() - t0
-    if "kv" in kinds:
-        obs = obs.with_kv_arrays()
+    s, tokens, n_ctx, plans, prefill_s = native_plans(model, doc.read_text(encoding="utf-8"),
+                                                      [(n, b) for n in names for b in budgets], INSTRUCTION)
     full = s.save_seq(0)
     rows = []
-    for (name, b), (spec, params, ks, w) in specs.items():
-        plan = make_plan(spec, params, b, obs.restrict(ks, w), "native")
+    for (name, b), plan in plans.items():
         for layout in ("cells", "ragged"):
             os.environ["KVCLI_LAYOUT"] = layout
             s.resize_context(n_ctx)
