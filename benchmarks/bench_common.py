@@ -69,3 +69,16 @@ def native_plans(model, text: str, configs, instruction: str, threads: int | Non
     plans = {key: make_plan(spec, params, key[1], obs.restrict(ks, w), "native")
              for key, (spec, params, ks, w) in specs.items()}
     return s, tokens, n_ctx, plans, prefill_s
+
+
+def compact_under(session, full_state, n_ctx: int, plan, layout: str, room: int = 16) -> None:
+    """Sequence 0 = the saved full cache, compacted by `plan` under KVCLI_LAYOUT=`layout` (ragged | cells), the
+    context then reallocated for what it holds + `room` cells (as a long-lived chat does)."""
+    import os  # noqa: PLC0415
+
+    os.environ["KVCLI_LAYOUT"] = layout
+    session.resize_context(n_ctx)
+    session.clear(0)
+    session.restore_seq(full_state, 0)
+    session.apply_plan(plan)
+    session.resize_context(plan.max_kept + room)

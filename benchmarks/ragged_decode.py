@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import native_plans  # noqa: E402
+from bench_common import compact_under, native_plans  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 
 INSTRUCTION = "What happened at the station? Answer in one sentence."
@@ -49,12 +49,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for (name, b), plan in plans.items():
             for layout in ("cells", "ragged"):
-                os.environ["KVCLI_LAYOUT"] = layout
-                s.resize_context(n_ctx)
-                s.clear(0)
-                s.restore_seq(full, 0)
-                s.apply_plan(plan)
-                s.resize_context(plan.max_kept + a.steps + 16)
+                compact_under(s, full, n_ctx, plan, layout, room=a.steps + 16)
                 tok = int(np.argmax(s.logits()))
                 t0 = time.perf_counter()
                 for _ in range(a.steps):

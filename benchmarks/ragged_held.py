@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import native_plans  # noqa: E402
+from bench_common import compact_under, native_plans  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 from kvcli.native import cache  # noqa: E402
 
@@ -35,12 +35,7 @@ def measure(doc: Path, model: Path, budgets: list[int], names=POLICIES) -> dict:
     rows = []
     for (name, b), plan in plans.items():
         for layout in ("cells", "ragged"):
-            os.environ["KVCLI_LAYOUT"] = layout
-            s.resize_context(n_ctx)
-            s.clear(0)
-            s.restore_seq(full, 0)
-            s.apply_plan(plan)
-            s.resize_context(plan.max_kept + 16)
+            compact_under(s, full, n_ctx, plan, layout)
             st = s.stats(0)
             live = cache.stats(s.ctx, 0, s.info.n_layer_model, s.info.n_head_kv)
             rows.append({"policy": name, "budget": b, "layout": layout, "cells": st["kv_cells"],
