@@ -238,11 +238,15 @@ def _rebuild(src, dst, meta_edit=None, state_edit=None):
     meta = json.loads(raw[p:p + meta_len])
     body = bytearray(raw[p + meta_len:-32])
     if state_edit:
-        n_state = meta["blobs"][-1][2]
-        assert meta["blobs"][-1][0] == "state"
-        state = bytearray(body[len(body) - n_state:])
+        name, dtype, n_state = meta["blobs"][-1]
+        assert name == "state"
+        stored = bytes(body[len(body) - n_state:])
+        # format 2 stores the state without its zero blocks (kvc.pack_zero_blocks): edit the state itself
+        state = bytearray(kvc.unpack_zero_blocks(stored) if dtype == "zblocks" else stored)
         state_edit(state)
-        body[len(body) - n_state:] = state
+        packed = kvc.pack_zero_blocks(state) if dtype == "zblocks" else bytes(state)
+        body[len(body) - n_state:] = packed
+        meta["blobs"][-1][2] = len(packed)
     if meta_edit:
         meta_edit(meta)
     meta_b = json.dumps(meta).encode()
