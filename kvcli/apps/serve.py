@@ -150,7 +150,6 @@ class MemoryStore(DocumentStore):
 class _OnDisk:
     """A stored document of the document store that is not in memory: enough to match a prompt against it."""
     key: str
-    path: Path
     tokens: np.ndarray
     colsum: bool
 
@@ -192,7 +191,7 @@ class DiskStore(DocumentStore):
             return
         tokens = kvc.peek_tokens(r["path"])
         if tokens is not None and len(tokens):
-            self.disk[r["key"]] = _OnDisk(r["key"], Path(r["path"]), tokens, bool(st.get("colsum")))
+            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")))
 
     def _key(self, doc: StoredDocument) -> str:
         return document_store.key_of(self.model_path, doc.tokens, **self._settings(doc))
@@ -233,12 +232,17 @@ class DiskStore(DocumentStore):
         self._sync()
 
     def add(self, doc, keep=None):
+        if keep is not None:   # used by this request: last on disk too, before the new entry's cap evicts
+            self._touch_entry(keep)
         self.memory.add(doc, keep)
         if doc in self.memory:   # one above the cap alone is not written
-            self.keys[id(doc)] = self._write(doc)
+            key = self._write(doc)
+            if key is not None:   # else kept in memory only
+                self.keys[id(doc)] = key
         self._sync()
 
-    def _write(self, doc: StoredDocument) -> str:
+    def _write(self, doc: StoredDocument) -> str | None:
+        """Write `doc` as a cached entry (or find it there already): its key, None when it cannot be written."""
         key = self._key(doc)
         self.disk.pop(key, None)
         old = document_store.find(key)   # the same tokens stored already (touched by find)
@@ -254,7 +258,7 @@ class DiskStore(DocumentStore):
             if not isinstance(err, KvcliError):
                 raise
             print(f"kvcli serve: a store is kept in memory only: {err}", file=sys.stderr, flush=True)
-            return key
+            return None
         e.finish("cached")   # the cap enforced: least recently used entries go
         e.release()
         self.written += 1
@@ -262,12 +266,16 @@ class DiskStore(DocumentStore):
 
     def touch(self, doc, keep=None):
         self.memory.touch(doc, keep)
-        key = self.keys.get(id(doc))
-        if key is not None and doc in self.memory:
-            e = document_store.find(key)   # last used now, on disk too (the cap's order)
-            if e is not None:
-                e.release()
+        if doc in self.memory:
+            self._touch_entry(doc)
         self._sync()
+
+    def _touch_entry(self, doc: StoredDocument) -> None:
+        """Its entry last used now, on disk too (the cap's order)."""
+        key = self.keys.get(id(doc))
+        e = document_store.find(key) if key is not None else None
+        if e is not None:
+            e.release()
 
     def _sync(self) -> None:
         """Memory and disk agree: a store evicted from memory stays on disk to be loaded again, one whose entry the
