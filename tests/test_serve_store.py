@@ -25,11 +25,11 @@ def args(model, *more) -> list[str]:
             "--threads", "1", *more]
 
 
-def ask(port, model, doc, i) -> dict:
+def ask(port, model, doc, i, **body) -> dict:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
     text, planted = doc
     r = c.chat.completions.create(model=model.stem, messages=[
-        {"role": "user", "content": f"{text}\n\n{planted[i]['question']}"}])
+        {"role": "user", "content": f"{text}\n\n{planted[i]['question']}"}], extra_body=body or None)
     return r.model_extra["kvcli"]
 
 
@@ -47,15 +47,23 @@ def test_stores_are_listed_and_survive_a_restart(default_model, docs, tmp_path):
         first = ask(port, default_model, docs[0], 0)
         assert first["document_read_tokens"] > 300 and first["store"] == "disk" and first["store_written"] == 1
         items = listed(cache)   # listed while the server runs
+        # h2o's store (the column sums of its queries) is an entry of its own
+        h2o = ask(port, default_model, docs[0], 0, kvcli={"policy": "h2o", "budget": 64})
+        assert h2o["document_read_tokens"] > 300 and h2o["store_written"] == 2
     assert [(i["state"], i["model"], i["tokens"]) for i in items] == \
         [("cached", default_model.stem, first["document_read_tokens"])]
     assert items[0]["bytes"] > 0 and not items[0]["in_use"]
+    assert len(listed(cache)) == 2
 
     with serving(args(default_model), tmp_path / "second.log", env) as (port, _):
         again = ask(port, default_model, docs[0], 1)   # another question about the same document, after a restart
+        h2o_again = ask(port, default_model, docs[0], 1, kvcli={"policy": "h2o", "budget": 64})
     assert again["document_read_tokens"] == 0 and again["store_loaded"] == 1 and again["store_written"] == 0
     assert again["prefix_reused_tokens"] >= first["document_read_tokens"] - 40 and again["prefilled_tokens"] < 64
-    assert [i["id"] for i in listed(cache)] == [items[0]["id"]]   # the same entry, not another
+    # the store with the sums is loaded for h2o (the one without them cannot serve it), restored whole
+    assert h2o_again["document_read_tokens"] == 0 and h2o_again["store_loaded"] == 2
+    assert h2o_again["prefix_reused_tokens"] == h2o["document_read_tokens"]
+    assert items[0]["id"] in [i["id"] for i in listed(cache)] and len(listed(cache)) == 2   # no new entry
 
 
 def test_cap_evicts_the_least_recently_used(default_model, docs, tmp_path):

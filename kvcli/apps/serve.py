@@ -200,8 +200,9 @@ class DiskStore(DocumentStore):
         return {"split": doc.split, "colsum": doc.colsum is not None, "cache_type": self.session.cache_type}
 
     def best(self, prompt, accept=None):
-        doc, n = self.memory.best(prompt)
-        # the entry on disk sharing a longer prefix, one the engine would restore (REUSE_MIN), is loaded
+        n = self.memory.best(prompt, accept)[1]
+        # the entry on disk sharing a longer prefix (of those `accept` accepts), one the engine would restore
+        # (REUSE_MIN), is loaded
         found, k = None, max(n, min(REUSE_MIN, len(prompt) - 1) - 1)
         for d in list(self.disk.values()):
             same = common_prefix(d.tokens, prompt)
