@@ -7,7 +7,7 @@ the prompt is restored up to that prefix, the rest of the prompt is prefilled wi
 planned and compacted (StoredDocument.reselect, the re-selection `kvcli chat` does), and the answer is decoded
 from the compressed cache:
 
-    stored full caches       [ system + document + question 1 ][ ... ]      (in memory, LRU-capped)
+    stored full caches       [ system + document + question 1 ][ ... ]      (on disk and in memory, LRU-capped)
     request 2's prompt       [ system + document ][ question 2 ]
                               restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
 
@@ -24,7 +24,9 @@ first request stores the prompt less its last STORE_TAIL tokens, which the same 
 request that shares only a prefix with a store (another question about the document) reads that prefix again into a
 store of its own, which every later question about the document restores.
 
-Stores live behind `DocumentStore` (best match, add, touch, evict): `MemoryStore` keeps them in memory up to
+Stores live behind `DocumentStore` (best match, add, touch, evict): `DiskStore` (--store disk, the default) writes
+each as a `cached` entry of kvcli's document store (listed by `kvcli documents list`, capped, loaded again after a
+restart) and holds a working set in memory; `MemoryStore` (--store memory) keeps them in memory only; both up to
 --store-max-bytes, least recently used evicted. One model, one sequence: requests run one at a time (the HTTP
 layer queues them); nothing here is thread-safe by itself.
 """
