@@ -181,7 +181,11 @@ class DiskStore(DocumentStore):
         self.session, self.model_path = session, Path(model_path)
         document_store.override_max_bytes(self.max_bytes)
         self.digest = model_hash(self.model_path)
-        for info in document_store.entries():
+        try:
+            items = document_store.entries()
+        except OSError as e:
+            raise KvcliError(f"cannot use the document store ({e}): set KVCLI_CACHE, or --store memory") from None
+        for info in items:
             self._index(info)
 
     def _index(self, info) -> None:
@@ -252,13 +256,15 @@ class DiskStore(DocumentStore):
         if old is not None:
             old.release()
             return key
-        e = document_store.create(form="exact", model_path=self.model_path, tokens=doc.tokens, key=key,
-                                  settings=self._settings(doc), reserve=doc.nbytes)
+        e = None
         try:
+            e = document_store.create(form="exact", model_path=self.model_path, tokens=doc.tokens, key=key,
+                                      settings=self._settings(doc), reserve=doc.nbytes)
             kvc.write(e.payload, doc.to_kvc(self.session, doc.snapshot.state))
         except BaseException as err:
-            e.abandon()
-            if not isinstance(err, KvcliError):
+            if e is not None:
+                e.abandon()
+            if not isinstance(err, (KvcliError, OSError)):
                 raise
             print(f"kvcli serve: a store is kept in memory only: {err}", file=sys.stderr, flush=True)
             return None
