@@ -87,8 +87,17 @@ def root() -> Path:
     return r
 
 
+_MAX_BYTES: int | None = None   # this process's cap when set (`override_max_bytes`)
+
+
 def max_bytes() -> int:
-    return int(config.get("store_max_bytes", DEFAULT_MAX_BYTES))
+    return _MAX_BYTES if _MAX_BYTES is not None else int(config.get("store_max_bytes", DEFAULT_MAX_BYTES))
+
+
+def override_max_bytes(n: int | None) -> None:
+    """The cap this process enforces from now on (kvcli serve --store-max-bytes); None: the configured one."""
+    global _MAX_BYTES
+    _MAX_BYTES = n
 
 
 def expiry_s() -> float:

@@ -216,6 +216,23 @@ def peek_meta(path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
+def peek_tokens(path) -> np.ndarray | None:
+    """A .kvc file's prompt tokens (its first blob) without reading its state, unchecked (None when they cannot be
+    read): which document a stored file holds, before `read` checks the whole of it."""
+    try:
+        with open(path, "rb") as fh:
+            magic, _, _, meta_len = _HEAD.unpack(fh.read(_HEAD.size))
+            if magic != MAGIC or meta_len > 1 << 30:
+                return None
+            name, dtype, size = json.loads(fh.read(meta_len).decode("utf-8"))["blobs"][0]
+            if name != "prefix_tokens" or dtype != "int32":
+                return None
+            raw = fh.read(int(size))
+    except (OSError, struct.error, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return np.frombuffer(raw, np.int32) if len(raw) == int(size) and len(raw) % 4 == 0 else None
+
+
 def base_meta(session) -> dict:
     """The header fields every .kvc file of a native session starts with: versions and the model it is bound to."""
     info = session.info

@@ -6,6 +6,7 @@ provoke); a ~350-token logbook is the document every question carries in its use
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -37,16 +38,13 @@ def document():
     return text, planted
 
 
-@pytest.fixture(scope="module")
-def server(default_model, tmp_path_factory):
+@contextlib.contextmanager
+def serving(args: list[str], log, env: dict):
+    """A `kvcli serve ARGS` process on a free port, answering /health: yields (port, process); stopped after."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [*KVCLI, "serve", "--model", str(default_model), "--policy", "snapkv", "--budget", "64", "--port",
-           str(port), "--api-key", KEY, "--ctx", str(CTX), "--max-body-bytes", str(BODY_LIMIT), "--max-tokens", "16",
-           "--threads", "1"]   # one thread: on a busy machine two wait for each other at every node
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                env={**os.environ, "KVCLI_API_KEY": ""})
+        proc = subprocess.Popen([*KVCLI, "serve", *args, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err, env={**os.environ, "KVCLI_API_KEY": "", **env})
     try:
         deadline = time.time() + 180
         while True:
@@ -58,7 +56,7 @@ def server(default_model, tmp_path_factory):
                 pass
             assert time.time() < deadline, "kvcli serve did not answer /health in 180 s"
             time.sleep(0.3)
-        yield {"port": port, "proc": proc, "log": log, "model": default_model.stem}
+        yield port, proc
     finally:
         proc.terminate()
         try:
@@ -66,6 +64,17 @@ def server(default_model, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(default_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    args = ["--model", str(default_model), "--policy", "snapkv", "--budget", "64", "--api-key", KEY, "--ctx",
+            str(CTX), "--max-body-bytes", str(BODY_LIMIT), "--max-tokens", "16",
+            "--threads", "1"]   # one thread: on a busy machine two wait for each other at every node
+    # its stores in the test's own document store
+    with serving(args, log, {"KVCLI_CACHE": str(tmp_path_factory.mktemp("kvcache"))}) as (port, proc):
+        yield {"port": port, "proc": proc, "log": log, "model": default_model.stem}
 
 
 def raw(method: str, port: int, path: str, body: bytes | None = None, headers: dict | None = None,

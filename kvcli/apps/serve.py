@@ -7,7 +7,7 @@ the prompt is restored up to that prefix, the rest of the prompt is prefilled wi
 planned and compacted (StoredDocument.reselect, the re-selection `kvcli chat` does), and the answer is decoded
 from the compressed cache:
 
-    stored full caches       [ system + document + question 1 ][ ... ]      (in memory, LRU-capped)
+    stored full caches       [ system + document + question 1 ][ ... ]      (on disk and in memory, LRU-capped)
     request 2's prompt       [ system + document ][ question 2 ]
                               restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
 
@@ -24,12 +24,15 @@ first request stores the prompt less its last STORE_TAIL tokens, which the same 
 request that shares only a prefix with a store (another question about the document) reads that prefix again into a
 store of its own, which every later question about the document restores.
 
-Stores live behind `DocumentStore` (best match, add, touch, evict): `MemoryStore` keeps them in memory up to
+Stores live behind `DocumentStore` (best match, add, touch, evict): `DiskStore` (--store disk, the default) writes
+each as a `cached` entry of kvcli's document store (listed by `kvcli documents list`, capped, loaded again after a
+restart) and holds a working set in memory; `MemoryStore` (--store memory) keeps them in memory only; both up to
 --store-max-bytes, least recently used evicted. One model, one sequence: requests run one at a time (the HTTP
 layer queues them); nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -37,10 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
+from kvcli import document_store, kvc
+from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix, file_snapshot
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Sampler, Sampling, generate
+from kvcli.models import model_hash
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import resolve
 
@@ -76,6 +81,9 @@ class DocumentStore:
     def touch(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
         """`doc` was just used (its extension may have changed size): most recently used, cap enforced."""
         raise NotImplementedError
+
+    def attach(self, session, model_path) -> None:
+        """The engine's session and model, once loaded (a store on disk writes and loads with them)."""
 
     def __contains__(self, doc) -> bool:
         raise NotImplementedError
@@ -140,9 +148,179 @@ class MemoryStore(DocumentStore):
                 "store_evicted": self.evicted, "store_tokens": [d.split for d in list(self.docs.values())]}
 
 
+@dataclass
+class _OnDisk:
+    """A stored document of the document store that is not in memory: enough to match a prompt against it."""
+    key: str
+    tokens: np.ndarray
+    colsum: bool
+
+
+class DiskStore(DocumentStore):
+    """Stores kept as `cached` entries of kvcli's document store (kvcli/document_store.py), so that they are listed
+    (`kvcli documents list`), capped, expire, and outlive the server; a working set of them is held in memory (a
+    MemoryStore of the same cap), from which requests restore without reading a file.
+
+    Every store the engine adds is written at once as an entry keyed by the model, the cache type and its tokens
+    (`document_store.key_of`). The entries are not held (locked) by the server: the store's cap (`max_bytes`, which
+    overrides the configured one in this process) evicts the least recently used of them, and the server then drops
+    its memory copy too; `kvcli documents rm` may remove one, which the server then keeps in memory only.
+    A prompt whose longest common prefix is with an entry not in memory (written before a restart, or evicted from
+    the working set) loads that entry into memory (`best`), when the prefix is one the engine would restore."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.memory = MemoryStore(max_bytes)
+        self.keys: dict[int, str] = {}          # id(doc in memory) -> its entry's key
+        self.disk: dict[str, _OnDisk] = {}      # key -> an entry not in memory
+        self.session = self.model_path = self.digest = None
+        self.loaded = self.written = 0
+
+    def attach(self, session, model_path) -> None:
+        """The engine's session (to write and load its stores) and model; indexes the entries it can restore from."""
+        self.session, self.model_path = session, Path(model_path)
+        document_store.override_max_bytes(self.max_bytes)
+        self.digest = model_hash(self.model_path)
+        try:
+            items = document_store.entries()
+        except OSError as e:
+            raise KvcliError(f"cannot use the document store ({e}): set KVCLI_CACHE, or --store memory") from None
+        for info in items:
+            self._index(info)
+
+    def _index(self, info) -> None:
+        """List a cached entry of this model and cache type (any kvcli's exact store of a key) as loadable."""
+        r = info.record
+        st = r.get("settings") or {}
+        if info.state != "cached" or r.get("form") != "exact" or not r.get("key") or r["key"] in self.disk or \
+                (r.get("model") or {}).get("hash") != self.digest or st.get("cache_type") != self.session.cache_type:
+            return
+        tokens = kvc.peek_tokens(r["path"])
+        if tokens is not None and len(tokens):
+            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")))
+
+    def _key(self, doc: StoredDocument) -> str:
+        return document_store.key_of(self.model_path, doc.tokens, **self._settings(doc))
+
+    def _settings(self, doc: StoredDocument) -> dict:   # StoredDocument.read's settings: its entries are alike
+        return {"split": doc.split, "colsum": doc.colsum is not None, "cache_type": self.session.cache_type}
+
+    def best(self, prompt, accept=None):
+        n = self.memory.best(prompt, accept)[1]
+        # the entry on disk sharing a longer prefix (of those `accept` accepts), one the engine would restore
+        # (REUSE_MIN), is loaded
+        found, k = None, max(n, min(REUSE_MIN, len(prompt) - 1) - 1)
+        for d in list(self.disk.values()):
+            same = common_prefix(d.tokens, prompt)
+            probe = StoredDocument(tokens=d.tokens, split=len(d.tokens), colsum=_HAS_SUMS if d.colsum else None)
+            if same > k and (accept is None or accept(probe, same)):
+                found, k = d, same
+        if found is not None:
+            self._load(found)
+        return self.memory.best(prompt, accept)
+
+    def _load(self, d: _OnDisk) -> None:
+        del self.disk[d.key]
+        e = document_store.find(d.key)
+        if e is None:   # removed meanwhile (kvcli documents rm, another process's cap)
+            return
+        try:
+            f = kvc.load_checked(e.payload, self.model_path)
+            doc = StoredDocument.from_kvc(f)
+        except KvcliError as err:
+            print(f"kvcli serve: stored document {e.id} not loaded: {err}", file=sys.stderr, flush=True)
+            return
+        finally:
+            e.release()
+        doc.snapshot, doc.path, doc.keep, doc.entry = file_snapshot(f), None, False, None
+        self.loaded += 1
+        self.keys[id(doc)] = d.key
+        self.memory.add(doc)
+        self._sync()
+
+    def add(self, doc, keep=None):
+        if keep is not None:   # used by this request: last on disk too, before the new entry's cap evicts
+            self._touch_entry(keep)
+        self.memory.add(doc, keep)
+        if doc in self.memory:   # one above the cap alone is not written
+            key = self._write(doc)
+            if key is not None:   # else kept in memory only
+                self.keys[id(doc)] = key
+        self._sync()
+
+    def _write(self, doc: StoredDocument) -> str | None:
+        """Write `doc` as a cached entry (or find it there already): its key, None when it cannot be written."""
+        key = self._key(doc)
+        self.disk.pop(key, None)
+        old = document_store.find(key)   # the same tokens stored already (touched by find)
+        if old is not None:
+            old.release()
+            return key
+        e = None
+        try:
+            e = document_store.create(form="exact", model_path=self.model_path, tokens=doc.tokens, key=key,
+                                      settings=self._settings(doc), reserve=doc.nbytes)
+            kvc.write(e.payload, doc.to_kvc(self.session, doc.snapshot.state))
+        except BaseException as err:
+            if e is not None:
+                e.abandon()
+            if not isinstance(err, (KvcliError, OSError)):
+                raise
+            print(f"kvcli serve: a store is kept in memory only: {err}", file=sys.stderr, flush=True)
+            return None
+        e.finish("cached")   # the cap enforced: least recently used entries go
+        e.release()
+        self.written += 1
+        return key
+
+    def touch(self, doc, keep=None):
+        self.memory.touch(doc, keep)
+        if doc in self.memory:
+            self._touch_entry(doc)
+        self._sync()
+
+    def _touch_entry(self, doc: StoredDocument) -> None:
+        """Its entry last used now, on disk too (the cap's order)."""
+        key = self.keys.get(id(doc))
+        e = document_store.find(key) if key is not None else None
+        if e is not None:
+            e.release()
+
+    def _sync(self) -> None:
+        """Memory and disk agree: a store evicted from memory stays on disk to be loaded again, one whose entry the
+        cap (or anyone) removed leaves memory too."""
+        on_disk = {i.record.get("key"): i for i in document_store.entries(sweep_first=False)
+                   if i.state == "cached"}
+        for ident, key in list(self.keys.items()):
+            doc = self.memory.docs.get(ident)
+            if doc is None:   # evicted from memory
+                del self.keys[ident]
+            elif key not in on_disk:
+                self.memory.docs.pop(ident).close()
+                self.memory.evicted += 1
+                del self.keys[ident]
+        for key in list(self.disk):
+            if key not in on_disk:
+                del self.disk[key]
+        held = set(self.keys.values())
+        for key, info in on_disk.items():
+            if key not in held:
+                self._index(info)
+
+    def __contains__(self, doc) -> bool:
+        return doc in self.memory
+
+    def stats(self) -> dict:
+        return {**self.memory.stats(), "store": "disk", "store_on_disk": len(self.disk) + len(self.keys),
+                "store_loaded": self.loaded, "store_written": self.written}
+
+
+_HAS_SUMS = np.zeros((0, 0, 0), np.float32)   # `best`'s probe of an entry on disk that has column sums
+
+
 def read_in_memory(session, tokens: list[int], split: int, seq: int, colsum: bool) -> StoredDocument:
-    """StoredDocument.read's prefill, kept in memory: a server's stores are not files of kvcli's document store
-    (whose entries outlive the process), they live as long as the server."""
+    """StoredDocument.read's prefill, kept in memory (a DiskStore writes it to the document store when it keeps
+    it)."""
     t0 = time.perf_counter()
     obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else ())
     read_s = time.perf_counter() - t0
@@ -220,6 +398,7 @@ class Engine:
         self.session.create_context(min(n_ctx or DEFAULT_CTX, limit))
         self.model_path, self.model_id = Path(model_path), model_id
         self.defaults, self.store = defaults, store
+        store.attach(self.session, self.model_path)
         self.requests = 0
         self.check(defaults)   # the flags' policy resolved now, not at the first request
 

@@ -37,16 +37,21 @@ def parse_size(text: str, flag: str) -> int:
 @click.option("--ctx", type=click.IntRange(64, 1 << 20), default=None, metavar="CELLS",
               help="KV cache cells: the longest prompt (held whole before it is compressed) plus its answer; a longer "
                    "prompt gets 400 'prompt too long'. Default: the model's training context, at most 16384.")
+@click.option("--store", "store_kind", type=click.Choice(["disk", "memory"]), default="disk", show_default=True,
+              help="Where stored document caches live: disk, as entries of kvcli's document store (kvcli documents "
+                   "list shows them; they outlive the server, and a restarted server restores from them), a working "
+                   "set of them in memory too; memory: in memory only, gone when the server stops.")
 @click.option("--store-max-bytes", default="2G", show_default=True, metavar="SIZE",
-              help="Memory for stored document caches (each prompt's full cache, kept for the requests that start "
-                   "with it), least recently used evicted above it.")
+              help="Cap of the stored document caches (each prompt's full cache, kept for the requests that start "
+                   "with it), least recently used evicted above it, in memory and on disk (with --store disk it "
+                   "overrides the document store's cap while the server runs).")
 @click.option("--max-body-bytes", default="16M", show_default=True, metavar="SIZE",
               help="Largest request body (413 above it).")
-def serve_cmd(req: Request, model, host, port, api_key, ctx, store_max_bytes, max_body_bytes):
+def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_max_bytes, max_body_bytes):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health), every answer
     given from a KV cache compressed by --policy to --budget for that request.
 
-    A document is read once: the first request that brings it is prefilled and its full cache kept in memory; a
+    A document is read once: the first request that brings it is prefilled and its full cache stored; a
     later request whose prompt starts with it (another question, another conversation, another client) restores
     that cache up to the longest common prefix and prefills only the rest, with the policy's observation, then the
     cache is compressed for this request's question and the answer decoded from it. A request may choose its own
@@ -55,7 +60,7 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_max_bytes, ma
 
     Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C stops it.
     """
-    from kvcli.apps.serve import Choice, Engine, MemoryStore  # noqa: PLC0415 (starlette only for this command)
+    from kvcli.apps.serve import Choice, DiskStore, Engine, MemoryStore  # noqa: PLC0415 (starlette: this command)
     from kvcli.apps.serve_http import Server, create_app  # noqa: PLC0415
     import uvicorn  # noqa: PLC0415
 
@@ -70,13 +75,18 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_max_bytes, ma
     defaults = Choice(policy=req.policy, budget=req.budget, policy_args=dict(req.policy_args),
                       max_tokens=req.max_tokens, sampling=req.sampling)
     engine = Engine(path, model_id=model_id, n_ctx=ctx, cache_type=req.cache_type,
-                    threads=req.threads, defaults=defaults, store=MemoryStore(store_bytes))
+                    threads=req.threads, defaults=defaults,
+                    store=DiskStore(store_bytes) if store_kind == "disk" else MemoryStore(store_bytes))
     try:
         server = Server(engine, api_key=api_key or None, max_body_bytes=body_bytes,
                         aliases=(path.name, path.stem))
         label = req.policy if req.budget is None else f"{req.policy} @ {req.budget}"
         click.echo(f"kvcli serve: {model_id} ({Path(path).name}), {label}, context {engine.n_ctx} cells, "
                    f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), err=True)
+        if store_kind == "disk":
+            from kvcli import document_store  # noqa: PLC0415
+            click.echo(f"kvcli serve: stores in {document_store.root()} ({len(engine.store.disk)} of this model "
+                       f"there), capped at {store_bytes / 2**20:.0f} MiB", err=True)
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning", access_log=False,
                     timeout_graceful_shutdown=2)
     finally:

@@ -277,11 +277,7 @@ class StoredDocument:
         else:
             if self.path is None or not self.path.exists():
                 raise StoreMissing(f"the stored document cache {self.path} is gone")
-            f = kvc.read(self.path)
-            from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
-            c = f.meta["conversation"]
-            snap = SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
-                               prompt_tokens=int(c["next_pos"]), rope=c.get("rope"))
+            snap = file_snapshot(kvc.read(self.path))
         session.restore_seq(snap, seq)
         if upto < self.split:
             session.truncate(seq, upto)
@@ -380,6 +376,14 @@ class StoredDocument:
         if self.path is not None and not self.keep:
             self.path.unlink(missing_ok=True)
         self.snapshot = self.extension = None
+
+
+def file_snapshot(f: kvc.KvcFile):
+    """The saved sequence state of a stored document's .kvc file, as `restore` puts it back."""
+    from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
+    c = f.meta["conversation"]
+    return SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
+                       prompt_tokens=int(c["next_pos"]), rope=c.get("rope"))
 
 
 class StoreMissing(KvcliError):

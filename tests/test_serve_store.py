@@ -1,0 +1,92 @@
+"""kvcli serve's stores in kvcli's document store (--store disk, the default): listed by `kvcli documents list`,
+restored from after a restart, capped by --store-max-bytes. Real `kvcli serve` processes on the default model, their
+document store in the test's own folder (KVCLI_CACHE)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import openai
+import pytest
+
+from tests.conftest import KVCLI, ROOT
+from tests.test_serve import serving
+
+
+@pytest.fixture(scope="module")
+def docs():
+    from kvcli.evaluation.logbook import make_document
+    return [make_document(260, facts=2, seed=s) for s in (5, 6)]
+
+
+def args(model, *more) -> list[str]:
+    return ["--model", str(model), "--policy", "snapkv", "--budget", "64", "--ctx", "1024", "--max-tokens", "4",
+            "--threads", "1", *more]
+
+
+def ask(port, model, doc, i, **body) -> dict:
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+    text, planted = doc
+    r = c.chat.completions.create(model=model.stem, messages=[
+        {"role": "user", "content": f"{text}\n\n{planted[i]['question']}"}], extra_body=body or None)
+    return r.model_extra["kvcli"]
+
+
+def listed(cache) -> list[dict]:
+    r = subprocess.run([*KVCLI, "documents", "list", "--json"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "KVCLI_CACHE": str(cache)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_stores_are_listed_and_survive_a_restart(default_model, docs, tmp_path):
+    cache = tmp_path / "kvcache"
+    env = {"KVCLI_CACHE": str(cache)}
+    with serving(args(default_model), tmp_path / "first.log", env) as (port, _):
+        first = ask(port, default_model, docs[0], 0)
+        assert first["document_read_tokens"] > 300 and first["store"] == "disk" and first["store_written"] == 1
+        items = listed(cache)   # listed while the server runs
+        # h2o's store (the column sums of its queries) is an entry of its own
+        h2o = ask(port, default_model, docs[0], 0, kvcli={"policy": "h2o", "budget": 64})
+        assert h2o["document_read_tokens"] > 300 and h2o["store_written"] == 2
+    assert [(i["state"], i["model"], i["tokens"]) for i in items] == \
+        [("cached", default_model.stem, first["document_read_tokens"])]
+    assert items[0]["bytes"] > 0 and not items[0]["in_use"]
+    assert len(listed(cache)) == 2
+
+    with serving(args(default_model), tmp_path / "second.log", env) as (port, _):
+        again = ask(port, default_model, docs[0], 1)   # another question about the same document, after a restart
+        h2o_again = ask(port, default_model, docs[0], 1, kvcli={"policy": "h2o", "budget": 64})
+    assert again["document_read_tokens"] == 0 and again["store_loaded"] == 1 and again["store_written"] == 0
+    assert again["prefix_reused_tokens"] >= first["document_read_tokens"] - 40 and again["prefilled_tokens"] < 64
+    # the store with the sums is loaded for h2o (the one without them cannot serve it), restored whole
+    assert h2o_again["document_read_tokens"] == 0 and h2o_again["store_loaded"] == 2
+    assert h2o_again["prefix_reused_tokens"] == h2o["document_read_tokens"]
+    assert items[0]["id"] in [i["id"] for i in listed(cache)] and len(listed(cache)) == 2   # no new entry
+
+
+def test_cap_evicts_the_least_recently_used(default_model, docs, tmp_path):
+    cache = tmp_path / "kvcache"
+    env = {"KVCLI_CACHE": str(cache)}
+    # one logbook's full cache is ~8 MB on the default model (f16): one fits under 12 MiB, two do not
+    with serving(args(default_model, "--store-max-bytes", "12M"), tmp_path / "cap.log", env) as (port, _):
+        a = ask(port, default_model, docs[0], 0)
+        before = listed(cache)
+        b = ask(port, default_model, docs[1], 0)
+        after = listed(cache)
+        again = ask(port, default_model, docs[1], 1)
+    assert a["document_read_tokens"] > 300 and b["document_read_tokens"] > 300 and len(before) == 1
+    assert b["store_entries"] == 1 and b["store_evicted"] == 1   # evicted in memory
+    assert len(after) == 1 and after[0]["id"] != before[0]["id"]   # and on disk: the newer document stays
+    assert after[0]["tokens"] == b["document_read_tokens"] and after[0]["store_bytes"] <= 12 << 20
+    assert again["document_read_tokens"] == 0
+
+
+def test_memory_store_writes_nothing(default_model, docs, tmp_path):
+    cache = tmp_path / "kvcache"
+    with serving(args(default_model, "--store", "memory"), tmp_path / "mem.log", {"KVCLI_CACHE": str(cache)}) \
+            as (port, _):
+        s = ask(port, default_model, docs[0], 0)
+    assert s["document_read_tokens"] > 300 and "store_written" not in s
+    assert listed(cache) == []
