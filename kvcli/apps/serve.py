@@ -32,6 +32,7 @@ layer queues them); nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
+import abc
 import sys
 import time
 from collections import OrderedDict
@@ -65,31 +66,38 @@ class BadRequest(KvcliError):
 
 
 # ---------------------------------------------------------------------------------- stores
-class DocumentStore:
+class DocumentStore(abc.ABC):
     """Where full document caches are kept between requests: the interface the engine uses (an on-disk managed
     store can take MemoryStore's place)."""
 
+    @abc.abstractmethod
     def best(self, prompt: list[int], accept=None) -> tuple[StoredDocument | None, int]:
         """The store sharing the longest common prefix (in tokens) with `prompt`, and that prefix's length; among
         the stores `accept(store, prefix)` accepts, when given."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def add(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
         """Keep a new store (most recently used), evicting as the cap requires; `keep` is never evicted."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def touch(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
         """`doc` was just used (its extension may have changed size): most recently used, cap enforced."""
-        raise NotImplementedError
+        ...
 
     def attach(self, session, model_path) -> None:
-        """The engine's session and model, once loaded (a store on disk writes and loads with them)."""
+        """The engine's session and model, once loaded (a store on disk writes and loads with them); optional: a
+        store in memory needs neither."""
+        return None
 
+    @abc.abstractmethod
     def __contains__(self, doc) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def stats(self) -> dict:
-        raise NotImplementedError
+        ...
 
 
 def held_bytes(doc: StoredDocument) -> int:
