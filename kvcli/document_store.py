@@ -35,6 +35,9 @@ The API (kvcli/drivers/reselect*.py use it; a server keeping documents by key wo
                reserve=bytes)   -> Entry, in state "reading", held by this process (the cap made room for `reserve`)
     e.payload                   where to write the store (a .kvc file or a chunk folder); e.part for a bounded one
     e.update(chunks_done=[...]) record progress (entry.json rewritten atomically)
+    e.suspend()                 the read was stopped (Ctrl-C, SIGTERM): it stays `partial`, to be resumed
+    resume(form=..., model_path=..., tokens=[...], settings={...}, key=None, kept_path=None)
+                                -> Entry | None: a partial read of the same document taken over (state "reading")
     e.finish("temporary"|"cached"|"kept")   the read is complete (sizes recorded, the cap enforced)
     e.touch()                   last used = now
     e.release()                 this process is done: a temporary entry is removed, any other stays (touched)
@@ -204,8 +207,8 @@ class Entry:
         """The read is complete: `state` temporary, cached or kept; its size recorded, then the cap enforced."""
         if state not in ("temporary", "cached", "kept"):
             raise ValueError(state)
-        self.update(state=state, bytes=tree_bytes(self.payload), chunks_done=None, last_used=_now(),
-                    owner=_owner())
+        self.update(state=state, bytes=tree_bytes(self.payload), chunks_done=None, pages_done=None, carry=None,
+                    last_used=_now(), owner=_owner())
         if state == "kept":   # it replaced any store registered at the same path: one entry per path
             for info in entries(sweep_first=False):
                 if info.id != self.id and info.kept_path == self.record["kept_path"]:
@@ -222,6 +225,14 @@ class Entry:
             if self.folder.exists():
                 self.touch()
             self._unlock()
+
+    def suspend(self) -> None:
+        """The read was stopped (Ctrl-C, SIGTERM, SIGHUP) after some whole chunks: the entry stays, `partial`, for a
+        later read of the same document to continue (`resume`); the cap and expiry govern it meanwhile."""
+        if self._fd is None:
+            return
+        self.update(state="partial", bytes=tree_bytes(self.part) if self.part else 0, owner=None, last_used=_now())
+        self._unlock()
 
     def abandon(self) -> None:
         """The read failed or was interrupted: what it wrote goes, and the entry (a kept store at the user's path
@@ -323,6 +334,33 @@ def create(*, form: str, model_path, tokens, settings: dict | None = None, key: 
         shutil.rmtree(new, ignore_errors=True)
         raise
     return Entry(folder, rec, fd)
+
+
+def resume(*, form: str, model_path, tokens, settings: dict, key: str | None = None, kept_path=None) -> Entry | None:
+    """A partial read of this document (the same model file, tokens, settings, key and target path) that no process
+    holds, taken over by this one: held, in state "reading" again, owned by it; None when there is none. The
+    caller checks its files (what the read recorded after its last whole chunk) before it continues."""
+    sweep()
+    want = {"hash": _model_hash(Path(model_path)), "doc": document_sha256(tokens), "key": key,
+            "kept": str(Path(kept_path).expanduser().resolve()) if kept_path is not None else None,
+            "settings": json.loads(json.dumps(settings, sort_keys=True))}
+    for info in entries(sweep_first=False):
+        r = info.record
+        if info.state != "partial" or r.get("form") != form or info.in_use:
+            continue
+        if {"hash": (r.get("model") or {}).get("hash"), "doc": r.get("document_sha256"), "key": r.get("key"),
+                "kept": r.get("kept_path"), "settings": r.get("settings")} != want:
+            continue
+        e = _hold_exclusive(info.folder)
+        if e is None:
+            continue
+        if e.record.get("state") != "partial":
+            e._unlock()
+            continue
+        e.update(state="reading", owner=_owner(), last_used=_now())
+        fcntl.flock(e._fd, fcntl.LOCK_SH)   # held as any user holds an entry from now on
+        return e
+    return None
 
 
 def register_kept(path, *, form: str, model_path, tokens, settings: dict | None = None) -> None:

@@ -29,6 +29,13 @@ Q = "Which code did the river station log?"
 pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
+@pytest.fixture(autouse=True)
+def every_chunk(monkeypatch):
+    """These tests are about streaming the stored chunks: every one of them, as before the block index
+    (tests/test_book.py tests the choice)."""
+    monkeypatch.setenv("KVCLI_RESELECT_CHUNKS", "all")
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_2k):
     """(session with two sequences, document head tokens, prompt tokens of Q)."""

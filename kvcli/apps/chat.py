@@ -251,7 +251,7 @@ class Conversation:
                 self.session.resize_context(chunking.n_ctx, n_seq)
             self.store = ChunkedStore.read(self.session, self.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
                                            seq=self.seq, spare=self.seq + 1, path=self.store_path, keep=named,
-                                           progress=progress,
+                                           progress=progress, notify=self._say,
                                            meta={"document": self.document, "system": self.system})
             self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params,
                                          chunk=chunking.chunk, cap=chunking.cap)

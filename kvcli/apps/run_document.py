@@ -43,6 +43,16 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
 
+    __call__ = update   # a Progress is the `progress` callable the readers take (and they find its skip)
+
+    def skip(self, n: int) -> None:
+        """`n` tokens done before this bar started (a resumed read): shown as done, left out of the rate and the
+        time left."""
+        if self.bar is not None:
+            self.bar.n += n
+            self.bar.initial += n
+            self.bar.refresh()
+
     def cache(self, cells: int) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(f"cache {cells} cells", refresh=False)

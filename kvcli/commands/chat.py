@@ -65,7 +65,7 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
                             store_path=Path(store).expanduser() if store else None)
         progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
-            conv.compress(progress=progress.update, on_cache=progress.cache)
+            conv.compress(progress=progress, on_cache=progress.cache)
         finally:
             progress.close()
     if not quiet:

@@ -132,7 +132,7 @@ def store_document(ctx, req: Request, docs, out, force, model, question, system,
         t0 = time.perf_counter()
         try:   # a file that cannot be written is an error here (not a cache kept in memory, as chat may)
             if form == "bounded":
-                conv.read_store(progress=progress.update)
+                conv.read_store(progress=progress)
                 st = conv.store
             else:
                 session.create_context(min(limit, -(-(n + 1) // 256) * 256))

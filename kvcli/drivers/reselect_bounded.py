@@ -50,8 +50,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from kvcli import document_store, kvc, outfile
 from kvcli.config import env_bytes
+from kvcli.drivers import block_index
 from kvcli.drivers.chunked import keeps_positions, probe_length, probe_window, question_probe, read_in_chunks
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix
 from kvcli.errors import KvcliError
@@ -60,9 +63,14 @@ from kvcli.native.session import SeqSnapshot
 from kvcli.native.state import cells_from
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
 
-FORMAT = 2          # 2: store.json carries its own SHA-256 and the conversation's turns (1: temporary stores only)
+# 3: the block index and the reading's last kept cache; 2: store.json carries its own SHA-256 and the conversation's
+# turns (1: temporary stores only). A format 2 store is read as it was: every chunk streamed for every question.
+FORMAT = 3
+READS = (2, 3)
 MANIFEST = "store.json"
+SUMMARY = "summary.state"
 _CHUNK_FILE = re.compile(r"chunk-[0-9]{4,}\.state")
+_INDEX_FILE = re.compile(r"index-[0-9]{4,}\.npz")
 # A re-selected chat keeps the exact form (the document's full cache held while a question is re-selected) up to
 # this many bytes of full cache, though bounded reading would read the document in chunks: a bounded re-selection
 # streams every chunk with a probe, about 1.5x the seconds of an exact one per question (8k, measured on a loaded
@@ -81,8 +89,12 @@ class BoundedReselection(Reselection):
     """A bounded re-selection: restore_s counts putting the stored chunks back, prefill_s their probes and the rest."""
     chunks: int = 0
 
+    stored: int = 0          # chunks in the store (`chunks`: those streamed, with the kept turns)
+    index_s: float = 0.0     # choosing them: the question's queries and the block index (kvcli/drivers/block_index.py)
+
     def as_stats(self) -> dict:
-        return {**super().as_stats(), "reselect_chunks": self.chunks}
+        return {**super().as_stats(), "reselect_chunks": self.chunks, "stored_chunks": self.stored,
+                "index_s": round(self.index_s, 4)}
 
 
 @dataclass
@@ -149,6 +161,11 @@ class ChunkedStore:
     extension: "TurnChunks | None" = None   # the conversation's turns, as the last re-selection computed them
     bounded = True
     entry: object = None             # its kvcli.document_store.Entry, held while this process uses the folder
+    pages: list = field(default_factory=list)   # the block index: one {"file", "sha256", "nbytes"} per chunk
+    page: int = 0                    # its tokens per page (0: no index)
+    summary: dict | None = None      # the reading's last kept cache: {"file", "sha256", "nbytes", snapshot fields}
+    select: int | None = None        # chunks a question streams besides the first and last (None: automatic,
+                                     # 0: every chunk); KVCLI_RESELECT_CHUNKS sets it ("all" or N)
 
     @property
     def nbytes(self) -> int:
@@ -158,11 +175,20 @@ class ChunkedStore:
     @classmethod
     def read(cls, session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
              split: int | None = None, seq: int = 0, spare: int | None = None, path=None, keep: bool = False,
-             progress=None, meta: dict | None = None, key: str | None = None) -> "ChunkedStore":
+             progress=None, meta: dict | None = None, key: str | None = None, notify=None,
+             index: bool = True) -> "ChunkedStore":
         """Read tokens[:split] into `seq` by bounded reading with `cfg` and chunks of `chunk` tokens, storing every
-        chunk's entries; the sequence is cleared afterwards. `spare`: a second sequence of the context, used per
-        question to load a chunk through (append_saved). `key` (no `path`): the store stays in the document store
-        after close() as a `cached` entry of that key, for `document_store.find(key)`."""
+        chunk's entries (and, `index`, its block index: kvcli/drivers/block_index.py); the sequence is cleared
+        afterwards. `spare`: a second sequence of the context, used per question to load a chunk through
+        (append_saved). `key` (no `path`): the store stays in the document store after close() as a `cached` entry
+        of that key, for `document_store.find(key)`.
+
+        Resumable: after every chunk the chunk's files and the cache carried to the next chunk (the kept entries,
+        `carry-NNNN.state`) are on disk and recorded in the document store's entry. A read stopped by Ctrl-C, SIGTERM
+        or SIGHUP leaves its entry `partial` (a crash too: the next sweep marks it), and reading the same document
+        again (the same model file, tokens, settings and target) continues after its last whole chunk, every file
+        checked (`notify` says so in a line; a partial read that does not check out is removed and the read starts
+        over, said too). `progress(n)` counts tokens read; its `skip(n)`, when it has one, the tokens resumed."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
         cap = cap or cfg.budget + chunk
@@ -171,19 +197,33 @@ class ChunkedStore:
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
         if path is not None:
             path = check_store_target(path, form="bounded")
+        index = index and block_index.usable(session.info) is None
+        settings = {"split": split, "chunk": chunk, "cap": cap, "policy": cfg.policy, "budget": cfg.budget,
+                    "params": cfg.spec.render(cfg.params), "cache_type": session.cache_type,
+                    "index": block_index.PAGE if index else 0}
+        say = notify or (lambda line: None)
         # an entry of the document store (kvcli/document_store.py) from now on: whatever ends this process, what it
         # wrote is listed (a partial read, with what resuming it needs) or removed by the next kvcli
-        entry = document_store.create(
-            form="bounded", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
-            settings={"split": split, "chunk": chunk, "cap": cap, "policy": cfg.policy, "budget": cfg.budget,
-                      "params": cfg.spec.render(cfg.params), "cache_type": session.cache_type},
-            reserve=0 if keep else split * session.bytes_per_cell())
+        entry = document_store.resume(form="bounded", model_path=session.model_path, tokens=tokens[:split],
+                                      kept_path=path, key=key, settings=settings)
+        resumed = _Resumed.check(entry, session) if entry is not None else None
+        if entry is not None and resumed is None:
+            say(f"a partial read of this document ({entry.id}) did not check out: reading it from the start")
+            entry.abandon()
+            entry = None
+        if entry is None:
+            entry = document_store.create(
+                form="bounded", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
+                settings=settings, reserve=0 if keep else split * session.bytes_per_cell())
         path = Path(path) if path is not None else entry.payload
         part = path.with_name(path.name + ".part")
-        chunks: list[StoredChunk] = []
+        chunks: list[StoredChunk] = list(resumed.chunks) if resumed else []
+        pages: list[dict] = list(resumed.pages) if resumed else []
+        carry = dict(resumed.carry) if resumed else None
         done = False
+        stopped = False
 
-        def save(first_pos: int, n: int) -> None:
+        def save(first_pos: int, n: int) -> None:   # the chunk just prefilled, before its compaction
             state, cells, end = cells_from(session.save_seq(seq).state, first_pos)
             if cells != n or end != first_pos + n:
                 raise KvcliError(f"chunk {len(chunks)}: {cells} cells up to position {end} saved, {n} read")
@@ -191,23 +231,48 @@ class ChunkedStore:
             outfile.write(part / name, [state])
             first_token = chunks[-1].first_token + chunks[-1].n if chunks else 0
             chunks.append(StoredChunk(first_token, n, first_pos, name, hashlib.sha256(state).hexdigest(), len(state)))
-            entry.update(chunks_done=[vars(c) for c in chunks], last_used=time.time())   # what a resumed read needs
+            if index:
+                data = block_index.chunk_pages(session, seq, first_pos, n)
+                pages.append(_file_record(part, f"index-{len(pages):04d}.npz", data))
+
+        def carried(cells: int) -> None:   # the chunk compacted: the kept entries, what the next chunk reads beside
+            nonlocal carry
+            snap = session.save_seq(seq)
+            old = carry
+            carry = {**_file_record(part, f"carry-{len(chunks) - 1:04d}.state", snap.state), **_snap_fields(snap)}
+            entry.update(chunks_done=[vars(c) for c in chunks], pages_done=list(pages), carry=carry,
+                         read_s=read_before + time.perf_counter() - t0, last_used=time.time())
+            if old is not None and old["file"] != carry["file"]:
+                (part / old["file"]).unlink(missing_ok=True)
 
         try:
-            shutil.rmtree(part, ignore_errors=True)
-            part.mkdir(parents=True)
             if seq in session.seqs:
                 session.clear(seq)
+            read_before, done_tokens = 0.0, 0
+            if resumed:
+                read_before, done_tokens = resumed.read_s, sum(c.n for c in chunks)
+                session.restore_seq(resumed.snapshot(part), seq)
+                say(f"resuming an interrupted read: {len(chunks)} chunks ({done_tokens} of {split} tokens) were "
+                    f"stored by it ({entry.id}), checked")
+                if progress is not None:
+                    getattr(progress, "skip", progress)(done_tokens)
+            else:
+                shutil.rmtree(part, ignore_errors=True)
+                part.mkdir(parents=True)
             # each question's probe (chunked.question_probe) will be held beside a chunk: the chunks leave it room
             room = probe_length(cfg.observe[1], chunk) if "window" in cfg.observe[0] else 0
             t0 = time.perf_counter()
-            read_in_chunks(session, list(tokens[:split]), cfg, chunk - room, cap=cap - room,
-                           seq=seq, progress=progress, scoring="chunk", on_prefilled=save)
-            read_s = time.perf_counter() - t0
+            if done_tokens < split:
+                read_in_chunks(session, list(tokens[done_tokens:split]), cfg, chunk - room, cap=cap - room,
+                               seq=seq, progress=progress, scoring="chunk", on_prefilled=save, on_cache=carried)
+            read_s = read_before + time.perf_counter() - t0
             session.clear(seq)
             store = cls(tokens=list(tokens[:split]), split=split, chunk=chunk, chunks=chunks, path=path, keep=keep,
                         read_s=read_s, cap=cap, read_policy=cfg.policy, read_budget=cfg.budget,
-                        meta=dict(meta or {}))
+                        meta=dict(meta or {}), pages=pages, page=block_index.PAGE if index else 0)
+            if carry is not None:   # the read's last kept cache: the summary a question's queries attend to
+                os.replace(part / carry["file"], part / SUMMARY)
+                store.summary = {**carry, "file": SUMMARY}
             write_manifest(part, store.manifest(session))
             replace_folder(part, path)
             cached = key is not None and path is None   # stays in the document store after close()
@@ -215,8 +280,13 @@ class ChunkedStore:
             store.entry, store.keep = entry, keep or cached
             done = True
             return store
+        except KeyboardInterrupt:   # Ctrl-C, SIGTERM, SIGHUP (kvcli/cli.py): what was read stays, to be resumed
+            stopped = bool(chunks) and carry is not None
+            raise
         finally:
-            if not done:   # an error, Ctrl-C, SIGTERM or SIGHUP (kvcli/cli.py): nothing of the read stays
+            if not done and stopped:
+                entry.suspend()
+            elif not done:   # an error: nothing of the read stays
                 shutil.rmtree(part, ignore_errors=True)
                 entry.abandon()
 
@@ -226,7 +296,9 @@ class ChunkedStore:
         return {"kvcli_store": FORMAT, **kvc.base_meta(session), "split": self.split, "chunk": self.chunk,
                 "read_policy": self.read_policy, "read_budget": self.read_budget, "read_s": round(self.read_s, 3),
                 "tokens": [int(t) for t in self.tokens], "meta": meta,
-                "chunks": [vars(c) for c in self.chunks]}
+                "chunks": [vars(c) for c in self.chunks],
+                "index": {"page": self.page, "files": list(self.pages)} if self.pages else None,
+                "summary": self.summary}
 
     # ------------------------------------------------------------------ a kept store, opened again
     @classmethod
@@ -240,11 +312,15 @@ class ChunkedStore:
         if model_path is not None:
             kvc.check_model(_Named(m, path), model_path)
         chunks = [StoredChunk(**c) for c in m["chunks"]]
+        index = m.get("index") or {}
         store = cls(tokens=list(m["tokens"]), split=m["split"], chunk=m["chunk"], chunks=chunks, path=path,
                     keep=True, read_s=float(m["read_s"]), cap=m["chunk"] + m["read_budget"],
-                    read_policy=m["read_policy"], read_budget=m["read_budget"], meta=dict(m["meta"]))
+                    read_policy=m["read_policy"], read_budget=m["read_budget"], meta=dict(m["meta"]),
+                    pages=list(index.get("files") or []), page=int(index.get("page") or 0), summary=m.get("summary"))
         for c in chunks:
             store._read_chunk(c)
+        for f in store.pages + ([store.summary] if store.summary else []):
+            store._read_file(f)
         store.entry = document_store.use_path(path)   # a listed store: in use now, and used now
         return store
 
@@ -260,6 +336,8 @@ class ChunkedStore:
             size = 0
             for c in self.chunks:
                 size += outfile.write(part / c.file, [self._read_chunk(c)])
+            for f in self.pages + ([self.summary] if self.summary else []):
+                size += outfile.write(part / f["file"], [self._read_file(f)])
             size += write_manifest(part, self.manifest(session, turns))
             replace_folder(part, path)
             done = True
@@ -293,20 +371,21 @@ class ChunkedStore:
         turns, end, anchor = self._turns_for(prompt, reach)
         # the question's window must lie in what is prefilled now: the last chunk gives back what it lacks
         base = min(end, n - reach) if reach else end
-        streamed = list(self.chunks) + turns
+        probe = question_probe(prompt, window, self.chunk) if "window" in kinds else []
+        if seq in session.seqs:
+            session.clear(seq)
+        stored, index_s = self._choose(session, seq, prompt, cfg)
+        streamed = stored + turns
         last_first = streamed[-1].first_token if streamed else 0
         if base < last_first:
             raise KvcliError(f"the policy's window ({window}) reaches past the stored document's last chunk")
         cut = (streamed[-1].first_token + streamed[-1].n - base) if streamed else 0
-        probe = question_probe(prompt, window, self.chunk) if "window" in kinds else []
         # the cells held before a probe: the kept entries and a chunk, leaving the probe room (as the reading does).
         # The held cells are probed and compacted only when the next chunk would not fit beside them: a stored
         # chunk always (it fills a chunk), kept turns (short) only every so many, so they cost no probe of their own
         limit = cfg.budget + self.chunk - len(probe)
         restore_s = prefill_s = plan_s = 0.0
         plan = None
-        if seq in session.seqs:
-            session.clear(seq)
         for i, c in enumerate(streamed):
             t0 = time.perf_counter()
             cells = session_cells(session, seq) if i else 0
@@ -349,7 +428,44 @@ class ChunkedStore:
             self.extension = kept
         return BoundedReselection(restored=base, prefilled=len(rest), n_tokens=n, restore_s=restore_s,
                                   prefill_s=prefill_s, plan_s=plan_s, plan=plan, chunks=len(streamed),
-                                  source="conversation" if turns else "document", keep_s=t3 - t2)
+                                  source="conversation" if turns else "document", keep_s=t3 - t2,
+                                  stored=len(self.chunks), index_s=index_s)
+
+    def chunks_per_question(self, budget: int) -> int | None:
+        """How many stored chunks a question streams besides the first and the last, by the block index; None: every
+        chunk (no index: a format 2 store, a model whose RoPE kvcli cannot turn; KVCLI_RESELECT_CHUNKS=all)."""
+        env = os.environ.get("KVCLI_RESELECT_CHUNKS", "").strip().lower()
+        if env:
+            if env == "all":
+                return None
+            if not env.isdigit() or int(env) < 1:
+                raise KvcliError(f"KVCLI_RESELECT_CHUNKS must be 'all' or a whole number >= 1 (got '{env}')")
+            return int(env)
+        if self.select is not None:
+            return self.select or None
+        if not self.pages or self.summary is None:
+            return None
+        return block_index.default_select(budget, self.chunk)
+
+    def _choose(self, session, seq: int, prompt: list[int], cfg: Compression) -> tuple[list[StoredChunk], float]:
+        """The stored chunks this question streams (in document order) and the seconds choosing them took: every
+        chunk, or, by the block index (kvcli/drivers/block_index.py), the first, the last and the best-scored
+        `chunks_per_question` between them. `seq` is empty before and after."""
+        select = self.chunks_per_question(cfg.budget)
+        if select is None or len(self.chunks) <= select + 2 or not self.pages or self.summary is None:
+            return list(self.chunks), 0.0
+        t0 = time.perf_counter()
+        session.restore_seq(_snapshot_of(self.summary, self._read_file(self.summary)), seq)
+        try:
+            probe = question_probe(prompt, 1, self.chunk)
+            q = block_index.question_queries(session, seq, probe, at=self.cap)
+        finally:
+            session.clear(seq)
+        maxima = [block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f), session.info))
+                  for f in self.pages[1:-1]]
+        best = block_index.choose(block_index.chunk_scores(maxima), select)
+        chosen = [self.chunks[0]] + [self.chunks[1 + i] for i in best] + [self.chunks[-1]]
+        return chosen, time.perf_counter() - t0
 
     def _turns_for(self, prompt: list[int], reach: int) -> tuple[list[TurnChunk], int, int]:
         """The kept turn chunks that `prompt` starts with, how far they reach into it exactly, and where the chunk
@@ -385,7 +501,7 @@ class ChunkedStore:
         except FileNotFoundError:
             if not (self.path / MANIFEST).exists():
                 raise StoreMissing(f"the stored document cache {self.path} is gone ({c.file} missing)") from None
-            raise KvcliError(f"{self.path} is incomplete: its chunk file {c.file} is missing") from None
+            raise KvcliError(f"{self.path} is incomplete: its file {c.file} is missing") from None
         except IsADirectoryError:
             raise KvcliError(f"{f} is corrupted (a directory, not a chunk file)") from None
         except OSError as e:
@@ -395,6 +511,10 @@ class ChunkedStore:
         if len(state) != c.nbytes or hashlib.sha256(state).hexdigest() != c.sha256:
             raise KvcliError(f"{f} is corrupted (its SHA-256 is not the one the store recorded)")
         return state
+
+    def _read_file(self, f: dict) -> bytes:
+        """An index or summary file's bytes, checked as a chunk file is."""
+        return self._read_chunk(StoredChunk(0, 0, 0, f["file"], f["sha256"], f["nbytes"]))
 
     def _snapshot(self, c: StoredChunk) -> SeqSnapshot:
         return SeqSnapshot(state=self._read_chunk(c), next_pos=c.first_pos + c.n, cells=c.n, prompt_tokens=c.n)
@@ -408,6 +528,68 @@ class ChunkedStore:
             self.entry = None
         if not self.keep:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- a read's files and its carry
+def _file_record(folder: Path, name: str, data: bytes) -> dict:
+    """Write `data` to folder/name (atomically); its record: file, SHA-256, size."""
+    outfile.write(folder / name, [data])
+    return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "nbytes": len(data)}
+
+
+def _snap_fields(snap: SeqSnapshot) -> dict:
+    """What a saved sequence needs beside its state to be put back (SeqSnapshot): after a re-indexing compaction
+    each (layer, KV head)'s kept positions are its first slot up to next_pos (NativeSession.apply_plan)."""
+    kp = snap.kept_positions
+    first = None if kp is None else [[int(h[0]) if len(h) else int(snap.next_pos) for h in layer] for layer in kp]
+    return {"next_pos": int(snap.next_pos), "cells": int(snap.cells), "prompt_tokens": int(snap.prompt_tokens),
+            "reindexed": int(snap.reindexed), "first_slots": first}
+
+
+def _snapshot_of(rec: dict, state: bytes) -> SeqSnapshot:
+    b = rec["next_pos"]
+    kp = None if rec.get("first_slots") is None else \
+        [[np.arange(f, b, dtype=np.int32) for f in layer] for layer in rec["first_slots"]]
+    return SeqSnapshot(state=state, next_pos=b, cells=rec["cells"], prompt_tokens=rec["prompt_tokens"],
+                       kept_positions=kp, reindexed=rec["reindexed"])
+
+
+@dataclass
+class _Resumed:
+    """What an interrupted read of the same document left (document_store.resume found its entry), every file
+    checked: its chunks, their index pages, the cache it carried after the last one, the seconds it read."""
+    chunks: list[StoredChunk]
+    pages: list[dict]
+    carry: dict
+    read_s: float
+
+    @classmethod
+    def check(cls, entry, session) -> "_Resumed | None":
+        rec, part = entry.record, entry.part
+        try:
+            chunks = [StoredChunk(**c) for c in rec.get("chunks_done") or []]
+            pages, carry = list(rec.get("pages_done") or []), rec.get("carry")
+            if not chunks or carry is None or part is None or (pages and len(pages) != len(chunks)):
+                return None
+            first = 0
+            for c in chunks:
+                if c.first_token != first or not _CHUNK_FILE.fullmatch(c.file):
+                    return None
+                first += c.n
+            files = [(c.file, c.sha256, c.nbytes) for c in chunks] + \
+                [(f["file"], f["sha256"], f["nbytes"]) for f in pages + [carry]]
+            for name, sha, nbytes in files:
+                data = (part / Path(name).name).read_bytes()
+                if len(data) != nbytes or hashlib.sha256(data).hexdigest() != sha:
+                    return None
+            if bool(pages) != (rec.get("settings", {}).get("index", 0) > 0):
+                return None
+            return cls(chunks, pages, dict(carry), float(rec.get("read_s") or 0.0))
+        except (OSError, TypeError, KeyError, ValueError):
+            return None
+
+    def snapshot(self, part: Path) -> SeqSnapshot:
+        return _snapshot_of(self.carry, (part / self.carry["file"]).read_bytes())
 
 
 # ---------------------------------------------------------------------------------- the store folder
@@ -461,8 +643,9 @@ def read_manifest(path) -> dict:
         raise KvcliError(f"{f} is corrupted or truncated (not JSON)") from None
     if not isinstance(m, dict) or "kvcli_store" not in m:
         raise KvcliError(f"{f} is not a kvcli store manifest")
-    if m["kvcli_store"] != FORMAT:
-        raise KvcliError(f"{path} is a store of format {m['kvcli_store']}; this kvcli reads format {FORMAT}: "
+    if m["kvcli_store"] not in READS:
+        raise KvcliError(f"{path} is a store of format {m['kvcli_store']}; this kvcli reads formats "
+                         f"{', '.join(map(str, READS))}: "
                          "read the document again")
     digest = m.pop("sha256", None)
     if digest != _digest(m):
@@ -515,7 +698,24 @@ def _malformed(m: dict) -> str:
         names.add(c["file"])
     if first != m["split"]:
         return f"the chunks hold {first} tokens, the store {m['split']}"
+    index, summary = m.get("index"), m.get("summary")
+    if index is not None:
+        files = index.get("files") if isinstance(index, dict) else None
+        if not (isinstance(files, list) and len(files) == len(chunks) and count(index.get("page"))
+                and index["page"] > 0 and all(_file_ok(f, _INDEX_FILE) for f in files)
+                and len({f["file"] for f in files}) == len(files)):
+            return "block index"
+    if summary is not None:
+        fields = {"next_pos", "cells", "prompt_tokens", "reindexed"}
+        if not (_file_ok(summary, re.compile(re.escape(SUMMARY))) and all(count(summary.get(k)) for k in fields)
+                and (summary.get("first_slots") is None or isinstance(summary["first_slots"], list))):
+            return "summary"
     return ""
+
+
+def _file_ok(f, name: re.Pattern) -> bool:
+    return (isinstance(f, dict) and isinstance(f.get("file"), str) and bool(name.fullmatch(f["file"]))
+            and isinstance(f.get("sha256"), str) and isinstance(f.get("nbytes"), int) and f["nbytes"] >= 0)
 
 
 def check_store_target(path, force: bool = True, form: str | None = None) -> Path:

@@ -1,0 +1,127 @@
+"""A block index of a bounded store: which stored chunks a question needs, decided without streaming every chunk.
+
+Bounded re-selection (kvcli/drivers/reselect_bounded.py) puts every stored chunk back for every question and scores it
+with a probe prefill: a question costs a probe per chunk, a share of a re-read that grows with the document (128
+probes at 128k tokens). The index makes a question's cost close to independent of the length:
+
+    reading (once): after each chunk's prefill its K rows are cut into pages of PAGE tokens and the element-wise
+        minimum and maximum of every page's keys are stored per (layer, KV head) (Quest, Tang et al. 2024: per-page
+        key bounds), float16, one small file per chunk (6% of the chunk's state on qwen2.5-coder-0.5b at 16 tokens a
+        page). The reading's last kept cache (the whole document read with each chunk scored by its own last window:
+        a question-agnostic summary) is stored too.
+    per question: the summary is restored and the question's probe (the prompt's last tokens) prefilled after it
+        with its queries observed (post-RoPE; `query` observation), then rolled back: the question's queries, computed
+        once, attending to a summary of the whole document. Every page's upper bound on a query's logit
+        (sum over dimensions of max(q_d min_d, q_d max_d): no key of the page scores more) is computed from the index
+        alone, the chunk's best page per (layer, query head, query) taken, a softmax over the chunks for each of those
+        rows, and a chunk's score is the sum of its shares: the attention mass the question would give it. The
+        `select` best chunks, with the first (the attention sink, the document's start) and the last (the document's
+        end, joined to the prompt), are then streamed as today, in document order, and re-selected exactly.
+
+The queries are turned (RoPE) to the position `cap` + their offset, past every stored key (the stored chunks sit at
+the positions bounded reading gave them, below budget + chunk), as they would be after a chunk in a re-selection.
+Models whose RoPE kvcli cannot turn (`rope.refusal`) get no index: every chunk is streamed.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.native.cache import read_kv_layer, seq_positions
+from kvcli.planning import rope as ropes
+
+PAGE = 16          # tokens per page (Quest's page size)
+
+
+def usable(info) -> str | None:
+    """Why this model's stores get no block index (None when they do)."""
+    return ropes.refusal(info)
+
+
+def chunk_pages(session, seq: int, first_pos: int, n: int, page: int = PAGE) -> bytes:
+    """The index entry of the chunk `seq` holds at positions [first_pos, first_pos + n): per (layer, KV head) each
+    page's key minimum and maximum, [n_layer, n_head_kv, pages, head_dim] float16 each, as .npz bytes."""
+    info = session.info
+    pos = seq_positions(session.ctx, seq)
+    order = np.argsort(pos, kind="stable")
+    slots = order[(pos[order] >= first_pos) & (pos[order] < first_pos + n)]
+    if slots.size != n:
+        raise KvcliError(f"the chunk at position {first_pos}: {slots.size} cells held, {n} read")
+    pages = -(-n // page)
+    shape = (info.n_layer, info.n_head_kv, pages, info.head_dim)
+    lo, hi = np.empty(shape, np.float16), np.empty(shape, np.float16)
+    k = np.empty((info.n_head_kv, pos.size, info.head_dim), np.float32)
+    v = np.empty_like(k)
+    pad = pages * page - n
+    for il in range(info.n_layer):
+        read_kv_layer(session.ctx, seq, info, il, k, v)
+        rows = k[:, slots]                                         # [n_head_kv, n, d]
+        if pad:   # the last page repeats its last key: bounds of the keys there are
+            rows = np.concatenate([rows, np.repeat(rows[:, -1:], pad, axis=1)], axis=1)
+        rows = rows.reshape(info.n_head_kv, pages, page, info.head_dim)
+        lo[il] = rows.min(axis=2)
+        hi[il] = rows.max(axis=2)
+    buf = io.BytesIO()
+    np.savez(buf, lo=lo, hi=hi)
+    return buf.getvalue()
+
+
+def load_pages(data: bytes, info) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of an index entry, float32, checked against the model's shapes."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            lo, hi = z["lo"].astype(np.float32), z["hi"].astype(np.float32)
+    except (ValueError, KeyError, OSError, EOFError) as e:
+        raise KvcliError(f"a block index file is not readable ({e})") from None
+    want = (info.n_layer, info.n_head_kv)
+    if lo.shape != hi.shape or lo.ndim != 4 or lo.shape[:2] != want or lo.shape[3] != info.head_dim:
+        raise KvcliError(f"a block index file has shape {list(lo.shape)}, this model's is {list(want)} x pages x "
+                         f"{info.head_dim}")
+    return lo, hi
+
+
+def question_queries(session, seq: int, probe: list[int], at: int) -> np.ndarray:
+    """The probe's queries, prefilled after what `seq` holds and rolled back: [n_layer, n_head, len(probe), head_dim]
+    float32, turned by RoPE so that the first sits at position `at` (past every stored key)."""
+    obs = session.prefill(probe, seq=seq, observe=("query",), window=len(probe))
+    session.rollback(seq, len(probe))
+    q = np.asarray(obs.queries, np.float64)
+    delta = float(at - int(np.min(obs.query_positions)))
+    ang = delta * obs.rope.freqs                                  # [d/2]: the same turn for every query
+    return obs.rope.turn(q, np.cos(ang), np.sin(ang)).astype(np.float32)
+
+
+def chunk_maxima(queries: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """[n_layer, n_head, w]: per (layer, query head, query) the largest upper bound of a logit over the chunk's pages
+    (query head h reads KV head h // group)."""
+    n_layer, n_head, w, d = queries.shape
+    group = n_head // lo.shape[1]
+    qp = np.maximum(queries, 0.0).reshape(n_layer, lo.shape[1], group * w, d)
+    qn = np.minimum(queries, 0.0).reshape(n_layer, lo.shape[1], group * w, d)
+    bound = qp @ hi.transpose(0, 1, 3, 2) + qn @ lo.transpose(0, 1, 3, 2)     # [L, H_kv, group * w, pages]
+    return bound.max(axis=3).reshape(n_layer, n_head, w) / math.sqrt(d)
+
+
+def chunk_scores(maxima: list[np.ndarray]) -> np.ndarray:
+    """[chunks]: each chunk's share of the question's attention, summed over (layer, query head, query) rows, each
+    row a softmax over the chunks of their best page's bound."""
+    m = np.stack(maxima)                                          # [chunks, L, H, w]
+    m = m - m.max(axis=0, keepdims=True)
+    p = np.exp(m)
+    p /= p.sum(axis=0, keepdims=True)
+    return p.reshape(len(maxima), -1).sum(axis=1)
+
+
+def choose(scores: np.ndarray, select: int) -> list[int]:
+    """The indices (ascending) of the `select` best-scored of the chunks `scores` ranks."""
+    best = np.argsort(-scores, kind="stable")[:select]
+    return sorted(int(i) for i in best)
+
+
+def default_select(budget: int, chunk: int) -> int:
+    """Chunks streamed per question besides the first and the last: twice the budget's worth of tokens, and 4 at
+    least (docs/results/long-documents.md, "A book": what fewer and more cost in answers)."""
+    return max(4, -(-2 * budget // chunk))
