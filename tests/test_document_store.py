@@ -89,15 +89,21 @@ def chunks_recorded(root: Path) -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_while_reading_leaves_nothing(store_env, long_doc, sig):
+def test_a_signal_while_reading_leaves_a_partial_read(store_env, long_doc, sig):
+    """Stopped after whole chunks, a read stays listed as `partial` (for the same read to resume: tests/test_book.py),
+    not in use, its files in its entry; nothing else is left."""
     proc = start_chat(long_doc)
-    wait_for(lambda: len(chunk_files(store_env)) >= 1, proc)
+    wait_for(lambda: chunks_recorded(store_env) >= 1, proc)
     assert [e["state"] for e in listed()] == ["reading"]   # listed while it reads, in use
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err          # as Ctrl-C
     assert f"kvcli: stopped by {sig.name}" in err and "Traceback" not in err
-    assert listed() == [] and list(store_env.iterdir()) == []
+    [e] = listed()
+    assert e["state"] == "partial" and not e["in_use"] and e["chunks_done"] >= 1 and e["bytes"] > 0
+    [entry] = list(store_env.iterdir())
+    assert Path(e["path"]).parent == entry and sorted(p.name for p in entry.iterdir()) == [
+        "chunks.part", "entry.json", "lock"]
 
 
 def test_sigterm_while_chatting_removes_the_temporary_store(store_env, tmp_path):

@@ -169,7 +169,9 @@ class ChunkedStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+        """The store's files but store.json: its chunks, their block index and the summary."""
+        return sum(c.nbytes for c in self.chunks) + sum(f["nbytes"] for f in self.pages) + \
+            (self.summary["nbytes"] if self.summary else 0)
 
     # ------------------------------------------------------------------ reading once
     @classmethod

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""A book, not a chapter (issue #46): six questions over a long document in one `kvcli chat`, bounded re-selection
+with the block index (the default) against every stored chunk streamed per question (KVCLI_RESELECT_CHUNKS=all,
+kvcli before the index), and a read stopped by SIGTERM halfway and started again.
+
+    python benchmarks/book.py --tokens 30000 --facts 6 --budget 1024 -o benchmarks/results/book-qwen-30k.json
+    python benchmarks/book.py --tokens 128000 --facts 6 --budget 1024 --modes index -o ...book-qwen-128k.json
+
+Every mode runs `kvcli chat --model M --doc D --policy snapkv --budget B --threads T -n 24 --json` in its own process
+with its own empty document store (KVCLI_CACHE), the planted facts' questions piped one per line, and stamps the
+moment each answer's JSON row arrives: the time to the first answer (model load, the read, the first question) and
+each later question's seconds (the gap between rows: tokenizing, re-selection, answer). Peak RSS by /usr/bin/time.
+`resume`: the same command, sent SIGTERM once the document store records half the document's tokens read, then
+started again: its time to the first answer against the uninterrupted `index` run's, and its answers.
+The document is examples/make_docs.py's station logbook. The machine may be shared: `uptime` is recorded, and the
+ratios within a run (a question against the read) are what the issue asks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench_common import ROOT, machine, uptime
+
+
+def chat_cmd(a, doc: Path) -> list[str]:
+    return [sys.executable, "-m", "kvcli.cli", "chat", "--model", a.model, "--doc", str(doc), "--policy", a.policy,
+            "--budget", str(a.budget), "--threads", str(a.threads), "-n", str(a.max_tokens), "--json"]
+
+
+def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None = None) -> dict:
+    """One chat process; `stop_at`: SIGTERM it once the document store records that many tokens read."""
+    timing = None if stop_at else tempfile.NamedTemporaryFile(suffix=".time", delete=False).name
+    cmd = chat_cmd(a, doc)
+    full = (["/usr/bin/time", "-f", "%M", "-o", timing] if timing else []) + cmd
+    before = uptime()
+    t0 = time.perf_counter()
+    p = subprocess.Popen(full, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdin.write("".join(q + "\n" for q in questions))
+    p.stdin.close()
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+    rows, stamps = [], []
+    if stop_at is not None:
+        store = Path(env["KVCLI_CACHE"]) / "documents"
+        while p.poll() is None:
+            done = 0
+            for rec in store.glob("*/entry.json"):
+                try:
+                    done = max(done, sum(c["n"] for c in json.loads(rec.read_text()).get("chunks_done") or []))
+                except (OSError, ValueError):
+                    pass
+            if done >= stop_at:
+                p.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.2)
+        p.wait()
+        return {"command": " ".join(["kvcli", *cmd[3:]]), "stopped_after_s": round(time.perf_counter() - t0, 2),
+                "tokens_read_when_stopped": done, "exit": p.returncode, "uptime": [before, uptime()]}
+    for line in p.stdout:
+        stamps.append(time.perf_counter() - t0)
+        rows.append(json.loads(line))
+    p.wait()
+    rss = Path(timing).read_text().split()
+    os.unlink(timing)
+    if p.returncode != 0:
+        sys.exit(f"kvcli chat failed ({p.returncode}): {''.join(err)[-2000:]}")
+    summary = next((x.strip() for x in err if "re-selected per question" in x), None)
+    gaps = [round(b - a_, 2) for a_, b in zip(stamps, stamps[1:])]
+    first = stamps[0]
+    return {"command": " ".join(["kvcli", *cmd[3:]]) + " < questions", "uptime": [before, uptime()],
+            "summary_line": summary, "said": [x.strip() for x in err if "resuming" in x or "partial" in x],
+            "first_answer_s": round(first, 2), "later_question_s": gaps,
+            "later_share_of_first": [round(g / first, 4) for g in gaps],
+            "peak_rss_bytes": int(rss[-1]) * 1024 if rss and rss[-1].isdigit() else None,
+            "answers": [{k: r.get(k) for k in ("question", "answer", "reselect_chunks", "stored_chunks", "index_s",
+                                              "reselect_s", "reselect_prefilled_tokens", "kv_bytes", "kv_cells")}
+                        for r in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tokens", type=int, default=30000)
+    ap.add_argument("--facts", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=46)
+    ap.add_argument("--policy", default="snapkv")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-n", "--max-tokens", type=int, default=24)
+    ap.add_argument("--modes", default="index,all,resume", help="comma-separated: index, all, resume")
+    ap.add_argument("-o", "--out", required=True)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="book-"))
+    doc, facts = work / "doc.txt", work / "facts.json"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_docs.py"), "--tokens", str(a.tokens), "--facts",
+                    str(a.facts), "--seed", str(a.seed), "-o", str(doc), "--facts-json", str(facts)], check=True)
+    planted = json.loads(facts.read_text())
+    questions = [f["question"] for f in planted]
+    expected = [str(f["answer"]) for f in planted]
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(a.threads),
+           "document": f"python examples/make_docs.py --tokens {a.tokens} --facts {a.facts} --seed {a.seed}",
+           "expected": expected, "runs": {}}
+
+    def env_for(name: str, extra: dict | None = None) -> dict:
+        return {**os.environ, "KVCLI_CACHE": str(work / f"cache-{name}"), **(extra or {})}
+
+    def save():
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+    for mode in a.modes.split(","):
+        print(f"[{uptime()}] {mode} ...", file=sys.stderr, flush=True)
+        if mode == "resume":
+            env = env_for("resume")
+            stopped = run_chat(a, doc, questions, env, stop_at=a.tokens // 2)
+            r = run_chat(a, doc, questions, env)
+            r["stopped"] = stopped
+        else:
+            r = run_chat(a, doc, questions, env_for(mode, {"KVCLI_RESELECT_CHUNKS": "all"} if mode == "all" else None))
+        r["correct"] = [e in (x["answer"] or "") for e, x in zip(expected, r["answers"])]
+        out["runs"][mode] = r
+        save()
+        print(f"  right {sum(r['correct'])}/{len(expected)}, first answer {r['first_answer_s']} s, later "
+              f"{r['later_question_s']} s ({[f'{x:.1%}' for x in r['later_share_of_first']]})", file=sys.stderr)
+    if "index" in out["runs"] and "resume" in out["runs"]:
+        out["resume_share_of_uninterrupted"] = round(out["runs"]["resume"]["first_answer_s"]
+                                                     / out["runs"]["index"]["first_answer_s"], 4)
+        save()
+
+
+if __name__ == "__main__":
+    main()
