@@ -16,8 +16,9 @@ States (entry.json "state"):
     temporary   a finished read used by its owner and removed when the owner is done (`Entry.release`)
     cached      a finished read kept in the store for reuse by key (`find`), under the cap and expiry
     kept        a finished read at a path the user named: not expired, not removed by the cap
-    partial     a read whose process died (kill -9, the OOM killer): its chunks are kept with what a resumed read
-                needs (the model's hash and path, the document's SHA-256, the settings, the chunks done)
+    partial     a read stopped by Ctrl-C, SIGTERM or SIGHUP, or whose process died (kill -9, the OOM killer): its
+                chunks are kept with what a resumed read needs (the model's hash and path, the document's SHA-256, the
+                settings, the chunks done, the cache carried after the last): the same read continues it (`resume`)
 
 Liveness is the lock, not a pid: flock locks go with their process, however it ends, so a process that finds an
 entry's lock free knows nobody uses it, and one that holds it exclusively (only removal takes LOCK_EX) cannot remove

@@ -105,7 +105,8 @@ def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
     assert all((store.path / c.file).stat().st_size == c.nbytes for c in store.chunks)
     assert not list(cache_dir.glob("documents/*/*.part"))         # the folder was renamed into place
     held = []
-    r = store.reselect(s, prompt, cfg, on_step=lambda obs, plan: held.append(obs.n))
+    # the bound of the read (a context that holds more lets chunks that fit together be re-selected together)
+    r = store.reselect(s, prompt, cfg, on_step=lambda obs, plan: held.append(obs.n), cells=cfg.budget + chunk)
     assert r.chunks == len(store.chunks) and len(held) == len(store.chunks)
     assert max(held) <= cfg.budget + chunk + len(prompt) - store.split, held   # chunks leave the probe room
     assert s.stats(0)["kv_cells"] <= cfg.budget                      # compacted for the question
@@ -297,7 +298,8 @@ def test_a_kept_store_opens_and_reselects_as_it_was_read(tiny_2k, setup, tmp_pat
     assert opened.meta["document"] == DOC and opened.meta["turns"] == []
     plans = {}
     for name, store in (("read", read), ("opened", opened)):
-        store.reselect(s, prompt, cfg, on_step=lambda obs, plan, name=name: plans.setdefault(name, []).append(plan))
+        store.reselect(s, prompt, cfg, on_step=lambda obs, plan, name=name: plans.setdefault(name, []).append(plan),
+                       cells=cfg.budget + store.chunk)   # a probe and a plan per chunk
     assert len(plans["read"]) == len(plans["opened"]) == len(read.chunks)
     for a, b in zip(plans["read"], plans["opened"]):
         assert all(np.array_equal(a.kept(l, h), b.kept(l, h)) for l in range(a.n_layer) for h in range(a.n_head_kv))
@@ -448,7 +450,8 @@ def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setu
     held, rs = [], []
     for p in (p1, p2, p3):
         held.append([])
-        rs.append(store.reselect(s, p, cfg, extend=True, on_step=lambda obs, plan: held[-1].append(obs.n)))
+        rs.append(store.reselect(s, p, cfg, extend=True, on_step=lambda obs, plan: held[-1].append(obs.n),
+                                 cells=cfg.budget + chunk))
         assert s.stats(0)["kv_cells"] <= cfg.budget and len(generate(s, 2).tokens) == 2
     assert [r.source for r in rs] == ["document", "conversation", "conversation"]
     assert [r.prefilled for r in rs] == [max(len(p1) - store.split, window), len(p2) - len(p1), len(p3) - len(p2)]

@@ -7,7 +7,11 @@ peak is the full cache. Here the cache never holds more than the entries kept so
     reading (once): bounded reading (kvcli/drivers/chunked.py, each chunk scored by its own last window, no
         question being known) with every chunk's entries saved to the store after its prefill, before the
         compaction: the store is written chunk by chunk and never costs the full cache in RAM.
-    per question: the stored chunks are put back one after the other beside the entries kept so far (moved to
+    per question, which chunks: by the block index (kvcli/drivers/block_index.py, stored with the chunks), the
+        question's queries computed once and scored against every chunk's per-page key bounds: the first chunk, the
+        last and the `chunks_per_question` best between them are streamed, so a question's cost hardly grows with
+        the document (every chunk where there is no index: KVCLI_RESELECT_CHUNKS=all, a format 2 store).
+    per question: the chosen stored chunks are put back one after the other beside the entries kept so far (moved to
         the positions that follow them: llama.cpp's K-shift), each scored by the question's last `window` tokens
         prefilled as a probe and rolled back (FINCH, as bounded reading scores its chunks), planned to the budget
         and compacted with re-indexing; then the rest of the prompt (the document's last tokens, the conversation,
@@ -29,8 +33,12 @@ are read without re-indexing and get exact re-selection only; column-sum policie
 scores sum every query, and the chunks' own queries are not replayed. The kept turns' K/V are the same kind of
 approximation: computed when their question was re-selected, attending to the entries kept for that question.
 
-The store is a folder: one file per chunk (an uncompressed cache state of the chunk's cells, kvcli/native/state.py)
-and `store.json` (the model it is bound to, kvcli's and the native state's versions, the tokens, the document, the
+The read is resumable: after every chunk its files and the cache carried to the next chunk are on disk and recorded in
+the document store; a read stopped by Ctrl-C, SIGTERM, SIGHUP or a crash is continued by the same read (`read`).
+
+The store is a folder: one file per chunk (an uncompressed cache state of the chunk's cells, kvcli/native/state.py),
+its block index (`index-NNNN.npz`), the reading's last kept cache (`summary.state`) and `store.json` (the model it is
+bound to, kvcli's and the native state's versions, the tokens, the document, the
 conversation's turns, the chunks with each file's size and SHA-256, and the SHA-256 of store.json itself), written to
 a `.part` folder and renamed when the reading is done (a store it replaces is moved aside first and removed after).
 It is a first-class stored document, as a `.kvc` file of the exact form is: `kvcli chat --store DIR` and
@@ -275,6 +283,8 @@ class ChunkedStore:
             if carry is not None:   # the read's last kept cache: the summary a question's queries attend to
                 os.replace(part / carry["file"], part / SUMMARY)
                 store.summary = {**carry, "file": SUMMARY}
+            for f in part.glob("carry-*.state"):   # one a stop left between writing it and recording it
+                f.unlink()
             write_manifest(part, store.manifest(session))
             replace_folder(part, path)
             cached = key is not None and path is None   # stays in the document store after close()
@@ -351,11 +361,13 @@ class ChunkedStore:
 
     # ------------------------------------------------------------------ per question
     def reselect(self, session, prompt: list[int], cfg: Compression, *, seq: int = 0, spare: int | None = None,
-                 progress=None, on_step=None, extend: bool = False) -> Reselection:
+                 progress=None, on_step=None, extend: bool = False, cells: int | None = None) -> Reselection:
         """Stream the stored chunks into `seq` beside the entries kept so far, each scored by the prompt's last
         window and compacted to the budget, then prefill the rest of `prompt` with the observation armed, plan
         and compact: `seq` then holds `prompt` compressed for its question, ready to decode. `on_step(obs, plan)`
         is called before each plan is applied. `spare`: the sequence chunks are loaded through (default seq + 1).
+        `cells`: the most cells the question may hold (the chunks, the rest of the prompt); None: the context's free
+        cells; at least the budget + a chunk + the probe, the bound of the read.
 
         A conversation (`extend`): the cells of the prompt's tokens after the stored document, as this question's
         prefill computed them (before the compaction), are kept in memory (`extension`, TurnChunks); the next
@@ -382,10 +394,13 @@ class ChunkedStore:
         if base < last_first:
             raise KvcliError(f"the policy's window ({window}) reaches past the stored document's last chunk")
         cut = (streamed[-1].first_token + streamed[-1].n - base) if streamed else 0
-        # the cells held before a probe: the kept entries and a chunk, leaving the probe room (as the reading does).
-        # The held cells are probed and compacted only when the next chunk would not fit beside them: a stored
-        # chunk always (it fills a chunk), kept turns (short) only every so many, so they cost no probe of their own
-        limit = cfg.budget + self.chunk - len(probe)
+        # the cells held before a probe: at least the kept entries and a chunk, leaving the probe room (as the reading
+        # does), and as many chunks as the context's free cells hold beside the rest of the prompt (`cells`). The
+        # held cells are probed and compacted only when the next chunk would not fit beside them: chunks that fit
+        # together are re-selected together, by the question's own window, without a probe of their own
+        rest = n - base
+        room = session.n_ctx - session.cells_used() if cells is None else cells
+        limit = max(cfg.budget + self.chunk, room - max(rest - len(probe), 0)) - len(probe)
         restore_s = prefill_s = plan_s = 0.0
         plan = None
         for i, c in enumerate(streamed):
