@@ -225,6 +225,7 @@ class ChunkedStore:
             entry = document_store.create(
                 form="bounded", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
                 settings=settings, reserve=0 if keep else split * session.bytes_per_cell())
+        cached = key is not None and path is None   # stays in the document store after close()
         path = Path(path) if path is not None else entry.payload
         part = path.with_name(path.name + ".part")
         chunks: list[StoredChunk] = list(resumed.chunks) if resumed else []
@@ -287,7 +288,6 @@ class ChunkedStore:
                 f.unlink()
             write_manifest(part, store.manifest(session))
             replace_folder(part, path)
-            cached = key is not None and path is None   # stays in the document store after close()
             entry.finish("kept" if keep else "cached" if cached else "temporary")
             store.entry, store.keep = entry, keep or cached
             done = True
