@@ -94,13 +94,14 @@ def main() -> None:
     binary = a.binary or build_server()        # cached after the first build
     text, facts = make_document(a.words, facts=6, seed=a.seed)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    host = machine(a.threads)   # its load average: before the servers run
     results = []
     if a.only != "llama-server":
         r = run_kvcli(a, text, facts)
         results.append({**r, "policy": a.policy, "budget": a.budget})
     if a.only != "kvcli":
         results.append(run_llama_server(binary, a.model, a, text, facts))
-    out = {"started": started, "machine": machine(a.threads), "model": a.model, "document_words": a.words,
+    out = {"started": started, "machine": host, "model": a.model, "document_words": a.words,
            "seed": a.seed, "suffix": a.suffix, "threads": a.threads, "max_tokens": a.max_tokens, "results": results}
     print(table(results))
     if a.out:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -154,14 +156,16 @@ def main() -> None:
 
 
 def run_kvcli(a, text: str, facts: list[dict]) -> dict:
-    """A `kvcli serve` process with a's flags answering `ask_six`; its record."""
+    """A `kvcli serve` process with a's flags answering `ask_six`; its record. Its document store is a fresh
+    temporary one (KVCLI_CACHE), removed after: the first request reads the document whatever an earlier run stored."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvcli.cli", "serve", "--model", a.model, "--policy", a.policy, "--budget",
            str(a.budget), "--threads", str(a.threads), "--max-tokens", str(a.max_tokens), "--port", str(port),
            *a.server_arg]
     before = uptime()
+    store = tempfile.mkdtemp(prefix="kvcli-serve-bench-")
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "KVCLI_CACHE": store})
     try:
         load_s = wait_healthy(proc, port)
         got = ask_six(port, text, facts, a.model, a.max_tokens, a.suffix)
@@ -169,6 +173,7 @@ def run_kvcli(a, text: str, facts: list[dict]) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        shutil.rmtree(store, ignore_errors=True)
     return {"server": "kvcli serve", "command": " ".join(cmd[2:]), "document_words": a.words, "seed": a.seed,
             "suffix": a.suffix, "server_load_s": round(load_s, 2), "uptime_before": before, "uptime_after": uptime(),
             **got, "peak_rss_bytes": rss}
