@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import machine  # noqa: E402
 from build_stock_llama import build_server  # noqa: E402
-from serve_questions import ask_six, free_port, peak_rss, run_kvcli, uptime, wait_healthy  # noqa: E402
+from serve_questions import add_arguments, ask_six, free_port, peak_rss, run_kvcli, uptime, wait_healthy  # noqa: E402
 
 from kvcli.evaluation.logbook import make_document  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
@@ -78,17 +78,9 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--policy", default="snapkv")
-    ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--words", type=int, default=4200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--suffix", default="", help="text after each question (' Answer with the number only.')")
+    add_arguments(ap)
     ap.add_argument("--binary", type=Path, help="a llama-server to use (default: build_stock_llama.py --server's)")
     ap.add_argument("--only", choices=["kvcli", "llama-server"], help="run one server only")
-    ap.add_argument("-o", "--out", default=None)
     a = ap.parse_args()
     a.server_arg = ["--dry-multiplier", "0"]   # greedy, as llama-server at temperature 0
     binary = a.binary or build_server()        # cached after the first build

@@ -132,8 +132,9 @@ def ask_six(port: int, text: str, facts: list[dict], model: str, max_tokens: int
             "later_max_ratio": round(max(r["seconds"] for r in rows[1:]) / first, 4)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags of the measurement (model, kvcli's policy, the document, threads, the questions' phrasing), shared
+    with benchmarks/llama_server.py."""
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--policy", default="snapkv")
     ap.add_argument("--budget", type=int, default=256)
@@ -143,9 +144,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--suffix", default="", help="text after each question, e.g. ' Answer with the number only.' "
                     "(kvcli eval chat's phrasing)")
+    ap.add_argument("-o", "--out", default=None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="more flags for kvcli serve, e.g. --server-arg=--dry-multiplier --server-arg=0")
-    ap.add_argument("-o", "--out", default=None)
     a = ap.parse_args()
 
     text, facts = make_document(a.words, facts=6, seed=a.seed)

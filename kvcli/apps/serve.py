@@ -593,14 +593,11 @@ class Engine:
                     self.store.add(stored, keep=found)
                 if found in self.store:
                     self.store.touch(found, keep=found)
-            st = session.stats(seq)
-            t1 = time.perf_counter()
-            gen, finish = self._decode(c, on_text, cancelled)
-            t2 = time.perf_counter()
+            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled)
         finally:
             session.clear(seq)
-        return self._answered(c, n, gen, finish, r, st, (t0, t1, t2), fresh=fresh, read=(read_tokens, read_s),
-                              new_store=stored.split if stored else 0)
+        return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
+                              read=(read_tokens, read_s), new_store=stored.split if stored else 0)
 
     def _answered(self, c: Choice, n: int, gen, finish: str, r, st: dict, times, *, fresh: bool, read, new_store,
                   **more) -> Answer:
@@ -652,19 +649,16 @@ class Engine:
                 self.store.add(doc)
             elif found in self.store:
                 self.store.touch(found, keep=found)
-            st = session.stats(seq)
-            t1 = time.perf_counter()
-            gen, finish = self._decode(c, on_text, cancelled)
-            t2 = time.perf_counter()
+            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled)
         except BaseException:
             if fresh and doc is not None and doc not in self.store:
                 doc.close()
             raise
         finally:
             session.clear(seq)
-        return self._answered(c, n, gen, finish, r, st, (t0, t1, t2), fresh=fresh, read=(read_tokens, read_s),
-                              new_store=doc.split if fresh else 0, bounded_chunks=len(doc.chunks),
-                              bounded_chunk=doc.chunk)
+        return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
+                              read=(read_tokens, read_s), new_store=doc.split if fresh else 0,
+                              bounded_chunks=len(doc.chunks), bounded_chunk=doc.chunk)
 
     def _document_end(self, prompt: list[int]) -> int:
         """Where a bounded store of this prompt ends: before its question (the last line of its last user message),
@@ -690,6 +684,12 @@ class Engine:
             # prefilled again for its logits, from a view of the store cut before it
             return replace(doc, tokens=doc.tokens[:n - 1], split=n - 1, colsum=None, extension=None, keep=True)
         return doc
+
+    def _decode_timed(self, c: Choice, on_text, cancelled):
+        """The compressed cache's stats, then the answer decoded: (stats, generation, finish reason, when it began)."""
+        st = self.session.stats(0)
+        t1 = time.perf_counter()
+        return (st, *self._decode(c, on_text, cancelled), t1)
 
     def _decode(self, c: Choice, on_text, cancelled):
         out = StopFilter(c.stop, on_text or (lambda piece: None))
