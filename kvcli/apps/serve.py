@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import document_store, kvc
-from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, plan_chunking
+from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix, file_snapshot
 from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest
 from kvcli.errors import KvcliError
@@ -453,8 +453,10 @@ class Engine:
         self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
         limit = self.session.n_ctx_train
         # two sequences in one cell pool (kv_unified): the answer's, and SPARE_SEQ that bounded re-selection loads
-        # stored chunks through; the pool is the same size as for one
-        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit), n_seq=SPARE_SEQ + 1)
+        # stored chunks through (the pool is the same size as for one); one for a model with sliding-window layers,
+        # which bounded re-selection does not serve
+        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit),
+                                    n_seq=1 if keeps_positions(self.session.info) else SPARE_SEQ + 1)
         self.model_path, self.model_id = Path(model_path), model_id
         self.defaults, self.store = defaults, store
         store.attach(self.session, self.model_path)
