@@ -328,10 +328,39 @@ def test_bad_parameter_through_the_client(server, client):
 
 
 def test_prompt_too_long(server, client):
+    """Past the context, what bounded reading cannot serve is refused, with the reason: `full` (it keeps every
+    entry) and a column-sum policy (its sums are not replayed)."""
     long = "station log entry " * (CTX // 2)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": long}])
-    assert "prompt too long" in str(e.value)
+    for kv, why in (({"policy": "full"}, "policy 'full'"), ({"policy": "h2o", "budget": 64}, "column sums")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": long}],
+                                           extra_body={"kvcli": kv})
+        assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
+        assert "prompt too long" in str(e.value) and why in str(e.value)
+    alive(server)
+
+
+def test_bounded_reading_past_the_context(server, client):
+    """A prompt past the server's context with a window policy is served as kvcli chat serves a long document: its
+    document part (up to the question) read once in bounded chunks and stored; another question about it streams the
+    stored chunks, re-selected for it, without reading it."""
+    from kvcli.evaluation.logbook import make_document
+    text, planted = make_document(900, facts=2, seed=21)
+
+    def ask(fact):
+        return client.chat.completions.create(model=server["model"], max_tokens=8, messages=[
+            {"role": "user", "content": f"{text}\n\n{fact['question']}"}])
+
+    first = ask(planted[0])
+    s1 = stats(first)
+    assert s1["prompt_tokens"] > CTX and first.choices[0].message.content
+    # the document up to its question: read in chunks, the answer decoded from the budget's entries
+    assert CTX < s1["document_read_tokens"] < s1["prompt_tokens"] - 8 and s1["bounded_chunks"] >= 2
+    assert s1["restored_from"] == "new store" and s1["kv_cells"] <= 2 * 64
+    s2 = stats(ask(planted[1]))   # another question: the stored chunks streamed, only the question prefilled
+    assert s2["document_read_tokens"] == 0 and s2["restored_from"] == "document"
+    assert s2["prefix_reused_tokens"] >= s2["prompt_tokens"] - 64 and s2["prefilled_tokens"] <= 64
+    assert s2["bounded_chunks"] == s1["bounded_chunks"] and s2["store_entries"] >= 1
     alive(server)
 
 

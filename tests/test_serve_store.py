@@ -90,3 +90,23 @@ def test_memory_store_writes_nothing(default_model, docs, tmp_path):
         s = ask(port, default_model, docs[0], 0)
     assert s["document_read_tokens"] > 300 and "store_written" not in s
     assert listed(cache) == []
+
+
+def test_bounded_store_is_listed_and_survives_a_restart(default_model, tmp_path):
+    """A document past the context (--ctx 1024) is stored in bounded chunks as a cached entry of the document store;
+    a restarted server loads it (its chunks, not a read) for another question about the document."""
+    from kvcli.evaluation.logbook import make_document
+    doc = make_document(900, facts=2, seed=21)
+    cache = tmp_path / "kvcache"
+    env = {"KVCLI_CACHE": str(cache)}
+    with serving(args(default_model), tmp_path / "first.log", env) as (port, _):
+        first = ask(port, default_model, doc, 0)
+    assert first["document_read_tokens"] > 1024 and first["bounded_chunks"] >= 2 and first["store_written"] == 1
+    items = listed(cache)
+    assert [(i["state"], i["form"], i["tokens"]) for i in items] == \
+        [("cached", "bounded", first["document_read_tokens"])]
+    with serving(args(default_model), tmp_path / "second.log", env) as (port, _):
+        again = ask(port, default_model, doc, 1)
+    assert again["document_read_tokens"] == 0 and again["store_loaded"] == 1 and again["store_written"] == 0
+    assert again["prefix_reused_tokens"] >= again["prompt_tokens"] - 64
+    assert [i["id"] for i in listed(cache)] == [items[0]["id"]]

@@ -24,6 +24,14 @@ first request stores the prompt less its last STORE_TAIL tokens, which the same 
 request that shares only a prefix with a store (another question about the document) reads that prefix again into a
 store of its own, which every later question about the document restores.
 
+A prompt past the server's context (--ctx), or whose full cache would be above
+reselect_bounded.exact_below_bytes(), is served as `kvcli chat` serves such a document: its document part (the
+prompt up to the last line of its last user message, the question) is read once by bounded reading into a
+ChunkedStore (kvcli/drivers/reselect_bounded.py: the chunks' entries stored, the cache never above budget + chunk),
+which every request that starts with it re-selects by streaming the chunks (`ChunkedStore.reselect`). A bounded
+store is never cut back: a later prompt must start with all of its tokens. Policies bounded re-selection refuses
+(column sums, sliding-window models) and `full` keep the 400 `prompt too long` past the context.
+
 Stores live behind `DocumentStore` (best match, add, touch, evict): `DiskStore` (--store disk, the default) writes
 each as a `cached` entry of kvcli's document store (listed by `kvcli documents list`, capped, loaded again after a
 restart) and holds a working set in memory; `MemoryStore` (--store memory) keeps them in memory only; both up to
@@ -42,7 +50,9 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import document_store, kvc
+from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix, file_snapshot
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Sampler, Sampling, generate
@@ -55,6 +65,18 @@ NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's f
                           # and the shortest prompt read into a store (a short chat is answered without keeping it)
 REUSE_MIN = 64            # shared prefix below which a store is not restored (restoring a long store to keep a few
                           # tokens, a chat template's head, costs more than prefilling them)
+QUESTION_ROOM = 256       # cells a bounded store's chunks leave for what follows the document in later prompts (a
+                          # longer question, a conversation's turns), besides the answer's MIN_ROOM
+SPARE_SEQ = 1             # the sequence a bounded re-selection loads stored chunks through
+
+
+class Prompt(list):
+    """A request's prompt tokens, with `question_at()`: where its question starts (the last line of its last user
+    message), asked only when a bounded store is read (it renders the prompt once more)."""
+
+    def __init__(self, tokens, question_at=None):
+        super().__init__(tokens)
+        self.question_at = question_at
 
 
 class BadRequest(KvcliError):
@@ -101,7 +123,8 @@ class DocumentStore(abc.ABC):
 
 
 def held_bytes(doc: StoredDocument) -> int:
-    """Memory a store holds: its full cache and the extension it keeps (the last prompt re-selected from it)."""
+    """What a store holds: its full cache (a bounded store: its chunk files, on disk) and the extension it keeps (the
+    last prompt re-selected from it), counted against --store-max-bytes alike."""
     return doc.nbytes + (doc.extension.nbytes if doc.extension is not None else 0)
 
 
@@ -162,6 +185,7 @@ class _OnDisk:
     key: str
     tokens: np.ndarray
     colsum: bool
+    bounded: bool = False
 
 
 class DiskStore(DocumentStore):
@@ -197,21 +221,34 @@ class DiskStore(DocumentStore):
             self._index(info)
 
     def _index(self, info) -> None:
-        """List a cached entry of this model and cache type (any kvcli's exact store of a key) as loadable."""
+        """List a cached entry of this model and cache type (any kvcli's store of a key: exact, or bounded) as
+        loadable."""
         r = info.record
         st = r.get("settings") or {}
-        if info.state != "cached" or r.get("form") != "exact" or not r.get("key") or r["key"] in self.disk or \
-                (r.get("model") or {}).get("hash") != self.digest or st.get("cache_type") != self.session.cache_type:
+        if info.state != "cached" or r.get("form") not in ("exact", "bounded") or not r.get("key") or \
+                r["key"] in self.disk or (r.get("model") or {}).get("hash") != self.digest or \
+                st.get("cache_type") != self.session.cache_type:
             return
-        tokens = kvc.peek_tokens(r["path"])
+        if r["form"] == "bounded":
+            try:
+                tokens = np.asarray(read_manifest(r["path"])["tokens"], np.int32)
+            except KvcliError:   # incomplete or another kvcli's: not loadable (the sweep and cap govern it)
+                return
+        else:
+            tokens = kvc.peek_tokens(r["path"])
         if tokens is not None and len(tokens):
-            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")))
+            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")), r["form"] == "bounded")
 
     def _key(self, doc: StoredDocument) -> str:
         return document_store.key_of(self.model_path, doc.tokens, **self._settings(doc))
 
     def _settings(self, doc: StoredDocument) -> dict:   # StoredDocument.read's settings: its entries are alike
         return {"split": doc.split, "colsum": doc.colsum is not None, "cache_type": self.session.cache_type}
+
+    def bounded_key(self, tokens: list[int], **settings) -> str:
+        """The key a bounded store is read under (ChunkedStore.read(key=...)): it stays a cached entry."""
+        return document_store.key_of(self.model_path, tokens, form="bounded", cache_type=self.session.cache_type,
+                                     **settings)
 
     def best(self, prompt, accept=None):
         n = self.memory.best(prompt, accept)[1]
@@ -221,6 +258,7 @@ class DiskStore(DocumentStore):
         for d in list(self.disk.values()):
             same = common_prefix(d.tokens, prompt)
             probe = StoredDocument(tokens=d.tokens, split=len(d.tokens), colsum=_HAS_SUMS if d.colsum else None)
+            probe.bounded = d.bounded
             if same > k and (accept is None or accept(probe, same)):
                 found, k = d, same
         if found is not None:
@@ -232,15 +270,24 @@ class DiskStore(DocumentStore):
         e = document_store.find(d.key)
         if e is None:   # removed meanwhile (kvcli documents rm, another process's cap)
             return
-        try:
-            f = kvc.load_checked(e.payload, self.model_path)
-            doc = StoredDocument.from_kvc(f)
-        except KvcliError as err:
-            print(f"kvcli serve: stored document {e.id} not loaded: {err}", file=sys.stderr, flush=True)
-            return
-        finally:
-            e.release()
-        doc.snapshot, doc.path, doc.keep, doc.entry = file_snapshot(f), None, False, None
+        if d.bounded:   # its chunks stay on disk, read per request: the entry is held while it is in memory
+            try:
+                doc = ChunkedStore.open(e.payload, self.model_path)
+            except KvcliError as err:
+                e.release()
+                print(f"kvcli serve: stored document {e.id} not loaded: {err}", file=sys.stderr, flush=True)
+                return
+            doc.entry, doc.keep = e, True
+        else:
+            try:
+                f = kvc.load_checked(e.payload, self.model_path)
+                doc = StoredDocument.from_kvc(f)
+            except KvcliError as err:
+                print(f"kvcli serve: stored document {e.id} not loaded: {err}", file=sys.stderr, flush=True)
+                return
+            finally:
+                e.release()
+            doc.snapshot, doc.path, doc.keep, doc.entry = file_snapshot(f), None, False, None
         self.loaded += 1
         self.keys[id(doc)] = d.key
         self.memory.add(doc)
@@ -251,7 +298,9 @@ class DiskStore(DocumentStore):
             self._touch_entry(keep)
         self.memory.add(doc, keep)
         if doc in self.memory:   # one above the cap alone is not written
-            key = self._write(doc)
+            # a bounded store was read as a cached entry of its key already (ChunkedStore.read(key=...))
+            key = self._write(doc) if not doc.bounded else doc.entry.record.get("key") if doc.entry else None
+            self.written += bool(doc.bounded and key)
             if key is not None:   # else kept in memory only
                 self.keys[id(doc)] = key
         self._sync()
@@ -403,7 +452,11 @@ class Engine:
                  defaults: Choice, store: DocumentStore):
         self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
         limit = self.session.n_ctx_train
-        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit))
+        # two sequences in one cell pool (kv_unified): the answer's, and SPARE_SEQ that bounded re-selection loads
+        # stored chunks through (the pool is the same size as for one); one for a model with sliding-window layers,
+        # which bounded re-selection does not serve
+        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit),
+                                    n_seq=1 if keeps_positions(self.session.info) else SPARE_SEQ + 1)
         self.model_path, self.model_id = Path(model_path), model_id
         self.defaults, self.store = defaults, store
         store.attach(self.session, self.model_path)
@@ -425,35 +478,90 @@ class Engine:
             raise BadRequest(str(e), param="kvcli") from None
 
     # ------------------------------------------------------------------ prompts
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict]) -> Prompt:
         try:
             text = self.session.apply_chat_template(messages, add_assistant=True)
         except KvcliError as e:
             raise BadRequest(str(e), param="messages") from None
-        return self.session.tokenize(text)
+        tokens = self.session.tokenize(text)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last is None:
+            return Prompt(tokens)
 
-    def completion_prompt(self, text: str) -> list[int]:
-        return self.session.tokenize(text, add_special=True)
+        def question_at():   # the same messages with the question (the last user message's last line) left out
+            cut = [dict(m) for m in messages]
+            cut[last]["content"] = _without_last_line(cut[last]["content"])
+            return common_prefix(tokens, self.session.tokenize(
+                self.session.apply_chat_template(cut, add_assistant=True)))
+        return Prompt(tokens, question_at)
 
-    def check_length(self, prompt: list[int]) -> None:
+    def completion_prompt(self, text: str) -> Prompt:
+        tokens = self.session.tokenize(text, add_special=True)
+        return Prompt(tokens, lambda: common_prefix(tokens, self.session.tokenize(_without_last_line(text),
+                                                                                  add_special=True)))
+
+    def check_length(self, prompt: list[int], c: Choice) -> int | None:
+        """Refuse (BadRequest) a prompt that cannot be served: too short, or past the context where bounded reading
+        cannot serve `c`; else `plan_form`'s answer."""
         if len(prompt) < 2:   # one token to store at least, one to prefill after it
             raise BadRequest(f"the prompt is {len(prompt)} token(s): at least 2 are needed", param="prompt")
+        return self.plan_form(prompt, self.check(c), c)
+
+    def fits(self, prompt: list[int]) -> bool:
         # the whole prompt is held uncompressed before its compaction, and one token more to answer
-        if len(prompt) + 1 > self.n_ctx:
-            raise BadRequest(f"prompt too long: {len(prompt)} tokens, this server's context holds {self.n_ctx} "
-                             "(kvcli serve --ctx N raises it, up to the model's training context "
-                             f"{self.session.n_ctx_train})", code="context_length_exceeded", param="messages")
+        return len(prompt) + 1 <= self.n_ctx
+
+    def _too_long(self, prompt: list[int], why: str) -> BadRequest:
+        return BadRequest(f"prompt too long: {len(prompt)} tokens, this server's context holds {self.n_ctx} "
+                          "(kvcli serve --ctx N raises it, up to the model's training context "
+                          f"{self.session.n_ctx_train})" + (f"; bounded reading past the context cannot serve it: "
+                                                            f"{why}" if why else ""),
+                          code="context_length_exceeded", param="messages")
+
+    def plan_form(self, prompt: list[int], cfg, c: Choice) -> int | None:
+        """How the prompt is served: None, the exact form (its full cache held: it fits the context); or the chunk
+        size of the bounded form, where the prompt is past the context or its full cache above
+        exact_below_bytes() (the rule of `kvcli chat`) and bounded re-selection can serve the policy. A prompt past
+        the context that it cannot serve is refused (BadRequest), with the reason."""
+        n, fits = len(prompt), self.fits(prompt)
+        if fits and n * self.session.bytes_per_cell() <= exact_below_bytes():
+            return None
+        if c.policy == "full":
+            if fits:
+                return None
+            raise self._too_long(prompt, "policy 'full' keeps every entry (choose a compressing policy and budget)")
+        try:
+            check_usable(self.session, cfg, SPARE_SEQ)
+            # plan_chunking's rule: a prompt it would read in one go (a question-agnostic policy) stays exact
+            chunking = plan_chunking(n, MIN_ROOM, self.n_ctx, c.policy, c.budget,
+                                     cell_bytes=self.session.bytes_per_cell(),
+                                     limit_name=f"this server's context ({self.n_ctx} cells)")
+        except KvcliError as e:
+            if fits:
+                return None
+            raise self._too_long(prompt, str(e)) from None
+        if chunking.chunk is None:
+            return None
+        # the chunks leave room for what later prompts add after the document (held beside budget + chunk)
+        chunk = min(chunking.chunk, DEFAULT_CHUNK, self.n_ctx - c.budget - QUESTION_ROOM - MIN_ROOM)
+        if chunk < MIN_CHUNK:
+            raise self._too_long(prompt, f"budget {c.budget} leaves {max(chunk, 0)} cells of the context to read "
+                                 f"the document through (at least {MIN_CHUNK}): lower the budget or raise --ctx")
+        return chunk
 
     # ------------------------------------------------------------------ one request
     def answer(self, prompt: list[int], c: Choice, on_text=None, cancelled=lambda: False) -> Answer:
         """Re-select a cache for `prompt` from the stores (reading it into a new one when none shares a prefix that
         can be used), decode the answer; `on_text(piece)` streams it; `cancelled()` is asked between tokens."""
-        self.check_length(prompt)
+        chunk = self.check_length(prompt, c)
         cfg = self.check(c)
         t0 = time.perf_counter()
         n, seq, session = len(prompt), 0, self.session
+        if chunk is not None:
+            return self._answer_bounded(prompt, c, cfg, chunk, t0, on_text, cancelled)
         colsum = "colsum" in cfg.observe[0]
-        found, same = self.store.best(prompt)   # the longest prefix any store shares
+        exact = (lambda d, k: not d.bounded)   # a bounded store is never cut back, nor restored whole here
+        found, same = self.store.best(prompt, exact)   # the longest prefix any store shares
         reuse = found is not None and same >= min(REUSE_MIN, n - 1)
         if reuse and colsum:   # a column-sum store is restored whole or not at all (its sums are all its queries')
             found, same = self.store.best(prompt, lambda d, k: d.colsum is not None and d.split <= min(k, n - 1))
@@ -464,7 +572,7 @@ class Engine:
         try:   # whatever happens, the sequence is left empty for the next request
             if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
                 split = min(n - 1, n - STORE_TAIL)
-                shared = self.store.best(prompt)[1]
+                shared = self.store.best(prompt, exact)[1]
                 if colsum and shared >= REUSE_MIN:
                     # the prefix this prompt shares with a store is a document another question asked about: stored
                     # up to the line break before it differs (a question's first words are often shared too), where
@@ -487,25 +595,81 @@ class Engine:
                     self.store.add(stored, keep=found)
                 if found in self.store:
                     self.store.touch(found, keep=found)
-            st = session.stats(seq)
-            t1 = time.perf_counter()
-            gen, finish = self._decode(c, on_text, cancelled)
-            t2 = time.perf_counter()
+            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled)
         finally:
             session.clear(seq)
+        return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
+                              read=(read_tokens, read_s), new_store=stored.split if stored else 0)
+
+    def _answered(self, c: Choice, n: int, gen, finish: str, r, st: dict, times, *, fresh: bool, read, new_store,
+                  **more) -> Answer:
+        t0, t1, t2 = times
         self.requests += 1
         stats = {"policy": c.policy, "budget": c.budget, "prompt_tokens": n,
-                 "document_read_tokens": read_tokens, "document_read_s": round(read_s, 4),
+                 "document_read_tokens": read[0], "document_read_s": round(read[1], 4),
                  "prefix_reused_tokens": 0 if fresh else r.restored, "prefilled_tokens": r.prefilled,
-                 "restored_from": "new store" if fresh else r.source, "new_store_tokens": stored.split if stored else 0,
+                 "restored_from": "new store" if fresh else r.source, "new_store_tokens": new_store,
                  **{k: v for k, v in r.as_stats().items() if k.endswith("_s")},   # restore, prefill, plan, keep
                  "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
                  "kv_bytes_full": self.session.bytes_per_cell() * n,
                  "prompt_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
                  "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
-                 "peak_rss_bytes": peak_rss_bytes(), **self.store.stats()}
+                 "peak_rss_bytes": peak_rss_bytes(), **more, **self.store.stats()}
         return Answer(text=gen.text, finish_reason=finish, prompt_tokens=n, completion_tokens=len(gen.tokens),
                       stats=stats)
+
+    def _answer_bounded(self, prompt: list[int], c: Choice, cfg, chunk: int, t0: float, on_text, cancelled) -> Answer:
+        """A prompt served in bounded form: the bounded store whose tokens all start it is re-selected, or its
+        document part (up to its question) is read into a new one first; the answer is decoded from the result."""
+        n, seq, session = len(prompt), 0, self.session
+        found, _ = self.store.best(prompt, lambda d, k: d.bounded and k >= d.split and d.split < n)
+        fresh = found is None
+        read_tokens, read_s = 0, 0.0
+        doc = found
+        split = self._document_end(prompt) if fresh else found.split
+        # held at once: the kept entries and a chunk (the larger of the read's and this budget's), beside the rest
+        cap = c.budget + chunk if fresh else max(found.cap, c.budget + found.chunk)
+        if n - split + cap + 1 > self.n_ctx:
+            raise BadRequest(f"the prompt's {n - split} tokens after its document, held beside its budget and a "
+                             f"chunk of the document ({cap} cells), do not fit this server's context "
+                             f"({self.n_ctx} cells): raise --ctx", code="context_length_exceeded", param="messages")
+        try:   # whatever happens, the sequences are left empty for the next request
+            if fresh:
+                key = self.store.bounded_key(prompt[:split], split=split, chunk=chunk, policy=c.policy,
+                                             budget=c.budget, params=cfg.spec.render(cfg.params)) \
+                    if isinstance(self.store, DiskStore) else None
+                doc = ChunkedStore.read(session, prompt, cfg, chunk, cap=c.budget + chunk, split=split, seq=seq,
+                                        spare=SPARE_SEQ, key=key)
+                if key is not None and doc.entry is not None and doc.entry.record.get("state") == "temporary":
+                    # ChunkedStore.read(key=...) without a path leaves a temporary entry (its `path is None` test
+                    # comes after path is set to the entry's payload): made the cached entry of its key here
+                    doc.entry.finish("cached")
+                    doc.keep = True
+                read_tokens, read_s = doc.split, doc.read_s
+            r = doc.reselect(session, prompt, cfg, seq=seq, spare=SPARE_SEQ, extend=not fresh)
+            if fresh:
+                self.store.add(doc)
+            elif found in self.store:
+                self.store.touch(found, keep=found)
+            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled)
+        except BaseException:
+            if fresh and doc is not None and doc not in self.store:
+                doc.close()
+            raise
+        finally:
+            session.clear(seq)
+        return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
+                              read=(read_tokens, read_s), new_store=doc.split if fresh else 0,
+                              bounded_chunks=len(doc.chunks), bounded_chunk=doc.chunk)
+
+    def _document_end(self, prompt: list[int]) -> int:
+        """Where a bounded store of this prompt ends: before its question (the last line of its last user message),
+        so that another question about the same document starts with all of the store's tokens; the prompt less
+        STORE_TAIL tokens when the question cannot be told."""
+        n = len(prompt)
+        at = getattr(prompt, "question_at", None)
+        k = at() if at is not None else 0
+        return k if REUSE_MIN <= k <= n - STORE_TAIL else max(1, n - STORE_TAIL)
 
     def _line_start(self, tokens: list[int], upto: int) -> int:
         """The position after the last token of tokens[:upto] that holds a line break (upto when none is near)."""
@@ -522,6 +686,12 @@ class Engine:
             # prefilled again for its logits, from a view of the store cut before it
             return replace(doc, tokens=doc.tokens[:n - 1], split=n - 1, colsum=None, extension=None, keep=True)
         return doc
+
+    def _decode_timed(self, c: Choice, on_text, cancelled):
+        """The compressed cache's stats, then the answer decoded: (stats, generation, finish reason, when it began)."""
+        st = self.session.stats(0)
+        t1 = time.perf_counter()
+        return (st, *self._decode(c, on_text, cancelled), t1)
 
     def _decode(self, c: Choice, on_text, cancelled):
         out = StopFilter(c.stop, on_text or (lambda piece: None))
@@ -544,3 +714,9 @@ class Engine:
         if gone[0]:
             return gen, "cancelled"
         return gen, "stop" if gen.stopped == "eog" or out.hit else "length"
+
+
+def _without_last_line(text: str) -> str:
+    """`text` up to its last line (what `Engine.chat_prompt` takes for the question), '' when it is one line."""
+    body = text.rstrip()
+    return body[:body.rfind("\n") + 1]

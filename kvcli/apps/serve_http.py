@@ -217,12 +217,12 @@ class Server:
             raise ApiError(400, "'stream' must be true or false", param="stream")
         return body
 
-    async def _prepare(self, tokenize, *args) -> list[int]:
+    async def _prepare(self, choice: Choice, tokenize, *args) -> list[int]:
         """Render and tokenize (off the event loop, beside a decoding request), checked against the context."""
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(None, tokenize, *args)
-            self.engine.check_length(prompt)
+            self.engine.check_length(prompt, choice)
         except BadRequest as e:
             raise ApiError(400, str(e), code=e.code, param=e.param) from None
         return prompt
@@ -290,9 +290,9 @@ class Server:
         except BadRequest as e:
             raise ApiError(400, str(e), param=e.param) from None
         if chat:
-            prompt = await self._prepare(self.engine.chat_prompt, parse_messages(body))
+            prompt = await self._prepare(choice, self.engine.chat_prompt, parse_messages(body))
         else:
-            prompt = await self._prepare(self.engine.completion_prompt, parse_prompt(body))
+            prompt = await self._prepare(choice, self.engine.completion_prompt, parse_prompt(body))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         route = "chat" if chat else "completion"
         if body.get("stream"):

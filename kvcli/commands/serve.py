@@ -35,8 +35,10 @@ def parse_size(text: str, flag: str) -> int:
 @click.option("--api-key", default=lambda: os.environ.get("KVCLI_API_KEY"), metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise). Default: $KVCLI_API_KEY, else none.")
 @click.option("--ctx", type=click.IntRange(64, 1 << 20), default=None, metavar="CELLS",
-              help="KV cache cells: the longest prompt (held whole before it is compressed) plus its answer; a longer "
-                   "prompt gets 400 'prompt too long'. Default: the model's training context, at most 16384.")
+              help="KV cache cells: the longest prompt held whole before it is compressed, plus its answer. A longer "
+                   "prompt is read in bounded chunks (budget + chunk cells at most) with a window policy, and gets 400 "
+                   "'prompt too long' with full or a column-sum policy. Default: the model's training context, at "
+                   "most 16384.")
 @click.option("--store", "store_kind", type=click.Choice(["disk", "memory"]), default="disk", show_default=True,
               help="Where stored document caches live: disk, as entries of kvcli's document store (kvcli documents "
                    "list shows them; they outlive the server, and a restarted server restores from them), a working "
@@ -56,7 +58,9 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_m
     that cache up to the longest common prefix and prefills only the rest, with the policy's observation, then the
     cache is compressed for this request's question and the answer decoded from it. A request may choose its own
     compression in the body: "kvcli": {"policy": "snapkv", "budget": 256, "policy_args": {"window": 32}};
-    "policy": "full" answers from the whole cache. Requests are served one at a time, in order.
+    "policy": "full" answers from the whole cache. A prompt past --ctx is read in bounded chunks, as kvcli chat
+    reads a long document, and each later question re-selected from the stored chunks. Requests are served one at a
+    time, in order.
 
     Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C stops it.
     """
