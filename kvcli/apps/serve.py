@@ -640,11 +640,6 @@ class Engine:
                     if isinstance(self.store, DiskStore) else None
                 doc = ChunkedStore.read(session, prompt, cfg, chunk, cap=c.budget + chunk, split=split, seq=seq,
                                         spare=SPARE_SEQ, key=key)
-                if key is not None and doc.entry is not None and doc.entry.record.get("state") == "temporary":
-                    # ChunkedStore.read(key=...) without a path leaves a temporary entry (its `path is None` test
-                    # comes after path is set to the entry's payload): made the cached entry of its key here
-                    doc.entry.finish("cached")
-                    doc.keep = True
                 read_tokens, read_s = doc.split, doc.read_s
             r = doc.reselect(session, prompt, cfg, seq=seq, spare=SPARE_SEQ, extend=not fresh)
             if fresh:
