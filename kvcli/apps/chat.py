@@ -306,6 +306,13 @@ class Conversation:
                              "--compress-once")
         return "exact", None
 
+    def _streamed(self, st) -> str:
+        """Which stored chunks a question streams, in words (the summary line)."""
+        select = st.chunks_per_question(self.budget)
+        if select is None or len(st.chunks) <= select + 2:
+            return "them all"
+        return f"the first, the last and the {select} its block index scores best"
+
     def _say(self, line: str) -> None:
         if self.notify:
             self.notify(f"[{line}]")
@@ -552,8 +559,8 @@ class Conversation:
                 line = (f"[{label}, re-selected per question, bounded] {n} tokens read in chunks of {st.chunk} in "
                         f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, "
                         f"{st.nbytes / 1e6:.2f} MB{where});"
-                        f" each question streams them through a cache of at most {st.cap} cells and is answered from "
-                        f"{self.budget} entries per layer and KV head chosen for it")
+                        f" each question streams {self._streamed(st)} through the context's {self.session.n_ctx} "
+                        f"cells and is answered from {self.budget} entries per layer and KV head chosen for it")
             if self.load_s is not None:
                 form = f", bounded] {n} tokens stored in {len(st.chunks)} chunks" if st.bounded else \
                     f"] {n} tokens stored"
