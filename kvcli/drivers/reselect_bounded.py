@@ -12,9 +12,10 @@ peak is the full cache. Here the cache never holds more than the entries kept so
         last and the `chunks_per_question` best between them are streamed, so a question's cost hardly grows with
         the document (every chunk where there is no index: KVCLI_RESELECT_CHUNKS=all, a format 2 store).
     per question: the chosen stored chunks are put back one after the other beside the entries kept so far (moved to
-        the positions that follow them: llama.cpp's K-shift), each scored by the question's last `window` tokens
-        prefilled as a probe and rolled back (FINCH, as bounded reading scores its chunks), planned to the budget
-        and compacted with re-indexing; then the rest of the prompt (the document's last tokens, the conversation,
+        the positions that follow them: llama.cpp's K-shift) while they fit the context's free cells; when the next
+        would not fit, the held ones are scored by the question's last `window` tokens prefilled as a probe and
+        rolled back (FINCH, as bounded reading scores its chunks), planned to the budget and compacted with
+        re-indexing; then the rest of the prompt (the document's last tokens, the conversation,
         the question) is prefilled with the observation armed, planned and compacted like any last chunk.
     a conversation's turns: before that last compaction, the cells of the prompt's tokens after the document are
         saved (in memory, `TurnChunks`: one chunk per question, its answer before it and the question); the next
@@ -173,7 +174,7 @@ class ChunkedStore:
     page: int = 0                    # its tokens per page (0: no index)
     summary: dict | None = None      # the reading's last kept cache: {"file", "sha256", "nbytes", snapshot fields}
     select: int | None = None        # chunks a question streams besides the first and last (None: automatic,
-                                     # 0: every chunk); KVCLI_RESELECT_CHUNKS sets it ("all" or N)
+                                     # 0: every chunk); KVCLI_RESELECT_CHUNKS ("all" or N) overrides it
 
     @property
     def nbytes(self) -> int:
@@ -216,7 +217,7 @@ class ChunkedStore:
         # wrote is listed (a partial read, with what resuming it needs) or removed by the next kvcli
         entry = document_store.resume(form="bounded", model_path=session.model_path, tokens=tokens[:split],
                                       kept_path=path, key=key, settings=settings)
-        resumed = _Resumed.check(entry, session) if entry is not None else None
+        resumed = _Resumed.check(entry) if entry is not None else None
         if entry is not None and resumed is None:
             say(f"a partial read of this document ({entry.id}) did not check out: reading it from the start")
             entry.abandon()
@@ -581,7 +582,7 @@ class _Resumed:
     read_s: float
 
     @classmethod
-    def check(cls, entry, session) -> "_Resumed | None":
+    def check(cls, entry) -> "_Resumed | None":
         rec, part = entry.record, entry.part
         try:
             chunks = [StoredChunk(**c) for c in rec.get("chunks_done") or []]
