@@ -22,3 +22,16 @@ def native_missing(*names) -> list[str]:
 def last_json(out: str) -> dict:
     """The last line of a command's output, read as JSON (the --json report after any other line)."""
     return json.loads(out.strip().splitlines()[-1])
+
+
+def reselection_session(model, document: str, question: str, n_ctx: int = 1024):
+    """A native session of `model` with two sequences and an `n_ctx`-cell context, the document's head tokens (as a
+    re-selected chat stores them) and the prompt of `question` after it: the bounded re-selection tests' setup."""
+    from kvcli.apps.chat import TurnFormat, user_content
+    from kvcli.native.session import NativeSession
+    s = NativeSession(model, n_ctx=0, n_seq=2)
+    fmt = TurnFormat.probe(s, None)
+    head = s.tokenize(fmt.head + document.strip())
+    prompt = s.tokenize(fmt.head + user_content(document, question) + fmt.after_user)
+    s.create_context(n_ctx)
+    return s, head, prompt

@@ -24,6 +24,7 @@ import pytest
 
 from kvcli import document_store
 from kvcli.errors import KvcliError
+from helpers import reselection_session
 
 DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i, w in
                enumerate(["north", "south", "river", "stone", "light", "delta", "gamma", "alpha"] * 12))
@@ -34,13 +35,8 @@ pytestmark = pytest.mark.usefixtures("cache_dir")
 
 @pytest.fixture(scope="module")
 def setup(tiny_2k):
-    from kvcli.apps.chat import TurnFormat, user_content
-    from kvcli.native.session import NativeSession
-    s = NativeSession(tiny_2k, n_ctx=0, n_seq=2)
-    fmt = TurnFormat.probe(s, None)
-    head = s.tokenize(fmt.head + DOC.strip())
-    prompt = s.tokenize(fmt.head + user_content(DOC, Q) + fmt.after_user)
-    s.create_context(1024)
+    """(session with two sequences, document head tokens, prompt tokens of Q)."""
+    s, head, prompt = reselection_session(tiny_2k, DOC, Q)
     yield s, head, prompt
     s.close()
 
