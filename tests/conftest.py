@@ -14,11 +14,13 @@ KVCLI = [sys.executable, "-m", "kvcli.cli"]
 
 
 def sigint_default() -> None:
-    """preexec_fn of a child a test interrupts: SIGINT back to its default. A test run started in the
+    """preexec_fn of a child a test interrupts: SIGINT and SIGHUP back to their defaults. A test run started in the
     background of a shell without job control inherits SIGINT ignored, and Python then never raises
-    KeyboardInterrupt, so the Ctrl-C tests would test nothing."""
+    KeyboardInterrupt, so the Ctrl-C tests would test nothing; one started under nohup inherits SIGHUP ignored, which
+    kvcli then leaves ignored (as `nohup kvcli` asks), so the SIGHUP tests would see the read finish."""
     import signal  # noqa: PLC0415
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture()
