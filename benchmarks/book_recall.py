@@ -25,8 +25,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from kvcli.apps.chat import Conversation
     from kvcli.drivers import block_index
-    from kvcli.drivers.reselect_bounded import ChunkedStore, _snapshot_of
-    from kvcli.drivers.chunked import question_probe
+    from kvcli.drivers.reselect_bounded import ChunkedStore
     from kvcli.models import resolve_model
     from kvcli.native.session import NativeSession
 
@@ -51,12 +50,7 @@ def main() -> None:
         where = [i for i, t in enumerate(texts) if str(f["answer"]) in t]
         prompt = s.tokenize(conv.conversation_text(f["question"]))
         t0 = time.perf_counter()
-        s.restore_seq(_snapshot_of(store.summary, store._read_file(store.summary)), 0)
-        q = block_index.question_queries(s, 0, question_probe(prompt, 1, store.chunk), at=store.cap)
-        s.clear(0)
-        maxima = [block_index.chunk_maxima(q, *block_index.load_pages(store._read_file(p), s.info))
-                  for p in store.pages[1:-1]]
-        scores = block_index.chunk_scores(maxima)
+        scores = store.index_scores(s, 0, prompt)
         seconds = time.perf_counter() - t0
         order = [int(i) + 1 for i in (-scores).argsort(kind="stable")]
         ranks = [0 if i in (0, len(store.chunks) - 1) else order.index(i) + 1 for i in where]

@@ -473,17 +473,21 @@ class ChunkedStore:
         if select is None or len(self.chunks) <= select + 2 or not self.pages or self.summary is None:
             return list(self.chunks), 0.0
         t0 = time.perf_counter()
-        session.restore_seq(_snapshot_of(self.summary, self._read_file(self.summary)), seq)
-        try:
-            probe = question_probe(prompt, 1, self.chunk)
-            q = block_index.question_queries(session, seq, probe, at=self.cap)
-        finally:
-            session.clear(seq)
-        maxima = [block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f), session.info))
-                  for f in self.pages[1:-1]]
-        best = block_index.choose(block_index.chunk_scores(maxima), select)
+        best = block_index.choose(self.index_scores(session, seq, prompt), select)
         chosen = [self.chunks[0]] + [self.chunks[1 + i] for i in best] + [self.chunks[-1]]
         return chosen, time.perf_counter() - t0
+
+    def index_scores(self, session, seq: int, prompt: list[int]) -> np.ndarray:
+        """The block index's score of every chunk between the first and the last for the question that ends
+        `prompt`: its queries computed once over the stored summary (in `seq`, empty before and after)."""
+        session.restore_seq(_snapshot_of(self.summary, self._read_file(self.summary)), seq)
+        try:
+            q = block_index.question_queries(session, seq, question_probe(prompt, 1, self.chunk), at=self.cap)
+        finally:
+            session.clear(seq)
+        return block_index.chunk_scores([block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f),
+                                                                                            session.info))
+                                         for f in self.pages[1:-1]])
 
     def _turns_for(self, prompt: list[int], reach: int) -> tuple[list[TurnChunk], int, int]:
         """The kept turn chunks that `prompt` starts with, how far they reach into it exactly, and where the chunk
