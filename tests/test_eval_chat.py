@@ -131,6 +131,27 @@ def test_eval_chat_bounded_mode(cli_runner, tiny, tmp_path, monkeypatch):
     assert not any((tmp_path / "cache" / "documents").iterdir())
 
 
+def test_eval_chat_bounded_forms_past_the_context(cli_runner, tiny_1k, tmp_path, monkeypatch):
+    """A document longer than the model's context: the bounded modes read it once per configuration (bounded and
+    bounded_all answer from the same read; bounded_all streams every chunk) in the context kvcli chat would give it;
+    a mode that keeps the full cache is refused in one line."""
+    from kvcli.cli import cli
+    monkeypatch.setenv("KVCLI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVCLI_RESELECT_CHUNKS", raising=False)
+    out = tmp_path / "chat.json"
+    common = ["eval", "chat", "--model", str(tiny_1k), "--policies", "snapkv", "--budgets", "48", "--lengths", "1500",
+              "--documents", "1", "--facts", "2", "--quiet"]
+    r = cli_runner.invoke(cli, common + ["--modes", "bounded,bounded_all", "--json-out", str(out)])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(out.read_text())["records"]
+    assert [x["mode"] for x in recs] == ["bounded"] * 2 + ["bounded_all"] * 2
+    assert all(x["doc_tokens"] > 1024 >= x["n_ctx"] and x["kv_cells"] <= 48 + 12 for x in recs)
+    assert len({x["read_s"] for x in recs}) == 1                       # one read served both forms
+    assert all(x["reselect_chunks"] == x["stored_chunks"] > 1 for x in recs if x["mode"] == "bounded_all")
+    r = cli_runner.invoke(cli, common + ["--modes", "full,bounded"])
+    assert r.exit_code != 0 and "exceed the model's context" in r.output and "Traceback" not in r.output
+
+
 def test_eval_chat_from_document_reads_the_same_document(cli_runner, tiny, tmp_path, monkeypatch):
     """--from-document 1 --documents 1 evaluates the second document of a two-document run (same text, questions
     and answers, numbered 1), so a split evaluation pools like one run."""

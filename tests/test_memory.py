@@ -10,7 +10,7 @@ import pytest
 N_LAYER, N_HEAD_KV, HEAD_DIM = 2, 2, 16
 CELL_F16 = N_LAYER * N_HEAD_KV * HEAD_DIM * 2 * 2     # K + V bytes of one cell, f16
 BIAS_CELL = N_LAYER * N_HEAD_KV * 4                   # kvcli's float32 slot bias, per cell
-TURN_CELLS = 2048                                     # kvcli.apps.chat.TURN_ROOM
+TURN_CELLS = 2048                                     # kvcli.drivers.chunked.TURN_ROOM
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ import numpy as np
 from kvcli import config, kvc, policies
 from kvcli.drivers import compress
 from kvcli.planning.planner import CompressReport, resolve
-from kvcli.drivers.chunked import plan_chunking
+from kvcli.drivers.chunked import TURN_ROOM, plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import generate
@@ -64,7 +64,6 @@ from kvcli.drivers.reselect_bounded import (ChunkedStore, check_store_target, ch
 from kvcli.templating import GENERIC_SUFFIX
 
 CTX_PAD = 256
-TURN_ROOM = 2048          # cells (and positions) kept free for the conversation after the prefix
 AWARE, AGNOSTIC, RESELECTED = "question-aware", "question-agnostic", "re-selected"
 # the memory figures every --json output carries (run, chat, compress): docs/internals.md, "Memory figures"
 MEMORY_STATS = ("kv_bytes_allocated", "kv_cells_allocated", "kv_bytes_live", "peak_rss_bytes")

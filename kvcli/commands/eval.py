@@ -161,7 +161,10 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
               "re-selected for every question from the stored full cache (kvcli chat's default); run: each question "
               "compressed alone, question-aware, from the stored cache (kvcli run --question ...); reread: the same "
               "with the document read again for every question (slow); bounded: reselect in the bounded form (the "
-              "document stored chunk by chunk as bounded reading reads it, per configuration; window policies).")
+              "document stored chunk by chunk as bounded reading reads it, per configuration, and each question "
+              "streaming the chunks the block index chooses, as kvcli chat does; window policies); bounded_all: the "
+              "same read, every chunk streamed with a probe each (the bounded form before the index). The bounded "
+              "modes alone read lengths past the model's context.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--from-document", "first", type=click.IntRange(0, 999), default=0, show_default=True,
               help="Start at this document (0-based) of the seed's series: documents FROM .. FROM+N-1 are those a run "

@@ -76,6 +76,7 @@ def bounded_above_bytes() -> int:
 MIN_ROOM = 64            # cells a chunked prompt leaves at least for the answer
 MIN_CHUNK = 64           # fewer free cells than this after a compaction: the budget leaves no room to read on
 CTX_PAD = 256
+TURN_ROOM = 2048         # cells (and positions) a chat keeps free for the conversation after the document
 SCORINGS = ("question", "chunk")
 
 
@@ -89,7 +90,8 @@ class Chunking:
     why: str = ""
 
 
-def _pad(n: int) -> int:
+def pad_cells(n: int) -> int:
+    """n cells rounded up to the context's granularity."""
     return -(-n // CTX_PAD) * CTX_PAD
 
 
@@ -124,7 +126,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         if n_prompt >= limit:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: choose a compressing policy "
                              "and --budget to read it in chunks")
-        return Chunking(None, min(_pad(n_prompt + reserve), limit))
+        return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
     asked = reserve
     repeat = policies.get(policy).param("repeat_chunk").default if reconstructs(policy) else 0
@@ -139,7 +141,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
                              "in chunks")
-        return Chunking(None, min(_pad(n_prompt + reserve), limit))
+        return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
     if budget is None:
         raise KvcliError(f"the prompt ({n_prompt} tokens) must be read in chunks: policy '{policy}' needs --budget N")
     room = min(asked, MIN_ROOM)   # the least room left for the answer / conversation
@@ -160,10 +162,10 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         raise KvcliError(f"budget {budget} + chunk {chunk} + {after(chunk)} cells for the answer"
                          f"{' and the reconstruction pass over a chunk' if repeat else ''} do not fit {where}")
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
-        return Chunking(None, min(_pad(n_prompt + reserve), limit))
+        return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
     if repeat:   # the pass runs over one chunk, not the prompt: the context holds budget + chunk + the pass
         reserve = max(asked, repeat_room(chunk, repeat))
-    n_ctx = max_cache if max_cache else min(_pad(budget + chunk + reserve), n_ctx_train)
+    n_ctx = max_cache if max_cache else min(pad_cells(budget + chunk + reserve), n_ctx_train)
     why = "the prompt does not fit the context" if not fits else "bounded reading (the default with a budget)" \
         if bounded and not max_cache else f"--chunk {chunk}"
     return Chunking(chunk, n_ctx, cap=budget + chunk, why=why)

@@ -27,7 +27,13 @@ documents and questions:
   cache, past the context, or with --chunk N): per configuration the document is read by bounded reading (chunks
   of 1024 tokens) and stored chunk by chunk, and every question streams the stored chunks through a cache of the
   budget + a chunk. Not in the default modes: a read per configuration. Column-sum policies are not served bounded
-  (no record).
+  (no record). Each configuration gets the context `kvcli chat` would give it (kvcli/drivers/chunked.py
+  `plan_chunking`), so a question streams what the chat's streams: the block index's chosen chunks, loaded together
+  while they fit (kvcli/drivers/block_index.py). The only modes for a length past the model's context (positions
+  re-indexed as bounded reading does).
+- `bounded_all`: the bounded form before the block index (issue #46's "today"), from the same stored read as
+  `bounded` when both are asked: every stored chunk streamed through a cache of the budget + one chunk, one probe
+  per chunk.
 - `reread`: the same, with the document read again for every question (one prefill per question serving every
   configuration): `run` as a loop of single-question `kvcli run` processes in one prefill would do it. Not in the
   default modes: it costs a read per question.
@@ -53,7 +59,7 @@ import time
 
 import numpy as np
 
-from kvcli.drivers.chunked import DEFAULT_CHUNK
+from kvcli.drivers.chunked import DEFAULT_CHUNK, TURN_ROOM, pad_cells, plan_chunking
 from kvcli.drivers.compress import Shared, resolve
 from kvcli.drivers.reselect import StoredDocument
 from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable
@@ -65,7 +71,8 @@ from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import make_plan
 
-MODES = ("full", "once", "alone", "context", "reselect", "run", "reread", "bounded")
+MODES = ("full", "once", "alone", "context", "reselect", "run", "reread", "bounded", "bounded_all")
+BOUNDED = ("bounded", "bounded_all")    # served by one read per configuration (_mode_bounded)
 DEFAULT_MODES = ("full", "once", "reselect", "run")
 ROOM = 1024     # cells for the conversation after the document
 SHARE = True    # configurations that re-select the same prompt alike share its restore and observed prefill
@@ -112,11 +119,16 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
     records, reads, t_start, interrupted = [], [], time.perf_counter(), False
     try:
         for L in lengths:
-            if L + ROOM > tok.n_ctx_train:
+            bounded_only = set(modes) <= set(BOUNDED)
+            if L + ROOM > tok.n_ctx_train and not bounded_only:
                 raise KvcliError(f"length {L} + {ROOM} conversation cells exceed the model's context "
-                                 f"({tok.n_ctx_train}): re-selection keeps the document's full cache")
-            session = NativeSession(model_path, n_ctx=-(-(L + ROOM) // 256) * 256, cache_type=cache_type,
-                                    n_threads=threads, n_seq=2 if "bounded" in modes else 1)
+                                 f"({tok.n_ctx_train}): re-selection keeps the document's full cache (only the "
+                                 f"modes {', '.join(BOUNDED)} read past it)")
+            # bounded modes size the context per configuration, as kvcli chat does (_mode_bounded)
+            session = NativeSession(model_path, n_ctx=-(-(min(L, DEFAULT_CHUNK) if bounded_only else L + ROOM)
+                                                        // 256) * 256,
+                                    cache_type=cache_type, n_threads=threads,
+                                    n_seq=2 if set(modes) & set(BOUNDED) else 1)
             try:
                 for d in range(first_document, first_document + documents):
                     doc_seed = seed * 1000 + d
@@ -133,18 +145,25 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                     try:
                         for mode in modes:
                             t0 = time.perf_counter()
-                            out = MODE_RUNNERS[mode](session, text, planted, cfgs, full, max_tokens, store)
+                            if mode in BOUNDED:   # every bounded form asked, from one read per configuration
+                                if mode != next(m for m in modes if m in BOUNDED):
+                                    continue
+                                out = _mode_bounded(session, text, planted, cfgs, full, max_tokens, store,
+                                                    forms=[m for m in modes if m in BOUNDED])
+                            else:
+                                out = MODE_RUNNERS[mode](session, text, planted, cfgs, full, max_tokens, store)
                             for r in out["records"]:
                                 r.update(length=L, doc=d, doc_tokens=n_tok)
                             records += out["records"]
                             if "read_s" in out:
                                 reads.append({"length": L, "doc": d, "mode": mode, "read_s": round(out["read_s"], 3)})
+                            done = sorted({(r["mode"], r["policy"], r["budget"]) for r in out["records"]},
+                                          key=lambda k: (MODES.index(k[0]), k[1], k[2] or 0))
                             log(f"  {mode}: {time.perf_counter() - t0:.1f}s, " + ", ".join(
-                                f"{p}{'' if b is None else f'@{b}'} "
-                                + format(np.mean([r['score'] for r in out['records']
-                                                  if (r['policy'], r['budget']) == (p, b)]), ".0f")
-                                for p, b in sorted({(r['policy'], r['budget']) for r in out['records']},
-                                                   key=lambda k: (k[0], k[1] or 0))))
+                                f"{'' if m == mode else m + ' '}{p}{'' if b is None else f'@{b}'} "
+                                + format(np.mean([r["score"] for r in out["records"]
+                                                  if (r["mode"], r["policy"], r["budget"]) == (m, p, b)]), ".0f")
+                                for m, p, b in done))
                     finally:
                         if store is not None:
                             store.close()
@@ -326,38 +345,53 @@ def _mode_reread(session, text, planted, cfgs, full, max_tokens, store):
     return {"records": recs}
 
 
-def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store):
+def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=("bounded",)):
+    """Per configuration: the document read by bounded reading into a store, in the context `kvcli chat` gives that
+    policy and budget, then the questions in one conversation per form (`bounded`: as kvcli chat streams them;
+    `bounded_all`: every chunk, one probe each). The context is put back as it was after."""
     head = session.tokenize(prefix_text(session, text, False))
-    recs = []
+    n_ctx0, recs = session.n_ctx, []
     for key, cfg in cfgs.items():
         try:
             check_usable(session, cfg, 1)
         except KvcliError:
             continue
+        chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg.policy, cfg.budget,
+                                 cell_bytes=session.bytes_per_cell())
+        chunk = chunking.chunk or DEFAULT_CHUNK
         session.clear()
-        cs = ChunkedStore.read(session, head, cfg, DEFAULT_CHUNK)
-        history = []
+        session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(cfg.budget + chunk + TURN_ROOM), 2)
+        cs = ChunkedStore.read(session, head, cfg, chunk, cap=chunking.cap)
         try:
-            for i, fact in enumerate(planted):
-                q = ask(fact["question"])
-                prompt = session.tokenize(render(session, text, history, q))
-                r = cs.reselect(session, prompt, cfg)
-                t2 = time.perf_counter()
-                answer = _greedy(session, session.logits(0), max_tokens)
-                recs.append(_record("bounded", key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
-                                    reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
-                                    read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
-                                    **held(session)))
-                history.append((q, answer.strip()))
-                session.clear(0)
+            for form in forms:
+                cs.select = 0 if form == "bounded_all" else None
+                cells = cfg.budget + chunk if form == "bounded_all" else None
+                history = []
+                for i, fact in enumerate(planted):
+                    q = ask(fact["question"])
+                    prompt = session.tokenize(render(session, text, history, q))
+                    r = cs.reselect(session, prompt, cfg, cells=cells)
+                    t2 = time.perf_counter()
+                    answer = _greedy(session, session.logits(0), max_tokens)
+                    recs.append(_record(form, key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
+                                        reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
+                                        stored_chunks=r.stored, index_s=round(r.index_s, 4),
+                                        read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
+                                        n_ctx=session.n_ctx, **held(session)))
+                    history.append((q, answer.strip()))
+                    session.clear(0)
         finally:
             cs.close()
+    session.clear()
+    if session.n_ctx != n_ctx0:
+        session.resize_context(n_ctx0)
     return {"records": recs}
 
 
 MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "alone": _mode_alone, "context": _mode_context,
                 "reselect": _mode_reselect, "run": _mode_run,
-                "reread": _mode_reread, "bounded": _mode_bounded}
+                "reread": _mode_reread, "bounded": _mode_bounded,
+                "bounded_all": lambda *a: _mode_bounded(*a, forms=("bounded_all",))}
 
 
 # ------------------------------------------------------------------------------ results
