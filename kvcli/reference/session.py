@@ -362,14 +362,16 @@ class ReferenceSession:
 
     def stats(self, seq: int = 0) -> dict:
         """Sizes measured from the tensors the cache holds (float32 K and V, float32 bias). As the native engine's:
-        kv_cells, kv_bytes, kv_bytes_full and kv_bytes_live cover the layers plans cover; per_layer_cells lists
+        kv_cells, kv_bytes, kv_bytes_full and kv_bytes_live cover the layers plans cover; kv_bytes counts each
+        layer's slots from its first live one on, as the native ragged layout holds them (this engine's tensors keep
+        the leading dead slots: kv_bytes_allocated); per_layer_cells lists
         every model layer, and a model with sliding-window layers adds sliding_layers, sliding_window,
         sliding_cells and sliding_bytes: what the sliding layers hold (here every entry; the window is the
         attention mask's, see the module doc)."""
         st = self.seq(seq)
         i = self.info
         layers = [(st.cache.layers[il], st.slots[il]) for il in i.kv_layers if il < len(st.cache.layers)]
-        kv = sum(_kv_bytes(layer) for layer, _ in layers)
+        kv = sum(_kv_bytes(layer, _front(s) if st.compressed else 0) for layer, s in layers)
         bias = sum(s.bias.numel() * s.bias.element_size() for _, s in layers) if st.compressed else 0
         full = st.tokens_read * i.n_layer * i.n_head_kv * i.head_dim * 2 * 4
         live = sum(int(torch.isfinite(s.bias).sum()) for _, s in layers)   # live (layer, KV head, slot) entries
@@ -386,10 +388,21 @@ class ReferenceSession:
                 **{k: round(v, 4) for k, v in st.timings.items()}}
 
 
-def _kv_bytes(layer) -> int:
+def _front(slots: LayerSlots) -> int:
+    """The leading slots dead in every KV head: compaction right-aligns each head's entries, so a layer keeping
+    fewer than the widest has them first. The native cache does not hold them (its ragged layout,
+    native/src/README.md); this engine's tensors do, and kv_bytes counts as the native layout holds."""
+    live = torch.isfinite(slots.bias).any(dim=0)
+    return int(live.long().argmax()) if bool(live.any()) else slots.n_slots
+
+
+def _kv_bytes(layer, front: int = 0) -> int:
+    """K and V bytes of a layer's slots from `front` on."""
     if layer.keys is None:
         return 0
-    return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    per_slot = (layer.keys[0, :, :1].numel() * layer.keys.element_size()
+                + layer.values[0, :, :1].numel() * layer.values.element_size())
+    return (layer.keys.shape[2] - front) * per_slot
 
 
 _BYTE_DECODER: dict | None = None

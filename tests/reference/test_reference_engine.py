@@ -180,3 +180,26 @@ def test_kvcli_run_with_the_reference_engine(tiny_gguf, tmp_path, cli_runner):
     assert out["policy"] == "snapkv" and s["prompt_tokens"] > 48 and 1 <= s["generated_tokens"] <= 4
     # 48 kept per layer and head, plus the tokens decoded after the compression
     assert s["per_layer_cells"] == [48 + s["generated_tokens"]] * 3 and s["kv_bytes"] < s["kv_bytes_full"]
+
+
+@pytest.mark.parametrize("policy", ["pyramidkv", "dynamickv", "windowkv", "d2o", "spindlekv"])
+def test_held_bytes_are_the_native_ragged_layouts(tiny_gguf, policy):
+    """Issue #45: the reference engine states the bytes the native cache holds (each layer from its first live slot
+    on), counted from its own slots and bias, for the layer-budget policies and spindlekv's merges alike; with an f32
+    native cache the figures are equal, every layer's cells too."""
+    from kvcli.drivers.compress import Shared, resolve
+    from kvcli.native.session import NativeSession
+    stats = []
+    for session in (NativeSession(tiny_gguf, n_ctx=1024, cache_type="f32", n_threads=2),
+                    ReferenceSession(tiny_gguf, n_ctx=1024)):
+        tokens = [(7 * i) % 200 + 3 for i in range(400)]
+        cfg = resolve(tiny_gguf, policy, 48)
+        shared = Shared(session, tokens, [cfg], planner="native")
+        assert shared.error is None and shared.apply(cfg).error is None
+        stats.append({k: session.stats(0)[k] for k in ("kv_cells", "kv_bytes", "kv_bytes_live", "per_layer_cells")})
+        tensors = session.bytes_allocated() if isinstance(session, ReferenceSession) else None
+        session.close()
+    native, reference = stats
+    assert native == reference
+    if len(set(reference["per_layer_cells"])) > 1:   # layers keeping fewer: held below the padded tensors
+        assert reference["kv_bytes"] < tensors
