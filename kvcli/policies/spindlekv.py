@@ -98,6 +98,12 @@ SPEC = PolicySpec(
         Param("codebook_layers", "int", 0, "codebook (and merging) only in the first N layers; 0 = every layer "
               "(the threshold itself makes it bite mainly in shallow layers)", paper_default="all layers "
               "(inferred)", min=0, max=65536),
+        Param("fill_heads", "choice", "widest", "widest: in a codebook layer, a KV head whose codebook merged more "
+              "than the layer's widest head keeps its next-best context entries (by score, unmerged) up to that "
+              "head's count, so the layer's memory (the native cache stores each layer as wide as its widest KV "
+              "head) holds live entries, not dead slots; off: every head keeps only its codebook cells",
+              paper_default="off (the paper stores a codebook and per-entry indices, not cells)",
+              choices=("widest", "off")),
         gqa_param("mean"),
     ),
     needs=("window", "kv"),
@@ -107,8 +113,9 @@ SPEC = PolicySpec(
                 "ends up smaller by a data-dependent amount that cannot be set in advance: read the achieved "
                 "ratio from kv_bytes / kv_bytes_full. The native cache stores each layer as wide as its own widest KV "
                 "head (the ragged layout), so the codebook saves bytes where it narrows a layer's widest head; its "
-                "KV heads merge different counts, which stay as dead slots in memory (held / live 1.10-1.14 on "
-                "qwen2.5-coder-0.5b, benchmarks/layout.py)",
+                "KV heads merge different counts, and with fill_heads=widest (the default) the heads that merged "
+                "more keep their next-best entries in the slots the layer holds anyway (fill_heads=off: dead slots, "
+                "held / live 1.10-1.14 on qwen2.5-coder-0.5b, benchmarks/layout.py)",
     deviations=(
         "storage: instead of a codebook plus a per-entry (index, magnitude, position) rebuilt in the graph, each "
         "key-codebook group of a (layer, KV head) becomes one cell with bias log(count). This approximates every "
@@ -124,6 +131,9 @@ SPEC = PolicySpec(
         "codebook scope: one key and one value codebook per (layer, KV head), over that head's kept entries "
         "(window included); the paper's scope is ambiguous (head or layer)",
         "the codebook also grows during decoding in the paper; kvcli appends generated tokens uncompressed",
+        "fill_heads=widest (default): a KV head whose codebook merged more than its layer's widest head keeps its "
+        "next-best context entries unmerged up to that head's count (the layer's memory is its widest head's in "
+        "kvcli's cache; the paper's codebook storage has no such padding)",
         "window attention summed in float64; cosine similarities in float64 from the float32 rows; ties (top-k "
         "and the greedy cover's maximum degree) go to the lower slot",
     ),

@@ -21,7 +21,7 @@ import torch
 
 from kvcli.planning.formats import Observation, Plan
 from kvcli.policies.spindlekv import layer_keep
-from kvcli.reference.policies._common import gqa_combine, keep_all, layer_kv, pool1d, require_kv, \
+from kvcli.reference.policies._common import gqa_combine, keep_all, layer_kv, pool1d, rank_desc, require_kv, \
     require_window, topk_ascending, window_sum
 from kvcli.reference.policies.d2o import cosine, sq_norms
 
@@ -114,23 +114,26 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
             s = s / torch.arange(n, n - prefix, -1, dtype=torch.float64)
         s = gqa_combine(pool1d(s, params["kernel"], params["pool"]), H, params["gqa"])
         best = topk_ascending(s, keep[l], "spindlekv")
-        row_k, row_m = [], []
+        heads = []          # per KV head: (kept slots ascending, log multiplicities, {index in kept: (k, v)})
         for h in range(H):
             slots = torch.cat([best[h].to(torch.int64), recent])
             if l >= cb_layers:
-                row_k.append(slots.numpy().astype(np.int32))
-                row_m.append(np.zeros(slots.numel(), np.float32))
-                offset += slots.numel()
+                heads.append((slots.tolist(), [0.0] * slots.numel(), {}))
                 continue
             cells, counts, repl = codebook_cells(keys[h, slots], values[h, slots], params)
-            row_k.append(slots[cells].numpy().astype(np.int32))
-            row_m.append(np.array([math.log(c) for c in counts], np.float32))
+            heads.append((slots[cells].tolist(), [math.log(c) for c in counts], repl))
+        if params["fill_heads"] == "widest" and l < cb_layers:
+            heads = _fill_to_widest(heads, rank_desc(s, "spindlekv"), keep[l])
+        row_k, row_m = [], []
+        for slots, mult, repl in heads:
+            row_k.append(np.asarray(slots, np.int32))
+            row_m.append(np.asarray(mult, np.float32))
             for ci in sorted(repl):
                 k, v = repl[ci]
                 rep_entry.append(offset + ci)
                 rep_k.append(k.to(torch.float32).numpy())
                 rep_v.append(v.to(torch.float32).numpy())
-            offset += len(cells)
+            offset += len(slots)
         kept.append(row_k)
         log_mult.append(row_m)
     out = Plan.from_lists(kept, log_mult)
@@ -138,4 +141,23 @@ def plan(obs: Observation, params: dict, budget: int) -> Plan:
         out.replace_entry = np.asarray(rep_entry, dtype=np.int32)
         out.replace_k = np.stack(rep_k).astype(np.float32)
         out.replace_v = np.stack(rep_v).astype(np.float32)
+    return out
+
+
+def _fill_to_widest(heads: list, order: torch.Tensor, k: int) -> list:
+    """A layer holds as many slots per KV head as its widest head keeps (the ragged layout stores each layer as
+    wide as that), so a head whose codebook merged more keeps its next-best context entries by score (`order`:
+    [n_head_kv, prefix] slots by descending score; the first k are its kept ones) as single cells, up to the
+    widest head's count: the memory held anyway holds live entries instead of dead slots."""
+    width = max(len(slots) for slots, _, _ in heads)
+    out = []
+    for h, (slots, mult, repl) in enumerate(heads):
+        extra = order[h, k:k + width - len(slots)].tolist()
+        if not extra:
+            out.append((slots, mult, repl))
+            continue
+        merged = sorted([(sl, m, repl.get(ci)) for ci, (sl, m) in enumerate(zip(slots, mult))]
+                        + [(sl, 0.0, None) for sl in extra], key=lambda e: e[0])
+        out.append(([sl for sl, _, _ in merged], [m for _, m, _ in merged],
+                    {i: r for i, (_, _, r) in enumerate(merged) if r is not None}))
     return out

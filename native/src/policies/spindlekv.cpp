@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace {
 
@@ -64,6 +65,45 @@ void greedy_cover(const std::vector<const float *> & x, int d, double theta, std
     }
 }
 
+struct Replacement {
+    int index;                 // the cell's index in its (layer, head)'s kept list
+    std::vector<float> k, v;   // its K and V rows
+};
+
+// fill_heads=widest: the layer holds as many slots per KV head as its widest head keeps (the ragged
+// layout stores each layer as wide as that), so a head whose codebook merged more keeps its next-best
+// context entries by score (ranks k, k+1, ... of its scores; the first k are kept already) as single
+// cells up to the widest head's count. Twin: _fill_to_widest.
+void fill_to_widest(kvcli::PlanOut & out, int l, int H, const std::vector<std::vector<double>> & scores, int64_t k,
+                    std::vector<std::vector<Replacement>> & reps) {
+    size_t width = 0;
+    for (int h = 0; h < H; h++) width = std::max(width, out.at(l, h).size());
+    for (int h = 0; h < H; h++) {
+        auto & kept = out.at(l, h);
+        auto & lm = out.log_mult[static_cast<size_t>(l) * H + h];
+        const auto order = kvcli::rank_desc(scores[h], "spindlekv");
+        const size_t from = static_cast<size_t>(std::max<int64_t>(0, k));
+        const size_t to = std::min(order.size(), from + (width - kept.size()));
+        if (from >= to) continue;
+        // (slot, log multiplicity, replacement index or -1), merged in slot order
+        std::vector<std::tuple<int32_t, float, int>> cells;
+        std::vector<int> rep_of(kept.size(), -1);
+        for (size_t i = 0; i < reps[h].size(); i++) rep_of[reps[h][i].index] = static_cast<int>(i);
+        for (size_t ci = 0; ci < kept.size(); ci++) cells.emplace_back(kept[ci], lm[ci], rep_of[ci]);
+        for (size_t r = from; r < to; r++) cells.emplace_back(order[r], 0.0f, -1);
+        std::sort(cells.begin(), cells.end(), [](const auto & a, const auto & b) { return std::get<0>(a) < std::get<0>(b); });
+        kept.clear();
+        lm.clear();
+        for (size_t i = 0; i < cells.size(); i++) {
+            kept.push_back(std::get<0>(cells[i]));
+            lm.push_back(std::get<1>(cells[i]));
+            if (std::get<2>(cells[i]) >= 0) reps[h][std::get<2>(cells[i])].index = static_cast<int>(i);
+        }
+        // replacements in kept order, as the twin emits them
+        std::sort(reps[h].begin(), reps[h].end(), [](const auto & a, const auto & b) { return a.index < b.index; });
+    }
+}
+
 void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, kvcli::PlanOut & out) {
     const int w = static_cast<int>(params.get_int("window"));
     const int kernel = static_cast<int>(params.get_int("kernel"));
@@ -75,6 +115,7 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
     const int64_t cb_param = params.get_int("codebook_layers");
     const auto gqa = kvcli::read_gqa(params);
     const auto keep = params.get_int_list("layer_keep");
+    const bool fill_widest = params.get_choice("fill_heads", {"widest", "off"}) == "widest";
     params.finish();
     if (obs.n <= budget) return kvcli::keep_all(obs, out);
     kvcli::require_window(obs, "spindlekv", w);
@@ -92,6 +133,8 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
     for (int l = 0; l < L; l++) {
         kvcli::LayerKV kv;   // this layer's rows only, read where the codebook needs them
         if (l < cb_layers) kv = obs.layer_kv(l, "spindlekv");
+        std::vector<std::vector<double>> scores(H);
+        std::vector<std::vector<Replacement>> reps(H);   // per head: (index in its kept list, K, V)
         for (int h = 0; h < H; h++) {
             std::vector<std::vector<double>> per_q;
             for (int g = 0; g < G; g++) {
@@ -101,14 +144,14 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
                 }
                 per_q.push_back(kvcli::pool1d(s, kernel, is_max));
             }
-            auto slots = kvcli::topk_ascending(kvcli::gqa_combine(per_q, gqa), keep[l], "spindlekv");
+            scores[h] = kvcli::gqa_combine(per_q, gqa);
+            auto slots = kvcli::topk_ascending(scores[h], keep[l], "spindlekv");
             kvcli::append_range(slots, prefix, n);
             auto & kept = out.at(l, h);
             auto & lm = out.log_mult[static_cast<size_t>(l) * H + h];
             if (l >= cb_layers) {
                 kept = slots;
                 lm.assign(slots.size(), 0.0f);
-                offset += static_cast<int64_t>(slots.size());
                 continue;
             }
             const int N = static_cast<int>(slots.size());
@@ -158,11 +201,20 @@ void plan_spindlekv(const kvcli::Obs & obs, kvcli::Params & params, int budget, 
                     for (int i : mem) add_v_hat(i, v);
                     for (int d = 0; d < D; d++) v[d] = v[d] / static_cast<double>(mem.size());
                 }
-                out.replace_entry.push_back(static_cast<int32_t>(offset + static_cast<int64_t>(ci)));
-                for (int d = 0; d < D; d++) out.replace_k.push_back(static_cast<float>(k[d]));
-                for (int d = 0; d < D; d++) out.replace_v.push_back(static_cast<float>(v[d]));
+                Replacement r{static_cast<int>(ci), std::vector<float>(D), std::vector<float>(D)};
+                for (int d = 0; d < D; d++) r.k[d] = static_cast<float>(k[d]);
+                for (int d = 0; d < D; d++) r.v[d] = static_cast<float>(v[d]);
+                reps[h].push_back(std::move(r));
             }
-            offset += static_cast<int64_t>(cells.size());
+        }
+        if (fill_widest && l < cb_layers) fill_to_widest(out, l, H, scores, keep[l], reps);
+        for (int h = 0; h < H; h++) {
+            for (const auto & r : reps[h]) {
+                out.replace_entry.push_back(static_cast<int32_t>(offset + r.index));
+                out.replace_k.insert(out.replace_k.end(), r.k.begin(), r.k.end());
+                out.replace_v.insert(out.replace_v.end(), r.v.begin(), r.v.end());
+            }
+            offset += static_cast<int64_t>(out.at(l, h).size());
         }
     }
 }
