@@ -1,0 +1,65 @@
+"""Issue #46's quality-at-length table from benchmarks/book_quality.sh's results.
+
+    python benchmarks/book_quality_table.py [benchmarks/results/book-quality-qwen-*.json]
+
+One row per length and budget: the six questions' right answers and seconds per question for the bounded form as
+kvcli chat serves it (`bounded`: the block index's chosen chunks) and the form before the index (`bounded_all`: every
+chunk, a probe each), the read's seconds, the K/V bytes held; at 31k also the full cache and exact re-selection.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import sys
+
+
+def rows(paths: list[str]) -> list[dict]:
+    out: dict = {}
+    for p in paths:
+        d = json.load(open(p))
+        for r in d["records"]:
+            key = (r["length"], r["budget"])
+            if r["mode"] == "full":
+                continue
+            row = out.setdefault(key, {"length": r["length"], "doc_tokens": r["doc_tokens"], "budget": r["budget"]})
+            m = row.setdefault(r["mode"], {"right": 0, "n": 0, "s": []})
+            m["right"] += r["score"] == 100.0
+            m["n"] += 1
+            if "reselect_s" in r:
+                m["s"].append(r["reselect_s"] + r.get("answer_s", 0.0))
+            if "read_s" in r:
+                row["read_s"] = r["read_s"]
+            row["kv_bytes"] = r["kv_bytes"]
+        for r in d["records"]:
+            if r["mode"] == "full":
+                for key, row in out.items():
+                    if key[0] == r["length"]:
+                        f = row.setdefault("full", {"right": 0, "n": 0, "s": []})
+                        f["right"] += r["score"] == 100.0
+                        f["n"] += 1
+    return [out[k] for k in sorted(out)]
+
+
+def cell(m: dict | None) -> str:
+    if not m:
+        return "-"
+    s = f"{m['right']}/{m['n']}"
+    if m["s"]:
+        s += f", {min(m['s']):.1f}-{max(m['s']):.1f} s"
+    return s
+
+
+def main(argv: list[str]) -> int:
+    paths = argv or sorted(glob.glob("benchmarks/results/book-quality-qwen-*.json"))
+    print("| tokens | budget | index (kvcli chat) | every chunk (before) | exact re-selection | full cache | read | "
+          "held |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows(paths):
+        print(f"| {r['doc_tokens']:,} | {r['budget']} | {cell(r.get('bounded'))} | {cell(r.get('bounded_all'))} | "
+              f"{cell(r.get('reselect'))} | {cell(r.get('full'))} | {r.get('read_s', 0):.0f} s | "
+              f"{r['kv_bytes'] / 1e6:.1f} MB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
