@@ -51,7 +51,7 @@ import numpy as np
 from kvcli import config, kvc, policies
 from kvcli.drivers import compress
 from kvcli.planning.planner import CompressReport, resolve
-from kvcli.drivers.chunked import TURN_ROOM, plan_chunking
+from kvcli.drivers.chunked import TURN_ROOM, pad_cells, plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import generate
@@ -63,7 +63,6 @@ from kvcli.drivers.reselect_bounded import (ChunkedStore, check_store_target, ch
                                             read_manifest)
 from kvcli.templating import GENERIC_SUFFIX
 
-CTX_PAD = 256
 AWARE, AGNOSTIC, RESELECTED = "question-aware", "question-agnostic", "re-selected"
 # the memory figures every --json output carries (run, chat, compress): docs/internals.md, "Memory figures"
 MEMORY_STATS = ("kv_bytes_allocated", "kv_cells_allocated", "kv_bytes_live", "peak_rss_bytes")
@@ -256,7 +255,7 @@ class Conversation:
                                          chunk=chunking.chunk, cap=chunking.cap)
             self.turns, self.last_reselection, self.prompt_len = [], None, 0
             return self.report
-        want = min(limit, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD)
+        want = min(limit, pad_cells(n + TURN_ROOM))
         if self.max_cache is not None:
             want = min(want, self.max_cache)
         if self.session.ctx is None:
@@ -411,7 +410,7 @@ class Conversation:
         reallocated for what the session holds + TURN_ROOM (NativeSession.resize_context), so a long-lived
         conversation does not keep a KV buffer sized for the whole document."""
         s = self.session
-        want = min(-(-(s.cells_used() + TURN_ROOM) // CTX_PAD) * CTX_PAD, s.n_ctx_train)
+        want = min(pad_cells(s.cells_used() + TURN_ROOM), s.n_ctx_train)
         if want < s.n_ctx:
             s.resize_context(want)
 
@@ -693,7 +692,7 @@ class Conversation:
             raise KvcliError(f"{path} holds no column sums, which policy '{policy}' scores by: store it with "
                              "kvcli compress --store --policy " + policy)
         n = len(conv.prefix_tokens)
-        session.create_context(min(session.n_ctx_train, -(-(n + TURN_ROOM) // CTX_PAD) * CTX_PAD))
+        session.create_context(min(session.n_ctx_train, pad_cells(n + TURN_ROOM)))
         conv.model_s = time.perf_counter() - t1
         conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
         conv.report = CompressReport(policy, budget, n, 0.0, params=cfg.params)
@@ -734,7 +733,7 @@ class Conversation:
             store.cap = budget + store.chunk
             conv.store = store
             # as the chat that read it: the kept entries, a chunk, and TURN_ROOM; one more sequence to load through
-            session.create_context(min(session.n_ctx_train, -(-(store.cap + TURN_ROOM) // CTX_PAD) * CTX_PAD),
+            session.create_context(min(session.n_ctx_train, pad_cells(store.cap + TURN_ROOM)),
                                    max(2, seq + 2))
         except BaseException:
             session.close()
@@ -773,7 +772,7 @@ class Conversation:
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
         # sized for what the file holds + TURN_ROOM, not for the document it was compressed from
         # (recompressing with /policy or /budget reallocates for the document first)
-        n_ctx = min(session.n_ctx_train, -(-(int(c["cells"]) + TURN_ROOM) // CTX_PAD) * CTX_PAD)
+        n_ctx = min(session.n_ctx_train, pad_cells(int(c["cells"]) + TURN_ROOM))
         if c.get("rope") == "long" and session.longrope:   # a LongRoPE cache read with the long factors keeps them
             n_ctx = max(n_ctx, session.longrope.long_ctx())
         session.create_context(n_ctx)

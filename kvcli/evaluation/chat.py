@@ -125,8 +125,7 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                                  f"({tok.n_ctx_train}): re-selection keeps the document's full cache (only the "
                                  f"modes {', '.join(BOUNDED)} read past it)")
             # bounded modes size the context per configuration, as kvcli chat does (_mode_bounded)
-            session = NativeSession(model_path, n_ctx=-(-(min(L, DEFAULT_CHUNK) if bounded_only else L + ROOM)
-                                                        // 256) * 256,
+            session = NativeSession(model_path, n_ctx=pad_cells(min(L, DEFAULT_CHUNK) if bounded_only else L + ROOM),
                                     cache_type=cache_type, n_threads=threads,
                                     n_seq=2 if set(modes) & set(BOUNDED) else 1)
             try:
@@ -390,8 +389,7 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
 
 MODE_RUNNERS = {"full": _mode_full, "once": _mode_once, "alone": _mode_alone, "context": _mode_context,
                 "reselect": _mode_reselect, "run": _mode_run,
-                "reread": _mode_reread, "bounded": _mode_bounded,
-                "bounded_all": lambda *a: _mode_bounded(*a, forms=("bounded_all",))}
+                "reread": _mode_reread}   # the bounded modes: _mode_bounded, every form asked at once
 
 
 # ------------------------------------------------------------------------------ results

@@ -99,8 +99,6 @@ void fill_to_widest(kvcli::PlanOut & out, int l, int H, const std::vector<std::v
             lm.push_back(std::get<1>(cells[i]));
             if (std::get<2>(cells[i]) >= 0) reps[h][std::get<2>(cells[i])].index = static_cast<int>(i);
         }
-        // replacements in kept order, as the twin emits them
-        std::sort(reps[h].begin(), reps[h].end(), [](const auto & a, const auto & b) { return a.index < b.index; });
     }
 }
 
