@@ -87,6 +87,19 @@ def test_eval_ruler_tasks_tiny(cli_runner, tiny):
     assert len(set(cwe["answers"])) == 10
 
 
+def test_eval_states_held_bytes_of_shared_prefill(cli_runner, tiny):
+    # one shared prefill for every configuration: each still reports what its own compressed cache holds
+    res = _run(cli_runner, "ruler", "--model", str(tiny), "--policies", "full,snapkv,pyramidkv", "--budgets", "48,96",
+               "--lengths", "600", "--samples", "1", "--depths", "0.5", "--tasks", "niah_single")
+    comp = [r for r in res["records"] if r["policy"] != "full"]
+    assert len(comp) == 4 and all(r["status"] == "ok" for r in comp)
+    for r in comp:
+        assert 0 < r["kv_bytes_live"] <= r["kv_bytes"] and r["kv_cells"] >= r["budget"]
+    held = {(r["policy"], r["budget"]): r["kv_bytes"] for r in comp}
+    assert held[("snapkv", 48)] < held[("snapkv", 96)]
+    assert all(c["kv_bytes"] > 0 for c in res["cells"] if c["policy"] != "full")
+
+
 def test_eval_truncate_baseline_in_one_go(cli_runner, tiny):
     """A prompt that fits the context: `truncate` runs once per budget (its own prefill of the first 32 and the
     last budget - 32 tokens) beside the shared-prefill policies, never as a context's worth (that is full)."""

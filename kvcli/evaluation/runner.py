@@ -74,7 +74,8 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     """For each (policy, budget) of `cfgs`, leave sequence 0 of `session` holding `tokens` compressed by it,
     and yield (policy, budget, status, first_logits, note, stats); decode from seq 0 before the next item.
     stats: the shared prefill's seconds (`prefill_s`), the configuration's planning + applying (`compress_s`,
-    kvzip's reconstruction pass included) and kvzip's pass alone (`reconstruct_s`).
+    kvzip's reconstruction pass included), kvzip's pass alone (`reconstruct_s`) and the compressed cache's
+    cells and K/V bytes held and live (`kv_cells`, `kv_bytes`, `kv_bytes_live`).
 
     One prefill serves every configuration of a sample (`kvcli.drivers.compress.Shared`): the observation is captured
     once with the union of what the policies need (one window sum per window length the policies use: a
@@ -98,7 +99,10 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             continue
         applied = shared.apply(resolved[(pol, bud)])
         if applied.error is None:
-            stats = {"prefill_s": round(shared.prefill_s, 4), "compress_s": round(applied.compress_s, 4)}
+            st = session.stats(0)   # what the compressed cache holds (each layer from its front) and keeps live
+            stats = {"prefill_s": round(shared.prefill_s, 4), "compress_s": round(applied.compress_s, 4),
+                     "kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]),
+                     "kv_bytes_live": int(st["kv_bytes_live"])}
             if applied.reconstruct_s is not None:
                 stats["reconstruct_s"] = round(applied.reconstruct_s, 4)
             yield pol, bud, "ok", shared.first, applied.note, stats
