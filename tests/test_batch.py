@@ -121,6 +121,28 @@ def test_batch_gives_the_answers_of_one_document_at_a_time(tiny, corpus, tmp_pat
         assert both[1][path]["stats"]["decoded_with"] in (1, None)
 
 
+def test_held_documents_of_a_layer_budget_policy_hold_their_live_entries(tiny, corpus, tmp_path):
+    """Issue #45: several compressed documents in one cache each hold only their live entries (the cache is packed at
+    every admission and release), with the answers of one document per context."""
+    docs = sorted(corpus.iterdir())[:4]
+    listing = "".join(f"{p}\n" for p in docs)
+    pyr = ["--policy", "pyramidkv", "--budget", "128", "-n", "8", "--cache-type", "f32", "-i", "Summarise the log."]
+    runs = {}
+    for name, parallel, layout in (("packed", 0, "ragged"), ("alone", 1, "ragged"), ("cells", 0, "cells")):
+        out = tmp_path / f"{name}.jsonl"
+        r = kvcli("batch", "--docs", "-", "--model", tiny, *pyr, "--parallel", parallel, "--out", out, input=listing,
+                  env={"KVCLI_LAYOUT": layout})
+        assert r.returncode == 0, r.stderr
+        runs[name] = {d["path"]: d for d in lines(out)}
+    assert set(runs["packed"]) == {str(p) for p in docs}
+    for path, d in runs["packed"].items():
+        st = d["stats"]
+        assert d["answer"] == runs["alone"][path]["answer"] == runs["cells"][path]["answer"]
+        assert st["kv_bytes"] <= 1.10 * st["kv_bytes_live"], st
+        assert runs["cells"][path]["stats"]["kv_bytes"] > 1.10 * st["kv_bytes_live"]   # what the cells layout held
+    assert max(d["stats"]["decoded_with"] for d in runs["packed"].values()) > 1       # they were held together
+
+
 def test_bad_documents_get_error_lines_and_the_batch_goes_on(tiny, corpus, tmp_path):
     d = tmp_path / "docs"
     d.mkdir()

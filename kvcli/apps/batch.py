@@ -452,12 +452,12 @@ class Worker:
             finally:
                 if 0 in reader.seqs:
                     reader.clear(0)
+            lock.hold(seq)   # packs the cache: what the document holds is measured after
             cache = session.stats(seq)
         except Exception as e:  # noqa: BLE001 - the document's line says what happened, the batch goes on
             lock.release(seq)
             emit(error_line(ready.job, _why(e), s))
             return
-        lock.hold(seq)
         slots[seq] = _Slot(ready, report, cache, Sampler(s.sampling).start(session, s.max_tokens),
                            codecs.getincrementaldecoder("utf-8")("replace"), t0=time.perf_counter(), read_s=read_s)
 
@@ -494,7 +494,8 @@ class Worker:
             read = {**r.as_stats(), "document_reads": 1, "prefill_s": round(r.prefill_s, 4),
                     "compress_s": round(r.compress_s, 4)}
         stats = {"prompt_tokens": len(slot.ready.tokens), "generated_tokens": len(slot.tokens),
-                 "kv_cells": c["kv_cells"], "kv_bytes": c["kv_bytes"], "kv_bytes_full": c["kv_bytes_full"],
+                 "kv_cells": c["kv_cells"], "kv_bytes": c["kv_bytes"], "kv_bytes_live": c["kv_bytes_live"],
+                 "kv_bytes_full": c["kv_bytes_full"],
                  **read, "decode_s": round(decode_s, 4),
                  "decode_tok_s": round(len(slot.tokens) / decode_s, 2) if slot.tokens and decode_s > 0 else None,
                  "decoded_with": round(slot.together / slot.steps, 2) if slot.steps else None}

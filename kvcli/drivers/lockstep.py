@@ -34,8 +34,11 @@ class Lockstep:
         return self.free_seq() is not None and peak_cells + self.reserve <= self.room()
 
     def hold(self, seq: int) -> None:
-        """`seq` has been filled (prefilled or restored): it decodes from now on."""
+        """`seq` has been filled (prefilled or restored): it decodes from now on. The cache is packed, so that the
+        dead slots of every held compressed sequence, not only of the one at the start of the cache, go unstored
+        (the ragged layout, native/src/kvcli_layout.cpp)."""
         self.left[seq] = self.reserve
+        self.session.pack_cells()
 
     def step(self, tokens: dict[int, int]) -> None:
         """Decode one token for each listed held sequence, all in one batch."""
@@ -47,3 +50,4 @@ class Lockstep:
         """Forget `seq` (held or not) and free its cells for the next admissions."""
         self.left.pop(seq, None)
         self.session.clear(seq)
+        self.session.pack_cells()   # the freed cells gave their layers' rows back: trim by what is left

@@ -305,6 +305,14 @@ def layout_trim(ctx) -> None:
     L.check(L.kvcli_layout_trim(_ctx(ctx)), "kvcli_layout_trim")
 
 
+def layout_pack(ctx) -> int:
+    """Reorder the cache's used cells so that the dead slots of every compressed sequence lead (each sequence keeps
+    its cells' order) and trim: several compressed sequences in one cache hold only their live entries. Returns the
+    cells that moved (native/src/kvcli_layout.cpp, `pack`)."""
+    L = lib()
+    return L.check(L.kvcli_layout_pack(_ctx(ctx)), "kvcli_layout_pack")
+
+
 def layout_fronts(ctx) -> list[int]:
     """Per cache layer, the first cell whose K/V row it stores (0: every cell; the ragged layout's dead prefix)."""
     L = lib()

@@ -385,6 +385,12 @@ class NativeSession:
         self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.seqs.pop(seq, None)
 
+    def pack_cells(self) -> int:
+        """Several compressed sequences in this context: reorder the cache's cells so that every sequence's dead
+        slots lead, each layer then storing only its live entries (native/src/kvcli_layout.cpp, `pack`); each
+        sequence keeps its cells' order, so nothing it decodes or plans from changes. Returns the cells moved."""
+        return cache.layout_pack(self.ctx)
+
     # ------------------------------------------------------------------ compression
     def apply_plan(self, plan, seq: int = 0, reindex: bool = False) -> None:
         """Compact `seq` (compressed already or not: slots are its cells now). reindex=True: the kept

@@ -233,6 +233,12 @@ KVCLI_API int32_t kvcli_layout_trim(struct llama_context * ctx);
 // per cache layer (kvcli_model_kv_layers order), the first cell it stores, into out (may be NULL); returns the
 // number of cache layers, < 0 on error
 KVCLI_API int32_t kvcli_layout_fronts(struct llama_context * ctx, int32_t * out);
+// Several compressed sequences in one cache (kvcli batch): reorders every used cell, each sequence keeping its
+// cells' order, so that cells dead in more cache layers come first and the used cells fill [0, n_used), then trims:
+// the dead slots of every sequence, not only of the block at the start of the cache, go unstored. Refused while a
+// decode is observed or when a cell is shared by several sequences; does nothing under KVCLI_LAYOUT=cells, for a
+// cache without flash attention or beside a sliding-window cache. Returns the cells that moved, < 0 on error.
+KVCLI_API int32_t kvcli_layout_pack(struct llama_context * ctx);
 
 // ---------------------------------------------------------------------------------
 // Planning: a pure function of an observation; needs no model.

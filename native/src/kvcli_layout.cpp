@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -219,6 +220,144 @@ void layout_follow(llama_kv_cache * kv, kvcli_kv_ext & ext) {
     relayout(kv, ext, front);
 }
 
+// Several compressed sequences in one cache (kvcli batch): each one's dead slots lead its own block, but only a dead
+// prefix of the whole cache can go unstored. Packing reorders every used cell so that those dead in more layers
+// come first (each sequence keeps its cells' relative order: a k-way merge by that count), which for blocks whose
+// layers keep alike puts every sequence's dead slots of a layer into one prefix. The used cells end up in
+// [0, n_used); the rows, positions, sequence sets and slot biases move with them; then the cache is trimmed.
+// Returns the number of cells that moved (0: already packed, or packing does not apply).
+uint32_t pack(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext) {
+    if (!ragged_wanted() || ext.bias.empty() || kvcli_access::v_trans(*kv) || kvcli_access::n_stream(*kv) != 1 ||
+        kvcli_is_iswa_base(*kv)) {
+        return 0; // nothing trimmed here (cells layout, nothing compressed, V transposed, a window cache beside)
+    }
+    if (ext.obs.armed) {
+        throw kvcli_error("the cache cannot be packed while a decode is observed");
+    }
+    auto & cells = kvcli_access::cells(*kv)[0];
+    if (cells.get_has_shift()) {
+        return 0; // a pending K-shift rotates rows by cell: pack after it ran
+    }
+    const uint32_t n_layer = ext.cells.n_layer(), nkv = ext.cells.n_head_kv(), end = cells.used_max_p1();
+    // per sequence, its cells in cell order, each with the number of layers it is dead in (every KV head -inf)
+    std::vector<std::vector<std::pair<uint32_t, uint32_t>>> per_seq;
+    std::vector<llama_seq_id> seq_of_list;
+    uint32_t n_used = 0;
+    for (uint32_t c = 0; c < end; ++c) {
+        if (cells.is_empty(c)) {
+            continue;
+        }
+        if (cells.seq_count(c) != 1) {
+            throw kvcli_error("cell " + std::to_string(c) + " is shared by several sequences: the cache cannot be packed");
+        }
+        uint32_t dead_layers = 0;
+        for (uint32_t l = 0; ext.cells.biased(c) && l < n_layer; ++l) {
+            bool dead = true;
+            for (uint32_t h = 0; h < nkv && dead; ++h) {
+                dead = ext.cells.bias(l, h, c) == -INFINITY;
+            }
+            dead_layers += dead;
+        }
+        const llama_seq_id s = cells.seq_get(c);
+        size_t i = std::find(seq_of_list.begin(), seq_of_list.end(), s) - seq_of_list.begin();
+        if (i == seq_of_list.size()) {
+            seq_of_list.push_back(s);
+            per_seq.emplace_back();
+        }
+        per_seq[i].push_back({ dead_layers, c });
+        ++n_used;
+    }
+    // merge: the next cell is the head of the sequence whose head is dead in most layers (ties: the lower cell)
+    std::vector<uint32_t> order; // order[j]: the cell that goes to cell j
+    order.reserve(n_used);
+    std::vector<size_t> at(per_seq.size(), 0);
+    while (order.size() < n_used) {
+        size_t best = per_seq.size();
+        for (size_t i = 0; i < per_seq.size(); ++i) {
+            if (at[i] == per_seq[i].size()) {
+                continue;
+            }
+            const auto & cand = per_seq[i][at[i]];
+            if (best == per_seq.size() || cand.first > per_seq[best][at[best]].first ||
+                (cand.first == per_seq[best][at[best]].first && cand.second < per_seq[best][at[best]].second)) {
+                best = i;
+            }
+        }
+        order.push_back(per_seq[best][at[best]++].second);
+    }
+    uint32_t moved = 0;
+    for (uint32_t j = 0; j < n_used; ++j) {
+        moved += order[j] != j;
+    }
+    if (moved == 0) {
+        return 0;
+    }
+    if (ctx) {
+        ggml_backend_sched_synchronize(ctx->get_sched()); // no graph may still read the cells
+    }
+    layout_full(kv, ext); // every row exists while they move; trimmed again below
+
+    // rows: each layer's K and V of cells [0, end) through the host, one tensor at a time
+    std::vector<uint8_t> src, dst;
+    for (auto & layer : kvcli_access::layers_mut(*kv)) {
+        for (ggml_tensor * t : { layer.k, layer.v }) {
+            const size_t row = t->nb[1];
+            src.resize((size_t) end * row);
+            dst.resize((size_t) n_used * row);
+            ggml_backend_tensor_get(t, src.data(), 0, src.size());
+            for (uint32_t j = 0; j < n_used; ++j) {
+                std::memcpy(dst.data() + (size_t) j * row, src.data() + (size_t) order[j] * row, row);
+            }
+            ggml_backend_tensor_set(t, dst.data(), 0, dst.size());
+        }
+    }
+    // cells: position, sequence (and M-RoPE ext), and the slot bias of every layer and KV head
+    struct moved_cell {
+        llama_pos         pos;
+        llama_seq_id      seq;
+        llama_kv_cell_ext cext;
+        bool              biased;
+        std::vector<float> bias; // [n_layer][n_head_kv]
+    };
+    std::vector<moved_cell> saved(n_used);
+    for (uint32_t j = 0; j < n_used; ++j) {
+        const uint32_t c = order[j];
+        moved_cell & m = saved[j];
+        m = { cells.pos_get(c), cells.seq_get(c), cells.ext_get(c), ext.cells.biased(c), {} };
+        for (uint32_t l = 0; m.biased && l < n_layer; ++l) {
+            for (uint32_t h = 0; h < nkv; ++h) {
+                m.bias.push_back(ext.cells.bias(l, h, c));
+            }
+        }
+    }
+    std::vector<uint32_t> touched;
+    for (uint32_t c = 0; c < end; ++c) {
+        touched.push_back(c);
+        if (!cells.is_empty(c)) {
+            cells.rm(c);
+        }
+        ext.cells.rm(c);
+    }
+    for (uint32_t j = 0; j < n_used; ++j) {
+        const moved_cell & m = saved[j];
+        cells.pos_set(j, m.pos);
+        cells.ext_set(j, m.cext);
+        cells.seq_add(j, m.seq);
+        for (uint32_t l = 0; m.biased && l < n_layer; ++l) {
+            for (uint32_t h = 0; h < nkv; ++h) {
+                ext.cells.set_bias(l, h, j, m.bias[(size_t) l * nkv + h]);
+            }
+        }
+    }
+    upload_bias(ext, touched);
+    kvcli_access::heads(*kv)[0] = n_used;
+    // an observation's accumulators are per cell: what they held no longer matches the cells
+    ext.obs.have_colsum = ext.obs.have_colmax = false;
+    ++ext.layout_gen; // no graph built over the old cells is reused
+    layout_trim(kv, ext);
+    return moved;
+}
+
 } // namespace kvcli_cache_detail
 
 using namespace kvcli_cache_detail;
@@ -233,6 +372,17 @@ int32_t kvcli_layout_trim(struct llama_context * ctx) {
             layout_trim(kv, *kv->kvcli_ext);
         }
         return 0;
+    });
+}
+
+int32_t kvcli_layout_pack(struct llama_context * ctx) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        if (!kv->kvcli_ext) {
+            return 0;
+        }
+        kv->kvcli_ext->ctx = ctx;
+        return (int32_t) pack(ctx, kv, *kv->kvcli_ext);
     });
 }
 

@@ -97,3 +97,59 @@ def test_a_bad_layout_value_is_a_clear_error(session_factory, tiny_model, monkey
     with pytest.raises(KvcliError, match="KVCLI_LAYOUT must be ragged or cells"):
         s.apply_plan(_uneven_plan(3, 2, [20, 10, 5], seed=1))
     assert not cache.is_compressed(s.ctx, 0)
+
+
+def _two_sequences(session_factory, model, layout, monkeypatch, widths0, widths1):
+    monkeypatch.setenv("KVCLI_LAYOUT", layout)
+    s = session_factory(model, flash_attn=True, cache_type="f16", n_seq=2)
+    for seq, widths, seed in ((0, widths0, 4), (1, widths1, 5)):
+        s.prefill(prompt_tokens(N, 3 + seq), seq=seq)
+        s.apply_plan(_uneven_plan(s.info.n_layer, s.info.n_head_kv, widths, seed=seed), seq=seq)
+    return s
+
+
+def test_packing_trims_every_sequence_of_a_shared_cache(session_factory, tiny_model, monkeypatch):
+    # kvcli batch: two compressed sequences in one cache. Before packing only the block at the start of the cache is
+    # trimmed; packing puts the cells dead in more layers first (each sequence keeping its order)
+    w0, w1 = [40, 9, 25], [30, 20, 5]
+    cells = _two_sequences(session_factory, tiny_model, "cells", monkeypatch, w0, w1)
+    ragged = _two_sequences(session_factory, tiny_model, "ragged", monkeypatch, w0, w1)
+    assert cache.layout_fronts(ragged.ctx) == [0, 31, 15]     # sequence 0's block only
+    monkeypatch.setenv("KVCLI_LAYOUT", "cells")
+    assert cells.pack_cells() == 0 and cache.layout_fronts(cells.ctx) == [0, 0, 0]   # the cells layout: untouched
+    monkeypatch.setenv("KVCLI_LAYOUT", "ragged")
+    before = {q: cache.read_kv(ragged.ctx, q, ragged.info) for q in (0, 1)}
+    assert ragged.pack_cells() > 0
+    # dead in layers 1 and 2: 15 + 10 cells; then dead in layer 1 only (sequence 0's 16, lower cells first), then
+    # in layer 2 only (sequence 1's 15)
+    assert cache.layout_fronts(ragged.ctx) == [0, 25 + 16, 25]
+    assert ragged.pack_cells() == 0                            # packed already
+    for q in (0, 1):
+        keys, values = cache.read_kv(ragged.ctx, q, ragged.info)
+        np.testing.assert_array_equal(keys, before[q][0])     # each sequence's rows, in its own order
+        np.testing.assert_array_equal(values, before[q][1])
+    k_row = cache.stats(cells.ctx, 0, cells.info.n_layer_model, cells.info.n_head_kv)["k_bytes"] // (3 * 40)
+    held = (70 * 3 - 41 - 25) * 2 * k_row                       # 70 cells in 3 layers, less the two fronts
+    assert cells.stats()["kv_bytes_allocated"] - ragged.stats()["kv_bytes_allocated"] == (41 + 25) * 2 * k_row
+    live = sum(w0) * 2 * k_row + sum(w1) * 2 * k_row
+    assert held - live == (40 - 25) * 2 * k_row                # layer 2: 40 dead slots, 25 of them in the prefix
+    for t in (11, 22, 33):                                     # both decode together as under the cells layout
+        for s in (cells, ragged):
+            s.step({0: t, 1: t + 1})
+        for q in (0, 1):
+            np.testing.assert_allclose(ragged.logits(q), cells.logits(q), atol=1e-5)
+    # a packed sequence saves and restores (into a fresh cache it is trimmed by its own profile)
+    snap = ragged.save_seq(1)
+    monkeypatch.setenv("KVCLI_LAYOUT", "ragged")
+    t = session_factory(tiny_model, flash_attn=True, cache_type="f16")
+    t.restore_seq(snap, 0)
+    assert cache.layout_fronts(t.ctx) == [0, 10, 25]
+    t.step({0: 44})
+    cells.step({1: 44})
+    np.testing.assert_allclose(t.logits(0), cells.logits(1), atol=1e-5)
+    # a sequence leaves: the layers give back the rows of its cells; packing again trims by what is left
+    ragged.clear(0)
+    ragged.pack_cells()
+    assert cache.layout_fronts(ragged.ctx) == [0, 10, 25]
+    ragged.step({1: 44})
+    np.testing.assert_allclose(ragged.logits(1), cells.logits(1), atol=1e-5)
