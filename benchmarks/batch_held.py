@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import native_plans  # noqa: E402
+from bench_common import provenance, native_plans  # noqa: E402
 from kvcli.evaluation.logbook import make_document  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 from kvcli.native import cache  # noqa: E402
@@ -93,8 +93,7 @@ def main() -> None:
                   f"allocated {r['kv_bytes_allocated'] / 1e6:7.2f} MB", flush=True)
     os.environ.pop("KVCLI_LAYOUT", None)
     res = {"model": model.name, "documents": a.docs, "prompt_tokens": tokens, "cache_type": "f16",
-           "command": "python benchmarks/batch_held.py " + " ".join(sys.argv[1:]), "seconds": round(time.time() - t0),
-           "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": os.popen("uptime").read().strip(),
+           **provenance("batch_held.py"), "seconds": round(time.time() - t0),
            "rows": rows}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")

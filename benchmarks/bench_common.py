@@ -20,6 +20,13 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def provenance(script: str) -> dict:
+    """The command that wrote a result (this script's arguments), when (UTC) and under what load."""
+    import time  # noqa: PLC0415
+    return {"command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": uptime()}
+
+
 def machine(threads: int | None = None, **extra) -> dict:
     """kvcli.evaluation.measure.machine (CPU model, cores, memory, OS, Python, threads, native build, load average)
     and `extra` (a script's own fields: torch's version, the GPU)."""

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import compact_under, native_plans  # noqa: E402
+from bench_common import provenance, compact_under, native_plans  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 
 INSTRUCTION = "What happened at the station? Answer in one sentence."
@@ -70,8 +70,7 @@ def main() -> None:
               f"{held[name, b, layout]['kv_bytes_live'] / 1e6:.2f} MB", flush=True)
     res = {"model": model.name, "doc": Path(a.doc).name, "prompt_tokens": len(tokens), "threads": a.threads,
            "steps": a.steps, "rounds": a.rounds,
-           "command": "python benchmarks/ragged_decode.py " + " ".join(sys.argv[1:]),
-           "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": os.popen("uptime").read().strip(),
+           **provenance("ragged_decode.py"),
            "rows": rows}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")

@@ -15,12 +15,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import compact_under, native_plans  # noqa: E402
+from bench_common import provenance, compact_under, native_plans  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 from kvcli.native import cache  # noqa: E402
 
@@ -49,8 +48,7 @@ def measure(doc: Path, model: Path, budgets: list[int], names=POLICIES) -> dict:
     os.environ.pop("KVCLI_LAYOUT", None)
     s.close()
     return {"model": model.name, "doc": doc.name, "prompt_tokens": len(tokens), "cache_type": "f16",
-            "prefill_s": round(prefill_s, 1), "command": "python benchmarks/ragged_held.py " + " ".join(sys.argv[1:]),
-            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": os.popen("uptime").read().strip(),
+            "prefill_s": round(prefill_s, 1), **provenance("ragged_held.py"),
             "rows": rows}
 
 
