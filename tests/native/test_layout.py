@@ -99,9 +99,9 @@ def test_a_bad_layout_value_is_a_clear_error(session_factory, tiny_model, monkey
     assert not cache.is_compressed(s.ctx, 0)
 
 
-def _two_sequences(session_factory, model, layout, monkeypatch, widths0, widths1):
+def _two_sequences(session_factory, model, layout, monkeypatch, widths0, widths1, cache_type="f16"):
     monkeypatch.setenv("KVCLI_LAYOUT", layout)
-    s = session_factory(model, flash_attn=True, cache_type="f16", n_seq=2)
+    s = session_factory(model, flash_attn=True, cache_type=cache_type, n_seq=2)
     for seq, widths, seed in ((0, widths0, 4), (1, widths1, 5)):
         s.prefill(prompt_tokens(N, 3 + seq), seq=seq)
         s.apply_plan(_uneven_plan(s.info.n_layer, s.info.n_head_kv, widths, seed=seed), seq=seq)
@@ -153,3 +153,20 @@ def test_packing_trims_every_sequence_of_a_shared_cache(session_factory, tiny_mo
     assert cache.layout_fronts(ragged.ctx) == [0, 10, 25]
     ragged.step({1: 44})
     np.testing.assert_allclose(ragged.logits(1), cells.logits(1), atol=1e-5)
+
+
+def test_packing_moves_quantised_rows_whole(session_factory, tiny_model_64, monkeypatch):
+    # q8_0 rows (whole blocks per KV head) move as bytes: the packed cache decodes as the cells layout does
+    w0, w1 = [40, 9], [30, 20]
+    cells = _two_sequences(session_factory, tiny_model_64, "cells", monkeypatch, w0, w1, "q8_0")
+    ragged = _two_sequences(session_factory, tiny_model_64, "ragged", monkeypatch, w0, w1, "q8_0")
+    assert cache.layout_fronts(ragged.ctx) == [0, 31]
+    assert ragged.pack_cells() > 0
+    assert cache.layout_fronts(ragged.ctx) == [0, 31 + 10]    # layer 1: both sequences' dead slots, one prefix
+    assert sum(ragged.stats(q)["kv_bytes_live"] for q in (0, 1)) == \
+        sum(cache.stats(ragged.ctx, q, ragged.info.n_layer_model, ragged.info.n_head_kv)["k_bytes"] * 2 for q in (0, 1))
+    for t in (5, 6):
+        for s in (cells, ragged):
+            s.step({0: t, 1: t})
+        for q in (0, 1):
+            np.testing.assert_allclose(ragged.logits(q), cells.logits(q), atol=1e-5)
