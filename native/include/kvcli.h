@@ -236,8 +236,8 @@ KVCLI_API int32_t kvcli_layout_fronts(struct llama_context * ctx, int32_t * out)
 // Several compressed sequences in one cache (kvcli batch): reorders every used cell, each sequence keeping its
 // cells' order, so that cells dead in more cache layers come first and the used cells fill [0, n_used), then trims:
 // the dead slots of every sequence, not only of the block at the start of the cache, go unstored. Refused while a
-// decode is observed or when a cell is shared by several sequences; does nothing under KVCLI_LAYOUT=cells, for a
-// cache without flash attention or beside a sliding-window cache. Returns the cells that moved, < 0 on error.
+// decode is observed or when a cell is shared by several sequences; does nothing under KVCLI_LAYOUT=cells or for a
+// cache without flash attention. Returns the cells that moved, < 0 on error.
 KVCLI_API int32_t kvcli_layout_pack(struct llama_context * ctx);
 
 // ---------------------------------------------------------------------------------

@@ -227,9 +227,8 @@ void layout_follow(llama_kv_cache * kv, kvcli_kv_ext & ext) {
 // [0, n_used); the rows, positions, sequence sets and slot biases move with them; then the cache is trimmed.
 // Returns the number of cells that moved (0: already packed, or packing does not apply).
 uint32_t pack(llama_context * ctx, llama_kv_cache * kv, kvcli_kv_ext & ext) {
-    if (!ragged_wanted() || ext.bias.empty() || kvcli_access::v_trans(*kv) || kvcli_access::n_stream(*kv) != 1 ||
-        kvcli_is_iswa_base(*kv)) {
-        return 0; // nothing trimmed here (cells layout, nothing compressed, V transposed, a window cache beside)
+    if (!ragged_wanted() || ext.bias.empty() || kvcli_access::v_trans(*kv) || kvcli_access::n_stream(*kv) != 1) {
+        return 0; // nothing trimmed here (cells layout, nothing compressed, V transposed)
     }
     if (ext.obs.armed) {
         throw kvcli_error("the cache cannot be packed while a decode is observed");

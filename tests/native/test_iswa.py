@@ -162,3 +162,25 @@ def test_the_window_cache_stays_bounded_and_a_deep_rollback_is_refused(session_f
     s.step({0: 4321})
     kv = [layer[:-1] for layer in kv]
     _close(s.logits(), ref.step(4321, n, kv, entries_from_plan(plan, obs.keys, obs.values)))
+
+
+def test_packing_two_compressed_sequences_beside_the_window_cache(session_factory, tiny_gemma, monkeypatch):
+    """kvcli batch on a sliding-window model: packing moves the global layers' cells only (positions travel with
+    them, the window cache is untouched) and both sequences decode as under the cells layout."""
+    def two(layout):
+        monkeypatch.setenv("KVCLI_LAYOUT", layout)
+        s = session_factory(tiny_gemma, flash_attn=True, cache_type="f16", n_seq=2)
+        for seq, widths in ((0, [30, 8]), (1, [20, 14])):
+            s.prefill(prompt_tokens(N, 7 + seq), seq=seq)
+            kept = [[np.arange(N - w, N, dtype=np.int32) for _ in range(s.info.n_head_kv)] for w in widths]
+            s.apply_plan(Plan.from_lists(kept), seq=seq)
+        return s
+    cells, ragged = two("cells"), two("ragged")
+    assert cache.layout_fronts(ragged.ctx) == [0, 22]
+    assert ragged.pack_cells() > 0
+    assert cache.layout_fronts(ragged.ctx) == [0, 22 + 6]
+    for t in (101, 202, 303):
+        for s in (cells, ragged):
+            s.step({0: t, 1: t + 1})
+        for q in (0, 1):
+            np.testing.assert_allclose(ragged.logits(q), cells.logits(q), atol=1e-4)
