@@ -5,9 +5,11 @@ the K/V bytes its cache holds, qwen2.5-coder-0.5b at 8k.
 
 One row per policy and budget: the multi-question chat's score (re-selected per question; kvzip compressed once) with
 its standard error (questions as the unit), RULER's (question-aware, string_match_all, mean over the samples), and
-the bytes: held (each layer from its front: the ragged layout), live (the kept entries), and what the shared cells
-held before the ragged layout (kv_cells x the bytes of a cell in every layer: the cells layout allocates every layer
-as wide as its widest, benchmarks/results/ragged-held-qwen-station-log.json measured it so). Bytes are means over
+the bytes: held (`kv_bytes`: each layer's K/V rows from its front, the ragged layout, plus the slot bias of the
+compacted cells, 192 B a cell on qwen), live (the kept entries' K/V), and the K/V rows the shared cells held before
+the ragged layout, computed: kv_cells x the K/V bytes of a cell in every layer (12,288 B, the full cache's kv_bytes /
+kv_cells; the cells layout allocates every layer as wide as its widest, benchmarks/results/ragged-held-qwen-station-
+log.json measured it so), without the slot bias, so it understates that layout by about 1.6%. Bytes are means over
 the questions (chat) and samples (RULER); the chat's are the table's. Numbers are the JSONs', only rounded.
 """
 from __future__ import annotations
