@@ -61,14 +61,22 @@ def chat_rows(paths: list[Path]) -> dict:
 
 
 def ruler_rows(path: Path) -> dict:
+    """(policy, budget) -> {score, n, kv_bytes, cells_bytes} from the RULER records (bytes as in chat_rows)."""
     out: dict = {}
     groups: dict = {}
+    per_cell = None
     for r in json.loads(path.read_text())["records"]:
         if r["status"] == "ok":
             groups.setdefault((r["policy"], r["budget"]), []).append(r)
+            if r["policy"] == "full" and r.get("kv_cells") and "kv_bytes" in r:
+                per_cell = r["kv_bytes"] / r["kv_cells"]
     for key, rs in groups.items():
-        out[key] = {"score": _mean([r["score"] for r in rs]), "n": len(rs),
-                    **({"kv_bytes": _mean([r["kv_bytes"] for r in rs])} if all("kv_bytes" in r for r in rs) else {})}
+        row = {"score": _mean([r["score"] for r in rs]), "n": len(rs)}
+        if all("kv_bytes" in r for r in rs):
+            row["kv_bytes"] = _mean([r["kv_bytes"] for r in rs])
+            if per_cell:
+                row["cells_bytes"] = _mean([r["kv_cells"] for r in rs]) * per_cell
+        out[key] = row
     return out
 
 
@@ -96,17 +104,16 @@ def plot(chat: dict, ruler: dict, path: str) -> None:
     policies = [p for p in ORDER if p != "full" and any(k[0] == p for k in chat)]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, rows, title in ((axes[0], chat, "multi-question chat (12 questions, re-selected)"),
-                            (axes[1], ruler, "RULER needles (question-aware)")):
+                            (axes[1], ruler, "RULER: 2 needle tasks x 2 depths + variable tracking")):
         for i, pol in enumerate(policies):
-            pts = sorted((b, rows[(pol, b)]) for (p, b) in rows if p == pol and b is not None)
-            pts = [(b, r) for b, r in pts if chat.get((pol, b), {}).get("kv_bytes") is not None]
+            pts = sorted((b, r) for (p, b), r in rows.items() if p == pol and b is not None and "kv_bytes" in r)
             if not pts:
                 continue
             col = colors[i % len(colors)]
-            xs = [chat[(pol, b)]["kv_bytes"] / 1e6 for b, _ in pts]
+            xs = [r["kv_bytes"] / 1e6 for _, r in pts]
             ys = [r["score"] for _, r in pts]
             ax.plot(xs, ys, "o-", color=col, label=pol)
-            cx = [chat[(pol, b)].get("cells_bytes", 0) / 1e6 for b, _ in pts]
+            cx = [r.get("cells_bytes", 0) / 1e6 for _, r in pts]
             ax.plot(cx, ys, "o", mfc="none", color=col, alpha=0.7)
             for x0, x1, y in zip(xs, cx, ys):
                 if x1 > x0 * 1.02:
