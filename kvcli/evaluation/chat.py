@@ -65,7 +65,7 @@ from kvcli.drivers.reselect import StoredDocument
 from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable
 from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
-from kvcli.evaluation.measure import machine, peak_rss_bytes
+from kvcli.evaluation.measure import held, machine, peak_rss_bytes
 from kvcli.evaluation.runner import _greedy
 from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all
 from kvcli.native.session import NativeSession
@@ -196,13 +196,6 @@ def _answer_after(session, prefix: str, prompt: str, mark: int, max_tokens: int)
     answer = _greedy(session, session.logits(0), max_tokens)
     return answer, {"question_prefill_s": round(t2 - t1, 4), "answer_s": round(time.perf_counter() - t2, 4),
                     **held(session)}
-
-
-def held(session) -> dict:
-    """What sequence 0's cache holds now: cells, the K/V bytes held (each layer from its front: the ragged layout)
-    and the live entries' bytes, so a score can be read against the memory it cost (issue #45)."""
-    st = session.stats(0)
-    return {"kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]), "kv_bytes_live": int(st["kv_bytes_live"])}
 
 
 def _mode_once(session, text, planted, cfgs, full, max_tokens, store, mode="once", history_kept=True):

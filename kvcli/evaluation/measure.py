@@ -141,3 +141,9 @@ def spread(values: list[float]) -> dict:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
+
+def held(session, seq: int = 0) -> dict:
+    """What a sequence's cache holds now: cells, the K/V bytes held (each layer from its front: the ragged layout)
+    and the live entries' bytes, so a score can be read against the memory it cost (issue #45)."""
+    st = session.stats(seq)
+    return {"kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]), "kv_bytes_live": int(st["kv_bytes_live"])}

@@ -26,7 +26,7 @@ from kvcli.drivers.bench import availability
 from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.errors import KvcliError
-from kvcli.evaluation.measure import kl, log_softmax, machine
+from kvcli.evaluation.measure import held, kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, prefix_text, render, ruler_sample, string_match_all
 from kvcli.generate import Sampler
 from kvcli.native.session import ContextFull, NativeSession
@@ -99,10 +99,8 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
             continue
         applied = shared.apply(resolved[(pol, bud)])
         if applied.error is None:
-            st = session.stats(0)   # what the compressed cache holds (each layer from its front) and keeps live
             stats = {"prefill_s": round(shared.prefill_s, 4), "compress_s": round(applied.compress_s, 4),
-                     "kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]),
-                     "kv_bytes_live": int(st["kv_bytes_live"])}
+                     **held(session)}
             if applied.reconstruct_s is not None:
                 stats["reconstruct_s"] = round(applied.reconstruct_s, 4)
             yield pol, bud, "ok", shared.first, applied.note, stats
@@ -143,9 +141,7 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
             else:
                 rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
                                            chunk=chunk, cap=bud + chunk, scoring=scoring)
-                st = session.stats(0)
-                stats = {"kv_cells": int(st["kv_cells"]), "kv_bytes": int(st["kv_bytes"]),
-                         "kv_bytes_live": int(st["kv_bytes_live"]), **rep.as_stats()}
+                stats = {**held(session), **rep.as_stats()}
         except KvcliError as e:
             yield pol, bud, f"error: {e}", None, "", {}
             continue
