@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.native import load_llama_cpp, sigint_deferred
+from kvcli.native import load_llama_cpp, signals_deferred
 from kvcli.native.session import ContextFull
 
 DRY_BREAKERS = ("\n", ":", "\"", "*")      # llama.cpp's default DRY sequence breakers
@@ -145,7 +145,7 @@ def vocab_of(session):
         L = load_llama_cpp()
         params = L.llama_model_default_params()
         params.vocab_only = True
-        with sigint_deferred():
+        with signals_deferred():
             model = L.llama_model_load_from_file(path.encode(), params)
         if not model:
             raise KvcliError(f"llama.cpp could not read the vocabulary of {path}")

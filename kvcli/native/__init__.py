@@ -30,26 +30,35 @@ def build_info() -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def sigint_deferred():
-    """Ctrl-C during a C call that calls back into Python is delivered once the call has returned. Python runs a
-    signal's handler at the next bytecode, and while C code runs that is the entry of a ctypes callback (llama.cpp's
-    log sink while a model loads, a planner's K/V reader), before any `try` of its own: the KeyboardInterrupt cannot
-    cross the C frames, ctypes prints it as "Exception ignored ... Traceback" and the interrupt is lost (Ctrl-C
-    while `kvcli run` loaded its model: that message, then the whole run; during d2o's planning in `kvcli eval chat`:
-    the planner failed and nothing scored was kept). The signal is re-sent to the process after the call, under
-    the handler that was in place. Only the main thread receives signals; elsewhere nothing changes."""
+def signals_deferred():
+    """Ctrl-C, SIGTERM and SIGHUP during a C call that calls back into Python are delivered once the call has
+    returned. Python runs a signal's handler at the next bytecode, and while C code runs that is the entry of a
+    ctypes callback (llama.cpp's log sink while a model loads, a planner's K/V reader), before any `try` of its own:
+    the exception (KeyboardInterrupt, or kvcli's Terminated for SIGTERM/SIGHUP) cannot cross the C frames, ctypes
+    prints it as "Exception ignored ... Traceback" and the signal is lost (Ctrl-C while `kvcli run` loaded its
+    model: that message, then the whole run; SIGTERM while a model loaded: a process that went on until killed).
+    Each signal that arrived is re-sent to the process after the call, under the handler that was in place. A
+    signal ignored (`nohup`) stays ignored. Only the main thread receives signals; elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     hit: list[int] = []
-    prev = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    prev = {}
+    for sig in DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if handler is not signal.SIG_IGN:
+            prev[sig] = signal.signal(sig, lambda signum, _frame: hit.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, prev)
-        if hit:
-            signal.raise_signal(signal.SIGINT)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(hit):   # once each, in the order they came
+            signal.raise_signal(sig)
 
 
 def _log_sink(level, text, user_data):

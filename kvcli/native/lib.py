@@ -13,7 +13,7 @@ import numpy as np
 
 from kvcli import policies
 from kvcli.errors import KvcliError
-from kvcli.native import load_llama_cpp, sigint_deferred
+from kvcli.native import load_llama_cpp, signals_deferred
 from kvcli.planning.formats import Observation, Plan
 
 F32P = POINTER(c_float)
@@ -274,7 +274,7 @@ def native_plan(policy: str, params: dict | str, budget: int, obs: Observation) 
         params = policies.get(policy).native_params(params, budget, obs.n_layer, obs.n)
     L = lib()
     ov, keep = obs_view(obs)
-    with sigint_deferred():
+    with signals_deferred():
         handle = L.kvcli_plan_make(policy.encode(), params.encode(), int(budget), ctypes.byref(ov))
     if not handle:
         if keep[-1] is not None and keep[-1].error is not None:   # the K/V reader failed: its own error

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
-from kvcli.native import cache, load_llama_cpp, sigint_deferred
+from kvcli.native import cache, load_llama_cpp, signals_deferred
 from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
 from kvcli.planning.formats import observed_windows
 from kvcli.planning.rope import rope_of
@@ -73,7 +73,7 @@ class NativeSession:
         mparams = L.llama_model_default_params()
         if n_gpu_layers is not None:
             mparams.n_gpu_layers = int(n_gpu_layers)
-        with sigint_deferred():   # its log goes through a Python callback (kvcli/native/__init__.py)
+        with signals_deferred():   # its log goes through a Python callback (kvcli/native/__init__.py)
             self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
             raise KvcliError(f"llama.cpp could not load {self.model_path} (set KVCLI_DEBUG=1 to see its log)")
@@ -131,7 +131,7 @@ class NativeSession:
         threads = n_threads or default_threads()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        with sigint_deferred():
+        with signals_deferred():
             self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             if self._owns_model:
