@@ -147,6 +147,7 @@ def test_eval_chat_bounded_forms_past_the_context(cli_runner, tiny_1k, tmp_path,
     assert [x["mode"] for x in recs] == ["bounded"] * 2 + ["bounded_all"] * 2
     assert all(x["doc_tokens"] > 1024 >= x["n_ctx"] and x["kv_cells"] <= 48 + 12 for x in recs)
     assert len({x["read_s"] for x in recs}) == 1                       # one read served both forms
+    assert len({x["store_bytes"] for x in recs}) == 1 and recs[0]["store_bytes"] > 0   # its bytes on disk
     assert all(x["reselect_chunks"] == x["stored_chunks"] > 1 for x in recs if x["mode"] == "bounded_all")
     r = cli_runner.invoke(cli, common + ["--modes", "full,bounded"])
     assert r.exit_code != 0 and "exceed the model's context" in r.output and "Traceback" not in r.output

@@ -368,7 +368,7 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
                     recs.append(_record(form, key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
                                         reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
                                         stored_chunks=r.stored, index_s=round(r.index_s, 4),
-                                        read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
+                                        read_s=round(cs.read_s, 3), store_bytes=cs.nbytes, answer_s=round(time.perf_counter() - t2, 4),
                                         n_ctx=session.n_ctx, **held(session)))
                     history.append((q, answer.strip()))
                     session.clear(0)
