@@ -4,7 +4,8 @@
 
 One row per length and budget: the six questions' right answers and seconds per question for the bounded form as
 kvcli chat serves it (`bounded`: the block index's chosen chunks) and the form before the index (`bounded_all`: every
-chunk, a probe each), the read's seconds, the K/V bytes held; at 31k also the full cache and exact re-selection.
+chunk, a probe each), the read's seconds, the K/V bytes held, the store on disk per 1k tokens (results that record
+it); at 31k also the full cache and exact re-selection. A quantised cache (`--cache-type`) gets rows of its own.
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ def rows(paths: list[str]) -> list[dict]:
     out: dict = {}
     for p in paths:
         d = json.load(open(p))
+        ctype = d.get("cache_type", "f16")   # results before it was recorded are f16
         for r in d["records"]:
-            key = (r["length"], r["budget"])
+            key = (r["length"], r["budget"], ctype)
             if r["mode"] == "full":
                 continue
-            row = out.setdefault(key, {"length": r["length"], "doc_tokens": r["doc_tokens"], "budget": r["budget"]})
+            row = out.setdefault(key, {"length": r["length"], "doc_tokens": r["doc_tokens"], "budget": r["budget"],
+                                        "cache_type": ctype})
             m = row.setdefault(r["mode"], {"right": 0, "n": 0, "s": []})
             m["right"] += r["score"] == 100.0
             m["n"] += 1
@@ -30,10 +33,12 @@ def rows(paths: list[str]) -> list[dict]:
             if "read_s" in r:
                 row["read_s"] = r["read_s"]
             row["kv_bytes"] = r["kv_bytes"]
+            if "store_bytes" in r:
+                row["store_per_1k"] = r["store_bytes"] / r["doc_tokens"] * 1000
         for r in d["records"]:
             if r["mode"] == "full":
                 for key, row in out.items():
-                    if key[0] == r["length"]:
+                    if key[0] == r["length"] and key[2] == ctype:
                         f = row.setdefault("full", {"right": 0, "n": 0, "s": []})
                         f["right"] += r["score"] == 100.0
                         f["n"] += 1
@@ -51,13 +56,14 @@ def cell(m: dict | None) -> str:
 
 def main(argv: list[str]) -> int:
     paths = argv or sorted(glob.glob("benchmarks/results/book-quality-qwen-*.json"))
-    print("| tokens | budget | index (kvcli chat) | every chunk (before) | exact re-selection | full cache | read | "
-          "held |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tokens | budget | cache | index (kvcli chat) | every chunk (before) | exact re-selection | full cache | "
+          "read | held | store per 1k tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows(paths):
-        print(f"| {r['doc_tokens']:,} | {r['budget']} | {cell(r.get('bounded'))} | {cell(r.get('bounded_all'))} | "
-              f"{cell(r.get('reselect'))} | {cell(r.get('full'))} | {r.get('read_s', 0):.0f} s | "
-              f"{r['kv_bytes'] / 1e6:.1f} MB |")
+        store = f"{r['store_per_1k'] / 1e6:.1f} MB" if "store_per_1k" in r else "-"
+        print(f"| {r['doc_tokens']:,} | {r['budget']} | {r['cache_type']} | {cell(r.get('bounded'))} | "
+              f"{cell(r.get('bounded_all'))} | {cell(r.get('reselect'))} | {cell(r.get('full'))} | "
+              f"{r.get('read_s', 0):.0f} s | {r['kv_bytes'] / 1e6:.1f} MB | {store} |")
     return 0
 
 

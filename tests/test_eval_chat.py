@@ -143,7 +143,9 @@ def test_eval_chat_bounded_forms_past_the_context(cli_runner, tiny_1k, tmp_path,
               "--documents", "1", "--facts", "2", "--quiet"]
     r = cli_runner.invoke(cli, common + ["--modes", "bounded,bounded_all", "--json-out", str(out)])
     assert r.exit_code == 0, r.output
-    recs = json.loads(out.read_text())["records"]
+    result = json.loads(out.read_text())
+    recs = result["records"]
+    assert result["cache_type"] == "f16"
     assert [x["mode"] for x in recs] == ["bounded"] * 2 + ["bounded_all"] * 2
     assert all(x["doc_tokens"] > 1024 >= x["n_ctx"] and x["kv_cells"] <= 48 + 12 for x in recs)
     assert len({x["read_s"] for x in recs}) == 1                       # one read served both forms

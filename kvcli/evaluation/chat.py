@@ -173,8 +173,8 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
     tok.close()
     return {"kind": "chat", "model": str(model_path), "policies": policies, "budgets": budgets, "lengths": lengths,
             "documents": documents, "first_document": first_document, "facts": facts, "modes": list(modes),
-            "records": records, "reads": reads, "summary": summarise(records), "machine": machine(threads),
-            "peak_rss_bytes": peak_rss_bytes(),
+            "cache_type": cache_type, "records": records, "reads": reads, "summary": summarise(records),
+            "machine": machine(threads), "peak_rss_bytes": peak_rss_bytes(),
             "seconds": round(time.perf_counter() - t_start, 1), "interrupted": interrupted}
 
 
@@ -368,8 +368,8 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
                     recs.append(_record(form, key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),
                                         reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
                                         stored_chunks=r.stored, index_s=round(r.index_s, 4),
-                                        read_s=round(cs.read_s, 3), store_bytes=cs.nbytes, answer_s=round(time.perf_counter() - t2, 4),
-                                        n_ctx=session.n_ctx, **held(session)))
+                                        read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
+                                        store_bytes=cs.nbytes, n_ctx=session.n_ctx, **held(session)))
                     history.append((q, answer.strip()))
                     session.clear(0)
         finally:
