@@ -29,7 +29,8 @@ def rows(paths: list[str]) -> list[dict]:
             m["right"] += r["score"] == 100.0
             m["n"] += 1
             if "reselect_s" in r:
-                m["s"].append(r["reselect_s"] + r.get("answer_s", 0.0))
+                # a question's seconds: choosing its chunks (the block index), re-selecting them, answering
+                m["s"].append(r.get("index_s", 0.0) + r["reselect_s"] + r.get("answer_s", 0.0))
             if "read_s" in r:
                 row["read_s"] = r["read_s"]
             row["kv_bytes"] = r["kv_bytes"]

@@ -100,3 +100,32 @@ def test_eval_agnostic_cli_marks_the_mode(cli_runner, tiny):
                                                       for r in res["records"])
     r = cli_runner.invoke(cli, ["eval", "ruler", "--help"])
     assert "--agnostic" in r.output and "generic instruction" in r.output
+
+
+def test_eval_stored_answers_from_one_read_in_both_forms(cli_runner, tiny, cache_dir):
+    """--stored (kvcli chat's path over a book): each configuration reads the document once into a bounded store,
+    past the model's 2k context here, and answers from it through the block index and through every chunk; `full` is
+    not run; results, summary and the table are per form."""
+    from kvcli.cli import cli
+    args = ["eval", "ruler", "--stored", "--model", str(tiny), "--policies", "full,snapkv", "--budgets", "48,96",
+            "--lengths", "2600", "--tasks", "niah_single", "--samples", "1", "--depths", "0.5", "--chunk", "256"]
+    r = cli_runner.invoke(cli, args + ["--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["settings"]["mode"] == "stored" and res["settings"]["forms"] == ["index", "every_chunk"]
+    recs = res["records"]
+    assert [(x["policy"], x["budget"], x["form"]) for x in recs] == [
+        ("full", None, "index"), ("full", None, "every_chunk"), ("snapkv", 48, "index"), ("snapkv", 48, "every_chunk"),
+        ("snapkv", 96, "index"), ("snapkv", 96, "every_chunk")]
+    assert all(x["status"].startswith("not run") for x in recs[:2])
+    ok = recs[2:]
+    assert all(x["status"] == "ok" and x["mode"] == "stored" and x["tokens"] > 2048 for x in ok)
+    for a, b in (ok[:2], ok[2:]):   # one read serves both forms
+        assert a["read_s"] == b["read_s"] and a["store_bytes"] == b["store_bytes"] > 0
+        assert a["stored_chunks"] == b["stored_chunks"] > 4 and a["chunk"] == 256
+        assert b["reselect_chunks"] == b["stored_chunks"] and a["reselect_chunks"] <= a["stored_chunks"]
+        assert a["kv_cells"] <= a["budget"] + 32 and b["kv_cells"] <= b["budget"] + 32
+    assert {(s["budget"], s["form"]) for s in res["summary"] if s["policy"] == "snapkv"} == {
+        (48, "index"), (48, "every_chunk"), (96, "index"), (96, "every_chunk")}
+    table = cli_runner.invoke(cli, args)
+    assert table.exit_code == 0 and "snapkv@48 index" in table.output and "snapkv@48 every_chunk" in table.output

@@ -23,6 +23,10 @@ AGNOSTIC_HELP = ("Compress each document before its question is seen (question-a
                  "compressed by every configuration, then the question follows as "
                  "the next user turn (with the answer prefix) and is answered greedily from the compressed cache. "
                  "Default: question-aware (the document and the question in one user turn, compressed together).")
+STORED_HELP = ("Answer as kvcli chat answers over a book: each document (the --agnostic layout) is read once per "
+               "policy and budget by bounded reading into a store of every chunk, then the question is re-selected "
+               "from it twice, through the block index's chosen chunks (form 'index', kvcli chat today) and through "
+               "every stored chunk with a probe each (form 'every_chunk'); results per form. 'full' is not run.")
 CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (kvcli/drivers/chunked.py); on by "
               "itself "
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
@@ -89,14 +93,17 @@ def eval_group():
               help="Samples per length and depth.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--agnostic", is_flag=True, help=AGNOSTIC_HELP)
-def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, depths, samples, seed, agnostic):
+@click.option("--stored", is_flag=True, help=STORED_HELP)
+def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, depths, samples, seed, agnostic,
+             stored):
     """Needle in a haystack over lengths x depths (logbook haystack of kvcli/evaluation/logbook.py)."""
     path, lens = _prepare(model, lengths, plot_path)
     ds = parse_float_list(depths, "--depths")
     result = run_generation_eval(path, "niah", ["niah"], req.policies, req.budgets, lens, ds, samples,
                                  cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                                  seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
-                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler(), agnostic=agnostic)
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler(), agnostic=agnostic,
+                                 stored=stored)
     _finish(result, as_json, json_path, plot_path, quiet, plot_niah)
 
 
@@ -109,8 +116,9 @@ def niah_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json,
               help="Samples per task, length (and depth).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--agnostic", is_flag=True, help=AGNOSTIC_HELP)
+@click.option("--stored", is_flag=True, help=STORED_HELP)
 def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, tasks, depths, samples, seed,
-              agnostic):
+              agnostic, stored):
     """RULER-style synthetic tasks with RULER's string-match metric."""
     path, lens = _prepare(model, lengths, plot_path)
     ts = parse_list(tasks, "--tasks", lambda s: s.lower())
@@ -121,7 +129,8 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
     result = run_generation_eval(path, "ruler", ts, req.policies, req.budgets, lens, ds, samples,
                                  cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                                  seed=seed, log=None if quiet else log_stderr, chunk=req.chunk,
-                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler(), agnostic=agnostic)
+                                 chunk_scoring=req.chunk_scoring, sampler=req.sampler(), agnostic=agnostic,
+                                 stored=stored)
     _finish(result, as_json, json_path, plot_path, quiet, plot_scores)
 
 

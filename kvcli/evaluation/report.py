@@ -168,14 +168,15 @@ def plot_scores(result: dict, path: str, metric: str = "score", ylabel: str = "s
         ss = [s for s in summary if s.get("task", result["task"]) == task]
         lines: dict[tuple, list] = {}
         for s in ss:
-            lines.setdefault((s["policy"], s["length"]), []).append(s)
-        for i, ((pol, length), pts) in enumerate(sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
+            lines.setdefault((s["policy"], s["length"], s.get("form") or ""), []).append(s)
+        for i, ((pol, length, form), pts) in enumerate(sorted(lines.items())):
             c = colors[i % len(colors)]
             if pol == "full":
                 ax.axhline(pts[0][metric], color=c, ls="--", label=f"full, {length}")
             else:
                 pts = sorted(pts, key=lambda s: s["budget"])
-                ax.plot([s["budget"] for s in pts], [s[metric] for s in pts], "o-", color=c, label=f"{pol}, {length}")
+                label = f"{pol}, {length}" + (f", {form}" if form else "")
+                ax.plot([s["budget"] for s in pts], [s[metric] for s in pts], "o-", color=c, label=label)
         ax.set(title=task, xlabel="budget", ylabel=ylabel)
         if any(s["budget"] for s in ss):
             ax.set_xscale("log", base=2)

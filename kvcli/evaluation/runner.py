@@ -13,6 +13,12 @@ document and kvcli's generic instruction, kvcli.templating.GENERIC_SUFFIX, in on
 compressed by every configuration (one prefill, `Shared`, serves them all; kvzip's reconstruction pass runs once),
 then the question follows as the next user turn, with the assistant turn and the task's answer prefix, and is
 answered greedily from the compressed cache.
+
+Stored mode (`stored`, `kvcli eval niah|ruler --stored`): as `kvcli chat` answers over a book. The agnostic prefix
+is read once per configuration by bounded reading into a store of every chunk (kvcli/drivers/reselect_bounded.py,
+in the context kvcli chat gives that policy and budget), then the question is answered twice from that one store:
+form `index`, the chunks the block index chooses re-selected for the question (kvcli chat today), and form
+`every_chunk`, every stored chunk streamed through budget + one chunk with a probe each (kvcli before the index).
 """
 from __future__ import annotations
 
@@ -23,8 +29,9 @@ import time
 import numpy as np
 
 from kvcli.drivers.bench import availability
-from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK
+from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cells, plan_chunking
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
+from kvcli.drivers.reselect_bounded import ChunkedStore
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import held, kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, prefix_text, render, ruler_sample, string_match_all
@@ -37,6 +44,7 @@ TRUNCATE_HEAD = 32        # prompt tokens kept from the start (chat template + t
 AGNOSTIC_LAYOUT = ("question-agnostic: [template head, document, generic instruction] prefilled and compressed, then "
                    "[next user turn: the question; assistant turn; answer prefix] prefilled after the compressed "
                    "cache (eval chat's once layout)")
+STORED_FORMS = ("index", "every_chunk")   # stored mode: the block index's chosen chunks; every chunk, a probe each
 
 
 def eval_configs(policies: list[str], budgets: list[int], long: bool = True) -> list[tuple[str, int | None]]:
@@ -182,6 +190,49 @@ def sample_variants(session, toks, question, cfgs, policy_args, unavailable, *, 
         yield pol, bud, status, first, note, stats
 
 
+def stored_variants(session, head: list[int], question: list[int], cfgs, policy_args: dict, unavailable: dict, *,
+                    chunk: int | None, model_path):
+    """Stored mode (the module's docstring): per configuration, `head` read once into a bounded store, then
+    `head + question` re-selected from it in each of STORED_FORMS. Yields (policy, budget, form, status,
+    first_logits, note, stats), seq 0 ready to decode from first_logits; the context is left as kvcli chat sized it
+    for the last configuration."""
+    prompt = list(head) + list(question)
+    for pol, bud in cfgs:
+        why = unavailable.get(pol) or ("not run: the stored form re-selects a compressing policy's budget"
+                                       if pol in ("full", TRUNCATE) else None)
+        if why:
+            for form in STORED_FORMS:
+                yield pol, bud, form, why, None, "", {}
+            continue
+        cfg = resolve(model_path, pol, bud, dict(policy_args.get(pol, {})))
+        chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, pol, bud, chunk,
+                                 cell_bytes=session.bytes_per_cell())
+        step = chunking.chunk or chunk or DEFAULT_CHUNK
+        session.clear()
+        session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(bud + step + TURN_ROOM), 2)
+        try:
+            cs = ChunkedStore.read(session, head, cfg, step, cap=chunking.cap)
+        except KvcliError as e:
+            for form in STORED_FORMS:
+                yield pol, bud, form, f"error: {e}", None, "", {}
+            continue
+        try:
+            for form in STORED_FORMS:
+                cs.select = 0 if form == "every_chunk" else None
+                try:
+                    r = cs.reselect(session, prompt, cfg, cells=bud + step if form == "every_chunk" else None)
+                except (KvcliError, ContextFull) as e:
+                    yield pol, bud, form, f"error: {e}", None, "", {}
+                    continue
+                stats = {"read_s": round(cs.read_s, 3), "store_bytes": cs.nbytes, "chunk": step,
+                         "stored_chunks": r.stored, "reselect_chunks": r.chunks, "reselect_s": round(r.total_s, 4),
+                         "index_s": round(r.index_s, 4), "n_ctx": session.n_ctx, **held(session)}
+                yield pol, bud, form, "ok", session.logits(0), "", stats
+                session.clear(0)
+        finally:
+            cs.close()
+
+
 def _greedy(session, first_logits, max_tokens: int, sampler=None) -> str:
     """Decode sequence 0 from the prompt's last logits (greedy, or `sampler`'s penalties), stopping at end of
     generation."""
@@ -208,9 +259,10 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                         lengths: list[int], depths: list[float], samples: int, *, cache_type: str = "f16",
                         policy_args: dict | None = None, threads: int | None = None, seed: int = 0, log=None,
                         chunk: int | None = None, chunk_scoring: str = "question", sampler=None,
-                        agnostic: bool = False) -> dict:
+                        agnostic: bool = False, stored: bool = False) -> dict:
     """kind "niah" (task niah over lengths x depths) or "ruler" (the RULER-style tasks over lengths).
     `agnostic`: compress the document before the question (the module's docstring), not with it in the prompt.
+    `stored`: read the document into a bounded store and re-select it for the question (the module's docstring).
 
     Lengths beyond the model's context (or any `chunk`) are read in chunks of `chunk` tokens (default
     kvcli.drivers.chunked.DEFAULT_CHUNK), compressed after each, by every policy; `truncate` is their baseline."""
@@ -224,7 +276,10 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     unavailable = _check_policies(model_path, policies, budgets, policy_args)
     tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
     n_ctx_train = tok.n_ctx_train
-    long = bool(chunk) or any(L + 64 > n_ctx_train for L in lengths)
+    agnostic = agnostic or stored   # a store is read before its question is seen
+    chunk_asked = chunk             # stored: None = the chunk kvcli chat would choose
+    mode = "stored" if stored else "agnostic" if agnostic else "aware"
+    long = bool(chunk) or stored or any(L + 64 > n_ctx_train for L in lengths)
     cfgs = eval_configs(policies, budgets, long)
     if long:
         chunk = chunk or DEFAULT_CHUNK
@@ -247,18 +302,28 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                 s = niah_sample(tok, L, d, i, seed) if task == "niah" else ruler_sample(tok, task, L, d, i, seed)
                 built.append(s)
             splits = [agnostic_split(tok, s) if agnostic else (tok.tokenize(s.prompt), []) for s in built]
-            n_ctx = n_ctx_train if long else max(len(a) + len(q) + s.max_tokens
-                                                 for s, (a, q) in zip(built, splits)) + 16
+            if stored:   # stored_variants sizes the context per configuration, as kvcli chat does
+                n_ctx = pad_cells(min(L, DEFAULT_CHUNK))
+            else:
+                n_ctx = n_ctx_train if long else max(len(a) + len(q) + s.max_tokens
+                                                     for s, (a, q) in zip(built, splits)) + 16
             session = _session(model_path, n_ctx, cache_type, threads)
             try:
                 for s, (toks, question) in zip(built, splits):
-                    variants = sample_variants(session, toks, question, cfgs, policy_args, unavailable,
-                                               reserve=s.max_tokens, chunk=chunk if long else None,
-                                               chunk_scoring=chunk_scoring)
-                    for pol, bud, status, first, note, stats in variants:
+                    if stored:
+                        variants = stored_variants(session, toks, question, cfgs, policy_args, unavailable,
+                                                   chunk=chunk_asked,
+                                                   model_path=model_path)
+                    else:
+                        variants = ((pol, bud, None, *rest) for pol, bud, *rest in
+                                    sample_variants(session, toks, question, cfgs, policy_args, unavailable,
+                                                    reserve=s.max_tokens, chunk=chunk if long else None,
+                                                    chunk_scoring=chunk_scoring))
+                    n_before = len(records)
+                    for pol, bud, form, status, first, note, stats in variants:
                         rec = {"task": s.task, "length": L, "tokens": s.n_tokens, "depth": s.depth, "sample": s.index,
                                "policy": pol, "budget": bud, "answers": s.answers, "status": status, "score": None,
-                               "mode": "agnostic" if agnostic else "aware",
+                               "mode": mode, **({"form": form} if stored else {}),
                                **({"prefix_tokens": len(toks), "question_tokens": len(question)} if agnostic else {}),
                                **stats}
                         if status == "ok":
@@ -270,27 +335,29 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
                         if note:
                             rec["note"] = note
                         records.append(rec)
-                    row = [r for r in records[-len(cfgs):]]
                     log(f"{s.task} {L} tok depth={s.depth if s.depth is None else round(s.depth, 2)} #{s.index}: " +
-                        ", ".join(f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])}="
-                                  f"{'-' if r['score'] is None else round(r['score'])}" for r in row))
+                        ", ".join(f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])}"
+                                  f"{' ' + r['form'] if stored else ''}="
+                                  f"{'-' if r['score'] is None else round(r['score'])}" for r in records[n_before:]))
             finally:
                 session.close()
     except KeyboardInterrupt:   # Ctrl-C: the samples scored so far are the result (the command exits 130)
         interrupted = True
     finally:
         tok.close()
+    by_form = ("form",) if stored else ()
     return {"kind": "eval", "task": kind, "model": str(model_path), "machine": where, "interrupted": interrupted,
             "settings": {"tasks": tasks, "policies": policies, "budgets": budgets, "lengths": lengths,
                          "depths": depths, "samples": samples, "cache_type": cache_type, "seed": seed,
                          "policy_args": policy_args, "metric": "RULER string_match_all, percent",
                          "chunk": chunk if long else None, "chunk_scoring": chunk_scoring if long else None,
                          "sampling": None if sampler is None else vars(sampler.sampling),
-                         "mode": "agnostic" if agnostic else "aware", "layout": AGNOSTIC_LAYOUT if agnostic else
+                         "mode": mode, **({"forms": list(STORED_FORMS)} if stored else {}),
+                         "layout": AGNOSTIC_LAYOUT if agnostic else
                          "question-aware: the document and the question in one user turn, compressed together"},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
-            "cells": aggregate(records, ("task", "policy", "budget", "length", "depth")),
-            "summary": aggregate(records, ("task", "policy", "budget", "length"))}
+            "cells": aggregate(records, ("task", "policy", "budget", "length", "depth") + by_form),
+            "summary": aggregate(records, ("task", "policy", "budget", "length") + by_form)}
 
 
 def aggregate(records: list[dict], keys: tuple[str, ...], metric: str = "score", higher_better: bool = True) -> list:
@@ -412,14 +479,15 @@ def summary_table(result: dict) -> str:
                      f"{'perplexity (ratio to full) [mean KL to full]' if fid else 'score % (fraction of full)'}")
         head = f"{'policy':<22}" + "".join(f"{L:>24}" for L in lengths)
         lines += [head, "-" * len(head)]
-        keys = []
+        keys = []   # (policy, budget, form): a stored evaluation's forms get rows of their own
         for r in rows:
-            if r["task"] == task and (r["policy"], r["budget"]) not in keys:
-                keys.append((r["policy"], r["budget"]))
-        for pol, bud in keys:
+            if r["task"] == task and (r["policy"], r["budget"], r.get("form")) not in keys:
+                keys.append((r["policy"], r["budget"], r.get("form")))
+        for pol, bud, form in keys:
             cells = []
             for L in lengths:
-                m = [r for r in rows if (r["task"], r["policy"], r["budget"], r["length"]) == (task, pol, bud, L)]
+                m = [r for r in rows if (r["task"], r["policy"], r["budget"], r["length"], r.get("form")) ==
+                     (task, pol, bud, L, form)]
                 if not m:
                     cells.append("")
                     continue
@@ -434,7 +502,7 @@ def summary_table(result: dict) -> str:
                 else:
                     fr = r.get("frac_of_full")
                     cells.append(f"{r['score']:.0f} ({'n/a' if fr is None else f'{fr:.2f}'})")
-            name = pol if bud is None else f"{pol}@{bud}"
+            name = (pol if bud is None else f"{pol}@{bud}") + (f" {form}" if form else "")
             lines.append(f"{name:<22}" + "".join(f"{c:>24}" for c in cells))
         lines.append("")
     if not fid:
