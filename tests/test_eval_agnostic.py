@@ -129,3 +129,6 @@ def test_eval_stored_answers_from_one_read_in_both_forms(cli_runner, tiny, cache
         (48, "index"), (48, "every_chunk"), (96, "index"), (96, "every_chunk")}
     table = cli_runner.invoke(cli, args)
     assert table.exit_code == 0 and "snapkv@48 index" in table.output and "snapkv@48 every_chunk" in table.output
+    only = ["snapkv" if a == "full,snapkv" else a for a in args]   # full is listed only when asked for
+    r = cli_runner.invoke(cli, only + ["--budgets", "48", "--json", "--quiet"])
+    assert r.exit_code == 0 and [x["policy"] for x in json.loads(r.stdout)["records"]] == ["snapkv"] * 2

@@ -281,6 +281,8 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     mode = "stored" if stored else "agnostic" if agnostic else "aware"
     long = bool(chunk) or stored or any(L + 64 > n_ctx_train for L in lengths)
     cfgs = eval_configs(policies, budgets, long)
+    if stored and "full" not in policies:   # a reference the stored form cannot run: only when asked for
+        cfgs = [c for c in cfgs if c[0] != "full"]
     if long:
         chunk = chunk or DEFAULT_CHUNK
         if chunk < MIN_CHUNK:
