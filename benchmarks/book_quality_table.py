@@ -33,6 +33,8 @@ def rows(paths: list[str]) -> list[dict]:
                 m["s"].append(r.get("index_s", 0.0) + r["reselect_s"] + r.get("answer_s", 0.0))
             if "read_s" in r:
                 row["read_s"] = r["read_s"]
+            if r.get("read_resumed_tokens"):   # a read an earlier process began: its seconds are two processes'
+                row["resumed"] = True
             row["kv_bytes"] = r["kv_bytes"]
             if "store_bytes" in r:
                 row["store_per_1k"] = r["store_bytes"] / r["doc_tokens"] * 1000
@@ -64,7 +66,7 @@ def main(argv: list[str]) -> int:
         store = f"{r['store_per_1k'] / 1e6:.1f} MB" if "store_per_1k" in r else "-"
         print(f"| {r['doc_tokens']:,} | {r['budget']} | {r['cache_type']} | {cell(r.get('bounded'))} | "
               f"{cell(r.get('bounded_all'))} | {cell(r.get('reselect'))} | {cell(r.get('full'))} | "
-              f"{r.get('read_s', 0):.0f} s | {r['kv_bytes'] / 1e6:.1f} MB | {store} |")
+              f"{r.get('read_s', 0):.0f} s{' (resumed)' if r.get('resumed') else ''} | {r['kv_bytes'] / 1e6:.1f} MB | {store} |")
     return 0
 
 

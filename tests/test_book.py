@@ -81,6 +81,7 @@ def test_a_stopped_read_resumes_to_the_same_store(tiny_2k, setup, tmp_path):
                               notify=said.append)
     assert len(said) == 1 and "resuming an interrupted read" in said[0], said
     assert 0 < progress.skipped < whole.split and progress.skipped + progress.n == whole.split
+    assert again.resumed_tokens == progress.skipped and whole.resumed_tokens == 0   # results can say so
     assert digests(tmp_path / "again") == digests(tmp_path / "whole")
     assert [vars(c) for c in again.chunks] == [vars(c) for c in whole.chunks]
     assert not [i for i in document_store.entries() if i.state == "partial"]

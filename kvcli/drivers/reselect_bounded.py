@@ -161,7 +161,8 @@ class ChunkedStore:
     chunks: list[StoredChunk]
     path: Path                       # the store folder
     keep: bool = False
-    read_s: float = 0.0
+    read_s: float = 0.0              # the read's seconds, an interrupted read's part included
+    resumed_tokens: int = 0          # tokens an interrupted read had stored before this process continued it
     cap: int = 0                     # most cells a question's re-selection holds (kept + a chunk + its probe)
     read_policy: str = ""            # the policy and budget the document was read with
     read_budget: int = 0
@@ -280,8 +281,9 @@ class ChunkedStore:
             read_s = read_before + time.perf_counter() - t0
             session.clear(seq)
             store = cls(tokens=list(tokens[:split]), split=split, chunk=chunk, chunks=chunks, path=path, keep=keep,
-                        read_s=read_s, cap=cap, read_policy=cfg.policy, read_budget=cfg.budget,
-                        meta=dict(meta or {}), pages=pages, page=block_index.PAGE if index else 0)
+                        read_s=read_s, resumed_tokens=done_tokens, cap=cap, read_policy=cfg.policy,
+                        read_budget=cfg.budget, meta=dict(meta or {}), pages=pages,
+                        page=block_index.PAGE if index else 0)
             if carry is not None:   # the read's last kept cache: the summary a question's queries attend to
                 os.replace(part / carry["file"], part / SUMMARY)
                 store.summary = {**carry, "file": SUMMARY}

@@ -369,7 +369,8 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
                                         reselect_prefilled=r.prefilled, reselect_chunks=r.chunks,
                                         stored_chunks=r.stored, index_s=round(r.index_s, 4),
                                         read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
-                                        store_bytes=cs.nbytes, n_ctx=session.n_ctx, **held(session)))
+                                        store_bytes=cs.nbytes, read_resumed_tokens=cs.resumed_tokens,
+                                        n_ctx=session.n_ctx, **held(session)))
                     history.append((q, answer.strip()))
                     session.clear(0)
         finally:

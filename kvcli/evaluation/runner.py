@@ -224,7 +224,8 @@ def stored_variants(session, head: list[int], question: list[int], cfgs, policy_
                 except (KvcliError, ContextFull) as e:
                     yield pol, bud, form, f"error: {e}", None, "", {}
                     continue
-                stats = {"read_s": round(cs.read_s, 3), "store_bytes": cs.nbytes, "chunk": step,
+                stats = {"read_s": round(cs.read_s, 3), "read_resumed_tokens": cs.resumed_tokens,
+                         "store_bytes": cs.nbytes, "chunk": step,
                          "stored_chunks": r.stored, "reselect_chunks": r.chunks, "reselect_s": round(r.total_s, 4),
                          "index_s": round(r.index_s, 4), "n_ctx": session.n_ctx, **held(session)}
                 yield pol, bud, form, "ok", session.logits(0), "", stats
