@@ -66,7 +66,8 @@ def main(argv: list[str]) -> int:
         store = f"{r['store_per_1k'] / 1e6:.1f} MB" if "store_per_1k" in r else "-"
         print(f"| {r['doc_tokens']:,} | {r['budget']} | {r['cache_type']} | {cell(r.get('bounded'))} | "
               f"{cell(r.get('bounded_all'))} | {cell(r.get('reselect'))} | {cell(r.get('full'))} | "
-              f"{r.get('read_s', 0):.0f} s{' (resumed)' if r.get('resumed') else ''} | {r['kv_bytes'] / 1e6:.1f} MB | {store} |")
+              f"{r.get('read_s', 0):.0f} s{' (resumed)' if r.get('resumed') else ''} | "
+              f"{r['kv_bytes'] / 1e6:.1f} MB | {store} |")
     return 0
 
 
