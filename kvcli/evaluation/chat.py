@@ -59,14 +59,14 @@ import time
 
 import numpy as np
 
-from kvcli.drivers.chunked import DEFAULT_CHUNK, TURN_ROOM, pad_cells, plan_chunking
+from kvcli.drivers.chunked import DEFAULT_CHUNK, pad_cells
 from kvcli.drivers.compress import Shared, resolve
 from kvcli.drivers.reselect import StoredDocument
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable
+from kvcli.drivers.reselect_bounded import check_usable
 from kvcli.errors import KvcliError
 from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import held, machine, peak_rss_bytes
-from kvcli.evaluation.runner import _greedy
+from kvcli.evaluation.runner import _greedy, read_store_as_chat, reselect_in_form
 from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import make_plan
@@ -348,21 +348,14 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
             check_usable(session, cfg, 1)
         except KvcliError:
             continue
-        chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg.policy, cfg.budget,
-                                 cell_bytes=session.bytes_per_cell())
-        chunk = chunking.chunk or DEFAULT_CHUNK
-        session.clear()
-        session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(cfg.budget + chunk + TURN_ROOM), 2)
-        cs = ChunkedStore.read(session, head, cfg, chunk, cap=chunking.cap)
+        cs, chunk = read_store_as_chat(session, head, cfg, default_chunk=DEFAULT_CHUNK)
         try:
             for form in forms:
-                cs.select = 0 if form == "bounded_all" else None
-                cells = cfg.budget + chunk if form == "bounded_all" else None
                 history = []
                 for i, fact in enumerate(planted):
                     q = ask(fact["question"])
                     prompt = session.tokenize(render(session, text, history, q))
-                    r = cs.reselect(session, prompt, cfg, cells=cells)
+                    r = reselect_in_form(cs, session, prompt, cfg, chunk, form == "bounded_all")
                     t2 = time.perf_counter()
                     answer = _greedy(session, session.logits(0), max_tokens)
                     recs.append(_record(form, key, 0, i, fact, answer, len(prompt), reselect_s=round(r.total_s, 4),

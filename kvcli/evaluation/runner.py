@@ -190,6 +190,26 @@ def sample_variants(session, toks, question, cfgs, policy_args, unavailable, *, 
         yield pol, bud, status, first, note, stats
 
 
+def read_store_as_chat(session, head: list[int], cfg, chunk: int | None = None,
+                       default_chunk: int = DEFAULT_CHUNK) -> tuple[ChunkedStore, int]:
+    """`head` read by bounded reading into a store, in the context `kvcli chat` gives cfg's policy and budget (the
+    session resized to it, two sequences); `chunk` None: as chunking decides, else `default_chunk`. Returns (store,
+    chunk length). Eval chat's bounded modes and stored mode."""
+    chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg.policy, cfg.budget, chunk,
+                             cell_bytes=session.bytes_per_cell())
+    step = chunking.chunk or chunk or default_chunk
+    session.clear()
+    session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(cfg.budget + step + TURN_ROOM), 2)
+    return ChunkedStore.read(session, head, cfg, step, cap=chunking.cap), step
+
+
+def reselect_in_form(store: ChunkedStore, session, prompt: list[int], cfg, step: int, every_chunk: bool):
+    """`prompt` re-selected from `store` through the block index's chosen chunks, or (`every_chunk`) through every
+    stored chunk with a probe each in budget + one chunk: the form before the index."""
+    store.select = 0 if every_chunk else None
+    return store.reselect(session, prompt, cfg, cells=cfg.budget + step if every_chunk else None)
+
+
 def stored_variants(session, head: list[int], question: list[int], cfgs, policy_args: dict, unavailable: dict, *,
                     chunk: int | None, model_path):
     """Stored mode (the module's docstring): per configuration, `head` read once into a bounded store, then
@@ -205,22 +225,16 @@ def stored_variants(session, head: list[int], question: list[int], cfgs, policy_
                 yield pol, bud, form, why, None, "", {}
             continue
         cfg = resolve(model_path, pol, bud, dict(policy_args.get(pol, {})))
-        chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, pol, bud, chunk,
-                                 cell_bytes=session.bytes_per_cell())
-        step = chunking.chunk or chunk or DEFAULT_CHUNK
-        session.clear()
-        session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(bud + step + TURN_ROOM), 2)
         try:
-            cs = ChunkedStore.read(session, head, cfg, step, cap=chunking.cap)
+            cs, step = read_store_as_chat(session, head, cfg, chunk)
         except KvcliError as e:
             for form in STORED_FORMS:
                 yield pol, bud, form, f"error: {e}", None, "", {}
             continue
         try:
             for form in STORED_FORMS:
-                cs.select = 0 if form == "every_chunk" else None
                 try:
-                    r = cs.reselect(session, prompt, cfg, cells=bud + step if form == "every_chunk" else None)
+                    r = reselect_in_form(cs, session, prompt, cfg, step, form == "every_chunk")
                 except (KvcliError, ContextFull) as e:
                     yield pol, bud, form, f"error: {e}", None, "", {}
                     continue
