@@ -196,3 +196,105 @@ def test_sigterm_halfway_then_the_same_command_resumes(tiny_2k, tmp_path, cache_
     whole = subprocess.run(command(tmp_path / "whole"), env=env, capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0 and "resuming" not in whole.stderr
     assert digests(tmp_path / "st") == digests(tmp_path / "whole")
+
+
+# ---------------------------------------------------------------------------------- a q8_0 store
+@pytest.fixture(scope="module")
+def tiny_32(tmp_path_factory):
+    """tiny_2k with head_dim 32: a model whose cache llama.cpp can hold as q8_0 (a block per head)."""
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny32") / "tiny.gguf", n_layer=2, n_head=4, n_head_kv=2,
+                            head_dim=32, n_ctx_train=2048)
+
+
+def test_a_q8_0_store_is_read_in_float16_and_quantises_each_chunk_once(tiny_32, tmp_path):
+    """`chunk_type="q8_0"`: the read is the float16 read (the same carried cache, the same summary), only the chunk
+    files are q8_0 rows (each key quantised once, about 17/32 of the bytes), put back as float16 rows within q8_0's
+    error; a re-selection from it answers as from the float16 store, and the folder opens again as a q8_0 store."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    from kvcli.native import cache
+    s, head, prompt = reselection_session(tiny_32, DOC, Q)
+    try:
+        cfg = cfg_of(tiny_32)
+        f16 = ChunkedStore.read(s, head, cfg, chunk=128, path=tmp_path / "f16", keep=True)
+        q8 = ChunkedStore.read(s, head, cfg, chunk=128, path=tmp_path / "q8", keep=True, chunk_type="q8_0")
+        assert q8.chunk_type == "q8_0" and f16.chunk_type == "f16" and len(q8.chunks) == len(f16.chunks) > 4
+        assert q8.summary["sha256"] == f16.summary["sha256"]          # the read itself is float16's
+        assert [p["sha256"] for p in q8.pages] == [p["sha256"] for p in f16.pages]
+        for a, b in zip(f16.chunks, q8.chunks):
+            assert (a.first_pos, a.n) == (b.first_pos, b.n) and 0.5 < b.nbytes / a.nbytes < 0.6
+            rows = []
+            for store, c in ((f16, a), (q8, b)):
+                s.restore_seq(store._snapshot(c), 0)
+                rows.append(cache.read_kv(s.ctx, 0, s.info))
+                s.clear(0)
+            for want, got in zip(*rows):
+                assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+        logits = []
+        for store in (f16, q8):
+            store.reselect(s, prompt, cfg)
+            logits.append(s.logits(0).copy())
+            s.clear()
+        assert np.corrcoef(logits[0], logits[1])[0, 1] > 0.99
+        f16.close()
+        q8.close()
+        again = ChunkedStore.open(tmp_path / "q8", tiny_32)
+        assert again.chunk_type == "q8_0" and json.loads((tmp_path / "q8" / "store.json").read_text())[
+            "cache_type"] == "f16"
+        again.reselect(s, prompt, cfg)
+        np.testing.assert_allclose(s.logits(0), logits[1], rtol=0, atol=1e-4)
+        s.clear()
+        again.close()
+    finally:
+        s.close()
+
+
+def test_a_quantised_cache_does_not_read_a_bounded_store(tiny_32):
+    """Bounded reading in a quantised cache would re-quantise the kept keys at every chunk: refused in one line, and
+    other quantised chunk types than q8_0 are refused by name."""
+    from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
+    from kvcli.native.session import NativeSession
+    assert store_types("q8_0") == ("f16", "q8_0") and store_types("f16") == ("f16", "f16")
+    with pytest.raises(KvcliError, match="float16 or q8_0 rows, not q4_0"):
+        store_types("q4_0")
+    s = NativeSession(tiny_32, n_ctx=1024, n_seq=2, cache_type="q8_0")
+    try:
+        head = s.tokenize(DOC)
+        with pytest.raises(KvcliError, match="read in a float16 cache"):
+            ChunkedStore.read(s, head, cfg_of(tiny_32), chunk=128)
+        # a session changes its cache type only while empty
+        s.prefill(head[:40])
+        with pytest.raises(KvcliError, match="a sequence holds cells"):
+            s.use_cache_type("f16")
+        s.clear()
+        s.use_cache_type("f16")
+        assert s.ctx is None and s.cache_type == "f16"
+        s.create_context(1024)
+        s.prefill(head[:40])
+        assert s.seq(0).cells == 40
+    finally:
+        s.close()
+
+
+def test_chat_cache_type_q8_0_stores_q8_0_chunks_read_in_float16(tiny_32, tmp_path, cache_dir):
+    """`kvcli compress --store --cache-type q8_0` writes q8_0 chunk files read in a float16 cache (store.json says
+    both); `kvcli run --cache DIR` answers from it; q4_0 (no chunk format) is refused in one line."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC, encoding="utf-8")
+    env = {**os.environ, "KVCLI_CACHE": str(cache_dir), "KVCLI_THREADS": "1"}
+    base = [sys.executable, "-m", "kvcli.cli"]
+    out = tmp_path / "st"
+    r = subprocess.run(base + ["compress", "--model", str(tiny_32), "--doc", str(doc), "--store", "--policy", "snapkv",
+                               "--budget", "48", "--chunk", "128", "--cache-type", "q8_0", "-o", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "store.json").read_text())
+    assert (m["cache_type"], m["chunk_type"]) == ("f16", "q8_0")
+    run = base + ["run", "--model", str(tiny_32), "--cache", str(out), "--policy", "snapkv", "--budget", "48",
+                  "-n", "4", Q]
+    ok = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
+    q4 = subprocess.run(base + ["compress", "--model", str(tiny_32), "--doc", str(doc), "--store", "--policy",
+                                "snapkv", "--budget", "48", "--chunk", "128", "--cache-type", "q4_0", "-o",
+                                str(tmp_path / "q4")], env=env, capture_output=True, text=True, timeout=300)
+    assert q4.returncode != 0 and "float16 or q8_0 rows, not q4_0" in q4.stderr and "Traceback" not in q4.stderr

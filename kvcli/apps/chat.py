@@ -60,7 +60,7 @@ from kvcli.native import cache
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
 from kvcli.drivers.reselect_bounded import (ChunkedStore, check_store_target, check_usable, exact_below_bytes,
-                                            read_manifest)
+                                            read_manifest, store_types)
 from kvcli.templating import GENERIC_SUFFIX
 
 AWARE, AGNOSTIC, RESELECTED = "question-aware", "question-agnostic", "re-selected"
@@ -177,6 +177,8 @@ class Conversation:
     notify: object = None                 # re-selected: called with a line to tell the user (the store re-read)
     prompt_len: int = 0                   # re-selected: tokens of the last question's whole prompt
     store_turns: bool = True              # re-selected: keep the conversation's turns in the stored full cache
+    cache_type: str | None = None         # the K/V type asked for (default: the session's); a bounded store's chunk
+                                          # files hold it, read in float16 (reselect_bounded.store_types)
 
     def __post_init__(self):
         if self.policy == "full":   # re-selected with `full` (kvcli run's several questions): the whole stored
@@ -184,6 +186,7 @@ class Conversation:
         if self.reselect and self.question:
             raise KvcliError("re-selection compresses for every question as it comes: a question given before the "
                              "document is read is only its first one (ask it, or use --compress-once)")
+        self.cache_type = self.cache_type or self.session.cache_type
         self.fmt = self.fmt or TurnFormat.probe(self.session, self.system)
         if not self.prefix_tokens:
             self.prefix_tokens = self.session.tokenize(self.prefix_text())
@@ -217,7 +220,7 @@ class Conversation:
         """Chunked or not, and the cells to allocate: the prompt (or, read in chunks, budget + chunk) plus TURN_ROOM
         for the conversation (less when --max-cache leaves less)."""
         return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self.policy, self.budget,
-                             self.chunk, self.max_cache, cell_bytes=self.session.bytes_per_cell())
+                             self.chunk, self.max_cache, cell_bytes=self.session.info.cell_bytes(self.cache_type))
 
     def ensure_context(self) -> None:
         if self.session.ctx is None:
@@ -241,6 +244,9 @@ class Conversation:
         if named:   # a folder for the bounded form, a .kvc file for the exact one: checked before the read
             check_store_target(self.store_path, form=form)
         if form == "bounded":
+            working, chunk_type = store_types(self.cache_type)
+            self.session.clear()
+            self.session.use_cache_type(working)   # frees the context when the type changes
             n_seq = max(2, self.seq + 2)    # and one to load the stored chunks through, per question
             if self.session.ctx is None:
                 self.session.create_context(chunking.n_ctx, n_seq)
@@ -249,6 +255,7 @@ class Conversation:
                 self.session.resize_context(chunking.n_ctx, n_seq)
             self.store = ChunkedStore.read(self.session, self.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
                                            seq=self.seq, spare=self.seq + 1, path=self.store_path, keep=named,
+                                           chunk_type=chunk_type,
                                            progress=progress, notify=self._say,
                                            meta={"document": self.document, "system": self.system})
             self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params,
@@ -258,6 +265,9 @@ class Conversation:
         want = min(limit, pad_cells(n + TURN_ROOM))
         if self.max_cache is not None:
             want = min(want, self.max_cache)
+        if self.session.cache_type != self.cache_type:   # a bounded store was read before in float16
+            self.session.clear()
+            self.session.use_cache_type(self.cache_type)
         if self.session.ctx is None:
             self.session.create_context(want)
         elif self.session.n_ctx < want:
@@ -284,7 +294,7 @@ class Conversation:
         fits = n + STORE_TAIL + 64 <= limit and (self.max_cache is None or n + STORE_TAIL + 64 <= self.max_cache)
         chunking = self.chunking()
         why = ""
-        small = n * self.session.bytes_per_cell() <= exact_below_bytes()
+        small = n * self.session.info.cell_bytes(self.cache_type) <= exact_below_bytes()
         if chunking.chunk is not None and not (self.chunk is None and self.max_cache is None and fits and small):
             try:
                 check_usable(self.session, cfg)
@@ -717,15 +727,17 @@ class Conversation:
         recorded = Path(m["model"]["path"])
         model_path = resolve_model(recorded) if model is None and recorded.is_file() else \
             resolve_model(model or config.get("model"))
-        if cache_type is not None and cache_type != m["cache_type"]:
-            raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
+        stored_type = m.get("chunk_type", m["cache_type"])   # q8_0 chunk files are read in a float16 cache
+        if cache_type is not None and cache_type != stored_type:
+            raise KvcliError(f"{path} holds a {stored_type} cache: drop --cache-type")
         store = ChunkedStore.open(path, model_path, manifest=m)   # the model's hash, then every chunk file
         t1 = time.perf_counter()
         session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
                                 n_threads=n_threads)
         try:
             conv = cls(session, store.meta["document"], policy=policy, budget=budget,
-                       policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True)
+                       policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True,
+                       cache_type=stored_type)
             if common_prefix(conv.prefix_tokens, store.tokens) < store.split:
                 raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
             cfg = conv._cfg(None)   # the policy checked now, not at the first question

@@ -69,7 +69,7 @@ from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common
 from kvcli.errors import KvcliError
 from kvcli.native.cache import KvReader
 from kvcli.native.session import SeqSnapshot
-from kvcli.native.state import cells_from
+from kvcli.native.state import F16, Q8_0, cells_from, convert_chunk
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
 
 # 3: the block index and the reading's last kept cache; 2: store.json carries its own SHA-256 and the conversation's
@@ -174,6 +174,7 @@ class ChunkedStore:
     pages: list = field(default_factory=list)   # the block index: one {"file", "sha256", "nbytes"} per chunk
     page: int = 0                    # its tokens per page (0: no index)
     summary: dict | None = None      # the reading's last kept cache: {"file", "sha256", "nbytes", snapshot fields}
+    chunk_type: str = "f16"          # the rows of the chunk files: the cache's type, or q8_0 from a float16 read
     select: int | None = None        # chunks a question streams besides the first and last (None: automatic,
                                      # 0: every chunk); KVCLI_RESELECT_CHUNKS ("all" or N) overrides it
 
@@ -188,12 +189,13 @@ class ChunkedStore:
     def read(cls, session, tokens: list[int], cfg: Compression, chunk: int, *, cap: int | None = None,
              split: int | None = None, seq: int = 0, spare: int | None = None, path=None, keep: bool = False,
              progress=None, meta: dict | None = None, key: str | None = None, notify=None,
-             index: bool = True) -> "ChunkedStore":
+             index: bool = True, chunk_type: str | None = None) -> "ChunkedStore":
         """Read tokens[:split] into `seq` by bounded reading with `cfg` and chunks of `chunk` tokens, storing every
         chunk's entries (and, `index`, its block index: kvcli/drivers/block_index.py); the sequence is cleared
         afterwards. `spare`: a second sequence of the context, used per question to load a chunk through
         (append_saved). `key` (no `path`): the store stays in the document store after close() as a `cached` entry
-        of that key, for `document_store.find(key)`.
+        of that key, for `document_store.find(key)`. `chunk_type` (default: the session's cache type): the
+        chunk files' rows, q8_0 from a float16 session (`store_types`).
 
         Resumable: after every chunk the chunk's files and the cache carried to the next chunk (the kept entries,
         `carry-NNNN.state`) are on disk and recorded in the document store's entry. A read stopped by Ctrl-C, SIGTERM
@@ -203,6 +205,13 @@ class ChunkedStore:
         over, said too). `progress(n)` counts tokens read; its `skip(n)`, when it has one, the tokens resumed."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
+        if store_types(session.cache_type)[0] != session.cache_type:
+            raise KvcliError(f"bounded reading in a {session.cache_type} cache would quantise its kept keys again at "
+                             "every chunk: a bounded store is read in a float16 cache (store_types)")
+        chunk_type = chunk_type or session.cache_type
+        if store_types(chunk_type) != (session.cache_type, chunk_type):
+            raise KvcliError(f"a store of {chunk_type} chunks is read in a {store_types(chunk_type)[0]} cache, "
+                             f"not {session.cache_type}")
         cap = cap or cfg.budget + chunk
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
@@ -211,7 +220,7 @@ class ChunkedStore:
             path = check_store_target(path, form="bounded")
         index = index and block_index.usable(session.info) is None
         settings = {"split": split, "chunk": chunk, "cap": cap, "policy": cfg.policy, "budget": cfg.budget,
-                    "params": cfg.spec.render(cfg.params), "cache_type": session.cache_type,
+                    "params": cfg.spec.render(cfg.params), "cache_type": session.cache_type, "chunk_type": chunk_type,
                     "index": block_index.PAGE if index else 0}
         say = notify or (lambda line: None)
         # an entry of the document store (kvcli/document_store.py) from now on: whatever ends this process, what it
@@ -240,6 +249,8 @@ class ChunkedStore:
             state, cells, end = cells_from(session.save_seq(seq).state, first_pos)
             if cells != n or end != first_pos + n:
                 raise KvcliError(f"chunk {len(chunks)}: {cells} cells up to position {end} saved, {n} read")
+            if chunk_type != session.cache_type:   # quantised once, in the model's space (kvcli/native/state.py)
+                state = convert_chunk(state, CHUNK_TYPES[chunk_type])
             name = f"chunk-{len(chunks):04d}.state"
             outfile.write(part / name, [state])
             first_token = chunks[-1].first_token + chunks[-1].n if chunks else 0
@@ -282,7 +293,7 @@ class ChunkedStore:
             session.clear(seq)
             store = cls(tokens=list(tokens[:split]), split=split, chunk=chunk, chunks=chunks, path=path, keep=keep,
                         read_s=read_s, resumed_tokens=done_tokens, cap=cap, read_policy=cfg.policy,
-                        read_budget=cfg.budget, meta=dict(meta or {}), pages=pages,
+                        read_budget=cfg.budget, meta=dict(meta or {}), pages=pages, chunk_type=chunk_type,
                         page=block_index.PAGE if index else 0)
             if carry is not None:   # the read's last kept cache: the summary a question's queries attend to
                 os.replace(part / carry["file"], part / SUMMARY)
@@ -310,6 +321,7 @@ class ChunkedStore:
                 "turns": list(self.meta.get("turns", []) if turns is None else turns)}
         return {"kvcli_store": FORMAT, **kvc.base_meta(session), "split": self.split, "chunk": self.chunk,
                 "read_policy": self.read_policy, "read_budget": self.read_budget, "read_s": round(self.read_s, 3),
+                "chunk_type": self.chunk_type,
                 "tokens": [int(t) for t in self.tokens], "meta": meta,
                 "chunks": [vars(c) for c in self.chunks],
                 "index": {"page": self.page, "files": list(self.pages)} if self.pages else None,
@@ -331,7 +343,8 @@ class ChunkedStore:
         store = cls(tokens=list(m["tokens"]), split=m["split"], chunk=m["chunk"], chunks=chunks, path=path,
                     keep=True, read_s=float(m["read_s"]), cap=m["chunk"] + m["read_budget"],
                     read_policy=m["read_policy"], read_budget=m["read_budget"], meta=dict(m["meta"]),
-                    pages=list(index.get("files") or []), page=int(index.get("page") or 0), summary=m.get("summary"))
+                    pages=list(index.get("files") or []), page=int(index.get("page") or 0), summary=m.get("summary"),
+                    chunk_type=m.get("chunk_type", m["cache_type"]))
         for c in chunks:
             store._read_chunk(c)
         for f in store.pages + ([store.summary] if store.summary else []):
@@ -541,7 +554,10 @@ class ChunkedStore:
         return self._read_chunk(StoredChunk(0, 0, 0, f["file"], f["sha256"], f["nbytes"]))
 
     def _snapshot(self, c: StoredChunk) -> SeqSnapshot:
-        return SeqSnapshot(state=self._read_chunk(c), next_pos=c.first_pos + c.n, cells=c.n, prompt_tokens=c.n)
+        state = self._read_chunk(c)
+        if self.chunk_type != store_types(self.chunk_type)[0]:   # a q8_0 chunk, put back into the float16 cache
+            state = convert_chunk(state, F16)
+        return SeqSnapshot(state=state, next_pos=c.first_pos + c.n, cells=c.n, prompt_tokens=c.n)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -690,6 +706,9 @@ def _malformed(m: dict) -> str:
         return "no model it is bound to"
     if not isinstance(m.get("cache_type"), str) or not isinstance(m.get("flash_attn"), bool):
         return "no cache type"
+    if m.get("chunk_type", m["cache_type"]) not in (m["cache_type"], "q8_0") or \
+            (m.get("chunk_type") == "q8_0" and m["cache_type"] != "f16"):
+        return "chunk type"
     tokens = m.get("tokens")
     if not isinstance(tokens, list) or not all(count(t) for t in tokens):
         return "tokens"
@@ -781,6 +800,27 @@ def replace_folder(part: Path, path: Path) -> None:
     part.rename(path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+CHUNK_TYPES = {"q8_0": Q8_0}   # chunk files of another type than the cache they are read in: kvcli/native/state.py
+
+
+def store_types(cache_type: str) -> tuple[str, str]:
+    """(the cache a bounded store is read and re-selected in, its chunk files' rows) for `--cache-type`.
+
+    Bounded reading re-indexes the entries it carries at every chunk (their K turned to new positions), and
+    llama.cpp turns a quantised K by dequantising, turning and quantising it again: a kept key is re-quantised at
+    every one of a book's ~30 re-indexings (measured: a q8_0 cache's keys drift by 0.3-0.5% a turn, 2.5% after 30,
+    and a 31k-token book read in a q8_0 cache answered 1 of 6 where float16 answered 6). So a quantised store is
+    read in float16 and only its chunk files are q8_0, each key quantised once; the cache itself stays budget +
+    a chunk either way. Other quantised types are refused: kvcli has no chunk format for them."""
+    if cache_type in ("f32", "f16", "bf16"):
+        return cache_type, cache_type
+    if cache_type in CHUNK_TYPES:
+        return "f16", cache_type
+    raise KvcliError(f"a document stored in bounded chunks holds float16 or q8_0 rows, not {cache_type}: bounded "
+                     "reading re-indexes its kept keys at every chunk, which re-quantises a quantised cache's keys "
+                     "each time (use --cache-type q8_0 or f16)")
 
 
 def check_usable(session, cfg: Compression, spare: int | None = None) -> None:

@@ -342,13 +342,13 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
     policy and budget, then the questions in one conversation per form (`bounded`: as kvcli chat streams them;
     `bounded_all`: every chunk, one probe each). The context is put back as it was after."""
     head = session.tokenize(prefix_text(session, text, False))
-    n_ctx0, recs = session.n_ctx, []
+    n_ctx0, asked, recs = session.n_ctx, session.cache_type, []
     for key, cfg in cfgs.items():
         try:
             check_usable(session, cfg, 1)
         except KvcliError:
             continue
-        cs, chunk = read_store_as_chat(session, head, cfg, default_chunk=DEFAULT_CHUNK)
+        cs, chunk = read_store_as_chat(session, head, cfg, default_chunk=DEFAULT_CHUNK, cache_type=asked)
         try:
             for form in forms:
                 history = []
@@ -363,12 +363,13 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
                                         stored_chunks=r.stored, index_s=round(r.index_s, 4),
                                         read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
                                         store_bytes=cs.nbytes, read_resumed_tokens=cs.resumed_tokens,
-                                        n_ctx=session.n_ctx, **held(session)))
+                                        chunk_type=cs.chunk_type, n_ctx=session.n_ctx, **held(session)))
                     history.append((q, answer.strip()))
                     session.clear(0)
         finally:
             cs.close()
     session.clear()
+    session.use_cache_type(asked)   # a q8_0 store was read in float16
     if session.n_ctx != n_ctx0:
         session.resize_context(n_ctx0)
     return {"records": recs}

@@ -31,7 +31,7 @@ import numpy as np
 from kvcli.drivers.bench import availability
 from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cells, plan_chunking
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
-from kvcli.drivers.reselect_bounded import ChunkedStore
+from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import held, kl, log_softmax, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, prefix_text, render, ruler_sample, string_match_all
@@ -191,16 +191,20 @@ def sample_variants(session, toks, question, cfgs, policy_args, unavailable, *, 
 
 
 def read_store_as_chat(session, head: list[int], cfg, chunk: int | None = None,
-                       default_chunk: int = DEFAULT_CHUNK) -> tuple[ChunkedStore, int]:
+                       default_chunk: int = DEFAULT_CHUNK, cache_type: str | None = None) -> tuple[ChunkedStore, int]:
     """`head` read by bounded reading into a store, in the context `kvcli chat` gives cfg's policy and budget (the
-    session resized to it, two sequences); `chunk` None: as chunking decides, else `default_chunk`. Returns (store,
+    session resized to it, two sequences, and of the cache type kvcli chat reads `cache_type` in: float16 for
+    q8_0 chunk files, store_types); `chunk` None: as chunking decides, else `default_chunk`. Returns (store,
     chunk length). Eval chat's bounded modes and stored mode."""
+    asked = cache_type or session.cache_type
+    working, chunk_type = store_types(asked)
     chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg.policy, cfg.budget, chunk,
-                             cell_bytes=session.bytes_per_cell())
+                             cell_bytes=session.info.cell_bytes(asked))
     step = chunking.chunk or chunk or default_chunk
     session.clear()
+    session.use_cache_type(working)
     session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(cfg.budget + step + TURN_ROOM), 2)
-    return ChunkedStore.read(session, head, cfg, step, cap=chunking.cap), step
+    return ChunkedStore.read(session, head, cfg, step, cap=chunking.cap, chunk_type=chunk_type), step
 
 
 def reselect_in_form(store: ChunkedStore, session, prompt: list[int], cfg, step: int, every_chunk: bool):
@@ -217,6 +221,7 @@ def stored_variants(session, head: list[int], question: list[int], cfgs, policy_
     first_logits, note, stats), seq 0 ready to decode from first_logits; the context is left as kvcli chat sized it
     for the last configuration."""
     prompt = list(head) + list(question)
+    asked = session.cache_type
     for pol, bud in cfgs:
         why = unavailable.get(pol) or ("not run: the stored form re-selects a compressing policy's budget"
                                        if pol in ("full", TRUNCATE) else None)
@@ -226,7 +231,7 @@ def stored_variants(session, head: list[int], question: list[int], cfgs, policy_
             continue
         cfg = resolve(model_path, pol, bud, dict(policy_args.get(pol, {})))
         try:
-            cs, step = read_store_as_chat(session, head, cfg, chunk)
+            cs, step = read_store_as_chat(session, head, cfg, chunk, cache_type=asked)
         except KvcliError as e:
             for form in STORED_FORMS:
                 yield pol, bud, form, f"error: {e}", None, "", {}

@@ -188,6 +188,23 @@ class NativeSession:
         return self.longrope.regime(self.n_ctx) if self.longrope and self.n_ctx else None
 
     # ------------------------------------------------------------------ lifecycle
+    def use_cache_type(self, cache_type: str) -> None:
+        """Hold K/V as `cache_type` from the next create_context on (the context is freed when the type changes;
+        no sequence may hold cells then): a bounded store reads and re-selects in float16 whatever its chunk files
+        hold (kvcli/drivers/reselect_bounded.py, store_types)."""
+        if cache_type not in CACHE_TYPES:
+            raise KvcliError(f"unknown cache type '{cache_type}': choose from {', '.join(CACHE_TYPES)}")
+        if cache_type == self.cache_type:
+            return
+        if cache_type.startswith("q") and not self.flash_attn:
+            raise KvcliError("a quantised V cache needs flash attention (llama.cpp's rule)")
+        if any(st.cells > 0 for st in self.seqs.values()):
+            raise KvcliError(f"cannot change the cache type to {cache_type}: a sequence holds cells")
+        self._free_context()
+        self.seqs.clear()
+        self.n_ctx = 0
+        self.cache_type = cache_type
+
     def _free_context(self) -> None:
         L = self.L
         if getattr(self, "_batch", None) is not None:
@@ -196,6 +213,7 @@ class NativeSession:
         if getattr(self, "ctx", None):
             L.llama_free(self.ctx)
             self.ctx = None
+            self.mem = None
 
     def close(self) -> None:
         L = self.L
@@ -378,6 +396,9 @@ class NativeSession:
 
     def clear(self, seq: int | None = None) -> None:
         """Forget one sequence (or all) and free its cells."""
+        if getattr(self, "ctx", None) is None:   # no context (yet, or freed by use_cache_type): nothing is held
+            self.seqs.clear() if seq is None else self.seqs.pop(seq, None)
+            return
         if seq is None:
             self.L.llama_memory_clear(self.mem, True)
             self.seqs.clear()

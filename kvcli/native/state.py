@@ -8,6 +8,7 @@ restores into a sequence of its own. One stream, no sliding-window cache (kvc.ch
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -92,3 +93,85 @@ def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, in
         raise KvcliError("the cache state holds more than one cache (a model with sliding-window layers?)")
     out.append(struct.pack("<II", SUFFIX_MAGIC, 0))
     return b"".join(out), int(keep.size), int(pos[keep].max()) + 1
+
+
+# ---------------------------------------------------------------------------------- a quantised chunk file
+F16, Q8_0 = 1, 8
+ROT = 32            # values per Hadamard block turned before quantising (as llama.cpp turns a quantised cache's rows)
+
+
+@functools.cache
+def _hadamard(n: int = ROT) -> np.ndarray:
+    """The orthonormal n x n Hadamard matrix (Sylvester's; symmetric, its own inverse)."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(np.float32(n))
+
+
+def _q8_0(x: np.ndarray) -> bytes:
+    """float32 rows [n, width] (width a multiple of 32) as q8_0 blocks: per 32 values a float16 scale
+    max|x| / 127 and 32 int8 (ggml's block_q8_0, rounded to nearest)."""
+    b = (x.reshape(-1, ROT) @ _hadamard()).reshape(-1, 32)
+    d = np.abs(b).max(axis=1) / 127.0
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(b * inv[:, None]).astype(np.int8)
+    out = np.empty(b.shape[0], np.dtype([("d", "<f2"), ("q", "i1", 32)]))
+    out["d"], out["q"] = d.astype(np.float16), q
+    return out.tobytes()
+
+
+def _from_q8_0(data, n: int, width: int) -> np.ndarray:
+    blocks = np.frombuffer(data, np.dtype([("d", "<f2"), ("q", "i1", 32)]))
+    rows = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]
+    return (rows.reshape(-1, ROT) @ _hadamard()).reshape(n, width)
+
+
+def convert_chunk(state: bytes, to: int) -> bytes:
+    """A chunk's state (as cells_from writes it: uncompressed, flash-attention layout) with every K and V row
+    converted between float16 (F16) and q8_0 (Q8_0). The q8_0 rows are in the model's space: a store's file
+    format, not a q8_0 cache's (llama.cpp Hadamard-rotates those), so a chunk is converted back before a restore."""
+    try:
+        return _convert_chunk(Reader(state), state, to)
+    except ValueError as e:
+        raise KvcliError(f"the chunk state is cut short: {e}") from None
+
+
+def _convert_chunk(r: Reader, state: bytes, to: int) -> bytes:
+    if to not in (F16, Q8_0):
+        raise KvcliError(f"a chunk is stored as float16 or q8_0, not ggml type {to}")
+    r.take(8)
+    if r.u("<I") != STATE_MAGIC:
+        raise KvcliError("not a kvcli cache state")
+    r.take(12)
+    if r.u("<I") != 0 or r.u("<I") != 1:
+        raise KvcliError("only a stored chunk's state (uncompressed, one stream) is converted")
+    n = r.u("<I")
+    for _ in range(n):
+        r.u("<i")
+        r.take(4 * r.u("<I"))
+    start = r.p
+    v_trans, n_layer = r.u("<I"), r.u("<I")
+    if v_trans:
+        raise KvcliError("a quantised store needs flash attention (its V rows are not transposed)")
+    out = [state[:start], struct.pack("<II", v_trans, n_layer)]
+    for _ in range(2 * n_layer):
+        t, row = r.u("<i"), r.u("<Q")
+        data = r.take(n * row)
+        if t == to:
+            out += [struct.pack("<iQ", t, row), data]
+            continue
+        if t == F16 and to == Q8_0:
+            width = row // 2
+            if width % 32:
+                raise KvcliError(f"a q8_0 store needs rows of a multiple of 32 values (this model's: {width})")
+            rows = np.frombuffer(data, "<f2").astype(np.float32).reshape(n, width)
+            new = _q8_0(rows)
+            out += [struct.pack("<iQ", Q8_0, width // 32 * 34), new]
+        elif t == Q8_0 and to == F16:
+            width = row // 34 * 32
+            out += [struct.pack("<iQ", F16, width * 2), _from_q8_0(data, n, width).astype("<f2").tobytes()]
+        else:
+            raise KvcliError(f"a chunk's rows of ggml type {t} cannot be converted to type {to}")
+    rest = bytes(r.take(len(state) - r.p))
+    return b"".join(out) + rest
