@@ -5,7 +5,9 @@
 One row per length and budget: the six questions' right answers and seconds per question for the bounded form as
 kvcli chat serves it (`bounded`: the block index's chosen chunks) and the form before the index (`bounded_all`: every
 chunk, a probe each), the read's seconds, the K/V bytes held, the store on disk per 1k tokens (results that record
-it); at 31k also the full cache and exact re-selection. A quantised cache (`--cache-type`) gets rows of its own.
+it); at 31k also the full cache and exact re-selection. A quantised store (`--cache-type q8_0`) gets rows of its
+own: "q8_0 chunks" (read in float16, the chunk files q8_0: what kvcli does) or, for results before that,
+"q8_0 cache" (read in a q8_0 cache).
 """
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ def rows(paths: list[str]) -> list[dict]:
     for p in paths:
         d = json.load(open(p))
         ctype = d.get("cache_type", "f16")   # results before it was recorded are f16
+        chunks = {r.get("chunk_type") for r in d["records"] if r["mode"] != "full"}
+        if ctype != "f16" and chunks == {None}:   # before 2026-11-29: the store read in a cache of that type
+            ctype += " cache"
+        elif ctype != "f16":                      # read in f16, only the chunk files of that type (store_types)
+            ctype += " chunks"
         for r in d["records"]:
             key = (r["length"], r["budget"], ctype)
             if r["mode"] == "full":

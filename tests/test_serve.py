@@ -340,6 +340,22 @@ def test_prompt_too_long(server, client):
     alive(server)
 
 
+def test_a_quantised_server_refuses_bounded_reading(default_model, tmp_path):
+    """A server whose cache is q8_0 does not read past its context in bounded chunks (that would quantise the kept
+    keys again at every chunk: reselect_bounded.store_types): such a prompt is refused with the reason and the
+    fix, and the server goes on."""
+    args = ["--model", str(default_model), "--policy", "snapkv", "--budget", "64", "--api-key", KEY, "--ctx",
+            str(CTX), "--max-tokens", "4", "--threads", "1", "--cache-type", "q8_0"]
+    with serving(args, tmp_path / "server.log", {"KVCLI_CACHE": str(tmp_path / "kvcache")}) as (port, proc):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=default_model.stem, extra_body={"kvcli": {"policy": "snapkv"}},
+                                      messages=[{"role": "user", "content": "station log entry " * (CTX // 2)}])
+        assert e.value.body["code"] == "context_length_exceeded" and "--cache-type f16" in str(e.value)
+        ok = c.chat.completions.create(model=default_model.stem, messages=[{"role": "user", "content": "hi"}])
+        assert ok.choices[0].message.content is not None and proc.poll() is None
+
+
 def test_bounded_reading_past_the_context(server, client):
     """A prompt past the server's context with a window policy is served as kvcli chat serves a long document: its
     document part (up to the question) read once in bounded chunks and stored; another question about it streams the

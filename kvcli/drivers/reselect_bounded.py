@@ -37,7 +37,9 @@ approximation: computed when their question was re-selected, attending to the en
 The read is resumable: after every chunk its files and the cache carried to the next chunk are on disk and recorded in
 the document store; a read stopped by Ctrl-C, SIGTERM, SIGHUP or a crash is continued by the same read (`read`).
 
-The store is a folder: one file per chunk (an uncompressed cache state of the chunk's cells, kvcli/native/state.py),
+The store is a folder: one file per chunk (an uncompressed cache state of the chunk's cells, kvcli/native/state.py;
+with `--cache-type q8_0` its rows are q8_0, quantised once from the float16 cache the document is read in:
+`store_types`),
 its block index (`index-NNNN.npz`), the reading's last kept cache (`summary.state`) and `store.json` (the model it is
 bound to, kvcli's and the native state's versions, the tokens, the document, the
 conversation's turns, the chunks with each file's size and SHA-256, and the SHA-256 of store.json itself), written to
