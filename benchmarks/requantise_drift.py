@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_common import machine, provenance
 
 from kvcli.models import resolve_model
 from kvcli.native import cache
@@ -79,8 +79,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     model = resolve_model(a.model)
     t0 = time.time()
-    result = {"model": Path(model).name, "tokens": a.tokens, "machine": platform.processor() or platform.machine(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = {"model": Path(model).name, "tokens": a.tokens, "machine": machine(2), **provenance("requantise_drift.py"),
               "cache": {ct: drift(model, a.tokens, ct) for ct in ("f16", "q8_0")},
               "q8_0_store_once": store_error(model, a.tokens)}
     result["seconds"] = round(time.time() - t0, 1)

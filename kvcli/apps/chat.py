@@ -251,7 +251,6 @@ class Conversation:
             if self.session.ctx is None:
                 self.session.create_context(chunking.n_ctx, n_seq)
             else:
-                self.session.clear()
                 self.session.resize_context(chunking.n_ctx, n_seq)
             self.store = ChunkedStore.read(self.session, self.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
                                            seq=self.seq, spare=self.seq + 1, path=self.store_path, keep=named,

@@ -52,7 +52,7 @@ import numpy as np
 from kvcli import document_store, kvc
 from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix, file_snapshot
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest, store_types
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest, requantises
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Sampler, Sampling, generate
@@ -532,10 +532,10 @@ class Engine:
             raise self._too_long(prompt, "policy 'full' keeps every entry (choose a compressing policy and budget)")
         try:
             check_usable(self.session, cfg, SPARE_SEQ)
-            if store_types(self.session.cache_type)[0] != self.session.cache_type:
-                raise KvcliError(f"bounded reading in a {self.session.cache_type} cache would quantise its kept keys "
-                                 "again at every chunk: start the server with --cache-type f16 to serve documents "
-                                 "longer than its context")
+            why = requantises(self.session.cache_type)
+            if why:
+                raise KvcliError(f"{why}: start the server with --cache-type f16 to serve documents longer than its "
+                                 "context")
             # plan_chunking's rule: a prompt it would read in one go (a question-agnostic policy) stays exact
             chunking = plan_chunking(n, MIN_ROOM, self.n_ctx, c.policy, c.budget,
                                      cell_bytes=self.session.bytes_per_cell(),

@@ -207,9 +207,9 @@ class ChunkedStore:
         over, said too). `progress(n)` counts tokens read; its `skip(n)`, when it has one, the tokens resumed."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
-        if store_types(session.cache_type)[0] != session.cache_type:
-            raise KvcliError(f"bounded reading in a {session.cache_type} cache would quantise its kept keys again at "
-                             "every chunk: a bounded store is read in a float16 cache (store_types)")
+        why = requantises(session.cache_type)
+        if why:
+            raise KvcliError(f"{why}: a bounded store is read in a float16 cache (store_types)")
         chunk_type = chunk_type or session.cache_type
         if store_types(chunk_type) != (session.cache_type, chunk_type):
             raise KvcliError(f"a store of {chunk_type} chunks is read in a {store_types(chunk_type)[0]} cache, "
@@ -557,7 +557,7 @@ class ChunkedStore:
 
     def _snapshot(self, c: StoredChunk) -> SeqSnapshot:
         state = self._read_chunk(c)
-        if self.chunk_type != store_types(self.chunk_type)[0]:   # a q8_0 chunk, put back into the float16 cache
+        if self.chunk_type in CHUNK_TYPES:   # a q8_0 chunk, put back into the float16 cache
             state = convert_chunk(state, F16)
         return SeqSnapshot(state=state, next_pos=c.first_pos + c.n, cells=c.n, prompt_tokens=c.n)
 
@@ -812,17 +812,25 @@ def store_types(cache_type: str) -> tuple[str, str]:
 
     Bounded reading re-indexes the entries it carries at every chunk (their K turned to new positions), and
     llama.cpp turns a quantised K by dequantising, turning and quantising it again: a kept key is re-quantised at
-    every one of a book's ~30 re-indexings (measured: a q8_0 cache's keys drift by 0.3-0.5% a turn, 2.5% after 30,
-    and a 31k-token book read in a q8_0 cache answered 1 of 6 where float16 answered 6). So a quantised store is
+    every one of a book's ~30 re-indexings (benchmarks/requantise_drift.py: a q8_0 cache's K 0.46% off after 2
+    re-indexings, 2.0% after 40; a 31k-token book read in a q8_0 cache answered 1 of 6 where float16 answered 6,
+    docs/long-documents.md "A quantised store"). So a quantised store is
     read in float16 and only its chunk files are q8_0, each key quantised once; the cache itself stays budget +
     a chunk either way. Other quantised types are refused: kvcli has no chunk format for them."""
-    if cache_type in ("f32", "f16", "bf16"):
+    if requantises(cache_type) is None:
         return cache_type, cache_type
     if cache_type in CHUNK_TYPES:
         return "f16", cache_type
     raise KvcliError(f"a document stored in bounded chunks holds float16 or q8_0 rows, not {cache_type}: bounded "
                      "reading re-indexes its kept keys at every chunk, which re-quantises a quantised cache's keys "
                      "each time (use --cache-type q8_0 or f16)")
+
+
+def requantises(cache_type: str) -> str | None:
+    """Why bounded reading cannot run in a cache of this type (None where it can): see store_types."""
+    if cache_type in ("f32", "f16", "bf16"):
+        return None
+    return f"bounded reading in a {cache_type} cache would quantise its kept keys again at every chunk"
 
 
 def check_usable(session, cfg: Compression, spare: int | None = None) -> None:

@@ -47,12 +47,16 @@ def cells_from(state: bytes, first_pos: int) -> tuple[bytes, int, int]:
         raise KvcliError(f"the cache state is cut short: {e}") from None
 
 
-def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, int]:
-    lead = bytes(r.take(8))                             # what llama.cpp writes before the cache's part
+def _opening(r: Reader) -> tuple[bytes, bytes, int, np.ndarray, list[bytes]]:
+    """A state read up to its K/V rows: (what llama.cpp writes before the cache's part, kvcli state format and model
+    fingerprint, the compressed sequence's header count (its headers skipped), each cell's position, each cell's
+    bytes)."""
+    lead = bytes(r.take(8))
     if r.u("<I") != STATE_MAGIC:
         raise KvcliError("not a kvcli cache state")
-    fmt_fp = bytes(r.take(12))                          # kvcli state format, model fingerprint
-    r.take(r.u("<I") * _HEADER_BYTES)                   # the compressed sequence's header: dropped
+    fmt_fp = bytes(r.take(12))
+    headers = r.u("<I")
+    r.take(headers * _HEADER_BYTES)
     if r.u("<I") != 1:
         raise KvcliError("a cache state of several streams cannot be cut into cells")
     n = r.u("<I")
@@ -64,6 +68,12 @@ def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, in
         n_seq = r.u("<I")
         r.take(4 * n_seq)
         meta.append(bytes(r.data[start:r.p]))
+    return lead, fmt_fp, headers, pos, meta
+
+
+def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, int]:
+    lead, fmt_fp, _, pos, meta = _opening(r)             # the compressed sequence's header is dropped
+    n = pos.size
     keep = np.flatnonzero(pos >= first_pos)
     if keep.size == 0:
         raise KvcliError(f"the sequence holds no cell at position {first_pos} or later")
@@ -97,6 +107,7 @@ def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, in
 
 # ---------------------------------------------------------------------------------- a quantised chunk file
 F16, Q8_0 = 1, 8
+_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("q", "i1", 32)])   # ggml's block_q8_0
 ROT = 32            # values per Hadamard block turned before quantising (as llama.cpp turns a quantised cache's rows)
 
 
@@ -116,13 +127,13 @@ def _q8_0(x: np.ndarray) -> bytes:
     d = np.abs(b).max(axis=1) / 127.0
     inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
     q = np.rint(b * inv[:, None]).astype(np.int8)
-    out = np.empty(b.shape[0], np.dtype([("d", "<f2"), ("q", "i1", 32)]))
+    out = np.empty(b.shape[0], _Q8_0_BLOCK)
     out["d"], out["q"] = d.astype(np.float16), q
     return out.tobytes()
 
 
 def _from_q8_0(data, n: int, width: int) -> np.ndarray:
-    blocks = np.frombuffer(data, np.dtype([("d", "<f2"), ("q", "i1", 32)]))
+    blocks = np.frombuffer(data, _Q8_0_BLOCK)
     rows = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]
     return (rows.reshape(-1, ROT) @ _hadamard()).reshape(n, width)
 
@@ -140,17 +151,10 @@ def convert_chunk(state: bytes, to: int) -> bytes:
 def _convert_chunk(r: Reader, state: bytes, to: int) -> bytes:
     if to not in (F16, Q8_0):
         raise KvcliError(f"a chunk is stored as float16 or q8_0, not ggml type {to}")
-    r.take(8)
-    if r.u("<I") != STATE_MAGIC:
-        raise KvcliError("not a kvcli cache state")
-    r.take(12)
-    if r.u("<I") != 0 or r.u("<I") != 1:
-        raise KvcliError("only a stored chunk's state (uncompressed, one stream) is converted")
-    n = r.u("<I")
-    for _ in range(n):
-        r.u("<i")
-        r.take(4 * r.u("<I"))
-    start = r.p
+    _, _, headers, pos, _ = _opening(r)
+    if headers:
+        raise KvcliError("only a stored chunk's state (uncompressed) is converted")
+    n, start = pos.size, r.p
     v_trans, n_layer = r.u("<I"), r.u("<I")
     if v_trans:
         raise KvcliError("a quantised store needs flash attention (its V rows are not transposed)")
@@ -161,17 +165,15 @@ def _convert_chunk(r: Reader, state: bytes, to: int) -> bytes:
         if t == to:
             out += [struct.pack("<iQ", t, row), data]
             continue
-        if t == F16 and to == Q8_0:
-            width = row // 2
-            if width % 32:
-                raise KvcliError(f"a q8_0 store needs rows of a multiple of 32 values (this model's: {width})")
-            rows = np.frombuffer(data, "<f2").astype(np.float32).reshape(n, width)
-            new = _q8_0(rows)
-            out += [struct.pack("<iQ", Q8_0, width // 32 * 34), new]
-        elif t == Q8_0 and to == F16:
-            width = row // 34 * 32
-            out += [struct.pack("<iQ", F16, width * 2), _from_q8_0(data, n, width).astype("<f2").tobytes()]
-        else:
+        if (t, to) not in ((F16, Q8_0), (Q8_0, F16)):
             raise KvcliError(f"a chunk's rows of ggml type {t} cannot be converted to type {to}")
+        block, size = _BLOCK[t]
+        width = row // size * block
+        if width % _BLOCK[Q8_0][0]:
+            raise KvcliError(f"a q8_0 store needs rows of a multiple of 32 values (this model's: {width})")
+        rows = np.frombuffer(data, "<f2").astype(np.float32).reshape(n, width) if t == F16 else \
+            _from_q8_0(data, n, width)
+        new = _q8_0(rows) if to == Q8_0 else rows.astype("<f2").tobytes()
+        out += [struct.pack("<iQ", to, width // _BLOCK[to][0] * _BLOCK[to][1]), new]
     rest = bytes(r.take(len(state) - r.p))
     return b"".join(out) + rest
