@@ -151,10 +151,12 @@ def _process_start() -> str | None:
         return None
 
 
-def _lock(folder: Path, mode: int) -> int | None:
-    """An fd of folder/lock holding flock `mode` (non-blocking), or None when another process holds it."""
+def _lock(folder: Path, mode: int, new: bool = False) -> int | None:
+    """An fd of folder/lock holding flock `mode` (non-blocking), or None when another process holds it or the lock
+    file is gone. Only `create` makes the file (`new`): a probe that re-created it in a folder its owner was removing
+    (between the owner's unlinking the files and removing the folder) would leave that folder behind."""
     try:
-        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(folder / LOCK, os.O_RDWR | (os.O_CREAT if new else 0), 0o644)
     except OSError:
         return None
     try:
@@ -309,7 +311,7 @@ def create(*, form: str, model_path, tokens, settings: dict | None = None, key: 
             break
     new = r / f"{_NEW}{ident}"
     new.mkdir()
-    fd = _lock(new, fcntl.LOCK_SH)
+    fd = _lock(new, fcntl.LOCK_SH, new=True)
     if fd is None:
         shutil.rmtree(new, ignore_errors=True)
         raise KvcliError(f"cannot lock a new entry in the document store {r}")
@@ -495,6 +497,12 @@ def _mtime(p: Path) -> float:
         return 0.0
 
 
+def _removal_left(p: Path) -> bool:
+    """An entry folder (named by its id) without its record: a removal that stopped between the files and the folder
+    (its process killed there), when it has not changed for a minute (a removal under way takes milliseconds)."""
+    return p.is_dir() and not p.is_symlink() and _ID.fullmatch(p.name) is not None and _now() - _mtime(p) > 60
+
+
 def _unknown_in_use(p: Path) -> bool:
     """An item that is no entry: in use while its process lives (the pid in an old store's name), or while it is an
     entry being created (a minute at most: its lock is taken at once)."""
@@ -520,8 +528,9 @@ def sweep() -> None:
     r = root()
     for child in list(r.iterdir()):
         rec = _read_record(child) if child.is_dir() else None
-        if rec is None:   # an entry whose creation died, or a store an older kvcli left (its pid in its name)
-            if (child.name.startswith(_NEW) or _LEGACY_PID.search(child.name)) and not _unknown_in_use(child):
+        if rec is None:   # an entry whose creation or removal died, or a store an older kvcli left (pid in its name)
+            if (child.name.startswith(_NEW) or _LEGACY_PID.search(child.name) or _removal_left(child)) \
+                    and not _unknown_in_use(child):
                 if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child, ignore_errors=True)
                 else:

@@ -256,6 +256,40 @@ def test_what_an_older_kvcli_left_is_swept_once_its_process_is_gone(store_env):
     assert len(removed) == 1 and not busy and list(store_env.iterdir()) == []
 
 
+def test_another_process_probing_an_entry_its_owner_removes_leaves_nothing(store_env, monkeypatch):
+    """What failed once in CI (two Ray workers): a process sweeping or listing the store read a temporary entry's record
+    just before its owner removed the entry, then probed its lock after the owner had unlinked the files but before it
+    removed the folder. The probe must not re-create the lock file (the folder would stay, record-less, forever)."""
+    e = document_store.create(form="exact", model_path=Path(__file__), tokens=[1, 2, 3])
+    e.payload.write_bytes(b"x" * 100)
+    e.finish("temporary")
+    folder, real_rmtree = e.folder, document_store.shutil.rmtree
+
+    def rmtree_with_a_probe_between(path, ignore_errors=False):
+        if Path(path) != folder:
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        for f in Path(path).iterdir():   # rmtree's order: the files, then the folder
+            f.unlink()
+        assert document_store._in_use(folder)   # the probe of a sweep or a listing: no lock file = not to be touched
+        assert document_store._hold_exclusive(folder) is None
+        os.rmdir(path)
+
+    monkeypatch.setattr(document_store.shutil, "rmtree", rmtree_with_a_probe_between)
+    e.release()
+    assert list(store_env.iterdir()) == []
+
+
+def test_a_removal_that_died_midway_is_swept_after_a_minute(store_env):
+    left = store_env / "0123abcd"          # an entry folder whose record went, then its process died
+    left.mkdir()
+    (left / "lock").write_bytes(b"")
+    document_store.sweep()
+    assert left.is_dir()                   # it may be a removal under way
+    os.utime(left, (time.time() - 120, time.time() - 120))
+    document_store.sweep()
+    assert not left.exists()
+
+
 def test_documents_command_errors_are_one_line(store_env, cli_runner):
     from kvcli.cli import cli
     r = cli_runner.invoke(cli, ["documents", "path"])
