@@ -276,6 +276,43 @@ def test_a_quantised_cache_does_not_read_a_bounded_store(tiny_32):
         s.close()
 
 
+def test_a_question_known_while_reading_is_read_in_float16_when_q8_0_is_asked(tiny_32):
+    """`kvcli run`'s bounded reading re-indexes its kept keys at every chunk as a store's read does: asked for q8_0,
+    it reads in float16 (the same cells and answer as asked for float16) and says so; the evaluations read as it
+    does and give the session back in the type asked; the driver itself refuses a q8_0 cache in one line."""
+    from kvcli.apps.run_document import run_document
+    from kvcli.drivers.compress import prefill_and_compress
+    from kvcli.evaluation.runner import chunked_variants
+    from kvcli.native.session import NativeSession
+    runs = {}
+    for t in ("f16", "q8_0"):
+        s = NativeSession(tiny_32, n_ctx=0, cache_type=t)
+        try:
+            runs[t] = run_document(s, DOC, Q, policy="snapkv", budget=48, max_tokens=6, chunk=128), s.cache_type
+        finally:
+            s.close()
+    (f16, f16_type), (q8, q8_type) = runs["f16"], runs["q8_0"]
+    assert f16_type == q8_type == "f16" and q8.stats["cache_type"] == "f16" and "cache_type" not in f16.stats
+    assert "read in a float16 cache, not q8_0" in q8.stats["note"] and q8.stats["chunks"] > 4
+    assert q8.answer == f16.answer and q8.stats["kv_cells"] == f16.stats["kv_cells"]
+    s = NativeSession(tiny_32, n_ctx=1024, cache_type="q8_0")
+    try:
+        tokens = s.tokenize(DOC)
+        variants = list((pol, status, note) for pol, _, status, _, note, _ in
+                        chunked_variants(s, tokens, [("snapkv", 48)], {}, {}, chunk=128, reserve=8))
+        assert variants == [("snapkv", "ok", read_in_float16(q8.stats["note"]))]
+        assert s.cache_type == "q8_0" and s.n_ctx == 1024
+        with pytest.raises(KvcliError, match="would quantise its kept keys again at every chunk: read it with "
+                                             "--cache-type f16"):
+            prefill_and_compress(s, tokens, "snapkv", 48, {}, chunk=128)
+    finally:
+        s.close()
+
+
+def read_in_float16(note: str) -> str:
+    return next(part for part in note.split("; ") if part.startswith("read in a float16 cache"))
+
+
 def test_chat_cache_type_q8_0_stores_q8_0_chunks_read_in_float16(tiny_32, tmp_path, cache_dir):
     """`kvcli compress --store --cache-type q8_0` writes q8_0 chunk files read in a float16 cache (store.json says
     both); `kvcli run --cache DIR` answers from it; q4_0 (no chunk format) is refused in one line."""

@@ -51,7 +51,7 @@ import numpy as np
 from kvcli import config, kvc, policies
 from kvcli.drivers import compress
 from kvcli.planning.planner import CompressReport, resolve
-from kvcli.drivers.chunked import TURN_ROOM, pad_cells, plan_chunking
+from kvcli.drivers.chunked import TURN_ROOM, pad_cells, plan_chunking, read_in_float16_note, reading_cache_type
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import generate
@@ -389,6 +389,10 @@ class Conversation:
         if self.reselect:
             return self.read_store(progress)
         chunking = self.chunking()
+        held = reading_cache_type(self.session.info, self.cache_type) if chunking.chunk else self.cache_type
+        if self.session.cache_type != held:   # a quantised cache is read in float16 (chunked.requantises), or back
+            self.session.clear()
+            self.session.use_cache_type(held)
         if self.session.ctx is not None and self.session.n_ctx < chunking.n_ctx:
             # the context was fitted to an earlier compressed prefix (or a .kvc file): reading needs more
             self.session.clear(self.seq)
@@ -404,6 +408,8 @@ class Conversation:
                                                     dict(self.policy_args), seq=self.seq, progress=progress,
                                                     instruction=self.question, chunk=chunking.chunk,
                                                     cap=chunking.cap, on_cache=on_cache, scoring=self.chunk_scoring)
+        if held != self.cache_type:
+            self.report.note = "; ".join(filter(None, (self.report.note, read_in_float16_note(self.cache_type))))
         st = self._st()
         st.cells = self._measured_cells()
         self.reset_mark = (st.next_pos, st.cells)

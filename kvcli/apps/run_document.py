@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 
 from kvcli.drivers import compress
-from kvcli.drivers.chunked import plan_chunking
+from kvcli.drivers.chunked import plan_chunking, read_in_float16_note, reading_cache_type
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Generation, Sampler, generate
@@ -94,6 +94,9 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     check_instruction(session, instruction, system, max_cache)
     chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache,
                              cell_bytes=session.bytes_per_cell())
+    asked = getattr(session, "cache_type", None)   # the native engine's (the reference engine holds float32)
+    if chunking.chunk and reading_cache_type(session.info, asked) != asked:
+        session.use_cache_type(reading_cache_type(session.info, asked))   # frees the (empty) context
     if session.ctx is None:
         session.create_context(chunking.n_ctx)
     progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)
@@ -112,8 +115,12 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
                   "decode_s": round(gen.decode_s, 4),
                   "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None})
     stats["peak_rss_bytes"] = peak_rss_bytes()   # the process's peak, from the OS (VmHWM)
-    if report.note:
-        stats["note"] = report.note
+    notes = [report.note] if report.note else []
+    if asked is not None and session.cache_type != asked:
+        stats["cache_type"] = session.cache_type
+        notes.append(read_in_float16_note(asked))
+    if notes:
+        stats["note"] = "; ".join(notes)
     if report.params and "task" in report.params:
         stats["task"] = report.params["task"]  # what windowkv's task=auto picked
     return RunResult(answer=gen.text, model=str(session.model_path), policy=policy, budget=budget, stats=stats,

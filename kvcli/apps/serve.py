@@ -50,9 +50,9 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import document_store, kvc
-from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking
+from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking, requantises
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix, file_snapshot
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest, requantises
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Sampler, Sampling, generate

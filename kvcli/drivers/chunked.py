@@ -263,6 +263,9 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
     reindex = not keeps_positions(session.info)
+    held = getattr(session, "cache_type", None)
+    if reading_cache_type(session.info, held) != held:   # the callers switch to float16 before they read
+        raise KvcliError(f"{requantises(session.cache_type)}: read it with --cache-type f16")
     first_pos = session.seqs[seq].next_pos if seq in session.seqs else 0
     if not reindex and first_pos + len(tokens) >= session.n_ctx_train:
         raise KvcliError(f"the prompt is {len(tokens)} tokens, more than the model's context ({session.n_ctx_train} "
@@ -388,6 +391,31 @@ def probe_window(session: Session, seq: int, probe: list[int], obs, window: int)
     obs.window_sums, obs.windows = sums, pobs.windows
     obs.validate()
     return obs
+
+
+def requantises(cache_type: str) -> str | None:
+    """Why bounded reading cannot hold its cells in a cache of this type (None where it can): it re-indexes the
+    entries it carries at every chunk, and llama.cpp turns a quantised K by dequantising, turning and quantising it
+    again, so a kept key is re-quantised at every chunk (benchmarks/requantise_drift.py: a q8_0 K 0.46% off after 2
+    re-indexings, 2.0% after 40; a 31k-token book read in a q8_0 cache answered 1 of 6 where float16 answered 6)."""
+    if cache_type in ("f32", "f16", "bf16"):
+        return None
+    return f"bounded reading in a {cache_type} cache would quantise its kept keys again at every chunk"
+
+
+def reading_cache_type(info, asked: str | None) -> str | None:
+    """The cache type bounded reading holds its budget + chunk cells in when `asked` (--cache-type; None: the
+    reference engine's float32) is asked for: that one, or float16 where it would be re-quantised at every chunk
+    (a quantised type on a model whose positions are re-indexed). The cache is budget + a chunk of cells either
+    way: float16 costs 12.8 MB at budget 1024 on qwen2.5-0.5b, q8_0 6.8 MB."""
+    if asked is None or keeps_positions(info) or requantises(asked) is None:
+        return asked
+    return "f16"
+
+
+def read_in_float16_note(asked: str) -> str:
+    return (f"read in a float16 cache, not {asked}: bounded reading re-indexes the entries it keeps at every chunk, "
+            f"which would quantise a {asked} cache's keys again each time")
 
 
 def keeps_positions(info) -> bool:

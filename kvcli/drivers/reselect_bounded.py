@@ -66,7 +66,8 @@ import numpy as np
 from kvcli import document_store, kvc, outfile
 from kvcli.config import env_bytes
 from kvcli.drivers import block_index
-from kvcli.drivers.chunked import keeps_positions, probe_length, probe_window, question_probe, read_in_chunks
+from kvcli.drivers.chunked import (keeps_positions, probe_length, probe_window, question_probe, read_in_chunks,
+                                   requantises)
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common_prefix
 from kvcli.errors import KvcliError
 from kvcli.native.cache import KvReader
@@ -810,12 +811,9 @@ CHUNK_TYPES = {"q8_0": Q8_0}   # chunk files of another type than the cache they
 def store_types(cache_type: str) -> tuple[str, str]:
     """(the cache a bounded store is read and re-selected in, its chunk files' rows) for `--cache-type`.
 
-    Bounded reading re-indexes the entries it carries at every chunk (their K turned to new positions), and
-    llama.cpp turns a quantised K by dequantising, turning and quantising it again: a kept key is re-quantised at
-    every one of a book's ~30 re-indexings (benchmarks/requantise_drift.py: a q8_0 cache's K 0.46% off after 2
-    re-indexings, 2.0% after 40; a 31k-token book read in a q8_0 cache answered 1 of 6 where float16 answered 6,
-    docs/long-documents.md "A quantised store"). So a quantised store is
-    read in float16 and only its chunk files are q8_0, each key quantised once; the cache itself stays budget +
+    A quantised cache's kept keys would be re-quantised at every chunk (kvcli/drivers/chunked.py `requantises`), so a
+    quantised store is read in float16 and only its chunk files are q8_0, each key quantised once; the cache itself
+    stays budget +
     a chunk either way. Other quantised types are refused: kvcli has no chunk format for them."""
     if requantises(cache_type) is None:
         return cache_type, cache_type
@@ -824,13 +822,6 @@ def store_types(cache_type: str) -> tuple[str, str]:
     raise KvcliError(f"a document stored in bounded chunks holds float16 or q8_0 rows, not {cache_type}: bounded "
                      "reading re-indexes its kept keys at every chunk, which re-quantises a quantised cache's keys "
                      "each time (use --cache-type q8_0 or f16)")
-
-
-def requantises(cache_type: str) -> str | None:
-    """Why bounded reading cannot run in a cache of this type (None where it can): see store_types."""
-    if cache_type in ("f32", "f16", "bf16"):
-        return None
-    return f"bounded reading in a {cache_type} cache would quantise its kept keys again at every chunk"
 
 
 def check_usable(session, cfg: Compression, spare: int | None = None) -> None:

@@ -29,7 +29,8 @@ import time
 import numpy as np
 
 from kvcli.drivers.bench import availability
-from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cells, plan_chunking
+from kvcli.drivers.chunked import (DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cells, plan_chunking, read_in_float16_note,
+                                   reading_cache_type)
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
 from kvcli.errors import KvcliError
@@ -131,29 +132,48 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
     the whole prompt itself (chunked prefills cannot be shared: what is kept decides what later chunks
     attend to). `full` runs only when the prompt fits the context; `truncate` keeps the context's worth
     (budget None) or `budget` tokens. Yields (policy, budget, status, first_logits, note, stats)."""
-    n, n_ctx = len(tokens), session.n_ctx
-    for pol, bud in cfgs:
-        if pol in unavailable:
-            yield pol, bud, unavailable[pol], None, "", {}
-            continue
+    n_ctx = session.n_ctx
+    asked = getattr(session, "cache_type", None)
+    try:
+        for pol, bud in cfgs:
+            if pol in unavailable:
+                yield pol, bud, unavailable[pol], None, "", {}
+                continue
+            # a quantised cache is read in float16 as kvcli run reads it (chunked.requantises); the others as asked
+            reading = asked if pol in ("full", TRUNCATE) else reading_cache_type(session.info, asked)
+            _use_cache_type(session, reading, n_ctx)
+            yield _chunked_variant(session, tokens, pol, bud, policy_args, chunk, reserve, scoring, n_ctx,
+                                   read_in_float16_note(asked) if reading != asked else "")
+    finally:
+        _use_cache_type(session, asked, n_ctx)
+
+
+def _use_cache_type(session, cache_type: str | None, n_ctx: int) -> None:
+    if getattr(session, "cache_type", None) != cache_type:
         session.clear()
-        try:
-            if pol == "full" or pol == TRUNCATE:
-                keep = n if pol == "full" else (bud or n_ctx - reserve)
-                if keep + reserve > n_ctx:
-                    yield pol, bud, f"not run: {n} tokens do not fit the context ({n_ctx})", None, "", {}
-                    continue
-                toks = truncated(tokens, keep)
-                session.prefill(toks, seq=0)
-                stats = {"kv_cells": len(toks), "peak_kv_cells": len(toks)}
-            else:
-                rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
-                                           chunk=chunk, cap=bud + chunk, scoring=scoring)
-                stats = {**held(session), **rep.as_stats()}
-        except KvcliError as e:
-            yield pol, bud, f"error: {e}", None, "", {}
-            continue
-        yield pol, bud, "ok", session.logits(0), "", stats
+        session.use_cache_type(cache_type)
+        session.create_context(n_ctx)
+
+
+def _chunked_variant(session, tokens, pol, bud, policy_args, chunk, reserve, scoring, n_ctx, note):
+    """One configuration of `chunked_variants`: (policy, budget, status, first_logits, note, stats)."""
+    n = len(tokens)
+    session.clear()
+    try:
+        if pol == "full" or pol == TRUNCATE:
+            keep = n if pol == "full" else (bud or n_ctx - reserve)
+            if keep + reserve > n_ctx:
+                return pol, bud, f"not run: {n} tokens do not fit the context ({n_ctx})", None, "", {}
+            toks = truncated(tokens, keep)
+            session.prefill(toks, seq=0)
+            stats = {"kv_cells": len(toks), "peak_kv_cells": len(toks)}
+        else:
+            rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
+                                       chunk=chunk, cap=bud + chunk, scoring=scoring)
+            stats = {**held(session), **rep.as_stats()}
+    except KvcliError as e:
+        return pol, bud, f"error: {e}", None, note, {}
+    return pol, bud, "ok", session.logits(0), note, stats
 
 
 def agnostic_split(session, s) -> tuple[list[int], list[int]]:
