@@ -95,8 +95,9 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache,
                              cell_bytes=session.bytes_per_cell())
     asked = getattr(session, "cache_type", None)   # the native engine's (the reference engine holds float32)
-    if chunking.chunk and reading_cache_type(session.info, asked) != asked:
-        session.use_cache_type(reading_cache_type(session.info, asked))   # frees the (empty) context
+    reading = reading_cache_type(session.info, asked) if chunking.chunk else asked
+    if reading != asked:
+        session.use_cache_type(reading)   # frees the (empty) context; made again below
     if session.ctx is None:
         session.create_context(chunking.n_ctx)
     progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)

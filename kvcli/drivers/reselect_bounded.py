@@ -813,8 +813,7 @@ def store_types(cache_type: str) -> tuple[str, str]:
 
     A quantised cache's kept keys would be re-quantised at every chunk (kvcli/drivers/chunked.py `requantises`), so a
     quantised store is read in float16 and only its chunk files are q8_0, each key quantised once; the cache itself
-    stays budget +
-    a chunk either way. Other quantised types are refused: kvcli has no chunk format for them."""
+    stays budget + a chunk either way. Other quantised types are refused: kvcli has no chunk format for them."""
     if requantises(cache_type) is None:
         return cache_type, cache_type
     if cache_type in CHUNK_TYPES:
