@@ -14,9 +14,13 @@ probes at 128k tokens). The index makes a question's cost close to independent o
         once, attending to a summary of the whole document. Every page's upper bound on a query's logit
         (sum over dimensions of max(q_d min_d, q_d max_d): no key of the page scores more) is computed from the index
         alone, the chunk's best page per (layer, query head, query) taken, a softmax over the chunks for each of those
-        rows, and a chunk's score is the sum of its shares: the attention mass the question would give it. The
-        `select` best chunks, with the first (the attention sink, the document's start) and the last (the document's
-        end, joined to the prompt), are then streamed as today, in document order, and re-selected exactly.
+        rows, and a chunk's score is the sum of its shares: the attention mass the question would give it.
+    then (the second step): the page bounds' best CANDIDATES x `select` chunks have their real keys read from their
+        files, one at a time, and are scored the same way with each row's largest real logit in place of its bound
+        (`key_maxima`); their `select` best, with the first (the attention sink, the document's start) and the last
+        (the document's end, joined to the prompt), are streamed, in document order, and re-selected exactly. The
+        bounds alone ranked a planted fact's chunk as low as 19th of 131 at 131k tokens (budget 256), where its real
+        keys ranked it 1st (benchmarks/book_select.py; docs/long-documents.md).
 
 The queries are turned (RoPE) to the position `cap` + their offset, past every stored key (the stored chunks sit at
 the positions bounded reading gave them, below budget + chunk), as they would be after a chunk in a re-selection.
@@ -34,6 +38,7 @@ from kvcli.native.cache import read_kv_layer, seq_positions
 from kvcli.planning import rope as ropes
 
 PAGE = 16          # tokens per page (Quest's page size)
+CANDIDATES = 4     # chunks scored by their real keys per chunk streamed: the page bounds' best CANDIDATES x select
 
 
 def usable(info) -> str | None:
@@ -103,6 +108,17 @@ def chunk_maxima(queries: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndar
     qn = np.minimum(queries, 0.0).reshape(n_layer, lo.shape[1], group * w, d)
     bound = qp @ hi.transpose(0, 1, 3, 2) + qn @ lo.transpose(0, 1, 3, 2)     # [L, H_kv, group * w, pages]
     return bound.max(axis=3).reshape(n_layer, n_head, w) / math.sqrt(d)
+
+
+def key_maxima(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """[n_layer, n_head, w]: per (layer, query head, query) the largest real logit over a chunk's keys
+    ([n_layer, n_head_kv, cells, head_dim], kvcli.native.state.chunk_keys): what chunk_maxima bounds."""
+    n_layer, n_head, w, d = queries.shape
+    n_kv = keys.shape[1]
+    if keys.shape[0] != n_layer or keys.shape[3] != d or n_head % n_kv:
+        raise KvcliError(f"a chunk's keys {list(keys.shape)} do not match the question's queries {list(queries.shape)}")
+    q = queries.reshape(n_layer, n_kv, (n_head // n_kv) * w, d)
+    return (q @ keys.transpose(0, 1, 3, 2)).max(axis=3).reshape(n_layer, n_head, w) / math.sqrt(d)
 
 
 def chunk_scores(maxima: list[np.ndarray]) -> np.ndarray:

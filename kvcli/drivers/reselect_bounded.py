@@ -72,7 +72,7 @@ from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoreMissing, common
 from kvcli.errors import KvcliError
 from kvcli.native.cache import KvReader
 from kvcli.native.session import SeqSnapshot
-from kvcli.native.state import F16, Q8_0, cells_from, convert_chunk
+from kvcli.native.state import F16, Q8_0, cells_from, chunk_keys, convert_chunk
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
 
 # 3: the block index and the reading's last kept cache; 2: store.json carries its own SHA-256 and the conversation's
@@ -484,28 +484,43 @@ class ChunkedStore:
         return block_index.default_select(budget, self.chunk)
 
     def _choose(self, session, seq: int, prompt: list[int], cfg: Compression) -> tuple[list[StoredChunk], float]:
-        """The stored chunks this question streams (in document order) and the seconds choosing them took: every
-        chunk, or, by the block index (kvcli/drivers/block_index.py), the first, the last and the best-scored
-        `chunks_per_question` between them. `seq` is empty before and after."""
+        """The stored chunks this question streams (in document order) and the seconds choosing them took. Every
+        chunk, or, by the block index (kvcli/drivers/block_index.py), the first, the last and the
+        `chunks_per_question` between them whose real keys score best of the CANDIDATES x as many that the page
+        bounds score best. `seq` is empty before and after."""
         select = self.chunks_per_question(cfg.budget)
         if select is None or len(self.chunks) <= select + 2 or not self.pages or self.summary is None:
             return list(self.chunks), 0.0
         t0 = time.perf_counter()
-        best = block_index.choose(self.index_scores(session, seq, prompt), select)
+        q = self.question_queries(session, seq, prompt)
+        candidates = block_index.choose(self._page_scores(q, session.info), block_index.CANDIDATES * select)
+        # one candidate's file at a time (the chosen ones are read again to be restored): a question holds no
+        # more memory than streaming a chunk does
+        exact = block_index.chunk_scores([block_index.key_maxima(q, chunk_keys(self._read_chunk(self.chunks[1 + i]),
+                                                                               session.info.n_head_kv)[0])
+                                          for i in candidates])
+        best = sorted(candidates[j] for j in block_index.choose(exact, select))
         chosen = [self.chunks[0]] + [self.chunks[1 + i] for i in best] + [self.chunks[-1]]
         return chosen, time.perf_counter() - t0
 
     def index_scores(self, session, seq: int, prompt: list[int]) -> np.ndarray:
-        """The block index's score of every chunk between the first and the last for the question that ends
-        `prompt`: its queries computed once over the stored summary (in `seq`, empty before and after)."""
+        """The block index's page-bound score of every chunk between the first and the last for the question that
+        ends `prompt` (the first of _choose's two steps): its queries computed once over the stored summary (in
+        `seq`, empty before and after)."""
+        return self._page_scores(self.question_queries(session, seq, prompt), session.info)
+
+    def _page_scores(self, q: np.ndarray, info) -> np.ndarray:
+        return block_index.chunk_scores([block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f), info))
+                                         for f in self.pages[1:-1]])
+
+    def question_queries(self, session, seq: int, prompt: list[int]) -> np.ndarray:
+        """The queries of the question that ends `prompt`, prefilled after the stored summary (in `seq`, empty
+        before and after) and turned to the position past every stored key (block_index.question_queries)."""
         session.restore_seq(_snapshot_of(self.summary, self._read_file(self.summary)), seq)
         try:
-            q = block_index.question_queries(session, seq, question_probe(prompt, 1, self.chunk), at=self.cap)
+            return block_index.question_queries(session, seq, question_probe(prompt, 1, self.chunk), at=self.cap)
         finally:
             session.clear(seq)
-        return block_index.chunk_scores([block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f),
-                                                                                            session.info))
-                                         for f in self.pages[1:-1]])
 
     def _turns_for(self, prompt: list[int], reach: int) -> tuple[list[TurnChunk], int, int]:
         """The kept turn chunks that `prompt` starts with, how far they reach into it exactly, and where the chunk

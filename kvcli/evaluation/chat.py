@@ -59,6 +59,7 @@ import time
 
 import numpy as np
 
+from kvcli.drivers import block_index
 from kvcli.drivers.chunked import DEFAULT_CHUNK, pad_cells
 from kvcli.drivers.compress import Shared, resolve
 from kvcli.drivers.reselect import StoredDocument
@@ -363,7 +364,8 @@ def _mode_bounded(session, text, planted, cfgs, full, max_tokens, store, forms=(
                                         stored_chunks=r.stored, index_s=round(r.index_s, 4),
                                         read_s=round(cs.read_s, 3), answer_s=round(time.perf_counter() - t2, 4),
                                         store_bytes=cs.nbytes, read_resumed_tokens=cs.resumed_tokens,
-                                        chunk_type=cs.chunk_type, n_ctx=session.n_ctx, **held(session)))
+                                        chunk_type=cs.chunk_type, n_ctx=session.n_ctx, **held(session),
+                                        **({"index_candidates": block_index.CANDIDATES} if form == "bounded" else {})))
                     history.append((q, answer.strip()))
                     session.clear(0)
         finally:
