@@ -318,7 +318,7 @@ class Conversation:
         select = st.chunks_per_question(self.budget)
         if select is None or len(st.chunks) <= select + 2:
             return "them all"
-        return f"the first, the last and the {select} its block index scores best"
+        return f"the first, the last and the {select} its block index scores best (page bounds, then real keys)"
 
     def _say(self, line: str) -> None:
         if self.notify:

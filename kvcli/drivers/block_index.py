@@ -118,7 +118,11 @@ def key_maxima(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
     if keys.shape[0] != n_layer or keys.shape[3] != d or n_head % n_kv:
         raise KvcliError(f"a chunk's keys {list(keys.shape)} do not match the question's queries {list(queries.shape)}")
     q = queries.reshape(n_layer, n_kv, (n_head // n_kv) * w, d)
-    return (q @ keys.transpose(0, 1, 3, 2)).max(axis=3).reshape(n_layer, n_head, w) / math.sqrt(d)
+    out = np.empty(q.shape[:3], np.float32)
+    for il in range(n_layer):   # a layer at a time: the logits of all layers at once would be ~44 MB on qwen
+        # the keys transposed into a contiguous array: numpy's batched matmul of a transposed view is slower
+        out[il] = (q[il] @ np.ascontiguousarray(keys[il].transpose(0, 2, 1))).max(axis=2)
+    return out.reshape(n_layer, n_head, w) / math.sqrt(d)
 
 
 def chunk_scores(maxima: list[np.ndarray]) -> np.ndarray:
