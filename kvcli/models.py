@@ -6,6 +6,7 @@ location (never importing it: it would import `llm`). KVCLI_MODEL overrides the 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -290,11 +291,18 @@ def read_model_info(path: Path) -> ModelInfo:
 
 def header_values(path: Path) -> dict:
     """The scalar keys of a GGUF header (arrays as None, except kvcli.* keys and sliding-window patterns), read
-    directly: what a loader may need beyond ModelInfo."""
+    directly: what a loader may need beyond ModelInfo. Parsed once per file version (path, size, mtime): the header's
+    vocabulary takes ~0.5 s to walk, and every observed prefill asks for the model's RoPE."""
     try:
-        return dict(_Header(Path(path)).values)
+        st = Path(path).stat()
+        return dict(_header_values(str(path), st.st_size, st.st_mtime_ns))
     except (ValueError, OSError, UnicodeDecodeError) as e:
         raise KvcliError(f"cannot parse GGUF {Path(path).name} (truncated or corrupted?): {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _header_values(path: str, size: int, mtime_ns: int) -> dict:
+    return dict(_Header(Path(path)).values)
 
 
 def read_f32_tensor(path: Path, name: str) -> np.ndarray | None:
