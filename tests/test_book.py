@@ -6,7 +6,8 @@ partial entry and the same read continues from it, writing the same chunk files,
 an uninterrupted read; a read with other settings does not take it over, and one whose files were changed starts
 over and says so. The index's page bounds are upper bounds of every real logit (read from a chunk file's keys); a
 question streams the first, the last and the chosen chunks only, chosen by their real keys among the bounds' best
-candidates; KVCLI_RESELECT_CHUNKS=all streams them all; a store of the previous format (no
+candidates (the model's GGUF header, which each question's queries need, parsed once per file version);
+KVCLI_RESELECT_CHUNKS=all streams them all; a store of the previous format (no
 index) opens and streams every chunk.
 """
 from __future__ import annotations
@@ -399,3 +400,19 @@ def test_chat_cache_type_q8_0_stores_q8_0_chunks_read_in_float16(tiny_32, tmp_pa
                                 "snapkv", "--budget", "48", "--chunk", "128", "--cache-type", "q4_0", "-o",
                                 str(tmp_path / "q4")], env=env, capture_output=True, text=True, timeout=300)
     assert q4.returncode != 0 and "float16 or q8_0 rows, not q4_0" in q4.stderr and "Traceback" not in q4.stderr
+
+
+def test_a_gguf_header_is_parsed_once_per_file_version(tmp_path):
+    """models.header_values, asked by every observed prefill, parses a file once: a caller's changes to the dict do not
+    reach the next caller, and a file rewritten in place (another size or time) is parsed again."""
+    from kvcli.models import header_values
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, n_ctx_train=1024)
+    first = header_values(path)
+    assert first["llama.context_length"] == 1024
+    first["llama.context_length"] = 7
+    assert header_values(path)["llama.context_length"] == 1024
+    write_tiny_llama(path, n_ctx_train=2048)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))   # a rewrite within the clock's tick: time differs
+    assert header_values(path)["llama.context_length"] == 2048
