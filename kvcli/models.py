@@ -291,8 +291,8 @@ def read_model_info(path: Path) -> ModelInfo:
 
 def header_values(path: Path) -> dict:
     """The scalar keys of a GGUF header (arrays as None, except kvcli.* keys and sliding-window patterns), read
-    directly: what a loader may need beyond ModelInfo. Parsed once per file version (path, size, mtime): the header's
-    vocabulary takes ~0.5 s to walk, and every observed prefill asks for the model's RoPE."""
+    directly: what a loader may need beyond ModelInfo. Parsed once per file version (path, size, mtime): walking the
+    header's vocabulary takes a few tenths of a second, and every observed prefill asks for the model's RoPE."""
     try:
         st = Path(path).stat()
         return dict(_header_values(str(path), st.st_size, st.st_mtime_ns))
