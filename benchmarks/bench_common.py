@@ -27,6 +27,14 @@ def provenance(script: str) -> dict:
             "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": uptime()}
 
 
+def fact_chunk_rank(scores, where: list[int], n_chunks: int) -> int | None:
+    """The best rank (1 = best) that `scores` (one per chunk between a store's first and last) give the chunks
+    `where` (indices among all n_chunks) holding a planted fact; 0 when the first or last holds it (always streamed),
+    None when none does (its digits straddle two chunks)."""
+    order = [int(j) + 1 for j in (-scores).argsort(kind="stable")]
+    return min((0 if j in (0, n_chunks - 1) else order.index(j) + 1 for j in where), default=None)
+
+
 def machine(threads: int | None = None, **extra) -> dict:
     """kvcli.evaluation.measure.machine (CPU model, cores, memory, OS, Python, threads, native build, load average)
     and `extra` (a script's own fields: torch's version, the GPU)."""

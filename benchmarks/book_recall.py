@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from bench_common import ROOT, machine, uptime
+from bench_common import ROOT, fact_chunk_rank, machine, uptime
 
 
 def main() -> None:
@@ -55,11 +55,9 @@ def main() -> None:
         t0 = time.perf_counter()
         scores = store.index_scores(s, 0, prompt)
         seconds = time.perf_counter() - t0
-        order = [int(i) + 1 for i in (-scores).argsort(kind="stable")]
-        ranks = [0 if i in (0, len(store.chunks) - 1) else order.index(i) + 1 for i in where]
         chosen = {c.first_token for c in store._choose(s, 0, prompt, cfg)[0]}
         rows.append({"question": f["question"], "answer": str(f["answer"]), "depth": f.get("depth"),
-                     "chunks_holding_it": where, "rank": min(ranks) if ranks else None,
+                     "chunks_holding_it": where, "rank": fact_chunk_rank(scores, where, len(store.chunks)),
                      "streamed": any(store.chunks[i].first_token in chosen for i in where),
                      "index_s": round(seconds, 3)})
         print(rows[-1], flush=True)

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from bench_common import ROOT, machine, uptime
+from bench_common import ROOT, fact_chunk_rank, machine, uptime
 
 
 def tokens(s: str) -> int:
@@ -37,7 +37,6 @@ def main() -> None:
     from kvcli.evaluation.tasks import prefix_text, render, string_match_all
     from kvcli.models import resolve_model
     from kvcli.native.session import NativeSession
-    from kvcli.native.state import chunk_keys
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -85,19 +84,12 @@ def main() -> None:
         for i, fact in enumerate(planted):
             q = ask(fact["question"])
             prompt = s.tokenize(render(s, text, history, q))
-            order = [int(j) + 1 for j in (-store.index_scores(s, 0, prompt)).argsort(kind="stable")]
             where = [j for j, t in enumerate(texts) if str(fact["answer"]) in t]
-            ranks = [0 if j in (0, len(texts) - 1) else order.index(j) + 1 for j in where]
-            rank = min(ranks) if ranks else None
+            rank = fact_chunk_rank(store.index_scores(s, 0, prompt), where, len(texts))
             exact_rank = None
-            if a.exact:   # the same scoring with the chunks' real keys in place of the page bounds
-                qs = store.question_queries(s, 0, prompt)
-                exact = block_index.chunk_scores([block_index.key_maxima(qs, chunk_keys(store._read_chunk(c),
-                                                                                         s.info.n_head_kv)[0])
-                                                  for c in store.chunks[1:-1]])
-                eorder = [int(j) + 1 for j in (-exact).argsort(kind="stable")]
-                exact_rank = min([0 if j in (0, len(texts) - 1) else eorder.index(j) + 1 for j in where],
-                                 default=None)
+            if a.exact:   # the same scoring with every chunk's real keys in place of the page bounds
+                exact = store.key_scores(store.question_queries(s, 0, prompt), s.info, list(range(len(texts) - 2)))
+                exact_rank = fact_chunk_rank(exact, where, len(texts))
             chosen = {c.first_token for c in store._choose(s, 0, prompt, cfg)[0]}
             r = store.reselect(s, prompt, cfg, cells=cfg.budget + store.chunk if a.one_at_a_time else None)
             answer = _greedy(s, s.logits(0), 12)

@@ -494,12 +494,7 @@ class ChunkedStore:
         t0 = time.perf_counter()
         q = self.question_queries(session, seq, prompt)
         candidates = block_index.choose(self._page_scores(q, session.info), block_index.CANDIDATES * select)
-        # one candidate's file at a time (the chosen ones are read again to be restored): a question holds no
-        # more memory than streaming a chunk does
-        exact = block_index.chunk_scores([block_index.key_maxima(q, chunk_keys(self._read_chunk(self.chunks[1 + i]),
-                                                                               session.info.n_head_kv)[0])
-                                          for i in candidates])
-        best = sorted(candidates[j] for j in block_index.choose(exact, select))
+        best = sorted(candidates[j] for j in block_index.choose(self.key_scores(q, session.info, candidates), select))
         chosen = [self.chunks[0]] + [self.chunks[1 + i] for i in best] + [self.chunks[-1]]
         return chosen, time.perf_counter() - t0
 
@@ -508,6 +503,13 @@ class ChunkedStore:
         ends `prompt` (the first of _choose's two steps): its queries computed once over the stored summary (in
         `seq`, empty before and after)."""
         return self._page_scores(self.question_queries(session, seq, prompt), session.info)
+
+    def key_scores(self, q: np.ndarray, info, inner: list[int]) -> np.ndarray:
+        """The chunks `inner` (indices among those between the first and the last) scored as the page bounds score
+        them, with their real keys' largest logits: the index's second step. One chunk file at a time (the chosen
+        ones are read again to be restored): a question holds no more memory than streaming a chunk does."""
+        return block_index.chunk_scores([block_index.key_maxima(q, chunk_keys(self._read_chunk(self.chunks[1 + i]),
+                                                                              info.n_head_kv)[0]) for i in inner])
 
     def _page_scores(self, q: np.ndarray, info) -> np.ndarray:
         return block_index.chunk_scores([block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f), info))
