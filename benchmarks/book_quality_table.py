@@ -6,9 +6,9 @@ One row per length and budget: the six questions' right answers and seconds per 
 kvcli chat serves it (`bounded`: the block index's chosen chunks) and the form before the index (`bounded_all`: every
 chunk, a probe each), how the index chose (the page bounds alone, before 2026-11-29, or the bounds' candidates
 re-scored by their real keys), the read's seconds, the K/V bytes held, the store on disk per 1k tokens (results
-that record it); at 31k also the full cache and exact re-selection. A quantised store (`--cache-type q8_0`) gets
-rows of its own: "q8_0 chunks" (read in float16, the chunk files q8_0: what kvcli does) or, for results before
-that, "q8_0 cache" (read in a q8_0 cache).
+that record it), and the machine the seconds are from (its CPU's maker); at 31k also the full cache and exact
+re-selection. A quantised store (`--cache-type q8_0`) gets rows of its own: "q8_0 chunks" (read in float16, the chunk
+files q8_0: what kvcli does) or, for results before that, "q8_0 cache" (read in a q8_0 cache).
 """
 from __future__ import annotations
 
@@ -30,12 +30,14 @@ def rows(paths: list[str]) -> list[dict]:
         # how the index chose its chunks: the page bounds alone (results before 2026-11-29 record no candidates),
         # or the bounds' best candidates re-scored by their real keys
         chooser = "bounds, then keys" if any(r.get("index_candidates", 1) > 1 for r in d["records"]) else "bounds"
+        cpu = (d.get("machine") or {}).get("cpu", "?")
+        host = "Intel" if "Intel" in cpu else "AMD" if "AMD" in cpu else cpu
         for r in d["records"]:
             key = (r["length"], r["budget"], ctype, chooser)
             if r["mode"] == "full":
                 continue
             row = out.setdefault(key, {"length": r["length"], "doc_tokens": r["doc_tokens"], "budget": r["budget"],
-                                        "cache_type": ctype, "chooser": chooser})
+                                        "cache_type": ctype, "chooser": chooser, "host": host})
             m = row.setdefault(r["mode"], {"right": 0, "n": 0, "s": []})
             m["right"] += r["score"] == 100.0
             m["n"] += 1
@@ -71,15 +73,15 @@ def cell(m: dict | None) -> str:
 def main(argv: list[str]) -> int:
     paths = argv or sorted(glob.glob("benchmarks/results/book-quality-qwen-*.json"))
     print("| tokens | budget | cache | index chooses by | index (kvcli chat) | every chunk (before) | "
-          "exact re-selection | full cache | read | held | store per 1k tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "exact re-selection | full cache | read | held | store per 1k tokens | machine |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows(paths):
         store = f"{r['store_per_1k'] / 1e6:.1f} MB" if "store_per_1k" in r else "-"
         print(f"| {r['doc_tokens']:,} | {r['budget']} | {r['cache_type']} | {r['chooser']} | "
               f"{cell(r.get('bounded'))} | {cell(r.get('bounded_all'))} | {cell(r.get('reselect'))} | "
               f"{cell(r.get('full'))} | "
               f"{r.get('read_s', 0):.0f} s{' (resumed)' if r.get('resumed') else ''} | "
-              f"{r['kv_bytes'] / 1e6:.1f} MB | {store} |")
+              f"{r['kv_bytes'] / 1e6:.1f} MB | {store} | {r['host']} |")
     return 0
 
 
