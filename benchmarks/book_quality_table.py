@@ -33,7 +33,7 @@ def rows(paths: list[str]) -> list[dict]:
         cpu = (d.get("machine") or {}).get("cpu", "?")
         host = "Intel" if "Intel" in cpu else "AMD" if "AMD" in cpu else cpu
         for r in d["records"]:
-            key = (r["length"], r["budget"], ctype, chooser)
+            key = (r["length"], r["budget"], ctype, chooser, host)   # one machine's seconds per row, never merged
             if r["mode"] == "full":
                 continue
             row = out.setdefault(key, {"length": r["length"], "doc_tokens": r["doc_tokens"], "budget": r["budget"],
@@ -54,7 +54,7 @@ def rows(paths: list[str]) -> list[dict]:
         for r in d["records"]:
             if r["mode"] == "full":
                 for key, row in out.items():
-                    if key[0] == r["length"] and key[2:] == (ctype, chooser):
+                    if key[0] == r["length"] and key[2:] == (ctype, chooser, host):
                         f = row.setdefault("full", {"right": 0, "n": 0, "s": []})
                         f["right"] += r["score"] == 100.0
                         f["n"] += 1
