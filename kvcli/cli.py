@@ -18,6 +18,8 @@ import click
 from kvcli import __version__
 from kvcli.errors import KvcliError, Terminated
 
+# what only the reference engine imports (pip install 'kvcli[reference]'); the native path never does
+REFERENCE_MODULES = ("torch", "transformers", "accelerate")
 COMMANDS = ["run", "info", "check", "policies", "chat", "compress", "bench", "eval", "calibrate", "batch",
             "documents", "serve"]
 
@@ -78,6 +80,11 @@ class KvcliGroup(click.Group):
             click.echo(f"kvcli: error: {where}{e.strerror or e}", err=True)
             ctx.exit(2)
         except Exception as e:  # a bug of ours: say so in one line, the traceback is one variable away
+            if isinstance(e, ImportError) and (e.name or "").split(".")[0] in REFERENCE_MODULES:
+                # a reference-engine path reached without the extra (each checks first: kvcli/reference/__init__.py)
+                click.echo(f"kvcli: error: this needs the reference engine ({e.name} is not installed): "
+                           "pip install 'kvcli[reference]'", err=True)
+                ctx.exit(2)
             if os.environ.get("KVCLI_DEBUG"):
                 raise
             click.echo(f"kvcli: internal error: {type(e).__name__}: {e} (KVCLI_DEBUG=1 shows the traceback)",

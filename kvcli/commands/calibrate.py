@@ -68,6 +68,8 @@ def compresskv_cmd(req: Request, model, out, lengths, depths, needles, samples, 
     Runs needle-in-a-haystack probes and calibration texts (generated locally) through the reference
     engine. Progress is saved after every probe: an interrupted run (Ctrl-C) resumes when started
     again with the same settings. Prints the side-car's path on stdout (or --json)."""
+    from kvcli.reference import require as require_reference  # noqa: PLC0415 (torch: pip install 'kvcli[reference]')
+    require_reference()
     from kvcli.calibration.compresskv import Settings, calibrate  # noqa: PLC0415
 
     path = resolve_model(model)

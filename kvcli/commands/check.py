@@ -221,6 +221,8 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
     what each engine's own plan decodes. Plans that flip on near-ties are reported as PLAN SENSITIVITY,
     not as an engine failure. With --chunk N both engines read the document in chunks, compressing and
     re-indexing after each one. Thresholds and what each level proves: docs/internals.md."""
+    from kvcli.reference import require as require_reference  # noqa: PLC0415 (torch: pip install 'kvcli[reference]')
+    require_reference()   # without the extra: one line and exit 2, before anything else
     # every input error is reported before a model is loaded
     th = (Thresholds.tight() if tight else Thresholds()).with_overrides(thresholds)
     level_set = _levels(levels)
