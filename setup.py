@@ -38,7 +38,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.3", "transformers>=4.56", "jinja2>=3.1", "accelerate", "gguf", "numpy", "tqdm",
                       "click>=8.1", "matplotlib", "llama-cpp-python==0.3.36",
-                      "starlette>=0.40", "uvicorn>=0.30"],   # uvicorn + starlette: kvcli serve
+                      "starlette>=0.40", "uvicorn>=0.30",   # uvicorn + starlette: kvcli serve
+                      "pypdf>=5.0", "python-docx>=1.1"],   # --doc FILE.pdf / FILE.docx (kvcli/doc_formats.py)
     extras_require={"ray": ["ray>=2.9"]},   # kvcli batch --ray
     entry_points={"console_scripts": ["kvcli=kvcli.cli:main"]},
     cmdclass={"build_native": BuildNative},

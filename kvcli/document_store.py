@@ -80,6 +80,7 @@ STATES = ("reading", "temporary", "cached", "kept", "partial")
 DEFAULT_MAX_BYTES = 10 << 30
 DEFAULT_EXPIRY_H = 24.0
 _NEW = ".new-"                 # an entry being created: renamed to its id once its lock is held
+CONVERTED = "converted"        # converted documents' text by their SHA-256 (kvcli/documents.py): no entry, not swept
 _ID = re.compile(r"[0-9a-f]{8}")
 _LEGACY_PID = re.compile(r"\.(\d+)\.(kvc|chunks)(\.part)?$")   # the names kvcli wrote before this store
 
@@ -517,7 +518,7 @@ def entries(sweep_first: bool = True) -> list[Info]:
     if sweep_first:
         sweep()
     r = root()
-    return sorted((_info(c) for c in r.iterdir()), key=lambda i: i.last_used)
+    return sorted((_info(c) for c in r.iterdir() if c.name != CONVERTED), key=lambda i: i.last_used)
 
 
 def sweep() -> None:
@@ -527,6 +528,8 @@ def sweep() -> None:
     expiry = expiry_s()
     r = root()
     for child in list(r.iterdir()):
+        if child.name == CONVERTED:
+            continue
         rec = _read_record(child) if child.is_dir() else None
         if rec is None:   # an entry whose creation or removal died, or a store an older kvcli left (pid in its name)
             if (child.name.startswith(_NEW) or _LEGACY_PID.search(child.name) or _removal_left(child)) \

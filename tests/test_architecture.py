@@ -128,7 +128,7 @@ def test_no_import_circle_in_kvcli():
 # (docs/internals.md, "Module layers"). A module is in the layer of its longest listed prefix.
 LAYERS = [
     ("foundation", ["kvcli", "kvcli.errors", "kvcli.config", "kvcli.planning.formats", "kvcli.planning.rope",
-                    "kvcli.session", "kvcli.catalogue", "kvcli.models",
+                    "kvcli.session", "kvcli.catalogue", "kvcli.models", "kvcli.doc_formats",
                     "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.document_store", "kvcli.taskclass",
                     "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
                     "kvcli.native.build"]),

@@ -44,7 +44,7 @@ from kvcli.drivers.lockstep import Lockstep
 from kvcli.drivers.chunked import plan_chunking, reconstructs
 from kvcli.drivers.reconstruct import repeat_room
 from kvcli.drivers.compress import prefill_and_compress, resolve
-from kvcli.documents import decode_text
+from kvcli.documents import convert_bytes
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import read_model_info, resolve_model
@@ -53,7 +53,7 @@ from kvcli.planning.planner import resolve as resolve_policy
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoredDocument, common_prefix
 from kvcli.templating import build_prompt
 
-DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
+DOC_SUFFIXES = (".txt", ".md", ".text", ".rst", ".pdf", ".epub", ".docx", ".html", ".htm")
 MAX_PARALLEL = 64       # sequences of one context when --parallel is not given
 MIN_DOC_CELLS = 64      # a cache that leaves a document fewer cells than this after its answer is refused
 
@@ -232,7 +232,7 @@ def read_job(path: str, fingerprint: str) -> Job:
     job = Job(path, key, sha, error=error)
     if data is not None:
         try:
-            job.text = decode_text(data, path)
+            job.text = convert_bytes(data, path).text
         except KvcliError as e:
             job.error = str(e)
     return job

@@ -17,8 +17,8 @@ from kvcli.errors import KvcliError
 
 @click.command("batch")
 @click.option("--docs", "docs", multiple=True, metavar="DIR|GLOB|FILE|-",
-              help="Documents: a folder (its *.txt/*.md/*.text/*.rst files, recursively), a quoted glob pattern, a "
-                   "file, or '-' for a list of paths on stdin, one per line. Repeatable.")
+              help="Documents: a folder (its *.txt/.md/.text/.rst/.pdf/.epub/.docx/.html/.htm files, recursively), a "
+                   "quoted glob pattern, a file, or '-' for a list of paths on stdin, one per line. Repeatable.")
 @click.option("--manifest", "manifest", metavar="FILE.jsonl", type=click.Path(dir_okay=False),
               help='Documents and their own questions instead of --docs: one {"path": ..., "questions": [...]} per '
                    "line (a relative path from the manifest's folder); each document is read once for its questions "

@@ -18,7 +18,7 @@ CACHE_CHOICES = ("f16", "q8_0", "q4_0")
 
 @click.command("bench")
 @click.option("--docs", "docs", required=True, metavar="FILES|DIR",
-              help="Documents: comma-separated files, or a directory of *.txt/*.md.")
+              help="Documents: comma-separated files, or a directory of *.txt/.md/.pdf/.epub/.docx/.html files.")
 @model_option
 @request_options("policies", "threads", "chunk", chunk_help="Read every document in chunks of N tokens, compressing "
                  "after each (kvcli/drivers/chunked.py), so documents longer than the context can be measured; implies "

@@ -58,7 +58,7 @@ from kvcli.native import cache
 from kvcli.native.session import NativeSession, SeqSnapshot
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
-DOC_SUFFIXES = (".txt", ".md", ".text", ".rst")
+DOC_SUFFIXES = (".txt", ".md", ".text", ".rst", ".pdf", ".epub", ".docx", ".html", ".htm")
 CTX_PAD = 256
 
 
