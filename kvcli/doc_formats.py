@@ -260,7 +260,8 @@ def pdf(data: bytes, name: str) -> Document:
             try:
                 opened = reader.decrypt("")   # encrypted with an empty user password: readable as it is
             except (DependencyError, NotImplementedError):
-                opened = 0
+                raise KvcliError(f"{name} is an encrypted PDF (AES): reading it needs the cryptography package "
+                                 f"(pip install cryptography), or decrypt it first (qpdf --decrypt)") from None
             if not opened:
                 raise KvcliError(f"{name} is an encrypted PDF (password-protected): decrypt it first, e.g. "
                                  f"qpdf --decrypt --password=PASSWORD {name} plain.pdf")
@@ -453,6 +454,8 @@ class _HTMLText(HTMLParser):
             self._emit(data, raw=True)
             return
         words = data.split()
+        if words == ["\u00b6"]:   # a heading's permalink sign (Sphinx, many blogs): no text
+            return
         if not words:
             self.space = self.space or bool(data)
             return
@@ -464,6 +467,7 @@ class _HTMLText(HTMLParser):
     def _emit(self, s: str, raw: bool = False):
         if not s:
             return
+        glue = ""
         if self.parts:
             if self.brk:
                 glue = "\n" * self.brk
@@ -479,6 +483,8 @@ class _HTMLText(HTMLParser):
         if self.heading is not None:
             if self.heading[1] is None:
                 self.heading[1] = self.n
+            else:
+                self.heading[2].append(glue)
             self.heading[2].append(s)
         self.parts.append(s)
         self.n += len(s)

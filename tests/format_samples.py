@@ -36,7 +36,8 @@ def chapters() -> list[list[tuple[int, str]]]:
 
 
 # ------------------------------------------------------------------------------------------ PDF (pypdf)
-def pdf_bytes(pages: list[list[str]] | None = None, *, encrypt: str | None = None, outline: bool = True) -> bytes:
+def pdf_bytes(pages: list[list[str]] | None = None, *, encrypt: str | None = None, outline: bool = True,
+              owner: str = "owner") -> bytes:
     """A PDF whose pages hold `pages` (lines of text, a blank line between them) in Helvetica, drawn with PDF's text
     operators; by default one page per chapter, with an outline entry per chapter."""
     from pypdf import PdfWriter
@@ -66,7 +67,7 @@ def pdf_bytes(pages: list[list[str]] | None = None, *, encrypt: str | None = Non
         for i, lines in enumerate(pages):
             w.add_outline_item(title=lines[0], page_number=i)
     if encrypt is not None:
-        w.encrypt(user_password=encrypt, owner_password="owner", algorithm="RC4-128")
+        w.encrypt(user_password=encrypt, owner_password=owner, algorithm="RC4-128")
     out = io.BytesIO()
     w.write(out)
     return out.getvalue()

@@ -103,6 +103,9 @@ def test_html_details():
     doc = convert_bytes(page.encode(), "x.html")
     assert doc.text == "Top & more\n\n- one\n- two bold\n\na | b\n1 | 2\n\n  keep\n  this\n\ncafé\nnext"
     assert [(b.label, b.start) for b in doc.boundaries] == [("Top & more", 0)]
+    sphinx = convert_bytes(b'<h2><span class="n">4.1. </span>Standards<a class="headerlink" href="#s">\xc2\xb6</a>'
+                           b"</h2><p>x</p>", "s.html")   # a heading in pieces, its permalink sign dropped
+    assert sphinx.text == "4.1. Standards\n\nx" and sphinx.boundaries[0].label == "4.1. Standards"
     latin = '<meta charset="iso-8859-1"><p>caf\xe9</p>'.encode("latin-1")   # the charset it declares
     assert convert_bytes(latin, "l.html").text == "café"
 
@@ -184,6 +187,12 @@ def test_each_bad_file_is_one_clear_reason(tmp_path):
         with pytest.raises(KvcliError) as e:
             open_document(str(tmp_path / name))
         assert says in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+
+
+def test_a_pdf_locked_only_by_its_owner_password_is_read():
+    """Many "protected" PDFs have an empty user password (printing or copying restricted): their text is readable."""
+    doc = convert_bytes(fs.pdf_bytes(encrypt=""), "owner-only.pdf")
+    assert _words(doc.text) == _words(fs.plain_text())
 
 
 def _kvcli(*args, data: bytes | None = None, env=None):
