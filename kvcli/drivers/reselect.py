@@ -75,7 +75,9 @@ class Reselection:
     prefill_s: float
     plan_s: float            # planning + compaction
     plan: object = None
-    source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension)
+    source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension);
+                               # "resident": the document's cells shared where they lie (StoredDocument.resident)
+    seq: int = 0             # the sequence that holds the re-selected cache (a resident document's: `into`)
     keep_s: float = 0.0      # extend=True: keeping the prompt's full cache as the extension (save_seq)
     reconstruct_s: float | None = None   # kvzip: its reconstruction pass (part of prefill_s)
 
@@ -129,6 +131,7 @@ class StoredDocument:
     bounded = False                  # the exact form (reselect_bounded.ChunkedStore: True)
     extension: Extension | None = None         # the last re-selected prompt's full cache (extend=True)
     entry: object = None             # its kvcli.document_store.Entry, held while this process uses the file
+    resident: int | None = None      # the session's sequence holding the full cache now (`make_resident`)
 
     # ------------------------------------------------------------------ reading once
     @classmethod
@@ -262,7 +265,11 @@ class StoredDocument:
 
     def restore(self, session: Session, seq: int, upto: int, extension: Extension | None = None) -> None:
         """Put the stored entries (or the extension's) of positions 0..upto-1 back into `seq` (its previous cells
-        are dropped)."""
+        are dropped). A resident document's are shared, not copied (`make_resident`)."""
+        if extension is None and self.resident is not None:
+            session.clear(seq)
+            session.share(self.resident, seq, upto)
+            return
         if extension is not None:
             snap = extension.snapshot
             if hasattr(snap, "state"):   # native: the saved state puts back its cells as they were
@@ -282,16 +289,48 @@ class StoredDocument:
         if upto < self.split:
             session.truncate(seq, upto)
 
+    # ------------------------------------------------------------------ resident in the context
+    def make_resident(self, session: Session, seq: int) -> None:
+        """Hold the full cache in `seq` of the session from now on (restored once from the file or the snapshot):
+        every question shares its cells (`restore`) and gathers its selection beside them (`reselect(into=...)`).
+        While it is resident, the in-memory snapshot of a document that has its file is dropped: the cache is held
+        once, in the context."""
+        if self.resident == seq:
+            return
+        self.restore(session, seq, self.split)
+        self.resident = seq
+        if self.path is not None and self.snapshot is not None:
+            self.snapshot = None
+
+    def evict(self, session: Session) -> None:
+        """Free the resident sequence; a document without a file keeps its cache as a snapshot in memory first."""
+        if self.resident is None:
+            return
+        if self.snapshot is None and (self.path is None or not self.path.exists()):
+            self.snapshot = session.save_seq(self.resident)
+        session.clear(self.resident)
+        self.resident = None
+
     def reselect(self, session: Session, prompt: list[int], cfg: Compression, *, seq: int = 0,
-                 progress=None, on_step=None, extend: bool = False) -> Reselection:
+                 progress=None, on_step=None, extend: bool = False, into: int | None = None) -> Reselection:
         """Restore, prefill the rest of `prompt` with the observation `cfg` needs, plan and compact: `seq` then
         holds `prompt` compressed for its own last tokens (the question), ready to decode. `on_step(obs, plan)`
         is called before the plan is applied (tests compare the observation with `run`'s).
 
         Restores from the extension when it puts back more of `prompt` exactly (`_extension_for`), else from the
         stored document. `extend`: keep the prompt's full cache, as it is before the compaction, as the new
-        extension (a conversation, whose next prompt starts with this one)."""
+        extension (a conversation, whose next prompt starts with this one).
+
+        A resident document (`make_resident`) is shared into `seq` instead of restored, and with `into` the plan is
+        gathered into that empty sequence instead of compacting `seq`: the document's cells never move and no copy
+        of them is made (`Reselection.seq` says which sequence to decode; the caller clears `seq`, the question's
+        cells, and `into` after the answer). Nothing is kept as an extension then: the next question shares the
+        document again and prefills what follows it."""
         n = len(prompt)
+        resident = self.resident is not None
+        if resident:
+            extend = False
+            self.extension = None
         ext, r = self._extension_for(prompt, cfg)
         if ext is None:
             same = common_prefix(self.tokens, prompt)
@@ -346,11 +385,18 @@ class StoredDocument:
             if on_step is not None:
                 on_step(obs, plan)
             del obs
-            session.apply_plan(plan, seq=seq)
+            if into is None:
+                session.apply_plan(plan, seq=seq)
+            else:
+                session.gather(plan, seq, into)
+        # `seq` keeps the question's cells until the caller clears it after the answer: the answer's tokens then
+        # follow the gathered block in cell order, as they follow a block compacted in place, and the same plan
+        # decodes the same logits bit for bit (flash attention sums in cell order)
+        out = into if into is not None and plan is not None else seq
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
                            plan_s=time.perf_counter() - t3, plan=plan,
-                           source=source, keep_s=keep_s,
-                           reconstruct_s=recon_s)
+                           source="resident" if resident and source == "document" else source, keep_s=keep_s,
+                           reconstruct_s=recon_s, seq=out)
 
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:
@@ -370,6 +416,7 @@ class StoredDocument:
     def close(self) -> None:
         """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache); its
         document store entry is released (a temporary one removed, a kept one marked used now)."""
+        self.resident = None   # the session's sequence is the caller's to clear (it may be closed already)
         if self.entry is not None:
             self.entry.release()
             self.entry = None

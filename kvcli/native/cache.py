@@ -223,6 +223,20 @@ def apply_plan(ctx, seq: int, plan: Plan, head_dim: int, reindex_p0: int | None 
                    "applying the plan with re-indexing")
 
 
+def gather_plan(ctx, src: int, dst: int, plan: Plan, head_dim: int) -> int:
+    """Copy the entries `plan` keeps of `src`'s slots into new cells of the empty sequence `dst`, as `apply_plan`
+    would compact `src`, leaving `src` (and every cell it shares with a resident document) untouched; returns
+    the cells `dst` holds (plan.max_kept). Decoding `dst` continues at `src`'s next position."""
+    L = lib()
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(src)), "reading the sequence")
+    try:
+        plan.validate(n, head_dim)
+    except ValueError as e:
+        raise KvcliError(str(e)) from None
+    view, _keep = plan_view(plan, head_dim)
+    return L.check(L.kvcli_gather_plan(ctx, int(src), int(dst), ctypes.byref(view)), "gathering the plan")
+
+
 def is_compressed(ctx, seq: int) -> bool:
     L = lib()
     return bool(L.check(L.kvcli_seq_is_compressed(_ctx(ctx), int(seq)), "kvcli_seq_is_compressed"))

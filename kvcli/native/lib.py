@@ -84,6 +84,7 @@ _SIGNATURES = {
     "kvcli_seq_positions": (c_int32, [c_void_p, c_int32, I32P]),
     "kvcli_apply_plan": (c_int32, [c_void_p, c_int32, POINTER(PlanView)]),
     "kvcli_apply_plan_reindexed": (c_int32, [c_void_p, c_int32, POINTER(PlanView), c_int32]),
+    "kvcli_gather_plan": (c_int32, [c_void_p, c_int32, c_int32, POINTER(PlanView)]),
     "kvcli_compact_rows": (c_int32, [POINTER(PlanView), c_int32, c_int32, c_int32, c_int32, c_int32, I32P, I32P,
                                      c_int32, c_void_p, c_int64, c_void_p, c_int64]),
     "kvcli_seq_is_compressed": (c_int32, [c_void_p, c_int32]),

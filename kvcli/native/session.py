@@ -39,6 +39,7 @@ class SeqState:
     prompt_tokens: int = 0
     kept_positions: list | None = None   # per (layer, kv head) original positions, once compressed
     reindexed: int = 0          # positions given back by re-indexing applies
+    shared: int = 0             # of `cells`, those another sequence holds too (`share`): counted once, under it
     timings: dict = field(default_factory=dict)
 
     @property
@@ -289,7 +290,8 @@ class NativeSession:
         return self.seqs.setdefault(seq, SeqState())
 
     def cells_used(self) -> int:
-        return sum(s.cells for s in self.seqs.values())
+        """Cells held by any sequence, a cell shared by several (`share`) counted once."""
+        return sum(s.cells - s.shared for s in self.seqs.values())
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> dict[int, int]:
         """Decode one batch of (token, pos, seq, want_logits); return seq -> logits row."""
@@ -436,6 +438,38 @@ class NativeSession:
                                  for l, layer in enumerate(plan.kept_lists())]
         st.cells = plan.max_kept
 
+    def share(self, src: int, dst: int, upto: int) -> None:
+        """Make the empty sequence `dst` start with `src`'s entries of positions 0..upto-1 without copying them
+        (llama_memory_seq_cp in one cell pool: the cells get a second sequence id); `dst` continues at `upto`.
+        A resident document's cells are shared so by every question about it (kvcli/drivers/resident.py)."""
+        st_src = self.seq(src)
+        if dst == src or self.seq(dst).cells:
+            raise KvcliError(f"sequence {dst} is not an empty sequence to share sequence {src} into")
+        if not 0 < upto <= st_src.next_pos or st_src.cells != st_src.next_pos:
+            raise KvcliError(f"cannot share positions 0..{upto - 1} of sequence {src} "
+                             f"({st_src.cells} cells, next position {st_src.next_pos}: an uncompressed one is shared)")
+        self.L.llama_memory_seq_cp(self.mem, src, dst, 0, upto)
+        st = self.seq(dst)
+        st.next_pos = st.cells = st.shared = st.prompt_tokens = upto
+        st.logits_index, st.last_logits, st.kept_positions, st.reindexed = -1, None, None, 0
+
+    def gather(self, plan, src: int, dst: int) -> None:
+        """`dst` (empty) gets the entries `plan` keeps of `src`, as `apply_plan(plan, src)` would leave them, in
+        cells of its own; `src` keeps every cell it had (kvcli_gather_plan). `dst` continues where `src` does,
+        with its logits."""
+        st_src = self.seq(src)
+        if dst == src or self.seq(dst).cells:
+            raise KvcliError(f"sequence {dst} is not an empty sequence to gather sequence {src} into")
+        origins = self._slot_origins(src)
+        cache.gather_plan(self.ctx, src, dst, plan, self.info.head_dim)
+        st = self.seq(dst)
+        st.next_pos, st.cells, st.shared = st_src.next_pos, plan.max_kept, 0
+        st.prompt_tokens, st.reindexed = st_src.prompt_tokens, st_src.reindexed
+        st.kept_positions = [[origins[l][h][k] for h, k in enumerate(layer)]
+                             for l, layer in enumerate(plan.kept_lists())]
+        st.last_logits = None if st_src.last_logits is None else st_src.last_logits.copy()
+        st.logits_index = 0 if st.last_logits is not None else -1
+
     def _slot_origins(self, seq: int) -> list[list[np.ndarray]]:
         """Per (layer, KV head), the original position of the entry in each slot (cell order) of `seq`,
         -1 for a dead slot (bias -inf). Cells of the compacted block (the sequence's lowest B positions
@@ -561,6 +595,7 @@ class NativeSession:
             raise KvcliError(f"llama.cpp refused to remove positions >= {pos} of sequence {seq}")
         st.next_pos = pos
         st.cells = self.measured_cells(seq)
+        st.shared = min(st.shared, st.cells)
         st.logits_index, st.last_logits = -1, None  # the logits belonged to a removed token
 
     def measured_cells(self, seq: int = 0) -> int:

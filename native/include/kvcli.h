@@ -104,6 +104,14 @@ struct kvcli_plan_view {
 // keep decoding at the original next position. Returns the new number of cells or < 0.
 KVCLI_API int32_t kvcli_apply_plan(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan);
 
+// A gather: the same plan applied to src_seq's slots, the kept entries copied into max(n_kept) free cells that
+// dst_seq (empty) gets, at the positions a kvcli_apply_plan of src_seq would give them (decoding dst_seq continues
+// at src_seq's next position), with the slot bias there alone. src_seq's cells, shared with other sequences or not
+// (a resident document's, seq_cp), are left as they are: many questions' compressed caches derive from one full
+// cache without copying or restoring it. Returns the destination's number of cells or < 0.
+KVCLI_API int32_t kvcli_gather_plan(struct llama_context * ctx, kvcli_seq_id src_seq, kvcli_seq_id dst_seq,
+                                    const struct kvcli_plan_view * plan);
+
 // Repeated compaction: a plan may be applied to an already compacted sequence (its slots are the
 // sequence's cells now, in cell order). The slot bias composes: a kept entry's new bias is the bias it
 // had in its source cell (0 for a cell without one) + log_mult, so a dead (-inf) entry stays dead and a

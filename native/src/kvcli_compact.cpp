@@ -3,6 +3,9 @@
 // and take B, move the K/V bytes (on the host: read from the cache tensors, moved by kvcli_moves, written
 // back; or on the device: a graph of get_rows / set_rows), rewrite the cells, upload the bias and, when
 // re-indexing, re-rotate K (kvcli_reindex.cpp).
+// A gather (kvcli_gather_plan) runs the same steps with a destination sequence: the source's cells (a resident
+// document's, shared by seq_cp, and the question's) stay as they are, and the plan's entries are copied into B
+// free cells of the destination, which alone gets their positions and slot bias.
 #include "kvcli_cache.h"
 
 #include <algorithm>
@@ -18,14 +21,19 @@ using kvcli_moves::row_format;
 
 // what one compaction works on, filled in by the steps below in order
 struct compaction {
-    compaction(llama_context * ctx, llama_seq_id seq, const kvcli_plan_view * plan, bool reindex, int32_t p0)
-        : ctx(ctx), seq(seq), plan(plan), reindex(reindex), p0(p0) {}
+    compaction(llama_context * ctx, llama_seq_id seq, const kvcli_plan_view * plan, bool reindex, int32_t p0,
+               llama_seq_id dst_seq = -1)
+        : ctx(ctx), seq(seq), plan(plan), reindex(reindex), p0(p0), dst_seq(dst_seq) {}
 
     llama_context *         ctx;
     llama_seq_id            seq;
     const kvcli_plan_view * plan;
     bool                    reindex;
     int32_t                 p0;
+    llama_seq_id            dst_seq;  // a gather's destination (the source stays); -1: compact seq in place
+
+    bool gather() const { return dst_seq >= 0; }
+    llama_seq_id out_seq() const { return gather() ? dst_seq : seq; }
 
     llama_kv_cache *        kv  = nullptr;
     kvcli_kv_ext *          ext = nullptr;
@@ -66,13 +74,25 @@ void check_sequence(compaction & c) {
     if (c.reindex && c.p0 < 0) {
         throw kvcli_error("re-indexing needs a first position p0 >= 0 (got " + std::to_string(c.p0) + ")");
     }
+    if (c.gather()) {
+        kvcli_check_seq(*c.kv, c.dst_seq);
+        if (c.dst_seq == c.seq) {
+            throw kvcli_error("a gather needs a destination sequence other than its source");
+        }
+        if (c.reindex) {
+            throw kvcli_error("a gather keeps the source's positions: it cannot re-index");
+        }
+        if (!kvcli_seq_cells(*c.kv, c.dst_seq).empty()) {
+            throw kvcli_error("the gather's destination sequence " + std::to_string(c.dst_seq) + " is not empty");
+        }
+    }
     c.sh  = shapes_of(*c.kv);
     c.src = kvcli_seq_cells(*c.kv, c.seq);
     if (c.src.empty()) {
         throw kvcli_error("sequence " + std::to_string(c.seq) + " is empty");
     }
     for (uint32_t cell : c.src) {
-        if (c.cells().seq_count(cell) != 1) {
+        if (!c.gather() && c.cells().seq_count(cell) != 1) {
             throw kvcli_error("sequence " + std::to_string(c.seq) +
                               " shares cells with another sequence (seq_cp); compact it before copying");
         }
@@ -149,7 +169,9 @@ int8_t moves_path(const compaction & c) {
         const auto & L = layers[c.ikv_of[il]];
         off_host = off_host || !ggml_backend_buffer_is_host(L.k->buffer) || !ggml_backend_buffer_is_host(L.v->buffer);
     }
-    return off_host && movable ? KVCLI_MOVES_DEVICE : KVCLI_MOVES_HOST;
+    // a gather reads B rows a head out of a source as long as the resident document: the host path would copy
+    // the source's whole span of every layer (the full cache, once per question), the graph only the kept rows
+    return (off_host || c.gather()) && movable ? KVCLI_MOVES_DEVICE : KVCLI_MOVES_HOST;
 }
 
 // the cache, the sequence and the plan can be compacted as asked; throws before anything changes
@@ -188,19 +210,32 @@ void compose_bias(compaction & c) {
     }
 }
 
-// free the sequence's cells (kvcli's part of them: upload_new_bias), then take the B lowest free cells (usually its own first)
+// free the sequence's cells (kvcli's part of them: upload_new_bias), then take the B lowest free cells (usually its
+// own first); a gather frees nothing and needs B free cells beside the source's
 void take_cells(compaction & c) {
     c.n_next = c.cells().seq_pos_max(c.seq) + 1;
+    if (c.gather()) {
+        uint32_t n_free = 0;
+        for (uint32_t cell = 0; cell < c.cells().size(); ++cell) {
+            n_free += c.cells().is_empty(cell) ? 1 : 0;
+        }
+        if (n_free < (uint32_t) c.moves.B) {
+            throw kvcli_error("the context is full: the gather needs " + std::to_string(c.moves.B) +
+                              " free cells, " + std::to_string(n_free) + " are free");
+        }
+    }
     ggml_backend_sched_synchronize(c.ctx->get_sched());
     for (uint32_t cell : c.src) {
-        c.cells().rm(cell);
+        if (!c.gather()) {
+            c.cells().rm(cell);
+        }
     }
     for (uint32_t cell = 0; cell < c.cells().size() && c.dst.size() < (size_t) c.moves.B; ++cell) {
         if (c.cells().is_empty(cell)) {
             c.dst.push_back(cell);
         }
     }
-    GGML_ASSERT(c.dst.size() == (size_t) c.moves.B); // the sequence's own cells are free now
+    GGML_ASSERT(c.dst.size() == (size_t) c.moves.B); // the sequence's own cells are free now (a gather: checked)
 }
 
 // the bytes of cells [lo, lo + n) of one cache tensor laid out as f, into buf (n cells as f)
@@ -375,7 +410,7 @@ void rewrite_cells(compaction & c) {
     const llama_pos first = c.reindex ? c.p0 : c.n_next - c.moves.B;
     for (int32_t j = 0; j < c.moves.B; ++j) {
         c.cells().pos_set(c.dst[j], first + j);
-        c.cells().seq_add(c.dst[j], c.seq);
+        c.cells().seq_add(c.dst[j], c.out_seq());
     }
     kvcli_access::heads(*c.kv)[0] = c.dst.back() + 1;
 }
@@ -383,7 +418,9 @@ void rewrite_cells(compaction & c) {
 // the freed cells lose their bias, the B cells get the composed one; both go to the tensors
 void upload_new_bias(compaction & c) {
     for (uint32_t cell : c.src) {
-        c.ext->cells.rm(cell);
+        if (!c.gather()) {
+            c.ext->cells.rm(cell);
+        }
     }
     for (uint32_t il = 0; il < c.sh.n_layer_plan; ++il) {
         for (uint32_t h = 0; h < c.sh.n_head_kv; ++h) {
@@ -392,12 +429,12 @@ void upload_new_bias(compaction & c) {
             }
         }
     }
-    std::vector<uint32_t> changed = c.src;
+    std::vector<uint32_t> changed = c.gather() ? std::vector<uint32_t>() : c.src;
     changed.insert(changed.end(), c.dst.begin(), c.dst.end());
     std::sort(changed.begin(), changed.end());
     changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
     upload_bias(*c.ext, changed);
-    kvcli_seq_info & info = c.ext->cells.seq(c.seq);
+    kvcli_seq_info & info = c.ext->cells.seq(c.out_seq());
     info.compressed = true;
     info.off_cell   = !c.reindex;
 }
@@ -433,8 +470,8 @@ using namespace kvcli_cache_detail;
 // k < B entries would see its latest entry B-k positions before the next token (a gap the model reads as
 // distance: text after a chunked read of a policy with per-layer budgets degenerated into repetition).
 static int32_t apply_plan_impl(llama_context * ctx, llama_seq_id seq_id, const kvcli_plan_view * plan,
-                               bool reindex, int32_t p0) {
-    compaction c(ctx, seq_id, plan, reindex, p0);
+                               bool reindex, int32_t p0, llama_seq_id dst_seq = -1) {
+    compaction c(ctx, seq_id, plan, reindex, p0, dst_seq);
     validate(c);
     order(c);
     // the moves read and write rows of every cell: through the full layout, trimmed again once the cells are
@@ -463,6 +500,14 @@ int32_t kvcli_compact_path_taken(struct llama_context * ctx) {
         const auto * ext = kvcli_cache_of(ctx)->kvcli_ext.get();
         return (int32_t) (ext ? ext->moves_path : 0);
     });
+}
+
+int32_t kvcli_gather_plan(struct llama_context * ctx, kvcli_seq_id src_seq, kvcli_seq_id dst_seq,
+                          const struct kvcli_plan_view * plan) {
+    if (dst_seq < 0) {
+        return kvcli_guarded([&]() -> int32_t { throw kvcli_error("a gather needs a destination sequence >= 0"); });
+    }
+    return kvcli_guarded([&] { return apply_plan_impl(ctx, src_seq, plan, false, 0, dst_seq); });
 }
 
 int32_t kvcli_apply_plan_reindexed(struct llama_context * ctx, kvcli_seq_id seq_id, const struct kvcli_plan_view * plan,
