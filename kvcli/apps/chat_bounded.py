@@ -1,0 +1,96 @@
+"""The bounded form of a re-selected conversation (kvcli/apps/chat_reselected.py): the document stored chunk by
+chunk as bounded reading reads it (kvcli/drivers/reselect_bounded.py), the cache never holding more than the budget
+and a chunk; its chunks streamed for every question.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kvcli import config
+from kvcli.apps.chat_base import Turn
+from kvcli.drivers.chunked import TURN_ROOM, pad_cells
+from kvcli.drivers.reselect import common_prefix
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, read_manifest, store_types
+from kvcli.errors import KvcliError
+from kvcli.models import resolve_model
+from kvcli.native.session import NativeSession
+from kvcli.planning.planner import CompressReport
+
+
+def read(conv, cfg, chunking, progress, named: bool):
+    """Read conv's document in chunks and store them as read (Reselected.read_store, the bounded form): in a
+    float16 working cache (store_types), with one more sequence to load the stored chunks through per question."""
+    session = conv.session
+    working, chunk_type = store_types(conv.cache_type)
+    session.clear()
+    session.use_cache_type(working)   # frees the context when the type changes
+    n_seq = max(2, conv.seq + 2)    # and one to load the stored chunks through, per question
+    if session.ctx is None:
+        session.create_context(chunking.n_ctx, n_seq)
+    else:
+        session.resize_context(chunking.n_ctx, n_seq)
+    conv.store = ChunkedStore.read(session, conv.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
+                                   seq=conv.seq, spare=conv.seq + 1, path=conv.store_path, keep=named,
+                                   chunk_type=chunk_type,
+                                   progress=progress, notify=conv._say,
+                                   meta={"document": conv.document, "system": conv.system})
+    conv.report = CompressReport(conv.policy, conv.budget, len(conv.prefix_tokens), conv.store.read_s,
+                                 params=cfg.params, chunk=chunking.chunk, cap=chunking.cap)
+    conv.turns, conv.last_reselection, conv.prompt_len = [], None, 0
+    return conv.report
+
+
+def streamed(conv, st) -> str:
+    """Which stored chunks a question streams, in words (the summary line)."""
+    select = st.chunks_per_question(conv.budget)
+    if select is None or len(st.chunks) <= select + 2:
+        return "them all"
+    return f"the first, the last and the {select} its block index scores best (page bounds, then real keys)"
+
+
+def open_store(cls, path, *, policy: str, budget: int | None, policy_args: dict | None = None,
+               model: str | None = None, seq: int = 0, n_threads: int | None = None, cache_type: str | None = None):
+    """A re-selected conversation (`cls`: Reselected) over a bounded store folder (kvcli chat --store DIR, kvcli
+    compress --store -o DIR, /save DIR of a bounded chat): its chunks are streamed for every question as in the chat
+    that read the document (kvcli/drivers/reselect_bounded.py); the document is not read again. Refused in one line when
+    the folder is not a whole store of this model (ChunkedStore.open) or the policy cannot be re-selected in
+    bounded chunks (a column-sum policy, no budget)."""
+    t0 = time.perf_counter()
+    path = Path(path).expanduser()
+    m = read_manifest(path)
+    if policy == "full" or budget is None:
+        raise KvcliError(f"{path} is a bounded store (the document in chunks, re-selected per question): give a "
+                         "compressing --policy P and --budget N")
+    recorded = Path(m["model"]["path"])
+    model_path = resolve_model(recorded) if model is None and recorded.is_file() else \
+        resolve_model(model or config.get("model"))
+    stored_type = m.get("chunk_type", m["cache_type"])   # q8_0 chunk files are read in a float16 cache
+    if cache_type is not None and cache_type != stored_type:
+        raise KvcliError(f"{path} holds a {stored_type} cache: drop --cache-type")
+    store = ChunkedStore.open(path, model_path, manifest=m)   # the model's hash, then every chunk file
+    t1 = time.perf_counter()
+    session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                            n_threads=n_threads)
+    try:
+        conv = cls(session, store.meta["document"], policy=policy, budget=budget,
+                   policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True,
+                   cache_type=stored_type)
+        if common_prefix(conv.prefix_tokens, store.tokens) < store.split:
+            raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
+        cfg = conv._cfg(None)   # the policy checked now, not at the first question
+        check_usable(session, cfg)
+        store.cap = budget + store.chunk
+        conv.store = store
+        # as the chat that read it: the kept entries, a chunk, and TURN_ROOM; one more sequence to load through
+        session.create_context(min(session.n_ctx_train, pad_cells(store.cap + TURN_ROOM)),
+                               max(2, seq + 2))
+    except BaseException:
+        session.close()
+        raise
+    conv.model_s = time.perf_counter() - t1
+    conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
+    conv.report = CompressReport(policy, budget, len(conv.prefix_tokens), 0.0, params=cfg.params,
+                                 chunk=store.chunk, cap=store.cap)
+    conv.load_s = t1 - t0
+    return conv

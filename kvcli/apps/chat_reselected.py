@@ -1,0 +1,309 @@
+"""A re-selected conversation (kvcli/apps/chat.py: the modes): the document's full cache is read once and stored, and
+every question is answered from a cache compressed for it (kvcli/drivers/reselect.py). The store's form is chosen
+when the document is read (`store_form`): exact, the whole full cache kept (here), or bounded, stored chunk by chunk
+as bounded reading reads it and streamed per question (kvcli/apps/chat_bounded.py, kvcli/drivers/reselect_bounded.py).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kvcli import config, kvc
+from kvcli.apps import chat_bounded
+from kvcli.apps.chat_base import RESELECTED, ContextFullError, Conversation, Turn, user_content
+from kvcli.drivers.chunked import TURN_ROOM, pad_cells
+from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
+from kvcli.drivers.reselect_bounded import check_store_target, check_usable, exact_below_bytes
+from kvcli.errors import KvcliError
+from kvcli.generate import generate
+from kvcli.models import resolve_model
+from kvcli.native.session import NativeSession
+from kvcli.planning.planner import CompressReport
+
+
+class Reselected(Conversation, kind="reselected"):
+    """Re-selected per question from the document's stored full cache (exact) or its stored chunks (bounded)."""
+
+    def __post_init__(self):
+        if self.question:
+            raise KvcliError("re-selection compresses for every question as it comes: a question given before the "
+                             "document is read is only its first one (ask it, or use --compress-once)")
+        self.reselect = True
+        super().__post_init__()
+
+    @property
+    def mode(self) -> str:
+        return RESELECTED
+
+    def prefix_text(self) -> str:
+        return self.fmt.head + self.document.strip()   # the part every question's prompt starts with
+
+    # ------------------------------------------------------------------ reading the document
+    def compress(self, progress=None, on_cache=None):
+        """Read the document and store its full cache (`read_store`)."""
+        return self.read_store(progress)
+
+    def read_store(self, progress=None, colsum: bool | None = None):
+        """Re-selected: read the document once and store it: its full cache (exact re-selection,
+        kvcli/drivers/reselect.py), in a context that holds the whole document and TURN_ROOM for the conversation,
+        with the column sums the policy scores by (`colsum` True/False: with or without them, whatever the policy:
+        kvcli compress --store); or, where bounded reading would read it in chunks (`store_form`), chunk by chunk
+        as bounded reading reads it (kvcli/drivers/reselect_bounded.py): the cache never holds more than the budget
+        and a chunk."""
+        n = len(self.prefix_tokens)
+        limit = self.session.n_ctx_train
+        cfg = self._cfg(None)
+        form, chunking = self.store_form(cfg)
+        if self.store is not None:
+            self.store.close()
+        named = self.store_path is not None
+        if named:   # a folder for the bounded form, a .kvc file for the exact one: checked before the read
+            check_store_target(self.store_path, form=form)
+        if form == "bounded":
+            return chat_bounded.read(self, cfg, chunking, progress, named)
+        want = min(limit, pad_cells(n + TURN_ROOM))
+        if self.max_cache is not None:
+            want = min(want, self.max_cache)
+        if self.session.cache_type != self.cache_type:   # a bounded store was read before in float16
+            self.session.clear()
+            self.session.use_cache_type(self.cache_type)
+        if self.session.ctx is None:
+            self.session.create_context(want)
+        elif self.session.n_ctx < want:
+            self.session.clear(self.seq)
+            self.session.resize_context(want)
+        self.store = StoredDocument.read(self.session, self.prefix_tokens, seq=self.seq,
+                                         colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
+                                         path=self.store_path, keep=named,
+                                         progress=progress, meta={"document": self.document, "system": self.system},
+                                         # --store FILE: must be written
+                                         in_memory_if_unwritable=None if named else self._say)
+        self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
+        self.turns, self.last_reselection, self.prompt_len = [], None, 0
+        return self.report
+
+    def store_form(self, cfg):
+        """("exact", None) or ("bounded", the Chunking of its read). Bounded where bounded reading would read the
+        document in chunks and its full cache is above reselect_bounded.exact_below_bytes() (256 MiB), where it is
+        longer than the context or --max-cache, or with --chunk N; exact elsewhere, and where bounded re-selection
+        cannot serve (a column-sum policy, a model with sliding-window layers, the reference engine) and the
+        document's full cache fits the context."""
+        n = len(self.prefix_tokens)
+        limit = self.session.n_ctx_train
+        fits = n + STORE_TAIL + 64 <= limit and (self.max_cache is None or n + STORE_TAIL + 64 <= self.max_cache)
+        chunking = self.chunking()
+        why = ""
+        small = n * self.session.info.cell_bytes(self.cache_type) <= exact_below_bytes()
+        if chunking.chunk is not None and not (self.chunk is None and self.max_cache is None and fits and small):
+            try:
+                check_usable(self.session, cfg)
+                return "bounded", chunking
+            except KvcliError as e:
+                why = str(e)
+        if n + STORE_TAIL + 64 > limit:
+            raise KvcliError(f"the document is {n} tokens, longer than the model's context ({limit} tokens): "
+                             + (f"bounded re-selection cannot serve it ({why}); " if why else "")
+                             + "use --compress-once")
+        if self.chunk:
+            raise KvcliError(f"--chunk {self.chunk}: bounded re-selection cannot serve this ({why}); drop --chunk "
+                             "or use --compress-once")
+        if not fits:
+            raise KvcliError(f"exact re-selection holds the document's full cache ({n} cells), more than --max-cache "
+                             f"{self.max_cache}, and bounded re-selection cannot serve this ({why}): use "
+                             "--compress-once")
+        return "exact", None
+
+    def conversation_text(self, question: str) -> str:
+        """The whole prompt of a question: the document and the first question in one user turn (as `run` lays out
+        one question), then every earlier answer and question, then the new one."""
+        turns = [t for t in self.turns if t.answer or t.stopped != "interrupted"]
+        qs = [t.question for t in turns] + [question]
+        text = self.fmt.head + user_content(self.document, qs[0]) + self.fmt.after_user
+        for t, q in zip(turns, qs[1:]):
+            text += t.answer + self.fmt.assistant_to_user + q + self.fmt.after_user
+        return text
+
+    def ask(self, question: str, max_tokens: int, sampler=None, on_text=None):
+        """Re-select the cache for the whole conversation with this question and generate the answer; returns the
+        Generation."""
+        question = question.strip()
+        if not question:
+            raise KvcliError("the question is empty")
+        prompt = self.session.tokenize(self.conversation_text(question))
+        before = self.prompt_len + (self.turns[-1].tokens_out if self.turns else 0)
+        # exact: the whole prompt is held before its compaction; bounded: the kept entries, a chunk and the rest
+        held = len(prompt) - self.store.split + self.store.cap if self.store.bounded else len(prompt)
+        if held + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
+            raise ContextFullError(f"the conversation ({len(prompt)} tokens with the document) does not fit the "
+                                   f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
+        cfg = self._cfg(question)
+        if self.store.path is not None and not self.store.path.exists():  # deleted while chatting
+            self._say(f"the stored cache {self.store.path} is gone: reading the document again")
+            self.store.keep = False
+            self.read_store_keeping_turns()
+        self._store_colsum_for(cfg)
+        try:
+            self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq,
+                                                        extend=self.store_turns)
+        except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
+            self.session.clear(self.seq)
+            raise
+        limit = min(max_tokens, self.room())
+        gen = generate(self.session, limit, sampler, seq=self.seq, on_text=on_text)
+        if gen.stopped == "length" and limit < max_tokens:
+            gen.stopped = "context_full"
+        self.turns.append(Turn(question, gen.text, gen.stopped, max(0, len(prompt) - before), len(gen.tokens)))
+        self.prompt_len = len(prompt)
+        return gen
+
+    def _store_colsum_for(self, cfg) -> None:
+        """A column-sum policy on a store read without the sums: read the document once more, with them (said)."""
+        if "colsum" in cfg.observe[0] and self.store.colsum is None:
+            if self.store.bounded:
+                raise KvcliError(f"policy {self.policy} scores by column sums, which bounded re-selection does not "
+                                 "replay: choose a window policy (snapkv, pyramidkv, ...)")
+            self._say(f"policy {self.policy} scores by column sums: reading the document again to store them")
+            self.read_store_keeping_turns()
+
+    def read_store_keeping_turns(self) -> None:
+        turns = self.turns
+        self.read_store()
+        self.turns = turns
+
+    def recompress(self, policy: str | None = None, budget: int | None = None, policy_args: dict | None = None,
+                   progress=None):
+        """Another policy or budget: nothing to read again, the next question is re-selected with the new choice."""
+        new_policy, new_budget, new_args = self._new_choice(policy, budget, policy_args)
+        if new_policy == "full":
+            raise KvcliError("re-selection needs a compressing policy: /policy NAME N")
+        fields = dict(self.__dict__)
+        self.policy, self.budget, self.policy_args = new_policy, new_budget, dict(new_args)
+        try:
+            self._store_colsum_for(self._cfg(None))
+        except BaseException:
+            self.__dict__.update(fields)
+            raise
+        return self.report
+
+    def reset(self) -> None:
+        """The next question starts again from the stored document: the kept turns go."""
+        self.turns, self.last_reselection, self.prompt_len = [], None, 0
+        if self.store is not None:
+            self.store.extension = None
+
+    # ------------------------------------------------------------------ reporting
+    def _mode_stats(self, s: dict) -> None:
+        if self.store is not None:
+            ext = self.store.extension
+            s.update(store_bytes=self.store.nbytes, store_path=str(self.store.path) if self.store.path else None,
+                     reselect_form="bounded" if self.store.bounded else "exact",
+                     document_read_s=round(self.store.read_s, 4),
+                     stored_turn_tokens=0 if ext is None else ext.split - self.store.split,
+                     stored_turns_bytes=0 if ext is None else ext.nbytes)
+            if self.last_reselection is not None:
+                s.update(self.last_reselection.as_stats())
+        elif self.report is not None:
+            s.update(self.report.as_stats())
+
+    def _mode_row(self, s: dict) -> str:
+        r = self.last_reselection
+        return ("mode: re-selected per question"
+                + (f" (bounded: {len(self.store.chunks)} stored chunks streamed)"
+                   if self.store.bounded else "")
+                + f"; document read once in {self.store.read_s:.2f}s, "
+                f"cache stored: {self.store.nbytes / 1e6:.2f} MB "
+                f"({self.store.path or 'in memory'}); last re-selection: "
+                + ("none yet" if r is None else
+                   f"{r.total_s:.2f}s (restore {r.restore_s:.2f}s of {r.restored} entries from the "
+                   f"{'conversation' if r.source == 'conversation' else 'stored document'}, prefill "
+                   f"{r.prefill_s:.2f}s of {r.prefilled} tokens, plan and compaction {r.plan_s:.2f}s"
+                   + (f", turns kept {r.keep_s:.2f}s" if r.keep_s else "") + ")")
+                + ("" if self.store.extension is None else
+                   f"; the conversation's full cache kept in memory: {s['stored_turn_tokens']} tokens "
+                   f"after the document ({s['stored_turns_bytes'] / 1e6:.2f} MB "
+                   + (f"in {len(self.store.extension.chunks)} turn chunks)" if self.store.bounded
+                      else "with it)")))
+
+    def summary_line(self) -> str:
+        """One line after reading/loading: tokens, the store, how each question is answered."""
+        n = len(self.prefix_tokens)
+        label = self.policy if self.budget is None else f"{self.policy} @ {self.budget}"
+        st = self.store
+        where = f" in {st.path}" + ("" if st.keep else " (deleted at exit)") if st.path else " in memory"
+        line = (f"[{label}, re-selected per question] {n} tokens read in {st.read_s:.2f}s; full cache stored "
+                f"({st.nbytes / 1e6:.2f} MB{where}); each question is answered from {self.budget} entries per "
+                "layer and KV head chosen for it")
+        if st.bounded:
+            line = (f"[{label}, re-selected per question, bounded] {n} tokens read in chunks of {st.chunk} in "
+                    f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, "
+                    f"{st.nbytes / 1e6:.2f} MB{where});"
+                    f" each question streams {chat_bounded.streamed(self, st)} through the context's "
+                    f"{self.session.n_ctx} cells and is answered from {self.budget} entries per layer and KV head "
+                    "chosen for it")
+        if self.load_s is not None:
+            form = f", bounded] {n} tokens stored in {len(st.chunks)} chunks" if st.bounded else \
+                f"] {n} tokens stored"
+            line = (f"[{label}, re-selected per question{form} in {st.path} ({st.nbytes / 1e6:.2f} "
+                    f"MB; {len(self.turns)} turn(s)); loaded in {self.load_s:.2f}s (+ model {self.model_s:.2f}s)")
+        return line
+
+    def save(self, path, force: bool = True) -> int:
+        """The document's full cache and the turns: `kvcli chat --cache FILE` re-selects from it."""
+        return self.store.save_as(path, self.session, [t.__dict__ for t in self.turns])
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_store(cls, path, *, policy: str, budget: int, policy_args: dict | None = None, model: str | None = None,
+                   seq: int = 0, n_threads: int | None = None, cache_type: str | None = None):
+        """A re-selected conversation over a stored full document cache (kvcli compress --store, /save of a
+        re-selected chat, or any uncompressed .kvc file), or a bounded store folder (`from_chunked_store`): the
+        document is not read again."""
+        if Path(path).expanduser().is_dir():
+            return cls.from_chunked_store(path, policy=policy, budget=budget, policy_args=policy_args, model=model,
+                                          seq=seq, n_threads=n_threads, cache_type=cache_type)
+        t0 = time.perf_counter()
+        f = kvc.read(path)
+        kvc.check_versions(f)
+        kvc.check_meta(f)
+        m = f.meta
+        if m["compressed"]:
+            raise KvcliError(f"{path} holds a compressed cache ({m['policy']} @ {m['budget']}): --policy/--budget "
+                             "re-select from a document's full cache (kvcli compress --store); drop them to use it")
+        recorded = Path(m["model"]["path"])
+        model_path = resolve_model(recorded) if model is None and recorded.is_file() else \
+            resolve_model(model or config.get("model"))
+        kvc.check_model(f, model_path)
+        if cache_type is not None and cache_type != m["cache_type"]:
+            raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
+        kvc.check_state(f)   # with the checks above, kvc.load_checked's: the file is read and checked once
+        t1 = time.perf_counter()
+        session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                                n_threads=n_threads)
+        store = StoredDocument.from_kvc(f)
+        del f
+        conv = cls(session, store.meta["document"], policy=policy, budget=budget, policy_args=dict(policy_args or {}),
+                   system=store.meta.get("system"), seq=seq, reselect=True)
+        # a file of `compress --store` holds the document's tokens; one of `compress --policy full` holds the
+        # generic instruction after them too, whose entries are cut off at every question (StoredDocument.restore)
+        if common_prefix(conv.prefix_tokens, store.tokens) < min(len(conv.prefix_tokens), store.split) - STORE_TAIL:
+            raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
+        conv.store = store
+        cfg = conv._cfg(None)   # the policy checked now, not at the first question
+        if "colsum" in cfg.observe[0] and store.colsum is None:
+            raise KvcliError(f"{path} holds no column sums, which policy '{policy}' scores by: store it with "
+                             "kvcli compress --store --policy " + policy)
+        n = len(conv.prefix_tokens)
+        session.create_context(min(session.n_ctx_train, pad_cells(n + TURN_ROOM)))
+        conv.model_s = time.perf_counter() - t1
+        conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
+        conv.report = CompressReport(policy, budget, n, 0.0, params=cfg.params)
+        conv.load_s = t1 - t0
+        return conv
+
+    @classmethod
+    def from_chunked_store(cls, path, *, policy: str, budget: int | None, policy_args: dict | None = None,
+                           model: str | None = None, seq: int = 0, n_threads: int | None = None,
+                           cache_type: str | None = None):
+        """A re-selected conversation over a bounded store folder (chat_bounded.open_store)."""
+        return chat_bounded.open_store(cls, path, policy=policy, budget=budget, policy_args=policy_args, model=model,
+                                       seq=seq, n_threads=n_threads, cache_type=cache_type)
