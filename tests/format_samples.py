@@ -35,6 +35,11 @@ def chapters() -> list[list[tuple[int, str]]]:
     return out
 
 
+def toc_labels() -> list[str]:
+    """The chapters' names in an EPUB's table of contents (not their headings: "Arrival", "The storm")."""
+    return [ch[0][1].split(": ", 1)[1] for ch in chapters()]
+
+
 # ------------------------------------------------------------------------------------------ PDF (pypdf)
 def pdf_bytes(pages: list[list[str]] | None = None, *, encrypt: str | None = None, outline: bool = True,
               owner: str = "owner") -> bytes:
@@ -104,7 +109,8 @@ def html_bytes() -> bytes:
     return html_page(PARAGRAPHS).encode("utf-8")
 
 
-def epub_bytes(*, drm: bool = False) -> bytes:
+def epub_bytes(*, drm: bool = False, version: int = 3) -> bytes:
+    """An EPUB 3 (its table of contents a navigation document) or EPUB 2 (an NCX file), a chapter a file."""
     chs = chapters()
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
@@ -116,18 +122,30 @@ def epub_bytes(*, drm: bool = False) -> bytes:
         items = "".join(f'<item id="c{i}" href="text/ch{i}.xhtml" media-type="application/xhtml+xml"/>'
                         for i in range(len(chs)))
         spine = "".join(f'<itemref idref="c{i}"/>' for i in range(len(chs)))
+        spine_attr = "" if version == 3 else ' toc="ncx"'
+        toc_item = ('<item id="nav" href="nav.xhtml" media-type="application/xhtml+xml" properties="nav"/>'
+                    if version == 3 else '<item id="ncx" href="toc.ncx" media-type="application/x-dtbncx+xml"/>')
         z.writestr("OEBPS/content.opf",
-                   '<?xml version="1.0" encoding="utf-8"?><package xmlns="http://www.idpf.org/2007/opf" version="3.0" '
-                   'unique-identifier="id"><metadata xmlns:dc="http://purl.org/dc/elements/1.1/">'
+                   '<?xml version="1.0" encoding="utf-8"?><package xmlns="http://www.idpf.org/2007/opf" '
+                   f'version="{version}.0" unique-identifier="id"><metadata '
+                   'xmlns:dc="http://purl.org/dc/elements/1.1/">'
                    f'<dc:identifier id="id">kvcli-test</dc:identifier><dc:title>{TITLE}</dc:title>'
-                   '<dc:language>en</dc:language></metadata><manifest>'
-                   '<item id="nav" href="nav.xhtml" media-type="application/xhtml+xml" properties="nav"/>'
-                   f"{items}</manifest><spine>{spine}</spine></package>")
-        links = "".join(f'<li><a href="text/ch{i}.xhtml">{escape(ch[0][1])}</a></li>' for i, ch in enumerate(chs))
-        z.writestr("OEBPS/nav.xhtml",
-                   '<?xml version="1.0" encoding="utf-8"?><html xmlns="http://www.w3.org/1999/xhtml" '
-                   'xmlns:epub="http://www.idpf.org/2007/ops"><head><title>Contents</title></head><body>'
-                   f'<nav epub:type="toc"><ol>{links}</ol></nav></body></html>')
+                   f'<dc:language>en</dc:language></metadata><manifest>{toc_item}'
+                   f'{items}</manifest><spine{spine_attr}>{spine}</spine></package>')
+        if version == 3:
+            links = "".join(f'<li><a href="text/ch{i}.xhtml">{escape(t)}</a></li>' for i, t in enumerate(toc_labels()))
+            z.writestr("OEBPS/nav.xhtml",
+                       '<?xml version="1.0" encoding="utf-8"?><html xmlns="http://www.w3.org/1999/xhtml" '
+                       'xmlns:epub="http://www.idpf.org/2007/ops"><head><title>Contents</title></head><body>'
+                       f'<nav epub:type="toc"><ol>{links}</ol></nav></body></html>')
+        else:
+            points = "".join(f'<navPoint id="p{i}" playOrder="{i + 1}"><navLabel><text>{escape(t)}</text>'
+                             f'</navLabel><content src="text/ch{i}.xhtml"/></navPoint>'
+                             for i, t in enumerate(toc_labels()))
+            z.writestr("OEBPS/toc.ncx",
+                       '<?xml version="1.0" encoding="utf-8"?><ncx xmlns="http://www.daisy.org/z3986/2005/ncx/" '
+                       f'version="2005-1"><head/><docTitle><text>{TITLE}</text></docTitle><navMap>{points}</navMap>'
+                       "</ncx>")
         for i, ch in enumerate(chs):
             z.writestr(f"OEBPS/text/ch{i}.xhtml", html_page(ch, title=ch[0][1]))
         if drm:

@@ -57,10 +57,14 @@ def test_boundaries_are_offsets_of_pages_chapters_and_sections(files):
         assert [(b.label, b.level) for b in secs] == headings, ext
         for b in secs:   # each offset is where the heading's text begins (after "# " in Markdown)
             assert doc.text[b.start:].lstrip("# ").startswith(b.label), (ext, b)
-    epub = open_document(str(files["epub"]))
     chapters = [t for lv, t in fs.PARAGRAPHS if lv == 1]
-    assert [b.label for b in epub.of_kind("chapter")] == chapters   # named by the book's table of contents
-    assert [epub.text[b.start:].split("\n")[0] for b in epub.of_kind("chapter")] == chapters
+    epub2 = files["epub"].with_name("book2.epub")
+    epub2.write_bytes(fs.epub_bytes(version=2))
+    for path in (files["epub"], epub2):   # EPUB 3 (a navigation document) and EPUB 2 (an NCX file)
+        epub = open_document(str(path))
+        assert epub.text == fs.plain_text()
+        assert [b.label for b in epub.of_kind("chapter")] == fs.toc_labels()   # named by the table of contents
+        assert [epub.text[b.start:].split("\n")[0] for b in epub.of_kind("chapter")] == chapters
     pdf = open_document(str(files["pdf"]))
     assert [b.label for b in pdf.of_kind("page")] == ["1", "2"]
     assert [pdf.text[b.start:].split("\n")[0] for b in pdf.of_kind("page")] == chapters   # a chapter a page
@@ -83,8 +87,8 @@ def test_form_feeds_are_pages_and_joined_documents_keep_their_boundaries(tmp_pat
     docs = joined.of_kind("document")
     assert [b.label for b in docs] == ["book.txt", "book.epub"]
     assert joined.text[docs[1].start:].startswith("### book.epub\n\nChapter 1: Arrival")
-    for b in joined.of_kind("chapter"):
-        assert joined.text[b.start:].startswith(b.label)
+    assert [joined.text[b.start:].split("\n")[0] for b in joined.of_kind("chapter")] == \
+        [t for lv, t in fs.PARAGRAPHS if lv == 1]
 
 
 def test_a_pdf_an_epub_and_a_docx_are_known_by_content(files, tmp_path):
@@ -93,6 +97,28 @@ def test_a_pdf_an_epub_and_a_docx_are_known_by_content(files, tmp_path):
         p.write_bytes(files[ext].read_bytes())
         assert open_document(str(p)).format == ext
     assert convert_bytes(fs.html_bytes(), "standard input").format == "html"   # <!DOCTYPE html> on stdin
+
+
+def test_pdf_page_labels_and_docx_tables():
+    from pypdf import PdfReader, PdfWriter
+    w = PdfWriter(clone_from=PdfReader(io.BytesIO(fs.pdf_bytes())))
+    w.set_page_label(0, 1, style="/r")   # pages numbered i, ii (as a book's front matter)
+    out = io.BytesIO()
+    w.write(out)
+    assert [b.label for b in convert_bytes(out.getvalue(), "r.pdf").of_kind("page")] == ["i", "ii"]
+    import docx
+    d = docx.Document()
+    d.add_heading("Prices", 1)
+    t = d.add_table(rows=2, cols=2)
+    for r, row in enumerate([("item", "cost"), ("honey", "4 crowns")]):
+        for c, v in enumerate(row):
+            t.cell(r, c).text = v
+    d.add_paragraph("After the table.")
+    out = io.BytesIO()
+    d.save(out)
+    doc = convert_bytes(out.getvalue(), "t.docx")
+    assert doc.text == "Prices\n\nitem | cost\nhoney | 4 crowns\n\nAfter the table."
+    assert [(b.kind, b.label, b.start) for b in doc.boundaries] == [("section", "Prices", 0)]
 
 
 def test_html_details():
