@@ -16,6 +16,7 @@ import io
 import logging
 import posixpath
 import re
+import sys
 import zipfile
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -265,7 +266,15 @@ def pdf(data: bytes, name: str) -> Document:
             if not opened:
                 raise KvcliError(f"{name} is an encrypted PDF (password-protected): decrypt it first, e.g. "
                                  f"qpdf --decrypt --password=PASSWORD {name} plain.pdf")
-        pages = [p.extract_text() or "" for p in reader.pages]
+        pages, failed = [], 0
+        for page in reader.pages:
+            try:
+                pages.append(page.extract_text() or "")
+            except Exception:   # noqa: BLE001 (one damaged page: the others are still read)
+                pages.append("")
+                failed += 1
+        if failed and failed == len(pages):
+            raise ValueError(f"none of its {len(pages)} pages could be read")
         try:
             labels = list(reader.page_labels)
         except Exception:   # noqa: BLE001 (a damaged label tree: pages are numbered 1, 2, ...)
@@ -282,6 +291,12 @@ def pdf(data: bytes, name: str) -> Document:
                          f"{'s' if len(pages) != 1 else ''} holds text; run OCR on it first (e.g. ocrmypdf)")
     if len(labels) != len(pages):
         labels = [str(i + 1) for i in range(len(pages))]
+    empty = sum(1 for p in pages if not p.strip()) - failed
+    if failed or (empty >= 2 and empty * 10 >= len(pages)):
+        print(f"kvcli: warning: {name}: " + ", ".join(w for w in (
+            f"{failed} of {len(pages)} pages could not be read (damaged?)" if failed else "",
+            f"{empty} of {len(pages)} pages hold no text (scanned?)" if empty >= 2 and empty * 10 >= len(pages)
+            else "") if w), file=sys.stderr, flush=True)
     parts, starts = [], []
     n = 0
     for page in pages:

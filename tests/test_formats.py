@@ -99,6 +99,14 @@ def test_a_pdf_an_epub_and_a_docx_are_known_by_content(files, tmp_path):
     assert convert_bytes(fs.html_bytes(), "standard input").format == "html"   # <!DOCTYPE html> on stdin
 
 
+def test_a_partly_scanned_pdf_is_read_with_a_warning(capsys):
+    doc = convert_bytes(fs.pdf_bytes([["Text on the first page."], [], [], ["Text on the last."]], outline=False),
+                        "part.pdf")
+    assert doc.text == "Text on the first page.\n\n\n\n\n\nText on the last."
+    assert [b.start for b in doc.of_kind("page")] == [0, 25, 27, 29]
+    assert capsys.readouterr().err == "kvcli: warning: part.pdf: 2 of 4 pages hold no text (scanned?)\n"
+
+
 def test_pdf_page_labels_and_docx_tables():
     from pypdf import PdfReader, PdfWriter
     w = PdfWriter(clone_from=PdfReader(io.BytesIO(fs.pdf_bytes())))
