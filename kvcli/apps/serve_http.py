@@ -13,8 +13,10 @@ One model, one sequence: requests wait their turn on an asyncio lock and run in 
 loop keeps answering (/health, errors, other clients' streams) while a request decodes. A client that leaves stops
 its generation at the next token (streaming: the stream is cancelled, and `request.is_disconnected()` is asked
 between tokens; non-streaming: asked every quarter second while it waits). Errors are OpenAI's error bodies:
-400 (malformed JSON, unknown model, a bad parameter, a prompt too long), 401 (no or a wrong key when --api-key is
-set), 404, 405, 413 (a body above --max-body-bytes), 500 (a bug of ours: logged, the server goes on).
+400 (malformed JSON, JSON nested deeper than MAX_DEPTH, a string holding an escaped lone surrogate, a NUL in a
+text, unknown model, a bad parameter, a prompt too long), 401 (no or a wrong key when --api-key is set), 404, 405,
+413 (a body above --max-body-bytes: the rest of the body is read and dropped first, up to DRAIN_MAX_BYTES, so that a
+client still sending it reads the 413 rather than a reset connection), 500 (a bug of ours: logged, the server goes on).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -33,12 +36,18 @@ from dataclasses import replace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvcli.apps.serve import BadRequest, Choice, Engine
 from kvcli.errors import KvcliError
 from kvcli.policies import parse_policy_args
+
+
+MAX_DEPTH = 100                 # arrays and objects within each other in a request body (400 deeper)
+DRAIN_MAX_BYTES = 64 << 20      # a refused body is read and dropped up to this many bytes (or 4x the limit) ...
+DRAIN_SECONDS = 30.0            # ... and for this long at most; past either the connection is closed
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -51,12 +60,68 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _error_response(e: ApiError) -> JSONResponse:
+def _error_response(e: ApiError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    # ASCII JSON: a message quoting what a client sent cannot fail to encode
+    return Response(json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json")
 
 
 # ---------------------------------------------------------------------------------- request bodies
+def _where(path: tuple) -> str:
+    out = ""
+    for k in path:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out or "the body"
+
+
+def _unicode(text: str, path: tuple, what: str = "") -> None:
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise ApiError(400, f"{what}{_where(path)} holds an escaped lone surrogate \\u{ord(bad.group()):04x} (at "
+                            f"character {bad.start()}), which is not valid Unicode: send text as UTF-8 (or a "
+                            "surrogate pair)", code="invalid_unicode", param=str(path[0]) if path else None)
+
+
+def _no_nul(text: str, where: str, param: str) -> str:
+    at = text.find("\0")
+    if at >= 0:
+        raise ApiError(400, f"{where} holds a NUL character (\\u0000, at character {at}): kvcli serve does not pass it "
+                            "to the model's tokenizer", code="invalid_text", param=param)
+    return text
+
+
+def parse_json(data: bytes):
+    """The body's JSON, refused (400) when it is not JSON, is nested deeper than MAX_DEPTH, or holds a string that is
+    not Unicode text (an escaped lone surrogate, "\\udcff": no tokenizer takes it). Walked without recursion, so
+    that nothing after it recurses deeper than MAX_DEPTH into a request."""
+    try:
+        body = json.loads(data)
+    except RecursionError:   # the C scanner's recursion guard, some hundreds of levels deep
+        raise ApiError(400, f"the body is nested deeper than {MAX_DEPTH} levels of arrays and objects",
+                       code="invalid_json") from None
+    except ValueError as e:   # UnicodeDecodeError (not UTF-8) too
+        if "integer string conversion" in str(e):   # Python's own guard, not the client's concern
+            raise ApiError(400, f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits",
+                           code="invalid_json") from None
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if isinstance(body, str):
+        _unicode(body, ())
+    stack = [(body, ())] if isinstance(body, (dict, list)) else []
+    while stack:
+        v, path = stack.pop()
+        if len(path) >= MAX_DEPTH:
+            raise ApiError(400, f"the body is nested deeper than {MAX_DEPTH} levels of arrays and objects",
+                           code="invalid_json", param=str(path[0]))
+        for k, x in v.items() if isinstance(v, dict) else enumerate(v):
+            if isinstance(k, str):
+                _unicode(k, path, "a key in ")
+            if isinstance(x, str):
+                _unicode(x, (*path, k))
+            elif isinstance(x, (dict, list)):
+                stack.append((x, (*path, k)))
+    return body
+
+
 def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False):
     v = body.get(name)
     if v is None:
@@ -153,22 +218,25 @@ def parse_messages(body: dict) -> list[dict]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
+            content = "".join(_no_nul(p["text"], f"messages[{i}].content[{j}].text", "messages")
+                              for j, p in enumerate(content))
         if content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}] needs a 'content' string", param="messages")
+        _no_nul(content, f"messages[{i}].content", "messages")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
 
 
 def parse_prompt(body: dict) -> str:
     p = body.get("prompt")
+    where = "prompt"
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
+        p, where = p[0], "prompt[0]"
     if not isinstance(p, str) or not p:
         raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-    return p
+    return _no_nul(p, where, "prompt")
 
 
 # ---------------------------------------------------------------------------------- the app
@@ -192,25 +260,44 @@ class Server:
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error",
                            "invalid_api_key")
 
+    async def _drain(self, request: Request, stream, declared: int | None) -> None:
+        """Read and drop the rest of a body refused for its size, so that a client still sending it reads the 413:
+        a connection closed with the body unread is reset, and the client's send fails before it reads the answer.
+        Bounded: up to DRAIN_MAX_BYTES (or 4x the limit) in DRAIN_SECONDS; past that the connection is closed."""
+        cap = max(DRAIN_MAX_BYTES, 4 * self.max_body_bytes)
+        if declared is not None and (declared > cap or "100-continue" in request.headers.get("expect", "").lower()):
+            return   # too much to read; or a client waiting for "100 Continue" before it sends (it reads the 413)
+        n = 0
+        try:
+            async with asyncio.timeout(DRAIN_SECONDS):
+                async for chunk in stream:
+                    n += len(chunk)
+                    if n > cap:
+                        return
+        except (TimeoutError, ClientDisconnect):
+            pass
+
     async def _body(self, request: Request) -> dict:
         length = request.headers.get("content-length")
+        stream = request.stream()
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._drain(request, stream, int(length))
             raise ApiError(413, f"the request body is {int(length)} bytes, above this server's limit of "
                                 f"{self.max_body_bytes} (kvcli serve --max-body-bytes)", code="request_too_large")
         data = bytearray()
-        async for chunk in request.stream():
+        async for chunk in stream:
             data += chunk
             if len(data) > self.max_body_bytes:
+                data = None
+                await self._drain(request, stream, None)
                 raise ApiError(413, f"the request body is above this server's limit of {self.max_body_bytes} bytes "
                                     "(kvcli serve --max-body-bytes)", code="request_too_large")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        # parsed and checked off the event loop: a body of many small values takes a while to walk
+        body = await asyncio.get_running_loop().run_in_executor(None, parse_json, data)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         model = body.get("model")
-        if model is not None and model not in self.names:
+        if model is not None and (not isinstance(model, str) or model not in self.names):
             raise ApiError(400, f"unknown model '{str(model)[:80]}': this server serves "
                                 f"{' or '.join(sorted(self.names))}", code="model_not_found", param="model")
         if "stream" in body and not isinstance(body["stream"], bool):
