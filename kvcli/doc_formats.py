@@ -16,7 +16,6 @@ import io
 import logging
 import posixpath
 import re
-import sys
 import zipfile
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -61,6 +60,7 @@ class Document:
     format: str                     # "pdf", "epub", "docx", "html", "markdown", "text"
     name: str = ""
     boundaries: list[Boundary] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # what was read only in part (documents.py prints them)
 
     def of_kind(self, kind: str) -> list[Boundary]:
         return [b for b in self.boundaries if b.kind == kind]
@@ -74,12 +74,13 @@ class Document:
         return out
 
     def as_json(self) -> dict:
-        return {"format": self.format, "text": self.text,
+        return {"format": self.format, "text": self.text, "warnings": self.warnings,
                 "boundaries": [[b.kind, b.label, b.start, b.level] for b in self.boundaries]}
 
     @classmethod
     def from_json(cls, d: dict, name: str = "") -> Document:
-        return cls(d["text"], d["format"], name, [Boundary(k, lb, int(s), int(lv)) for k, lb, s, lv in d["boundaries"]])
+        return cls(d["text"], d["format"], name, [Boundary(k, lb, int(s), int(lv)) for k, lb, s, lv in d["boundaries"]],
+                   [str(w) for w in d.get("warnings", [])])
 
 
 # ------------------------------------------------------------------------------------------ which format
@@ -292,11 +293,9 @@ def pdf(data: bytes, name: str) -> Document:
     if len(labels) != len(pages):
         labels = [str(i + 1) for i in range(len(pages))]
     empty = sum(1 for p in pages if not p.strip()) - failed
-    if failed or (empty >= 2 and empty * 10 >= len(pages)):
-        print(f"kvcli: warning: {name}: " + ", ".join(w for w in (
-            f"{failed} of {len(pages)} pages could not be read (damaged?)" if failed else "",
-            f"{empty} of {len(pages)} pages hold no text (scanned?)" if empty >= 2 and empty * 10 >= len(pages)
-            else "") if w), file=sys.stderr, flush=True)
+    warnings = [f"{failed} of {len(pages)} pages could not be read (damaged?)"] if failed else []
+    if empty >= 2 and empty * 10 >= len(pages):
+        warnings.append(f"{empty} of {len(pages)} pages hold no text (scanned?)")
     parts, starts = [], []
     n = 0
     for page in pages:
@@ -314,7 +313,7 @@ def pdf(data: bytes, name: str) -> Document:
         at = t.find(title, starts[page], end)
         out.append(Boundary("section", title, at if at >= 0 else starts[page], level))
     out.sort(key=lambda b: (b.start, b.kind != "page"))
-    return Document(t, "pdf", name, out)
+    return Document(t, "pdf", name, out, warnings)
 
 
 def _pdf_outline(reader) -> list[tuple[str, int, int]]:

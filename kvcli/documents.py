@@ -61,6 +61,8 @@ def convert_bytes(data: bytes, name: str) -> Document:
     if doc is None:
         doc = convert(data, name, fmt)
         _cache_put(sha, doc)
+    if doc.warnings:   # said again when the conversion comes from the cache
+        print(f"kvcli: warning: {name}: {', '.join(doc.warnings)}", file=sys.stderr, flush=True)
     return doc
 
 

@@ -18,6 +18,7 @@ from kvcli import doc_formats, document_store
 from kvcli.documents import cache_dir, convert_bytes, open_document, open_documents, read_document
 from kvcli.errors import KvcliError
 
+pytestmark = pytest.mark.usefixtures("cache_dir")   # conversions are cached in the test's own folder
 ROOT = Path(__file__).resolve().parents[1]
 KVCLI = [sys.executable, "-m", "kvcli.cli"]
 
@@ -100,11 +101,13 @@ def test_a_pdf_an_epub_and_a_docx_are_known_by_content(files, tmp_path):
 
 
 def test_a_partly_scanned_pdf_is_read_with_a_warning(capsys):
-    doc = convert_bytes(fs.pdf_bytes([["Text on the first page."], [], [], ["Text on the last."]], outline=False),
-                        "part.pdf")
+    part = fs.pdf_bytes([["Text on the first page."], [], [], ["Text on the last."]], outline=False)
+    doc = convert_bytes(part, "part.pdf")
     assert doc.text == "Text on the first page.\n\n\n\n\n\nText on the last."
     assert [b.start for b in doc.of_kind("page")] == [0, 25, 27, 29]
     assert capsys.readouterr().err == "kvcli: warning: part.pdf: 2 of 4 pages hold no text (scanned?)\n"
+    assert convert_bytes(part, "again.pdf").text == doc.text   # from the cache: the warning said again
+    assert capsys.readouterr().err == "kvcli: warning: again.pdf: 2 of 4 pages hold no text (scanned?)\n"
 
 
 def test_pdf_page_labels_and_docx_tables():
