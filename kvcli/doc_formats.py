@@ -191,10 +191,15 @@ def markdown(data: bytes, name: str) -> Document:
     section boundaries."""
     t = decode_text(data, name)
     out, fence, pos, prev = [], None, 0, None   # prev: (start, line) of the previous line when it is paragraph text
-    for line in t.splitlines(keepends=True):
+    for i, line in enumerate(t.splitlines(keepends=True)):
         body = line.rstrip("\r\n")
         m = _FENCE.match(body)
-        if fence:
+        if i == 0 and body == "---":
+            fence = "front matter"   # YAML front matter (Jekyll, Hugo, Obsidian): its --- is no heading
+        elif fence == "front matter":
+            if body in ("---", "..."):
+                fence = None
+        elif fence:
             if m and m[1] == fence:
                 fence = None
         elif m:

@@ -132,6 +132,15 @@ def test_pdf_page_labels_and_docx_tables():
     assert [(b.kind, b.label, b.start) for b in doc.boundaries] == [("section", "Prices", 0)]
 
 
+def test_markdown_headings():
+    md = ("---\ntitle: x\n---\n# One\n\n```\n# not a heading\n```\nTwo\n===\n\nThree ##\n---\n\n- item\n---\n"
+          "  ### Four ###\n")
+    doc = convert_bytes(md.encode(), "n.md")
+    assert doc.text == md
+    assert [(b.label, b.level, md[b.start:b.start + 3]) for b in doc.boundaries] == \
+        [("One", 1, "# O"), ("Two", 1, "Two"), ("Three ##", 2, "Thr"), ("Four", 3, "###")]
+
+
 def test_html_details():
     page = ("<html><head><title>T</title><style>x{}</style></head><body><h1>Top &amp; more</h1>"
             "<ul><li>one</li><li>two <b>bold</b></li></ul><table><tr><th>a</th><th>b</th></tr>"
