@@ -9,14 +9,14 @@ Runs the kvcli command given with one change: the document is read in the float1
 left at f16), and every stored chunk's state is put through q8_0 and back (kvcli/native/state.py convert_chunk)
 before it is written, so the chunk files hold what a q8_0 store's hold, quantised once, while the carried cache is
 never quantised. Found (2026-11-29, commit 1aad7f1): 6 of 6, where the q8_0 cache had answered 1 of 6; kvcli now
-reads a q8_0 store in float16 (reselect_bounded.store_types).
+reads a q8_0 store in float16 (chunked_store.store_types).
 """
 import sys
 
-from kvcli.drivers import reselect_bounded
+from kvcli.drivers import chunked_store
 from kvcli.native.state import F16, Q8_0, convert_chunk
 
-_cells_from = reselect_bounded.cells_from
+_cells_from = chunked_store.cells_from
 
 
 def through_q8_0(state, first_pos):
@@ -24,7 +24,7 @@ def through_q8_0(state, first_pos):
     return convert_chunk(convert_chunk(chunk, Q8_0), F16), cells, end
 
 
-reselect_bounded.cells_from = through_q8_0
+chunked_store.cells_from = through_q8_0   # the read's chunk files (BoundedStore.read)
 
 if __name__ == "__main__":
     from kvcli.cli import main
