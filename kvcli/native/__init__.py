@@ -2,7 +2,8 @@
 
 `load_llama_cpp()` must run before anything imports `llama_cpp`: it points
 LLAMA_CPP_LIB_PATH at our build (kvcli/native/lib/default, or $KVCLI_LIB_DIR) so that the
-bindings load the patched library, never a stock one.
+bindings load the patched library, never a stock one. The bindings are the ones the build copied out of the pinned
+llama-cpp-python sdist into kvcli/native/_vendor/ (kvcli/native/build.py), else an installed llama-cpp-python.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from kvcli.errors import KvcliError
 
 LIB_ROOT = Path(__file__).resolve().parent / "lib"
+VENDOR = Path(__file__).resolve().parent / "_vendor"   # llama_cpp/ (llama-cpp-python's ctypes bindings)
 
 
 def lib_dir() -> Path:
@@ -83,10 +85,13 @@ def load_llama_cpp():
     if "llama_cpp" in sys.modules and os.environ.get("LLAMA_CPP_LIB_PATH") != str(d):
         raise KvcliError("llama_cpp was imported before kvcli could point it at the patched library")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
+    if (VENDOR / "llama_cpp" / "__init__.py").is_file() and str(VENDOR) not in sys.path:
+        sys.path.insert(0, str(VENDOR))   # the bindings of the llama.cpp we built, before any installed ones
     try:
         import llama_cpp  # noqa: PLC0415 (must come after the environment variable)
     except ImportError as e:
-        raise KvcliError(f"llama-cpp-python is not installed ({e}): run ./setup.sh") from e
+        raise KvcliError(f"the llama_cpp bindings are missing ({e}): reinstall kvcli (pip install .), or run "
+                         "python -m kvcli.native.build") from e
     llama_cpp.llama_log_set(_LOG_CALLBACK, None)
     llama_cpp.llama_backend_init()
     _llama_cpp = llama_cpp

@@ -12,6 +12,10 @@ Steps (each cached under $KVCLI_CACHE, default ~/.cache/kvcli):
    so a second install does not rebuild. CMake builds from a mirror of native/ kept in the cache,
    so that a checkout elsewhere on disk (a CI clone) reuses the same build folder.
 The libraries are then copied into kvcli/native/lib/<variant>/ with a build_info.json.
+`pip install .` runs the same build (setup.py's build_py step) into the wheel's kvcli/native/, and copies there too
+the sdist's Python bindings (its `llama_cpp` package: ctypes only, no compiled code) as kvcli/native/_vendor/, which
+kvcli.native.load_llama_cpp imports: llama-cpp-python itself is not installed, so llama.cpp is compiled once (ours),
+not twice. A checkout (./setup.sh) uses the llama-cpp-python the set-up installs with -DLLAMA_BUILD=OFF instead.
 CUDA (--cuda): nvcc from $CUDACXX, PATH or /usr/local/cuda; cuBLAS from the toolkit or from the
 `nvidia-cublas` wheel (requirements-cuda.txt, which `KVCLI_CUDA=1 ./setup.sh` installs); without
 a libcuda.so to link (no driver, no stub) ggml's VMM pool is switched off (GGML_CUDA_NO_VMM).
@@ -27,6 +31,8 @@ import hashlib
 import json
 import os
 import platform
+import re
+import shlex
 import shutil
 import site
 import subprocess
@@ -40,7 +46,8 @@ from kvcli import __version__
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 REPO_NATIVE = Path(__file__).resolve().parents[2] / "native"
-LIB_ROOT = Path(__file__).resolve().parent / "lib"
+PACKAGE_DIR = Path(__file__).resolve().parent   # kvcli/native: lib/<variant>/ and _vendor/ go here
+LIB_ROOT = PACKAGE_DIR / "lib"
 
 
 class BuildError(RuntimeError):
@@ -105,6 +112,46 @@ def extract_llama_cpp(sdist: Path) -> tuple[Path, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         stamp.write_text(commit)
     return pristine, stamp.read_text().strip()
+
+
+def extract_bindings(sdist: Path) -> Path:
+    """Extract the sdist's `llama_cpp` Python package (and its licence) once; return the folder holding both."""
+    dest = cache_dir() / "src" / f"llama_cpp-bindings-{LLAMA_CPP_PYTHON_VERSION}"
+    if (dest / ".kvcli-extracted").exists():
+        return dest
+    log("extracting the llama_cpp Python bindings from the source distribution")
+    top = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/"
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.name.startswith(top + "llama_cpp/") or m.name == top + "LICENSE.md"]
+            tar.extractall(tmp, members=members, filter="data")
+        out = tmp / "out"
+        out.mkdir()
+        shutil.move(str(tmp / top / "llama_cpp"), out / "llama_cpp")
+        shutil.move(str(tmp / top / "LICENSE.md"), out / "LICENSE-llama-cpp-python.md")
+        (out / ".kvcli-extracted").write_text(LLAMA_CPP_PYTHON_VERSION)
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def install_bindings(src: Path, package_dir: Path) -> Path:
+    """Copy the bindings into package_dir/_vendor (replacing what was there); return that folder."""
+    dest = package_dir / "_vendor"
+    tmp = package_dir / "._vendor.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(".kvcli-extracted", "__pycache__"))
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest
 
 
 def patches() -> list[Path]:
@@ -249,8 +296,11 @@ def no_amx_flags() -> dict[str, str]:
 
 
 def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs: int | None = None,
-          cuda_arch: str | None = None) -> Path:
-    """Build (or reuse) the library; return the directory holding libllama.so."""
+          cuda_arch: str | None = None, extra_args: list[str] | None = None, package_dir: Path | None = None) -> Path:
+    """Build (or reuse) the library; return the directory holding libllama.so.
+
+    package_dir: the kvcli/native folder to install into (setup.py gives its build folder, for the wheel); by
+    default this one (and $KVCLI_LIB_DIR for the default variant)."""
     variant = "sanitize" if sanitize else "default"
     flags = {
         "GGML_NATIVE": "ON",
@@ -264,7 +314,7 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
         cuda_flags, cuda_rpaths = cuda_cmake_args(cuda_arch)
         flags.update(cuda_flags)
         rpath = ";".join(["$ORIGIN", *cuda_rpaths])  # cudart / cuBLAS outside the system's loader path
-    extra_args = os.environ.get("KVCLI_CMAKE_ARGS", "").split()
+    extra_args = [*(extra_args or []), *os.environ.get("KVCLI_CMAKE_ARGS", "").split()]
     sdist = fetch_sdist()
     pristine, commit = extract_llama_cpp(sdist)
     tree = patched_tree(pristine, commit)
@@ -293,14 +343,23 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
         done.write_text(key)
     else:
         log(f"reusing the cached build {build_dir.name}")
+    if package_dir is not None:   # a wheel's contents (setup.py); a checkout keeps its sources kvcli's own
+        install_bindings(extract_bindings(sdist), package_dir)
     return install(bin_dir, variant, {"commit": commit, "flags": flag_text, "key": key,
-                                       "kvcli_version": __version__, "build_dir": str(build_dir)})
+                                       "kvcli_version": __version__, "build_dir": str(build_dir)},
+                   package_dir=package_dir)
 
 
-def install(bin_dir: Path, variant: str, info: dict) -> Path:
-    """Copy the libraries to where kvcli loads them (KVCLI_LIB_DIR overrides, for side-by-side builds)."""
-    dest = Path(os.environ["KVCLI_LIB_DIR"]) if os.environ.get("KVCLI_LIB_DIR") and variant == "default" \
-        else LIB_ROOT / variant
+def install(bin_dir: Path, variant: str, info: dict, package_dir: Path | None = None) -> Path:
+    """Copy the libraries to where kvcli loads them (KVCLI_LIB_DIR overrides, for side-by-side builds).
+    Into a package_dir (a wheel's contents) the soname links are copied as what the loader asks for only: a
+    wheel cannot hold a link, and each link would become another copy of the library."""
+    if package_dir is not None:
+        dest = package_dir / "lib" / variant
+    elif os.environ.get("KVCLI_LIB_DIR") and variant == "default":
+        dest = Path(os.environ["KVCLI_LIB_DIR"])
+    else:
+        dest = LIB_ROOT / variant
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp")
     if tmp.exists():
@@ -309,8 +368,15 @@ def install(bin_dir: Path, variant: str, info: dict) -> Path:
     libs = [p for p in bin_dir.iterdir() if p.name.startswith(("libllama.so", "libggml")) and ".so" in p.name]
     if not any(p.name == "libllama.so" for p in libs):
         raise BuildError(f"the build produced no libllama.so in {bin_dir}")
+    linked = {p.resolve() for p in libs if p.is_symlink()}
     for p in libs:  # keep the soname symlinks as links
-        if p.is_symlink():
+        if package_dir is not None:
+            soname = p.is_symlink() and not (p.parent / os.readlink(p)).is_symlink()   # libggml.so.0 -> ....0.25.3
+            if p.name == "libllama.so" or (soname and not p.name.startswith("libllama.so.")) or \
+                    (not p.is_symlink() and p.resolve() not in linked):
+                # libllama.so (llama_cpp loads it by that name) and the sonames its libraries need, as files
+                shutil.copy2(p.resolve(), tmp / p.name)
+        elif p.is_symlink():
             os.symlink(os.readlink(p), tmp / p.name)
         else:
             shutil.copy2(p, tmp / p.name)
@@ -320,6 +386,21 @@ def install(bin_dir: Path, variant: str, info: dict) -> Path:
     os.replace(tmp, dest)
     log(f"installed into {dest}")
     return dest
+
+
+def cmake_args_from_env(environ) -> tuple[bool, list[str]]:
+    """(CUDA on?, the other CMake arguments) for `pip install`: CMAKE_ARGS read as llama-cpp-python reads it
+    (CMAKE_ARGS="-DGGML_CUDA=on"), and KVCLI_CUDA=1. llama-cpp-python's own switches (LLAMA_BUILD, LLAVA_BUILD,
+    MTMD_BUILD) mean nothing here and are dropped."""
+    cuda = environ.get("KVCLI_CUDA") == "1"
+    extra = []
+    for arg in shlex.split(environ.get("CMAKE_ARGS", "")):
+        m = re.fullmatch(r"-DGGML_CUDA(?::BOOL)?=(\S*)", arg, re.IGNORECASE)
+        if m:
+            cuda = m[1].upper() in ("ON", "1", "TRUE", "YES", "Y")
+        elif not re.match(r"-D(LLAMA_BUILD|LLAVA_BUILD|MTMD_BUILD)\b", arg):
+            extra.append(arg)
+    return cuda, extra
 
 
 def run(args: list[str]) -> None:

