@@ -131,12 +131,14 @@ LAYERS = [
                     "kvcli.session", "kvcli.catalogue", "kvcli.models", "kvcli.doc_formats",
                     "kvcli.templating", "kvcli.documents", "kvcli.outfile", "kvcli.document_store", "kvcli.taskclass",
                     "kvcli.evaluation", "kvcli.evaluation.logbook", "kvcli.evaluation.report", "kvcli.testing",
+                    "kvcli.evaluation.corpus", "kvcli.evaluation.questions",
                     "kvcli.native.build"]),
     ("policies", ["kvcli.policies"]),
     ("engines", ["kvcli.native", "kvcli.reference", "kvcli.generate", "kvcli.kvc", "kvcli.evaluation.measure"]),
     ("calibration", ["kvcli.calibration"]),
     ("planning", ["kvcli.planning"]),
-    ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat"]),
+    ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat",
+                 "kvcli.evaluation.fidelity"]),
     ("app", ["kvcli.apps"]),
     ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz"]),   # the fuzzer drives the command line
 ]

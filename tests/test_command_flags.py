@@ -39,7 +39,8 @@ EXPECTED = {
 }
 # commands that take a model but do not run it
 NOT_RUN = {"info": "reads the GGUF header and the native library's identity; runs nothing",
-           "calibrate show": "reads the model's calibration side-car; runs nothing"}
+           "calibrate show": "reads the model's calibration side-car; runs nothing",
+           "eval corpus build": "tokenizes the corpus's documents to count them; runs nothing"}
 
 # flags with a shared name that a command defines itself, and why
 OWN = {

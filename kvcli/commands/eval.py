@@ -10,9 +10,11 @@ from kvcli.drivers.bench import _jsonable, load_docs, log_stderr
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.errors import KvcliError
 from kvcli.evaluation.chat import DEFAULT_MODES as CHAT_MODES, chat_table, plot_chat, run_chat_eval
+from kvcli.evaluation.corpus import corpus_documents
+from kvcli.evaluation.fidelity import fidelity_table, run_fidelity
 from kvcli.evaluation.measure import parse_float_list, parse_list, parse_size
 from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_text
-from kvcli.evaluation.runner import run_fidelity, run_generation_eval, summary_table
+from kvcli.evaluation.runner import run_generation_eval, summary_table
 from kvcli.evaluation.tasks import RULER_TASKS
 from kvcli.models import resolve_model
 from kvcli.templating import GENERIC_SUFFIX
@@ -136,25 +138,48 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
 
 @eval_group.command("fidelity")
 @shared_options("1k,2k", chunked=False)
-@click.option("--docs", "docs", default=None, metavar="FILES|DIR",
-              help="Real text: comma-separated files or a directory. Default: the repository's examples/ texts.")
+@click.option("--docs", "--doc", "docs", default=None, metavar="FILES|DIR",
+              help="Real text: comma-separated files or a directory. Default: the repository's examples/ texts "
+              "(or, with --corpus, the corpus's documents).")
+@click.option("--corpus", "corpus_dir", default=None, metavar="DIR",
+              help="A corpus built by `kvcli eval corpus build`: its documents, filtered by --split, --genres and "
+              "--max-doc-tokens (their files checked against the manifest's sha256).")
+@click.option("--split", type=click.Choice(["tune", "heldout", "all"]), default="tune", show_default=True,
+              help="With --corpus: the tuning part, the held-out part or both.")
+@click.option("--genres", default=None, help="With --corpus: comma-separated genres (technical, legal, narrative, "
+              "reference). Default: all.")
+@click.option("--max-doc-tokens", type=click.IntRange(1), default=None,
+              help="With --corpus: only documents of at most this many tokens (the manifest's count).")
 @click.option("--cont", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Continuation tokens scored after each prefix.")
-def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, cont):
-    """Perplexity of a document's continuation given its compressed prefix, and KL to the full cache."""
-    path, lens = _prepare(model, lengths, plot_path)
-    if docs is None:
-        ex = Path(__file__).resolve().parents[2] / "examples"
-        if not ex.is_dir():
-            raise KvcliError("no --docs given and no examples/ folder next to kvcli: pass --docs FILES|DIR")
-        documents = load_docs([ex])
+def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, corpus_dir, split, genres,
+                 max_doc_tokens, cont):
+    """KL divergence and top-1 agreement of a compressed cache against the full cache on a document's
+    teacher-forced continuation, and its perplexity (no question needed). --lengths all: each document's whole
+    text but its last --cont tokens is the prefix."""
+    whole = lengths.strip().lower() == "all"
+    path, lens = _prepare(model, "1" if whole else lengths, plot_path)
+    if corpus_dir:
+        documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs)
+    elif genres or max_doc_tokens:
+        raise KvcliError("--genres and --max-doc-tokens select corpus documents: give --corpus DIR")
     else:
-        documents = load_docs([p for p in docs.split(",") if p.strip()])
-    result = run_fidelity(path, documents, req.policies, req.budgets, lens, cont, cache_type=req.cache_type,
-                          policy_args=req.scoped_args, threads=req.threads,
-                          log=None if quiet else log_stderr)
-    _finish(result, as_json, json_path, plot_path, quiet,
-            lambda r, p: plot_scores(r, p, metric="ppl", ylabel="perplexity of the continuation"))
+        ex = Path(__file__).resolve().parents[2] / "examples"
+        if docs is None and not ex.is_dir():
+            raise KvcliError("no --docs given and no examples/ folder next to kvcli: pass --docs FILES|DIR")
+        documents, meta = load_docs([ex] if docs is None else [p for p in docs.split(",") if p.strip()]), {}
+    result = run_fidelity(path, documents, req.policies, req.budgets, None if whole else lens, cont,
+                          cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
+                          log=None if quiet else log_stderr, doc_meta=meta)
+    if result.get("interrupted") and not result["records"]:
+        raise KeyboardInterrupt
+    click.echo(json.dumps(result, default=_jsonable) if as_json else fidelity_table(result))
+    if json_path:
+        write_text(json_path, json.dumps(result, indent=1, default=_jsonable))
+    if plot_path:
+        plot_scores(result, plot_path, metric="kl_mean", ylabel="KL to the full cache (nats)")
+    if result.get("interrupted"):
+        raise KeyboardInterrupt
 
 
 @eval_group.command("chat")
@@ -196,6 +221,87 @@ def chat_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json,
         plot_chat(result, plot_path)
     if result.get("interrupted"):
         raise KeyboardInterrupt
+
+
+@eval_group.group("corpus")
+def corpus_group():
+    """The real-text corpus (issue #63): documents that installed Debian packages ship, and questions made from
+    their own text. See docs/results/real-text.md."""
+
+
+@corpus_group.command("build")
+@model_option
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="Folder to write the documents and manifest.json.")
+@click.option("--only", default=None, help="Comma-separated document ids or genres (default: every document).")
+@click.option("--no-tokens", is_flag=True, help="Leave token counts out (no model is loaded).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
+def corpus_build_cmd(model, out_dir, only, no_tokens, quiet):
+    """Assemble the corpus from installed packages into DIR, with a manifest (package, version, licence, genre,
+    tokens of --model's tokenizer, sha256, tuning or held-out part). Stops, naming the packages and the
+    apt-get command, when a source is missing."""
+    from kvcli.evaluation.corpus import build_corpus
+    from kvcli.native.session import NativeSession
+    count, name, tok = None, None, None
+    if not no_tokens:
+        path = resolve_model(model)
+        tok = NativeSession(path, n_ctx=0)
+        count, name = (lambda text: len(tok.tokenize(text))), Path(path).name
+    try:
+        m = build_corpus(out_dir, count, name, only=parse_list(only, "--only") if only else None,
+                         log=None if quiet else log_stderr)
+    finally:
+        if tok is not None:
+            tok.close()
+    click.echo(corpus_summary(m))
+
+
+@corpus_group.command("questions")
+@click.option("--corpus", "corpus_dir", required=True, metavar="DIR",
+              help="A corpus built by `kvcli eval corpus build`.")
+@click.option("--split", type=click.Choice(["tune", "heldout", "all"]), default="tune", show_default=True)
+@click.option("--per-kind", type=click.IntRange(1, 50), default=2, show_default=True,
+              help="Questions of each kind per document (one summary question).")
+@click.option("--out", "out_path", default=None, metavar="FILE.jsonl", help="Write the questions, one JSON a line.")
+def corpus_questions_cmd(corpus_dir, split, per_kind, out_path):
+    """Make the questions of the corpus's documents from their own text (kvcli/evaluation/questions.py) and print
+    how many of each kind; --out writes them."""
+    from kvcli.evaluation.corpus import load_manifest, select, verify
+    from kvcli.evaluation.questions import KINDS, make_questions
+    manifest = load_manifest(corpus_dir)
+    docs = select(manifest, split)
+    verify(corpus_dir, docs)
+    qs = []
+    for d in docs:
+        text = (Path(corpus_dir) / d["file"]).read_text(encoding="utf-8")
+        qs += [dict(q.as_dict(), genre=d["genre"], split=d["split"]) for q in make_questions(d["id"], text,
+                                                                                            d["format"], per_kind)]
+    if out_path:
+        write_text(out_path, "".join(json.dumps(q) + "\n" for q in qs))
+    counts = {k: sum(q["kind"] == k for q in qs) for k in KINDS}
+    click.echo(f"{len(qs)} questions on {len(docs)} documents ({split}): "
+               + ", ".join(f"{k} {n}" for k, n in counts.items()))
+
+
+def corpus_summary(manifest: dict) -> str:
+    """Documents per genre and split, and per length bucket where tokens were counted."""
+    from kvcli.evaluation.corpus import GENRES, length_bucket
+    docs = manifest["documents"]
+    lines = [f"{len(docs)} documents" + (f", tokens of {manifest['tokenizer']}" if manifest.get("tokenizer") else "")]
+    for g in GENRES:
+        ds = [d for d in docs if d["genre"] == g]
+        if not ds:
+            continue
+        line = f"  {g:<10} {len(ds):>3} ({sum(d['split'] == 'heldout' for d in ds)} held out)"
+        if all("tokens" in d for d in ds):
+            toks = sorted(d["tokens"] for d in ds)
+            line += f"  tokens {toks[0]:,}-{toks[-1]:,}"
+        lines.append(line)
+    if docs and all("tokens" in d for d in docs):
+        buckets: dict[str, int] = {}
+        for d in docs:
+            buckets[length_bucket(d["tokens"])] = buckets.get(length_bucket(d["tokens"]), 0) + 1
+        lines.append("  lengths: " + ", ".join(f"{k} {v}" for k, v in buckets.items()))
+    return "\n".join(lines)
 
 
 COMMANDS = [eval_group]

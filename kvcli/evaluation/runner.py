@@ -23,7 +23,6 @@ form `index`, the chunks the block index chooses re-selected for the question (k
 from __future__ import annotations
 
 import codecs
-import math
 import time
 
 import numpy as np
@@ -34,7 +33,7 @@ from kvcli.drivers.chunked import (DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cell
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
 from kvcli.errors import KvcliError
-from kvcli.evaluation.measure import held, kl, log_softmax, machine
+from kvcli.evaluation.measure import held, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, prefix_text, render, ruler_sample, string_match_all
 from kvcli.generate import Sampler
 from kvcli.native.session import ContextFull, NativeSession
@@ -437,75 +436,6 @@ def aggregate(records: list[dict], keys: tuple[str, ...], metric: str = "score",
         item["status"] = "ok"
         out.append(item)
     return out
-
-
-# ------------------------------------------------------------------------------ fidelity
-def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], lengths: list[int], cont: int = 64, *,
-                 cache_type: str = "f16", policy_args: dict | None = None, threads: int | None = None,
-                 log=None) -> dict:
-    """Perplexity of each document's next `cont` tokens given its first L tokens (compressed), and the
-    mean KL(full || compressed) of the next-token distributions over those tokens (teacher-forced)."""
-    log = log or (lambda m: None)
-    policy_args = policy_args or {}
-    if cont < 1:
-        raise KvcliError("--cont must be >= 1")
-    if TRUNCATE in policies:
-        raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
-    unavailable = _check_policies(model_path, policies, budgets, policy_args)
-    cfgs = eval_configs(policies, budgets)
-    tok = _session(model_path, 0, cache_type, threads)
-    try:
-        doc_tokens = [(d.name, tok.tokenize(d.text)) for d in docs]
-        n_ctx_train = tok.n_ctx_train
-    finally:
-        tok.close()
-    records, t_start, where = [], time.perf_counter(), machine(threads)
-    for L in lengths:
-        if L + cont > n_ctx_train:
-            raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})")
-        session = _session(model_path, L + cont + 16, cache_type, threads)
-        try:
-            for name, toks in doc_tokens:
-                base = {"task": "fidelity", "doc": name, "length": L, "depth": None, "sample": 0}
-                if len(toks) < L + cont:
-                    for pol, bud in cfgs:
-                        records.append({**base, "policy": pol, "budget": bud, "ppl": None, "kl_mean": None,
-                                        "status": f"document too short: {len(toks)} tokens < {L} + {cont}"})
-                    continue
-                prefix, target = toks[:L], toks[L:L + cont]
-                ref_logp = None
-                for pol, bud, status, first, note, _ in compressed_variants(session, prefix, cfgs, policy_args,
-                                                                         unavailable):
-                    rec = {**base, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None}
-                    if note:
-                        rec["note"] = note
-                    if status == "ok":
-                        try:
-                            logps, logits = [], first
-                            for i, t in enumerate(target):
-                                logps.append(log_softmax(logits))
-                                if i + 1 < len(target):
-                                    session.step({0: t})
-                                    logits = session.logits(0)
-                            nll = -float(np.mean([lp[t] for lp, t in zip(logps, target)]))
-                            if pol == "full":
-                                ref_logp = logps
-                            kls = [kl(a, b) for a, b in zip(ref_logp, logps)] if ref_logp is not None else None
-                            rec.update(nll=nll, ppl=math.exp(nll), kl_mean=float(np.mean(kls)) if kls else None)
-                        except KvcliError as e:
-                            rec.update(status=f"error: {e}")
-                    records.append(rec)
-                row = records[-len(cfgs):]
-                log(f"fidelity {name} {L}+{cont}: " + ", ".join(
-                    f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])} ppl="
-                    f"{'-' if r.get('ppl') is None else round(r['ppl'], 2)}" for r in row))
-        finally:
-            session.close()
-    return {"kind": "eval", "task": "fidelity", "model": str(model_path), "machine": where,
-            "settings": {"policies": policies, "budgets": budgets, "lengths": lengths, "cont": cont,
-                         "cache_type": cache_type, "docs": [n for n, _ in doc_tokens], "policy_args": policy_args},
-            "elapsed_s": time.perf_counter() - t_start, "records": records,
-            "summary": aggregate(records, ("task", "policy", "budget", "length"), metric="ppl", higher_better=False)}
 
 
 def summary_table(result: dict) -> str:

@@ -1,0 +1,201 @@
+"""`kvcli eval fidelity`: a question-free measure of what compression loses, on any text (issue #63).
+
+For each document and prefix length L, the first L tokens are prefilled once and compressed by every (policy,
+budget) as `kvcli compress` compresses a document (question-agnostic: the observation window is the prefix's own
+last tokens; one shared prefill, `kvcli.drivers.compress.Shared`); then the document's next `cont` tokens are fed
+teacher-forced, one token a decode step, and the next-token distribution is read at every position. The full
+cache of the same prefix, fed the same tokens, is the reference. Per position:
+
+- KL(full || compressed) of the two next-token distributions, in nats (llama-perplexity's `--kl-divergence`);
+- top-1 agreement: whether the two distributions' most likely tokens are the same (llama-perplexity's "same top");
+- the log-probability of the document's own next token (perplexity of the continuation).
+
+Summaries pool every scored position of every document of a (policy, budget, length): the mean KL with its
+standard error (sample standard deviation / sqrt(positions)), the top-1 agreement with its binomial standard error,
+the perplexity and its ratio to the full cache's on the same positions, and the K/V bytes the compressed cache held.
+Positions of one document are not independent, so these standard errors are the spread of the positions, a lower
+bound on the spread between documents; `per_doc` gives each document's own figures.
+
+`lengths` None (`--lengths all`): each document's whole text but its last `cont` tokens is the prefix.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from kvcli.errors import KvcliError
+from kvcli.evaluation.measure import kl, log_softmax, machine
+from kvcli.evaluation.runner import TRUNCATE, _check_policies, _session, compressed_variants, eval_configs
+
+MARGIN = 16   # context cells beyond prefix + continuation
+
+
+def _continuation(session, first_logits, target: list[int]) -> tuple[list[np.ndarray], float]:
+    """Teacher-forced: the log-probabilities before each target token (the first from `first_logits`), and the
+    seconds the steps took."""
+    logps, logits = [], first_logits
+    t0 = time.perf_counter()
+    for i, t in enumerate(target):
+        logps.append(log_softmax(logits))
+        if i + 1 < len(target):
+            session.step({0: t})
+            logits = session.logits(0)
+    return logps, time.perf_counter() - t0
+
+
+def compare(ref: list[np.ndarray] | None, logps: list[np.ndarray], target: list[int]) -> dict:
+    """Per-position figures of one configuration against the full cache's (`ref`; None: no reference)."""
+    nll = [-float(lp[t]) for lp, t in zip(logps, target)]
+    out = {"nll_positions": nll, "nll": float(np.mean(nll)), "ppl": math.exp(float(np.mean(nll))),
+           "kl_positions": None, "top1_positions": None, "kl_mean": None, "top1": None}
+    if ref is not None:
+        kls = [kl(a, b) for a, b in zip(ref, logps)]
+        same = [int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, logps)]
+        out.update(kl_positions=kls, top1_positions=same, kl_mean=float(np.mean(kls)), top1=float(np.mean(same)))
+    return out
+
+
+def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], lengths: list[int] | None,
+                 cont: int = 64, *, cache_type: str = "f16", policy_args: dict | None = None,
+                 threads: int | None = None, log=None, doc_meta: dict | None = None) -> dict:
+    """Every document x length x (policy, budget): the module's docstring. `docs`: objects with .name and .text;
+    `doc_meta`: name -> fields copied into its records (a corpus manifest's genre, split, tokens)."""
+    log = log or (lambda m: None)
+    policy_args = policy_args or {}
+    doc_meta = doc_meta or {}
+    if cont < 1:
+        raise KvcliError("--cont must be >= 1")
+    if TRUNCATE in policies:
+        raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
+    unavailable = _check_policies(model_path, policies, budgets, policy_args)
+    cfgs = eval_configs(policies, budgets)
+    tok = _session(model_path, 0, cache_type, threads)
+    try:
+        doc_tokens = [(d.name, tok.tokenize(d.text)) for d in docs]
+        n_ctx_train = tok.n_ctx_train
+    finally:
+        tok.close()
+    records, t_start, where = [], time.perf_counter(), machine(threads)
+    interrupted = False
+    jobs = []   # (length label, prefix length, name, tokens)
+    for L in (lengths or [None]):
+        for name, toks in doc_tokens:
+            jobs.append((L if L is not None else "all", L if L is not None else len(toks) - cont, name, toks))
+    for _label, L, _, _ in jobs:
+        if L + cont > n_ctx_train:
+            raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})"
+                             + ("" if lengths else ": choose shorter documents"))
+    session, session_ctx = None, 0
+    try:
+        for label, L, name, toks in jobs:
+            base = {"task": "fidelity", "doc": name, "length": label, "prefix_tokens": L, "cont": cont,
+                    "depth": None, "sample": 0, **doc_meta.get(name, {})}
+            if L < 1 or len(toks) < L + cont:
+                records += [{**base, "policy": p, "budget": b, "ppl": None, "kl_mean": None, "top1": None,
+                             "status": f"document too short: {len(toks)} tokens < {max(L, 1)} + {cont}"}
+                            for p, b in cfgs]
+                continue
+            need = L + cont + MARGIN
+            if session is None or session_ctx < need or session_ctx > 2 * need:
+                if session is not None:
+                    session.close()
+                session, session_ctx = _session(model_path, need, cache_type, threads), need
+            prefix, target = toks[:L], toks[L:L + cont]
+            ref = None
+            for pol, bud, status, first, note, stats in compressed_variants(session, prefix, cfgs, policy_args,
+                                                                            unavailable):
+                rec = {**base, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None,
+                       "top1": None, **stats}
+                if note:
+                    rec["note"] = note
+                if status == "ok":
+                    try:
+                        logps, secs = _continuation(session, first, target)
+                    except KvcliError as e:
+                        rec.update(status=f"error: {e}")
+                    else:
+                        if pol == "full":
+                            ref = logps
+                        rec.update(compare(ref, logps, target), cont_s=round(secs, 3))
+                records.append(rec)
+            row = records[-len(cfgs):]
+            log(f"fidelity {name} {L}+{cont}: " + ", ".join(
+                f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])} "
+                f"kl={'-' if r.get('kl_mean') is None else round(r['kl_mean'], 3)} "
+                f"top1={'-' if r.get('top1') is None else round(r['top1'], 2)}" for r in row))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if session is not None:
+            session.close()
+    return {"kind": "eval", "task": "fidelity", "model": str(model_path), "machine": where,
+            "interrupted": interrupted,
+            "settings": {"policies": policies, "budgets": budgets, "lengths": lengths or "all", "cont": cont,
+                         "cache_type": cache_type, "docs": [n for n, _ in doc_tokens], "policy_args": policy_args,
+                         "mode": "compress once (question-agnostic), continuation teacher-forced one token a step"},
+            "elapsed_s": time.perf_counter() - t_start, "records": records,
+            "summary": summarise(records)}
+
+
+def _se(values: list[float]) -> float | None:
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
+
+
+def summarise(records: list[dict], keys=("task", "policy", "budget", "length")) -> list[dict]:
+    """Pooled over documents and positions per `keys` (the module's docstring); `ratio_to_full` is the perplexity
+    against the full cache's on the same documents."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    full_nll = {(r["doc"], r["length"]): r["nll_positions"] for r in records
+                if r["policy"] == "full" and r.get("nll_positions")}
+    out = []
+    for k, rs in groups.items():
+        item = dict(zip(keys, k), n_docs=len(rs))
+        bad = [r for r in rs if r.get("ppl") is None]
+        if bad:
+            item.update(status=bad[0]["status"], ppl=None, kl_mean=None, top1=None)
+            out.append(item)
+            continue
+        nll = [x for r in rs for x in r["nll_positions"]]
+        item.update(status="ok", positions=len(nll), ppl=math.exp(float(np.mean(nll))))
+        ref = [full_nll.get((r["doc"], r["length"])) for r in rs]
+        if all(x is not None for x in ref):
+            item["full_ppl"] = math.exp(float(np.mean([x for xs in ref for x in xs])))
+            item["ratio_to_full"] = item["ppl"] / item["full_ppl"]
+        if all(r.get("kl_positions") is not None for r in rs):
+            kls = [x for r in rs for x in r["kl_positions"]]
+            same = [x for r in rs for x in r["top1_positions"]]
+            p = float(np.mean(same))
+            item.update(kl_mean=float(np.mean(kls)), kl_se=_se(kls), kl_max=float(np.max(kls)), top1=p,
+                        top1_se=math.sqrt(p * (1 - p) / len(same)))
+        for extra in ("kv_cells", "kv_bytes", "prefix_tokens"):
+            vals = [r[extra] for r in rs if r.get(extra) is not None]
+            if vals:
+                item[extra] = float(np.mean(vals))
+        out.append(item)
+    return out
+
+
+def fidelity_table(result: dict) -> str:
+    """One row per configuration and length: KL mean +- standard error, top-1 agreement, perplexity ratio, held."""
+    rows = result["summary"]
+    head = (f"{'policy':<22}{'length':>8}{'docs':>6}{'positions':>11}{'KL to full (nats)':>22}{'top-1 agreement':>20}"
+            f"{'ppl / full':>12}{'K/V held':>12}")
+    lines = [f"fidelity: compressed once, next {result['settings']['cont']} tokens teacher-forced; KL(full || "
+             "compressed) mean +- s.e. over positions, top-1 agreement with the full cache", head, "-" * len(head)]
+    for r in rows:
+        name = r["policy"] if r["budget"] is None else f"{r['policy']}@{r['budget']}"
+        if r.get("ppl") is None:
+            lines.append(f"{name:<22}{str(r['length']):>8}{r['n_docs']:>6}  {str(r.get('status'))[:80]}")
+            continue
+        klc = "-" if r.get("kl_mean") is None else \
+            f"{r['kl_mean']:.4f} +- {(r['kl_se'] or 0):.4f}"
+        t1 = "-" if r.get("top1") is None else f"{100 * r['top1']:.1f}% +- {100 * r['top1_se']:.1f}"
+        ratio = "-" if r.get("ratio_to_full") is None else f"{r['ratio_to_full']:.3f}"
+        held = "-" if r.get("kv_bytes") is None else f"{r['kv_bytes'] / 2 ** 20:.2f} MiB"
+        lines.append(f"{name:<22}{str(r['length']):>8}{r['n_docs']:>6}{r.get('positions', 0):>11}{klc:>22}{t1:>20}"
+                     f"{ratio:>12}{held:>12}")
+    return "\n".join(lines)
