@@ -40,34 +40,33 @@ layer queues them); nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
-import abc
-import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 
-from kvcli import document_store, kvc
 from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking, requantises
-from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix, file_snapshot
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes, read_manifest
+from kvcli.apps.serve_stores import (REUSE_MIN, DiskStore, DocumentStore, MemoryStore,  # noqa: F401 (MemoryStore:
+                                     read_in_memory)                                   # kvcli serve's to import)
+from kvcli.drivers.reselect import STORE_TAIL, StoreMissing, StoredDocument, common_prefix
+from kvcli.drivers.resident import Residents
+from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Sampler, Sampling, generate
-from kvcli.models import model_hash
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import resolve
 
 DEFAULT_CTX = 16384       # cells of the KV cache unless --ctx says (at most the model's training context)
 NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's full cache becomes a store of its own,
                           # and the shortest prompt read into a store (a short chat is answered without keeping it)
-REUSE_MIN = 64            # shared prefix below which a store is not restored (restoring a long store to keep a few
-                          # tokens, a chat template's head, costs more than prefilling them)
 QUESTION_ROOM = 256       # cells a bounded store's chunks leave for what follows the document in later prompts (a
                           # longer question, a conversation's turns), besides the answer's MIN_ROOM
 SPARE_SEQ = 1             # the sequence a bounded re-selection loads stored chunks through
+ANSWER_SEQ = 0            # the sequence an answer is decoded from (a resident document's selection is gathered there)
+RESIDENT_SEQS = range(2, 6)   # up to four documents resident in the context at once (kvcli/drivers/resident.py)
+QUESTION_SEQS = range(6, 11)  # a request's prompt, prefilled with observation after the resident document's shared
+                              # cells; kept as the document's extension (a conversation's next turn shares it too)
 
 
 class Prompt(list):
@@ -85,307 +84,6 @@ class BadRequest(KvcliError):
     def __init__(self, message: str, code: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
         self.code, self.param = code, param
-
-
-# ---------------------------------------------------------------------------------- stores
-class DocumentStore(abc.ABC):
-    """Where full document caches are kept between requests: the interface the engine uses (an on-disk managed
-    store can take MemoryStore's place)."""
-
-    @abc.abstractmethod
-    def best(self, prompt: list[int], accept=None) -> tuple[StoredDocument | None, int]:
-        """The store sharing the longest common prefix (in tokens) with `prompt`, and that prefix's length; among
-        the stores `accept(store, prefix)` accepts, when given."""
-        ...
-
-    @abc.abstractmethod
-    def add(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
-        """Keep a new store (most recently used), evicting as the cap requires; `keep` is never evicted."""
-        ...
-
-    @abc.abstractmethod
-    def touch(self, doc: StoredDocument, keep: StoredDocument | None = None) -> None:
-        """`doc` was just used (its extension may have changed size): most recently used, cap enforced."""
-        ...
-
-    def attach(self, session, model_path) -> None:
-        """The engine's session and model, once loaded (a store on disk writes and loads with them); optional: a
-        store in memory needs neither."""
-        return None
-
-    @abc.abstractmethod
-    def __contains__(self, doc) -> bool:
-        ...
-
-    @abc.abstractmethod
-    def stats(self) -> dict:
-        ...
-
-
-def held_bytes(doc: StoredDocument) -> int:
-    """What a store holds: its full cache (a bounded store: its chunk files, on disk) and the extension it keeps (the
-    last prompt re-selected from it), counted against --store-max-bytes alike."""
-    return doc.nbytes + (doc.extension.nbytes if doc.extension is not None else 0)
-
-
-class MemoryStore(DocumentStore):
-    """Stores in memory, least recently used evicted above `max_bytes` (None: no cap)."""
-
-    def __init__(self, max_bytes: int | None):
-        self.max_bytes = max_bytes
-        self.docs: OrderedDict[int, StoredDocument] = OrderedDict()
-        self.evicted = 0
-
-    def best(self, prompt, accept=None):
-        best, n = None, 0
-        for doc in reversed(self.docs.values()):   # most recent first: it wins a tie
-            k = common_prefix(doc.tokens, prompt)
-            if k > n and (accept is None or accept(doc, k)):
-                best, n = doc, k
-        return best, n
-
-    def add(self, doc, keep=None):
-        self.docs[id(doc)] = doc
-        self._evict(keep or doc)
-
-    def touch(self, doc, keep=None):
-        if id(doc) in self.docs:
-            self.docs.move_to_end(id(doc))
-        self._evict(keep or doc)
-
-    def total_bytes(self) -> int:
-        return sum(held_bytes(d) for d in list(self.docs.values()))   # a copy: /health reads it beside the worker
-
-    def _evict(self, keep: StoredDocument) -> None:
-        if self.max_bytes is None:
-            return
-        for key in list(self.docs):
-            if self.total_bytes() <= self.max_bytes:
-                return
-            if key != id(keep):
-                self.docs.pop(key).close()
-                self.evicted += 1
-        if self.total_bytes() > self.max_bytes and keep.extension is not None:   # alone above the cap
-            keep.extension = None
-        if self.total_bytes() > self.max_bytes and id(keep) in self.docs:
-            self.docs.pop(id(keep)).close()
-            self.evicted += 1
-
-    def __contains__(self, doc) -> bool:
-        return id(doc) in self.docs
-
-    def stats(self) -> dict:
-        return {"store_entries": len(self.docs), "store_bytes": self.total_bytes(), "store_max_bytes": self.max_bytes,
-                "store_evicted": self.evicted, "store_tokens": [d.split for d in list(self.docs.values())]}
-
-
-@dataclass
-class _OnDisk:
-    """A stored document of the document store that is not in memory: enough to match a prompt against it."""
-    key: str
-    tokens: np.ndarray
-    colsum: bool
-    bounded: bool = False
-
-
-class DiskStore(DocumentStore):
-    """Stores kept as `cached` entries of kvcli's document store (kvcli/document_store.py), so that they are listed
-    (`kvcli documents list`), capped, expire, and outlive the server; a working set of them is held in memory (a
-    MemoryStore of the same cap), from which requests restore without reading a file.
-
-    Every store the engine adds is written at once as an entry keyed by the model, the cache type and its tokens
-    (`document_store.key_of`). The entries are not held (locked) by the server: the store's cap (`max_bytes`, which
-    overrides the configured one in this process) evicts the least recently used of them, and the server then drops
-    its memory copy too; `kvcli documents rm` may remove one, which the server then keeps in memory only.
-    A prompt whose longest common prefix is with an entry not in memory (written before a restart, or evicted from
-    the working set) loads that entry into memory (`best`), when the prefix is one the engine would restore."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.memory = MemoryStore(max_bytes)
-        self.keys: dict[int, str] = {}          # id(doc in memory) -> its entry's key
-        self.disk: dict[str, _OnDisk] = {}      # key -> an entry not in memory
-        self.session = self.model_path = self.digest = None
-        self.loaded = self.written = 0
-
-    def attach(self, session, model_path) -> None:
-        """The engine's session (to write and load its stores) and model; indexes the entries it can restore from."""
-        self.session, self.model_path = session, Path(model_path)
-        document_store.override_max_bytes(self.max_bytes)
-        self.digest = model_hash(self.model_path)
-        try:
-            items = document_store.entries()
-        except OSError as e:
-            raise KvcliError(f"cannot use the document store ({e}): set KVCLI_CACHE, or --store memory") from None
-        for info in items:
-            self._index(info)
-
-    def _index(self, info) -> None:
-        """List a cached entry of this model and cache type (any kvcli's store of a key: exact, or bounded) as
-        loadable."""
-        r = info.record
-        st = r.get("settings") or {}
-        if info.state != "cached" or r.get("form") not in ("exact", "bounded") or not r.get("key") or \
-                r["key"] in self.disk or (r.get("model") or {}).get("hash") != self.digest or \
-                st.get("cache_type") != self.session.cache_type:
-            return
-        if r["form"] == "bounded":
-            try:
-                tokens = np.asarray(read_manifest(r["path"])["tokens"], np.int32)
-            except KvcliError:   # incomplete or another kvcli's: not loadable (the sweep and cap govern it)
-                return
-        else:
-            tokens = kvc.peek_tokens(r["path"])
-        if tokens is not None and len(tokens):
-            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")), r["form"] == "bounded")
-
-    def _key(self, doc: StoredDocument) -> str:
-        return document_store.key_of(self.model_path, doc.tokens, **self._settings(doc))
-
-    def _settings(self, doc: StoredDocument) -> dict:   # StoredDocument.read's settings: its entries are alike
-        return {"split": doc.split, "colsum": doc.colsum is not None, "cache_type": self.session.cache_type}
-
-    def bounded_key(self, tokens: list[int], **settings) -> str:
-        """The key a bounded store is read under (ChunkedStore.read(key=...)): it stays a cached entry."""
-        return document_store.key_of(self.model_path, tokens, form="bounded", cache_type=self.session.cache_type,
-                                     **settings)
-
-    def best(self, prompt, accept=None):
-        n = self.memory.best(prompt, accept)[1]
-        # the entry on disk sharing a longer prefix (of those `accept` accepts), one the engine would restore
-        # (REUSE_MIN), is loaded
-        found, k = None, max(n, min(REUSE_MIN, len(prompt) - 1) - 1)
-        for d in list(self.disk.values()):
-            same = common_prefix(d.tokens, prompt)
-            probe = StoredDocument(tokens=d.tokens, split=len(d.tokens), colsum=_HAS_SUMS if d.colsum else None)
-            probe.bounded = d.bounded
-            if same > k and (accept is None or accept(probe, same)):
-                found, k = d, same
-        if found is not None:
-            self._load(found)
-        return self.memory.best(prompt, accept)
-
-    def _load(self, d: _OnDisk) -> None:
-        del self.disk[d.key]
-        e = document_store.find(d.key)
-        if e is None:   # removed meanwhile (kvcli documents rm, another process's cap)
-            return
-        if d.bounded:   # its chunks stay on disk, read per request: the entry is held while it is in memory
-            try:
-                doc = ChunkedStore.open(e.payload, self.model_path)
-            except KvcliError as err:
-                e.release()
-                print(f"kvcli serve: stored document {e.id} not loaded: {err}", file=sys.stderr, flush=True)
-                return
-            doc.entry, doc.keep = e, True
-        else:
-            try:
-                f = kvc.load_checked(e.payload, self.model_path)
-                doc = StoredDocument.from_kvc(f)
-            except KvcliError as err:
-                print(f"kvcli serve: stored document {e.id} not loaded: {err}", file=sys.stderr, flush=True)
-                return
-            finally:
-                e.release()
-            doc.snapshot, doc.path, doc.keep, doc.entry = file_snapshot(f), None, False, None
-        self.loaded += 1
-        self.keys[id(doc)] = d.key
-        self.memory.add(doc)
-        self._sync()
-
-    def add(self, doc, keep=None):
-        if keep is not None:   # used by this request: last on disk too, before the new entry's cap evicts
-            self._touch_entry(keep)
-        self.memory.add(doc, keep)
-        if doc in self.memory:   # one above the cap alone is not written
-            # a bounded store was read as a cached entry of its key already (ChunkedStore.read(key=...))
-            key = self._write(doc) if not doc.bounded else doc.entry.record.get("key") if doc.entry else None
-            self.written += bool(doc.bounded and key)
-            if key is not None:   # else kept in memory only
-                self.keys[id(doc)] = key
-        self._sync()
-
-    def _write(self, doc: StoredDocument) -> str | None:
-        """Write `doc` as a cached entry (or find it there already): its key, None when it cannot be written."""
-        key = self._key(doc)
-        self.disk.pop(key, None)
-        old = document_store.find(key)   # the same tokens stored already (touched by find)
-        if old is not None:
-            old.release()
-            return key
-        e = None
-        try:
-            e = document_store.create(form="exact", model_path=self.model_path, tokens=doc.tokens, key=key,
-                                      settings=self._settings(doc), reserve=doc.nbytes)
-            kvc.write(e.payload, doc.to_kvc(self.session, doc.snapshot.state))
-        except BaseException as err:
-            if e is not None:
-                e.abandon()
-            if not isinstance(err, (KvcliError, OSError)):
-                raise
-            print(f"kvcli serve: a store is kept in memory only: {err}", file=sys.stderr, flush=True)
-            return None
-        e.finish("cached")   # the cap enforced: least recently used entries go
-        e.release()
-        self.written += 1
-        return key
-
-    def touch(self, doc, keep=None):
-        self.memory.touch(doc, keep)
-        if doc in self.memory:
-            self._touch_entry(doc)
-        self._sync()
-
-    def _touch_entry(self, doc: StoredDocument) -> None:
-        """Its entry last used now, on disk too (the cap's order)."""
-        key = self.keys.get(id(doc))
-        e = document_store.find(key) if key is not None else None
-        if e is not None:
-            e.release()
-
-    def _sync(self) -> None:
-        """Memory and disk agree: a store evicted from memory stays on disk to be loaded again, one whose entry the
-        cap (or anyone) removed leaves memory too."""
-        on_disk = {i.record.get("key"): i for i in document_store.entries(sweep_first=False)
-                   if i.state == "cached"}
-        for ident, key in list(self.keys.items()):
-            doc = self.memory.docs.get(ident)
-            if doc is None:   # evicted from memory
-                del self.keys[ident]
-            elif key not in on_disk:
-                self.memory.docs.pop(ident).close()
-                self.memory.evicted += 1
-                del self.keys[ident]
-        for key in list(self.disk):
-            if key not in on_disk:
-                del self.disk[key]
-        held = set(self.keys.values())
-        for key, info in on_disk.items():
-            if key not in held:
-                self._index(info)
-
-    def __contains__(self, doc) -> bool:
-        return doc in self.memory
-
-    def stats(self) -> dict:
-        return {**self.memory.stats(), "store": "disk", "store_on_disk": len(self.disk) + len(self.keys),
-                "store_loaded": self.loaded, "store_written": self.written}
-
-
-_HAS_SUMS = np.zeros((0, 0, 0), np.float32)   # `best`'s probe of an entry on disk that has column sums
-
-
-def read_in_memory(session, tokens: list[int], split: int, seq: int, colsum: bool) -> StoredDocument:
-    """StoredDocument.read's prefill, kept in memory (a DiskStore writes it to the document store when it keeps
-    it)."""
-    t0 = time.perf_counter()
-    obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else ())
-    read_s = time.perf_counter() - t0
-    sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split], np.float32)
-    snap = session.save_seq(seq)
-    session.clear(seq)
-    return StoredDocument(tokens=list(tokens[:split]), split=split, colsum=sums, snapshot=snap,
-                          nbytes=len(snap.state), read_s=read_s, keep=False)
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -452,11 +150,14 @@ class Engine:
                  defaults: Choice, store: DocumentStore):
         self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
         limit = self.session.n_ctx_train
-        # two sequences in one cell pool (kv_unified): the answer's, and SPARE_SEQ that bounded re-selection loads
-        # stored chunks through (the pool is the same size as for one); one for a model with sliding-window layers,
-        # which bounded re-selection does not serve
+        # sequences in one cell pool (kv_unified): the answer's, SPARE_SEQ that bounded re-selection loads stored
+        # chunks through, a question's and the resident documents' (the pool is the same size as for one); one for
+        # a model with sliding-window layers, which neither bounded re-selection nor a resident document serves
+        # (its window cache cannot be shared up to a restore point): it restores the stored cache per request
+        self.resident_ok = not keeps_positions(self.session.info)
         self.session.create_context(min(n_ctx or DEFAULT_CTX, limit),
-                                    n_seq=1 if keeps_positions(self.session.info) else SPARE_SEQ + 1)
+                                    n_seq=QUESTION_SEQS.stop if self.resident_ok else 1)
+        self.residents = Residents(self.session, RESIDENT_SEQS)
         self.model_path, self.model_id = Path(model_path), model_id
         self.defaults, self.store = defaults, store
         store.attach(self.session, self.model_path)
@@ -464,6 +165,7 @@ class Engine:
         self.check(defaults)   # the flags' policy resolved now, not at the first request
 
     def close(self) -> None:
+        self.residents.close()
         self.session.close()
 
     @property
@@ -560,7 +262,7 @@ class Engine:
         chunk = self.check_length(prompt, c)
         cfg = self.check(c)
         t0 = time.perf_counter()
-        n, seq, session = len(prompt), 0, self.session
+        n = len(prompt)
         if chunk is not None:
             return self._answer_bounded(prompt, c, cfg, chunk, t0, on_text, cancelled)
         colsum = "colsum" in cfg.observe[0]
@@ -570,19 +272,104 @@ class Engine:
         if reuse and colsum:   # a column-sum store is restored whole or not at all (its sums are all its queries')
             found, same = self.store.best(prompt, lambda d, k: d.colsum is not None and d.split <= min(k, n - 1))
             reuse = found is not None
+        if not reuse:
+            found = None
+        if not self.resident_ok:
+            return self._answer_restored(prompt, c, cfg, found, same, t0, on_text, cancelled)
+        return self._answer_resident(prompt, c, cfg, found, same, t0, on_text, cancelled)
+
+    def _room(self, prompt: list[int], split: int, c: Choice) -> int:
+        """Cells a request needs beside its resident document: the prompt after it, the selection, an answer."""
+        return len(prompt) - split + (c.budget or 0) + MIN_ROOM
+
+    def _answer_resident(self, prompt: list[int], c: Choice, cfg, found, same: int, t0: float, on_text,
+                         cancelled) -> Answer:
+        """The document resident in the context (read into it, or restored into it once): the prompt shares its
+        cells up to the restore point, the rest is prefilled with observation into QUESTION_SEQ, the plan gathered
+        into ANSWER_SEQ and the answer decoded from there (kvcli/drivers/resident.py)."""
+        n, session, colsum = len(prompt), self.session, "colsum" in cfg.observe[0]
+        read_tokens, read_s, doc = 0, 0.0, None
+        if found is not None:
+            try:
+                self.residents.hold(found, self._room(prompt, min(same, found.split), c))
+                doc = self._usable(found, same, n)
+            except StoreMissing:   # its file went (the document store's cap, `kvcli documents rm`): read again
+                found.close()
+                found = None
+        fresh = doc is None
+        stored = r = None
+        qseq = self._question_seq()
+        try:   # whatever happens, the request's sequences are left empty for the next one
+            if fresh:   # no store shares a usable prefix: the prompt read once, into a new resident document
+                split = self._fresh_split(prompt, colsum)
+                doc = self.residents.read(prompt, split, colsum, self._room(prompt, split, c))
+                read_tokens, read_s = doc.split, doc.read_s
+            r = doc.reselect(session, prompt, cfg, seq=qseq, into=ANSWER_SEQ, extend=not fresh)
+            if fresh:
+                if n >= NEW_STORE_MIN:
+                    self.store.add(doc)
+                    stored = doc
+                else:   # a short prompt is not kept
+                    doc.close()
+            else:
+                if r.prefilled >= NEW_STORE_MIN and r.seq != qseq:
+                    # a long new part (another document after a shared head): the prompt's full cache, the shared
+                    # cells and the question's, becomes a store too (restored into the context when next used)
+                    snap = session.save_seq(qseq)
+                    stored = StoredDocument(tokens=list(prompt), split=n, snapshot=snap, nbytes=len(snap.state),
+                                            keep=False)
+                    self.store.add(stored, keep=found)
+                if found in self.store:
+                    self.store.touch(found, keep=found)
+            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled, seq=r.seq)
+        except BaseException:
+            if fresh and doc is not None and doc not in self.store:
+                doc.close()
+            raise
+        finally:
+            session.clear(ANSWER_SEQ)
+            if r is not None and r.dropped_seq is not None:
+                session.clear(r.dropped_seq)
+            if doc is None or doc.extension is None or doc.extension.seq != qseq:
+                session.clear(qseq)
+        return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
+                              read=(read_tokens, read_s), new_store=stored.split if stored else 0,
+                              resident_documents=len(self.residents.docs), resident_cells=self.residents.cells(),
+                              resident_freed=self.residents.freed)
+
+    def _question_seq(self) -> int:
+        """A sequence for a request's prompt: one no resident document keeps as its extension."""
+        kept = {d.extension.seq for d in self.residents.docs.values() if d.extension is not None}
+        for q in QUESTION_SEQS:
+            if q not in kept:
+                self.session.clear(q)
+                return q
+        raise KvcliError("no sequence is free for the request's prompt")
+
+    def _fresh_split(self, prompt: list[int], colsum: bool) -> int:
+        """Where a new store of `prompt` ends: STORE_TAIL tokens before its end; for a column-sum policy, when the
+        prompt shares a prefix with a store (a document another question asked about), at the line break before
+        it differs (a question's first words are often shared too), where every question about it can restore it
+        whole."""
+        n = len(prompt)
+        split = min(n - 1, n - STORE_TAIL)
+        exact = (lambda d, k: not d.bounded)
+        shared = self.store.best(prompt, exact)[1]
+        if colsum and shared >= REUSE_MIN:
+            split = min(self._line_start(prompt, shared), n - 1)
+        return max(1, split)
+
+    def _answer_restored(self, prompt: list[int], c: Choice, cfg, found, same: int, t0: float, on_text,
+                         cancelled) -> Answer:
+        """A model with sliding-window layers: the stored cache restored into the answer's sequence per request,
+        compacted in place (StoredDocument.reselect without a resident document)."""
+        n, seq, session, colsum = len(prompt), ANSWER_SEQ, self.session, "colsum" in cfg.observe[0]
         read_tokens, read_s = 0, 0.0
-        doc = self._usable(found, same, n) if reuse else None
+        doc = self._usable(found, same, n) if found is not None else None
         fresh = doc is None
         try:   # whatever happens, the sequence is left empty for the next request
             if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
-                split = min(n - 1, n - STORE_TAIL)
-                shared = self.store.best(prompt, exact)[1]
-                if colsum and shared >= REUSE_MIN:
-                    # the prefix this prompt shares with a store is a document another question asked about: stored
-                    # up to the line break before it differs (a question's first words are often shared too), where
-                    # every question about it can restore it whole
-                    split = min(self._line_start(prompt, shared), n - 1)
-                doc = read_in_memory(session, prompt, max(1, split), seq, colsum)
+                doc = read_in_memory(session, prompt, self._fresh_split(prompt, colsum), seq, colsum)
                 read_tokens, read_s = doc.split, doc.read_s
             r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh)
             stored = None
@@ -599,7 +386,7 @@ class Engine:
                     self.store.add(stored, keep=found)
                 if found in self.store:
                     self.store.touch(found, keep=found)
-            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled)
+            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled, seq=seq)
         finally:
             session.clear(seq)
         return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
@@ -626,6 +413,7 @@ class Engine:
         """A prompt served in bounded form: the bounded store whose tokens all start it is re-selected, or its
         document part (up to its question) is read into a new one first; the answer is decoded from the result."""
         n, seq, session = len(prompt), 0, self.session
+        self.residents.close()   # a document past the context: the resident ones leave it the whole context
         found, _ = self.store.best(prompt, lambda d, k: d.bounded and k >= d.split and d.split < n)
         fresh = found is None
         read_tokens, read_s = 0, 0.0
@@ -686,13 +474,13 @@ class Engine:
             return replace(doc, tokens=doc.tokens[:n - 1], split=n - 1, colsum=None, extension=None, keep=True)
         return doc
 
-    def _decode_timed(self, c: Choice, on_text, cancelled):
+    def _decode_timed(self, c: Choice, on_text, cancelled, seq: int = ANSWER_SEQ):
         """The compressed cache's stats, then the answer decoded: (stats, generation, finish reason, when it began)."""
-        st = self.session.stats(0)
+        st = self.session.stats(seq)
         t1 = time.perf_counter()
-        return (st, *self._decode(c, on_text, cancelled), t1)
+        return (st, *self._decode(c, on_text, cancelled, seq), t1)
 
-    def _decode(self, c: Choice, on_text, cancelled):
+    def _decode(self, c: Choice, on_text, cancelled, seq: int = ANSWER_SEQ):
         out = StopFilter(c.stop, on_text or (lambda piece: None))
         gone = [False]
 
@@ -705,8 +493,8 @@ class Engine:
             out(text)
 
         limit = max(1, min(c.max_tokens, self.session.n_ctx - self.session.cells_used(),
-                           self.session.n_ctx_train - self.session.seq(0).next_pos))
-        gen = generate(self.session, limit, Sampler(c.sampling), seq=0, on_text=piece)
+                           self.session.n_ctx_train - self.session.seq(seq).next_pos))
+        gen = generate(self.session, limit, Sampler(c.sampling), seq=seq, on_text=piece)
         if not out.hit and not gone[0]:
             out.flush()
         gen.text = out.text

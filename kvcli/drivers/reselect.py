@@ -78,6 +78,7 @@ class Reselection:
     source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension);
                                # "resident": the document's cells shared where they lie (StoredDocument.resident)
     seq: int = 0             # the sequence that holds the re-selected cache (a resident document's: `into`)
+    dropped_seq: int | None = None   # a resident extension's old sequence, replaced by this one: the caller frees it
     keep_s: float = 0.0      # extend=True: keeping the prompt's full cache as the extension (save_seq)
     reconstruct_s: float | None = None   # kvzip: its reconstruction pass (part of prefill_s)
 
@@ -107,6 +108,8 @@ class Extension:
     snapshot: object
     colsum: np.ndarray | None = None   # [n_layer, n_head, len(tokens)]: every query's column sums, or None
     nbytes: int = 0
+    seq: int | None = None   # a resident document's: the sequence still holding the prompt (its shared cells and
+                             # its own), instead of a snapshot; its owner frees it (kvcli/drivers/resident.py)
 
     @property
     def split(self) -> int:
@@ -132,6 +135,7 @@ class StoredDocument:
     extension: Extension | None = None         # the last re-selected prompt's full cache (extend=True)
     entry: object = None             # its kvcli.document_store.Entry, held while this process uses the file
     resident: int | None = None      # the session's sequence holding the full cache now (`make_resident`)
+    session: object = field(default=None, repr=False, compare=False)   # whose context holds it (close() frees it)
 
     # ------------------------------------------------------------------ reading once
     @classmethod
@@ -265,10 +269,12 @@ class StoredDocument:
 
     def restore(self, session: Session, seq: int, upto: int, extension: Extension | None = None) -> None:
         """Put the stored entries (or the extension's) of positions 0..upto-1 back into `seq` (its previous cells
-        are dropped). A resident document's are shared, not copied (`make_resident`)."""
-        if extension is None and self.resident is not None:
+        are dropped). A resident document's are shared, not copied (`make_resident`), and so are the cells of an
+        extension kept as a sequence."""
+        source = self.resident if extension is None else extension.seq
+        if source is not None:
             session.clear(seq)
-            session.share(self.resident, seq, upto)
+            session.share(source, seq, upto)
             return
         if extension is not None:
             snap = extension.snapshot
@@ -293,23 +299,29 @@ class StoredDocument:
     def make_resident(self, session: Session, seq: int) -> None:
         """Hold the full cache in `seq` of the session from now on (restored once from the file or the snapshot):
         every question shares its cells (`restore`) and gathers its selection beside them (`reselect(into=...)`).
-        While it is resident, the in-memory snapshot of a document that has its file is dropped: the cache is held
-        once, in the context."""
+        While it is resident its in-memory snapshot is dropped: the cache is held once, in the context (`evict`
+        takes a snapshot again where no file holds it)."""
         if self.resident == seq:
             return
         self.restore(session, seq, self.split)
-        self.resident = seq
-        if self.path is not None and self.snapshot is not None:
-            self.snapshot = None
+        self.resident, self.session = seq, session
+        self.snapshot = None
+
+    def drop_extension(self, session: Session) -> None:
+        """Forget the extension; one kept as a sequence (a resident document's) frees it."""
+        ext, self.extension = self.extension, None
+        if ext is not None and ext.seq is not None and getattr(session, "ctx", None) is not None:
+            session.clear(ext.seq)
 
     def evict(self, session: Session) -> None:
         """Free the resident sequence; a document without a file keeps its cache as a snapshot in memory first."""
         if self.resident is None:
             return
+        self.drop_extension(session)
         if self.snapshot is None and (self.path is None or not self.path.exists()):
             self.snapshot = session.save_seq(self.resident)
         session.clear(self.resident)
-        self.resident = None
+        self.resident = self.session = None
 
     def reselect(self, session: Session, prompt: list[int], cfg: Compression, *, seq: int = 0,
                  progress=None, on_step=None, extend: bool = False, into: int | None = None) -> Reselection:
@@ -323,14 +335,12 @@ class StoredDocument:
 
         A resident document (`make_resident`) is shared into `seq` instead of restored, and with `into` the plan is
         gathered into that empty sequence instead of compacting `seq`: the document's cells never move and no copy
-        of them is made (`Reselection.seq` says which sequence to decode; the caller clears `seq`, the question's
-        cells, and `into` after the answer). Nothing is kept as an extension then: the next question shares the
-        document again and prefills what follows it."""
+        of them is made (`Reselection.seq` says which sequence to decode; the caller clears `into` after the answer,
+        and `seq`, the question's cells, unless `extend` kept it as the extension: then `seq` itself is the
+        extension, sharing the document's cells, and the old extension's sequence is the caller's to free,
+        `Reselection.dropped_seq`)."""
         n = len(prompt)
         resident = self.resident is not None
-        if resident:
-            extend = False
-            self.extension = None
         ext, r = self._extension_for(prompt, cfg)
         if ext is None:
             same = common_prefix(self.tokens, prompt)
@@ -368,7 +378,14 @@ class StoredDocument:
             obs.colsum = obs.colsum.copy()
             obs.colsum[:, :, :sums.shape[2]] += sums
         keep_s = 0.0
-        if extend:
+        dropped = None
+        if extend and resident and into is not None:   # the prompt's cells stay where they are, in `seq`
+            old = self.extension
+            dropped = old.seq if old is not None and old.seq != seq else None
+            colsum = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :n],
+                                                                                         np.float32)
+            self.extension = Extension(tokens=list(prompt), snapshot=None, colsum=colsum, seq=seq)
+        elif extend:
             self.extension = None   # one state held at a time: the old one goes before the new one is saved
             snap = session.save_seq(seq)
             colsum = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :n],
@@ -396,16 +413,17 @@ class StoredDocument:
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
                            plan_s=time.perf_counter() - t3, plan=plan,
                            source="resident" if resident and source == "document" else source, keep_s=keep_s,
-                           reconstruct_s=recon_s, seq=out)
+                           reconstruct_s=recon_s, seq=out, dropped_seq=dropped)
 
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:
         """Write the stored document (and the conversation's turns) to `path`; returns its size."""
-        if self.snapshot is not None:
-            if not hasattr(self.snapshot, "state"):
+        if self.snapshot is not None or (self.path is None and self.resident is not None):
+            snap = self.snapshot if self.snapshot is not None else session.save_seq(self.resident)
+            if not hasattr(snap, "state"):
                 raise KvcliError("this stored document is held in memory by the reference engine: nothing to save")
             self.meta["turns"] = list(turns or [])
-            size = kvc.write(path, self.to_kvc(session, self.snapshot.state))
+            size = kvc.write(path, self.to_kvc(session, snap.state))
         else:
             f = kvc.read(self.path)
             f.meta["conversation"]["turns"] = list(turns or [])
@@ -416,7 +434,10 @@ class StoredDocument:
     def close(self) -> None:
         """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache); its
         document store entry is released (a temporary one removed, a kept one marked used now)."""
-        self.resident = None   # the session's sequence is the caller's to clear (it may be closed already)
+        if self.resident is not None and getattr(self.session, "ctx", None) is not None:
+            self.drop_extension(self.session)
+            self.session.clear(self.resident)   # the context's copy goes with the store
+        self.resident = self.session = None
         if self.entry is not None:
             self.entry.release()
             self.entry = None

@@ -290,8 +290,11 @@ class NativeSession:
         return self.seqs.setdefault(seq, SeqState())
 
     def cells_used(self) -> int:
-        """Cells held by any sequence, a cell shared by several (`share`) counted once."""
-        return sum(s.cells - s.shared for s in self.seqs.values())
+        """Cells held by any sequence, a cell shared by several (`share`) counted once: measured from the cache
+        while any sequence shares cells (whose sharer is freed first decides where they count)."""
+        if any(s.shared for s in self.seqs.values()):
+            return self.measured_cells(-1)
+        return sum(s.cells for s in self.seqs.values())
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> dict[int, int]:
         """Decode one batch of (token, pos, seq, want_logits); return seq -> logits row."""
@@ -445,10 +448,11 @@ class NativeSession:
         st_src = self.seq(src)
         if dst == src or self.seq(dst).cells:
             raise KvcliError(f"sequence {dst} is not an empty sequence to share sequence {src} into")
-        if not 0 < upto <= st_src.next_pos or st_src.cells != st_src.next_pos:
+        if not 0 <= upto <= st_src.next_pos or st_src.cells != st_src.next_pos:
             raise KvcliError(f"cannot share positions 0..{upto - 1} of sequence {src} "
                              f"({st_src.cells} cells, next position {st_src.next_pos}: an uncompressed one is shared)")
-        self.L.llama_memory_seq_cp(self.mem, src, dst, 0, upto)
+        if upto:   # nothing shared: `dst` starts empty, at position 0
+            self.L.llama_memory_seq_cp(self.mem, src, dst, 0, upto)
         st = self.seq(dst)
         st.next_pos = st.cells = st.shared = st.prompt_tokens = upto
         st.logits_index, st.last_logits, st.kept_positions, st.reindexed = -1, None, None, 0
