@@ -25,6 +25,7 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 
 REFERENCE = ["torch>=2.3", "transformers>=4.56", "accelerate"]
 RAY = ["ray>=2.9"]
+PLOT = ["matplotlib"]   # --plot of bench, eval and calibrate show (94 MB with fonttools, pillow, kiwisolver)
 
 
 class BuildNative(Command):
@@ -93,12 +94,13 @@ setup(
     # reference, kvcli calibrate), the `reference` extra
     # llama-cpp-python is not one: the build copies its ctypes bindings into the wheel (typing-extensions, diskcache and
     # jinja2 are theirs)
-    install_requires=["jinja2>=3.1", "gguf", "numpy", "tqdm", "click>=8.1", "matplotlib", "typing-extensions>=4.5",
+    install_requires=["jinja2>=3.1", "gguf", "numpy", "tqdm", "click>=8.1", "typing-extensions>=4.5",
                       "diskcache>=5.6", "starlette>=0.40", "uvicorn>=0.30",   # uvicorn + starlette: kvcli serve
                       "pypdf>=5.0", "python-docx>=1.1"],   # --doc FILE.pdf / FILE.docx (kvcli/doc_formats.py)
     extras_require={"reference": REFERENCE,
                     "ray": RAY,                  # kvcli batch --ray
-                    "all": REFERENCE + RAY},
+                    "plot": PLOT,
+                    "all": REFERENCE + RAY + PLOT},
     entry_points={"console_scripts": ["kvcli=kvcli.cli:main"]},
     cmdclass={"build_native": BuildNative, "build_py": BuildPyNative},
     distclass=PlatformDistribution,

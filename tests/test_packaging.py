@@ -111,3 +111,18 @@ def test_the_default_model_is_pulled_when_its_wheel_is_absent(tmp_path, monkeypa
     got = models.resolve_model(None)
     assert got == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert models.default_model_path() == got
+
+
+@pytest.mark.parametrize("args", [["calibrate", "show", "--plot", "heads.png"],
+                                  ["bench", "--docs", EXAMPLES / "solar-garden.txt", "--plot", "bench.png"]])
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, args):
+    """matplotlib is the `plot` extra: --plot without it is one line and exit 2, before a model is loaded."""
+    stub = tmp_path / "stubs" / "matplotlib"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ModuleNotFoundError('no matplotlib here', name='matplotlib')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub.parent), str(ROOT)]))
+    r = subprocess.run([sys.executable, "-m", "kvcli.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "kvcli: error: --plot needs matplotlib, which is not installed: pip install 'kvcli[plot]'"]

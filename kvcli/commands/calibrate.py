@@ -101,6 +101,9 @@ def compresskv_cmd(req: Request, model, out, lengths, depths, needles, samples, 
 @json_option
 def show_cmd(model, budget, plot, as_json):
     """Show the compresskv calibration kvcli finds for MODEL (default: the default model)."""
+    if plot:
+        from kvcli.evaluation.report import require_matplotlib  # noqa: PLC0415
+        require_matplotlib()
     path = resolve_model(model)
     cal = store.find(path)
     if cal is None:

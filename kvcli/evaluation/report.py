@@ -24,10 +24,22 @@ def write_text(path: str, text: str) -> None:
         raise KvcliError(f"cannot write {path}: {e.strerror}") from None
 
 
+PLOT_HINT = "pip install 'kvcli[plot]'"
+
+
+def require_matplotlib() -> None:
+    """--plot without matplotlib (the `plot` extra): one line, exit 2, before any measuring starts."""
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        raise KvcliError(f"--plot needs matplotlib, which is not installed: {PLOT_HINT}") from None
+
+
 def check_png(path: str | None) -> None:
     """Refuse a bad --plot before any measuring starts."""
     if path is None:
         return
+    require_matplotlib()
     p = Path(path).expanduser()
     if p.suffix.lower() != ".png":
         raise KvcliError(f"--plot must name a .png file (got {path})")
@@ -36,7 +48,10 @@ def check_png(path: str | None) -> None:
 
 
 def pyplot():
-    import matplotlib  # noqa: PLC0415
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        raise KvcliError(f"plots need matplotlib, which is not installed: {PLOT_HINT}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     return plt
