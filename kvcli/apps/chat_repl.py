@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kvcli.apps.chat import MEMORY_STATS, ContextFullError, Conversation
+from kvcli.citations import cite_turn
 from kvcli.errors import KvcliError, Terminated
 from kvcli.policies import parse_policy_args
 
@@ -77,8 +78,9 @@ class Repl:
     """Drives a Conversation from a terminal (readline) or from piped lines (one question per line)."""
 
     def __init__(self, conv: Conversation, *, max_tokens: int, sampler=None, interactive: bool, quiet: bool = False,
-                 fresh: bool = False, jsonl: bool = False, progress_factory=None, out=None, err=None):
-        self.conv, self.max_tokens, self.sampler = conv, max_tokens, sampler
+                 fresh: bool = False, jsonl: bool = False, progress_factory=None, out=None, err=None,
+                 cite: bool = False):
+        self.conv, self.max_tokens, self.sampler, self.cite = conv, max_tokens, sampler, cite
         self.interactive, self.quiet, self.fresh = interactive, quiet, fresh
         self.jsonl = jsonl and not interactive  # one JSON object per answer and line (answers may hold blank lines)
         self.progress_factory = progress_factory
@@ -103,6 +105,7 @@ class Repl:
         pos0 = self.conv.session.seq(self.conv.seq).tokens_read
         gen = self.conv.ask(question, self.max_tokens, self.sampler, on_text=None if self.jsonl else self._write)
         self.n_answers += 1
+        cited = cite_turn(self.conv, gen) if self.cite or self.jsonl else None
         if self.jsonl:
             s = self.conv.stats()
             extra = {"mode": self.conv.mode}
@@ -115,10 +118,13 @@ class Repl:
                                     else pos0 + self.conv.turns[-1].tokens_in, **extra,
                                     "generated_tokens": len(gen.tokens), "kv_cells": self.conv._st().cells,
                                     "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
-                                    **{k: s[k] for k in MEMORY_STATS}},
+                                    **{k: s[k] for k in MEMORY_STATS}, "citations": cited.as_json(),
+                                    **({"citations_note": cited.note} if cited.note else {})},
                                    ensure_ascii=False) + "\n")
         else:
             self._write("\n")
+            if cited is not None and cited.lines():
+                self._write("\n".join(cited.lines()) + "\n")
         if gen.stopped == "interrupted":
             self.say("[interrupted: the partial answer stays in the conversation]")
             if not self.interactive or Terminated.signum is not None:   # SIGTERM/SIGHUP: leave, as a script's Ctrl-C

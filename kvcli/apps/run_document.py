@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from kvcli.citations import Citations, cite
+from kvcli.doc_formats import Document
 from kvcli.drivers import compress
 from kvcli.drivers.chunked import plan_chunking, read_in_float16_note, reading_cache_type
 from kvcli.errors import KvcliError
@@ -23,10 +25,16 @@ class RunResult:
     budget: int | None
     stats: dict = field(default_factory=dict)
     stopped: str = "eog"
+    citations: Citations | None = None   # where the answer came from (kvcli/citations.py), when asked
 
     def as_json(self) -> dict:
-        return {"answer": self.answer, "model": self.model, "policy": self.policy, "budget": self.budget,
-                "stopped": self.stopped, "stats": self.stats}
+        out = {"answer": self.answer, "model": self.model, "policy": self.policy, "budget": self.budget,
+               "stopped": self.stopped, "stats": self.stats}
+        if self.citations is not None:
+            out["citations"] = self.citations.as_json()
+            if self.citations.note:
+                out["citations_note"] = self.citations.note
+        return out
 
 
 class Progress:
@@ -79,16 +87,21 @@ def check_instruction(session, instruction: str, system: str | None, max_cache: 
                          "put long text in --doc")
 
 
-def run_document(session, document: str | None, instruction: str, *, policy: str = "full", budget: int | None = None,
-                 policy_args: dict | None = None, max_tokens: int = 256, sampler: Sampler | None = None,
+def run_document(session, document: str | Document | None, instruction: str, *, policy: str = "full",
+                 budget: int | None = None, policy_args: dict | None = None, max_tokens: int = 256,
+                 sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
-                 max_cache: int | None = None, chunk_scoring: str = "question", template: bool = True) -> RunResult:
+                 max_cache: int | None = None, chunk_scoring: str = "question", template: bool = True,
+                 cite_answer: bool = False) -> RunResult:
     """Prefill the templated prompt, compress it with `policy`, and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
     after each (kvcli/drivers/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks
     the
-    queries that score each chunk."""
+    queries that score each chunk. `cite_answer`: name the passages of the document the answer came from
+    (kvcli/citations.py; `document` may be a Document, whose pages and sections name them)."""
+    source = document
+    document = document.text if isinstance(document, Document) else document
     prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)
     check_instruction(session, instruction, system, max_cache)
@@ -109,6 +122,9 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
     finally:
         progress.close()
     gen: Generation = generate(session, max_tokens, sampler, seq=0, on_text=on_text)
+    citations = None
+    if cite_answer and source is not None and gen.stopped != "interrupted":
+        citations = cite(session, 0, gen.tokens, prompt_text=prompt, prompt_tokens=tokens, document=source)
     stats = {"prompt_tokens": len(tokens), "generated_tokens": len(gen.tokens)}
     stats.update(session.stats(0))
     stats.update(report.as_stats())
@@ -124,5 +140,7 @@ def run_document(session, document: str | None, instruction: str, *, policy: str
         stats["note"] = "; ".join(notes)
     if report.params and "task" in report.params:
         stats["task"] = report.params["task"]  # what windowkv's task=auto picked
+    if citations is not None:
+        stats["cite_s"] = round(citations.seconds, 4)
     return RunResult(answer=gen.text, model=str(session.model_path), policy=policy, budget=budget, stats=stats,
-                     stopped=gen.stopped)
+                     stopped=gen.stopped, citations=citations)

@@ -11,7 +11,7 @@ from kvcli import config, kvc, policies
 from kvcli.apps.chat import Conversation
 from kvcli.apps.chat_repl import Repl
 from kvcli.commands.options import Request, model_option, request_options
-from kvcli.documents import read_documents
+from kvcli.documents import open_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
@@ -53,16 +53,17 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
     elif cache_path:
         conv = Conversation.from_kvc(cache_path, model=model, n_threads=req.threads)
     else:
-        document = read_documents(list(docs))
+        document = open_documents(list(docs))
         explicit_budget(req.policy, req.budget, question, req.policy_args)
         if store:
             check_store_target(store)   # a file or a store folder: which one is known once the document is tokenized
         session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type,
                                 n_threads=req.threads)
-        conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
+        conv = Conversation(session, document.text, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
                             system=system, question=None if reselect else question, chunk=req.chunk,
                             max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, reselect=reselect,
                             store_path=Path(store).expanduser() if store else None)
+        conv.source = document   # its pages and sections, for the citations (kvcli/citations.py)
         progress = Progress(len(conv.prefix_tokens), show_progress)
         try:
             conv.compress(progress=progress, on_cache=progress.cache)
@@ -100,10 +101,13 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
 @click.option("--fresh", is_flag=True, help="Answer every question from the compressed document alone "
               "(/reset before each one) instead of keeping the conversation.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, summary or per-answer stats on stderr.")
+@click.option("--cite", is_flag=True, help="Under every answer, name the passages of the document it came from (page "
+              "or section, lines, a quote), ranked by the attention the answer's tokens gave the kept entries. --json "
+              "always carries them (\"citations\").")
 @click.option("--json", "as_json", is_flag=True, help="With stdin piped: one JSON object per answer, one per line.")
 @click.pass_context
 def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt, system, compress_once, store,
-             fresh, quiet, as_json):
+             fresh, quiet, cite, as_json):
     """Chat about a document whose KV cache is compressed by --policy to --budget.
 
     Re-selected (the default with a compressing policy): the document is read once and its full cache
@@ -161,7 +165,7 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
         if cache_path and conv.pending and not question and not quiet:
             click.echo(f"[compressed for the question: {conv.question}]", err=True)
         repl = Repl(conv, max_tokens=req.max_tokens, sampler=req.sampler(),
-                    interactive=interactive, quiet=quiet, fresh=fresh, jsonl=as_json,
+                    interactive=interactive, quiet=quiet, fresh=fresh, jsonl=as_json, cite=cite,
                     progress_factory=progress_factory(not quiet and sys.stderr.isatty(), "recompress"))
         repl.run(first=question)
     finally:

@@ -11,7 +11,8 @@ from kvcli import config, kvc, outfile
 from kvcli.apps.chat import MEMORY_STATS, Conversation
 from kvcli.commands.chat import FLAGS, explicit, explicit_budget
 from kvcli.commands.options import Request, json_option, model_option, request_options
-from kvcli.documents import read_documents
+from kvcli.citations import Citations, cite_turn
+from kvcli.documents import open_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
@@ -61,10 +62,13 @@ def write_atomic(path: str, text: str) -> None:
 @click.option("--out", "-o", "out_path", default=None, metavar="FILE", help="Also write the answer to FILE "
                                                                             "(atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
+@click.option("--cite", is_flag=True, help="Under the answer, name the passages of the document it came from (page "
+              "or section, lines, a quote), ranked by the attention the answer's tokens gave the kept entries. --json "
+              "always carries them (\"citations\").")
 @json_option
 @click.pass_context
 def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, questions_file, model, system,
-            no_template, engine, out_path, quiet, as_json):
+            no_template, engine, out_path, quiet, cite, as_json):
     """Answer INSTRUCTION about a document, with the KV cache compressed by --policy.
 
     The document comes from --doc FILE (repeatable; '-' is stdin), from stdin when no --doc is
@@ -84,7 +88,7 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
     questions = gather_questions(instruction, question_opts, questions_file)
     if len(questions) > 1 or (cache_path and explicit(ctx, "policy", "budget", "policy_args")):
         return run_questions(ctx, req, questions, docs, cache_path, model, system, no_template, engine, out_path,
-                             quiet, as_json)
+                             quiet, as_json, cite)
     instruction = questions[0]
     if out_path:
         try:
@@ -103,22 +107,26 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
         if is_store(cache_path) or meta and meta.get("store") and not meta.get("compressed"):
             # a stored document: answered whole (a bounded store folder asks for --policy P --budget N)
             return run_questions(ctx, req, questions, docs, cache_path, model, system, no_template, engine, out_path,
-                                 quiet, as_json)
-        result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream, n_threads=req.threads)
+                                 quiet, as_json, cite)
+        result = run_cached(cache_path, instruction, model, req.max_tokens, sampler, stream, n_threads=req.threads,
+                            cite_answer=cite or as_json)
         result.stats["document_reads"] = 0
     else:
-        document = read_documents(list(docs))
+        document = open_documents(list(docs))
         session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
             if engine == "native" else open_session(engine, model, n_threads=req.threads)
         result = run_document(session, document, instruction, policy=req.policy, budget=req.budget,
                               policy_args=req.policy_args, max_tokens=req.max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=req.chunk,
-                              max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, template=not no_template)
+                              max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, template=not no_template,
+                              cite_answer=cite or as_json)
         result.stats["document_reads"] = 1
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+        if cite:
+            print_citations(result.citations)
         sys.stdout.flush()
     if out_path:
         write_atomic(out_path, result.answer + "\n")
@@ -140,11 +148,20 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
         click.echo("kvcli: the context filled up before the answer ended", err=True)
 
 
-def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text, n_threads: int | None = None):
+def print_citations(citations: Citations | None) -> None:
+    """--cite: the cited passages under the answer (stdout, after a blank line)."""
+    lines = citations.lines() if citations is not None else []
+    if lines:
+        sys.stdout.write("\n" + "\n".join(lines) + "\n")
+
+
+def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text, n_threads: int | None = None,
+               cite_answer: bool = False):
     """Load a .kvc file and answer one question after its compressed document (and conversation)."""
     conv = Conversation.from_kvc(cache_path, model=model, n_threads=n_threads)
     pos0 = conv.session.seq(conv.seq).tokens_read   # tokens read before the question
     gen = conv.ask(instruction, max_tokens, sampler, on_text=on_text)
+    cited = cite_turn(conv, gen) if cite_answer else None
     s = conv.stats()
     stats = {"prompt_tokens": pos0 + conv.turns[-1].tokens_in,
              "generated_tokens": len(gen.tokens),
@@ -155,7 +172,7 @@ def run_cached(cache_path, instruction, model, max_tokens, sampler, on_text, n_t
              "load_s": round(conv.load_s, 4), "model_s": round(conv.model_s, 4), "mode": conv.mode,
              "original_tokens": len(conv.prefix_tokens), **{k: s[k] for k in MEMORY_STATS}}
     return RunResult(answer=gen.text, model=str(conv.session.model_path), policy=conv.policy, budget=conv.budget,
-                     stats=stats, stopped=gen.stopped)
+                     stats=stats, stopped=gen.stopped, citations=cited)
 
 
 # ---------------------------------------------------------------------------------- several questions
@@ -223,14 +240,16 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
         raise KvcliError("several questions are laid out with the model's chat template: drop --no-template, or ask "
                          "one question")
     explicit_budget(req.policy, req.budget, None, req.policy_args)
-    document = read_documents(list(docs))
+    document = open_documents(list(docs))
     session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
     try:
         # the store's form is chat's (Conversation.store_form): the full cache kept whole, or, for a document
         # whose full cache is large, longer than the context or --max-cache, or with --chunk N, stored chunk by
         # chunk as bounded reading reads it and streamed for every question
-        conv = Conversation(session, document, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
-                            system=system, reselect=True, max_cache=req.max_cache, chunk=req.chunk)
+        conv = Conversation(session, document.text, policy=req.policy, budget=req.budget,
+                            policy_args=req.policy_args, system=system, reselect=True, max_cache=req.max_cache,
+                            chunk=req.chunk)
+        conv.source = document   # its pages and sections, for the citations
         n = len(conv.prefix_tokens)
         progress = Progress(n, not quiet and sys.stderr.isatty() and n > session.n_batch)
         try:
@@ -244,7 +263,7 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
 
 
 def run_questions(ctx, req: Request, questions, docs, cache_path, model, system, no_template, engine, out_path,
-                  quiet, as_json):
+                  quiet, as_json, cite: bool = False):
     """Answer every question alone from one document read at most once (see open_questions_conversation)."""
     if out_path:
         try:
@@ -265,8 +284,11 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
             pos0 = conv.session.seq(conv.seq).tokens_read
             gen = conv.ask(q, req.max_tokens, sampler,
                            on_text=None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())))
+            cited = cite_turn(conv, gen) if cite or as_json else None
             if not as_json:
                 sys.stdout.write("\n")
+                if cite:
+                    print_citations(cited)
                 sys.stdout.flush()
             s = conv.stats()
             row = {"prompt_tokens": conv.prompt_len if conv.reselect else pos0 + conv.turns[-1].tokens_in,
@@ -276,7 +298,8 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
             if conv.reselect and conv.last_reselection is not None:
                 row.update(conv.last_reselection.as_stats(),
                            reselect_form="bounded" if conv.store.bounded else "exact")
-            answers.append({"question": q, "answer": gen.text, "stopped": gen.stopped, "stats": row})
+            answers.append({"question": q, "answer": gen.text, "stopped": gen.stopped, "stats": row,
+                            **cited_json(cited)})
             if gen.stopped in ("interrupted", "context_full"):
                 stopped = gen.stopped
                 break
@@ -299,7 +322,8 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
         if len(questions) == 1:   # the one-answer object of kvcli run, with the re-selection's figures
             a = answers[0]
             click.echo(json.dumps({"answer": a["answer"], "model": str(conv.session.model_path), "policy": conv.policy,
-                                   "budget": conv.budget, "stopped": a["stopped"], "stats": {**a["stats"], **stats}},
+                                   "budget": conv.budget, "stopped": a["stopped"], "stats": {**a["stats"], **stats},
+                                   **{k: a[k] for k in ("citations", "citations_note") if k in a}},
                                   ensure_ascii=False))
         else:
             click.echo(json.dumps({"model": str(conv.session.model_path), "policy": conv.policy, "budget": conv.budget,
@@ -324,6 +348,13 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
         raise KeyboardInterrupt
     if stopped == "context_full":
         raise KvcliError("the context filled up before an answer ended: lower --max-tokens")
+
+
+def cited_json(cited: Citations | None) -> dict:
+    """The "citations" (and "citations_note") fields of an answer's JSON object."""
+    if cited is None:
+        return {}
+    return {"citations": cited.as_json(), **({"citations_note": cited.note} if cited.note else {})}
 
 
 COMMANDS = [run_cmd]

@@ -1,0 +1,117 @@
+"""How often the first cited passage holds the answer (docs/results/citations.md).
+
+A logbook (kvcli/evaluation/logbook.py) with N planted facts, each question's answer one planted sentence (a line
+of its own). Read once; every question answered in chat's exact re-selected form (kvcli chat's default) and, with
+--run, also as `kvcli run` reads it (one prefill of document + question, compressed, answered). For each right
+answer: is the planted sentence the first cited passage (and among the three cited)? Also reported: the same
+ranking from other layer choices (all layers, the lower half, the last quarter), from the same observation.
+
+    python benchmarks/citations.py --model qwen2.5-coder-0.5b --words 2400 --facts 12 --budget 256 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from kvcli import citations
+from kvcli.apps.chat import Conversation
+from kvcli.apps.run_document import run_document
+from kvcli.doc_formats import Document
+from kvcli.evaluation.logbook import make_document
+from kvcli.generate import Sampler, Sampling
+from kvcli.models import resolve_model
+from kvcli.native.session import NativeSession
+
+VARIANTS = {"upper half (kvcli)": lambda n: citations.layer_weights(n), "all layers": lambda n: np.ones(n),
+            "lower half": lambda n: 1.0 - citations.layer_weights(n),
+            "last quarter": lambda n: (np.arange(n) >= 3 * n // 4).astype(float)}
+
+
+def judge(doc: Document, fact: dict, ranked: list) -> tuple[bool, bool]:
+    hits = [fact["sentence"] in doc.text[c.start:c.end] for c in ranked]
+    return bool(hits and hits[0]), any(hits)
+
+
+def score_variants(doc, prompt_text, prompt_tokens, pieces, att, fact) -> dict:
+    out = {}
+    for name, fn in VARIANTS.items():
+        ranked = citations.rank(doc, prompt_text, prompt_tokens, pieces, fn(att.shape[0]) @ att)
+        out[name] = judge(doc, fact, ranked)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--words", type=int, default=2400)
+    ap.add_argument("--facts", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default="snapkv")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--run", action="store_true", help="also answer each question as kvcli run does (one prefill each)")
+    ap.add_argument("-o", "--out", default=None, help="JSON lines, one per answer")
+    a = ap.parse_args()
+    text, facts = make_document(a.words, a.facts, seed=a.seed)
+    doc = Document(text, "text", "logbook")
+    session = NativeSession(resolve_model(a.model), n_ctx=0, n_threads=a.threads)
+    sampler = Sampler(Sampling())   # the CLI's defaults (greedy + DRY)
+    rows = []
+    conv = Conversation(session, text, policy=a.policy, budget=a.budget, reselect=True)
+    conv.store_turns = False
+    t0 = time.perf_counter()
+    conv.read_store()
+    print(f"{len(conv.prefix_tokens)} tokens read in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    pieces = citations.token_pieces(session, conv.prefix_tokens)
+    for f in facts:
+        if conv.turns:
+            conv.reset()
+        gen = conv.ask(f["question"], a.max_tokens, sampler)
+        t1 = time.perf_counter()
+        att = citations.answer_attention(session, conv.seq, gen.tokens)
+        cite_s = time.perf_counter() - t1
+        ranked = citations.rank(doc, conv.prefix_text(), conv.prefix_tokens, pieces,
+                                citations.layer_weights(att.shape[0]) @ att)
+        rows.append({"form": "chat exact", "question": f["question"], "answer": gen.text,
+                     "right": f["answer"] in gen.text,
+                     "first": judge(doc, f, ranked)[0], "top3": judge(doc, f, ranked)[1], "cite_s": round(cite_s, 3),
+                     "cited": [c.as_json() for c in ranked],
+                     "variants": score_variants(doc, conv.prefix_text(), conv.prefix_tokens, pieces, att, f)})
+        print(json.dumps({k: rows[-1][k] for k in ("form", "question", "answer", "right", "first", "top3", "cite_s")}),
+              file=sys.stderr, flush=True)
+    conv.close()
+    if a.run:
+        for f in facts:
+            session.clear()
+            r = run_document(session, doc, f["question"], policy=a.policy, budget=a.budget, max_tokens=a.max_tokens,
+                             sampler=sampler, cite_answer=True)
+            ranked = r.citations.passages
+            rows.append({"form": "run", "question": f["question"], "answer": r.answer, "right": f["answer"] in r.answer,
+                         "first": judge(doc, f, ranked)[0], "top3": judge(doc, f, ranked)[1],
+                         "cite_s": r.stats.get("cite_s"), "cited": r.citations.as_json()})
+            print(json.dumps({k: rows[-1][k] for k in ("form", "question", "answer", "right", "first", "top3",
+                                                          "cite_s")}), file=sys.stderr, flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    for form in dict.fromkeys(r["form"] for r in rows):
+        rs = [r for r in rows if r["form"] == form]
+        right = [r for r in rs if r["right"]]
+        print(f"{form}: {len(right)}/{len(rs)} right; first cited passage holds the answer in "
+              f"{sum(r['first'] for r in right)}/{len(right)} right answers ({sum(r['first'] for r in rs)}/{len(rs)} "
+              f"of all), among the three cited in {sum(r['top3'] for r in right)}/{len(right)}")
+        for name in VARIANTS:
+            if all("variants" in r for r in rs):
+                print(f"  {name}: first {sum(r['variants'][name][0] for r in right)}/{len(right)}, "
+                      f"top 3 {sum(r['variants'][name][1] for r in right)}/{len(right)}")
+    session.close()
+
+
+if __name__ == "__main__":
+    main()
