@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvcli.doc_formats import Document
+from kvcli.doc_formats import Document, convert
+from kvcli.errors import KvcliError
 
 TOP = 3                  # passages cited
 QUOTE_CHARS = 100        # a quote's length at most
@@ -301,3 +302,52 @@ def cite_turn(conv, gen, document: Document | str | None = None, top: int = TOP)
     source = document if document is not None else getattr(conv, "source", None) or conv.document
     return cite(conv.session, conv.seq, gen.tokens, prompt_text=conv.prefix_text(), prompt_tokens=conv.prefix_tokens,
                 document=source, top=top)
+
+
+_ROLE_LINE = re.compile(r"\A\s*(system|user|assistant|developer|human|model)\s*\n", re.I)
+
+
+def prompt_document(session, prompt_tokens: list[int]) -> tuple[str, Document] | None:
+    """A request's prompt as text (its tokens' pieces, special tokens included) and the document in it: the longest
+    stretch of text between two control tokens (a chat template's message markers), less a leading role line (and
+    its last line, the question, when it is the last message), with its Markdown headings as sections. None for an
+    engine without llama.cpp's vocabulary."""
+    pieces = token_pieces(session, prompt_tokens)
+    if pieces is None:
+        return None
+    is_control = getattr(session.L, "llama_vocab_is_control", None)
+    text, spans, start = "", [], 0
+    for t, p in zip(prompt_tokens, pieces):
+        piece = p.decode("utf-8", "replace")
+        if is_control is not None and is_control(session.vocab, int(t)):
+            spans.append((start, len(text)))
+            start = len(text) + len(piece)
+        text += piece
+    spans.append((start, len(text)))
+    s, e = max(spans, key=lambda x: x[1] - x[0])
+    body = text[s:e]
+    m = _ROLE_LINE.match(body)
+    if m:
+        body = body[m.end():]
+    if not any(_ROLE_LINE.sub("", text[a:b], count=1).strip() for a, b in spans if a > s):
+        # the last message: its last line is the question (as kvcli serve takes it), not the document's
+        body = body.rstrip()
+        body = body[:body.rfind("\n") + 1] if "\n" in body else body
+    try:
+        doc = convert(body.encode("utf-8"), "message", "markdown")
+    except KvcliError:   # an empty message (or not UTF-8 text): plain text, no sections
+        doc = Document(body, "text", "message")
+    return text, doc
+
+
+def cite_prompt(session, seq: int, answer_tokens: list[int], prompt_tokens: list[int], top: int = TOP) -> Citations:
+    """`kvcli serve`'s citations: the passages of the request's document (`prompt_document`: its longest message)
+    that the answer (the last len(answer_tokens) tokens of `seq`, decoded after `prompt_tokens`) came from, lines
+    counted in that message."""
+    found = prompt_document(session, prompt_tokens)
+    if found is None:
+        return Citations(note="the reference engine does not cite")
+    text, doc = found
+    if not doc.text.strip():
+        return Citations(note="the prompt holds no document")
+    return cite(session, seq, answer_tokens, prompt_text=text, prompt_tokens=prompt_tokens, document=doc, top=top)
