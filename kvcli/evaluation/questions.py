@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 KINDS = ("fact", "copy", "combine", "structure", "summary")
@@ -41,6 +42,7 @@ _NAME = re.compile(r"(?<![\w-])(?:--?[a-z][\w-]*[a-z0-9]|[A-Za-z][A-Za-z0-9]*(?:
                    r"[a-z]+[A-Z]\w*|[A-Z][a-z]+[A-Z]\w*|[A-Z]{2,}[0-9]+\w*)(?![\w])")
 _CAP = re.compile(r"(?<=[a-z] )[A-Z][a-z]{3,}(?![\w'-])")
 _WORD = re.compile(r"[A-Za-z0-9]+")
+_RUN = re.compile(r"(?<![\w-])[\w-]+")
 
 
 @dataclass
@@ -142,10 +144,10 @@ def heading_answer(heading: str) -> str:
 
 
 # ------------------------------------------------------------------------------ candidates
-def _count(pattern_text: str, text: str, number: bool) -> int:
-    esc = re.escape(pattern_text)
-    rx = rf"(?<![\w.,/-]){esc}(?![\w]|[.,:]\d)" if number else rf"(?<![\w-]){esc}(?![\w-])"
-    return len(re.findall(rx, text))
+def _counts(text: str, number: bool) -> Counter:
+    """How often each number (standing alone, as _NUM finds it) or each maximal run of word characters and hyphens
+    occurs in the text: a name's count is how often it stands alone."""
+    return Counter(m.group(0) for m in (_NUM if number else _RUN).finditer(text))
 
 
 def strength(name: str) -> int:
@@ -159,6 +161,7 @@ def _clozes(text: str, sents: list[Sentence], kind: str) -> list[tuple[Sentence,
     """(sentence, the blanked sentence, answer) for every once-written number (`fact`), name or identifier
     (`copy`) or capitalised name in running text (`name`)."""
     out, seen = [], set()
+    counts = _counts(text, kind == "fact")
     for s in sents:
         found = [m.group(0) for m in _NUM.finditer(s.text)] if kind == "fact" else \
             [m.group(0) for m in _NAME.finditer(s.text)] if kind == "copy" else \
@@ -168,7 +171,7 @@ def _clozes(text: str, sents: list[Sentence], kind: str) -> list[tuple[Sentence,
                 continue
             if kind != "fact" and (len(a) < 5 or a in seen):
                 continue
-            if s.text.count(a) != 1 or _count(a, text, kind == "fact") != 1:
+            if s.text.count(a) != 1 or counts[a] != 1:
                 continue
             blanked = s.text.replace(a, BLANK, 1)
             if len(_WORD.findall(blanked)) < 5:
