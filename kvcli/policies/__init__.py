@@ -15,13 +15,13 @@ import json
 from pathlib import Path
 
 from kvcli.errors import KvcliError
-from kvcli.policies import compresskv, d2o, dynamickv, expected_attention, full, h2o, kvzip, pyramidkv, snapkv, \
-    spindlekv, streamingllm, windowkv
+from kvcli.policies import compresskv, d2o, dynamickv, expected_attention, full, h2o, keydiff, kvzip, pyramidkv, \
+    snapkv, spindlekv, streamingllm, windowkv
 from kvcli.policies.base import Param, PolicySpec, parse_policy_args, parse_scoped_args
 from kvcli.policies.notes import chunked_note
 
 _ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compresskv, d2o, spindlekv, kvzip,
-          expected_attention)
+          expected_attention, keydiff)
 REGISTRY: dict[str, PolicySpec] = {m.SPEC.name: m.SPEC for m in _ORDER}
 
 __all__ = ["REGISTRY", "Param", "PolicySpec", "available", "explain_text", "get", "list_text",
