@@ -205,3 +205,29 @@ def test_fidelity_reads_a_corpus_part(cli_runner, tiny, tmp_path, monkeypatch):
     r = cli_runner.invoke(cli, ["eval", "fidelity", "--model", str(tiny), "--corpus", str(tmp_path / "c"),
                                 "--genres", "poetry"])
     assert r.exit_code == 2 and "unknown genre" in r.output
+
+
+def test_fidelity_interrupted_keeps_the_documents_scored_whole(cli_runner, tiny, tmp_path, monkeypatch):
+    from kvcli.evaluation import fidelity
+    docs = []
+    for k in range(2):
+        d = tmp_path / f"d{k}.txt"
+        d.write_text(" ".join(f"Entry {i} of book {k} records {i * 7 + k} sheep." for i in range(40)))
+        docs.append(str(d))
+    real, calls = fidelity._continuation, []
+
+    def third_interrupts(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:       # the second document's full cache
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fidelity, "_continuation", third_interrupts)
+    out = tmp_path / "part.json"
+    r = cli_runner.invoke(cli, ["eval", "fidelity", "--model", str(tiny), "--docs", ",".join(docs), "--policies",
+                                "full,streamingllm", "--budgets", "48", "--lengths", "128", "--cont", "4",
+                                "--json-out", str(out), "--quiet"])
+    assert r.exit_code == 130
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and {x["doc"] for x in res["records"]} == {"d0.txt"}
+    assert len(res["records"]) == 2 and all(x["status"] == "ok" for x in res["records"])

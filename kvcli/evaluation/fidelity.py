@@ -87,9 +87,10 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
         if L + cont > n_ctx_train:
             raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})"
                              + ("" if lengths else ": choose shorter documents"))
-    session, session_ctx = None, 0
+    session, session_ctx, done = None, 0, 0
     try:
         for label, L, name, toks in jobs:
+            done = len(records)
             base = {"task": "fidelity", "doc": name, "length": label, "prefix_tokens": L, "cont": cont,
                     "depth": None, "sample": 0, **doc_meta.get(name, {})}
             if L < 1 or len(toks) < L + cont:
@@ -125,8 +126,9 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
                 f"{r['policy']}{'' if r['budget'] is None else '@' + str(r['budget'])} "
                 f"kl={'-' if r.get('kl_mean') is None else round(r['kl_mean'], 3)} "
                 f"top1={'-' if r.get('top1') is None else round(r['top1'], 2)}" for r in row))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # Ctrl-C: the documents scored whole are the result
         interrupted = True
+        del records[done:]
     finally:
         if session is not None:
             session.close()
