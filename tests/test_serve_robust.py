@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import time
@@ -199,15 +200,21 @@ def read_response(s: socket.socket) -> tuple[int, bytes]:
 
 
 def send(port: int, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None,
-         chunked: bool) -> tuple[int, bytes]:
+         chunked: bool, leave: str = "") -> tuple[int | None, bytes]:
+    """(status, the rest of the response) of one request on a connection of its own; a client that `leave`s
+    ("mid-body": half its body sent, "after-send": all of it) hangs up without reading: (None, b"")."""
     head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
     head += [f"{k}: {v}" for k, v in headers]
     if body is not None:
         head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
         if chunked:
             body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:7], body[7:]) if p) + b"0\r\n\r\n"
+    data = "\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + (body or b"")
     with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
-        s.sendall("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + (body or b""))
+        if leave:
+            s.sendall(data[:len(data) - len(body or b"") // 2] if leave == "mid-body" else data)
+            return None, b""
+        s.sendall(data)
         return read_response(s)
 
 
@@ -263,7 +270,7 @@ def _encode(obj, how: int) -> bytes:
 def requests(draw):
     # the mix (mostly the API's endpoints, POST, the key) drawn from a Random that hypothesis seeds: its own draws
     # favour the ends of a range and of a list, and sent mostly odd methods to odd paths
-    rnd = draw(st.randoms(use_true_random=True))
+    rnd = random.Random(draw(st.integers(0, 2**32 - 1)))
     if rnd.random() < 0.9:
         endpoint = rnd.choices(["/v1/chat/completions", "/v1/completions", "/health", "/v1/models", "/",
                                 "/v1/embeddings", "/v1/chat/completions/", "/v1/../health", "//v1/models", "/v1/%ff%00",
@@ -315,7 +322,8 @@ def requests(draw):
         body = b'{"prompt": "' + b"y" * (BODY_LIMIT + draw(st.integers(0, 4096))) + b'"}'
     else:
         body = None
-    return method, endpoint, headers, body, rnd.random() < 0.2
+    leave = rnd.choices(["", "after-send", "mid-body"], [90, 6, 4])[0]
+    return method, endpoint, headers, body, rnd.random() < 0.2, leave
 
 
 def snapshot(server) -> dict:
@@ -342,20 +350,32 @@ def test_fuzz_every_request_gets_2xx_or_4xx_and_nothing_leaks(server):
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
     @given(requests())
     def one(req):
-        method, path, headers, body, chunked = req
-        status, rest = send(server["port"], method, path, headers, body, chunked)
-        seen[status] = seen.get(status, 0) + 1
+        method, path, headers, body, chunked, leave = req
+        status, rest = send(server["port"], method, path, headers, body, chunked, leave)
+        seen[status or leave] = seen.get(status or leave, 0) + 1
+        if status is None:   # the client hung up
+            assert server["proc"].poll() is None, server["log"].read_text()[-4000:]
+            return
         assert 200 <= status < 500, (status, rest[:600], req[:3], (body or b"")[:300])
         assert b"server_error" not in rest, (rest[:600], req[:3], (body or b"")[:300])
         assert server["proc"].poll() is None, server["log"].read_text()[-4000:]
 
     one()
-    deadline = time.time() + 10   # the server closes its side of each connection as the client's close arrives
-    while (after := snapshot(server))["fds"] > before["fds"] and time.time() < deadline:
+    # the server closes its side of each connection as the client's close arrives, and a request whose client hung
+    # up stops at its next token
+    deadline = time.time() + 30
+    while ((after := snapshot(server))["fds"] > before["fds"] or after["waiting"]) and time.time() < deadline:
         time.sleep(0.2)
-    print(f"statuses {dict(sorted(seen.items()))}; before {before}; after {after}")
+    print(f"statuses {dict(sorted(seen.items(), key=str))}; before {before}; after {after}")
     assert sum(seen.values()) >= 50 and 200 in seen and 400 in seen
     assert after["waiting"] == 0 and after["requests"] > before["requests"]
-    assert after["fds"] <= before["fds"] and after["threads"] <= before["threads"] + 2
+    # threads: the default executor (parsing, tokenizing) may grow to its cap of cores + 4 when requests overlap
+    assert after["fds"] <= before["fds"] and after["threads"] <= before["threads"] + (os.cpu_count() or 1) + 4
     assert after["rss_mb"] < before["rss_mb"] + 32 + 96   # the memory store's cap (32M) and allocator slack
     assert "internal error" not in server["log"].read_text()
+    # no cells left held in the context by a request: a prompt of most of it (~850 of its 1024 cells, beside its
+    # selection and answer) is still answered (the documents resident in it are freed for room, least recently used)
+    words = " ".join(f"w{i}" for i in range(240)).encode()
+    status, rest = send(server["port"], "POST", "/v1/completions", list(auth().items()),
+                        b'{"prompt": "' + words + b'", "max_tokens": 1}', False)
+    assert status == 200, rest[-400:]
