@@ -16,12 +16,12 @@ from pathlib import Path
 
 from kvcli.errors import KvcliError
 from kvcli.policies import compresskv, d2o, dynamickv, expected_attention, full, h2o, keydiff, kvzip, pyramidkv, \
-    snapkv, spindlekv, streamingllm, windowkv
+    snapkv, spindlekv, streamingllm, tova, windowkv
 from kvcli.policies.base import Param, PolicySpec, parse_policy_args, parse_scoped_args
 from kvcli.policies.notes import chunked_note
 
 _ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compresskv, d2o, spindlekv, kvzip,
-          expected_attention, keydiff)
+          expected_attention, keydiff, tova)
 REGISTRY: dict[str, PolicySpec] = {m.SPEC.name: m.SPEC for m in _ORDER}
 
 __all__ = ["REGISTRY", "Param", "PolicySpec", "available", "explain_text", "get", "list_text",
