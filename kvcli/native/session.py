@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
-from kvcli.native import cache, load_llama_cpp, signals_deferred
+from kvcli.native import cache, load_llama_cpp, pieces, signals_deferred
 from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
 from kvcli.planning.formats import observed_windows
 from kvcli.planning.rope import rope_of
@@ -667,6 +667,16 @@ class NativeSession:
         st.prompt_tokens += n
         st.logits_index, st.last_logits = -1, None
         return n
+
+    def save_seq_pieces(self, seq: int, scratch: int, piece_cells: int = 1024):
+        """The state of the uncompressed `seq`, positions [p, p + piece_cells) a piece at a time, through the empty
+        sequence `scratch` (kvcli/native/pieces.py): a stored document's file written without a whole copy."""
+        return pieces.save_pieces(self, seq, scratch, piece_cells)
+
+    def restore_seq_pieces(self, parts, seq: int, scratch: int, next_pos: int, cells: int | None = None,
+                           prompt_tokens: int | None = None, rope: str | None = None) -> int:
+        """restore_seq of save_seq_pieces' pieces, read one at a time (kvcli/native/pieces.py)."""
+        return pieces.restore_pieces(self, parts, seq, scratch, next_pos, cells, prompt_tokens, rope)
 
 
 @dataclass
