@@ -282,8 +282,9 @@ def cite(session, seq: int, answer_tokens: list[int], *, prompt_text: str, promp
     if not hasattr(session, "_slot_origins"):
         return Citations(note="the reference engine does not cite")
     if session.seq(seq).reindexed:
-        return Citations(note="the document was read in chunks whose kept entries were given new positions: their "
-                              "place in the document is not known")
+        return Citations(note="the document was read in chunks whose kept entries were given new positions, so their "
+                              "place in the document is not known (--chunk 0 reads a document that fits the context "
+                              "in one go)")
     att = answer_attention(session, seq, answer_tokens)
     scores = layer_weights(att.shape[0]) @ att
     out = Citations(rank(doc, prompt_text, prompt_tokens, token_pieces(session, prompt_tokens), scores, top))
