@@ -68,7 +68,7 @@ def test_resident_gather_gives_the_restored_compactions_plan_and_logits(tiny_2k,
         store.make_resident(s, RESIDENT)
         before = s.save_seq(RESIDENT).state
         new = store.reselect(s, prompt, cfg, seq=WORK, into=OUT)
-        assert new.seq == OUT and new.source == "resident"
+        assert new.seq == OUT and new.resident and new.source == "document"
         assert np.array_equal(new.plan.n_kept, old.plan.n_kept)
         assert np.array_equal(new.plan.slots, old.plan.slots)
         new_logits = _decode(s, OUT)

@@ -20,6 +20,14 @@ from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import CompressReport
 
+# The exact form holds the document resident in the context (kvcli/drivers/resident.py): its full cache in
+# RESIDENT_SEQ, each question prefilled in one of QUESTION_SEQS after the shared document cells (the last one kept as
+# the conversation's turns, which the next question shares in turn), its selection gathered into the answer's
+# sequence (Conversation.seq, 0). Sequences 2-4 are the resident path's (1 stays free: a spare for loading through);
+# the answer's must be another.
+RESIDENT_SEQ = 2
+QUESTION_SEQS = (3, 4)
+
 
 class Reselected(Conversation, kind="reselected"):
     """Re-selected per question from the document's stored full cache (exact) or its stored chunks (bounded)."""
@@ -61,18 +69,22 @@ class Reselected(Conversation, kind="reselected"):
             check_store_target(self.store_path, form=form)
         if form == "bounded":
             return chat_bounded.read(self, cfg, chunking, progress, named)
-        want = min(limit, pad_cells(n + TURN_ROOM))
+        resident = self.resident_ok()
+        # resident: the document, the conversation after it and the question's selection beside it
+        want = min(limit, pad_cells(n + TURN_ROOM + (self._selection_cells() if resident else 0)))
         if self.max_cache is not None:
             want = min(want, self.max_cache)
         if self.session.cache_type != self.cache_type:   # a bounded store was read before in float16
             self.session.clear()
             self.session.use_cache_type(self.cache_type)
+        n_seq = max(QUESTION_SEQS) + 1 if resident else None
         if self.session.ctx is None:
-            self.session.create_context(want)
-        elif self.session.n_ctx < want:
-            self.session.clear(self.seq)
-            self.session.resize_context(want)
-        self.store = StoredDocument.read(self.session, self.prefix_tokens, seq=self.seq,
+            self.session.create_context(want, n_seq=n_seq)
+        elif self.session.n_ctx < want or (resident and self.session.n_seq < n_seq):
+            self.session.clear()
+            self.session.resize_context(max(want, self.session.n_ctx), n_seq=n_seq)
+        self.store = StoredDocument.read(self.session, self.prefix_tokens,
+                                         seq=RESIDENT_SEQ if resident else self.seq, resident=resident,
                                          colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
                                          path=self.store_path, keep=named,
                                          progress=progress, meta={"document": self.document, "system": self.system},
@@ -81,6 +93,28 @@ class Reselected(Conversation, kind="reselected"):
         self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report
+
+    def resident_ok(self) -> bool:
+        """Whether the exact form holds the document resident (the native engine on a model without sliding-window
+        layers, whose window cache cannot be shared up to a restore point)."""
+        s = self.session
+        return s.engine == "native" and not s.info.sliding_layers and self.seq not in (RESIDENT_SEQ, *QUESTION_SEQS)
+
+    def _selection_cells(self) -> int:
+        """Cells a question's selection takes beside the resident document: the budget and the policy's window."""
+        return (self.budget or 0) + self._cfg(None).observe[1] + 64
+
+    def _make_resident(self) -> None:
+        """The stored document resident in RESIDENT_SEQ (restored once: from /load, or after a read of another
+        engine's kind), its context grown to hold it beside a question."""
+        if self.store.resident is not None:
+            return
+        s, n = self.session, self.store.split
+        want = min(s.n_ctx_train, pad_cells(n + TURN_ROOM + self._selection_cells()))
+        if s.n_seq <= max(QUESTION_SEQS) or s.n_ctx < want:
+            s.clear()
+            s.resize_context(max(want, s.n_ctx), n_seq=max(QUESTION_SEQS) + 1)
+        self.store.make_resident(s, RESIDENT_SEQ)
 
     def store_form(self, cfg):
         """("exact", None) or ("bounded", the Chunking of its read). Bounded where bounded reading would read the
@@ -131,8 +165,11 @@ class Reselected(Conversation, kind="reselected"):
             raise KvcliError("the question is empty")
         prompt = self.session.tokenize(self.conversation_text(question))
         before = self.prompt_len + (self.turns[-1].tokens_out if self.turns else 0)
-        # exact: the whole prompt is held before its compaction; bounded: the kept entries, a chunk and the rest
-        held = len(prompt) - self.store.split + self.store.cap if self.store.bounded else len(prompt)
+        resident = not self.store.bounded and self.resident_ok()
+        # exact: the whole prompt is held before its compaction (resident: beside the selection gathered from it);
+        # bounded: the kept entries, a chunk and the rest
+        held = len(prompt) - self.store.split + self.store.cap if self.store.bounded else \
+            len(prompt) + (self._selection_cells() if resident else 0)
         if held + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
             raise ContextFullError(f"the conversation ({len(prompt)} tokens with the document) does not fit the "
                                    f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
@@ -143,10 +180,15 @@ class Reselected(Conversation, kind="reselected"):
             self.read_store_keeping_turns()
         self._store_colsum_for(cfg)
         try:
-            self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq,
-                                                        extend=self.store_turns)
+            if resident:
+                self.last_reselection = self._reselect_resident(prompt, cfg)
+            else:
+                self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq,
+                                                            extend=self.store_turns)
         except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
             self.session.clear(self.seq)
+            if resident:
+                self._clear_questions()
             raise
         limit = min(max_tokens, self.room())
         gen = generate(self.session, limit, sampler, seq=self.seq, on_text=on_text)
@@ -155,6 +197,30 @@ class Reselected(Conversation, kind="reselected"):
         self.turns.append(Turn(question, gen.text, gen.stopped, max(0, len(prompt) - before), len(gen.tokens)))
         self.prompt_len = len(prompt)
         return gen
+
+    def _reselect_resident(self, prompt: list[int], cfg):
+        """The question prefilled in a question sequence over the resident document's shared cells (or the kept
+        turns'), its selection gathered into the answer's sequence; the question sequence kept as the turns."""
+        self._make_resident()
+        self.session.clear(self.seq)   # the last answer's cache
+        if not cfg.compresses(len(prompt)):   # the budget holds the whole prompt: it shares the document, uncompressed
+            return self.store.reselect(self.session, prompt, cfg, seq=self.seq)
+        ext = self.store.extension
+        qseq = next(q for q in QUESTION_SEQS if ext is None or q != ext.seq)
+        self.session.clear(qseq)
+        r = self.store.reselect(self.session, prompt, cfg, seq=qseq, into=self.seq, extend=self.store_turns)
+        if r.dropped_seq is not None:
+            self.session.clear(r.dropped_seq)
+        if self.store.extension is None or self.store.extension.seq != qseq:
+            self.session.clear(qseq)
+        return r
+
+    def _clear_questions(self) -> None:
+        """A failed question leaves no question sequence but the kept turns'."""
+        ext = self.store.extension if self.store is not None else None
+        for q in QUESTION_SEQS:
+            if ext is None or ext.seq != q:
+                self.session.clear(q)
 
     def _store_colsum_for(self, cfg) -> None:
         """A column-sum policy on a store read without the sums: read the document once more, with them (said)."""
@@ -188,7 +254,9 @@ class Reselected(Conversation, kind="reselected"):
     def reset(self) -> None:
         """The next question starts again from the stored document: the kept turns go."""
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
-        if self.store is not None:
+        if self.store is not None and not self.store.bounded:
+            self.store.drop_extension(self.session)   # one kept as a sequence frees it
+        elif self.store is not None:
             self.store.extension = None
 
     # ------------------------------------------------------------------ reporting
@@ -219,6 +287,8 @@ class Reselected(Conversation, kind="reselected"):
                    f"{r.prefill_s:.2f}s of {r.prefilled} tokens, plan and compaction {r.plan_s:.2f}s"
                    + (f", turns kept {r.keep_s:.2f}s" if r.keep_s else "") + ")")
                 + ("" if self.store.extension is None else
+                   f"; the conversation's turns kept in the context beside the document: {s['stored_turn_tokens']} "
+                   f"tokens ({s['stored_turns_bytes'] / 1e6:.2f} MB)" if self.store.extension.seq is not None else
                    f"; the conversation's full cache kept in memory: {s['stored_turn_tokens']} tokens "
                    f"after the document ({s['stored_turns_bytes'] / 1e6:.2f} MB "
                    + (f"in {len(self.store.extension.chunks)} turn chunks)" if self.store.bounded

@@ -75,8 +75,8 @@ class Reselection:
     prefill_s: float
     plan_s: float            # planning + compaction
     plan: object = None
-    source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension);
-                               # "resident": the document's cells shared where they lie (StoredDocument.resident)
+    source: str = "document"   # restored from the stored "document" or from the "conversation" (its extension)
+    resident: bool = False   # restored by sharing the resident cells where they lie (StoredDocument.resident)
     seq: int = 0             # the sequence that holds the re-selected cache (a resident document's: `into`)
     dropped_seq: int | None = None   # a resident extension's old sequence, replaced by this one: the caller frees it
     keep_s: float = 0.0      # extend=True: keeping the prompt's full cache as the extension (save_seq)
@@ -90,6 +90,7 @@ class Reselection:
         return {"reselect_s": round(self.total_s, 4), "reselect_restore_s": round(self.restore_s, 4),
                 "reselect_prefill_s": round(self.prefill_s, 4), "reselect_plan_s": round(self.plan_s, 4),
                 "reselect_keep_s": round(self.keep_s, 4), "reselect_from": self.source,
+                "reselect_resident": self.resident,
                 "reselect_restored_tokens": self.restored, "reselect_prefilled_tokens": self.prefilled,
                 **({} if self.reconstruct_s is None else {"reconstruct_s": round(self.reconstruct_s, 4)})}
 
@@ -141,14 +142,16 @@ class StoredDocument:
     @classmethod
     def read(cls, session: Session, tokens: list[int], *, split: int | None = None, seq: int = 0,
              colsum: bool = False, path=None, keep: bool = False, progress=None, meta: dict | None = None,
-             in_memory_if_unwritable=None, key: str | None = None) -> "StoredDocument":
+             in_memory_if_unwritable=None, key: str | None = None, resident: bool = False) -> "StoredDocument":
         """Prefill tokens[:split] into `seq` (observing their column sums with `colsum`) and store the cache:
         to `path` (a .kvc file; None: a temporary entry of the document store, kvcli/document_store.py) for the
         native engine, in memory for the reference one. `split` defaults to len(tokens) - STORE_TAIL. The sequence is
         cleared afterwards.
         A file that cannot be written (disk full) is an error, unless `in_memory_if_unwritable` is given: it is
         called with the one-line reason and the cache is kept in memory instead. `key` (no `path`): the store stays
-        in the document store after close() as a `cached` entry of that key, for `document_store.find(key)`."""
+        in the document store after close() as a `cached` entry of that key, for `document_store.find(key)`.
+        `resident` (native engine): `seq` keeps the cache, which the file is written from (`make_resident`); no copy
+        of it stays in memory."""
         split = max(1, len(tokens) - STORE_TAIL) if split is None else int(split)
         if not 0 < split <= len(tokens):
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
@@ -168,9 +171,12 @@ class StoredDocument:
             sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split],
                                                                                        np.float32)
             snap = session.save_seq(seq)
-            session.clear(seq)
+            if not resident:
+                session.clear(seq)
             store = cls(tokens=list(tokens[:split]), split=split, colsum=sums, read_s=read_s, keep=keep,
                         meta=dict(meta or {}))
+            if resident:
+                store.resident, store.session = seq, session
             if entry is None:
                 store.snapshot, store.path = snap, None
                 return store
@@ -182,12 +188,15 @@ class StoredDocument:
                 if in_memory_if_unwritable is None:
                     raise
                 in_memory_if_unwritable(f"{e}: the document's full cache is kept in memory instead")
-                store.snapshot, store.path = snap, None
+                store.snapshot, store.path = (None if resident else snap), None
                 entry.abandon()
                 return store
+            del snap
         except BaseException:
             if entry is not None:
                 entry.abandon()
+            if resident:
+                session.clear(seq)
             raise
         cached = key is not None and path is None   # stays in the document store after close()
         entry.finish("kept" if keep else "cached" if cached else "temporary")
@@ -361,8 +370,9 @@ class StoredDocument:
                 raise
             # the kept turns cannot be put back here (e.g. a sliding-window cache that no longer reaches back to
             # the restore point): the stored document can, exactly
-            self.extension = ext = None
-            return self.reselect(session, prompt, cfg, seq=seq, progress=progress, on_step=on_step, extend=extend)
+            self.drop_extension(session)
+            return self.reselect(session, prompt, cfg, seq=seq, progress=progress, on_step=on_step, extend=extend,
+                                 into=into)
         ext = None   # no reference left to the old extension's state once `extend` drops it: one held at a time
         t1 = time.perf_counter()
         compresses = cfg.compresses(n)
@@ -384,7 +394,8 @@ class StoredDocument:
             dropped = old.seq if old is not None and old.seq != seq else None
             colsum = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :n],
                                                                                          np.float32)
-            self.extension = Extension(tokens=list(prompt), snapshot=None, colsum=colsum, seq=seq)
+            self.extension = Extension(tokens=list(prompt), snapshot=None, colsum=colsum, seq=seq,
+                                       nbytes=(n - r) * session.bytes_per_cell())   # its own cells, in the context
         elif extend:
             self.extension = None   # one state held at a time: the old one goes before the new one is saved
             snap = session.save_seq(seq)
@@ -402,17 +413,22 @@ class StoredDocument:
             if on_step is not None:
                 on_step(obs, plan)
             del obs
-            if into is None:
-                session.apply_plan(plan, seq=seq)
-            else:
+            if into is not None:
                 session.gather(plan, seq, into)
+            elif resident:   # `seq` shares the document's cells: its selection gathered apart, then handed back
+                tmp = session.free_seq(seq, self.resident)
+                session.gather(plan, seq, tmp)
+                session.clear(seq)
+                session.move_seq(tmp, seq)
+            else:
+                session.apply_plan(plan, seq=seq)
         # `seq` keeps the question's cells until the caller clears it after the answer: the answer's tokens then
         # follow the gathered block in cell order, as they follow a block compacted in place, and the same plan
         # decodes the same logits bit for bit (flash attention sums in cell order)
         out = into if into is not None and plan is not None else seq
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
                            plan_s=time.perf_counter() - t3, plan=plan,
-                           source="resident" if resident and source == "document" else source, keep_s=keep_s,
+                           source=source, resident=resident, keep_s=keep_s,
                            reconstruct_s=recon_s, seq=out, dropped_seq=dropped)
 
     # ------------------------------------------------------------------ lifetime

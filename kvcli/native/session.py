@@ -474,6 +474,21 @@ class NativeSession:
         st.last_logits = None if st_src.last_logits is None else st_src.last_logits.copy()
         st.logits_index = 0 if st.last_logits is not None else -1
 
+    def free_seq(self, *exclude: int) -> int:
+        """A sequence id of this context that holds nothing (and is not among `exclude`)."""
+        for q in range(self.n_seq):
+            if q not in exclude and not self.seq(q).cells:
+                return q
+        raise KvcliError(f"every one of the context's {self.n_seq} sequences is in use")
+
+    def move_seq(self, src: int, dst: int) -> None:
+        """Hand `src`'s cells and bookkeeping to the empty sequence `dst` (seq_cp, then `src` dropped)."""
+        if dst == src or self.seq(dst).cells:
+            raise KvcliError(f"sequence {dst} is not an empty sequence to move sequence {src} into")
+        self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        self.seqs[dst] = self.seqs.pop(src, SeqState())
+        self.L.llama_memory_seq_rm(self.mem, src, -1, -1)
+
     def _slot_origins(self, seq: int) -> list[list[np.ndarray]]:
         """Per (layer, KV head), the original position of the entry in each slot (cell order) of `seq`,
         -1 for a dead slot (bias -inf). Cells of the compacted block (the sequence's lowest B positions

@@ -105,14 +105,22 @@ void kvcli_check_seq(const llama_kv_cache & kv, llama_seq_id seq_id) {
     }
 }
 
+// The sequence's cells in the order of their positions (its slots): the cell order, unless the pool is fragmented
+// (a question prefilled over a resident document's shared cells may land in cells freed below some of them), so
+// that a plan's slots, the observation and the compaction see the entries in position order whatever the cells.
 std::vector<uint32_t> kvcli_seq_cells(const llama_kv_cache & kv, llama_seq_id seq_id) {
     kvcli_check_seq(kv, seq_id);
     const auto & cells = kvcli_access::cells(kv)[kvcli_access::seq_to_stream(kv)[seq_id]];
     std::vector<uint32_t> res;
+    bool ordered = true;
     for (uint32_t i = 0; i < cells.size(); ++i) {
         if (!cells.is_empty(i) && cells.seq_has(i, seq_id)) {
+            ordered = ordered && (res.empty() || cells.pos_get(res.back()) < cells.pos_get(i));
             res.push_back(i);
         }
+    }
+    if (!ordered) {
+        std::stable_sort(res.begin(), res.end(), [&](uint32_t a, uint32_t b) { return cells.pos_get(a) < cells.pos_get(b); });
     }
     return res;
 }
@@ -375,7 +383,7 @@ int32_t kvcli_seq_read_kv(struct llama_context * ctx, kvcli_seq_id seq_id, int32
         if (n == 0) {
             return 0;
         }
-        const uint32_t lo = cs.front(), hi = cs.back() + 1;
+        const uint32_t lo = *std::min_element(cs.begin(), cs.end()), hi = *std::max_element(cs.begin(), cs.end()) + 1;
         std::vector<float> row(hd);
         if (!trans) {
             const size_t head_b = ggml_row_size(t->type, hd), row_b = ggml_row_size(t->type, (int64_t) hd * nkv);

@@ -272,7 +272,9 @@ void write_cells(ggml_tensor * t, const row_format & f, uint32_t kv_size, const 
 // Kept rows are byte copies; replacement rows are rotated (quantised caches) and converted to the cache type.
 void move_bytes_on_host(compaction & c) {
     const auto & layers = kvcli_access::layers(*c.kv);
-    const uint32_t lo = c.src.front(), span = c.src.back() + 1 - lo, kv_size = c.sh.kv_size;
+    // the slots are in position order (kvcli_seq_cells), their cells need not ascend
+    const uint32_t lo = *std::min_element(c.src.begin(), c.src.end());
+    const uint32_t span = *std::max_element(c.src.begin(), c.src.end()) + 1 - lo, kv_size = c.sh.kv_size;
     std::vector<uint32_t> slot_cell(c.src.size());
     for (size_t i = 0; i < c.src.size(); ++i) {
         slot_cell[i] = c.src[i] - lo;
