@@ -139,7 +139,7 @@ LAYERS = [
     ("calibration", ["kvcli.calibration"]),
     ("planning", ["kvcli.planning"]),
     ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat",
-                 "kvcli.evaluation.fidelity"]),
+                 "kvcli.evaluation.fidelity", "kvcli.evaluation.corpus_eval"]),
     ("app", ["kvcli.apps"]),
     ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz"]),   # the fuzzer drives the command line
 ]

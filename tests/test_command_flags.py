@@ -34,6 +34,7 @@ EXPECTED = {
     "eval ruler": SWEEP | {"--cache-type", "--chunk", "--chunk-scoring"} | PENALTIES,
     "eval fidelity": SWEEP | {"--cache-type"},             # teacher-forced agreement, one prefill
     "eval chat": SWEEP | {"--cache-type"},                 # greedy answers, scored
+    "eval corpus ask": SWEEP | {"--cache-type"},           # greedy answers, scored
     "check": {"--model", "--threads", "--cache-type", "--chunk", "--chunk-scoring"},   # greedy in both engines
     "calibrate compresskv": {"--model", "--threads"},      # the reference engine (torch threads)
 }
@@ -65,6 +66,7 @@ HELP_OVERRIDES = {
     ("eval ruler", "--cache-type"): "no help: the choice lists it",
     ("eval fidelity", "--cache-type"): "no help: the choice lists it",
     ("eval chat", "--cache-type"): "no help: the choice lists it",
+    ("eval corpus ask", "--cache-type"): "no help: the choice lists it",
     ("check", "--cache-type"): "the native engine's; f32 for the tightest agreement",
     ("check", "--chunk"): "both engines, L1 at every planning step",
     ("check", "--threads"): "both engines",

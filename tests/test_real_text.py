@@ -231,3 +231,24 @@ def test_fidelity_interrupted_keeps_the_documents_scored_whole(cli_runner, tiny,
     res = json.loads(out.read_text())
     assert res["interrupted"] is True and {x["doc"] for x in res["records"]} == {"d0.txt"}
     assert len(res["records"]) == 2 and all(x["status"] == "ok" for x in res["records"])
+
+
+def test_corpus_ask_scores_every_question_for_every_configuration(cli_runner, tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "package_version", lambda p: "1")
+    f = tmp_path / "demo.txt"
+    f.write_text(MAN)
+    m = corpus.build_corpus(tmp_path / "c", None, sources=(corpus.Source("demo", "technical", "p", "file", str(f),
+                                                                          "man"),))
+    split = m["documents"][0]["split"]
+    r = cli_runner.invoke(cli, ["eval", "corpus", "ask", "--model", str(tiny), "--corpus", str(tmp_path / "c"),
+                                "--split", split, "--policies", "full,streamingllm", "--budgets", "48", "--per-kind",
+                                "1", "--threads", "1", "--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    qs = make_questions("demo", MAN, "man", 1)
+    assert len(res["records"]) == 2 * len(qs)
+    for rec in res["records"]:
+        assert rec["status"] == "ok" and 0 <= rec["score"] <= 100 and rec["genre"] == "technical"
+    rows = {(x["policy"], x["kind"]): x for x in res["summary"]}
+    assert rows[("full", "summary")]["full_score"] == rows[("full", "summary")]["score"]
+    assert rows[("streamingllm", "questions")]["n"] == len(qs) - 1

@@ -13,6 +13,7 @@ from kvcli.evaluation.chat import DEFAULT_MODES as CHAT_MODES, chat_table, plot_
 from kvcli.evaluation.corpus import corpus_documents
 from kvcli.evaluation.fidelity import fidelity_table, run_fidelity
 from kvcli.evaluation.measure import parse_float_list, parse_list, parse_size
+from kvcli.evaluation.questions import KINDS as QUESTION_KINDS
 from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_text
 from kvcli.evaluation.runner import run_generation_eval, summary_table
 from kvcli.evaluation.tasks import RULER_TASKS
@@ -280,6 +281,44 @@ def corpus_questions_cmd(corpus_dir, split, per_kind, out_path):
     counts = {k: sum(q["kind"] == k for q in qs) for k in KINDS}
     click.echo(f"{len(qs)} questions on {len(docs)} documents ({split}): "
                + ", ".join(f"{k} {n}" for k, n in counts.items()))
+
+
+@corpus_group.command("ask")
+@shared_options("1", chunked=False)
+@click.option("--corpus", "corpus_dir", required=True, metavar="DIR",
+              help="A corpus built by `kvcli eval corpus build`.")
+@click.option("--split", type=click.Choice(["tune", "heldout", "all"]), default="tune", show_default=True)
+@click.option("--docs", "docs", default=None, help="Comma-separated document ids (default: every one of the part).")
+@click.option("--genres", default=None, help="Comma-separated genres. Default: all.")
+@click.option("--max-doc-tokens", type=click.IntRange(1), default=None,
+              help="Only documents of at most this many tokens (the manifest's count).")
+@click.option("--per-kind", type=click.IntRange(1, 50), default=2, show_default=True,
+              help="Questions of each kind per document (one summary question).")
+@click.option("--kinds", default=",".join(QUESTION_KINDS), show_default=True, help="Comma-separated question kinds.")
+def corpus_ask_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, corpus_dir, split, docs, genres,
+                   max_doc_tokens, per_kind, kinds):
+    """Ask the corpus's questions of each compressed cache: compressed once before the questions (question-agnostic),
+    each question alone after it, scored automatically against the document's text; the full cache first.
+    (--lengths and --plot are not used.)"""
+    from kvcli.evaluation.corpus import load_manifest
+    from kvcli.evaluation.corpus_eval import questions_table, run_corpus_questions
+    ks = parse_list(kinds, "--kinds", lambda s: s.lower())
+    for k in ks:
+        if k not in QUESTION_KINDS:
+            raise KvcliError(f"--kinds: unknown kind '{k}' (choose from {', '.join(QUESTION_KINDS)})")
+    documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs)
+    formats = {d["id"]: d["format"] for d in load_manifest(corpus_dir)["documents"]}
+    result = run_corpus_questions(resolve_model(model), documents, req.policies, req.budgets, per_kind=per_kind,
+                                  kinds=ks, cache_type=req.cache_type, policy_args=req.scoped_args,
+                                  threads=req.threads, doc_meta=meta, formats=formats,
+                                  log=None if quiet else log_stderr)
+    if result.get("interrupted") and not result["records"]:
+        raise KeyboardInterrupt
+    click.echo(json.dumps(result, default=_jsonable) if as_json else questions_table(result))
+    if json_path:
+        write_text(json_path, json.dumps(result, indent=1, default=_jsonable))
+    if result.get("interrupted"):
+        raise KeyboardInterrupt
 
 
 def corpus_summary(manifest: dict) -> str:
