@@ -72,9 +72,11 @@ def fetch_sdist() -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     log(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} source distribution")
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                "--no-build-isolation", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
-        # --no-build-isolation: pip would otherwise build an isolated environment just to read metadata
+        # --no-build-isolation: pip would otherwise build an isolated environment just to read metadata.
+        # --no-binary names the one package: `:all:` reached that environment too, where pip then built
+        # scikit-build-core, hatchling and the rest from their sdists (minutes on a fresh machine)
         r = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / SDIST_NAME
         if not got.exists():
