@@ -149,6 +149,21 @@ def test_40mb_body_gets_a_readable_413(server):
     alive(server)
 
 
+@pytest.mark.parametrize("path,key,status", [("/v1/chat/completions", "wrong", 401), ("/v1/nothing", KEY, 404),
+                                             ("/health", KEY, 405)])
+def test_an_error_before_the_body_is_read_is_readable(server, path, key, status):
+    """A 401, 404 or 405 answers a POST before its body is read: the rest of the body is read first, so a client
+    sending "Connection: close" (urllib) reads the answer (a broken pipe or a connection reset before)."""
+    import urllib.error
+    import urllib.request
+    body = json.dumps({"prompt": "x" * (BODY_LIMIT // 2)}).encode() * 48   # 24 MB: not JSON, over the limit
+    req = urllib.request.Request(f"http://127.0.0.1:{server['port']}{path}", data=body,
+                                 headers={**auth(), "Authorization": f"Bearer {key}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=120)
+    assert_error(e.value.code, json.loads(e.value.read()), status)
+
+
 def test_chunked_body_over_the_limit_gets_a_readable_413(server):
     """Without Content-Length (chunked), the limit is found while reading: the rest is read too, then 413, and the
     connection serves the next request (kept alive)."""

@@ -15,8 +15,8 @@ its generation at the next token (streaming: the stream is cancelled, and `reque
 between tokens; non-streaming: asked every quarter second while it waits). Errors are OpenAI's error bodies:
 400 (malformed JSON, JSON nested deeper than MAX_DEPTH, a string holding an escaped lone surrogate, a NUL in a
 text, unknown model, a bad parameter, a prompt too long), 401 (no or a wrong key when --api-key is set), 404, 405,
-413 (a body above --max-body-bytes: the rest of the body is read and dropped first, up to DRAIN_MAX_BYTES, so that a
-client still sending it reads the 413 rather than a reset connection), 500 (a bug of ours: logged, the server goes on).
+413 (a body above --max-body-bytes), 500 (a bug of ours: logged, the server goes on). Before an error answer, the
+rest of a body still being sent is read and dropped (bounded: DrainBeforeError), so the client reads the answer.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -260,36 +261,17 @@ class Server:
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error",
                            "invalid_api_key")
 
-    async def _drain(self, request: Request, stream, declared: int | None) -> None:
-        """Read and drop the rest of a body refused for its size, so that a client still sending it reads the 413:
-        a connection closed with the body unread is reset, and the client's send fails before it reads the answer.
-        Bounded: up to DRAIN_MAX_BYTES (or 4x the limit) in DRAIN_SECONDS; past that the connection is closed."""
-        cap = max(DRAIN_MAX_BYTES, 4 * self.max_body_bytes)
-        if declared is not None and (declared > cap or "100-continue" in request.headers.get("expect", "").lower()):
-            return   # too much to read; or a client waiting for "100 Continue" before it sends (it reads the 413)
-        n = 0
-        try:
-            async with asyncio.timeout(DRAIN_SECONDS):
-                async for chunk in stream:
-                    n += len(chunk)
-                    if n > cap:
-                        return
-        except (TimeoutError, ClientDisconnect):
-            pass
-
     async def _body(self, request: Request) -> dict:
+        """The request's JSON object (400 when it is not one); 413 above --max-body-bytes (the rest of the body is
+        read and dropped before the 413 goes out: DrainBeforeError)."""
         length = request.headers.get("content-length")
-        stream = request.stream()
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._drain(request, stream, int(length))
             raise ApiError(413, f"the request body is {int(length)} bytes, above this server's limit of "
                                 f"{self.max_body_bytes} (kvcli serve --max-body-bytes)", code="request_too_large")
         data = bytearray()
-        async for chunk in stream:
+        async for chunk in request.stream():
             data += chunk
             if len(data) > self.max_body_bytes:
-                data = None
-                await self._drain(request, stream, None)
                 raise ApiError(413, f"the request body is above this server's limit of {self.max_body_bytes} bytes "
                                     "(kvcli serve --max-body-bytes)", code="request_too_large")
         # parsed and checked off the event loop: a body of many small values takes a while to walk
@@ -480,6 +462,48 @@ def _as_api_error(e: BaseException, log) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
+class DrainBeforeError:
+    """ASGI middleware: before an error answer (4xx, 5xx) goes out while the client is still sending its body (a 413,
+    a 401, a 404 or 405 of a POST), the rest of the body is read and dropped, so that the client reads the answer. A
+    connection closed with its body unread is reset (uvicorn closes it after the answer when the client asked for
+    "Connection: close", as urllib does), and the client's send fails before it reads anything. Bounded: up to
+    DRAIN_MAX_BYTES (or 4x the body limit) in DRAIN_SECONDS; a body declared larger, or one a client holds back
+    until "100 Continue", is not read (the connection is then closed)."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.cap = app, max(DRAIN_MAX_BYTES, 4 * max_body_bytes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = {"received": False, "done": False}
+
+        async def receive_():
+            message = await receive()
+            state["received"] = True
+            state["done"] = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def send_(message):
+            if message["type"] == "http.response.start" and message["status"] >= 400 and not state["done"]:
+                await self._drain(scope, receive_, state)
+            await send(message)
+
+        await self.app(scope, receive_, send_)
+
+    async def _drain(self, scope, receive, state) -> None:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        if (length.isdigit() and int(length) > self.cap) or (
+                not state["received"] and headers.get(b"expect", b"").lower() == b"100-continue"):
+            return
+        n = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN_SECONDS):
+                while not state["done"] and n <= self.cap:
+                    n += len((await receive()).get("body", b""))
+
+
 def create_app(server: Server) -> Starlette:
     """The ASGI app: the routes, every failure as an OpenAI error body."""
 
@@ -506,4 +530,5 @@ def create_app(server: Server) -> Starlette:
         yield
         server.worker.shutdown(wait=False, cancel_futures=True)
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
+                     middleware=[Middleware(DrainBeforeError, max_body_bytes=server.max_body_bytes)])
