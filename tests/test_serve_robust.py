@@ -267,8 +267,8 @@ _valid = {"temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "seed": st.i
           "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
           "kvcli": st.fixed_dictionaries({}, optional={
               "policy": st.sampled_from(["snapkv", "full", "h2o", "streamingllm", "pyramidkv", "windowkv"]),
-              "budget": st.integers(1, 80), "policy_args": st.fixed_dictionaries({}, optional={
-                  "window": st.integers(0, 40)})})}
+              "budget": st.integers(40, 80), "policy_args": st.fixed_dictionaries({}, optional={
+                  "window": st.integers(1, 32)})})}
 _chat_ok = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
     "role": st.sampled_from(["user", "user", "system", "assistant"]), "content": _words}), min_size=1, max_size=3),
     "max_tokens": st.integers(1, MAX_TOKENS)}, optional=_valid)
