@@ -475,12 +475,13 @@ def test_unwritable_store_is_said_and_kept_in_memory(tiny, monkeypatch, tmp_path
     first = conv.ask(q, 6).text
     said = []
     conv.notify = said.append
-    real = kvc.write
+    real, real_pieces = kvc.write, kvc.write_pieces
 
     def full_disk(path, *a, **k):
         raise KvcliError(f"cannot write {path}: No space left on device")
 
     monkeypatch.setattr(kvc, "write", full_disk)
+    monkeypatch.setattr(kvc, "write_pieces", full_disk)   # a store is streamed from the context in pieces
     conv.store.path.unlink()   # deleted while chatting, and the disk is full when it is read again
     conv.reset()
     assert conv.ask(q, 6).text == first
@@ -493,6 +494,7 @@ def test_unwritable_store_is_said_and_kept_in_memory(tiny, monkeypatch, tmp_path
     conv.ask(q, 6)   # the conversation changed the history: drop the turns for the test below
     conv.turns = conv.turns[:1]
     monkeypatch.setattr(kvc, "write", real)
+    monkeypatch.setattr(kvc, "write_pieces", real_pieces)
     out = tmp_path / "saved.kvc"
     conv.save(out)   # /save writes it from memory
     again = Conversation.from_store(out, policy="snapkv", budget=48, model=str(tiny))

@@ -209,9 +209,11 @@ class Engine:
             raise BadRequest(f"the prompt is {len(prompt)} token(s): at least 2 are needed", param="prompt")
         return self.plan_form(prompt, self.check(c), c)
 
-    def fits(self, prompt: list[int]) -> bool:
-        # the whole prompt is held uncompressed before its compaction, and one token more to answer
-        return len(prompt) + 1 <= self.n_ctx
+    def fits(self, prompt: list[int], c: Choice | None = None) -> bool:
+        # the whole prompt is held uncompressed before its compaction, and one token more to answer; with a resident
+        # document, its selection gathered beside it and the room an answer starts with (`_room`)
+        extra = (c.budget or 0) + MIN_ROOM if self.resident_ok and c is not None else 1
+        return len(prompt) + extra <= self.n_ctx
 
     def _too_long(self, prompt: list[int], why: str) -> BadRequest:
         return BadRequest(f"prompt too long: {len(prompt)} tokens, this server's context holds {self.n_ctx} "
@@ -225,7 +227,7 @@ class Engine:
         size of the bounded form, where the prompt is past the context or its full cache above
         exact_below_bytes() (the rule of `kvcli chat`) and bounded re-selection can serve the policy. A prompt past
         the context that it cannot serve is refused (BadRequest), with the reason."""
-        n, fits = len(prompt), self.fits(prompt)
+        n, fits = len(prompt), self.fits(prompt, c)
         if fits and n * self.session.bytes_per_cell() <= exact_below_bytes():
             return None
         if c.policy == "full":

@@ -257,10 +257,10 @@ class DiskStore(DocumentStore):
         try:
             e = document_store.create(form="exact", model_path=self.model_path, tokens=doc.tokens, key=key,
                                       settings=self._settings(doc), reserve=doc.nbytes)
-            # a resident document's state is read from the context for the write, then dropped
-            snap = doc.snapshot if doc.snapshot is not None else self.session.save_seq(doc.resident)
-            kvc.write(e.payload, doc.to_kvc(self.session, snap.state))
-            del snap
+            if doc.snapshot is None and doc.resident is not None:   # streamed from the context, a piece at a time
+                doc.write_from(self.session, doc.resident, e.payload)
+            else:
+                kvc.write(e.payload, doc.to_kvc(self.session, doc.snapshot.state))
         except BaseException as err:
             if e is not None:
                 e.abandon()

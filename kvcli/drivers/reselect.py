@@ -170,28 +170,31 @@ class StoredDocument:
             read_s = time.perf_counter() - t0
             sums = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :split],
                                                                                        np.float32)
-            snap = session.save_seq(seq)
-            if not resident:
-                session.clear(seq)
             store = cls(tokens=list(tokens[:split]), split=split, colsum=sums, read_s=read_s, keep=keep,
                         meta=dict(meta or {}))
-            if resident:
-                store.resident, store.session = seq, session
-            if entry is None:
-                store.snapshot, store.path = snap, None
+            if entry is None:   # the reference engine: in memory
+                store.snapshot, store.path = session.save_seq(seq), None
+                session.clear(seq)
                 return store
-            store.nbytes = len(snap.state)
+            store.nbytes = split * session.bytes_per_cell()
             store.path = Path(path) if path is not None else entry.payload
-            try:
-                kvc.write(store.path, store.to_kvc(session, snap.state))
+            try:   # streamed from the context in pieces: no whole copy of the cache in memory
+                store.write_from(session, seq, store.path)
             except KvcliError as e:
                 if in_memory_if_unwritable is None:
                     raise
                 in_memory_if_unwritable(f"{e}: the document's full cache is kept in memory instead")
-                store.snapshot, store.path = (None if resident else snap), None
+                store.path = None
+                if not resident:
+                    store.snapshot = session.save_seq(seq)
                 entry.abandon()
+                entry = None
+            if resident:
+                store.resident, store.session = seq, session
+            else:
+                session.clear(seq)
+            if entry is None:
                 return store
-            del snap
         except BaseException:
             if entry is not None:
                 entry.abandon()
@@ -202,6 +205,18 @@ class StoredDocument:
         entry.finish("kept" if keep else "cached" if cached else "temporary")
         store.entry, store.keep = entry, keep or cached
         return store
+
+    def write_from(self, session, seq: int, path, turns: list | None = None) -> int:
+        """Write the store to `path` (a format-3 .kvc file) streamed from `seq`, which holds its full cache: a piece
+        of cells at a time (NativeSession.save_seq_pieces), never the whole state in memory. Returns the size."""
+        if turns is not None:
+            self.meta["turns"] = list(turns)
+        if not any(q != seq and not session.seq(q).cells for q in range(session.n_seq)):
+            # a context of one sequence has none to pass the pieces through: the state whole (a copy in memory)
+            return kvc.write(path, self.to_kvc(session, session.save_seq(seq).state))
+        f = self.to_kvc(session, b"")
+        return kvc.write_pieces(path, f.meta, f.prefix_tokens, self.colsum,
+                                session.save_seq_pieces(seq, session.free_seq(seq)))
 
     def to_kvc(self, session, state: bytes) -> kvc.KvcFile:
         m = self.meta
@@ -236,7 +251,7 @@ class StoredDocument:
         if len(f.prefix_tokens) < n:
             raise KvcliError(f"{path} is corrupted (fewer prompt tokens than stored cells)")
         return cls(tokens=[int(t) for t in f.prefix_tokens[:n]], split=n, colsum=f.colsum, path=Path(path),
-                   nbytes=len(f.state), keep=True,
+                   nbytes=f.state_nbytes, keep=True,
                    meta={"document": f.meta["document"], "system": f.meta.get("system"),
                          "turns": f.meta["conversation"].get("turns", []), "store": bool(st)},
                    entry=document_store.use_path(path) if path is not None else None)   # listed: in use, used now
@@ -299,7 +314,20 @@ class StoredDocument:
         else:
             if self.path is None or not self.path.exists():
                 raise StoreMissing(f"the stored document cache {self.path} is gone")
-            snap = file_snapshot(kvc.read(self.path))
+            f = kvc.read(self.path)
+            if f.state is None and session.n_seq == 1:   # no sequence to pass pieces through: put back whole
+                snap = file_snapshot(f, b"".join(kvc.iter_state_pieces(f)))
+            elif f.state is None:   # format 3: put back a piece at a time (NativeSession.restore_seq_pieces)
+                c = f.meta["conversation"]
+                session.clear(seq)
+                session.restore_seq_pieces(kvc.iter_state_pieces(f), seq, session.free_seq(seq),
+                                           next_pos=int(c["next_pos"]), cells=int(c["cells"]), rope=c.get("rope"))
+                if upto < self.split:
+                    session.truncate(seq, upto)
+                return
+            else:
+                snap = file_snapshot(f)
+            del f
         session.restore_seq(snap, seq)
         if upto < self.split:
             session.truncate(seq, upto)
@@ -434,8 +462,10 @@ class StoredDocument:
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:
         """Write the stored document (and the conversation's turns) to `path`; returns its size."""
-        if self.snapshot is not None or (self.path is None and self.resident is not None):
-            snap = self.snapshot if self.snapshot is not None else session.save_seq(self.resident)
+        if self.snapshot is None and self.path is None and self.resident is not None:
+            size = self.write_from(session, self.resident, path, list(turns or []))
+        elif self.snapshot is not None:
+            snap = self.snapshot
             if not hasattr(snap, "state"):
                 raise KvcliError("this stored document is held in memory by the reference engine: nothing to save")
             self.meta["turns"] = list(turns or [])
@@ -462,11 +492,12 @@ class StoredDocument:
         self.snapshot = self.extension = None
 
 
-def file_snapshot(f: kvc.KvcFile):
-    """The saved sequence state of a stored document's .kvc file, as `restore` puts it back."""
+def file_snapshot(f: kvc.KvcFile, state: bytes | None = None):
+    """The saved sequence state of a stored document's .kvc file (`state`: a format-3 file's pieces joined), as
+    `restore` puts it back."""
     from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
     c = f.meta["conversation"]
-    return SeqSnapshot(state=f.state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
+    return SeqSnapshot(state=f.state if state is None else state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
                        prompt_tokens=int(c["next_pos"]), rope=c.get("rope"))
 
 
