@@ -6,7 +6,8 @@ of its own). Read once; every question answered in chat's exact re-selected form
 answer: is the planted sentence the first cited passage (and among the three cited)? Also reported: the same
 ranking from other layer choices (all layers, the lower half, the last quarter), from the same observation.
 
-    python benchmarks/citations.py --model qwen2.5-coder-0.5b --words 2400 --facts 12 --budget 256 --threads 1
+    python benchmarks/citations.py --model qwen2.5-coder-0.5b --words 2400 --facts 12 --budget 256 --threads 1 \
+        --seeds 0,1 -o citations.jsonl
 """
 from __future__ import annotations
 
@@ -49,19 +50,38 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--words", type=int, default=2400)
     ap.add_argument("--facts", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="logbooks, one per seed (comma-separated)")
     ap.add_argument("--policy", default="snapkv")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--run", action="store_true", help="also answer each question as kvcli run does (one prefill each)")
-    ap.add_argument("-o", "--out", default=None, help="JSON lines, one per answer")
+    ap.add_argument("-o", "--out", default=None, help="JSON lines, one per answer, written as they come")
     a = ap.parse_args()
-    text, facts = make_document(a.words, a.facts, seed=a.seed)
-    doc = Document(text, "text", "logbook")
     session = NativeSession(resolve_model(a.model), n_ctx=0, n_threads=a.threads)
     sampler = Sampler(Sampling())   # the CLI's defaults (greedy + DRY)
     rows = []
+    out = open(a.out, "w") if a.out else None
+    for seed in [int(x) for x in a.seeds.split(",")]:
+        rows += one_logbook(a, session, sampler, seed, out)
+    summary(rows)
+    session.close()
+
+
+def emit(rows: list, row: dict, out) -> None:
+    rows.append(row)
+    print(json.dumps({k: row[k] for k in ("form", "seed", "question", "answer", "right", "first", "top3", "cite_s")}),
+          file=sys.stderr, flush=True)
+    if out is not None:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+def one_logbook(a, session, sampler, seed: int, out) -> list:
+    text, facts = make_document(a.words, a.facts, seed=seed)
+    doc = Document(text, "text", "logbook")
+    rows = []
+    session.clear()
     conv = Conversation(session, text, policy=a.policy, budget=a.budget, reselect=True)
     conv.store_turns = False
     t0 = time.perf_counter()
@@ -77,13 +97,11 @@ def main() -> None:
         cite_s = time.perf_counter() - t1
         ranked = citations.rank(doc, conv.prefix_text(), conv.prefix_tokens, pieces,
                                 citations.layer_weights(att.shape[0]) @ att)
-        rows.append({"form": "chat exact", "question": f["question"], "answer": gen.text,
+        emit(rows, {"form": "chat exact", "seed": seed, "question": f["question"], "answer": gen.text,
                      "right": f["answer"] in gen.text,
                      "first": judge(doc, f, ranked)[0], "top3": judge(doc, f, ranked)[1], "cite_s": round(cite_s, 3),
                      "cited": [c.as_json() for c in ranked],
-                     "variants": score_variants(doc, conv.prefix_text(), conv.prefix_tokens, pieces, att, f)})
-        print(json.dumps({k: rows[-1][k] for k in ("form", "question", "answer", "right", "first", "top3", "cite_s")}),
-              file=sys.stderr, flush=True)
+                     "variants": score_variants(doc, conv.prefix_text(), conv.prefix_tokens, pieces, att, f)}, out)
     conv.close()
     if a.run:
         for f in facts:
@@ -91,15 +109,14 @@ def main() -> None:
             r = run_document(session, doc, f["question"], policy=a.policy, budget=a.budget, max_tokens=a.max_tokens,
                              sampler=sampler, cite_answer=True)
             ranked = r.citations.passages
-            rows.append({"form": "run", "question": f["question"], "answer": r.answer, "right": f["answer"] in r.answer,
-                         "first": judge(doc, f, ranked)[0], "top3": judge(doc, f, ranked)[1],
-                         "cite_s": r.stats.get("cite_s"), "cited": r.citations.as_json()})
-            print(json.dumps({k: rows[-1][k] for k in ("form", "question", "answer", "right", "first", "top3",
-                                                          "cite_s")}), file=sys.stderr, flush=True)
-    if a.out:
-        with open(a.out, "w") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
+            emit(rows, {"form": "run", "seed": seed, "question": f["question"], "answer": r.answer,
+                        "right": f["answer"] in r.answer, "first": judge(doc, f, ranked)[0],
+                        "top3": judge(doc, f, ranked)[1], "cite_s": r.stats.get("cite_s"),
+                        "cited": r.citations.as_json()}, out)
+    return rows
+
+
+def summary(rows: list) -> None:
     for form in dict.fromkeys(r["form"] for r in rows):
         rs = [r for r in rows if r["form"] == form]
         right = [r for r in rs if r["right"]]
@@ -110,7 +127,6 @@ def main() -> None:
             if all("variants" in r for r in rs):
                 print(f"  {name}: first {sum(r['variants'][name][0] for r in right)}/{len(right)}, "
                       f"top 3 {sum(r['variants'][name][1] for r in right)}/{len(right)}")
-    session.close()
 
 
 if __name__ == "__main__":
