@@ -126,9 +126,14 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
                                  f"({tok.n_ctx_train}): re-selection keeps the document's full cache (only the "
                                  f"modes {', '.join(BOUNDED)} read past it)")
             # bounded modes size the context per configuration, as kvcli chat does (_mode_bounded)
-            session = NativeSession(model_path, n_ctx=pad_cells(min(L, DEFAULT_CHUNK) if bounded_only else L + ROOM),
+            # reselect / run: the document resident in RESIDENT_SEQ, each question prefilled in QUESTION_SEQ and its
+            # selection gathered into sequence 0 beside it (kvcli/drivers/resident.py), as kvcli chat answers
+            resident = bool(set(modes) & {"reselect", "run"}) and not tok.info.sliding_layers
+            beside = max((b or 0 for b in budgets), default=0) + 128 if resident else 0
+            session = NativeSession(model_path, n_ctx=pad_cells(min(L, DEFAULT_CHUNK) if bounded_only
+                                                                else L + ROOM + beside),
                                     cache_type=cache_type, n_threads=threads,
-                                    n_seq=2 if set(modes) & set(BOUNDED) else 1)
+                                    n_seq=RESIDENT_SEQ + 1 if resident else 2 if set(modes) & set(BOUNDED) else 1)
             try:
                 for d in range(first_document, first_document + documents):
                     doc_seed = seed * 1000 + d
@@ -249,7 +254,20 @@ def _mode_context(session, text, planted, cfgs, full, max_tokens, store):
     return {"records": recs, "read_s": read_s}
 
 
+QUESTION_SEQ, RESIDENT_SEQ = 2, 3   # the resident path's sequences (the answer's is 0, a bounded mode's spare 1)
+
+
 def _mode_reselect(session, text, planted, cfgs, full, max_tokens, store, mode="reselect"):
+    if session.n_seq > RESIDENT_SEQ:   # held once for every question of this mode, freed for the next mode
+        store.make_resident(session, RESIDENT_SEQ)
+    try:
+        return _questions_reselected(session, text, planted, cfgs, max_tokens, store, mode)
+    finally:
+        session.clear(QUESTION_SEQ)
+        store.evict(session)
+
+
+def _questions_reselected(session, text, planted, cfgs, max_tokens, store, mode):
     recs, histories = [], {key: [] for key in cfgs}
     for i, fact in enumerate(planted):
         q = ask(fact["question"])
@@ -296,15 +314,30 @@ def _reselections(session, store, prompts: dict, cfgs: dict):
             if share:
                 seen.update(obs=obs, state=session.save_seq(0))
 
-        r = store.reselect(session, prompts[keys[0]], cfgs[keys[0]], on_step=grab)
+        resident = store.resident is not None
+        if resident:   # the question's prefilled sequence stays: each plan of the group is gathered from it
+            grab = (lambda obs, plan, seen=seen: seen.update(obs=obs))   # noqa: E731
+            session.clear(QUESTION_SEQ)
+        r = store.reselect(session, prompts[keys[0]], cfgs[keys[0]], on_step=grab,
+                           **({"seq": QUESTION_SEQ, "into": 0} if resident else {}))
+        if resident and r.seq != 0:   # nothing gathered (a configuration that keeps the whole prompt)
+            session.clear(0)
+            session.move_seq(QUESTION_SEQ, 0)
         yield keys[0], {"reselect_s": round(r.total_s, 4), "reselect_prefilled": r.prefilled}
         for key in keys[1:]:
             cfg, t0 = cfgs[key], time.perf_counter()
-            session.restore_seq(seen["state"], 0)
-            session.apply_plan(make_plan(cfg.spec, cfg.params, cfg.budget, seen["obs"], session.engine), seq=0)
+            plan = make_plan(cfg.spec, cfg.params, cfg.budget, seen["obs"], session.engine)
+            if resident:
+                session.clear(0)
+                session.gather(plan, QUESTION_SEQ, 0)
+            else:
+                session.restore_seq(seen["state"], 0)
+                session.apply_plan(plan, seq=0)
             yield key, {"shared_s": round(time.perf_counter() - t0, 4), "reselect_prefilled": r.prefilled,
                         "shared": True}
         seen.clear()
+        if resident:
+            session.clear(QUESTION_SEQ)
 
 
 def _in_order(recs: list[dict], cfgs: dict) -> list[dict]:
