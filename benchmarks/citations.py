@@ -27,9 +27,11 @@ from kvcli.generate import Sampler, Sampling
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 
-VARIANTS = {"upper half (kvcli)": lambda n: citations.layer_weights(n), "all layers": lambda n: np.ones(n),
-            "lower half": lambda n: 1.0 - citations.layer_weights(n),
-            "last quarter": lambda n: (np.arange(n) >= 3 * n // 4).astype(float)}
+LAYERS = {"upper half": lambda n: citations.layer_weights(n), "all layers": lambda n: np.ones(n),
+          "lower half": lambda n: 1.0 - citations.layer_weights(n),
+          "last quarter": lambda n: (np.arange(n) >= 3 * n // 4).astype(float)}
+# (tokens, layers): kvcli ranks by the tokens of words the question does not hold, over the upper half of the layers
+VARIANTS = [(t, lay) for t in ("new words", "all tokens") for lay in LAYERS]
 
 
 def judge(doc: Document, fact: dict, ranked: list) -> tuple[bool, bool]:
@@ -37,11 +39,12 @@ def judge(doc: Document, fact: dict, ranked: list) -> tuple[bool, bool]:
     return bool(hits and hits[0]), any(hits)
 
 
-def score_variants(doc, prompt_text, prompt_tokens, pieces, att, fact) -> dict:
+def score_variants(doc, prompt_text, prompt_tokens, pieces, atts, fact) -> dict:
     out = {}
-    for name, fn in VARIANTS.items():
-        ranked = citations.rank(doc, prompt_text, prompt_tokens, pieces, fn(att.shape[0]) @ att)
-        out[name] = judge(doc, fact, ranked)
+    for tokens, lay in VARIANTS:
+        att = atts[tokens]
+        ranked = citations.rank(doc, prompt_text, prompt_tokens, pieces, LAYERS[lay](att.shape[0]) @ att)
+        out[f"{tokens}, {lay}"] = judge(doc, fact, ranked)
     return out
 
 
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--run", action="store_true", help="also answer each question as kvcli run does (one prefill each)")
+    ap.add_argument("--no-chat", action="store_true", help="only the --run form")
     ap.add_argument("-o", "--out", default=None, help="JSON lines, one per answer, written as they come")
     a = ap.parse_args()
     session = NativeSession(resolve_model(a.model), n_ctx=0, n_threads=a.threads)
@@ -82,6 +86,15 @@ def one_logbook(a, session, sampler, seed: int, out) -> list:
     doc = Document(text, "text", "logbook")
     rows = []
     session.clear()
+    if not a.no_chat:
+        rows += chat_form(a, session, sampler, seed, doc, text, facts, out)
+    if a.run:
+        rows += run_form(a, session, sampler, seed, doc, facts, out)
+    return rows
+
+
+def chat_form(a, session, sampler, seed, doc, text, facts, out) -> list:
+    rows = []
     conv = Conversation(session, text, policy=a.policy, budget=a.budget, reselect=True)
     conv.store_turns = False
     t0 = time.perf_counter()
@@ -93,7 +106,8 @@ def one_logbook(a, session, sampler, seed: int, out) -> list:
             conv.reset()
         gen = conv.ask(f["question"], a.max_tokens, sampler)
         t1 = time.perf_counter()
-        att = citations.answer_attention(session, conv.seq, gen.tokens)
+        att, att_all = citations.answer_attention(session, conv.seq, gen.tokens,
+                                                  citations.novelty_weights(session, gen.tokens, f["question"]))
         cite_s = time.perf_counter() - t1
         ranked = citations.rank(doc, conv.prefix_text(), conv.prefix_tokens, pieces,
                                 citations.layer_weights(att.shape[0]) @ att)
@@ -101,18 +115,23 @@ def one_logbook(a, session, sampler, seed: int, out) -> list:
                      "right": f["answer"] in gen.text,
                      "first": judge(doc, f, ranked)[0], "top3": judge(doc, f, ranked)[1], "cite_s": round(cite_s, 3),
                      "cited": [c.as_json() for c in ranked],
-                     "variants": score_variants(doc, conv.prefix_text(), conv.prefix_tokens, pieces, att, f)}, out)
+                     "variants": score_variants(doc, conv.prefix_text(), conv.prefix_tokens, pieces,
+                                                {"new words": att, "all tokens": att_all}, f)}, out)
     conv.close()
-    if a.run:
-        for f in facts:
-            session.clear()
-            r = run_document(session, doc, f["question"], policy=a.policy, budget=a.budget, max_tokens=a.max_tokens,
-                             sampler=sampler, cite_answer=True)
-            ranked = r.citations.passages
-            emit(rows, {"form": "run", "seed": seed, "question": f["question"], "answer": r.answer,
-                        "right": f["answer"] in r.answer, "first": judge(doc, f, ranked)[0],
-                        "top3": judge(doc, f, ranked)[1], "cite_s": r.stats.get("cite_s"),
-                        "cited": r.citations.as_json()}, out)
+    return rows
+
+
+def run_form(a, session, sampler, seed, doc, facts, out) -> list:
+    rows = []
+    for f in facts:
+        session.clear()
+        r = run_document(session, doc, f["question"], policy=a.policy, budget=a.budget, max_tokens=a.max_tokens,
+                         sampler=sampler, cite_answer=True)
+        ranked = r.citations.passages
+        emit(rows, {"form": "run", "seed": seed, "question": f["question"], "answer": r.answer,
+                    "right": f["answer"] in r.answer, "first": judge(doc, f, ranked)[0],
+                    "top3": judge(doc, f, ranked)[1], "cite_s": r.stats.get("cite_s"),
+                    "cited": r.citations.as_json()}, out)
     return rows
 
 
@@ -123,7 +142,7 @@ def summary(rows: list) -> None:
         print(f"{form}: {len(right)}/{len(rs)} right; first cited passage holds the answer in "
               f"{sum(r['first'] for r in right)}/{len(right)} right answers ({sum(r['first'] for r in rs)}/{len(rs)} "
               f"of all), among the three cited in {sum(r['top3'] for r in right)}/{len(right)}")
-        for name in VARIANTS:
+        for name in (f"{t}, {lay}" for t, lay in VARIANTS):
             if all("variants" in r for r in rs):
                 print(f"  {name}: first {sum(r['variants'][name][0] for r in right)}/{len(right)}, "
                       f"top 3 {sum(r['variants'][name][1] for r in right)}/{len(right)}")

@@ -28,11 +28,13 @@ import numpy as np
 
 from kvcli.doc_formats import Document, convert
 from kvcli.errors import KvcliError
+from kvcli.planning.formats import MAX_WINDOWS
 
 TOP = 3                  # passages cited
 QUOTE_CHARS = 100        # a quote's length at most
 PASSAGE_MAX_CHARS = 240  # a longer line is cut into sentences (then into pieces of at most this)
 LAYERS_FROM = 0.5        # the layers summed: from this fraction of the depth on (docs/results/citations.md)
+OBS_BYTES = 256 << 20    # at most this many bytes of window sums are read back
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])[\"')\]]*\s+")
 
 
@@ -184,31 +186,79 @@ def slot_origins(session, seq: int) -> list[list[np.ndarray]]:
     return session._slot_origins(seq)
 
 
-def answer_attention(session, seq: int, answer_tokens: list[int]) -> np.ndarray:
-    """[n_layer, tokens read] the attention the answer's tokens gave each original position, per layer (summed over
-    its query heads and the answer's queries). The answer is the last len(answer_tokens) tokens of `seq`: they are
-    rolled back and prefilled again in one batch with the window observation armed over all of them, which leaves the
-    cache holding them again, the last logits theirs, and the sequence's bookkeeping as it was."""
+def segments(weights: list[float], most: int) -> list[tuple[int, int, float]]:
+    """The answer's tokens as at most `most` runs (start, end, weight): runs of equal weight, or, when there are more,
+    `most` equal parts weighted by their tokens' mean weight."""
+    n = len(weights)
+    runs = [i for i in range(n) if i == 0 or weights[i] != weights[i - 1]] + [n]
+    if len(runs) - 1 <= most:
+        return [(a, b, float(weights[a])) for a, b in zip(runs, runs[1:])]
+    cuts = sorted({round(i * n / most) for i in range(most)} | {n})
+    return [(a, b, float(np.mean(weights[a:b]))) for a, b in zip(cuts, cuts[1:])]
+
+
+def answer_attention(session, seq: int, answer_tokens: list[int], weights: list[float] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """([n_layer, tokens read] the attention the answer's tokens gave each original position, per layer, each token's
+    share weighted by `weights` (default 1), the same unweighted). The answer is the last len(answer_tokens) tokens
+    of `seq`: they are rolled back and prefilled again in one batch with the window observation armed over them,
+    which leaves the cache holding them again, the last logits theirs, and the sequence's bookkeeping as it was. The
+    engine sums a window's queries: one window per run of equal weight (`segments`, at most MAX_WINDOWS, fewer where
+    the sums of a long sequence would pass OBS_BYTES), each run's attention the difference of two windows."""
     n = len(answer_tokens)
     st = session.seq(seq)
+    info = session.info
+    most = max(1, min(MAX_WINDOWS, OBS_BYTES // max(1, info.n_layer * info.n_head * 4 * (st.cells + n))))
+    segs = segments(list(weights) if weights is not None else [1.0] * n, most)
+    windows = sorted({n - a for a, _, _ in segs})
     prompt_tokens, timings = st.prompt_tokens, dict(st.timings)
     session.rollback(seq, n)
     try:
-        obs = session.prefill(list(answer_tokens), seq=seq, observe=("window",), window=n)
+        obs = session.prefill(list(answer_tokens), seq=seq, observe=("window",), window=tuple(windows))
     finally:
         st.prompt_tokens, st.timings = prompt_tokens, timings
-    sums = obs.window_sums[0]                                   # [n_layer, n_head, slots]
-    info = session.info
+    by_len = dict(zip(obs.windows, obs.window_sums))          # window length -> [n_layer, n_head, slots]
+    full = by_len[n]
+    weighted = np.zeros_like(full)
+    for a, b, w in segs:
+        if w:
+            weighted += w * (by_len[n - a] - (by_len[n - b] if b < n else 0.0))
     group = info.n_head // info.n_head_kv
     origins = slot_origins(session, seq)
-    out = np.zeros((info.n_layer, st.tokens_read), np.float64)
+    out = np.zeros((2, info.n_layer, st.tokens_read), np.float64)
     for il in range(info.n_layer):
         for h in range(info.n_head_kv):
             pos = np.asarray(origins[il][h])
-            w = sums[il, h * group:(h + 1) * group].sum(0)
-            live = (pos >= 0) & (pos < out.shape[1])
-            np.add.at(out[il], pos[live], w[live])
-    return out
+            live = (pos >= 0) & (pos < out.shape[2])
+            for k, sums in enumerate((weighted, full)):
+                w = sums[il, h * group:(h + 1) * group].sum(0)
+                np.add.at(out[k, il], pos[live], w[live])
+    return out[0], out[1]
+
+
+def novelty_weights(session, answer_tokens: list[int], question: str | None) -> list[float] | None:
+    """1 for an answer token of a word the question does not hold, 0 for one of a word it does ("The emergency
+    channel of the north ridge is 2172.": the number) and for punctuation and spaces: the words an answer copies
+    from its question attend to every passage that holds them. None (every token counts) without a question, or when
+    every token would get 0."""
+    if not question:
+        return None
+    pieces = token_pieces(session, answer_tokens)
+    if pieces is None:
+        return None
+    asked = {w.lower() for w in re.findall(r"\w+", question)}
+    text = b"".join(pieces).decode("utf-8", "replace")
+    words = [(m.start(), m.end(), m.group().lower()) for m in re.finditer(r"\w+", text)]
+    out, at, k = [], 0, 0
+    for p in pieces:
+        piece = p.decode("utf-8", "replace")
+        lead = len(piece) - len(piece.lstrip())
+        c, at = at + lead, at + len(piece)
+        while k < len(words) and words[k][1] <= c:
+            k += 1
+        inside = k < len(words) and words[k][0] <= c < words[k][1] and piece.strip() != ""
+        out.append(0.0 if not inside or words[k][2] in asked else 1.0)
+    return out if any(out) else None
 
 
 def layer_weights(n_layer: int) -> np.ndarray:
@@ -271,10 +321,11 @@ def rank(doc: Document, prompt_text: str, prompt_tokens: list[int], pieces: list
 
 
 def cite(session, seq: int, answer_tokens: list[int], *, prompt_text: str, prompt_tokens: list[int],
-         document: Document | str, top: int = TOP) -> Citations:
+         document: Document | str, question: str | None = None, top: int = TOP) -> Citations:
     """The passages of `document` the answer (the last len(answer_tokens) tokens of `seq`) was decoded from, best
     first. `prompt_text` / `prompt_tokens`: the text and tokens whose positions the sequence's entries hold (the
-    document's part of them at least)."""
+    document's part of them at least). `question`: the answer's tokens of its words count for nothing
+    (`novelty_weights`)."""
     t0 = time.perf_counter()
     doc = document if isinstance(document, Document) else Document(document, "text")
     if not answer_tokens:
@@ -285,7 +336,7 @@ def cite(session, seq: int, answer_tokens: list[int], *, prompt_text: str, promp
         return Citations(note="the document was read in chunks whose kept entries were given new positions, so their "
                               "place in the document is not known (--chunk 0 reads a document that fits the context "
                               "in one go)")
-    att = answer_attention(session, seq, answer_tokens)
+    att, _ = answer_attention(session, seq, answer_tokens, novelty_weights(session, answer_tokens, question))
     scores = layer_weights(att.shape[0]) @ att
     out = Citations(rank(doc, prompt_text, prompt_tokens, token_pieces(session, prompt_tokens), scores, top))
     if not out.passages:
@@ -301,14 +352,16 @@ def cite_turn(conv, gen, document: Document | str | None = None, top: int = TOP)
     if gen.stopped == "interrupted":
         return Citations(note="the answer was interrupted")
     source = document if document is not None else getattr(conv, "source", None) or conv.document
+    question = conv.turns[-1].question if conv.turns else None
     return cite(conv.session, conv.seq, gen.tokens, prompt_text=conv.prefix_text(), prompt_tokens=conv.prefix_tokens,
+                question=question,
                 document=source, top=top)
 
 
 _ROLE_LINE = re.compile(r"\A\s*(system|user|assistant|developer|human|model)\s*\n", re.I)
 
 
-def prompt_document(session, prompt_tokens: list[int]) -> tuple[str, Document] | None:
+def prompt_document(session, prompt_tokens: list[int]) -> tuple[str, Document, str | None] | None:
     """A request's prompt as text (its tokens' pieces, special tokens included) and the document in it: the longest
     stretch of text between two control tokens (a chat template's message markers), less a leading role line (and
     its last line, the question, when it is the last message), with its Markdown headings as sections. None for an
@@ -326,19 +379,20 @@ def prompt_document(session, prompt_tokens: list[int]) -> tuple[str, Document] |
         text += piece
     spans.append((start, len(text)))
     s, e = max(spans, key=lambda x: x[1] - x[0])
-    body = text[s:e]
+    body, question = text[s:e], None
     m = _ROLE_LINE.match(body)
     if m:
         body = body[m.end():]
     if not any(_ROLE_LINE.sub("", text[a:b], count=1).strip() for a, b in spans if a > s):
         # the last message: its last line is the question (as kvcli serve takes it), not the document's
         body = body.rstrip()
-        body = body[:body.rfind("\n") + 1] if "\n" in body else body
+        if "\n" in body:
+            body, question = body[:body.rfind("\n") + 1], body[body.rfind("\n") + 1:]
     try:
         doc = convert(body.encode("utf-8"), "message", "markdown")
     except KvcliError:   # an empty message (or not UTF-8 text): plain text, no sections
         doc = Document(body, "text", "message")
-    return text, doc
+    return text, doc, question
 
 
 def cite_prompt(session, seq: int, answer_tokens: list[int], prompt_tokens: list[int], top: int = TOP) -> Citations:
@@ -348,7 +402,8 @@ def cite_prompt(session, seq: int, answer_tokens: list[int], prompt_tokens: list
     found = prompt_document(session, prompt_tokens)
     if found is None:
         return Citations(note="the reference engine does not cite")
-    text, doc = found
+    text, doc, question = found
     if not doc.text.strip():
         return Citations(note="the prompt holds no document")
-    return cite(session, seq, answer_tokens, prompt_text=text, prompt_tokens=prompt_tokens, document=doc, top=top)
+    return cite(session, seq, answer_tokens, prompt_text=text, prompt_tokens=prompt_tokens, document=doc,
+                question=question, top=top)

@@ -58,6 +58,23 @@ def test_quote_is_short_and_cut_around_the_peak():
     assert "42" in q and len(q) <= citations.QUOTE_CHARS + 6 and q.startswith("...")
 
 
+def test_segments_are_runs_of_equal_weight_or_equal_parts():
+    assert citations.segments([0, 0, 1, 1, 1, 0], 16) == [(0, 2, 0.0), (2, 5, 1.0), (5, 6, 0.0)]
+    parts = citations.segments([0, 1] * 10, 4)
+    assert [(a, b) for a, b, _ in parts] == [(0, 5), (5, 10), (10, 15), (15, 20)]
+    assert parts[0][2] == pytest.approx(0.4)
+
+
+def test_novelty_weights_count_the_words_the_question_does_not_hold(monkeypatch):
+    pieces = [b"The", b" emergency", b" chan", b"nel", b" is", b" ", b"2", b"1", b"7", b"2", b"."]
+    monkeypatch.setattr(citations, "token_pieces", lambda session, tokens: pieces)
+    w = citations.novelty_weights(None, list(range(len(pieces))), "What is the emergency channel of the north ridge?")
+    assert w == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0]
+    assert citations.novelty_weights(None, [0, 1], None) is None
+    monkeypatch.setattr(citations, "token_pieces", lambda session, tokens: [b"Yes", b"."])
+    assert citations.novelty_weights(None, [0, 1], "Yes or no?") is None   # nothing new: every token counts
+
+
 def _words(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+$", text)
 

@@ -124,7 +124,8 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
     gen: Generation = generate(session, max_tokens, sampler, seq=0, on_text=on_text)
     citations = None
     if cite_answer and source is not None and gen.stopped != "interrupted":
-        citations = cite(session, 0, gen.tokens, prompt_text=prompt, prompt_tokens=tokens, document=source)
+        citations = cite(session, 0, gen.tokens, prompt_text=prompt, prompt_tokens=tokens, document=source,
+                         question=instruction)
     stats = {"prompt_tokens": len(tokens), "generated_tokens": len(gen.tokens)}
     stats.update(session.stats(0))
     stats.update(report.as_stats())
