@@ -3,21 +3,25 @@ for it (the HTTP layer is kvcli/apps/serve_http.py).
 
 A request's rendered prompt (its messages through the model's chat template, or a completion's text) is matched
 against the stored full caches, llama-server's rule: the store whose tokens share the longest common prefix with
-the prompt is restored up to that prefix, the rest of the prompt is prefilled with the policy's observation,
-planned and compacted (StoredDocument.reselect, the re-selection `kvcli chat` does), and the answer is decoded
-from the compressed cache:
+the prompt is used up to that prefix. Its document is resident in the context (kvcli/drivers/resident.py: read into
+a sequence of its own, or restored there once): the request's question sequence shares its cells up to that prefix
+(no bytes copied), the rest of the prompt is prefilled there with the policy's observation, planned, and the plan's
+entries gathered into the answer's sequence (`StoredDocument.reselect(into=...)`, kvcli_gather_plan), from which the
+answer is decoded:
 
-    stored full caches       [ system + document + question 1 ][ ... ]      (on disk and in memory, LRU-capped)
-    request 2's prompt       [ system + document ][ question 2 ]
-                              restored ^^^^^^^^^^  ^^^^^^^^^^^^ prefilled with observation -> plan -> compact
+    context cells      [ system + document (resident) ][ question 2 ][ question 2's selection + answer ]
+    request 2's prompt [ system + document            ][ question 2 ]
+                        shared ^^^^^^^^^^^^^^^^^^^^^^  prefilled with observation -> plan -> gathered
 
-The first request that shares no prefix of REUSE_MIN tokens with a store reads its whole prompt into a new store
-(`read_in_memory`; a prompt under NEW_STORE_MIN tokens is not kept), then re-selects from it;
-later requests that start with the same document (another question, another conversation, another client) restore
-it instead of reading it. A re-selection that prefilled at least
-NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted answer) keeps the prompt's full
-cache as a store of its own; each store also keeps the last prompt re-selected from it (its `extension`, as in
-`kvcli chat`), so a conversation's next turn prefills only the last answer and the new question.
+The first request that shares no prefix of REUSE_MIN tokens with a store reads its whole prompt into a new resident
+document (a prompt under NEW_STORE_MIN tokens is not kept); later requests that start with the same document
+(another question, another conversation, another client) share it instead of reading it. A re-selection that
+prefilled at least NEW_STORE_MIN tokens (a new document after a shared system prompt, a long pasted answer) keeps
+the prompt's full cache as a store of its own; each resident document also keeps the last prompt re-selected from
+it (its `extension`, a sequence sharing its cells), so a conversation's next turn prefills only the last answer and
+the new question. Up to four documents are resident at once, the least recently used freed when another needs the
+room (its file stays: it is restored into the context when next asked about). A model with sliding-window layers
+restores the stored cache into the answer's sequence per request instead (`_answer_restored`).
 
 A column-sum policy (h2o, d2o) cannot restore part of a store: its sums are those of all the stored queries. Its
 first request stores the prompt less its last STORE_TAIL tokens, which the same prompt again restores whole; a
@@ -34,9 +38,10 @@ store is never cut back: a later prompt must start with all of its tokens. Polic
 
 Stores live behind `DocumentStore` (best match, add, touch, evict): `DiskStore` (--store disk, the default) writes
 each as a `cached` entry of kvcli's document store (listed by `kvcli documents list`, capped, loaded again after a
-restart) and holds a working set in memory; `MemoryStore` (--store memory) keeps them in memory only; both up to
---store-max-bytes, least recently used evicted. One model, one sequence: requests run one at a time (the HTTP
-layer queues them); nothing here is thread-safe by itself.
+restart), its working set the documents resident in the context (none held in memory besides); `MemoryStore`
+(--store memory) keeps the others as in-memory snapshots; both up to
+--store-max-bytes, least recently used evicted. One model: requests run one at a time (the HTTP layer queues
+them); nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
