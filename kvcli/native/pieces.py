@@ -76,12 +76,7 @@ def restore_pieces(session, pieces: Iterable, seq: int, scratch: int, next_pos: 
     if rope and session.rope_regime and rope != session.rope_regime:
         raise KvcliError(f"the sequence was rotated with the {rope} LongRoPE factors, a context of "
                          f"{session.n_ctx} cells rotates with the {session.rope_regime} ones")
-    want = next_pos if cells is None else cells
-    if session.cells_used() - session.seqs[seq].cells + want > session.n_ctx:
-        from kvcli.native.session import ContextFull  # noqa: PLC0415
-        raise ContextFull(f"a {want}-cell sequence does not fit: {session.cells_used()} of {session.n_ctx} "
-                          "cells are in use")
-    session.clear(seq)
+    session.clear(seq)   # room: checked by NativeSession.restore_seq_pieces (ContextFull is its error)
     L, mem = session.L, session.mem
     try:
         for piece in pieces:

@@ -691,6 +691,11 @@ class NativeSession:
     def restore_seq_pieces(self, parts, seq: int, scratch: int, next_pos: int, cells: int | None = None,
                            prompt_tokens: int | None = None, rope: str | None = None) -> int:
         """restore_seq of save_seq_pieces' pieces, read one at a time (kvcli/native/pieces.py)."""
+        self.seq(seq)  # range check
+        want = next_pos if cells is None else cells
+        if self.cells_used() - self.seqs[seq].cells + want > self.n_ctx:
+            raise ContextFull(f"a {want}-cell sequence does not fit: {self.cells_used()} of {self.n_ctx} "
+                              "cells are in use")
         return pieces.restore_pieces(self, parts, seq, scratch, next_pos, cells, prompt_tokens, rope)
 
 
