@@ -116,6 +116,8 @@ def peer(args) -> None:
             ratio = 1.0 - args.budget / n_context
             press = {"kvzip": lambda ratio=ratio: KVzipPress(compression_ratio=ratio),
                      "snapkv": lambda ratio=ratio: SnapKVPress(compression_ratio=ratio),
+                     "keydiff": lambda ratio=ratio: kvpress.KeyDiffPress(compression_ratio=ratio),
+                     "tova": lambda ratio=ratio: kvpress.TOVAPress(compression_ratio=ratio),
                      "none": lambda: None}[press_name]()
             load0 = os.getloadavg()[0]
             started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -254,7 +256,7 @@ def main() -> None:
     b.add_argument("--model", required=True, help="the GGUF file")
     b.add_argument("--docs", required=True)
     b.add_argument("--budget", type=int, default=1024)
-    b.add_argument("--presses", default="kvzip,none,snapkv")
+    b.add_argument("--presses", default="kvzip,none,snapkv", help="comma-separated: kvzip, none, snapkv, keydiff, tova")
     b.add_argument("--max-new-tokens", type=int, default=16)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--out", required=True)
