@@ -12,8 +12,12 @@ import subprocess
 import sys
 
 import pytest
+from pathlib import Path
 
-from conftest import EXAMPLES, KVCLI, ROOT
+ROOT = Path(__file__).resolve().parents[1]   # (not from conftest: tests/reference has a conftest too)
+EXAMPLES = ROOT / "examples"
+KVCLI = [sys.executable, "-m", "kvcli.cli"]
+
 
 BLOCKED = ("torch", "transformers", "accelerate")
 HINT = "pip install 'kvcli[reference]'"

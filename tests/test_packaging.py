@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, ROOT
 from kvcli.native import build as nb
+
+ROOT = Path(__file__).resolve().parents[1]   # (not from conftest: tests/reference has a conftest too)
+EXAMPLES = ROOT / "examples"
 
 
 def test_cmake_args_as_llama_cpp_python_reads_them():
