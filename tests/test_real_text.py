@@ -145,6 +145,7 @@ def test_summary_scores_flag_invented_numbers_and_names():
     assert s["unsupported"] == ["10", "kWh", "Peter", "Smith"] and 0 < s["supported"] < 1   # Maria, MWh, 212 stand
     assert 0 < s["agreement_f1"] < 1
     assert summary_scores("It is a garden.", doc)["supported"] == 1.0
+    assert summary_scores("An open-source garden keeps TCP_NODELAY.", doc)["unsupported"] == ["TCP_NODELAY"]
 
 
 # ------------------------------------------------------------------------------ fidelity

@@ -275,7 +275,9 @@ def claims(text: str) -> list[str]:
     """The numbers and names a text states: numbers of two or more characters, capitalised words not at the start
     of a sentence, identifiers."""
     nums = [m.group(0) for m in _NUM.finditer(text) if len(m.group(0)) >= 2 or m.group(0).isdigit()]
-    names = [m.group(0) for m in _NAME.finditer(text)] + [m.group(0) for m in _CAP.finditer(text)]
+    names = [m.group(0) for m in _NAME.finditer(text)
+             if not re.fullmatch(r"[a-z]+(?:-[a-z]+)+", m.group(0))]   # "open-source" is a word, not a name
+    names += [m.group(0) for m in _CAP.finditer(text)]
     return list(dict.fromkeys(nums + names))
 
 
