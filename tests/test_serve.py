@@ -232,6 +232,24 @@ def test_disconnect_mid_answer_stops_it(server, client, document):
     assert line and int(line[-1].split(" generated")[0].rsplit(" ", 1)[1]) < 400
 
 
+def test_resident_document_answers_later_questions_and_cites_on_request(server, client, document):
+    """Later questions about a document share its resident cells (nothing restored, nothing read), each answered from
+    a selection gathered for it; `kvcli.cite` adds the passages the answer came from, ranked, lines of the message."""
+    q1, q2 = (f["question"] for f in document[1][:2])
+    client.chat.completions.create(model=server["model"], messages=messages(document, q1))
+    plain = client.chat.completions.create(model=server["model"], messages=messages(document, q2))
+    s = stats(plain)
+    assert s["document_read_tokens"] == 0 and s["resident_documents"] >= 1
+    assert s["reselect_restore_s"] < 0.05 and "citations" not in plain.model_extra
+    cited = client.chat.completions.create(model=server["model"], messages=messages(document, q2),
+                                           extra_body={"kvcli": {"cite": True}})
+    got = cited.model_extra["citations"]
+    assert got and [c["rank"] for c in got] == list(range(1, len(got) + 1))
+    assert all(c["quote"] and c["quote"] in document[0] for c in got)
+    assert cited.choices[0].message.content == plain.choices[0].message.content
+    alive(server)
+
+
 def test_conversation_turn_restores_the_last_prompt(server, client, document):
     """The next turn of a conversation (its messages, the answer, a new question) restores the last prompt's full
     cache kept beside the document, not the document alone."""

@@ -45,12 +45,14 @@ them); nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
 from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_positions, plan_chunking, requantises
+from kvcli.citations import cite_prompt
 from kvcli.apps.serve_stores import (REUSE_MIN, DiskStore, DocumentStore, MemoryStore,  # noqa: F401 (MemoryStore:
                                      read_in_memory)                                   # kvcli serve's to import)
 from kvcli.drivers.reselect import STORE_TAIL, StoreMissing, StoredDocument, common_prefix
@@ -101,6 +103,7 @@ class Choice:
     max_tokens: int
     sampling: Sampling
     stop: list[str] = field(default_factory=list)
+    cite: bool = False            # name the passages the answer came from (kvcli/citations.py): one more prefill
 
 
 class Stopped(KeyboardInterrupt):
@@ -115,6 +118,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     stats: dict
+    citations: list | None = None   # Choice.cite: the passages, ranked (kvcli/citations.py)
 
 
 class StopFilter:
@@ -270,6 +274,7 @@ class Engine:
         cfg = self.check(c)
         t0 = time.perf_counter()
         n = len(prompt)
+        self._prompt = prompt   # the citations' document (Choice.cite)
         if chunk is not None:
             return self._answer_bounded(prompt, c, cfg, chunk, t0, on_text, cancelled)
         colsum = "colsum" in cfg.observe[0]
@@ -414,7 +419,7 @@ class Engine:
                  "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
                  "peak_rss_bytes": peak_rss_bytes(), **more, **self.store.stats()}
         return Answer(text=gen.text, finish_reason=finish, prompt_tokens=n, completion_tokens=len(gen.tokens),
-                      stats=stats)
+                      stats=stats, citations=getattr(gen, "citations", None))
 
     def _answer_bounded(self, prompt: list[int], c: Choice, cfg, chunk: int, t0: float, on_text, cancelled) -> Answer:
         """A prompt served in bounded form: the bounded store whose tokens all start it is re-selected, or its
@@ -485,7 +490,14 @@ class Engine:
         """The compressed cache's stats, then the answer decoded: (stats, generation, finish reason, when it began)."""
         st = self.session.stats(seq)
         t1 = time.perf_counter()
-        return (st, *self._decode(c, on_text, cancelled, seq), t1)
+        gen, finish = self._decode(c, on_text, cancelled, seq)
+        if c.cite and finish != "cancelled":   # while `seq` still holds the answer
+            try:
+                gen.citations = cite_prompt(self.session, seq, gen.tokens, self._prompt).as_json()
+            except KvcliError as e:
+                gen.citations = []   # nothing to cite from (the reason is the log's)
+                print(f"kvcli serve: no citations: {e}", file=sys.stderr, flush=True)
+        return st, gen, finish, t1
 
     def _decode(self, c: Choice, on_text, cancelled, seq: int = ANSWER_SEQ):
         out = StopFilter(c.stop, on_text or (lambda piece: None))

@@ -167,9 +167,11 @@ def parse_choice(body: dict, defaults: Choice) -> Choice:
     c = defaults
     ext = body.get("kvcli")
     if ext is not None:
-        if not isinstance(ext, dict) or set(ext) - {"policy", "budget", "policy_args"}:
-            raise ApiError(400, "'kvcli' must be an object with 'policy', 'budget' and/or 'policy_args'",
+        if not isinstance(ext, dict) or set(ext) - {"policy", "budget", "policy_args", "cite"}:
+            raise ApiError(400, "'kvcli' must be an object with 'policy', 'budget', 'policy_args' and/or 'cite'",
                            param="kvcli")
+        if not isinstance(ext.get("cite", False), bool):
+            raise ApiError(400, "'kvcli.cite' must be true or false", param="kvcli")
         policy = ext.get("policy", c.policy)
         if not isinstance(policy, str) or not policy:
             raise ApiError(400, "'kvcli.policy' must be a policy name (kvcli policies lists them)", param="kvcli")
@@ -180,7 +182,8 @@ def parse_choice(body: dict, defaults: Choice) -> Choice:
         budget = ext.get("budget", c.budget)
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ApiError(400, "'kvcli.budget' must be a positive integer", param="kvcli")
-        c = replace(c, policy=policy, budget=None if policy == "full" else budget, policy_args=args)
+        c = replace(c, policy=policy, budget=None if policy == "full" else budget, policy_args=args,
+                    cite=ext.get("cite", False))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, 100000, integer=True)
@@ -381,7 +384,8 @@ class Server:
         else:
             item["text"] = answer.text
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.engine.model_id,
-                             "choices": [item], "usage": _usage(answer), "kvcli": answer.stats})
+                             "choices": [item], "usage": _usage(answer), "kvcli": answer.stats,
+                             **({} if answer.citations is None else {"citations": answer.citations})})
 
     async def _stream(self, request, prompt, choice, rid, chat, include_usage, started, route):
         loop = asyncio.get_running_loop()
@@ -430,7 +434,8 @@ class Server:
                     return
                 if value is None:
                     return
-                yield chunk({}, finish=value.finish_reason, kvcli=value.stats)
+                yield chunk({}, finish=value.finish_reason, kvcli=value.stats,
+                            **({} if value.citations is None else {"citations": value.citations}))
                 if include_usage:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.engine.model_id,
                                 "choices": [], "usage": _usage(value)})
