@@ -199,6 +199,17 @@ def seq_positions(ctx, seq: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------ compaction
+def _checked_view(ctx, seq: int, plan: Plan, head_dim: int):
+    """The plan's C view (and what keeps its arrays alive), after checking it against `seq`'s slots."""
+    L = lib()
+    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
+    try:
+        plan.validate(n, head_dim)
+    except ValueError as e:
+        raise KvcliError(str(e)) from None
+    return plan_view(plan, head_dim)
+
+
 def apply_plan(ctx, seq: int, plan: Plan, head_dim: int, reindex_p0: int | None = None) -> int:
     """Compact `seq` as the plan says; returns the cells it holds now (plan.max_kept).
 
@@ -209,12 +220,7 @@ def apply_plan(ctx, seq: int, plan: Plan, head_dim: int, reindex_p0: int | None 
     continues at p0 + B;
     refused for a sequence once compacted without re-indexing (`is_reindexable`)."""
     L = lib()
-    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
-    try:
-        plan.validate(n, head_dim)
-    except ValueError as e:
-        raise KvcliError(str(e)) from None
-    view, _keep = plan_view(plan, head_dim)
+    view, _keep = _checked_view(ctx, seq, plan, head_dim)
     if reindex_p0 is None:
         return L.check(L.kvcli_apply_plan(ctx, int(seq), ctypes.byref(view)), "applying the plan")
     if int(reindex_p0) < 0:
@@ -228,12 +234,7 @@ def gather_plan(ctx, src: int, dst: int, plan: Plan, head_dim: int) -> int:
     would compact `src`, leaving `src` (and every cell it shares with a resident document) untouched; returns
     the cells `dst` holds (plan.max_kept). Decoding `dst` continues at `src`'s next position."""
     L = lib()
-    n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(src)), "reading the sequence")
-    try:
-        plan.validate(n, head_dim)
-    except ValueError as e:
-        raise KvcliError(str(e)) from None
-    view, _keep = plan_view(plan, head_dim)
+    view, _keep = _checked_view(ctx, src, plan, head_dim)
     return L.check(L.kvcli_gather_plan(ctx, int(src), int(dst), ctypes.byref(view)), "gathering the plan")
 
 
