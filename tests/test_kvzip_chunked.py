@@ -11,7 +11,7 @@ import pytest
 
 from kvcli.drivers.chunked import DEFAULT_CHUNK, _carry, plan_chunking, read_in_chunks
 from kvcli.drivers.compress import compress_as
-from kvcli.drivers.reconstruct import pass_cells, passes, repeat_room
+from kvcli.policies.reconstruction import pass_cells, passes, repeat_room
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import resolve, session_cells
 from kvcli.policies.kvzip import REPEAT_CHUNK, REPEAT_FIRST
@@ -159,7 +159,7 @@ def test_check_chunked_kvzip_both_engines_agree(tiny):
 def test_pass_decoded_in_short_calls_gives_the_same_maxima(tiny, monkeypatch):
     """Bounded reading decodes a pass in calls of `pass_rows` tokens (the observation's softmax rows bound the compute
     buffer): the maxima over the calls are those of one call per pass."""
-    from kvcli.drivers import reconstruct as R
+    from kvcli.policies import reconstruction as R
     s = tiny_session(tiny, "native")
     toks = s.tokenize(DOC)[:300]
     s.prefill(toks)

@@ -79,7 +79,7 @@ def test_reconstruction_leaves_the_sequence_as_it_was(tiny_2k):
     (a small context) scores every slot; the maxima are probabilities."""
     import numpy as np
 
-    from kvcli.drivers.reconstruct import passes, reconstruct
+    from kvcli.policies.reconstruction import passes, reconstruct
     from kvcli.native.session import NativeSession
     s = NativeSession(tiny_2k, n_ctx=768, cache_type="f32", flash_attn=False)
     try:

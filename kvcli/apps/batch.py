@@ -40,9 +40,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvcli import policies
 from kvcli.drivers.lockstep import Lockstep
-from kvcli.drivers.chunked import plan_chunking, reconstructs
-from kvcli.drivers.reconstruct import repeat_room
+from kvcli.drivers.chunked import plan_chunking
 from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.documents import convert_bytes
 from kvcli.errors import KvcliError
@@ -342,7 +342,7 @@ class Worker:
         self.reader = None   # the reading context, grown to the largest document read so far
         self.store = None    # several questions: the stored full cache of the document being asked
         self.store_of = None   # (path, sha256) of that document
-        self.configs = {}    # several questions: the policy resolved per question (windowkv's task=auto)
+        self.configs = {}    # several questions: the policy resolved per question (PolicySpec.resolve_instruction)
 
     def close(self) -> None:
         self._drop_store()
@@ -435,9 +435,10 @@ class Worker:
         seq = lock.free_seq()
         read_s = None
         try:
-            # kvzip's reconstruction pass holds its chunk after the prompt (bounded reading: after the chunk read)
-            room = repeat_room(ready.chunking.chunk or len(ready.tokens), self._cfg(ready.job).params["repeat_chunk"]) \
-                if reconstructs(s.policy) else 0
+            # a policy's second pass holds its chunk after the prompt (bounded reading: after the chunk read)
+            spec = policies.get(s.policy)
+            room = spec.room_after(ready.chunking.chunk or len(ready.tokens), self._cfg(ready.job).params) \
+                if spec.second_pass is not None else 0
             reader = self._reader(ready.peak + room)
             try:
                 if ready.stored:

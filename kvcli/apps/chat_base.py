@@ -189,7 +189,7 @@ class Conversation:
             print(f"kvcli: {line}", file=sys.stderr, flush=True)
 
     def _cfg(self, question: str | None):
-        """The policy resolved for the model (windowkv's task=auto classifies the question)."""
+        """The policy resolved for the model (parameters resolved from the question: PolicySpec.resolve_instruction)."""
         return resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
 
     def fit_context(self) -> None:

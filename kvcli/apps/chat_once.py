@@ -162,7 +162,7 @@ class CompressedOnce(Conversation, kind="once"):
 
     # ------------------------------------------------------------------ reporting
     def _mode_stats(self, s: dict) -> None:
-        if self.report is not None:   # compressed once: how the document was read (chunks, kvzip's pass)
+        if self.report is not None:   # compressed once: how the document was read (chunks, a policy's second pass)
             s.update(self.report.as_stats())
 
     def _mode_row(self, s: dict) -> str:

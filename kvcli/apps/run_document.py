@@ -140,7 +140,7 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
     if notes:
         stats["note"] = "; ".join(notes)
     if report.params and "task" in report.params:
-        stats["task"] = report.params["task"]  # what windowkv's task=auto picked
+        stats["task"] = report.params["task"]  # what a task=auto (resolve_instruction) picked
     if citations is not None:
         stats["cite_s"] = round(citations.seconds, 4)
     return RunResult(answer=gen.text, model=str(session.model_path), policy=policy, budget=budget, stats=stats,

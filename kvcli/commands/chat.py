@@ -125,7 +125,8 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
     if question and question_opt and question.strip() != question_opt.strip():
         raise KvcliError("give the question either as QUESTION or as --question, not two different ones")
     question = (question or question_opt or "").strip() or None
-    # a question-agnostic policy (kvzip) is compressed once: re-selecting it per question would score the same
+    # a question-agnostic policy (PolicySpec.agnostic) is compressed once: re-selecting it per question would
+    # score the same
     reselect = not compress_once and req.policy != "full" and not policies.get(req.policy).agnostic
     if store and not reselect:
         raise KvcliError("--store keeps the full cache of re-selection: drop it, or --compress-once, or choose a "

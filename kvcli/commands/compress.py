@@ -39,8 +39,9 @@ from kvcli.drivers.reselect_bounded import MANIFEST, check_store_target
               "bounded chunks as bounded reading reads it, which needs --policy P --budget N (a window policy, "
               "for the reading): -o names a folder, written with store.json (model, tokens, each chunk's SHA-256) "
               "and one file per chunk.")
-@click.option("--colsum", is_flag=True, help="With --store: also store the attention column sums that h2o and d2o "
-              "score by (stored anyway when --policy is one of them), so that every policy can re-select from the "
+@click.option("--colsum", is_flag=True, help="With --store: also store the attention column sums that the column-sum "
+              "policies score by (h2o and the others `kvcli policies --explain` says observe colsum; stored anyway "
+              "when --policy is one of them), so that every policy can re-select from the "
               "file. Observing them makes the read slower: 1.4x to 2x on the default model (2,048 tokens, 2 "
               "threads on a busy machine: 34-47 s without, 48-74 s with), and the file larger by 4.7% (11% for "
               "qwen2.5-coder-0.5b).")

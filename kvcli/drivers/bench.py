@@ -46,8 +46,7 @@ import numpy as np
 import kvcli
 from kvcli import policies
 from kvcli.drivers.lockstep import Lockstep
-from kvcli.drivers.chunked import plan_chunking, reconstructs
-from kvcli.drivers.reconstruct import repeat_room
+from kvcli.drivers.chunked import plan_chunking
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.documents import read_document
 from kvcli.errors import KvcliError
@@ -140,10 +139,9 @@ def cache_type_problem(cache_type: str, model_path) -> str | None:
 
 
 def context_cells(n_prompt: int, gen: int, n_ctx_train: int, policies_=()) -> int:
-    """Cells for a prompt and its `gen` tokens; with a policy of `policies_` that reads the prompt again after it
-    (kvzip), room for its reconstruction pass instead when that is more."""
-    if any(reconstructs(p) for p in policies_):
-        gen = max(gen, repeat_room(n_prompt, policies.get("kvzip").param("repeat_chunk").default))
+    """Cells for a prompt and its `gen` tokens; with a policy of `policies_` that has a second pass after the prompt
+    (`PolicySpec.room_after`, with its defaults), room for that pass instead when that is more."""
+    gen = max([gen] + [policies.get(p).room_after(n_prompt) for p in policies_])
     need = n_prompt + gen + 1
     return min(-(-need // CTX_PAD) * CTX_PAD, max(n_ctx_train, need))
 

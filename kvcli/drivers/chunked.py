@@ -27,23 +27,21 @@ Which queries score a chunk (`scoring`), for the policies that observe a window:
 - "chunk": the chunk's own last window (plain SnapKV applied chunk by chunk). On a document that
   does not end in its question this is the only meaningful choice; with a question at the end it
   lets entries the question needs go before the question arrives (docs/long-documents.md).
-Column-sum policies (h2o, d2o) and streamingllm are not probed: their scores are not a window's. Nor is
-expected_attention (question-agnostic): each chunk is scored by the statistics of its own last `window` queries (all
-of a shorter chunk's) and the rotation of the positions after it, the most recent queries as in one prefill.
+Column-sum policies and those that observe nothing are not probed: their scores are not a window's. Nor is a policy
+that observes queries (question-agnostic): each chunk is scored by the statistics of its own last `window` queries
+(all of a shorter chunk's) and the rotation of the positions after it, the most recent queries as in one prefill.
 
-kvzip (question-agnostic) is scored by its reconstruction pass run chunk by chunk (kvcli/drivers/reconstruct.py,
-`start`/`end`): after a chunk is prefilled, "repeat the previous context" (REPEAT_NEXT + the last REPEAT_OVERLAP
-tokens before the chunk for a chunk after the first) and the chunk's tokens again are prefilled with column maxima
-observed over every held slot (the kept entries and the chunk), then rolled back; a kept entry's score is the
-larger of the maximum it carries from earlier chunks and the new chunk's (`_carry`, combined by max): the maximum
-over all passes, as the one-prefill pass takes it, over the passes that ran while the entry was held. Reported as
-chunk_scoring "reconstruction"; its seconds are `reconstruct_s` (part of compress_s).
+A policy with a second pass (`PolicySpec.second_pass`, kvcli.policies.base.SecondPass) is scored by that pass run
+chunk by chunk (`start`/`end`, `bounded`): after a chunk is prefilled the pass scores every held slot (the kept
+entries and the chunk), then is rolled back; a kept entry's score is the one it carries from earlier chunks combined
+with the new chunk's (`SecondPass.merge`, the carried scores moved with `_carry`). Reported as the pass's
+chunk_scoring (`SecondPass.scoring`); its seconds are `reconstruct_s` (part of compress_s).
 
 Memory bound: the cache never holds more than `cap` = budget + chunk cells (+ the answer). A
-policy whose widest layer keeps more than `budget` entries (pyramidkv, dynamickv, compresskv, ...)
-gets shorter chunks, never a bigger cache. kvzip's reconstruction pass adds its own cells while it runs: at most
-budget + chunk + `reconstruct.pass_cells` (min(repeat_chunk, chunk) + the longest instruction, ~20 tokens); the
-report's `cap` (stats `cache_cap`) is that bound, and the context is sized for it (`plan_chunking`).
+policy whose widest layer keeps more than `budget` entries (a layer schedule: `PolicySpec.widest`)
+gets shorter chunks, never a bigger cache. A second pass adds its own cells while it runs: at most
+budget + chunk + `SecondPass.held`; the report's `cap` (stats `cache_cap`) is that bound, and the context is sized
+for it (`plan_chunking`, `SecondPass.room`).
 
 What each policy carries across chunks is stated in `kvcli.policies.notes.chunked_note` (and `kvcli policies
 --explain`).
@@ -56,7 +54,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcli import policies
-from kvcli.drivers.reconstruct import pass_cells, pass_rows, reconstruct_scores, repeat_room
 from kvcli.config import env_bytes
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
@@ -95,11 +92,12 @@ def pad_cells(n: int) -> int:
     return -(-n // CTX_PAD) * CTX_PAD
 
 
-def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, budget: int | None,
+def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget: int | None,
                   chunk: int | None = None, max_cache: int | None = None, *, cell_bytes: int,
                   limit_name: str | None = None) -> Chunking:
     """Decide chunked or not, and the context size.
 
+    `policy`: its name, or a Compression (kvcli.planning.planner) resolved already.
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
     `chunk`: None = automatic, 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
     `cell_bytes`: K + V bytes of one uncompressed cell (the session's bytes_per_cell()). `limit_name`: how
@@ -117,6 +115,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
             raise KvcliError(f"--max-cache must be >= 1 (got {max_cache})")
         if max_cache > n_ctx_train:
             raise KvcliError(f"--max-cache {max_cache} is larger than the model's context ({n_ctx_train} tokens)")
+    if isinstance(policy, Compression):
+        policy = policy.policy
     limit = max_cache or n_ctx_train
     where = f"--max-cache ({max_cache} cells)" if max_cache else \
         limit_name or f"the model's context ({n_ctx_train} tokens)"
@@ -129,14 +129,16 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
     asked = reserve
-    repeat = policies.get(policy).param("repeat_chunk").default if reconstructs(policy) else 0
-    if repeat:   # kvzip: room for its reconstruction pass after the prompt (kvcli/drivers/reconstruct.py)
-        reserve = max(reserve, repeat_room(n_prompt, repeat))
+    spec = policies.get(policy)
+    extra = spec.second_pass   # a second pass needs room after the prompt (its defaults: SecondPass.room)
+    defaults = spec.defaults() if extra is not None else None
+    if extra is not None:
+        reserve = max(reserve, extra.room(n_prompt, defaults))
     # bounded reading by default; not for the question-agnostic policies, whose quality figures (docs/results.md)
     # are their one-prefill scores': they read in chunks when asked (--chunk N, --max-cache) or when the prompt does
     # not fit the context
     bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK
-               and n_prompt * cell_bytes > bounded_above_bytes() and bounds_by_default(policy))
+               and n_prompt * cell_bytes > bounded_above_bytes() and not spec.agnostic)
     if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
@@ -146,8 +148,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         raise KvcliError(f"the prompt ({n_prompt} tokens) must be read in chunks: policy '{policy}' needs --budget N")
     room = min(asked, MIN_ROOM)   # the least room left for the answer / conversation
 
-    def after(c: int) -> int:   # cells after budget + chunk: the answer's, or kvzip's pass over the chunk (more)
-        return max(room, repeat_room(c, repeat)) if repeat else room
+    def after(c: int) -> int:   # cells after budget + chunk: the answer's, or a second pass's over the chunk (more)
+        return max(room, extra.room(c, defaults)) if extra is not None else room
     if chunk is None:
         chunk = min((max_cache - budget) if max_cache else DEFAULT_CHUNK + after(DEFAULT_CHUNK),
                     n_ctx_train - budget)
@@ -155,16 +157,16 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
         if chunk < MIN_CHUNK:
             raise KvcliError(f"{where} leaves {max(chunk, 0)} cells to read the document through "
                              f"(budget {budget} + {after(max(chunk, 0))} for the answer"
-                             f"{' and the reconstruction pass' if repeat else ''}): lower --budget")
+                             f"{f' and the {extra.name}' if extra is not None else ''}): lower --budget")
     if chunk < MIN_CHUNK:
         raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
     if budget + chunk + after(chunk) > limit:
         raise KvcliError(f"budget {budget} + chunk {chunk} + {after(chunk)} cells for the answer"
-                         f"{' and the reconstruction pass over a chunk' if repeat else ''} do not fit {where}")
+                         f"{f' and the {extra.name} over a chunk' if extra is not None else ''} do not fit {where}")
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
-    if repeat:   # the pass runs over one chunk, not the prompt: the context holds budget + chunk + the pass
-        reserve = max(asked, repeat_room(chunk, repeat))
+    if extra is not None:   # the pass runs over one chunk, not the prompt: the context holds budget + chunk + it
+        reserve = max(asked, extra.room(chunk, defaults))
     n_ctx = max_cache if max_cache else min(pad_cells(budget + chunk + reserve), n_ctx_train)
     why = "the prompt does not fit the context" if not fits else "bounded reading (the default with a budget)" \
         if bounded and not max_cache else f"--chunk {chunk}"
@@ -172,7 +174,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy: str, bu
 
 
 def _fit_chunk(space: int, after) -> int:
-    """The longest chunk c with c + after(c) <= space (after(c) grows by at most c: kvzip's pass over the chunk)."""
+    """The longest chunk c with c + after(c) <= space (after(c) grows by at most c: a second pass over the chunk)."""
     lo, hi = 0, max(space, 0)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -182,13 +184,8 @@ def _fit_chunk(space: int, after) -> int:
 
 def bounds_by_default(policy: str) -> bool:
     """Whether bounded reading turns on by itself above BOUNDED_ABOVE_BYTES: not for the question-agnostic
-    policies (kvzip, expected_attention), whose measured quality is their one-prefill scores'."""
+    policies (`PolicySpec.agnostic`), whose measured quality is their one-prefill scores'."""
     return not policies.get(policy).agnostic
-
-
-def reconstructs(policy: str) -> bool:
-    """Policies whose reconstruction pass needs room in the context after the prompt (or the chunk): kvzip."""
-    return policy != "full" and "colmax" in policies.get(policy).needs
 
 
 @dataclass
@@ -273,11 +270,11 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
                          "in chunks without re-indexing its positions")
     policy, budget, spec, params = cfg.policy, cfg.budget, cfg.spec, cfg.params
     cap = cap or budget + chunk
-    observe, window = spec.observe(params)
-    recon = "colmax" in observe          # kvzip: its reconstruction pass after every chunk (see the module doc)
-    observe = tuple(k for k in observe if k != "colmax")   # the maxima come from the pass, not the chunk's prefill
-    # the last chunk holds at least `tail` tokens: a window policy's whole window; for expected_attention, whose
-    # window is a most (the statistics of the chunk's last `window` queries, all of a shorter chunk's), at most a
+    _, window = spec.observe(params)
+    extra = spec.second_pass             # a second pass after every chunk (see the module doc)
+    observe = spec.prefill_kinds(params)   # the second pass's kind comes from the pass, not the chunk's prefill
+    # the last chunk holds at least `tail` tokens: a window policy's whole window; for a policy observing queries,
+    # whose window is a most (the statistics of the chunk's last `window` queries, all of a shorter chunk's), at most a
     # quarter of a chunk, so that a window longer than the chunk leaves the chunks their length
     tail = window
     if "query" in observe:
@@ -290,10 +287,10 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     i = session.info
     group = i.n_head // i.n_head_kv
     carried = None                      # [n_layer, n_head, cells] accumulated column sums of held slots
-    maxima = None                       # kvzip: [n_layer, n_head, cells] the held slots' reconstruction maxima
+    maxima = None                       # [n_layer, n_head, cells] the held slots' second-pass scores
     report_cap, recon_s = cap, None
-    if recon:
-        report_cap = cap + pass_cells(session, params["repeat_chunk"], chunk)
+    if extra is not None:
+        report_cap = cap + extra.held(session, params, chunk)
         recon_s = 0.0
     prefill_s = compress_s = 0.0
     steps: list[ChunkStep] = []
@@ -322,16 +319,12 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             obs.colsum = obs.colsum.copy()
             obs.colsum[:, :, :carried.shape[2]] += carried
         t2 = time.perf_counter()
-        if recon:   # the chunk's reconstruction pass scores every held slot; kept ones keep their larger maximum
-            r = reconstruct_scores(session, tokens, seq, params["repeat_chunk"], start=pos, end=pos + take,
-                                   restore_logits=last, rows=pass_rows(session))
+        if extra is not None:   # the chunk's second pass scores every held slot, merged with what kept ones carry
+            r = extra.run(session, tokens, seq, params, start=pos, end=pos + take, restore_logits=last, bounded=True)
             recon_s += r.seconds
             peak = max(peak, before + r.longest)
-            obs.colmax = r.colmax
-            if maxima is not None:
-                k = maxima.shape[2]
-                obs.colmax[:, :, :k] = np.maximum(obs.colmax[:, :, :k], maxima)
-            maxima = obs.colmax
+            maxima = r.scores if maxima is None else extra.merge(r.scores, maxima)
+            setattr(obs, extra.kind, maxima)
         if spec.compresses(obs.n, budget):
             plan = make_plan(spec, params, budget, obs, planner or session.engine)
             if on_step is not None:
@@ -339,7 +332,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
             session.apply_plan(plan, seq=seq, reindex=reindex)
             if carry_colsum:
                 carried = _carry(obs.colsum, plan, group, reindex)
-            if recon:
+            if extra is not None:
                 maxima = _carry(maxima, plan, group, reindex)
         compress_s += time.perf_counter() - t2
         cells = session_cells(session, seq)
@@ -349,15 +342,16 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
         pos += take
     return CompressReport(policy, budget, len(tokens), prefill_s, compress_s, plan, params=params, chunk=chunk,
                           cap=report_cap, steps=steps, peak_cells=peak,
-                          scoring="reconstruction" if recon else scoring if probe else "chunk", reconstruct_s=recon_s)
+                          scoring=extra.scoring if extra is not None else scoring if probe else "chunk",
+                          reconstruct_s=recon_s)
 
 
 # A question probe holds at least this many of the prompt's last tokens, of which the policy's `window` last are
-# observed. A policy's window alone (8 tokens for pyramidkv, compresskv, dynamickv, spindlekv) is the chat
+# observed. A policy's window alone (8 tokens for several policies) is the chat
 # template's closing tokens, and prefilled after a chunk without the question before them it scores the chunk for
-# no question at all (bounded re-selection, 8k, 24 questions at budget 256: pyramidkv 17% and compresskv 33%
-# against 96% exact; with this probe 88% and 79%: docs/results/chat-and-reselection.md, "Exact against bounded
-# re-selection"). In a one-go
+# no question at all (bounded re-selection, 8k, 24 questions at budget 256: two 8-token-window policies answered
+# 17% and 33% against 96% exact; with this probe 88% and 79%: docs/results/chat-and-reselection.md, "Exact against
+# bounded re-selection"). In a one-go
 # read the window's queries come after
 # the whole question; 32 tokens hold a short question and cost a 32-token prefill per chunk. Beyond the window the
 # probe takes at most an eighth of a chunk, so that a small --chunk keeps its room to read on.

@@ -19,9 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kvcli import policies
 from kvcli.drivers.chunked import read_in_chunks
-from kvcli.drivers.reconstruct import reconstruct, reconstruct_scores
-from kvcli.policies.kvzip import REPEAT_CHUNK
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
 from kvcli.planning.planner import CompressReport, Compression, make_plan, resolve, session_cells, shape_observation
@@ -35,7 +34,7 @@ def prefill_and_compress(session: Session, tokens: list[int], policy: str, budge
     """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head.
 
     `instruction` is the user's question/instruction text: policies that adapt to the task
-    (windowkv task=auto) classify it before planning. With `chunk`, a prompt longer than one chunk is
+    (`PolicySpec.resolve_instruction`) classify it before planning. With `chunk`, a prompt longer than one chunk is
     read chunk by chunk, compressed after each (kvcli/drivers/chunked.py; `cap`: most cells while reading; `scoring`:
     which queries score each chunk). The prefill time counts from this call (the policy's resolution in it)."""
     t0 = time.perf_counter()
@@ -61,17 +60,20 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
         session.prefill(tokens, seq=seq, progress=progress)
         return CompressReport(cfg.policy, cfg.budget, n, time.perf_counter() - t0, note=cfg.fit_note(n),
                               peak_cells=session_cells(session, seq))
-    observe, window = cfg.observe
-    obs = session.prefill(tokens, seq=seq, observe=_prefill_kinds(observe), window=window, progress=progress)
+    _, window = cfg.observe
+    obs = session.prefill(tokens, seq=seq, observe=cfg.spec.prefill_kinds(cfg.params), window=window,
+                          progress=progress)
     prefill_s = time.perf_counter() - t0
     peak = session_cells(session, seq)
     if obs is None:  # a policy that observes nothing (streamingllm) plans from the shapes alone
         obs = shape_observation(session.info, n)
     t1 = time.perf_counter()
     recon_s = None
-    if "colmax" in observe:   # kvzip: the reconstruction pass (kvcli/drivers/reconstruct.py), timed on its own
-        r = reconstruct_scores(session, tokens, seq, cfg.params["repeat_chunk"])
-        obs.colmax, recon_s = r.colmax, r.seconds
+    extra = cfg.spec.second_pass
+    if extra is not None:   # the policy's second pass (PolicySpec.second_pass), timed on its own
+        r = extra.run(session, tokens, seq, cfg.params)
+        setattr(obs, extra.kind, r.scores)
+        recon_s = r.seconds
         peak += r.longest   # a pass's cells are held after the prompt's
     plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, planner or session.engine)
     if on_step is not None:
@@ -84,8 +86,9 @@ def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: i
 
 
 def _prefill_kinds(kinds) -> tuple:
-    """What the prefill itself observes: column maxima come from the reconstruction pass after it (kvzip)."""
-    return tuple(k for k in kinds if k != "colmax")
+    """What the prefill itself observes: the kinds a policy's second pass fills come from that pass after it."""
+    filled = {spec.second_pass.kind for spec in policies.REGISTRY.values() if spec.second_pass is not None}
+    return tuple(k for k in kinds if k not in filled)
 
 
 @dataclass
@@ -93,8 +96,8 @@ class Applied:
     """One configuration of a `Shared` prefill, applied (or why not: `error`, an exception to report)."""
     cfg: Compression
     plan: Plan | None = None
-    compress_s: float = 0.0      # planning + applying (+ the reconstruction pass of a kvzip configuration)
-    reconstruct_s: float | None = None   # kvzip: the reconstruction pass's seconds (shared by its configurations)
+    compress_s: float = 0.0      # planning + applying (+ the second pass of a policy that has one)
+    reconstruct_s: float | None = None   # the policy's second pass's seconds (shared by its configurations)
     note: str = ""
     error: Exception | None = None
 
@@ -110,23 +113,30 @@ class Shared:
     its plan. `first`: the logits after the prefill (a restored sequence's next token comes from them);
     `prefill_s`: the prefill's seconds.
 
-    A configuration that observes column maxima (kvzip) gets them from one reconstruction pass after the prefill
-    (kvcli/drivers/reconstruct.py; `repeat_chunk`: its chunk, else the largest of the configurations'),
-    `reconstruct_s` its seconds.
+    A configuration whose policy has a second pass (`PolicySpec.second_pass`) gets its kind from one such pass after
+    the prefill, shared by every configuration that needs it (`SecondPass.shared` of their parameters, and of
+    `passes` besides: (pass, params) pairs kvcli check runs whatever the configurations), `reconstruct_s` its
+    seconds.
 
     A failing prefill is each configuration's error (`Applied.error`); when the observing prefill fails with
     a KvcliError, the prompt is prefilled again without observation for the configurations that need none.
     """
 
     def __init__(self, session: Session, tokens: list[int], cfgs: list[Compression], *, seq: int = 0,
-                 observe=(), window=(), planner: str | None = None, repeat_chunk: int | None = None):
+                 observe=(), window=(), planner: str | None = None, passes=()):
         self.session, self.seq, self.n = session, seq, len(tokens)
         self.planner = planner or session.engine
         kinds, windows = set(observe), set((window,) if isinstance(window, int) else window)
+        second: dict = {}   # pass -> the parameters of the configurations (and `passes`) that need it
+        for p, params in passes:
+            second.setdefault(p, []).append(params)
+            kinds.add(p.kind)
         for c in cfgs:
             if c.compresses(self.n):
                 k, w = c.observe
                 kinds |= set(k)
+                if c.spec.second_pass is not None:
+                    second.setdefault(c.spec.second_pass, []).append(c.params)
                 if "window" in k:
                     windows.add(w)
                 elif "query" in k:   # query rows: the longest window's, every prompt query at most
@@ -148,10 +158,11 @@ class Shared:
             self.prefill_s = time.perf_counter() - t0
             if self.obs is None:  # nothing observed: positions are all a plan needs (streamingllm)
                 self.obs = shape_observation(session.info, self.n)
-            if "colmax" in kinds and self.obs_error is None:   # kvzip's reconstruction pass, once for all
-                repeat = repeat_chunk or max((c.params["repeat_chunk"] for c in cfgs if "colmax" in c.observe[0]),
-                                             default=REPEAT_CHUNK)
-                self.obs.colmax, self.reconstruct_s = reconstruct(session, tokens, seq, repeat)
+            if self.obs_error is None:   # each second pass, once for all the configurations that need it
+                for p, params in second.items():
+                    r = p.run(session, tokens, seq, p.shared(params))
+                    setattr(self.obs, p.kind, r.scores)
+                    self.reconstruct_s = (self.reconstruct_s or 0.0) + r.seconds
             self.first = session.logits(seq)
             if len(cfgs) > 1:
                 self.state = session.save_seq(seq)
@@ -173,7 +184,7 @@ class Shared:
             t1 = time.perf_counter()
             plan = make_plan(cfg.spec, cfg.params, cfg.budget, self.obs.restrict(kinds, window), self.planner)
             self.session.apply_plan(plan, seq=self.seq)
-            recon = self.reconstruct_s if "colmax" in kinds else None   # each would have paid it alone
+            recon = self.reconstruct_s if cfg.spec.second_pass is not None else None   # each would have paid it
             return Applied(cfg, plan, time.perf_counter() - t1 + (recon or 0.0), reconstruct_s=recon)
         except Exception as e:  # noqa: BLE001 - reported on this configuration; the next one restores the prefill
             return Applied(cfg, error=e)

@@ -31,7 +31,7 @@ the document was read (chosen without the question), not to the whole document. 
 question-aware in what it keeps, while the entries it keeps carry the reading's approximation;
 docs/results/chat-and-reselection.md
 ("Bounded re-selection") measures what that costs against exact re-selection. Models with sliding-window layers
-are read without re-indexing and get exact re-selection only; column-sum policies (h2o, d2o) are refused: their
+are read without re-indexing and get exact re-selection only; column-sum policies are refused: their
 scores sum every query, and the chunks' own queries are not replayed. The kept turns' K/V are the same kind of
 approximation: computed when their question was re-selected, attending to the entries kept for that question.
 """
@@ -182,7 +182,7 @@ class ChunkedStore(BoundedStore):
             if i and cells + c.n > limit and cfg.spec.compresses(cells, cfg.budget):
                 obs = (probe_window(session, seq, probe, None, window) if probe
                        else shape_observation(session.info, cells))
-                if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (spindlekv)
+                if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (kind kv)
                     obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
                 t1 = time.perf_counter()
                 prefill_s += t1 - t0

@@ -38,7 +38,7 @@ class Observation:
     # valid until the sequence changes; the planners hold one layer's rows at a time (`layer_kv`)
     kv_reader: KvReader | None = None
     # [n_layer, n_head, n]: the largest attention probability any observed query gave each slot (kvzip's
-    # reconstruction pass, kvcli/drivers/reconstruct.py)
+    # reconstruction pass, kvcli/policies/reconstruction.py: its second_pass)
     colmax: np.ndarray | None = None
     # [n_layer, n_head, w, head_dim]: the Q rows of the last w prompt queries, exactly as attention uses them
     # (post-RoPE, llama.cpp's dimension order), per query head; their positions [w] int32; and how positions rotate

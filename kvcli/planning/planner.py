@@ -8,6 +8,7 @@ batch) -> kvcli/commands.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,6 @@ from kvcli.native.lib import native_plan
 from kvcli.planning.formats import Observation, Plan
 from kvcli.planning.rope import refusal as rope_refusal
 from kvcli.policies.base import PolicySpec
-from kvcli.policies.d2o import full_layer_set
 from kvcli.session import Session
 
 
@@ -29,16 +29,16 @@ class CompressReport:
     budget: int | None
     n_tokens: int
     prefill_s: float
-    compress_s: float = 0.0      # planning + applying, after the prefill (and kvzip's reconstruction pass)
+    compress_s: float = 0.0      # planning + applying, after the prefill (and the policy's second pass)
     plan: Plan | None = None
     note: str = ""
-    params: dict | None = None   # the resolved policy parameters (e.g. the task windowkv's auto picked)
+    params: dict | None = None   # the resolved policy parameters (e.g. those resolved from the instruction)
     chunk: int | None = None     # chunked prefill (kvcli/drivers/chunked.py): tokens per chunk
     cap: int | None = None       # chunked: the most cells the sequence may hold while it is read
     steps: list = field(default_factory=list)   # chunked: one ChunkStep per chunk
     peak_cells: int | None = None                # most cells the sequence held while the prompt was read
     scoring: str | None = None   # chunked: which queries scored the chunks ("question" or "chunk")
-    reconstruct_s: float | None = None   # kvzip: the reconstruction pass's seconds (part of compress_s)
+    reconstruct_s: float | None = None   # the policy's second pass's seconds (part of compress_s)
 
     def as_stats(self) -> dict:
         """The figures of the prefill that go into `--json` stats."""
@@ -89,36 +89,48 @@ def resolve(model_path, policy: str, budget: int | None, policy_args: dict | Non
 
 
 def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
-    """(spec, params) of a compressing policy for the model at `model_path`: its arguments validated,
-    compresskv's offline calibration found for the model (or a warning says why not), windowkv's task=auto
-    classified, the parameters that depend on the model's shape checked against its header (d2o's full_layers):
-    before the model loads, not after the prefill. The one place a plan's policy is resolved: run, chat,
-    compress, batch, bench, eval and check (through `resolve`)."""
-    policies.get(policy)  # an unknown name is the first thing to report
+    """(spec, params) of a compressing policy for the model at `model_path`: its arguments completed for the model
+    by the policy's `model_args` hook (a calibration found for it, or a warning says why not), validated (parameters
+    resolved from the instruction by `resolve_instruction`), the parameters that depend on the model's shape checked
+    against its header (`model_check`) and the model refused where it cannot run the policy: before the model
+    loads, not after the prefill. The one place a plan's policy is resolved: run, chat, compress, batch, bench, eval
+    and check (through `resolve`)."""
+    spec = policies.get(policy)  # an unknown name is the first thing to report
     if budget is None:
-        raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
-    if policy == "compresskv":  # its offline calibration is found for the model, or a warning says why not
-        from kvcli.calibration.lookup import policy_args as calibrated_args  # noqa: PLC0415  (reads a GGUF)
-        policy_args = calibrated_args(model_path, policy_args)
+        raise KvcliError(budget_needed(policy))
+    if spec.model_args is not None:
+        policy_args = _hook(spec.model_args)(model_path, policy_args)
     spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
-    if params.get("full_layers"):
-        full_layer_set(params["full_layers"], read_model_info(model_path).n_layer)
+    if spec.model_check is not None:
+        spec.model_check(params, read_model_info(model_path))
     why = model_refusal(spec, model_path)
     if why:
         raise KvcliError(why)
     return spec, params
 
 
+def budget_needed(policy: str) -> str:
+    """The one message for a compressing policy given without a budget."""
+    return f"policy '{policy}' needs --budget N (entries kept per layer and KV head)"
+
+
+def _hook(path: str):
+    """The function a "module:function" hook of a PolicySpec names (imported on first use)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def model_refusal(spec: PolicySpec, model_path) -> str | None:
-    """Why the model at `model_path` cannot run the policy (None when it can): kvzip's reconstruction pass is rolled
-    back, which the window cache of a model with sliding-window layers cannot follow."""
+    """Why the model at `model_path` cannot run the policy (None when it can): a policy observing queries un-rotates
+    them (RoPE variants it knows); a second pass may refuse the model (`SecondPass.refusal`)."""
     if "query" in spec.needs:
         why = rope_refusal(read_model_info(model_path))
         if why:
             return f"policy '{spec.name}' does not support this model: {why} (it un-rotates the observed queries)"
-    if "colmax" in spec.needs and read_model_info(model_path).sliding_layers:
-        return (f"policy '{spec.name}' does not support models with sliding-window layers: its reconstruction pass is "
-                "rolled back after the prompt, which their window cache cannot follow (kvpress refuses Gemma 3 too)")
+    if spec.second_pass is not None:
+        why = spec.second_pass.refusal(read_model_info(model_path))
+        if why:
+            return f"policy '{spec.name}' {why}"
     return None
 
 

@@ -133,16 +133,69 @@ class Paper:
         return ", ".join(bits)
 
 
+@dataclass
+class PassResult:
+    """What a second pass observed: `scores` (the Observation field of its `kind`), its seconds, and the most cells
+    it held beyond the sequence while it ran."""
+    scores: Any
+    seconds: float
+    longest: int
+
+
+class SecondPass:
+    """A pass after the prefill that observes what the prefill cannot: the model is fed more tokens with the
+    observation of `kind` armed, then rolled back (`PolicySpec.second_pass`; kvcli/policies/reconstruction.py is
+    one). The drivers (one prefill, bounded reading, Shared, re-selection, kvcli check) call these hooks without
+    knowing which policy has one."""
+
+    kind: str = ""       # the observation kind (Observation field) it fills; the prefill itself does not observe it
+    name: str = ""       # how messages name it
+    scoring: str = ""    # the chunk_scoring a document read in chunks reports
+
+    def run(self, session, tokens: list[int], seq: int, params: dict, *, start: int = 0, end: int | None = None,
+            restore_logits: bool = True, bounded: bool = False) -> PassResult:
+        """Run over `tokens[start:end]`, the last tokens prefilled into `seq` (every slot the sequence holds is
+        scored); the sequence is left as it was (with the logits of `tokens[end - 1]` when `restore_logits`).
+        `bounded`: bounded reading (its memory bound)."""
+        raise NotImplementedError
+
+    def shared(self, params_list) -> dict:
+        """The parameters one pass serving several configurations (these parameters) runs with."""
+        raise NotImplementedError
+
+    def room(self, n_prompt: int, params: dict) -> int:
+        """Cells the pass needs in the context beyond a prompt (or, in bounded reading, a chunk) of n_prompt."""
+        raise NotImplementedError
+
+    def held(self, session, params: dict, chunk: int) -> int:
+        """Bounded reading: the most cells a pass over a chunk holds beyond the kept entries and the chunk."""
+        raise NotImplementedError
+
+    def merge(self, scores, carried):
+        """Bounded reading: a chunk's scores combined with those the kept entries carry (the first slots)."""
+        raise NotImplementedError
+
+    def refusal(self, info) -> str | None:
+        """Why a model (kvcli.models.ModelInfo) cannot run the pass ("does not support ..."), or None."""
+        return None
+
+
 @dataclass(frozen=True)
 class PolicySpec:
-    """A registry entry. `observe(params)` tells the engines what to capture before planning."""
+    """A registry entry. `observe(params)` tells the engines what to capture before planning.
+
+    What one policy needs beyond observe -> plan -> compact hangs off its spec as hooks the drivers, apps and
+    commands call without knowing its name: `second_pass` (an observation made after the prefill), `model_args`
+    (arguments completed for a model, from files kept for it), `model_check` (parameters checked against the model's
+    header), `resolve_instruction` (parameters resolved from the question), `widest` / `schedule` (layer schedules),
+    `agnostic` (scores without the question)."""
 
     name: str
     summary: str                                    # one line for `kvcli policies`
     keeps: str                                      # what the policy keeps, for --explain
     paper: Paper | None
     params: tuple[Param, ...] = ()
-    needs: tuple[str, ...] = ()                     # subset of ("window", "colsum", "kv")
+    needs: tuple[str, ...] = ()                     # subset of ("window", "colsum", "kv", "colmax", "query")
     window_param: str | None = None                 # which parameter is the observation window w
     budget_above: str | None = None                 # the parameter the budget must exceed (kept inside it)
     deviations: tuple[str, ...] = ()                # every documented difference from the paper/code
@@ -165,6 +218,15 @@ class PolicySpec:
     schedule: Callable[[dict, int, int, int], dict] | None = None
     resolved_away: tuple[str, ...] = ()             # parameters the native planner never reads: `resolve` or
                                                     # `schedule` turned them into others
+    # an observation made after the prefill by feeding more tokens (its kind, in `needs`, the prefill leaves out)
+    second_pass: SecondPass | None = None
+    # "module:function" (model_path, {key: value}) -> {key: value}: the --policy-arg items completed for the model
+    # from files kept for it, before they are validated; imported where it is called (planning), as it may live in
+    # a layer above the policies (compresskv's calibration: kvcli.calibration.lookup)
+    model_args: str | None = None
+    # (params, ModelInfo) -> None: parameters that depend on the model's shape checked against its header, before
+    # the model loads (KvcliError if not)
+    model_check: Callable[[dict, Any], None] | None = None
 
     # -- parameters ---------------------------------------------------------------
     def param(self, name: str) -> Param:
@@ -230,6 +292,18 @@ class PolicySpec:
         w = int(params[self.window_param]) if self.window_param and ("window" in self.needs or "query" in self.needs) \
             else 0
         return self.needs, w
+
+    def prefill_kinds(self, params: dict) -> tuple[str, ...]:
+        """The kinds the prefill itself observes: those of `observe` less the second pass's."""
+        kinds, _ = self.observe(params)
+        return tuple(k for k in kinds if self.second_pass is None or k != self.second_pass.kind)
+
+    def room_after(self, n_prompt: int, params: dict | None = None) -> int:
+        """Cells the second pass needs in the context beyond a prompt of n_prompt tokens (0 without one);
+        `params`: the validated parameters (default: the defaults)."""
+        if self.second_pass is None:
+            return 0
+        return self.second_pass.room(n_prompt, self.defaults() if params is None else params)
 
     def compresses(self, n: int, budget: int) -> bool:
         """False when the prompt fits the budget: every policy then keeps everything."""

@@ -124,4 +124,5 @@ SPEC = PolicySpec(
     ),
     check=_check,
     widest=widest,
+    model_args="kvcli.calibration.lookup:policy_args",   # its offline calibration, found for the model (numpy only)
 )

@@ -129,6 +129,12 @@ def full_layer_set(full_layers, n_layer: int) -> list[int]:
     return sorted(out)
 
 
+def model_check(p: dict, info) -> None:
+    """full_layers checked against the model's layers before it loads."""
+    if p["full_layers"]:
+        full_layer_set(p["full_layers"], info.n_layer)
+
+
 def widest(p: dict, n_layer: int, n: int, budget: int) -> int | None:
     """A layer in full_layers keeps all n entries; without one, the variance of the scores sets the widest."""
     return n if full_layer_set(p["full_layers"], n_layer) else None
@@ -206,5 +212,6 @@ SPEC = PolicySpec(
         "row added (the code)",
     ),
     check=_check,
+    model_check=model_check,
     widest=widest,
 )

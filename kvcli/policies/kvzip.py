@@ -1,14 +1,10 @@
 """kvzip: query-agnostic scores from a context reconstruction pass (Kim et al., NeurIPS 2025; kvpress KVzipPress)."""
 from kvcli.errors import KvcliError
 from kvcli.policies.base import Paper, Param, PolicySpec
+# its second pass, the context reconstruction (kvcli/policies/reconstruction.py): its prompts and default chunk
+from kvcli.policies.reconstruction import RECONSTRUCTION, REPEAT_CHUNK, REPEAT_FIRST, REPEAT_NEXT, REPEAT_OVERLAP
 
-# The reconstruction pass (kvcli/drivers/reconstruct.py) feeds, after the prompt, this instruction and then the
-# prompt's own tokens again (teacher forcing), `repeat_chunk` tokens at a time; later chunks are introduced by the
-# second text followed by the last REPEAT_OVERLAP tokens of the chunk before (kvpress's prompts and overlap).
-REPEAT_FIRST = "\n\nRepeat the previous context exactly."
-REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
-REPEAT_OVERLAP = 8
-REPEAT_CHUNK = 2048   # prompt tokens per pass by default (kvpress's chunk_size)
+__all__ = ["REPEAT_CHUNK", "REPEAT_FIRST", "REPEAT_NEXT", "REPEAT_OVERLAP", "SPEC", "widest"]
 
 
 def _check(params: dict, budget: int) -> None:
@@ -58,6 +54,7 @@ SPEC = PolicySpec(
               paper_default="2048 (kvpress chunk_size; the authors' code 2K)", min=16, max=1 << 20),
     ),
     needs=("colmax",),
+    second_pass=RECONSTRUCTION,
     agnostic=True,
     check=_check,
     widest=widest,

@@ -13,7 +13,7 @@ import pytest
 
 from kvcli import policies
 from kvcli.planning.planner import make_plan
-from kvcli.drivers.reconstruct import reconstruct
+from kvcli.policies.reconstruction import reconstruct
 from kvcli.drivers.check import CheckSettings, Thresholds, compare_plans, run_check
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession

@@ -171,7 +171,7 @@ def precision_sensitivity(native, shared, tokens, plan, settings, th, first: int
     - `equal_precision`: the native engine at f32 without flash attention (a fresh context: prefill, the same plan)
       against the reference, teacher-forced over the check's tokens, within the f32 limits.
     The verdict passes when the rounding alone moves the reference beyond the cache type's limits (the plan is
-    ill-conditioned at that precision: measured, issue 31, spindlekv at budget 64 on qwen2.5-coder-0.5b, whose
+    ill-conditioned at that precision: measured, issue 31, a merging policy at budget 64 on qwen2.5-coder-0.5b, whose
     merged entries of multiplicity up to 68 in heads keeping one entry turn f16 rounding into KL 0.62) and the
     engines agree at equal precision. A compaction or mask defect of the f16 path moves a well-conditioned plan,
     whose rounding stays within the limits, so it still fails; q8_0 and f32 checks have no such allowance."""

@@ -99,7 +99,7 @@ def compare_observations(native: Observation, reference: Observation, th: Thresh
         r = compare_arrays(native.colmax, reference.colmax)
         r["pass"] = r["max_abs"] <= th.l2_colmax_atol and r["mean_abs"] <= th.l2_colmax_mean_atol
         out["colmax"] = r
-    if native.queries is not None and reference.queries is not None:   # expected_attention's Q rows, like K rows
+    if native.queries is not None and reference.queries is not None:   # observed Q rows (the query kind), like K rows
         if not np.array_equal(native.query_positions, reference.query_positions):
             raise KvcliError("the engines observed the Q rows of different positions")
         r = compare_arrays(native.queries, reference.queries)
@@ -200,8 +200,8 @@ def selection_margins(native_calls: list, reference_calls: list) -> dict:
     and the row has `delta`, the engines' largest score difference on its flipped entries (same scale). With the
     same budget in both engines a flip is a near-tie: its gap is at most two flipped entries' score differences
     together (at most 2 x delta; `beyond_near_tie` counts the flips that are not); a row whose budget k differs
-    took its budget from the observation (d2o, dynamickv: counted in `rows_budget_differs`; a d2o row whose
-    candidates differ in number as well is counted there without a gap)."""
+    took its budget from the observation (policies whose layer budgets follow the scores: counted in
+    `rows_budget_differs`; a row whose candidates differ in number as well is counted there without a gap)."""
     out = {"selections": len(native_calls), "rows": 0, "rows_differing": 0, "rows_budget_differs": 0,
            "flipped": 0, "gap_max": 0.0, "rank_max": 0, "delta_max": 0.0, "beyond_near_tie": 0,
            "first": None, "comparable": True}
@@ -213,7 +213,7 @@ def selection_margins(native_calls: list, reference_calls: list) -> dict:
         if sn.shape[:-1] != sr.shape[:-1]:
             out.update(comparable=False, why=f"selection {i}: scores of shape {sn.shape} vs {sr.shape}")
             return out
-        if sn.shape != sr.shape:   # a policy whose candidates follow its budget (d2o's prefix n - recent)
+        if sn.shape != sr.shape:   # a policy whose candidates follow its budget (a prefix of n - recent)
             rows = int(np.prod(sn.shape[:-1]))
             out["rows"] += rows
             out["rows_differing"] += rows

@@ -15,7 +15,6 @@ from kvcli.drivers.check.comparators import compare_observations, jaccard_per_he
 from kvcli.drivers.check.thresholds import Thresholds
 from kvcli.drivers.check.verdicts import (CheckSettings, arithmetic_verdict, build_tokens, l1_verdict, observed_windows,
                                           passed, plan_summary, plans_verdict, policies_to_check, with_skipped)
-from kvcli.drivers.reconstruct import reconstruct, repeat_room
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 
@@ -41,9 +40,9 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if settings.chunk is not None:
         if settings.chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
-    # every bad policy parameter / budget is reported before any model is loaded (compresskv with the model's
-    # calibration, as run/bench/eval plan it)
-    # checking several policies, one the model cannot run (kvzip on a sliding-window model) is skipped, said why
+    # every bad policy parameter / budget is reported before any model is loaded (with the arguments a policy's
+    # model_args hook completes for the model, as run/bench/eval plan it)
+    # checking several policies, one the model cannot run (planner.model_refusal) is skipped, said why
     unfit = {name: model_refusal(policies.get(name), model_path) for name in names} if len(names) > 1 else {}
     unfit = {k: v for k, v in unfit.items() if v}
     names = [name for name in names if name not in unfit]
@@ -65,11 +64,15 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if n >= native.n_ctx_train:
         raise KvcliError(f"the prompt is {n} tokens, the model's context is {native.n_ctx_train}: use --doc-tokens")
     window = observed_windows(specs, names, settings.l2_window, n)
-    # kvzip's reconstruction pass needs room after the prompt (kvcli/drivers/reconstruct.py); both engines get the
-    # same context, so they feed the same passes
-    recon = [c.params["repeat_chunk"] for c in specs.values() if "colmax" in c.spec.needs]
-    queried = ("query",) if any("query" in c.spec.needs for c in specs.values()) else ()   # expected_attention
-    room = max([settings.n_tokens + 8] + [repeat_room(n, r) for r in recon])
+    # a policy's second pass (PolicySpec.second_pass) needs room after the prompt, one pass serving all that need
+    # it; both engines get the same context, so they feed the same passes
+    second: dict = {}
+    for c in specs.values():
+        if c.spec.second_pass is not None:
+            second.setdefault(c.spec.second_pass, []).append(c.params)
+    passes = [(p, p.shared(params)) for p, params in second.items()]
+    queried = ("query",) if any("query" in c.spec.needs for c in specs.values()) else ()   # observed queries
+    room = max([settings.n_tokens + 8] + [p.room(n, params) for p, params in passes])
     n_ctx = -(-(n + room) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
     # L1 compares the two planners on the native observation: it needs no reference engine
@@ -88,8 +91,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         log("reference prefill")
         runnable = [c for c in specs.values() if c.spec.native and c.spec.reference]
         shared = compress.Shared(reference, tokens, runnable if 3 in levels else [],
-                                 observe=("window", "colsum", "kv") + (("colmax",) if recon else ()) + queried,
-                                 window=window, planner="reference", repeat_chunk=max(recon, default=None))
+                                 observe=("window", "colsum", "kv") + queried, window=window, planner="reference",
+                                 passes=passes)
         if shared.error is not None or shared.obs_error is not None:
             raise shared.error or shared.obs_error
         base_obs = shared.obs
@@ -101,8 +104,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
         try:
             native.clear(0)
             nat_obs = native.prefill(tokens, seq=0, observe=("window", "colsum", "kv") + queried, window=window)
-            if recon:   # the reconstruction pass's column maxima (kvzip), as the reference's Shared prefill made them
-                nat_obs.colmax, _ = reconstruct(native, tokens, 0, max(recon))
+            for p, params in passes:   # the second passes' scores, as the reference's Shared prefill made them
+                setattr(nat_obs, p.kind, p.run(native, tokens, 0, params).scores)
             allow = l2_allowances(model_path, tokens, settings, native.n_ctx, reference)
             report["l2"] = compare_observations(nat_obs, base_obs, th, allow)
             note_allowances(report["l2"], allow, native.info)

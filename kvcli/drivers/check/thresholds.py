@@ -22,7 +22,7 @@ class Thresholds:
     l2_window_atol: float = 0.15    # L2: max abs difference of window sums / window length (measured as
     #                                 per-probability differences, 0.090, before observations were reduced)
     l2_colsum_rtol: float = 0.05    # L2: max abs difference of column sums / max column sum
-    # L2: column maxima (kvzip's reconstruction scores: one query's probability each, so a query whose attention
+    # L2: column maxima (the reconstruction pass's scores: one query's probability each, so a query whose attention
     # sits on a knife edge moves one slot's maximum far; measured (issue 32, budget 256, f16 + flash attention):
     # default model 2,042 tokens max abs 0.148 mean 4.9e-4, qwen2.5-coder-0.5b 1,040 tokens max abs 0.089 mean
     # 8.0e-4. A wrong head mapping or mask moves most maxima: the mean catches it.
@@ -62,9 +62,9 @@ class Thresholds:
         "l1_merge_atol": "L1: merged K/V rows and log_mult, native vs torch planner (max abs)",
         "l2_window_atol": "L2: window attention summed over the window queries / window length (max abs)",
         "l2_colsum_rtol": "L2: column sums (max abs / max column sum)",
-        "l2_colmax_atol": "L2: column maxima of the reconstruction pass (kvzip; max abs)",
-        "l2_colmax_mean_atol": "L2: column maxima of the reconstruction pass (kvzip; mean abs)",
-        "l2_kv_rtol": "L2: K and V rows, and the Q rows expected_attention observes (max abs / max abs value)",
+        "l2_colmax_atol": "L2: column maxima of a second pass (the context reconstruction; max abs)",
+        "l2_colmax_mean_atol": "L2: column maxima of a second pass (the context reconstruction; mean abs)",
+        "l2_kv_rtol": "L2: K and V rows, and the observed Q rows (query kind; max abs / max abs value)",
         "l2_kv_sensitive_rows": "L2: fraction of K/V rows allowed beyond l2_kv_rtol, each only where llama.cpp's "
                                 "own settings (precision, batch size) move the row as far or where the reference "
                                 "given llama.cpp's activation arithmetic comes within l2_kv_rtol (0: none)",

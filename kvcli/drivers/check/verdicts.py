@@ -61,7 +61,7 @@ def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, .
     ws = {min(l2_window, n)}
     for p in names:
         kinds, w = specs[p].observe
-        if "window" in kinds or "query" in kinds:   # query rows: the longest window's (expected_attention)
+        if "window" in kinds or "query" in kinds:   # query rows: the longest window's (the query kind)
             ws.add(min(w, n))
     return tuple(sorted(ws))
 
