@@ -45,7 +45,13 @@ from kvcli.models import resolve_model  # noqa: E402
 
 def body(a, text: str, fact: dict, max_tokens: int, extra: dict) -> dict:
     return {"model": a.model, "max_tokens": max_tokens, "temperature": 0, **extra,
+            **({"ignore_eos": True} if a.ignore_eos else {}),
             "messages": [{"role": "user", "content": f"{text}\n\n{fact['question']}{a.suffix}"}]}
+
+
+# what the -np N slots are warmed with: the document and a question none of the timed clients asks, so each timed
+# request prefills its own question, as it would have to in use
+WARM_QUESTION = {"question": "What was the weather on day 1?", "answer": ""}
 
 
 def at_once(port: int, bodies: list[tuple[dict, dict]]) -> tuple[float, list[dict]]:
@@ -100,15 +106,15 @@ def stop(proc: subprocess.Popen) -> int | None:
     return rss
 
 
-def run_kvcli(a, ctx: int, text: str, facts: list[dict]) -> dict:
+def run_kvcli(a, ctx: int, text: str, facts: list[dict], clients: bool) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "kvcli.cli", "serve", "--model", a.model, "--policy", a.policy, "--budget",
            str(a.budget), "--threads", str(a.threads), "--ctx", str(ctx), "--port", str(port),
-           "--dry-multiplier", "0"]
+           "--dry-multiplier", "0", "--window-from", a.window_from]
     before, store = uptime(), tempfile.mkdtemp(prefix="kvcli-serve-lengths-")
     proc, port = start(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "KVCLI_CACHE": store})
     try:
-        got = session(a, port, text, facts, {}, clients=True)
+        got = session(a, port, text, facts, {}, clients=clients)
     finally:
         rss = stop(proc)
         shutil.rmtree(store, ignore_errors=True)
@@ -122,7 +128,7 @@ def llama_cmd(binary: Path, a, ctx: int, parallel: int) -> list[str]:
             "-fa", "on", "-b", "512", "-ub", "512", "--no-warmup", *(["-kvu"] if parallel > 1 else [])]
 
 
-def run_llama(binary: Path, a, ctx: int, text: str, facts: list[dict]) -> dict:
+def run_llama(binary: Path, a, ctx: int, text: str, facts: list[dict], clients: bool) -> dict:
     extra = {"cache_prompt": True}
     cmd = llama_cmd(binary, a, ctx, 1)
     before = uptime()
@@ -133,12 +139,13 @@ def run_llama(binary: Path, a, ctx: int, text: str, facts: list[dict]) -> dict:
         rss = stop(proc)
     out = {"server": "llama-server", "command": " ".join(cmd[1:]), "uptime_before": before, "uptime_after": uptime(),
            **got, "peak_rss_bytes": rss}
-    if a.clients:
+    if clients:
         cmd = llama_cmd(binary, a, ctx, a.clients)
         proc, port = start(cmd)
         try:   # every slot reads the document first, as a stored one would be held; then the clients at once
+            warm = [(WARM_QUESTION, body(a, text, WARM_QUESTION, a.max_tokens, extra)) for _ in range(a.clients)]
+            warm_s, _ = at_once(port, warm)
             bodies = [(f, body(a, text, f, a.max_tokens, extra)) for f in facts[:a.clients]]
-            warm_s, _ = at_once(port, bodies)
             wall, rows = at_once(port, bodies)
             print(json.dumps({"clients_wall_s": wall, "right": [r["right"] for r in rows]}), flush=True)
         finally:
@@ -179,6 +186,13 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=256)
     ap.add_argument("--clients", type=int, default=4, help="questions sent at once (0: none)")
     ap.add_argument("--suffix", default="")
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="both servers' ignore_eos: every answer runs to its max tokens (fixed answer lengths)")
+    ap.add_argument("--window-from", default="question", choices=("question", "policy"),
+                    help="kvcli serve's --window-from")
+    ap.add_argument("--clients-upto", type=int, default=1 << 30,
+                    help="the clients at once only for documents of at most this many words (-np N reads the "
+                         "document N times first)")
     ap.add_argument("--binary", type=Path, help="a llama-server (default: build_stock_llama.py --server's)")
     ap.add_argument("-o", "--out", default=None)
     a = ap.parse_args()
@@ -194,8 +208,9 @@ def main() -> None:
         ctx = -(-(n + 2048) // 1024) * 1024
         d = {"words": words, "prompt_tokens": n, "ctx": ctx, "results": []}
         out["documents"].append(d)
-        d["results"].append(run_kvcli(a, ctx, text, facts))
-        d["results"].append(run_llama(binary, a, ctx, text, facts))
+        clients = a.clients > 0 and words <= a.clients_upto
+        d["results"].append(run_kvcli(a, ctx, text, facts, clients))
+        d["results"].append(run_llama(binary, a, ctx, text, facts, clients))
         print(table(out["documents"]), flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

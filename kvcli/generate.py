@@ -176,8 +176,12 @@ class Generation:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 and self.tokens else None
 
 
-def generate(session, max_tokens: int, sampler: Sampler | None = None, seq: int = 0, on_text=None) -> Generation:
+def generate(session, max_tokens: int, sampler: Sampler | None = None, seq: int = 0, on_text=None,
+             ignore_eos: bool = False) -> Generation:
     """Sample from the logits already in `seq`, feed each token back, stream text to on_text.
+
+    `ignore_eos` (llama-server's request field of that name): an end-of-generation token is never picked, the
+    answer runs to max_tokens (benchmarks compare fixed answer lengths).
 
     Ctrl-C stops cleanly: the tokens so far are kept (stopped = "interrupted").
     """
@@ -189,7 +193,13 @@ def generate(session, max_tokens: int, sampler: Sampler | None = None, seq: int 
     t0 = time.perf_counter()
     try:
         for _ in range(max_tokens):
-            tok = pick(session.logits(seq))
+            logits = session.logits(seq)
+            tok = pick(logits)
+            if ignore_eos and session.is_eog(tok):
+                logits = np.array(logits, dtype=np.float32, copy=True)
+                while session.is_eog(tok):   # the picked one masked, picked again
+                    logits[tok] = -np.inf
+                    tok = pick(logits)
             if session.is_eog(tok):
                 out.stopped = "eog"
                 break

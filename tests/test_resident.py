@@ -85,6 +85,35 @@ def test_resident_gather_gives_the_restored_compactions_plan_and_logits(tiny_2k,
     s.close()
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv"])
+def test_question_window_scores_by_the_question_alone(tiny_2k, policy):
+    """window_from="question" (kvcli serve, kvcli chat): the window is the prompt's tokens after the stored
+    document, nothing stored is prefilled again, and the resident path still gives the restored path's plan and
+    logits bit for bit; a column-sum policy and expected_attention's query rows keep their own windows."""
+    from kvcli.planning.planner import resolve
+    s = _session(tiny_2k)
+    doc, prompt = _prompts(s, QUESTIONS[0])
+    store = _store(s, policy, doc)
+    cfg = resolve(s.model_path, policy, BUDGET, {}, QUESTIONS[0])
+    window = cfg.observe[1]
+    old = store.reselect(s, prompt, cfg, seq=0, window_from="question")
+    # snapkv's window (32) is longer than the question, pyramidkv's (8) shorter: kept
+    assert old.restored == store.split and old.prefilled == len(prompt) - store.split
+    assert old.window == min(window, old.prefilled) and (old.window < window) == (policy == "snapkv")
+    old_logits = _decode(s, 0)
+    s.clear(0)
+    store.make_resident(s, RESIDENT)
+    new = store.reselect(s, prompt, cfg, seq=WORK, into=OUT, window_from="question")
+    assert new.window == old.window and np.array_equal(new.plan.slots, old.plan.slots)
+    assert np.array_equal(_decode(s, OUT), old_logits)
+    for other in ("h2o", "expected_attention"):
+        c = resolve(s.model_path, other, BUDGET, {})
+        assert store.question_window(prompt, c) is c
+    store.evict(s)
+    store.close()
+    s.close()
+
+
 def test_shared_cells_are_counted_once_and_freed_with_the_question(tiny_2k):
     from kvcli.planning.planner import resolve
     s = _session(tiny_2k)

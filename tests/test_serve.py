@@ -228,7 +228,7 @@ def test_disconnect_mid_answer_stops_it(server, client, document):
     assert after.choices[0].message.content is not None
     alive(server)
     assert "client left" in server["log"].read_text()
-    line = cancelled_lines(server)
+    line = [ln for ln in chat_lines(server) if ln.endswith("cancelled")]
     assert line and int(line[-1].split(" generated")[0].rsplit(" ", 1)[1]) < 400
 
 
@@ -248,6 +248,23 @@ def test_resident_document_answers_later_questions_and_cites_on_request(server, 
     assert all(c["quote"] and c["quote"] in document[0] for c in got)
     assert cited.choices[0].message.content == plain.choices[0].message.content
     alive(server)
+
+
+def test_question_window_prefills_only_the_question(server, client, document):
+    """A later question over a resident document prefills only the tokens it does not share with the stored ones,
+    and snapkv's window is those (at most its 32); "window_from": "policy" cuts the stored entries back to prefill
+    the whole window, as `kvcli run` would. ignore_eos (llama-server's field) runs the answer to max_tokens."""
+    q1, q2 = (f["question"] for f in document[1][:2])
+    client.chat.completions.create(model=server["model"], messages=messages(document, q1))
+    short = client.chat.completions.create(model=server["model"], messages=messages(document, q2), max_tokens=12,
+                                           extra_body={"ignore_eos": True})
+    s = stats(short)
+    assert s["document_read_tokens"] == 0 and 8 <= s["window"] < 32
+    assert s["prefilled_tokens"] == s["window"] == s["prompt_tokens"] - s["prefix_reused_tokens"]
+    assert short.usage.completion_tokens == 12 and short.choices[0].finish_reason == "length"
+    whole = stats(client.chat.completions.create(model=server["model"], messages=messages(document, q2),
+                                                 extra_body={"kvcli": {"window_from": "policy"}}))
+    assert whole["window"] == 32 and whole["prefilled_tokens"] >= 32
 
 
 def test_conversation_turn_restores_the_last_prompt(server, client, document):
@@ -298,24 +315,34 @@ def test_column_sum_policy_per_request(server, client, document):
         assert later["document_read_tokens"] == 0 and later["prefix_reused_tokens"] == s[0]["document_read_tokens"]
 
 
-def cancelled_lines(server) -> list[str]:
-    return [ln for ln in server["log"].read_text().splitlines() if ln.startswith("chat:") and "cancelled" in ln]
+def chat_lines(server) -> list[str]:
+    return [ln for ln in server["log"].read_text().splitlines() if ln.startswith("chat:")]
 
 
 def test_disconnect_without_streaming_stops_it(server, document):
-    before = len(cancelled_lines(server))
+    """A client that leaves mid-answer stops the generation at a token. A client that left before its request's
+    turn (a loaded machine: tokenizing, waiting for the model) tests nothing: tried again, waiting longer."""
     body = json.dumps({"model": server["model"], "messages": messages(document, "Write a long story, please."),
                        "max_tokens": 400}).encode()
-    c = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=1.5)
-    c.request("POST", "/v1/chat/completions", body=body, headers=auth())
-    with pytest.raises(TimeoutError):
-        c.getresponse()
-    c.close()   # gone before the answer: the server sees it (polled every quarter second) and stops at a token
-    deadline = time.time() + 60
-    while len(cancelled_lines(server)) == before and time.time() < deadline:
-        time.sleep(0.2)
-    lines = cancelled_lines(server)
-    assert len(lines) > before and int(lines[-1].split(" generated")[0].rsplit(" ", 1)[1]) < 400
+    seen = []
+    for wait in (1.5, 4.0, 10.0):
+        before = len(chat_lines(server))
+        c = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=wait)
+        c.request("POST", "/v1/chat/completions", body=body, headers=auth())
+        with pytest.raises(TimeoutError):
+            c.getresponse()
+        c.close()   # gone before the answer: the server sees it (polled every quarter second) and stops at a token
+        deadline = time.time() + 60
+        while len(chat_lines(server)) == before and time.time() < deadline:
+            time.sleep(0.2)
+        line = chat_lines(server)[before:][-1]
+        seen.append(line)
+        if line.endswith("cancelled"):
+            assert int(line.split(" generated")[0].rsplit(" ", 1)[1]) < 400
+            break
+        assert "client left before its turn" in line, line
+    else:
+        pytest.fail(f"never left mid-answer: {seen}")
     alive(server)
 
 
@@ -331,7 +358,9 @@ def test_malformed_json(server):
                                           ({"max_tokens": 0}, "max_tokens"),
                                           ({"messages": []}, "messages"),
                                           ({"kvcli": {"policy": "no-such-policy"}}, "kvcli"),
-                                          ({"kvcli": {"policy": "snapkv", "budget": -3}}, "kvcli")])
+                                          ({"kvcli": {"policy": "snapkv", "budget": -3}}, "kvcli"),
+                                          ({"kvcli": {"window_from": "everything"}}, "kvcli"),
+                                          ({"ignore_eos": "yes"}, "ignore_eos")])
 def test_bad_parameter(server, change, param):
     body = {"model": server["model"], "messages": [{"role": "user", "content": "hi"}], **change}
     status, out = raw("POST", server["port"], "/v1/chat/completions", json.dumps(body).encode(), auth())

@@ -30,7 +30,12 @@ QUESTION_SEQS = (3, 4)
 
 
 class Reselected(Conversation, kind="reselected"):
-    """Re-selected per question from the document's stored full cache (exact) or its stored chunks (bounded)."""
+    """Re-selected per question from the document's stored full cache (exact) or its stored chunks (bounded).
+
+    `window_from`: what scores a window policy's selection in the exact form, its whole window as `kvcli run`'s
+    does (the first answer is run's, tested), or "question" (its own tokens: kvcli serve's default, --window-from)."""
+
+    window_from = "policy"
 
     def __post_init__(self):
         if self.question:
@@ -183,8 +188,9 @@ class Reselected(Conversation, kind="reselected"):
             if resident:
                 self.last_reselection = self._reselect_resident(prompt, cfg)
             else:
+                exact = {} if self.store.bounded else {"window_from": self.window_from}   # bounded: its own probe
                 self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq,
-                                                            extend=self.store_turns)
+                                                            extend=self.store_turns, **exact)
         except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
             self.session.clear(self.seq)
             if resident:
@@ -204,11 +210,12 @@ class Reselected(Conversation, kind="reselected"):
         self._make_resident()
         self.session.clear(self.seq)   # the last answer's cache
         if not cfg.compresses(len(prompt)):   # the budget holds the whole prompt: it shares the document, uncompressed
-            return self.store.reselect(self.session, prompt, cfg, seq=self.seq)
+            return self.store.reselect(self.session, prompt, cfg, seq=self.seq, window_from=self.window_from)
         ext = self.store.extension
         qseq = next(q for q in QUESTION_SEQS if ext is None or q != ext.seq)
         self.session.clear(qseq)
-        r = self.store.reselect(self.session, prompt, cfg, seq=qseq, into=self.seq, extend=self.store_turns)
+        r = self.store.reselect(self.session, prompt, cfg, seq=qseq, into=self.seq, extend=self.store_turns,
+                                window_from=self.window_from)
         if r.dropped_seq is not None:
             self.session.clear(r.dropped_seq)
         if self.store.extension is None or self.store.extension.seq != qseq:

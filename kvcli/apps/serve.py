@@ -104,6 +104,8 @@ class Choice:
     sampling: Sampling
     stop: list[str] = field(default_factory=list)
     cite: bool = False            # name the passages the answer came from (kvcli/citations.py): one more prefill
+    window_from: str = "question"  # a window policy scores by the question's tokens, or by its whole "policy" window
+    ignore_eos: bool = False      # llama-server's field: the answer runs to max_tokens
 
 
 class Stopped(KeyboardInterrupt):
@@ -316,7 +318,8 @@ class Engine:
                 split = self._fresh_split(prompt, colsum)
                 doc = self.residents.read(prompt, split, colsum, self._room(prompt, split, c))
                 read_tokens, read_s = doc.split, doc.read_s
-            r = doc.reselect(session, prompt, cfg, seq=qseq, into=ANSWER_SEQ, extend=not fresh)
+            r = doc.reselect(session, prompt, cfg, seq=qseq, into=ANSWER_SEQ, extend=not fresh,
+                             window_from=c.window_from)
             if fresh:
                 if n >= NEW_STORE_MIN:
                     self.store.add(doc)
@@ -383,7 +386,7 @@ class Engine:
             if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
                 doc = read_in_memory(session, prompt, self._fresh_split(prompt, colsum), seq, colsum)
                 read_tokens, read_s = doc.split, doc.read_s
-            r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh)
+            r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh, window_from=c.window_from)
             stored = None
             if fresh:
                 if n >= NEW_STORE_MIN:
@@ -413,7 +416,7 @@ class Engine:
                  "prefix_reused_tokens": 0 if fresh else r.restored, "prefilled_tokens": r.prefilled,
                  "restored_from": "new store" if fresh else r.source, "new_store_tokens": new_store,
                  **{k: v for k, v in r.as_stats().items() if k.endswith("_s")},   # restore, prefill, plan, keep
-                 "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
+                 "window": getattr(r, "window", None), "kv_cells": st["kv_cells"], "kv_bytes": st["kv_bytes"],
                  "kv_bytes_full": self.session.bytes_per_cell() * n,
                  "prompt_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
                  "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None,
@@ -513,7 +516,7 @@ class Engine:
 
         limit = max(1, min(c.max_tokens, self.session.n_ctx - self.session.cells_used(),
                            self.session.n_ctx_train - self.session.seq(seq).next_pos))
-        gen = generate(self.session, limit, Sampler(c.sampling), seq=seq, on_text=piece)
+        gen = generate(self.session, limit, Sampler(c.sampling), seq=seq, on_text=piece, ignore_eos=c.ignore_eos)
         if not out.hit and not gone[0]:
             out.flush()
         gen.text = out.text

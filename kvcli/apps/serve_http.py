@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvcli.apps.serve import BadRequest, Choice, Engine
+from kvcli.drivers.reselect import WINDOW_MODES
 from kvcli.errors import KvcliError
 from kvcli.policies import parse_policy_args
 
@@ -167,11 +168,13 @@ def parse_choice(body: dict, defaults: Choice) -> Choice:
     c = defaults
     ext = body.get("kvcli")
     if ext is not None:
-        if not isinstance(ext, dict) or set(ext) - {"policy", "budget", "policy_args", "cite"}:
-            raise ApiError(400, "'kvcli' must be an object with 'policy', 'budget', 'policy_args' and/or 'cite'",
-                           param="kvcli")
+        if not isinstance(ext, dict) or set(ext) - {"policy", "budget", "policy_args", "cite", "window_from"}:
+            raise ApiError(400, "'kvcli' must be an object with 'policy', 'budget', 'policy_args', 'cite' and/or "
+                           "'window_from'", param="kvcli")
         if not isinstance(ext.get("cite", False), bool):
             raise ApiError(400, "'kvcli.cite' must be true or false", param="kvcli")
+        if ext.get("window_from", c.window_from) not in WINDOW_MODES:
+            raise ApiError(400, f"'kvcli.window_from' must be one of {', '.join(WINDOW_MODES)}", param="kvcli")
         policy = ext.get("policy", c.policy)
         if not isinstance(policy, str) or not policy:
             raise ApiError(400, "'kvcli.policy' must be a policy name (kvcli policies lists them)", param="kvcli")
@@ -183,7 +186,9 @@ def parse_choice(body: dict, defaults: Choice) -> Choice:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ApiError(400, "'kvcli.budget' must be a positive integer", param="kvcli")
         c = replace(c, policy=policy, budget=None if policy == "full" else budget, policy_args=args,
-                    cite=ext.get("cite", False))
+                    cite=ext.get("cite", False), window_from=ext.get("window_from", c.window_from))
+    if not isinstance(body.get("ignore_eos", False), bool):
+        raise ApiError(400, "'ignore_eos' must be true or false", param="ignore_eos")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, 100000, integer=True)
@@ -206,7 +211,8 @@ def parse_choice(body: dict, defaults: Choice) -> Choice:
         sampling = replace(s, **changes).validate()
     except KvcliError as e:
         raise ApiError(400, str(e)) from None
-    return replace(c, max_tokens=max_tokens or c.max_tokens, sampling=sampling, stop=_stop(body))
+    return replace(c, max_tokens=max_tokens or c.max_tokens, sampling=sampling, stop=_stop(body),
+                   ignore_eos=body.get("ignore_eos", False))
 
 
 def parse_messages(body: dict) -> list[dict]:

@@ -47,9 +47,15 @@ def parse_size(text: str, flag: str) -> int:
               help="Cap of the stored document caches (each prompt's full cache, kept for the requests that start "
                    "with it), least recently used evicted above it, in memory and on disk (with --store disk it "
                    "overrides the document store's cap while the server runs).")
+@click.option("--window-from", type=click.Choice(["question", "policy"]), default="question", show_default=True,
+              help="What scores a window policy's selection over a stored document: the question's own tokens (at "
+                   "most the policy's window; nothing stored is prefilled again), or the policy's whole window "
+                   "(the document's last tokens prefilled again with each question). A request may say "
+                   "\"kvcli\": {\"window_from\": ...}.")
 @click.option("--max-body-bytes", default="16M", show_default=True, metavar="SIZE",
               help="Largest request body (413 above it).")
-def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_max_bytes, max_body_bytes):
+def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_max_bytes, window_from,
+              max_body_bytes):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health), every answer
     given from a KV cache compressed by --policy to --budget for that request.
 
@@ -77,7 +83,7 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_m
     path = resolve_model(name)
     model_id = name if name and not str(name).lower().endswith(".gguf") else path.stem
     defaults = Choice(policy=req.policy, budget=req.budget, policy_args=dict(req.policy_args),
-                      max_tokens=req.max_tokens, sampling=req.sampling)
+                      max_tokens=req.max_tokens, sampling=req.sampling, window_from=window_from)
     engine = Engine(path, model_id=model_id, n_ctx=ctx, cache_type=req.cache_type,
                     threads=req.threads, defaults=defaults,
                     store=DiskStore(store_bytes) if store_kind == "disk" else MemoryStore(store_bytes))

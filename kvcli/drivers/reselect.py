@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 
 from kvcli import document_store, kvc
-from kvcli.drivers.reconstruct import reconstruct
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import Compression, make_plan, shape_observation
 from kvcli.session import Session
@@ -56,6 +55,12 @@ from kvcli.session import Session
 # last tokens with what follows it ("\n\n" + the question). A policy whose window reaches further back has the
 # restored entries cut back to make room for it (`restore_point`).
 STORE_TAIL = 8
+
+# window_from="question" (kvcli serve, kvcli chat): a window policy's window is the tokens after what the prompt shares
+# with the stored document (the question, with its turn's template), at most the policy's window and at least this:
+# a question then prefills only its own tokens over the document, as llama-server's cache_prompt does
+QUESTION_WINDOW_MIN = 8
+WINDOW_MODES = ("question", "policy")
 
 
 def common_prefix(a, b) -> int:
@@ -80,7 +85,8 @@ class Reselection:
     seq: int = 0             # the sequence that holds the re-selected cache (a resident document's: `into`)
     dropped_seq: int | None = None   # a resident extension's old sequence, replaced by this one: the caller frees it
     keep_s: float = 0.0      # extend=True: keeping the prompt's full cache as the extension (save_seq)
-    reconstruct_s: float | None = None   # kvzip: its reconstruction pass (part of prefill_s)
+    reconstruct_s: float | None = None   # the policy's second pass, if it has one (part of prefill_s)
+    window: int | None = None   # the observation window the plan was scored by (window="question" may cut it)
 
     @property
     def total_s(self) -> float:
@@ -89,7 +95,7 @@ class Reselection:
     def as_stats(self) -> dict:
         return {"reselect_s": round(self.total_s, 4), "reselect_restore_s": round(self.restore_s, 4),
                 "reselect_prefill_s": round(self.prefill_s, 4), "reselect_plan_s": round(self.plan_s, 4),
-                "reselect_keep_s": round(self.keep_s, 4), "reselect_from": self.source,
+                "reselect_keep_s": round(self.keep_s, 4), "reselect_from": self.source, "reselect_window": self.window,
                 "reselect_resident": self.resident,
                 "reselect_restored_tokens": self.restored, "reselect_prefilled_tokens": self.prefilled,
                 **({} if self.reconstruct_s is None else {"reconstruct_s": round(self.reconstruct_s, 4)})}
@@ -271,6 +277,25 @@ class StoredDocument:
             r = max(0, n_prompt - window)
         return r
 
+    def question_window(self, prompt: list[int], cfg: Compression) -> Compression:
+        """`cfg` with its observation window cut to the tokens of `prompt` after what the stored document (or the
+        kept conversation) shares with it, when those are fewer: the question's own tokens score the document, and
+        no stored entry before them is prefilled again. Column-sum policies (their sums are the split's) and
+        query-row statistics (expected_attention: many queries, not a question) are left as they are."""
+        kinds, window = cfg.observe
+        if "window" not in kinds or "colsum" in kinds or not cfg.spec.window_param or not cfg.compresses(len(prompt)):
+            return cfg
+        n = len(prompt)
+        shared = min(common_prefix(self.tokens, prompt), self.split)
+        if self.extension is not None:   # a conversation's next turn: the new turn is the question (a prompt asked
+            ext = min(common_prefix(self.extension.tokens, prompt), self.extension.split)   # again is scored as
+            if n - ext >= QUESTION_WINDOW_MIN:                                                # it was the first time)
+                shared = max(shared, ext)
+        w = min(window, max(n - shared, QUESTION_WINDOW_MIN))
+        if w >= window:
+            return cfg
+        return Compression(cfg.policy, cfg.budget, cfg.spec, {**cfg.params, cfg.spec.window_param: w})
+
     def _extension_for(self, prompt: list[int], cfg: Compression) -> tuple[Extension | None, int]:
         """The extension and how many of its entries to restore, when restoring it puts back more of `prompt`
         than the document does, exactly; else (None, 0)."""
@@ -361,7 +386,8 @@ class StoredDocument:
         self.resident = self.session = None
 
     def reselect(self, session: Session, prompt: list[int], cfg: Compression, *, seq: int = 0,
-                 progress=None, on_step=None, extend: bool = False, into: int | None = None) -> Reselection:
+                 progress=None, on_step=None, extend: bool = False, into: int | None = None,
+                 window_from: str = "policy") -> Reselection:
         """Restore, prefill the rest of `prompt` with the observation `cfg` needs, plan and compact: `seq` then
         holds `prompt` compressed for its own last tokens (the question), ready to decode. `on_step(obs, plan)`
         is called before the plan is applied (tests compare the observation with `run`'s).
@@ -375,8 +401,13 @@ class StoredDocument:
         of them is made (`Reselection.seq` says which sequence to decode; the caller clears `into` after the answer,
         and `seq`, the question's cells, unless `extend` kept it as the extension: then `seq` itself is the
         extension, sharing the document's cells, and the old extension's sequence is the caller's to free,
-        `Reselection.dropped_seq`)."""
+        `Reselection.dropped_seq`).
+
+        `window_from`: "policy" (the policy's window: its stored entries are cut back to prefill it whole) or "question"
+        (`question_window`)."""
         n = len(prompt)
+        if window_from == "question":
+            cfg = self.question_window(prompt, cfg)
         resident = self.resident is not None
         ext, r = self._extension_for(prompt, cfg)
         if ext is None:
@@ -400,17 +431,21 @@ class StoredDocument:
             # the restore point): the stored document can, exactly
             self.drop_extension(session)
             return self.reselect(session, prompt, cfg, seq=seq, progress=progress, on_step=on_step, extend=extend,
-                                 into=into)
+                                 into=into, window_from=window_from)
         ext = None   # no reference left to the old extension's state once `extend` drops it: one held at a time
         t1 = time.perf_counter()
         compresses = cfg.compresses(n)
         kinds, window = cfg.observe if compresses else ((), 0)
-        obs = session.prefill(list(prompt[r:]), seq=seq, observe=tuple(k for k in kinds if k != "colmax"),
+        extra = cfg.spec.second_pass if compresses else None
+        obs = session.prefill(list(prompt[r:]), seq=seq, observe=tuple(k for k in kinds if extra is None
+                                                                        or k != extra.kind),
                               window=window, progress=progress)
         recon_s = None
-        if "colmax" in kinds:   # kvzip: the whole prompt fed again after it (kvcli/drivers/reconstruct.py)
+        if extra is not None:   # the policy's second pass over the whole prompt (PolicySpec.second_pass)
             obs = obs if obs is not None else shape_observation(session.info, n)
-            obs.colmax, recon_s = reconstruct(session, list(prompt), seq, cfg.params["repeat_chunk"])
+            got = extra.run(session, list(prompt), seq, cfg.params)
+            setattr(obs, extra.kind, got.scores)
+            recon_s = got.seconds
         t2 = time.perf_counter()
         if obs is not None and obs.colsum is not None:   # the stored queries' sums + the rest's: the whole prompt's
             obs.colsum = obs.colsum.copy()
@@ -457,7 +492,8 @@ class StoredDocument:
         return Reselection(restored=r, prefilled=n - r, n_tokens=n, restore_s=t1 - t0, prefill_s=t2 - t1,
                            plan_s=time.perf_counter() - t3, plan=plan,
                            source=source, resident=resident, keep_s=keep_s,
-                           reconstruct_s=recon_s, seq=out, dropped_seq=dropped)
+                           reconstruct_s=recon_s, seq=out, dropped_seq=dropped,
+                           window=window if "window" in kinds else None)
 
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:
