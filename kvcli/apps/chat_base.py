@@ -108,6 +108,9 @@ class Conversation:
     chunk: int | None = None             # chunked prefill (kvcli/drivers/chunked.py): None = automatic, 0 = off
     max_cache: int | None = None         # most cells the cache may hold (document + conversation)
     chunk_scoring: str = "question"      # chunked: which queries score each chunk (kvcli/drivers/chunked.py)
+    # the compression the command built (kvcli.planning.planner.Compression): policy, budget and policy_args come
+    # from it; kept while /policy, /budget leave them as they are (`_cfg`)
+    compression: object = None
     # filled by compress() / from_kvc()
     fmt: TurnFormat | None = None
     prefix_tokens: list[int] = field(default_factory=list)
@@ -145,6 +148,9 @@ class Conversation:
         return super().__new__(cls)
 
     def __post_init__(self):
+        if self.compression is not None:
+            c = self.compression
+            self.policy, self.budget, self.policy_args = c.policy, c.budget, dict(c.args)
         if self.policy == "full":   # re-selected with `full` (kvcli run's several questions): the whole stored
             self.budget = None      # document restored for every question, no plan
         self.cache_type = self.cache_type or self.session.cache_type
@@ -189,8 +195,15 @@ class Conversation:
             print(f"kvcli: {line}", file=sys.stderr, flush=True)
 
     def _cfg(self, question: str | None):
-        """The policy resolved for the model (parameters resolved from the question: PolicySpec.resolve_instruction)."""
-        return resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args), question)
+        """The policy resolved for the model: the compression the command built, passed down (resolved again for the
+        question only where the policy resolves parameters from it: Compression.for_instruction), or, once /policy or
+        /budget changed the choice, the new one's, resolved here once."""
+        c = self.compression
+        if c is None or not c.asked(self.policy, self.budget, self.policy_args):
+            c = self.compression = resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args),
+                                           question)
+            return c
+        return c.for_instruction(question)
 
     def fit_context(self) -> None:
         """Give back the cells the document needed and the compressed prefix does not: the context is
@@ -214,7 +227,7 @@ class Conversation:
             raise KvcliError(f"policy '{new_policy}' needs a budget: /policy {new_policy} N")
         new_args = policy_args if policy_args is not None else (
             self.policy_args if new_policy == self.policy else {})
-        policies.prepare(new_policy, new_args, new_budget, instruction=self.question)
+        policies.choose(new_policy, new_budget, new_args, instruction=self.question)
         return new_policy, new_budget, new_args
 
     # ------------------------------------------------------------------ turns

@@ -76,10 +76,10 @@ class CompressedOnce(Conversation, kind="once"):
         if self.seq in self.session.seqs:
             self.session.clear(self.seq)
         # the question (aware) is the instruction task-adaptive policies classify; agnostic has none
-        self.report = compress.prefill_and_compress(self.session, self.prefix_tokens, self.policy, self.budget,
-                                                    dict(self.policy_args), seq=self.seq, progress=progress,
-                                                    instruction=self.question, chunk=chunking.chunk,
-                                                    cap=chunking.cap, on_cache=on_cache, scoring=self.chunk_scoring)
+        self.report = compress.prefill_and_compress(self.session, self.prefix_tokens, self._cfg(self.question),
+                                                    seq=self.seq, progress=progress, instruction=self.question,
+                                                    chunk=chunking.chunk, cap=chunking.cap, on_cache=on_cache,
+                                                    scoring=self.chunk_scoring)
         if held != self.cache_type:
             self.report.note = "; ".join(filter(None, (self.report.note, read_in_float16_note(self.cache_type))))
         st = self._st()

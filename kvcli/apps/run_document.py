@@ -92,14 +92,17 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
                  sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
                  max_cache: int | None = None, chunk_scoring: str = "question", template: bool = True,
-                 cite_answer: bool = False) -> RunResult:
+                 cite_answer: bool = False, compression=None) -> RunResult:
     """Prefill the templated prompt, compress it with `policy`, and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
     after each (kvcli/drivers/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks
     the
     queries that score each chunk. `cite_answer`: name the passages of the document the answer came from
-    (kvcli/citations.py; `document` may be a Document, whose pages and sections name them)."""
+    (kvcli/citations.py; `document` may be a Document, whose pages and sections name them). `compression`: the
+    kvcli.planning.planner.Compression the command built (in place of `policy`, `budget` and `policy_args`)."""
+    if compression is not None:
+        policy, budget = compression.policy, compression.budget
     source = document
     document = document.text if isinstance(document, Document) else document
     prompt = build_prompt(session, document, instruction, system, template)
@@ -115,8 +118,8 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
         session.create_context(chunking.n_ctx)
     progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)
     try:
-        report = compress.prefill_and_compress(session, tokens, policy, budget, policy_args or {}, seq=0,
-                                               progress=progress.update, instruction=instruction,
+        report = compress.prefill_and_compress(session, tokens, compression or policy, budget, policy_args or {},
+                                               seq=0, progress=progress.update, instruction=instruction,
                                                chunk=chunking.chunk, cap=chunking.cap, on_cache=progress.cache,
                                                scoring=chunk_scoring)
     finally:

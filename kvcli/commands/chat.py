@@ -34,15 +34,6 @@ def progress_factory(enabled: bool, desc: str = "prefill"):
     return lambda total: progress_bar(total, enabled, desc)
 
 
-def explicit_budget(policy: str, budget: int | None, question: str | None, policy_args) -> None:
-    """Check a policy choice before the model loads: name, budget, arguments."""
-    if policy != "full":
-        policies.get(policy)
-        if budget is None:
-            raise KvcliError(f"policy '{policy}' needs --budget N (entries kept per layer and KV head)")
-        policies.prepare(policy, policy_args, budget, instruction=question)
-
-
 def open_conversation(*, docs, cache_path, model, req: Request, system, question, show_progress: bool, quiet: bool,
                       reselect: bool = False, store: str | None = None):
     """A Conversation from --doc (prefilled and compressed now, or read and stored for re-selection, with a summary
@@ -54,14 +45,14 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
         conv = Conversation.from_kvc(cache_path, model=model, n_threads=req.threads)
     else:
         document = open_documents(list(docs))
-        explicit_budget(req.policy, req.budget, question, req.policy_args)
+        path = resolve_model(model or config.get("model"))
+        compression = req.compression(path, question)   # checked once, before the model loads, and passed down
         if store:
             check_store_target(store)   # a file or a store folder: which one is known once the document is tokenized
-        session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type,
-                                n_threads=req.threads)
-        conv = Conversation(session, document.text, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
-                            system=system, question=None if reselect else question, chunk=req.chunk,
-                            max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, reselect=reselect,
+        session = NativeSession(path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
+        conv = Conversation(session, document.text, compression=compression, system=system,
+                            question=None if reselect else question, chunk=req.chunk, max_cache=req.max_cache,
+                            chunk_scoring=req.chunk_scoring, reselect=reselect,
                             store_path=Path(store).expanduser() if store else None)
         conv.source = document   # its pages and sections, for the citations (kvcli/citations.py)
         progress = Progress(len(conv.prefix_tokens), show_progress)

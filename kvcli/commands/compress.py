@@ -9,13 +9,14 @@ import click
 
 from kvcli import config, policies
 from kvcli.apps.chat import MEMORY_STATS, Conversation
-from kvcli.commands.chat import explicit, explicit_budget, open_conversation
+from kvcli.commands.chat import explicit, open_conversation
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
+from kvcli.planning.planner import resolve
 from kvcli.outfile import check_target
 from kvcli.apps.run_document import Progress
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument
@@ -96,19 +97,19 @@ def store_document(ctx, req: Request, docs, out, force, model, question, system,
     budget = req.budget if explicit(ctx, "budget") and policy != "full" else None
     if explicit(ctx, "budget") and policy == "full":
         raise KvcliError("--budget with --store is the budget bounded reading keeps while it reads: add --policy P")
-    if budget is not None:
-        explicit_budget(policy, budget, None, req.policy_args)
-    elif explicit(ctx, "policy_args"):
+    if budget is None and explicit(ctx, "policy_args"):
         raise KvcliError("--store keeps every entry of a document stored whole: drop --policy-arg (the policy is "
                          "chosen when asking: kvcli run --cache FILE --policy P --budget N)")
     if policy != "full":
         colsum = colsum or "colsum" in policies.get(policy).needs
+    path = resolve_model(model or config.get("model"))
+    # the compression bounded reading reads with, checked once, before the document is read, and passed down
+    compression = resolve(path, policy if budget is not None else "full", budget,
+                          req.policy_args if budget is not None else {})
     document = read_documents(list(docs))
-    session = NativeSession(resolve_model(model or config.get("model")), n_ctx=0, cache_type=req.cache_type,
-                            n_threads=req.threads)
+    session = NativeSession(path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
     try:
-        conv = Conversation(session, document, policy=policy if budget is not None else "full", budget=budget,
-                            policy_args=req.policy_args if budget is not None else {}, system=system, reselect=True,
+        conv = Conversation(session, document, compression=compression, system=system, reselect=True,
                             store_path=out, chunk=req.chunk, max_cache=req.max_cache)
         n, limit = len(conv.prefix_tokens), session.n_ctx_train
         if budget is None:

@@ -35,6 +35,7 @@ from kvcli import config, policies
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import parse_int_list, parse_list
 from kvcli.generate import Sampler, Sampling
+from kvcli.planning.planner import resolve
 from kvcli.policies import parse_policy_args, parse_scoped_args
 
 class SharedOption(click.Option):
@@ -98,6 +99,13 @@ class Request:
     def sampler(self):
         """A kvcli.generate.Sampler with these settings."""
         return Sampler(self.sampling)
+
+    def compression(self, model_path, instruction: str | None = None):
+        """The compression asked for (--policy, --budget, --policy-arg), checked once here, at the command's
+        boundary, and completed for the model at `model_path` (kvcli.planning.planner.resolve; `instruction`: the
+        question, for a policy that resolves parameters from it): the value the command passes down to the apps and
+        drivers."""
+        return resolve(model_path, self.policy, self.budget, self.policy_args, instruction)
 
 
 def _sampling_options(d: dict, penalties_only: bool = False) -> list:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from kvcli import config, kvc, outfile
+from kvcli import config, kvc, outfile, policies
 from kvcli.apps.chat import MEMORY_STATS, Conversation
-from kvcli.commands.chat import FLAGS, explicit, explicit_budget
+from kvcli.commands.chat import FLAGS, explicit
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.citations import Citations, cite_turn
 from kvcli.documents import open_documents
@@ -21,7 +21,7 @@ from kvcli.apps.run_document import Progress, RunResult, run_document
 from kvcli.drivers.reselect_bounded import is_store
 
 
-def open_session(engine: str, model: str | None, **kw):
+def open_session(engine: str, model, **kw):
     path = resolve_model(model)
     if engine == "native":
         return NativeSession(path, **kw)
@@ -113,10 +113,12 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
         result.stats["document_reads"] = 0
     else:
         document = open_documents(list(docs))
-        session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
-            if engine == "native" else open_session(engine, model, n_threads=req.threads)
-        result = run_document(session, document, instruction, policy=req.policy, budget=req.budget,
-                              policy_args=req.policy_args, max_tokens=req.max_tokens, sampler=sampler, system=system,
+        path = resolve_model(model)
+        compression = req.compression(path, instruction)   # checked once, before the model loads, and passed down
+        session = open_session(engine, path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads) \
+            if engine == "native" else open_session(engine, path, n_threads=req.threads)
+        result = run_document(session, document, instruction, compression=compression,
+                              max_tokens=req.max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=req.chunk,
                               max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, template=not no_template,
                               cite_answer=cite or as_json)
@@ -223,7 +225,7 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
             if policy == "full" and explicit(ctx, "budget", "policy_args"):
                 raise KvcliError("--budget and --policy-arg re-select with a compressing policy: add --policy P")
             budget = req.budget if policy != "full" else None
-            explicit_budget(policy, budget, None, req.policy_args)
+            policies.choose(policy, budget, req.policy_args)   # before the store is read (its model: from_store's)
             conv = Conversation.from_store(cache_path, policy=policy, budget=budget, policy_args=req.policy_args,
                                            model=model, n_threads=req.threads)
         else:
@@ -239,16 +241,16 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
     if no_template:
         raise KvcliError("several questions are laid out with the model's chat template: drop --no-template, or ask "
                          "one question")
-    explicit_budget(req.policy, req.budget, None, req.policy_args)
+    path = resolve_model(model)
+    compression = req.compression(path)   # checked once, before the model loads, and passed down
     document = open_documents(list(docs))
-    session = open_session(engine, model, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
+    session = open_session(engine, path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
     try:
         # the store's form is chat's (Conversation.store_form): the full cache kept whole, or, for a document
         # whose full cache is large, longer than the context or --max-cache, or with --chunk N, stored chunk by
         # chunk as bounded reading reads it and streamed for every question
-        conv = Conversation(session, document.text, policy=req.policy, budget=req.budget,
-                            policy_args=req.policy_args, system=system, reselect=True, max_cache=req.max_cache,
-                            chunk=req.chunk)
+        conv = Conversation(session, document.text, compression=compression, system=system, reselect=True,
+                            max_cache=req.max_cache, chunk=req.chunk)
         conv.source = document   # its pages and sections, for the citations
         n = len(conv.prefix_tokens)
         progress = Progress(n, not quiet and sys.stderr.isatty() and n > session.n_batch)

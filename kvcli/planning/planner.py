@@ -54,11 +54,19 @@ class CompressReport:
 @dataclass(frozen=True)
 class Compression:
     """One configuration (policy at a budget) resolved for a model: what the driver (kvcli/drivers/compress.py)
-    prefills, plans and applies. `full` is one too: it observes nothing and never compresses."""
+    prefills, plans and applies. `full` is one too: it observes nothing and never compresses.
+
+    The compression value of a command: built once where the command reads its options (`resolve`, through
+    kvcli.commands.options.Request.compression: the policy, its budget and arguments checked, completed for the
+    model) and passed down; the apps and drivers take it as it is. `for_instruction` resolves it again only for a
+    policy whose parameters depend on the question (PolicySpec.resolve_instruction)."""
     policy: str
     budget: int | None
     spec: PolicySpec
     params: dict = field(hash=False, compare=False)
+    args: dict = field(default_factory=dict, hash=False, compare=False)   # the --policy-arg items as given
+    model_path: object = field(default=None, hash=False, compare=False)  # the model it was resolved for
+    instruction: str | None = field(default=None, hash=False, compare=False)   # ... and the instruction
 
     @property
     def observe(self) -> tuple[tuple[str, ...], int]:
@@ -74,44 +82,49 @@ class Compression:
             return ""
         return f"no compression: the prompt ({n} tokens) fits the budget ({self.budget})"
 
+    def for_instruction(self, instruction: str | None) -> "Compression":
+        """This compression for another instruction: itself, unless the policy resolves parameters from the
+        question (then resolved again, from the arguments as given)."""
+        if self.spec.resolve_instruction is None or instruction == self.instruction or self.model_path is None:
+            return self
+        return resolve(self.model_path, self.policy, self.budget, self.args, instruction)
+
+    def asked(self, policy: str, budget: int | None, policy_args) -> bool:
+        """Whether it is the compression of this policy, budget and arguments (a chat's /policy changes them)."""
+        return (policy, budget, dict(policy_args or {})) == (self.policy, self.budget, self.args)
+
 
 def resolve(model_path, policy: str, budget: int | None, policy_args: dict | None = None,
             instruction: str | None = None) -> Compression:
     """The Compression of `policy` at `budget` for the model at `model_path` (see `resolve_for_model`); `full`
     takes no argument and keeps every entry whatever the budget."""
-    if policy == "full":   # the one place it is told apart: it has no parameter and needs no budget
-        if policy_args:
-            raise KvcliError("policy 'full' takes no --policy-arg")
-        spec = policies.get(policy)
-        return Compression(policy, budget, spec, spec.validate({}))
-    spec, params = resolve_for_model(model_path, policy, dict(policy_args or {}), budget, instruction)
-    return Compression(policy, budget, spec, params)
+    args = dict(policy_args or {})
+    if (policy or "").strip().lower() == "full":   # no parameter, no budget: nothing to resolve for the model
+        spec, params = policies.choose(policy, budget, args)
+    else:
+        spec, params = resolve_for_model(model_path, policy, args, budget, instruction)
+    return Compression(policy, budget, spec, params, args, model_path, instruction)
 
 
 def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
     """(spec, params) of a compressing policy for the model at `model_path`: its arguments completed for the model
-    by the policy's `model_args` hook (a calibration found for it, or a warning says why not), validated (parameters
-    resolved from the instruction by `resolve_instruction`), the parameters that depend on the model's shape checked
-    against its header (`model_check`) and the model refused where it cannot run the policy: before the model
-    loads, not after the prefill. The one place a plan's policy is resolved: run, chat, compress, batch, bench, eval
-    and check (through `resolve`)."""
+    by the policy's `model_args` hook (a calibration found for it, or a warning says why not), checked once
+    (kvcli.policies.choose: parameters resolved from the instruction by `resolve_instruction`), the parameters that
+    depend on the model's shape checked against its header (`model_check`) and the model refused where it cannot
+    run the policy: before the model loads, not after the prefill. The one place a plan's policy is resolved: run,
+    chat, compress, batch, bench, eval and check (through `resolve`)."""
     spec = policies.get(policy)  # an unknown name is the first thing to report
     if budget is None:
-        raise KvcliError(budget_needed(policy))
+        raise KvcliError(policies.budget_needed(policy))
     if spec.model_args is not None:
         policy_args = _hook(spec.model_args)(model_path, policy_args)
-    spec, params, _ = policies.prepare(policy, policy_args, budget, instruction=instruction)
+    spec, params = policies.choose(policy, budget, policy_args, instruction)
     if spec.model_check is not None:
         spec.model_check(params, read_model_info(model_path))
     why = model_refusal(spec, model_path)
     if why:
         raise KvcliError(why)
     return spec, params
-
-
-def budget_needed(policy: str) -> str:
-    """The one message for a compressing policy given without a budget."""
-    return f"policy '{policy}' needs --budget N (entries kept per layer and KV head)"
 
 
 def _hook(path: str):

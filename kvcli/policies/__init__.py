@@ -24,8 +24,8 @@ _ORDER = (full, streamingllm, snapkv, h2o, pyramidkv, windowkv, dynamickv, compr
           expected_attention, keydiff, tova)
 REGISTRY: dict[str, PolicySpec] = {m.SPEC.name: m.SPEC for m in _ORDER}
 
-__all__ = ["REGISTRY", "Param", "PolicySpec", "available", "explain_text", "get", "list_text",
-           "parse_policy_args", "parse_scoped_args", "prepare"]
+__all__ = ["REGISTRY", "Param", "PolicySpec", "available", "budget_needed", "choose", "explain_text", "get",
+           "list_text", "parse_policy_args", "parse_scoped_args", "prepare"]
 
 
 def available() -> list[str]:
@@ -69,6 +69,28 @@ def layout_note(name: str) -> str:
             f"Measured from this policy's plans (benchmarks/layout.py, {rec['model']}, {rec['doc']} of "
             f"{rec['prompt_tokens']} tokens, f16 cache): {per}. `kvcli bench` and the --json stats report `kv_bytes` "
             "(held) next to `kv_bytes_live` for your own documents.")
+
+
+def budget_needed(policy: str) -> str:
+    """The one message for a compressing policy given without a budget."""
+    return f"policy '{policy}' needs --budget N (entries kept per layer and KV head)"
+
+
+def choose(policy: str, budget: int | None, policy_args=None,
+           instruction: str | None = None) -> tuple[PolicySpec, dict]:
+    """The one check of a compression as a command asked for it, before any model is read: the policy's name, its
+    budget, its --policy-arg items (parsed, in range, the budget-dependent checks), each mistake one message.
+    `full` takes no argument and no budget. (spec, typed params); kvcli.planning.planner.resolve runs it first and
+    then completes the choice for the model."""
+    spec = get(policy)   # an unknown name is the first thing to report
+    if spec.name == "full":
+        if policy_args:
+            raise KvcliError("policy 'full' takes no --policy-arg")
+        return spec, spec.validate({})
+    if budget is None:
+        raise KvcliError(budget_needed(policy))
+    spec, params, _ = prepare(spec.name, policy_args, budget, instruction=instruction)
+    return spec, params
 
 
 def prepare(name: str, policy_args=None, budget: int | None = None,
