@@ -342,7 +342,7 @@ class Worker:
         self.reader = None   # the reading context, grown to the largest document read so far
         self.store = None    # several questions: the stored full cache of the document being asked
         self.store_of = None   # (path, sha256) of that document
-        self.configs = {}    # several questions: the policy resolved per question (PolicySpec.resolve_instruction)
+        self.configs = {}    # the policy resolved once per instruction (PolicySpec.resolve_instruction)
 
     def close(self) -> None:
         self._drop_store()
@@ -401,11 +401,15 @@ class Worker:
         return store, store.read_s
 
     def _cfg(self, job: Job):
-        if job.question not in self.configs:
+        return self._resolved(job.question)
+
+    def _resolved(self, instruction: str | None):
+        """The policy resolved for the model and this instruction, once (kvcli.planning.planner.Compression)."""
+        if instruction not in self.configs:
             s = self.settings
-            self.configs[job.question] = resolve_policy(self.model_path, s.policy, s.budget, dict(s.policy_args),
-                                                        job.question)
-        return self.configs[job.question]
+            self.configs[instruction] = resolve_policy(self.model_path, s.policy, s.budget, dict(s.policy_args),
+                                                       instruction)
+        return self.configs[instruction]
 
     # -------------------------------------------------------------------------- stages of one document
     def _next_ready(self, jobs, emit) -> _Ready | None:
@@ -445,8 +449,9 @@ class Worker:
                     store, read_s = self._stored(ready, reader)
                     report = store.reselect(reader, ready.tokens, self._cfg(ready.job), seq=0)
                 else:
-                    report = prefill_and_compress(reader, ready.tokens, s.policy, s.budget, dict(s.policy_args),
-                                                  seq=0, instruction=ready.job.question or s.instruction,
+                    instruction = ready.job.question or s.instruction
+                    report = prefill_and_compress(reader, ready.tokens, self._resolved(instruction),
+                                                  seq=0, instruction=instruction,
                                                   chunk=ready.chunking.chunk, cap=ready.chunking.cap,
                                                   scoring=s.chunk_scoring)
                 session.restore_seq(reader.save_seq(0), seq)

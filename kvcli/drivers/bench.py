@@ -178,10 +178,18 @@ class Bench:
         self.refs: dict[str, Reference] = {}
         self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state file + what restoring it needs
         self._state_dir = None
+        self.resolved: dict[tuple, object] = {}   # (policy, budget) -> its Compression, resolved once
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
             if availability(p) is None:
                 for b in budgets:
-                    resolve(self.model_path, p, b, self.policy_args.get(p, {}))
+                    self.compression(p, b)
+
+    def compression(self, policy: str, budget: int | None):
+        """The configuration's Compression (kvcli.planning.planner.resolve), resolved once and reused."""
+        if (policy, budget) not in self.resolved:
+            self.resolved[(policy, budget)] = resolve(self.model_path, policy, budget,
+                                                      self.policy_args.get(policy, {}))
+        return self.resolved[(policy, budget)]
 
     # -------------------------------------------------------------------------- sessions
     def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
@@ -224,8 +232,7 @@ class Bench:
             row["status"] = f"error: {e}"
             return row
         try:
-            rep = prefill_and_compress(session, doc.tokens, cfg.policy, cfg.budget,
-                                       dict(self.policy_args.get(cfg.policy, {})), seq=0,
+            rep = prefill_and_compress(session, doc.tokens, self.compression(cfg.policy, cfg.budget), seq=0,
                                        chunk=chunking.chunk if chunking else None,
                                        cap=chunking.cap if chunking else None, scoring=self.chunk_scoring)
             first = session.logits(0)
@@ -294,7 +301,7 @@ class Bench:
             if why:
                 row["status"] = why
                 continue
-            comp = resolve(self.model_path, cfg.policy, cfg.budget, self.policy_args.get(cfg.policy, {}))
+            comp = self.compression(cfg.policy, cfg.budget)
             if comp.fit_note(n):
                 row["note"] = comp.fit_note(n)
             kinds, w = comp.observe if comp.compresses(n) else ((), 0)   # no observation: full's prefill
