@@ -141,7 +141,8 @@ LAYERS = [
     ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat",
                  "kvcli.evaluation.fidelity", "kvcli.evaluation.corpus_eval"]),
     ("app", ["kvcli.apps"]),
-    ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz"]),   # the fuzzer drives the command line
+    # the fuzzer drives the command line; a calibration's commands take the shared flags
+    ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz", "kvcli.calibration.command"]),
 ]
 
 

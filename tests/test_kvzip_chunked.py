@@ -1,5 +1,5 @@
 """kvzip under bounded (chunked) reading (issue #32): after every chunk its reconstruction pass runs over that chunk
-only (kvcli/drivers/reconstruct.py, start/end), every held slot scored by the pass's column maxima, a kept entry
+only (kvcli/policies/reconstruction.py, start/end), every held slot scored by the pass's column maxima, a kept entry
 keeping the larger of its earlier maximum and the new one; the cache never holds more than budget + chunk + one
 pass; the pass's seconds are reported on their own. A prompt read in one chunk gives the one-prefill plan."""
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """kvcli info and kvcli models: what is installed, what a model is, which native library runs it."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
 import click
 
-from kvcli import catalogue
+from kvcli import catalogue, policies
 from kvcli.calibration import store
 from kvcli.commands.options import json_option
 from kvcli.errors import KvcliError
@@ -38,6 +39,12 @@ def attention_paths() -> dict:
     return out
 
 
+def uncalibrated() -> str:
+    """What runs without a calibration: each calibrating policy's word on it (its `calibrate` hook's module)."""
+    return "; ".join(importlib.import_module(spec.calibrate).UNCALIBRATED for spec in policies.REGISTRY.values()
+                     if spec.calibrate is not None)
+
+
 def calibration_of(path) -> tuple[dict | None, str]:
     """The model's calibration (kvcli.calibration.store.find: inside the model, side-car, user cache or
     shipped) as JSON and as one line; a refused or corrupted one is shown with its reason, not hidden."""
@@ -46,7 +53,7 @@ def calibration_of(path) -> tuple[dict | None, str]:
     except KvcliError as e:
         return {"error": str(e)}, f"unusable: {e}"
     if cal is None:
-        return None, "none (compresskv falls back to all-head scoring and uniform budgets)"
+        return None, f"none ({uncalibrated()})"
     return cal.as_json(), cal.summary()
 
 

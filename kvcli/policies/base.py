@@ -227,6 +227,9 @@ class PolicySpec:
     # (params, ModelInfo) -> None: parameters that depend on the model's shape checked against its header, before
     # the model loads (KvcliError if not)
     model_check: Callable[[dict, Any], None] | None = None
+    # the module of the commands of an offline step the policy needs once per model (`kvcli calibrate`): its
+    # COMMANDS join that group, its UNCALIBRATED says what runs without it (kvcli info)
+    calibrate: str | None = None
 
     # -- parameters ---------------------------------------------------------------
     def param(self, name: str) -> Param:

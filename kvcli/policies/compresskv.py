@@ -125,4 +125,5 @@ SPEC = PolicySpec(
     check=_check,
     widest=widest,
     model_args="kvcli.calibration.lookup:policy_args",   # its offline calibration, found for the model (numpy only)
+    calibrate="kvcli.calibration.command",               # kvcli calibrate compresskv / show
 )
