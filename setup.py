@@ -4,8 +4,8 @@
 cached in ~/.cache/kvcli) into the wheel in its build_py step, with the llama_cpp ctypes bindings beside it: the wheel
 is platform-specific and installs without a compiler. CUDA as llama-cpp-python switches it:
 CMAKE_ARGS="-DGGML_CUDA=on" (or KVCLI_CUDA=1); other CMAKE_ARGS go to CMake. An editable install (`pip install -e .`,
-./setup.sh) builds nothing: `python -m kvcli.native.build` builds into the checkout (`python setup.py build_native`
-does the same).
+which ./setup.sh runs) builds the same library and bindings into the checkout's kvcli/native/ (git-ignored), where the
+editable kvcli is imported from; `python -m kvcli.native.build` rebuilds there after a change to native/.
 """
 import os
 import re
@@ -26,6 +26,9 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 REFERENCE = ["torch>=2.3", "transformers>=4.56", "accelerate"]
 RAY = ["ray>=2.9"]
 PLOT = ["matplotlib"]   # --plot of bench, eval and calibrate show (94 MB with fonttools, pillow, kiwisolver)
+# what the test suite and .ci/run need besides `all` (./setup.sh installs '.[all,test]'); ruff pinned: a new release
+# adds rules and fails unchanged code
+TEST = ["pytest>=8", "ruff==0.17.5", "openai>=1.0", "hypothesis>=6.100"]
 
 
 class BuildNative(Command):
@@ -45,18 +48,21 @@ class BuildNative(Command):
 
 
 class BuildPyNative(build_py):
-    """build_py, then the native library and its bindings into the build folder's kvcli/native (the wheel's)."""
+    """build_py, then the native library and its bindings into the build folder's kvcli/native (the wheel's), or for
+    an editable install (pip install -e ., ./setup.sh) into the checkout's kvcli/native, which it imports kvcli from."""
 
     def run(self):
         super().run()
-        if getattr(self, "editable_mode", False):   # pip install -e .: python -m kvcli.native.build builds in place
-            return
+        if getattr(self, "editable_mode", False):
+            package_dir = HERE / "kvcli" / "native"
+        else:
+            package_dir = Path(self.build_lib) / "kvcli" / "native"
         sys.path.insert(0, str(HERE))   # this tree's kvcli.native.build, whatever else is installed
         from kvcli.native.build import BuildError, build, cmake_args_from_env
         cuda, extra = cmake_args_from_env(os.environ)
         try:
             build(cuda=cuda, extra_args=extra, cuda_arch=os.environ.get("KVCLI_CUDA_ARCH"),
-                  package_dir=Path(self.build_lib) / "kvcli" / "native")
+                  package_dir=package_dir)
         except BuildError as e:
             sys.exit(f"kvcli: the native build failed: {e}")
 
@@ -100,7 +106,8 @@ setup(
     extras_require={"reference": REFERENCE,
                     "ray": RAY,                  # kvcli batch --ray
                     "plot": PLOT,
-                    "all": REFERENCE + RAY + PLOT},
+                    "all": REFERENCE + RAY + PLOT,
+                    "test": TEST},
     entry_points={"console_scripts": ["kvcli=kvcli.cli:main"]},
     cmdclass={"build_native": BuildNative, "build_py": BuildPyNative},
     distclass=PlatformDistribution,
