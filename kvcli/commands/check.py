@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvcli import policies
-from kvcli.drivers.check import CheckSettings, Thresholds, policies_to_check, run_check
+from kvcli.drivers.check import CheckSettings, Thresholds, policies_to_check, resolve_policies, run_check
 from kvcli.drivers.chunked import MIN_CHUNK
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_document
@@ -228,8 +227,6 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
     level_set = _levels(levels)
     names = policies_to_check(policy_names)
     chunk = req.chunk
-    for name in names:
-        policies.prepare(name, {}, budget)
     if chunk is not None:
         if chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
@@ -241,11 +238,12 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
         doc = str(EXAMPLE_DOC)
     document = read_document(doc)
     path = resolve_model(model)
+    resolved = resolve_policies(path, names, budget)   # every policy checked once, before a model loads
     settings = CheckSettings(budget=budget, n_tokens=n_tokens, cache_type=req.cache_type, flash_attn=flash_attn,
                              levels=level_set, doc_tokens=doc_tokens, chunk=chunk, chunk_scoring=req.chunk_scoring,
                              threads=req.threads, strict_plans=strict_plans)
     log = (lambda msg: click.echo(f"[check] {msg}", err=True)) if sys.stderr.isatty() else None
-    report = run_check(path, document, names, settings, th, log=log)
+    report = run_check(path, document, names, settings, th, log=log, resolved=resolved)
     if as_json:
         click.echo(json.dumps(report, default=float))
     else:

@@ -81,10 +81,10 @@ from kvcli.drivers.check.allowances import (ALLOWANCE_UBATCH, Allowance, NativeT
 from kvcli.drivers.check.verdicts import (CheckSettings, build_tokens, observed_windows, passed, plan_sensitivity,
                                           plan_summary, policies_to_check)
 from kvcli.drivers.check.chunked_check import Origins
-from kvcli.drivers.check.levels import run_check
+from kvcli.drivers.check.levels import resolve_policies, run_check
 
 __all__ = ["ALLOWANCE_UBATCH", "Allowance", "CheckSettings", "NativeTwin", "Origins", "Thresholds",
            "arithmetic_allowance", "build_tokens", "compare_arrays", "compare_kv_rows", "compare_observations",
            "compare_plans", "emulated_reference", "greedy_compare", "jaccard_per_head", "jaccard_per_layer",
            "l2_allowances", "logits_distance", "observed_windows", "passed", "plan_sensitivity", "plan_summary",
-           "policies_to_check", "precision_sensitivity", "run_check", "selection_margins"]
+           "policies_to_check", "precision_sensitivity", "resolve_policies", "run_check", "selection_margins"]

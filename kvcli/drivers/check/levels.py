@@ -19,9 +19,20 @@ from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 
 
+def resolve_policies(model_path, names, budget: int) -> tuple[dict, dict]:
+    """({name: Compression} resolved for the model, {name: why} of those it cannot run): checking several policies,
+    one the model cannot run (planner.model_refusal) is skipped, said why; every bad parameter or budget is an error,
+    before any model is loaded (with the arguments a policy's model_args hook completes for the model, as
+    run/bench/eval plan it). kvcli check resolves them once where it reads its options and hands them to run_check."""
+    unfit = {name: model_refusal(policies.get(name), model_path) for name in names} if len(names) > 1 else {}
+    unfit = {k: v for k, v in unfit.items() if v}
+    return {name: compress.resolve(model_path, name, budget) for name in names if name not in unfit}, unfit
+
+
 def run_check(model_path, document: str, policy_names=None, settings: CheckSettings | None = None,
-              thresholds: Thresholds | None = None, log=None) -> dict:
-    """Run the levels of `settings.levels` for each policy; returns the JSON-ready report."""
+              thresholds: Thresholds | None = None, log=None, resolved: tuple[dict, dict] | None = None) -> dict:
+    """Run the levels of `settings.levels` for each policy; returns the JSON-ready report. `resolved`: what
+    `resolve_policies` gave the command for these policies (resolved here without it)."""
     from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
 
     settings = settings or CheckSettings()
@@ -40,13 +51,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if settings.chunk is not None:
         if settings.chunk < MIN_CHUNK:
             raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
-    # every bad policy parameter / budget is reported before any model is loaded (with the arguments a policy's
-    # model_args hook completes for the model, as run/bench/eval plan it)
-    # checking several policies, one the model cannot run (planner.model_refusal) is skipped, said why
-    unfit = {name: model_refusal(policies.get(name), model_path) for name in names} if len(names) > 1 else {}
-    unfit = {k: v for k, v in unfit.items() if v}
-    names = [name for name in names if name not in unfit]
-    specs = {name: compress.resolve(model_path, name, settings.budget) for name in names}
+    specs, unfit = resolved or resolve_policies(model_path, names, settings.budget)
+    names = [name for name in names if name in specs]
 
     t0 = time.perf_counter()
     if settings.threads is not None and settings.threads < 1:
