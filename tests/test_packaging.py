@@ -3,7 +3,10 @@ kvcli/native/build.py), the wheel installs into a fresh environment without the 
 job's command on the default model, and a command that needs torch says how to install it."""
 from __future__ import annotations
 
+import ast
+import importlib.metadata as md
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,3 +131,68 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, args):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         "kvcli: error: --plot needs matplotlib, which is not installed: pip install 'kvcli[plot]'"]
+
+
+def _setup_py_requirements() -> dict[str, list[str]]:
+    """setup.py's install_requires and extras, read from its text (running it would build)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    names = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+             for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.List)}
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in call.keywords}
+    extras = eval(compile(ast.Expression(kw["extras_require"]), "setup.py", "eval"), {}, names)   # lists and +
+    return {"": ast.literal_eval(kw["install_requires"]), **extras}
+
+
+def _imported_modules(*folders: str) -> dict[str, str]:
+    """Top-level module -> a file importing it, for the absolute imports of every .py under the folders."""
+    found: dict[str, str] = {}
+    for folder in folders:
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            if "_vendor" in f.parts:
+                continue
+            for n in ast.walk(ast.parse(f.read_text())):
+                mods = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                    [n.module] if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module else []
+                for m in mods:
+                    found.setdefault(m.split(".")[0], str(f.relative_to(ROOT)))
+    return found
+
+
+def test_setup_sh_installs_what_the_code_and_tests_import():
+    """./setup.sh installs '.[all,test]' and nothing else of the code's or the tests' needs (requirements*.txt are not
+    read): every third-party module that kvcli/ or tests/ imports, and each `python -m X` of .ci/run, comes from a
+    distribution that setup.py's install_requires, `all` or `test` names, or that one of those requires."""
+    setup_sh = (ROOT / "setup.sh").read_text()
+    assert "-e '.[all,test]'" in setup_sh
+    reqs = _setup_py_requirements()
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    wanted = {canonicalize_name(Requirement(r).name) for key in ("", "all", "test") for r in reqs[key]}
+    closure, todo = set(), list(wanted)
+    while todo:   # what those require in turn, as installed here
+        name = todo.pop()
+        if name in closure:
+            continue
+        closure.add(name)
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for r in map(Requirement, requires):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(r.name))
+    local = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests", "kvcli"}
+    local.add("llama_cpp")   # llama-cpp-python's bindings, vendored into kvcli/native/_vendor by the build
+    modules = _imported_modules("kvcli", "tests")
+    ci = (ROOT / ".ci" / "run").read_text()
+    modules.update({m: ".ci/run" for m in re.findall(r"python -m (\w+)", ci)})
+    dists = md.packages_distributions()
+    missing = []
+    for mod, where in sorted(modules.items()):
+        if mod in sys.stdlib_module_names or mod in local:
+            continue
+        names = {canonicalize_name(d) for d in dists.get(mod, [])}
+        if not names & closure:
+            missing.append(f"{mod} ({where}; distribution {sorted(names) or 'not installed'})")
+    assert not missing, "imported, but not installed by ./setup.sh's '.[all,test]': " + ", ".join(missing)
