@@ -13,8 +13,11 @@ range and a short quote.
 
 What it costs: one prefill of the answer's tokens (a few dozen) over the kept cells, with the observation armed.
 A sequence whose entries were re-indexed (a document read in bounded chunks: the kept entries got compact positions
-again, kvcli/drivers/chunked.py) no longer knows its entries' original positions: `cite` returns no passage there and
-says why (`Citations.note`).
+again, kvcli/drivers/chunked.py) no longer knows its entries' original positions by itself. Chat's bounded form (a
+book: stored chunks streamed per question, those the block index chose) follows them through every chunk it puts
+back and every compaction (kvcli/drivers/reselect_bounded.py `Origins`), so its answers are cited as the exact form's
+are, from the entries kept of the chunks streamed for the question (a chunk not streamed cannot be cited); elsewhere
+(`kvcli run` of a document read in chunks) `cite` returns no passage and says why (`Citations.note`).
 """
 from __future__ import annotations
 
@@ -197,14 +200,16 @@ def segments(weights: list[float], most: int) -> list[tuple[int, int, float]]:
     return [(a, b, float(np.mean(weights[a:b]))) for a, b in zip(cuts, cuts[1:])]
 
 
-def answer_attention(session, seq: int, answer_tokens: list[int], weights: list[float] | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def answer_attention(session, seq: int, answer_tokens: list[int], weights: list[float] | None = None,
+                     origins=None) -> tuple[np.ndarray, np.ndarray]:
     """([n_layer, tokens read] the attention the answer's tokens gave each original position, per layer, each token's
     share weighted by `weights` (default 1), the same unweighted). The answer is the last len(answer_tokens) tokens
     of `seq`: they are rolled back and prefilled again in one batch with the window observation armed over them,
     which leaves the cache holding them again, the last logits theirs, and the sequence's bookkeeping as it was. The
     engine sums a window's queries: one window per run of equal weight (`segments`, at most MAX_WINDOWS, fewer where
-    the sums of a long sequence would pass OBS_BYTES), each run's attention the difference of two windows."""
+    the sums of a long sequence would pass OBS_BYTES), each run's attention the difference of two windows.
+    `origins` (a re-indexed sequence's: reselect_bounded.Origins): the prompt token each slot holds, the positions
+    then those of `origins.tokens` (its length the width)."""
     n = len(answer_tokens)
     st = session.seq(seq)
     info = session.info
@@ -224,8 +229,9 @@ def answer_attention(session, seq: int, answer_tokens: list[int], weights: list[
         if w:
             weighted += w * (by_len[n - a] - (by_len[n - b] if b < n else 0.0))
     group = info.n_head // info.n_head_kv
-    origins = slot_origins(session, seq)
-    out = np.zeros((2, info.n_layer, st.tokens_read), np.float64)
+    width = st.tokens_read if origins is None else len(origins.tokens)
+    origins = slot_origins(session, seq) if origins is None else origins.slot_origins(session, seq)
+    out = np.zeros((2, info.n_layer, width), np.float64)
     for il in range(info.n_layer):
         for h in range(info.n_head_kv):
             pos = np.asarray(origins[il][h])
@@ -321,22 +327,23 @@ def rank(doc: Document, prompt_text: str, prompt_tokens: list[int], pieces: list
 
 
 def cite(session, seq: int, answer_tokens: list[int], *, prompt_text: str, prompt_tokens: list[int],
-         document: Document | str, question: str | None = None, top: int = TOP) -> Citations:
+         document: Document | str, question: str | None = None, top: int = TOP, origins=None) -> Citations:
     """The passages of `document` the answer (the last len(answer_tokens) tokens of `seq`) was decoded from, best
     first. `prompt_text` / `prompt_tokens`: the text and tokens whose positions the sequence's entries hold (the
     document's part of them at least). `question`: the answer's tokens of its words count for nothing
-    (`novelty_weights`)."""
+    (`novelty_weights`). `origins`: a re-indexed sequence's entries' prompt tokens (chat's bounded form,
+    reselect_bounded.Origins; `prompt_tokens` are then its tokens)."""
     t0 = time.perf_counter()
     doc = document if isinstance(document, Document) else Document(document, "text")
     if not answer_tokens:
         return Citations(note="the answer is empty")
     if not hasattr(session, "_slot_origins"):
         return Citations(note="the reference engine does not cite")
-    if session.seq(seq).reindexed:
+    if session.seq(seq).reindexed and origins is None:
         return Citations(note="the document was read in chunks whose kept entries were given new positions, so their "
                               "place in the document is not known (--chunk 0 reads a document that fits the context "
                               "in one go)")
-    att, _ = answer_attention(session, seq, answer_tokens, novelty_weights(session, answer_tokens, question))
+    att, _ = answer_attention(session, seq, answer_tokens, novelty_weights(session, answer_tokens, question), origins)
     scores = layer_weights(att.shape[0]) @ att
     out = Citations(rank(doc, prompt_text, prompt_tokens, token_pieces(session, prompt_tokens), scores, top))
     if not out.passages:
@@ -348,11 +355,20 @@ def cite(session, seq: int, answer_tokens: list[int], *, prompt_text: str, promp
 def cite_turn(conv, gen, document: Document | str | None = None, top: int = TOP) -> Citations:
     """The citations of a conversation's last answer (kvcli/apps/chat.py's Conversation, `gen` its Generation): the
     sequence holds the answer's tokens last; the document's entries hold the positions of the conversation's prefix
-    (`prefix_text`, `prefix_tokens`: the template's head and the document, in every mode)."""
+    (`prefix_text`, `prefix_tokens`: the template's head and the document, in every mode) or, re-selected in bounded
+    chunks, those of the question's whole prompt, followed by the re-selection (`Origins`)."""
     if gen.stopped == "interrupted":
         return Citations(note="the answer was interrupted")
     source = document if document is not None else getattr(conv, "source", None) or conv.document
     question = conv.turns[-1].question if conv.turns else None
+    origins = getattr(getattr(conv, "last_reselection", None), "origins", None)
+    if origins is not None:
+        pieces = token_pieces(conv.session, origins.tokens)
+        if pieces is None:
+            return Citations(note="the reference engine does not cite")
+        text = b"".join(pieces).decode("utf-8", "replace")
+        return cite(conv.session, conv.seq, gen.tokens, prompt_text=text, prompt_tokens=origins.tokens,
+                    question=question, document=source, top=top, origins=origins)
     return cite(conv.session, conv.seq, gen.tokens, prompt_text=conv.prefix_text(), prompt_tokens=conv.prefix_tokens,
                 question=question,
                 document=source, top=top)

@@ -8,14 +8,24 @@ and for HTML). pypdf and python-docx are imported only when a document of their 
 
 Every refusal is one line (KvcliError, exit 2): a scanned PDF (no text layer: how many pages), an encrypted PDF, a
 damaged file of any format, a binary file of a type kvcli does not read, an empty document.
+
+A huge document says its token count and how long its read will take before the read starts (`read_notice`, one
+line on stderr): the time estimated from a configured speed (KVCLI_READ_TOK_S), else the speed the last read of the
+same form measured on this machine (recorded per model, form, cache type and threads in
+$KVCLI_CACHE/read-speeds.json, `record_read_speed`), else a prefill of the document's first PROBE_TOKENS tokens
+timed just before (`probe_speed`: for a document of PROBE_FROM tokens or more).
 """
 from __future__ import annotations
 
 import codecs
 import io
+import json
 import logging
+import math
+import os
 import posixpath
 import re
+import time
 import zipfile
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -639,3 +649,124 @@ def _epub_toc(zf: zipfile.ZipFile, manifest: dict, ncx_id: str | None) -> dict[s
     except (KeyError, ET.ParseError):
         return out   # no table of contents: chapters are named by their headings
     return out
+
+
+# ------------------------------------------------------------------------------------------ a long read, announced
+READ_NOTICE_S = 30.0   # a read estimated at least this long is announced (KVCLI_READ_NOTICE_S: seconds, "off")
+PROBE_TOKENS = 256     # with no speed known, the document's first tokens prefilled once to measure one
+PROBE_FROM = 8192      # ... only for a document at least this long: a shorter one is read without a probe
+SPEEDS = "read-speeds.json"
+
+
+def speeds_path() -> Path:
+    return Path(os.environ.get("KVCLI_CACHE", Path.home() / ".cache" / "kvcli")) / SPEEDS
+
+
+def speed_key(session, form: str) -> str:
+    """What a read's speed is recorded under: the model file, the form of the read ("bounded": in chunks, stored as
+    read; "prefill": one prefill), the cache type and the threads asked for ("auto": kvcli's choice)."""
+    threads = (getattr(session, "_ctx_opts", None) or {}).get("n_threads") or "auto"
+    return f"{Path(session.model_path).name}|{form}|{session.cache_type}|threads {threads}"
+
+
+def _speeds() -> dict:
+    try:
+        d = json.loads(speeds_path().read_text(encoding="utf-8"))
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def read_speed(key: str) -> tuple[float, str] | None:
+    """(tokens per second, how it is known) for a read recorded under `key`: KVCLI_READ_TOK_S, else the last read
+    of that key measured here; None when neither."""
+    raw = os.environ.get("KVCLI_READ_TOK_S", "").strip()
+    if raw:
+        try:
+            v = float(raw)
+        except ValueError:
+            v = -1.0
+        if not (v > 0 and math.isfinite(v)):
+            raise KvcliError(f"KVCLI_READ_TOK_S must be a number of tokens per second > 0 (got {raw!r})")
+        return v, "KVCLI_READ_TOK_S"
+    rec = _speeds().get(key)
+    try:
+        tok_s, tokens, seconds, when = (float(rec["tok_s"]), int(rec["tokens"]), float(rec["seconds"]),
+                                        str(rec["date"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+    if not tok_s > 0:
+        return None
+    return tok_s, f"measured by the last such read here: {tokens:,} tokens in {_duration(seconds)}, {when}"
+
+
+def record_read_speed(key: str, tokens: int, seconds: float) -> None:
+    """Keep a read's measured speed for the next estimate (a read under 512 tokens measures too little); a cache
+    folder that cannot be written is no error."""
+    if tokens < 512 or not seconds > 0:
+        return
+    d = _speeds()
+    d[key] = {"tok_s": round(tokens / seconds, 2), "tokens": int(tokens), "seconds": round(seconds, 2),
+              "date": time.strftime("%Y-%m-%d")}
+    path = speeds_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(d, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def probe_speed(session, tokens: list[int], seq: int) -> tuple[float, str] | None:
+    """The prefill speed of the document's first PROBE_TOKENS tokens in the empty sequence `seq` (cleared after);
+    None for a document shorter than PROBE_FROM (its read is not long enough to measure first)."""
+    if len(tokens) < PROBE_FROM:
+        return None
+    n = min(PROBE_TOKENS, len(tokens))
+    t0 = time.perf_counter()
+    try:
+        session.prefill(list(tokens[:n]), seq=seq)
+    finally:
+        session.clear(seq)
+    seconds = time.perf_counter() - t0
+    return n / seconds, f"the prefill speed of its first {n} tokens, measured just now"
+
+
+def notice_seconds() -> float | None:
+    """KVCLI_READ_NOTICE_S: a read estimated at least this long is announced (default READ_NOTICE_S); None: "off"."""
+    raw = os.environ.get("KVCLI_READ_NOTICE_S", "").strip().lower()
+    if not raw:
+        return READ_NOTICE_S
+    if raw in ("off", "never", "no"):
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not (v >= 0 and math.isfinite(v)):
+        raise KvcliError(f"KVCLI_READ_NOTICE_S must be a number of seconds >= 0 or 'off' (got {raw!r})")
+    return v
+
+
+def read_notice(n_tokens: int, speed: tuple[float, str] | None, what: str = "reading it") -> str | None:
+    """The line that announces a long read: its token count, the time estimated at `speed` ((tokens/s, how it is
+    known)) and how it was estimated; None when no speed is known or the estimate is below notice_seconds()."""
+    least = notice_seconds()
+    if speed is None or least is None:
+        return None
+    tok_s, how = speed
+    seconds = n_tokens / tok_s
+    if seconds < least:
+        return None
+    return (f"this document is {n_tokens:,} tokens: {what} will take about {_duration(seconds)} (estimated at "
+            f"{tok_s:,.0f} tokens/s: {how})")
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"

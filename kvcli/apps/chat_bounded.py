@@ -4,10 +4,11 @@ and a chunk; its chunks streamed for every question.
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
-from kvcli import config
+from kvcli import config, doc_formats
 from kvcli.apps.chat_base import Turn
 from kvcli.drivers.chunked import TURN_ROOM, pad_cells
 from kvcli.drivers.reselect import common_prefix
@@ -20,7 +21,9 @@ from kvcli.planning.planner import CompressReport
 
 def read(conv, cfg, chunking, progress, named: bool):
     """Read conv's document in chunks and store them as read (Reselected.read_store, the bounded form): in a
-    float16 working cache (store_types), with one more sequence to load the stored chunks through per question."""
+    float16 working cache (store_types), with one more sequence to load the stored chunks through per question.
+    A read estimated at doc_formats.READ_NOTICE_S or longer is announced first, on stderr (`announce`); its
+    measured speed is recorded for the next estimate."""
     session = conv.session
     working, chunk_type = store_types(conv.cache_type)
     session.clear()
@@ -30,15 +33,36 @@ def read(conv, cfg, chunking, progress, named: bool):
         session.create_context(chunking.n_ctx, n_seq)
     else:
         session.resize_context(chunking.n_ctx, n_seq)
+    key = doc_formats.speed_key(session, "bounded")
+    announce(conv, key, chunking.chunk, spare=conv.seq + 1)
+    t0 = time.perf_counter()
     conv.store = ChunkedStore.read(session, conv.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
                                    seq=conv.seq, spare=conv.seq + 1, path=conv.store_path, keep=named,
                                    chunk_type=chunk_type,
                                    progress=progress, notify=conv._say,
                                    meta={"document": conv.document, "system": conv.system})
+    doc_formats.record_read_speed(key, len(conv.store.tokens) - conv.store.resumed_tokens, time.perf_counter() - t0)
     conv.report = CompressReport(conv.policy, conv.budget, len(conv.prefix_tokens), conv.store.read_s,
                                  params=cfg.params, chunk=chunking.chunk, cap=chunking.cap)
     conv.turns, conv.last_reselection, conv.prompt_len = [], None, 0
     return conv.report
+
+
+def announce(conv, key: str, chunk: int, spare: int) -> None:
+    """A huge document says its token count and the time its read will take, before the read (one line on stderr,
+    or through conv.notify), estimated at the speed doc_formats.read_speed knows (configured, or the last bounded
+    read of this model measured here), else at the prefill speed of its first tokens measured now in `spare`."""
+    tokens = conv.prefix_tokens
+    speed = doc_formats.read_speed(key)
+    if speed is None and doc_formats.notice_seconds() is not None:
+        speed = doc_formats.probe_speed(conv.session, tokens, spare)
+    line = doc_formats.read_notice(len(tokens), speed, f"reading it in chunks of {chunk}")
+    if line is None:
+        return
+    if conv.notify:
+        conv._say(line)
+    else:
+        print(f"[{line}]", file=sys.stderr, flush=True)
 
 
 def streamed(conv, st) -> str:

@@ -51,6 +51,7 @@ from kvcli.drivers.chunked_store import (CHUNK_TYPES, FORMAT, MANIFEST, READS, S
                                          replace_folder, store_types, write_manifest)
 from kvcli.drivers.reselect import Reselection, common_prefix
 from kvcli.errors import KvcliError
+from kvcli.native import cache
 from kvcli.native.cache import KvReader
 from kvcli.native.session import SeqSnapshot
 from kvcli.native.state import cells_from, chunk_keys
@@ -58,7 +59,7 @@ from kvcli.planning.planner import Compression, make_plan, session_cells, shape_
 
 # the store's names, imported from here by kvcli's commands and apps
 __all__ = ["CHUNK_TYPES", "EXACT_BELOW_BYTES", "FORMAT", "MANIFEST", "READS", "SUMMARY", "BoundedReselection",
-           "BoundedStore", "ChunkedStore", "StoredChunk", "TurnChunk", "TurnChunks", "check_store_target",
+           "BoundedStore", "ChunkedStore", "Origins", "StoredChunk", "TurnChunk", "TurnChunks", "check_store_target",
            "check_usable", "exact_below_bytes", "is_store", "read_manifest", "replace_folder", "store_types",
            "write_manifest"]
 
@@ -82,11 +83,62 @@ class BoundedReselection(Reselection):
 
     stored: int = 0          # chunks in the store (`chunks`: those streamed, with the kept turns)
     index_s: float = 0.0     # choosing them: the question's queries and the block index (kvcli/drivers/block_index.py)
+    origins: "Origins | None" = None   # the prompt token each kept entry holds (kvcli/citations.py cites from it)
+    streamed: list | None = None   # the stored chunks streamed (their indices), in document order
 
     def as_stats(self) -> dict:
         return {**super().as_stats(), "reselect_chunks": self.chunks, "stored_chunks": self.stored,
                 "index_s": round(self.index_s, 4)}
 
+
+
+@dataclass
+class Origins:
+    """Where the entries of a bounded re-selection came from: per (layer, KV head), the prompt token (its index in
+    `tokens`) each position of the sequence holds, -1 where that head holds nothing. A re-indexing compaction gives
+    the kept entries new positions, right-aligned per head (Plan.first_slot), so the sequence's own bookkeeping no
+    longer knows their place in the document; this follows them through every chunk put back (`append`), cut
+    (`truncate`) and compaction (`compact`: the kept entries of each head in the order of their positions, as the
+    native compaction lays them out, kvcli_moves.cpp plan_moves). A few int32 per position and head: cheap enough to
+    keep for every question."""
+    tokens: list[int]
+    of: np.ndarray                    # [n_layer, n_head_kv, positions] int32
+
+    @classmethod
+    def start(cls, info, tokens: list[int]) -> "Origins":
+        return cls(list(tokens), np.zeros((info.n_layer, info.n_head_kv, 0), np.int32))
+
+    def append(self, pos0: int, first_token: int, n: int) -> None:
+        """Positions pos0..pos0+n-1 hold tokens first_token.. in every head."""
+        width = self.of.shape[2]
+        if width < pos0 + n:
+            self.of = np.concatenate([self.of, np.full(self.of.shape[:2] + (pos0 + n - width,), -1, np.int32)], 2)
+        self.of[:, :, pos0:pos0 + n] = np.arange(first_token, first_token + n, dtype=np.int32)
+
+    def truncate(self, pos: int) -> None:
+        self.of = self.of[:, :, :pos]
+
+    def compact(self, cell_pos: np.ndarray, plan) -> None:
+        """After a re-indexing compaction of the sequence whose cells had positions `cell_pos` (cell order)."""
+        B = plan.max_kept
+        new = np.full(self.of.shape[:2] + (B,), -1, np.int32)
+        off = plan.offsets()
+        for il in range(plan.n_layer):
+            for h in range(plan.n_head_kv):
+                k = plan.slots[off[il, h]:off[il, h] + plan.n_kept[il, h]]
+                p = np.sort(cell_pos[k], kind="stable")
+                new[il, h, B - len(p):] = self._at(il, h, p)
+        self.of = new
+
+    def _at(self, il: int, h: int, pos: np.ndarray) -> np.ndarray:
+        ok = (pos >= 0) & (pos < self.of.shape[2])
+        return np.where(ok, self.of[il, h][np.where(ok, pos, 0)], -1)
+
+    def slot_origins(self, session, seq: int) -> list[list[np.ndarray]]:
+        """Per (layer, KV head), the prompt token each slot (cell, in cell order) of `seq` holds, -1 for a dead
+        slot or one past the prompt (an answer's token): NativeSession._slot_origins for a re-indexed sequence."""
+        pos = cache.seq_positions(session.ctx, seq)
+        return [[self._at(il, h, pos) for h in range(self.of.shape[1])] for il in range(self.of.shape[0])]
 
 
 @dataclass
@@ -162,6 +214,7 @@ class ChunkedStore(BoundedStore):
         if seq in session.seqs:
             session.clear(seq)
         stored, index_s = self._choose(session, seq, prompt, cfg)
+        index = {id(c): i for i, c in enumerate(self.chunks)}
         streamed = stored + turns
         last_first = streamed[-1].first_token if streamed else 0
         if base < last_first:
@@ -176,6 +229,7 @@ class ChunkedStore(BoundedStore):
         limit = max(cfg.budget + self.chunk, room - max(rest - len(probe), 0)) - len(probe)
         restore_s = prefill_s = plan_s = 0.0
         plan = None
+        origins = Origins.start(session.info, prompt)
         for i, c in enumerate(streamed):
             t0 = time.perf_counter()
             cells = session_cells(session, seq) if i else 0
@@ -186,18 +240,21 @@ class ChunkedStore(BoundedStore):
                     obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
                 t1 = time.perf_counter()
                 prefill_s += t1 - t0
-                plan = self._compact(session, seq, cfg, obs, on_step)
+                plan = self._compact(session, seq, cfg, obs, on_step, origins)
                 t0 = time.perf_counter()
                 plan_s += t0 - t1
             snap = c.snapshot() if isinstance(c, TurnChunk) else self._snapshot(c)
+            origins.append(session.seq(seq).next_pos, c.first_token, c.n)
             session.append_saved(snap, seq, spare, filler=int(prompt[-1]))
             if i == len(streamed) - 1 and cut:
                 session.truncate(seq, session.seq(seq).next_pos - cut)
+                origins.truncate(session.seq(seq).next_pos)
             restore_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         rest = list(prompt[base:])
         first_pos = session.seq(seq).next_pos          # the position of prompt[base]
         obs = session.prefill(rest, seq=seq, observe=kinds, window=window, progress=progress)
+        origins.append(first_pos, base, len(rest))
         t2 = time.perf_counter()
         prefill_s += t2 - t1
         kept = None
@@ -212,14 +269,15 @@ class ChunkedStore(BoundedStore):
         cells = session_cells(session, seq)
         if cfg.spec.compresses(cells, cfg.budget):
             plan = self._compact(session, seq, cfg, obs if obs is not None else shape_observation(session.info, cells),
-                                 on_step)
+                                 on_step, origins)
         plan_s += time.perf_counter() - t3
         if extend:
             self.extension = kept
         return BoundedReselection(restored=base, prefilled=len(rest), n_tokens=n, restore_s=restore_s,
                                   prefill_s=prefill_s, plan_s=plan_s, plan=plan, chunks=len(streamed),
                                   source="conversation" if turns else "document", keep_s=t3 - t2,
-                                  stored=len(self.chunks), index_s=index_s)
+                                  stored=len(self.chunks), index_s=index_s, origins=origins,
+                                  streamed=[index[id(c)] for c in stored])
 
     def chunks_per_question(self, budget: int) -> int | None:
         """How many stored chunks a question streams besides the first and the last, by the block index; None: every
@@ -297,10 +355,13 @@ class ChunkedStore(BoundedStore):
                                                                         else last.first_token)
 
     @staticmethod
-    def _compact(session, seq, cfg: Compression, obs, on_step):
+    def _compact(session, seq, cfg: Compression, obs, on_step, origins: Origins | None = None):
         plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
         if on_step is not None:
             on_step(obs, plan)
+        cell_pos = cache.seq_positions(session.ctx, seq) if origins is not None else None
         session.apply_plan(plan, seq=seq, reindex=True)
+        if origins is not None:
+            origins.compact(cell_pos, plan)
         return plan
 
