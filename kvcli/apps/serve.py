@@ -59,7 +59,7 @@ from kvcli.drivers.reselect import STORE_TAIL, StoreMissing, StoredDocument, com
 from kvcli.drivers.resident import Residents
 from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes
 from kvcli.errors import KvcliError
-from kvcli.evaluation.measure import peak_rss_bytes
+from kvcli.evaluation.measure import peak_rss_bytes, return_freed_memory
 from kvcli.generate import Sampler, Sampling, generate
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import resolve
@@ -159,6 +159,7 @@ class Engine:
 
     def __init__(self, model_path, *, model_id: str, n_ctx: int | None, cache_type: str, threads: int | None,
                  defaults: Choice, store: DocumentStore):
+        return_freed_memory()   # a long-running process: what one request frees is not kept in the heap
         self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
         limit = self.session.n_ctx_train
         # sequences in one cell pool (kv_unified): the answer's, SPARE_SEQ that bounded re-selection loads stored

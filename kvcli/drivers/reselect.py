@@ -277,11 +277,13 @@ class StoredDocument:
             r = max(0, n_prompt - window)
         return r
 
-    def question_window(self, prompt: list[int], cfg: Compression) -> Compression:
-        """`cfg` with its observation window cut to the tokens of `prompt` after what the stored document (or the
-        kept conversation) shares with it, when those are fewer: the question's own tokens score the document, and
-        no stored entry before them is prefilled again. Column-sum policies (their sums are the split's) and
-        query-row statistics (expected_attention: many queries, not a question) are left as they are."""
+    def question_window(self, prompt: list[int], cfg: Compression, session: Session | None = None) -> Compression:
+        """`cfg` with its observation window cut to the tokens of `prompt` from the start of the line where it
+        departs from the stored document (or the kept conversation), when those are fewer: the question's own
+        tokens score the document, and no stored entry before its line is prefilled again (`session`: the
+        tokenizer that finds the line; without it, from the first token not shared). Column-sum policies (their
+        sums are the split's) and query-row statistics (expected_attention: many queries, not a question) are
+        left as they are."""
         kinds, window = cfg.observe
         if "window" not in kinds or "colsum" in kinds or not cfg.spec.window_param or not cfg.compresses(len(prompt)):
             return cfg
@@ -291,6 +293,14 @@ class StoredDocument:
             ext = min(common_prefix(self.extension.tokens, prompt), self.extension.split)   # again is scored as
             if n - ext >= QUESTION_WINDOW_MIN:                                                # it was the first time)
                 shared = max(shared, ext)
+        if session is not None and shared < n and b"\n" not in session.token_bytes(prompt[shared]):
+            # back to the line's start: a question's first words may be stored already (another question about
+            # the document began with them); no line break within the window: from the first token not shared
+            start = shared
+            while start > max(0, shared - window) and b"\n" not in session.token_bytes(prompt[start - 1]):
+                start -= 1
+            if start > 0 and b"\n" in session.token_bytes(prompt[start - 1]):
+                shared = start
         w = min(window, max(n - shared, QUESTION_WINDOW_MIN))
         if w >= window:
             return cfg
@@ -407,7 +417,7 @@ class StoredDocument:
         (`question_window`)."""
         n = len(prompt)
         if window_from == "question":
-            cfg = self.question_window(prompt, cfg)
+            cfg = self.question_window(prompt, cfg, session)
         resident = self.resident is not None
         ext, r = self._extension_for(prompt, cfg)
         if ext is None:
