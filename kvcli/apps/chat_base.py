@@ -215,7 +215,8 @@ class Conversation:
             s.resize_context(want)
 
     def _new_choice(self, policy: str | None, budget: int | None, policy_args: dict | None):
-        """(policy, budget, policy_args) of /policy, /budget: checked, not applied."""
+        """(policy, budget, policy_args) of /policy, /budget: checked (resolved for the model, kept for `_cfg` once the
+        caller applies the choice), not applied."""
         new_policy = (policy or self.policy).lower()
         if new_policy == "full":
             if budget is not None and policy is None:
@@ -227,7 +228,7 @@ class Conversation:
             raise KvcliError(f"policy '{new_policy}' needs a budget: /policy {new_policy} N")
         new_args = policy_args if policy_args is not None else (
             self.policy_args if new_policy == self.policy else {})
-        policies.choose(new_policy, new_budget, new_args, instruction=self.question)
+        self.compression = resolve(self.session.model_path, new_policy, new_budget, new_args, self.question)
         return new_policy, new_budget, new_args
 
     # ------------------------------------------------------------------ turns
