@@ -49,14 +49,13 @@ class BuildNative(Command):
 
 class BuildPyNative(build_py):
     """build_py, then the native library and its bindings into the build folder's kvcli/native (the wheel's), or for
-    an editable install (pip install -e ., ./setup.sh) into the checkout's kvcli/native, which it imports kvcli from."""
+    an editable install (pip install -e ., ./setup.sh) into the checkout's kvcli/native, which it imports kvcli from,
+    as `python -m kvcli.native.build` installs them there (the soname links kept: tests open libggml-base.so)."""
 
     def run(self):
         super().run()
-        if getattr(self, "editable_mode", False):
-            package_dir = HERE / "kvcli" / "native"
-        else:
-            package_dir = Path(self.build_lib) / "kvcli" / "native"
+        editable = getattr(self, "editable_mode", False)
+        package_dir = None if editable else Path(self.build_lib) / "kvcli" / "native"
         sys.path.insert(0, str(HERE))   # this tree's kvcli.native.build, whatever else is installed
         from kvcli.native.build import BuildError, build, cmake_args_from_env
         cuda, extra = cmake_args_from_env(os.environ)

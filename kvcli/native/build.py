@@ -12,10 +12,11 @@ Steps (each cached under $KVCLI_CACHE, default ~/.cache/kvcli):
    so a second install does not rebuild. CMake builds from a mirror of native/ kept in the cache,
    so that a checkout elsewhere on disk (a CI clone) reuses the same build folder.
 The libraries are then copied into kvcli/native/lib/<variant>/ with a build_info.json.
-`pip install .` runs the same build (setup.py's build_py step) into the wheel's kvcli/native/, and copies there too
-the sdist's Python bindings (its `llama_cpp` package: ctypes only, no compiled code) as kvcli/native/_vendor/, which
-kvcli.native.load_llama_cpp imports: llama-cpp-python itself is not installed, so llama.cpp is compiled once (ours),
-not twice. A checkout (./setup.sh) uses the llama-cpp-python the set-up installs with -DLLAMA_BUILD=OFF instead.
+`pip install .` runs the same build (setup.py's build_py step) into the wheel's kvcli/native/; every build copies
+there (or into this checkout's kvcli/native/: `python -m kvcli.native.build`, and `pip install -e .`, which
+./setup.sh runs) the sdist's Python bindings (its `llama_cpp` package: ctypes only, no compiled code) as
+kvcli/native/_vendor/, which kvcli.native.load_llama_cpp imports: llama-cpp-python itself is not installed, so
+llama.cpp is compiled once (ours), not twice.
 CUDA (--cuda): nvcc from $CUDACXX, PATH or /usr/local/cuda; cuBLAS from the toolkit or from the
 `nvidia-cublas` wheel (requirements-cuda.txt, which `KVCLI_CUDA=1 ./setup.sh` installs); without
 a libcuda.so to link (no driver, no stub) ggml's VMM pool is switched off (GGML_CUDA_NO_VMM).
@@ -345,8 +346,9 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
         done.write_text(key)
     else:
         log(f"reusing the cached build {build_dir.name}")
-    if package_dir is not None:   # a wheel's contents (setup.py); a checkout keeps its sources kvcli's own
-        install_bindings(extract_bindings(sdist), package_dir)
+    # the bindings beside the library: into a wheel's contents (setup.py), or into this checkout's kvcli/native (an
+    # editable install, ./setup.sh), which then needs no llama-cpp-python
+    install_bindings(extract_bindings(sdist), package_dir or PACKAGE_DIR)
     return install(bin_dir, variant, {"commit": commit, "flags": flag_text, "key": key,
                                        "kvcli_version": __version__, "build_dir": str(build_dir)},
                    package_dir=package_dir)
