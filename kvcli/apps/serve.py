@@ -23,7 +23,7 @@ the new question. Up to four documents are resident at once, the least recently 
 room (its file stays: it is restored into the context when next asked about). A model with sliding-window layers
 restores the stored cache into the answer's sequence per request instead (`_answer_restored`).
 
-A column-sum policy (h2o, d2o) cannot restore part of a store: its sums are those of all the stored queries. Its
+A column-sum policy (observing colsum) cannot restore part of a store: its sums are those of all the stored queries. Its
 first request stores the prompt less its last STORE_TAIL tokens, which the same prompt again restores whole; a
 request that shares only a prefix with a store (another question about the document) reads that prefix again into a
 store of its own, which every later question about the document restores.

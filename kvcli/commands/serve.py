@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from kvcli import config
+from kvcli import policies
 from kvcli.commands.options import Request, model_option, request_options
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
@@ -77,7 +78,7 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_m
     store_bytes = parse_size(store_max_bytes, "--store-max-bytes")
     body_bytes = parse_size(max_body_bytes, "--max-body-bytes")
     if req.policy != "full" and req.budget is None:
-        raise KvcliError(f"policy '{req.policy}' needs --budget N (entries kept per layer and KV head)")
+        raise KvcliError(policies.budget_needed(req.policy))
     _check_address(host, port)   # before the model loads: a port in use is one line, at once
     name = model or config.get("model")
     path = resolve_model(name)

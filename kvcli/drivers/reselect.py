@@ -12,13 +12,13 @@ so every answer is given from a cache compressed for its own question, as `kvcli
 question, at the cost of a short prefill over the full cache instead of a new read of the document.
 
 What is stored: the cache of the prompt's first `split` tokens (the chat template's head and the document, less
-its last STORE_TAIL tokens), and, when a column-sum policy (h2o, d2o) is used, the attention column sums of those
+its last STORE_TAIL tokens), and, for a column-sum policy (observing colsum), the attention column sums of those
 `split` queries. The observation of a re-selection is then what one prefill of the whole prompt observes:
 - window sums: the last `window` queries all lie in the prefilled rest (the restored part is cut back where the
   window reaches into it, `restore_point`), and they attend to every restored key as they would have;
 - column sums: the stored sums of the first `split` queries plus those of the prefilled rest (queries are
   causal: the stored ones never saw what follows them), so a column-sum policy must restore exactly `split`;
-- Q rows (expected_attention): its last `window` queries lie in the prefilled rest, as window sums do;
+- Q rows (the query kind): its last `window` queries lie in the prefilled rest, as window sums do;
 - K/V rows: read from the cache as restored.
 (tests/test_reselect.py checks both engines against `run`'s single prefill: L2 for the observation, L1 for the plan.)
 
@@ -269,7 +269,7 @@ class StoredDocument:
         back: its sums are split's)."""
         kinds, window = cfg.observe
         r = self.split if split is None else split
-        # expected_attention's statistics are its last `window` queries' (Q rows): prefilled, like a window's
+        # a query-observing policy's statistics are its last `window` queries' (Q rows): prefilled, like a window's
         if ("window" in kinds or "query" in kinds) and n_prompt - r < window:
             if "colsum" in kinds:
                 raise KvcliError(f"the policy's window ({window}) reaches into the stored document, whose column "
@@ -282,7 +282,7 @@ class StoredDocument:
         departs from the stored document (or the kept conversation), when those are fewer: the question's own
         tokens score the document, and no stored entry before its line is prefilled again (`session`: the
         tokenizer that finds the line; without it, from the first token not shared). Column-sum policies (their
-        sums are the split's) and query-row statistics (expected_attention: many queries, not a question) are
+        sums are the split's) and query-row statistics (many queries, not a question) are
         left as they are."""
         kinds, window = cfg.observe
         if "window" not in kinds or "colsum" in kinds or not cfg.spec.window_param or not cfg.compresses(len(prompt)):
