@@ -2,7 +2,7 @@
 
 score[h, j] = combine over the query heads q of KV head h of colmax[q, j]
 (colmax = the largest attention probability any query of the reconstruction pass gave slot j: the prompt fed
-again after an instruction to repeat it, kvcli/drivers/reconstruct.py). The first `sinks` and last `recent`
+again after an instruction to repeat it, kvcli/policies/reconstruction.py). The first `sinks` and last `recent`
 slots are kept; the (budget - sinks - recent) best of the others per KV head (alloc=head), per layer over its
 KV heads (alloc=layer) or over every layer and KV head (alloc=global), ties to the lower flat (layer, head, slot).
 """
