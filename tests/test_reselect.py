@@ -393,6 +393,34 @@ def test_store_file_round_trip_and_refusals(tiny, other_tiny, tmp_path):
         Conversation.from_store(bad, policy="snapkv", budget=48, model=str(tiny))
 
 
+def test_from_store_takes_the_commands_compression(tiny, tmp_path, monkeypatch):
+    """kvcli chat/run --cache PATH --policy P --budget N: the command resolves its compression once, for the model
+    the store is opened with (store_model: the one it records), and from_store sets it on the conversation as it
+    is, resolving nothing again; the answer is the one of a conversation resolved from policy and budget."""
+    from kvcli.apps import chat_base
+    from kvcli.apps.chat import Conversation, store_model
+    from kvcli.planning.planner import resolve
+    keep = tmp_path / "doc.kvc"
+    conv = conversation(tiny, store_path=keep)
+    q = "Which code did the river station log?"
+    a = conv.ask(q, 6).text
+    conv.close()
+    assert store_model(keep) == tiny and store_model(keep, model=str(tiny)) == tiny
+    compression = resolve(store_model(keep), "snapkv", 48, {"window": 8})
+    monkeypatch.setattr(chat_base, "resolve", lambda *a, **k: pytest.fail("resolved again"))
+    again = Conversation.from_store(keep, compression=compression)
+    assert again.compression is compression and str(again.session.model_path) == str(tiny)
+    assert (again.policy, again.budget, again.policy_args) == ("snapkv", 48, {"window": 8})
+    assert again.report.params == compression.params
+    again.ask(q, 6)
+    assert again.compression is compression   # the questions use it too (for_instruction: itself)
+    again.close()
+    monkeypatch.undo()
+    plain = Conversation.from_store(keep, policy="snapkv", budget=48, model=str(tiny))
+    assert plain.ask(q, 6).text == a
+    plain.close()
+
+
 def test_compressed_file_is_not_a_store(tiny, tmp_path):
     from kvcli.apps.chat import Conversation
     once = Conversation(native(tiny), DOC, policy="snapkv", budget=48)

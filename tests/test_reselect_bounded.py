@@ -291,6 +291,8 @@ def test_a_kept_store_opens_and_reselects_as_it_was_read(tiny_2k, setup, tmp_pat
     assert opened.keep and opened.bounded and opened.tokens == read.tokens and opened.split == read.split
     assert [vars(c) for c in opened.chunks] == [vars(c) for c in read.chunks]
     assert opened.meta["document"] == DOC and opened.meta["turns"] == []
+    from kvcli.apps.chat import store_model
+    assert store_model(tmp_path / "store") == tiny_2k   # the model a command resolves its compression for
     plans = {}
     for name, store in (("read", read), ("opened", opened)):
         store.reselect(s, prompt, cfg, on_step=lambda obs, plan, name=name: plans.setdefault(name, []).append(plan),

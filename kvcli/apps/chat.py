@@ -8,7 +8,7 @@ base (kvcli/apps/chat_base.py: the turn format, the fields, the cache bookkeepin
                       stored whole; bounded, stored in chunks and streamed per question (kvcli/apps/chat_bounded.py)
 
 `Conversation.from_kvc` loads a compressed-once .kvc file, `Conversation.from_store` a stored full cache or a bounded
-store folder.
+store folder, with the compression the command built for the model `store_model` names.
 
 A `Conversation` owns one sequence of a NativeSession. Its cache holds:
 
@@ -52,7 +52,7 @@ in the native engine), which the native patch keeps consistent with the slot bia
 from kvcli.apps.chat_base import (AGNOSTIC, AWARE, MEMORY_STATS, RESELECTED, ContextFullError, Conversation, Turn,
                                   TurnFormat, user_content)
 from kvcli.apps.chat_once import CompressedOnce
-from kvcli.apps.chat_reselected import Reselected
+from kvcli.apps.chat_reselected import Reselected, store_model
 
 __all__ = ["AGNOSTIC", "AWARE", "MEMORY_STATS", "RESELECTED", "CompressedOnce", "ContextFullError", "Conversation",
-           "Reselected", "Turn", "TurnFormat", "user_content"]
+           "Reselected", "Turn", "TurnFormat", "store_model", "user_content"]

@@ -8,15 +8,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvcli import config, kvc
+from kvcli import kvc
 from kvcli.apps import chat_bounded
 from kvcli.apps.chat_base import RESELECTED, ContextFullError, Conversation, Turn, user_content
 from kvcli.drivers.chunked import TURN_ROOM, pad_cells
 from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
-from kvcli.drivers.reselect_bounded import check_store_target, check_usable, exact_below_bytes
+from kvcli.drivers.reselect_bounded import check_store_target, check_usable, exact_below_bytes, read_manifest
 from kvcli.errors import KvcliError
 from kvcli.generate import generate
-from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
 from kvcli.planning.planner import CompressReport
 
@@ -330,14 +329,22 @@ class Reselected(Conversation, kind="reselected"):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_store(cls, path, *, policy: str, budget: int, policy_args: dict | None = None, model: str | None = None,
-                   seq: int = 0, n_threads: int | None = None, cache_type: str | None = None):
+    def from_store(cls, path, *, compression=None, policy: str = "full", budget: int | None = None,
+                   policy_args: dict | None = None, model: str | None = None, seq: int = 0,
+                   n_threads: int | None = None, cache_type: str | None = None):
         """A re-selected conversation over a stored full document cache (kvcli compress --store, /save of a
         re-selected chat, or any uncompressed .kvc file), or a bounded store folder (`from_chunked_store`): the
-        document is not read again."""
+        document is not read again.
+
+        `compression`: the compression the command built for the store's model (`store_model`), set on the
+        conversation as it is (its policy, budget and arguments; its model is the one opened unless `model` is
+        given). Without it, `policy`, `budget` and `policy_args` are resolved here, once, for the store's model."""
         if Path(path).expanduser().is_dir():
-            return cls.from_chunked_store(path, policy=policy, budget=budget, policy_args=policy_args, model=model,
-                                          seq=seq, n_threads=n_threads, cache_type=cache_type)
+            return cls.from_chunked_store(path, compression=compression, policy=policy, budget=budget,
+                                          policy_args=policy_args, model=model, seq=seq, n_threads=n_threads,
+                                          cache_type=cache_type)
+        if compression is not None:
+            model = model or compression.model_path
         t0 = time.perf_counter()
         f = kvc.read(path)
         kvc.check_versions(f)
@@ -346,9 +353,7 @@ class Reselected(Conversation, kind="reselected"):
         if m["compressed"]:
             raise KvcliError(f"{path} holds a compressed cache ({m['policy']} @ {m['budget']}): --policy/--budget "
                              "re-select from a document's full cache (kvcli compress --store); drop them to use it")
-        recorded = Path(m["model"]["path"])
-        model_path = resolve_model(recorded) if model is None and recorded.is_file() else \
-            resolve_model(model or config.get("model"))
+        model_path = chat_bounded.model_for(m["model"]["path"], model)
         kvc.check_model(f, model_path)
         if cache_type is not None and cache_type != m["cache_type"]:
             raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
@@ -358,29 +363,43 @@ class Reselected(Conversation, kind="reselected"):
                                 n_threads=n_threads)
         store = StoredDocument.from_kvc(f)
         del f
-        conv = cls(session, store.meta["document"], policy=policy, budget=budget, policy_args=dict(policy_args or {}),
-                   system=store.meta.get("system"), seq=seq, reselect=True)
+        conv = cls(session, store.meta["document"], compression=compression, policy=policy, budget=budget,
+                   policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True)
         # a file of `compress --store` holds the document's tokens; one of `compress --policy full` holds the
         # generic instruction after them too, whose entries are cut off at every question (StoredDocument.restore)
         if common_prefix(conv.prefix_tokens, store.tokens) < min(len(conv.prefix_tokens), store.split) - STORE_TAIL:
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
         conv.store = store
-        cfg = conv._cfg(None)   # the policy checked now, not at the first question
+        cfg = conv._cfg(None)   # the command's compression, else the policy resolved now, not at the first question
         if "colsum" in cfg.observe[0] and store.colsum is None:
-            raise KvcliError(f"{path} holds no column sums, which policy '{policy}' scores by: store it with "
-                             "kvcli compress --store --policy " + policy)
+            raise KvcliError(f"{path} holds no column sums, which policy '{conv.policy}' scores by: store it with "
+                             "kvcli compress --store --policy " + conv.policy)
         n = len(conv.prefix_tokens)
         session.create_context(min(session.n_ctx_train, pad_cells(n + TURN_ROOM)))
         conv.model_s = time.perf_counter() - t1
         conv.turns = [Turn(**t) for t in store.meta.get("turns", [])]
-        conv.report = CompressReport(policy, budget, n, 0.0, params=cfg.params)
+        conv.report = CompressReport(conv.policy, conv.budget, n, 0.0, params=cfg.params)
         conv.load_s = t1 - t0
         return conv
 
     @classmethod
-    def from_chunked_store(cls, path, *, policy: str, budget: int | None, policy_args: dict | None = None,
-                           model: str | None = None, seq: int = 0, n_threads: int | None = None,
-                           cache_type: str | None = None):
-        """A re-selected conversation over a bounded store folder (chat_bounded.open_store)."""
-        return chat_bounded.open_store(cls, path, policy=policy, budget=budget, policy_args=policy_args, model=model,
-                                       seq=seq, n_threads=n_threads, cache_type=cache_type)
+    def from_chunked_store(cls, path, *, compression=None, policy: str = "full", budget: int | None = None,
+                           policy_args: dict | None = None, model: str | None = None, seq: int = 0,
+                           n_threads: int | None = None, cache_type: str | None = None):
+        """A re-selected conversation over a bounded store folder (chat_bounded.open_store); `compression` as
+        `from_store` takes it."""
+        return chat_bounded.open_store(cls, path, compression=compression, policy=policy, budget=budget,
+                                       policy_args=policy_args, model=model, seq=seq, n_threads=n_threads,
+                                       cache_type=cache_type)
+
+
+def store_model(path, model: str | None = None):
+    """The model a stored document (a .kvc file, a bounded store folder) is opened with by `from_store`: `model`
+    when given, else the one it records when that file is here, else the default model. A command resolves its
+    compression for it before the store is read (kvcli chat/run --cache PATH --policy P --budget N). Only the
+    store's head is read here; a file that is not readable as a store is refused by from_store, its model then
+    `model` or the default."""
+    p = Path(path).expanduser()
+    m = read_manifest(p) if p.is_dir() else kvc.peek_meta(p)
+    recorded = m.get("model") if isinstance(m, dict) else None
+    return chat_bounded.model_for(recorded.get("path") if isinstance(recorded, dict) else None, model)

@@ -8,7 +8,7 @@ import click
 from click.core import ParameterSource
 
 from kvcli import config, kvc, policies
-from kvcli.apps.chat import Conversation
+from kvcli.apps.chat import Conversation, store_model
 from kvcli.apps.chat_repl import Repl
 from kvcli.commands.options import Request, model_option, request_options
 from kvcli.documents import open_documents
@@ -39,8 +39,9 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
     """A Conversation from --doc (prefilled and compressed now, or read and stored for re-selection, with a summary
     on stderr) or --cache (a compressed file, or with `reselect` a stored full cache)."""
     if cache_path and reselect:
-        conv = Conversation.from_store(cache_path, policy=req.policy, budget=req.budget, policy_args=req.policy_args,
-                                       model=model, n_threads=req.threads)
+        # checked once, for the model the store is opened with, before the store is read, and passed down
+        compression = req.compression(store_model(cache_path, model))
+        conv = Conversation.from_store(cache_path, compression=compression, n_threads=req.threads)
     elif cache_path:
         conv = Conversation.from_kvc(cache_path, model=model, n_threads=req.threads)
     else:

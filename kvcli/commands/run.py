@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from kvcli import config, kvc, outfile, policies
-from kvcli.apps.chat import MEMORY_STATS, Conversation
+from kvcli import config, kvc, outfile
+from kvcli.apps.chat import MEMORY_STATS, Conversation, store_model
 from kvcli.commands.chat import FLAGS, explicit
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.citations import Citations, cite_turn
@@ -225,9 +226,9 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
             if policy == "full" and explicit(ctx, "budget", "policy_args"):
                 raise KvcliError("--budget and --policy-arg re-select with a compressing policy: add --policy P")
             budget = req.budget if policy != "full" else None
-            policies.choose(policy, budget, req.policy_args)   # before the store is read (its model: from_store's)
-            conv = Conversation.from_store(cache_path, policy=policy, budget=budget, policy_args=req.policy_args,
-                                           model=model, n_threads=req.threads)
+            # checked once, for the model the store is opened with, before the store is read, and passed down
+            compression = replace(req, policy=policy, budget=budget).compression(store_model(cache_path, model))
+            conv = Conversation.from_store(cache_path, compression=compression, n_threads=req.threads)
         else:
             clash = explicit(ctx, *FLAGS, "engine")
             if clash:
