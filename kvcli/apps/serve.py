@@ -320,7 +320,7 @@ class Engine:
                 doc = self.residents.read(prompt, split, colsum, self._room(prompt, split, c))
                 read_tokens, read_s = doc.split, doc.read_s
             r = doc.reselect(session, prompt, cfg, seq=qseq, into=ANSWER_SEQ, extend=not fresh,
-                             window_from=c.window_from)
+                             window_from=self._window_from(c, fresh))
             if fresh:
                 if n >= NEW_STORE_MIN:
                     self.store.add(doc)
@@ -352,6 +352,12 @@ class Engine:
                               read=(read_tokens, read_s), new_store=stored.split if stored else 0,
                               resident_documents=len(self.residents.docs), resident_cells=self.residents.cells(),
                               resident_freed=self.residents.freed)
+
+    @staticmethod
+    def _window_from(c: Choice, fresh: bool) -> str:
+        """A document read by this request is scored by the policy's whole window, as `kvcli run` scores it (the
+        few document tokens it reaches into cost nothing beside the read); a later request by its choice."""
+        return "policy" if fresh else c.window_from
 
     def _question_seq(self) -> int:
         """A sequence for a request's prompt: one no resident document keeps as its extension."""
@@ -387,7 +393,7 @@ class Engine:
             if fresh:   # no store shares a usable prefix: read the prompt once, into a new store
                 doc = read_in_memory(session, prompt, self._fresh_split(prompt, colsum), seq, colsum)
                 read_tokens, read_s = doc.split, doc.read_s
-            r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh, window_from=c.window_from)
+            r = doc.reselect(session, prompt, cfg, seq=seq, extend=not fresh, window_from=self._window_from(c, fresh))
             stored = None
             if fresh:
                 if n >= NEW_STORE_MIN:

@@ -51,7 +51,8 @@ def parse_size(text: str, flag: str) -> int:
 @click.option("--window-from", type=click.Choice(["question", "policy"]), default="question", show_default=True,
               help="What scores a window policy's selection over a stored document: the question's own tokens (at "
                    "most the policy's window; nothing stored is prefilled again), or the policy's whole window "
-                   "(the document's last tokens prefilled again with each question). A request may say "
+                   "(the document's last tokens prefilled again with each question). The request that reads a "
+                   "document uses the policy's window, as kvcli run does. A request may say "
                    "\"kvcli\": {\"window_from\": ...}.")
 @click.option("--max-body-bytes", default="16M", show_default=True, metavar="SIZE",
               help="Largest request body (413 above it).")
