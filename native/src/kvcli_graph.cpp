@@ -218,9 +218,8 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3); // [hd, n_kv, n_head_kv]
 
     // Both kinds: softmax rows [n_kv, rows, n_head] (the allocator runs the softmax in place of the
-    // KQ product), reduced over the rows by out_prod with a 0/1 selection: out[i, c, h] =
-    // sum_r sel[i, r] * p[c, r, h], rows added in ubatch order in float32. out_prod reads the rows in
-    // place: no transposed copy of the probabilities.
+    // KQ product), reduced over the rows by a product with a 0/1 selection: out[i, c, h] =
+    // sum_r sel[i, r] * p[c, r, h] in float32, over the rows transposed first (see below).
     if ((ext.obs.kinds & (KVCLI_OBS_WINDOW | KVCLI_OBS_QUERY)) && !ext.obs.win_pos0.empty()) {
         const llama_pos first = *std::min_element(ext.obs.win_pos0.begin(), ext.obs.win_pos0.end());
         std::vector<llama_pos> win_pos;
@@ -269,8 +268,8 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             }
             ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
             // the window's rows summed per window length: a product over the rows (p transposed to rows first),
-            // where out_prod would make one length-n_w multiply-add per (cell, row, head): 0.3 s of a 15-row prefill
-            // over 5.6k cells on the CPU
+            // where out_prod made one length-n_w multiply-add per (cell, row, head); measured: the same prefill
+            // time on the CPU (docs/results/serve.md), kept as the plainer form
             ggml_tensor * pt = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 0, 2, 3));           // [n_win, n_kv, n_head]
             ggml_tensor * ws = ggml_mul_mat(ctx0, inp->win_sel, pt);                         // [n_w, n_kv, n_head]
             ggml_prec_set_acc(ws, GGML_PREC_F32);
