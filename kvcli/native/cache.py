@@ -30,25 +30,11 @@ import numpy as np
 from kvcli.errors import KvcliError
 from kvcli.native import load_llama_cpp
 from kvcli.native.lib import F32P, I32P, Memory, StateHeader, Stats, lib, plan_view
-from kvcli.planning.formats import Observation, Plan
+from kvcli.planning.formats import CAPTURED, OBS_BITS, Observation, Plan, check_kinds, kind_bits
 
-OBS_WINDOW = 1
-OBS_COLSUM = 2
-OBS_COLMAX = 4
-OBS_QUERY = 8
-_KIND_BITS = {"window": OBS_WINDOW, "colsum": OBS_COLSUM, "colmax": OBS_COLMAX, "query": OBS_QUERY, "kv": 0}
-# the kinds the graph captures (the others: positions, a K/V reader); "query": the window queries' Q rows
-_SUMS = {"window", "colsum", "colmax", "query"}
-
-
-
-def _kinds_bits(kinds) -> int:
-    bits = 0
-    for k in kinds:
-        if k not in _KIND_BITS:
-            raise KvcliError(f"unknown observation kind '{k}' (choose from window, colsum, colmax, kv)")
-        bits |= _KIND_BITS[k]
-    return bits
+# the C API's KVCLI_OBS_* bits (kvcli.planning.formats: the kinds both engines share; CAPTURED: those the graph
+# captures, the others are positions and a K/V reader)
+OBS_WINDOW, OBS_COLSUM, OBS_COLMAX, OBS_QUERY = (OBS_BITS[k] for k in ("window", "colsum", "colmax", "query"))
 
 
 def _ctx(ctx):
@@ -62,7 +48,7 @@ def observe_begin(ctx, seq: int, kinds, window_pos0=()) -> None:
     """Arm observation of `seq` for the following llama_decode calls (clears earlier captures).
     With "window": one sum per first position in `window_pos0` (an int or several), over the queries at
     positions >= it."""
-    bits = _kinds_bits(kinds)
+    bits = kind_bits(kinds)
     if not bits:
         return
     pos0 = np.asarray([window_pos0] if np.isscalar(window_pos0) else list(window_pos0), np.int32)
@@ -100,13 +86,13 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
     decodes (read once: the engine frees its copy as they are read), kv as a reader of the cache's rows
     (`KvReader`), positions always. Its layers are the ones kvcli compresses (kv_layer_ids)."""
     kinds = set(kinds)
-    _kinds_bits(kinds)
+    check_kinds(kinds)
     L = lib()
     n_layer, n_head = int(shapes.n_layer), int(shapes.n_head)
     n = L.check(L.kvcli_seq_n_slots(_ctx(ctx), int(seq)), "reading the sequence")
     obs = Observation(n_layer=n_layer, n_head=n_head, n_head_kv=int(shapes.n_head_kv),
                       head_dim=int(shapes.head_dim), n=n, positions=seq_positions(ctx, seq))
-    if kinds & _SUMS:
+    if kinds & CAPTURED:
         n_obs = L.check(L.kvcli_observe_n_slots(ctx), "observation")
         if n_obs != n:
             raise KvcliError(f"the observation covers {n_obs} slots but sequence {seq} has {n}: "
@@ -128,7 +114,7 @@ def read_observation(ctx, seq: int, shapes, kinds, windows=()) -> Observation:
         obs.query_positions = np.empty(rows, np.int32)
         L.check(L.kvcli_observe_n_queries(ctx, obs.query_positions.ctypes.data_as(I32P)), "observation")
         obs.queries = np.empty((n_layer, n_head, rows, int(shapes.head_dim)), np.float32)
-    if kinds & _SUMS:
+    if kinds & CAPTURED:
         # layer by layer, each layer's accumulators released once copied: the host never holds both copies
         for i, il in enumerate(kv_layer_ids(shapes)):
             for iw in range(len(obs.windows)):

@@ -19,7 +19,7 @@ from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp, pieces, signals_deferred
 from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
-from kvcli.planning.formats import observed_windows
+from kvcli.planning.formats import CAPTURED, observed_windows
 from kvcli.planning.rope import rope_of
 from kvcli.templating import gguf_special_token_ids, render_chat
 
@@ -336,7 +336,7 @@ class NativeSession:
         windows = observed_windows(observe, window, len(tokens))
         t0 = time.perf_counter()
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
-        armed = bool(set(observe) & {"window", "colsum", "colmax", "query"})
+        armed = bool(CAPTURED.intersection(observe))
         if armed:
             cache.observe_begin(self.ctx, seq, observe,
                                 window_pos0=[st.next_pos + len(tokens) - w for w in windows])

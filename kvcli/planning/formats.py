@@ -5,14 +5,41 @@ consume a `Plan`; both planners (C++ and torch) map the first to the second.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 import numpy as np
 
 from kvcli.errors import KvcliError
 
 MAX_WINDOWS = 16   # window lengths one observation may hold (KVCLI_OBS_MAX_WINDOWS)
+
+# The observation kinds: what a policy needs (PolicySpec.needs) and an engine's prefill observes, one set for both
+# engines and the C API. The attention graph captures the first four, each a bit of native/include/kvcli.h's
+# `enum kvcli_obs_kind` (KVCLI_OBS_*; tests/test_observation_kinds.py holds them equal); "kv", the cache's K/V rows,
+# is read on demand and has no bit.
+Kind = Literal["window", "colsum", "colmax", "query", "kv"]
+KINDS: frozenset[str] = frozenset(get_args(Kind))
+OBS_BITS: dict[str, int] = {"window": 1, "colsum": 2, "colmax": 4, "query": 8}   # KVCLI_OBS_WINDOW ... _QUERY
+CAPTURED: frozenset[str] = frozenset(OBS_BITS)   # the kinds the attention graph captures (armed prefill)
+
+
+def check_kinds(kinds: Iterable[str]) -> tuple[str, ...]:
+    """`kinds` as a tuple, each one of KINDS: an unknown one refused in one line, the same in both engines."""
+    kinds = tuple(kinds)
+    for k in kinds:
+        if k not in KINDS:
+            raise KvcliError(f"unknown observation kind '{k}' (choose from {', '.join(get_args(Kind))})")
+    return kinds
+
+
+def kind_bits(kinds: Iterable[str]) -> int:
+    """The KVCLI_OBS_* bits of `kinds` (kvcli_observe_begin's `kinds`): 0 when none is captured by the graph."""
+    bits = 0
+    for k in check_kinds(kinds):
+        bits |= OBS_BITS.get(k, 0)
+    return bits
 
 # kv_reader(layer, keys_out, values_out): fills two float32 C-order arrays [n_head_kv, n, head_dim] with that
 # layer's K and V rows (kvcli_kv_reader in native/include/kvcli.h)

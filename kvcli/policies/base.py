@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvcli.errors import KvcliError
+from kvcli.planning.formats import Kind, check_kinds
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class PolicySpec:
     keeps: str                                      # what the policy keeps, for --explain
     paper: Paper | None
     params: tuple[Param, ...] = ()
-    needs: tuple[str, ...] = ()                     # subset of ("window", "colsum", "kv", "colmax", "query")
+    needs: tuple[Kind, ...] = ()                    # observation kinds (kvcli.planning.formats.KINDS)
     window_param: str | None = None                 # which parameter is the observation window w
     budget_above: str | None = None                 # the parameter the budget must exceed (kept inside it)
     deviations: tuple[str, ...] = ()                # every documented difference from the paper/code
@@ -230,6 +231,11 @@ class PolicySpec:
     # the module of the commands of an offline step the policy needs once per model (`kvcli calibrate`): its
     # COMMANDS join that group, its UNCALIBRATED says what runs without it (kvcli info)
     calibrate: str | None = None
+
+    def __post_init__(self):
+        check_kinds(self.needs)   # kinds both engines and the C API know, or the registry fails to load
+        if self.second_pass is not None and self.second_pass.kind not in self.needs:
+            raise ValueError(f"policy '{self.name}': its second pass observes {self.second_pass.kind!r}, not in needs")
 
     # -- parameters ---------------------------------------------------------------
     def param(self, name: str) -> Param:

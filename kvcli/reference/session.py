@@ -29,15 +29,12 @@ import torch
 from kvcli.errors import KvcliError
 from kvcli.models import ModelInfo, read_model_info
 from kvcli.native.session import ContextFull
-from kvcli.planning.formats import Observation, Plan, observed_windows
+from kvcli.planning.formats import CAPTURED, Observation, Plan, check_kinds, observed_windows
 from kvcli.planning.rope import rope_of
 from kvcli.reference import compact
 from kvcli.reference.attention import ForwardState, LayerSlots, Observer, active, hf_to_gguf_dims
 from kvcli.reference.model import forward_cached, load, use_rope_context
 from kvcli.templating import gguf_special_token_ids, render_chat
-
-OBSERVE_KINDS = ("window", "colsum", "colmax", "query", "kv")
-
 
 @dataclass
 class RefSeq:
@@ -215,15 +212,12 @@ class ReferenceSession:
     def prefill(self, tokens: list[int], seq: int = 0, observe=(), window: int = 0, progress=None):
         """Append tokens to `seq`; with `observe`, return the Observation of the whole sequence."""
         st = self.seq(seq)
-        observe = tuple(observe)
-        bad = [k for k in observe if k not in OBSERVE_KINDS]
-        if bad:
-            raise KvcliError(f"unknown observation kind '{bad[0]}' (choose from {', '.join(OBSERVE_KINDS)})")
+        observe = check_kinds(observe)
         if not tokens:
             return None
         windows = observed_windows(observe, window, len(tokens))
         self._check_room(len(tokens))
-        kinds = frozenset(observe) & {"window", "colsum", "colmax", "query"}
+        kinds = CAPTURED.intersection(observe)
         observer = Observer(self.info.kv_layers, kinds,
                             tuple(st.next_pos + len(tokens) - w for w in windows) if "window" in observe else (),
                             query_pos0=st.next_pos + len(tokens) - max(windows) if "query" in observe else None) \
