@@ -55,9 +55,7 @@ import numpy as np
 from kvcli import __version__, outfile
 from kvcli.errors import KvcliError
 from kvcli.models import model_hash
-from kvcli.native.lib import identity
-from kvcli.native.session import CACHE_TYPES
-from kvcli.native.state import Reader
+from kvcli.engines import CACHE_TYPES, StateReader, identity
 
 MAGIC = b"KVCLIKVC"
 FORMAT = 2           # `write`: the state whole, one zblocks blob
@@ -577,7 +575,7 @@ class _StateLayout:
     def check(self, state, whole: bool) -> np.ndarray:
         """The positions of the cells of `state`'s compressed cache, its layout checked (a piece: uncompressed,
         its window cells consecutive and ending where its cells do)."""
-        r = Reader(state)
+        r = StateReader(state)
         try:
             r.take(8)                                       # llama.cpp's io magic and the saved sequence's id
             pos = self._cache(r, self.n_layer, window=False, whole=whole)
@@ -591,7 +589,7 @@ class _StateLayout:
             raise self.bad(f"{len(state) - r.p} bytes after its end")
         return pos
 
-    def _cache(self, r: Reader, n_layer: int, window: bool, whole: bool) -> np.ndarray:
+    def _cache(self, r: StateReader, n_layer: int, window: bool, whole: bool) -> np.ndarray:
         """One llama_kv_cache's part: the compressed cache's (its cells are the header's, with its headers and
         bias), or (window) the sliding-window layers' cache of a model with them (consecutive positions ending
         where the sequence does, no header, no bias)."""

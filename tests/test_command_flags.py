@@ -178,7 +178,7 @@ def test_threads_reach_the_session(cli_runner, monkeypatch, tmp_path):
     def seen(*a, n_threads=None, **kw):
         raise KvcliError(f"n_threads={n_threads}")
 
-    monkeypatch.setattr(chat_mod, "NativeSession", seen)
+    monkeypatch.setattr(chat_mod, "open_native", seen)
     monkeypatch.setattr(chat_mod.Conversation, "from_kvc", seen)
     monkeypatch.setattr(run_mod.Conversation, "from_kvc", seen)
     doc = tmp_path / "d.txt"

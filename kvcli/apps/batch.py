@@ -48,7 +48,7 @@ from kvcli.documents import convert_bytes
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import read_model_info, resolve_model
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.planning.planner import resolve as resolve_policy
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoredDocument, common_prefix
 from kvcli.templating import build_prompt
@@ -337,8 +337,8 @@ class Worker:
         self.settings = s = settings
         self.model_path = check_settings(settings)
         self.cells, self.doc_cells = document_cells(s, self.model_path)   # the whole cache, one document's share
-        self.session = NativeSession(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
-                                     cache_type=s.cache_type, n_threads=s.threads)
+        self.session = open_native(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
+                                   cache_type=s.cache_type, n_threads=s.threads)
         self.reader = None   # the reading context, grown to the largest document read so far
         self.store = None    # several questions: the stored full cache of the document being asked
         self.store_of = None   # (path, sha256) of that document

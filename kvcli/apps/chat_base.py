@@ -20,7 +20,7 @@ from kvcli.drivers.chunked import TURN_ROOM, pad_cells, plan_chunking
 from kvcli.drivers.reselect import StoredDocument
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
-from kvcli.native import cache
+from kvcli.engines import live_stats
 from kvcli.planning.planner import resolve
 
 AWARE, AGNOSTIC, RESELECTED = "question-aware", "question-agnostic", "re-selected"
@@ -171,8 +171,7 @@ class Conversation:
         return self.session.seq(self.seq)
 
     def _measured_cells(self) -> int:
-        info = self.session.info
-        return cache.stats(self.session.ctx, self.seq, info.n_layer_model, info.n_head_kv)["n_cells"]
+        return live_stats(self.session, self.seq)["n_cells"]
 
     def _truncate(self, pos: int) -> None:
         """Remove every cell at position >= pos from the sequence."""
@@ -239,9 +238,8 @@ class Conversation:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
-        info = self.session.info
         s = self.session.stats(self.seq)
-        live = cache.stats(self.session.ctx, self.seq, info.n_layer_model, info.n_head_kv)
+        live = live_stats(self.session, self.seq)
         s.update(live_entries=live["live_entries"],
                  k_bytes=live["k_bytes"], v_bytes=live["v_bytes"], bias_bytes=live["bias_bytes"],
                  next_pos=self._st().next_pos, n_ctx=self.session.n_ctx, peak_rss_bytes=peak_rss_bytes())

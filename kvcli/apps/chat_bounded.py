@@ -15,7 +15,7 @@ from kvcli.drivers.reselect import common_prefix
 from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, read_manifest, store_types
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.planning.planner import CompressReport
 
 
@@ -106,8 +106,8 @@ def open_store(cls, path, *, compression=None, policy: str = "full", budget: int
         raise KvcliError(f"{path} holds a {stored_type} cache: drop --cache-type")
     store = ChunkedStore.open(path, model_path, manifest=m)   # the model's hash, then every chunk file
     t1 = time.perf_counter()
-    session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
-                            n_threads=n_threads)
+    session = open_native(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                          n_threads=n_threads)
     try:
         conv = cls(session, store.meta["document"], compression=compression, policy=policy, budget=budget,
                    policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True,

@@ -23,8 +23,7 @@ from kvcli.drivers.chunked import TURN_ROOM, pad_cells, read_in_float16_note, re
 from kvcli.errors import KvcliError
 from kvcli.generate import generate
 from kvcli.models import resolve_model
-from kvcli.native import cache
-from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
+from kvcli.engines import ContextFull, SeqSnapshot, cache_state, is_compressed, open_native, set_header
 from kvcli.templating import GENERIC_SUFFIX
 
 
@@ -87,7 +86,7 @@ class CompressedOnce(Conversation, kind="once"):
         self.reset_mark = (st.next_pos, st.cells)
         self.prefix_logits = self.session.logits(self.seq) if self.question else None
         if self.report.plan is not None:
-            cache.set_header(self.session.ctx, self.seq, self.policy, int(self.budget), len(self.prefix_tokens))
+            set_header(self.session, self.seq, self.policy, int(self.budget), len(self.prefix_tokens))
             self.fit_context()
         self._at_prefix()
         return self.report
@@ -200,7 +199,7 @@ class CompressedOnce(Conversation, kind="once"):
             "original_tokens": len(self.prefix_tokens), "mode": self.mode, "question": self.question,
             "system": self.system, "document": self.document,
             "generic_suffix": None if self.question else GENERIC_SUFFIX,
-            "compressed": bool(cache.is_compressed(s.ctx, self.seq)),
+            "compressed": is_compressed(s, self.seq),
             "conversation": {"reset_pos": self.reset_mark[0], "reset_cells": self.reset_mark[1],
                              "next_pos": st.next_pos, "cells": st.cells, "reindexed": st.reindexed,
                              "rope": s.rope_regime, "tail": self.tail,
@@ -208,7 +207,7 @@ class CompressedOnce(Conversation, kind="once"):
         })
         kept = st.kept_positions
         return kvc.KvcFile(meta=meta, prefix_tokens=np.asarray(self.prefix_tokens, np.int32),
-                           state=cache.get_state(s.ctx, self.seq), kept_positions=kept,
+                           state=cache_state(s, self.seq), kept_positions=kept,
                            prefix_logits=self.prefix_logits)
 
     def save(self, path, force: bool = True) -> int:
@@ -231,8 +230,8 @@ class CompressedOnce(Conversation, kind="once"):
         else:  # --model, else KVCLI_MODEL / the config file, else the default
             model_path = resolve_model(model or config.get("model"))
         kvc.check_model(f, model_path)
-        session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
-                                n_threads=n_threads)
+        session = open_native(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                              n_threads=n_threads)
         conv = cls(session, m["document"], policy=m["policy"], budget=m["budget"],
                    policy_args=dict(m.get("policy_args") or {}), system=m.get("system"), question=m.get("question"),
                    seq=seq, prefix_tokens=[int(t) for t in f.prefix_tokens])

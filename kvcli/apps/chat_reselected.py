@@ -16,7 +16,7 @@ from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
 from kvcli.drivers.reselect_bounded import check_store_target, check_usable, exact_below_bytes, read_manifest
 from kvcli.errors import KvcliError
 from kvcli.generate import generate
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.planning.planner import CompressReport
 
 # The exact form holds the document resident in the context (kvcli/drivers/resident.py): its full cache in
@@ -359,8 +359,8 @@ class Reselected(Conversation, kind="reselected"):
             raise KvcliError(f"{path} holds a {m['cache_type']} cache: drop --cache-type")
         kvc.check_state(f)   # with the checks above, kvc.load_checked's: the file is read and checked once
         t1 = time.perf_counter()
-        session = NativeSession(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
-                                n_threads=n_threads)
+        session = open_native(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
+                              n_threads=n_threads)
         store = StoredDocument.from_kvc(f)
         del f
         conv = cls(session, store.meta["document"], compression=compression, policy=policy, budget=budget,

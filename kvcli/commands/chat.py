@@ -14,7 +14,7 @@ from kvcli.commands.options import Request, model_option, request_options
 from kvcli.documents import open_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.drivers.reselect_bounded import check_store_target, is_store
 from kvcli.apps.run_document import Progress, progress_bar
 
@@ -50,7 +50,7 @@ def open_conversation(*, docs, cache_path, model, req: Request, system, question
         compression = req.compression(path, question)   # checked once, before the model loads, and passed down
         if store:
             check_store_target(store)   # a file or a store folder: which one is known once the document is tokenized
-        session = NativeSession(path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
+        session = open_native(path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
         conv = Conversation(session, document.text, compression=compression, system=system,
                             question=None if reselect else question, chunk=req.chunk, max_cache=req.max_cache,
                             chunk_scoring=req.chunk_scoring, reselect=reselect,

@@ -15,7 +15,7 @@ from kvcli.documents import read_documents
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.models import resolve_model
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.planning.planner import resolve
 from kvcli.outfile import check_target
 from kvcli.apps.run_document import Progress
@@ -107,7 +107,7 @@ def store_document(ctx, req: Request, docs, out, force, model, question, system,
     compression = resolve(path, policy if budget is not None else "full", budget,
                           req.policy_args if budget is not None else {})
     document = read_documents(list(docs))
-    session = NativeSession(path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
+    session = open_native(path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
     try:
         conv = Conversation(session, document, compression=compression, system=system, reselect=True,
                             store_path=out, chunk=req.chunk, max_cache=req.max_cache)

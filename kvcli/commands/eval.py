@@ -241,11 +241,11 @@ def corpus_build_cmd(model, out_dir, only, no_tokens, quiet):
     tokens of --model's tokenizer, sha256, tuning or held-out part). Stops, naming the packages and the
     apt-get command, when a source is missing."""
     from kvcli.evaluation.corpus import build_corpus
-    from kvcli.native.session import NativeSession
+    from kvcli.engines import open_native
     count, name, tok = None, None, None
     if not no_tokens:
         path = resolve_model(model)
-        tok = NativeSession(path, n_ctx=0)
+        tok = open_native(path, n_ctx=0)
         count, name = (lambda text: len(tok.tokenize(text))), Path(path).name
     try:
         m = build_corpus(out_dir, count, name, only=parse_list(only, "--only") if only else None,

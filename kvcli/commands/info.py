@@ -12,8 +12,7 @@ from kvcli.calibration import store
 from kvcli.commands.options import json_option
 from kvcli.errors import KvcliError
 from kvcli.models import default_model_path, read_model_info, resolve_model
-from kvcli.native import build_info, lib_dir
-from kvcli.native.lib import attn_path, identity
+from kvcli.engines import attn_path, build_info, identity, lib_dir
 
 
 def native_identity() -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvcli import config, kvc, outfile
+from kvcli.engines import open_session
 from kvcli.apps.chat import MEMORY_STATS, Conversation, store_model
 from kvcli.commands.chat import FLAGS, explicit
 from kvcli.commands.options import Request, json_option, model_option, request_options
@@ -16,20 +17,9 @@ from kvcli.citations import Citations, cite_turn
 from kvcli.documents import open_documents
 from kvcli.errors import KvcliError
 from kvcli.models import resolve_model
-from kvcli.native.session import NativeSession
 from kvcli.outfile import check_target
 from kvcli.apps.run_document import Progress, RunResult, run_document
 from kvcli.drivers.reselect_bounded import is_store
-
-
-def open_session(engine: str, model, **kw):
-    path = resolve_model(model)
-    if engine == "native":
-        return NativeSession(path, **kw)
-    if engine == "reference":
-        from kvcli.reference.session import ReferenceSession  # noqa: PLC0415
-        return ReferenceSession(path, **{k: v for k, v in kw.items() if k in ("n_ctx", "n_threads")})
-    raise KvcliError(f"unknown engine '{engine}'")
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -53,8 +53,7 @@ from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine, spread
 from kvcli.evaluation.report import write_text
 from kvcli.models import read_model_info
-from kvcli.native import cache
-from kvcli.native.session import NativeSession, SeqSnapshot
+from kvcli.engines import SeqSnapshot, cache_state, open_native
 
 BENCH_INSTRUCTION = "Summarise the document above in three sentences."
 DOC_SUFFIXES = (".txt", ".md", ".text", ".rst", ".pdf", ".epub", ".docx", ".html", ".htm")
@@ -193,8 +192,8 @@ class Bench:
 
     # -------------------------------------------------------------------------- sessions
     def _session(self, cache_type: str, n_ctx: int, n_seq: int = 1):
-        return NativeSession(self.model_path, n_ctx=n_ctx, n_seq=n_seq, cache_type=cache_type, flash_attn=True,
-                             n_threads=self.threads)
+        return open_native(self.model_path, n_ctx=n_ctx, n_seq=n_seq, cache_type=cache_type, flash_attn=True,
+                           n_threads=self.threads)
 
     def _tokenize(self) -> int:
         """Template and tokenise every document once; returns the model's training context."""
@@ -351,7 +350,7 @@ class Bench:
         if self._state_dir is None:
             self._state_dir = tempfile.TemporaryDirectory(prefix="kvcli-bench-")
         path = Path(self._state_dir.name) / f"{len(self.states)}.state"
-        path.write_bytes(cache.get_state(session.ctx, 0))
+        path.write_bytes(cache_state(session, 0))
         return path
 
     # -------------------------------------------------------------------------- peak memory, in a fresh process

@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.native.cache import read_kv_layer, seq_positions
+from kvcli.engines import read_kv_layer, seq_positions
 from kvcli.planning import rope as ropes
 
 PAGE = 16          # tokens per page (Quest's page size)
@@ -50,7 +50,7 @@ def chunk_pages(session, seq: int, first_pos: int, n: int, page: int = PAGE) -> 
     """The index entry of the chunk `seq` holds at positions [first_pos, first_pos + n): per (layer, KV head) each
     page's key minimum and maximum, [n_layer, n_head_kv, pages, head_dim] float16 each, as .npz bytes."""
     info = session.info
-    pos = seq_positions(session.ctx, seq)
+    pos = seq_positions(session, seq)
     order = np.argsort(pos, kind="stable")
     slots = order[(pos[order] >= first_pos) & (pos[order] < first_pos + n)]
     if slots.size != n:
@@ -62,7 +62,7 @@ def chunk_pages(session, seq: int, first_pos: int, n: int, page: int = PAGE) -> 
     v = np.empty_like(k)
     pad = pages * page - n
     for il in range(info.n_layer):
-        read_kv_layer(session.ctx, seq, info, il, k, v)
+        read_kv_layer(session, seq, il, k, v)
         rows = k[:, slots]                                         # [n_head_kv, n, d]
         if pad:   # the last page repeats its last key: bounds of the keys there are
             rows = np.concatenate([rows, np.repeat(rows[:, -1:], pad, axis=1)], axis=1)

@@ -38,8 +38,7 @@ from kvcli.drivers import block_index
 from kvcli.drivers.chunked import keeps_positions, probe_length, read_in_chunks, requantises
 from kvcli.drivers.reselect import STORE_TAIL, StoreMissing
 from kvcli.errors import KvcliError
-from kvcli.native.session import SeqSnapshot
-from kvcli.native.state import F16, Q8_0, cells_from, convert_chunk
+from kvcli.engines import F16, Q8_0, SeqSnapshot, cells_from, convert_chunk
 from kvcli.planning.planner import Compression
 
 # 3: the block index and the reading's last kept cache; 2: store.json carries its own SHA-256 and the conversation's

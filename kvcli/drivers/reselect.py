@@ -541,7 +541,7 @@ class StoredDocument:
 def file_snapshot(f: kvc.KvcFile, state: bytes | None = None):
     """The saved sequence state of a stored document's .kvc file (`state`: a format-3 file's pieces joined), as
     `restore` puts it back."""
-    from kvcli.native.session import SeqSnapshot  # noqa: PLC0415
+    from kvcli.engines import SeqSnapshot  # noqa: PLC0415
     c = f.meta["conversation"]
     return SeqSnapshot(state=f.state if state is None else state, next_pos=int(c["next_pos"]), cells=int(c["cells"]),
                        prompt_tokens=int(c["next_pos"]), rope=c.get("rope"))

@@ -51,10 +51,7 @@ from kvcli.drivers.chunked_store import (CHUNK_TYPES, FORMAT, MANIFEST, READS, S
                                          replace_folder, store_types, write_manifest)
 from kvcli.drivers.reselect import Reselection, common_prefix
 from kvcli.errors import KvcliError
-from kvcli.native import cache
-from kvcli.native.cache import KvReader
-from kvcli.native.session import SeqSnapshot
-from kvcli.native.state import cells_from, chunk_keys
+from kvcli.engines import SeqSnapshot, cells_from, chunk_keys, kv_reader, seq_positions
 from kvcli.planning.planner import Compression, make_plan, session_cells, shape_observation
 
 # the store's names, imported from here by kvcli's commands and apps
@@ -137,7 +134,7 @@ class Origins:
     def slot_origins(self, session, seq: int) -> list[list[np.ndarray]]:
         """Per (layer, KV head), the prompt token each slot (cell, in cell order) of `seq` holds, -1 for a dead
         slot or one past the prompt (an answer's token): NativeSession._slot_origins for a re-indexed sequence."""
-        pos = cache.seq_positions(session.ctx, seq)
+        pos = seq_positions(session, seq)
         return [[self._at(il, h, pos) for h in range(self.of.shape[1])] for il in range(self.of.shape[0])]
 
 
@@ -237,7 +234,7 @@ class ChunkedStore(BoundedStore):
                 obs = (probe_window(session, seq, probe, None, window) if probe
                        else shape_observation(session.info, cells))
                 if "kv" in kinds:   # the held entries' K/V rows, read by the planner when it asks (kind kv)
-                    obs.kv_reader = KvReader(session.ctx, seq, session.info, obs.positions)
+                    obs.kv_reader = kv_reader(session, seq, obs.positions)
                 t1 = time.perf_counter()
                 prefill_s += t1 - t0
                 plan = self._compact(session, seq, cfg, obs, on_step, origins)
@@ -359,7 +356,7 @@ class ChunkedStore(BoundedStore):
         plan = make_plan(cfg.spec, cfg.params, cfg.budget, obs, session.engine)
         if on_step is not None:
             on_step(obs, plan)
-        cell_pos = cache.seq_positions(session.ctx, seq) if origins is not None else None
+        cell_pos = seq_positions(session, seq) if origins is not None else None
         session.apply_plan(plan, seq=seq, reindex=True)
         if origins is not None:
             origins.compact(cell_pos, plan)

@@ -69,7 +69,7 @@ from kvcli.evaluation import logbook as md
 from kvcli.evaluation.measure import held, machine, peak_rss_bytes
 from kvcli.evaluation.runner import _greedy, read_store_as_chat, reselect_in_form
 from kvcli.evaluation.tasks import _fit, prefix_text, render, string_match_all
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.planning.planner import make_plan
 
 MODES = ("full", "once", "alone", "context", "reselect", "run", "reread", "bounded", "bounded_all")
@@ -116,7 +116,7 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
     keys = [(p, b) for p in policies if p != "full" for b in budgets]
     cfgs = {k: resolve(model_path, k[0], k[1], policy_args.get(k[0], {})) for k in keys}
     full = resolve(model_path, "full", None)
-    tok = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
+    tok = open_native(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
     records, reads, t_start, interrupted = [], [], time.perf_counter(), False
     try:
         for L in lengths:
@@ -130,10 +130,10 @@ def run_chat_eval(model_path, policies: list[str], budgets: list[int], lengths: 
             # selection gathered into sequence 0 beside it (kvcli/drivers/resident.py), as kvcli chat answers
             resident = bool(set(modes) & {"reselect", "run"}) and not tok.info.sliding_layers
             beside = max((b or 0 for b in budgets), default=0) + 128 if resident else 0
-            session = NativeSession(model_path, n_ctx=pad_cells(min(L, DEFAULT_CHUNK) if bounded_only
-                                                                else L + ROOM + beside),
-                                    cache_type=cache_type, n_threads=threads,
-                                    n_seq=RESIDENT_SEQ + 1 if resident else 2 if set(modes) & set(BOUNDED) else 1)
+            session = open_native(model_path, n_ctx=pad_cells(min(L, DEFAULT_CHUNK) if bounded_only
+                                                              else L + ROOM + beside),
+                                  cache_type=cache_type, n_threads=threads,
+                                  n_seq=RESIDENT_SEQ + 1 if resident else 2 if set(modes) & set(BOUNDED) else 1)
             try:
                 for d in range(first_document, first_document + documents):
                     doc_seed = seed * 1000 + d

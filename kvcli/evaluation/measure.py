@@ -14,8 +14,7 @@ import statistics
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.native import build_info
-from kvcli.native.session import default_threads
+from kvcli.engines import build_info, default_threads
 
 
 # ------------------------------------------------------------------------------ memory

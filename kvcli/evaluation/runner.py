@@ -32,11 +32,11 @@ from kvcli.drivers.chunked import (DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cell
                                    reading_cache_type)
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
+from kvcli.engines import ContextFull, open_native
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import held, machine
 from kvcli.evaluation.tasks import RULER_TASKS, TASKS, niah_sample, prefix_text, render, ruler_sample, string_match_all
 from kvcli.generate import Sampler
-from kvcli.native.session import ContextFull, NativeSession
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TRUNCATE = "truncate"     # the baseline for documents longer than the context: keep the head and the last tokens
@@ -75,7 +75,7 @@ def _check_policies(model_path, policies, budgets, policy_args) -> dict:
 
 
 def _session(model_path, n_ctx, cache_type, threads):
-    return NativeSession(model_path, n_ctx=n_ctx, cache_type=cache_type, flash_attn=True, n_threads=threads)
+    return open_native(model_path, n_ctx=n_ctx, cache_type=cache_type, flash_attn=True, n_threads=threads)
 
 
 def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict):

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvcli import policies
+from kvcli import engines, policies
 from kvcli.errors import KvcliError
 from kvcli.models import read_model_info
-from kvcli.native.lib import native_plan
 from kvcli.planning.formats import Observation, Plan
 from kvcli.planning.rope import refusal as rope_refusal
 from kvcli.policies.base import PolicySpec
@@ -159,17 +158,12 @@ def shape_observation(info, n: int) -> Observation:
 
 
 def make_plan(spec, params: dict, budget: int, obs, planner: str) -> Plan:
-    """Run the planner of one engine: "native" (C++) or "reference" (torch; imported here, on first use:
-    it loads torch), or a callable `planner(spec, params, budget, obs) -> Plan` (kvcli check's arithmetic verdict
+    """Run the planner of one engine (kvcli.engines.planner): "native" (C++) or "reference" (torch, imported on
+    first use), or a callable `planner(spec, params, budget, obs) -> Plan` (kvcli check's arithmetic verdict
     replays the native engine's plans in the reference engine's chunked reading)."""
     if callable(planner):
         plan = planner(spec, params, budget, obs)
-    elif planner == "native":
-        plan = native_plan(spec.name, params, budget, obs)
-    elif planner == "reference":
-        from kvcli.reference.policies import reference_plan  # noqa: PLC0415  (loads torch)
-        plan = reference_plan(spec.name, params, budget, obs)
     else:
-        raise KvcliError(f"unknown planner '{planner}'")
+        plan = engines.planner(planner)(spec.name, params, budget, obs)
     plan.validate(obs.n, obs.head_dim)
     return plan

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvcli.drivers.check.comparators import greedy_compare, logits_distance
 from kvcli.errors import KvcliError
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 from kvcli.planning.formats import Observation
 
 
@@ -73,8 +73,8 @@ class NativeTwin:
         self.model_path, self.tokens, self.threads, self.n_ctx = model_path, tokens, settings.threads, n_ctx
 
     def __call__(self) -> Observation:
-        session = NativeSession(self.model_path, n_ctx=0, cache_type=self.cache_type, flash_attn=self.flash_attn,
-                                n_batch=self.n_batch, n_threads=self.threads)
+        session = open_native(self.model_path, n_ctx=0, cache_type=self.cache_type, flash_attn=self.flash_attn,
+                              n_batch=self.n_batch, n_threads=self.threads)
         try:
             session.create_context(self.n_ctx)
             return session.prefill(self.tokens, seq=0, observe=("kv",)).with_kv_arrays()
@@ -193,7 +193,7 @@ def precision_sensitivity(native, shared, tokens, plan, settings, th, first: int
     err, kl = logits_distance(reference_logits(True), reference_logits(False))
     out["reference_rounding"] = {"logits_max_abs": err, "kl": kl,
                                  "beyond_limits": bool(kl > limits["kl_max"] or err > limits["logits_atol"])}
-    twin = NativeSession(native.model_path, n_ctx=0, cache_type="f32", flash_attn=False, n_threads=settings.threads)
+    twin = open_native(native.model_path, n_ctx=0, cache_type="f32", flash_attn=False, n_threads=settings.threads)
     try:
         twin.create_context(native.n_ctx)
         twin.prefill(tokens, seq=0)

@@ -16,7 +16,7 @@ from kvcli.drivers.check.thresholds import Thresholds
 from kvcli.drivers.check.verdicts import (CheckSettings, arithmetic_verdict, build_tokens, l1_verdict, observed_windows,
                                           passed, plan_summary, plans_verdict, policies_to_check, with_skipped)
 from kvcli.errors import KvcliError
-from kvcli.native.session import NativeSession
+from kvcli.engines import open_native
 
 
 def resolve_policies(model_path, names, budget: int) -> tuple[dict, dict]:
@@ -57,8 +57,8 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     t0 = time.perf_counter()
     if settings.threads is not None and settings.threads < 1:
         raise KvcliError(f"--threads must be >= 1 (got {settings.threads})")
-    native = NativeSession(model_path, n_ctx=0, cache_type=settings.cache_type, flash_attn=settings.flash_attn,
-                           n_threads=settings.threads)
+    native = open_native(model_path, n_ctx=0, cache_type=settings.cache_type, flash_attn=settings.flash_attn,
+                         n_threads=settings.threads)
     tokens = build_tokens(native, document, settings)
     n = len(tokens)
     if settings.chunk is not None:
