@@ -232,3 +232,69 @@ def _show(out: Generation, dec, data: bytes, on_text, final: bool = False) -> No
         out.text += piece
         if on_text:
             on_text(piece)
+
+
+class Decoding:
+    """One answer decoded a token at a time by a caller that decodes several sequences in one batch (kvcli serve's
+    parallel decode, kvcli/apps/serve_decode.py): `next()` picks the sequence's next token from its logits (None: the
+    answer has ended, at an end-of-generation token or at max_tokens), the caller decodes it together with the other
+    sequences' tokens (`session.step({seq: tok, ...})`), then `took(tok)` adds it to the answer and streams its text.
+    The picks are generate()'s, token for token: one sequence stepped alone decodes what generate() decodes.
+
+    on_text may raise KeyboardInterrupt (a stop string, a client gone): the answer ends "interrupted" with the token
+    kept (it is in the cache), as generate() keeps it. `end(reason)` ends it otherwise ("context_full", or the
+    caller's own reason); `result` is the Generation once ended."""
+
+    def __init__(self, session, max_tokens: int, sampler: Sampler | None = None, seq: int = 0, on_text=None,
+                 ignore_eos: bool = False):
+        self.session, self.max_tokens, self.seq = session, max_tokens, seq
+        self.on_text, self.ignore_eos = on_text, ignore_eos
+        self.pick = (sampler or Sampler()).start(session, max_tokens)
+        self.out = Generation()
+        self.dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self.t0 = time.perf_counter()
+        self.result: Generation | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.out.tokens
+
+    def next(self) -> int | None:
+        """The next token to decode, or None when the answer has ended (eog or max_tokens)."""
+        if self.result is not None:
+            return None
+        if len(self.out.tokens) >= self.max_tokens:
+            self.end("length")
+            return None
+        logits = self.session.logits(self.seq)
+        tok = self.pick(logits)
+        if self.ignore_eos and self.session.is_eog(tok):
+            logits = np.array(logits, dtype=np.float32, copy=True)
+            while self.session.is_eog(tok):   # the picked one masked, picked again
+                logits[tok] = -np.inf
+                tok = self.pick(logits)
+        if self.session.is_eog(tok):
+            self.end("eog")
+            return None
+        return tok
+
+    def took(self, tok: int) -> None:
+        """`tok` is decoded into the sequence: it joins the answer and its text goes out."""
+        self.out.tokens.append(tok)
+        try:
+            _show(self.out, self.dec, self.session.token_bytes(tok), self.on_text)
+        except KeyboardInterrupt:
+            self.end("interrupted")
+
+    def end(self, stopped: str) -> Generation:
+        """End the answer (once): the sampler freed, the decoder flushed."""
+        if self.result is None:
+            self.out.stopped = stopped
+            self.pick.close()
+            self.out.decode_s = time.perf_counter() - self.t0
+            try:
+                _show(self.out, self.dec, b"", self.on_text, final=True)
+            except KeyboardInterrupt:   # a stop string completed by the flushed bytes: the answer ends there anyway
+                pass
+            self.result = self.out
+        return self.result

@@ -55,14 +55,15 @@ from kvcli.drivers.chunked import DEFAULT_CHUNK, MIN_CHUNK, MIN_ROOM, keeps_posi
 from kvcli.citations import cite_prompt
 from kvcli.apps.serve_stores import (REUSE_MIN, DiskStore, DocumentStore, MemoryStore,  # noqa: F401 (MemoryStore:
                                      read_in_memory)                                   # kvcli serve's to import)
+from kvcli.apps.serve_decode import (Flight, ParallelDecode, RunAlone, ServeResidents, StopFilter,  # noqa: F401
+                                     Stopped, WaitForRoom, text_callback)        # (Stopped: the filter's, here too)
 from kvcli.drivers.reselect import STORE_TAIL, StoreMissing, StoredDocument, common_prefix
-from kvcli.drivers.resident import Residents
 from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes, return_freed_memory
-from kvcli.generate import Sampler, Sampling, generate
-from kvcli.native.session import NativeSession
-from kvcli.planning.planner import resolve
+from kvcli.generate import Decoding, Sampler, Sampling, generate
+from kvcli.native.session import ContextFull, NativeSession
+from kvcli.planning.planner import resolve_once
 
 DEFAULT_CTX = 16384       # cells of the KV cache unless --ctx says (at most the model's training context)
 NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's full cache becomes a store of its own,
@@ -70,10 +71,15 @@ NEW_STORE_MIN = 256       # prefilled tokens from which a re-selected prompt's f
 QUESTION_ROOM = 256       # cells a bounded store's chunks leave for what follows the document in later prompts (a
                           # longer question, a conversation's turns), besides the answer's MIN_ROOM
 SPARE_SEQ = 1             # the sequence a bounded re-selection loads stored chunks through
-ANSWER_SEQ = 0            # the sequence an answer is decoded from (a resident document's selection is gathered there)
+ANSWER_SEQ = 0            # the first answer sequence (a resident document's selection is gathered there); one
+                          # request alone always decodes there
 RESIDENT_SEQS = range(2, 6)   # up to four documents resident in the context at once (kvcli/drivers/resident.py)
-QUESTION_SEQS = range(6, 11)  # a request's prompt, prefilled with observation after the resident document's shared
-                              # cells; kept as the document's extension (a conversation's next turn shares it too)
+QUESTION_START = 6        # then the question sequences: a request's prompt, prefilled with observation after the
+                          # resident document's shared cells, kept as the document's extension (a conversation's next
+                          # turn shares it too); one per resident document and two per request in flight (its own,
+                          # and the extension it replaced, which it frees when it ends); then the other answer sequences
+DEFAULT_PARALLEL = 4      # requests decoded together (--parallel)
+MAX_PARALLEL = 64         # 9 + 3 * 64 sequences: within llama.cpp's LLAMA_MAX_SEQ (256)
 
 
 class Prompt(list):
@@ -108,11 +114,6 @@ class Choice:
     ignore_eos: bool = False      # llama-server's field: the answer runs to max_tokens
 
 
-class Stopped(KeyboardInterrupt):
-    """Raised from the text callback to end a generation (a stop string, a client gone): generate() keeps the
-    tokens decoded so far, as for Ctrl-C."""
-
-
 @dataclass
 class Answer:
     text: str
@@ -123,53 +124,33 @@ class Answer:
     citations: list | None = None   # Choice.cite: the passages, ranked (kvcli/citations.py)
 
 
-class StopFilter:
-    """Text pieces through to `emit`, holding back what could be the start of a stop string; raises Stopped at
-    one (the text before it is emitted, the stop string is not)."""
-
-    def __init__(self, stops: list[str], emit):
-        self.stops, self.emit = [s for s in stops if s], emit
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.buf, self.text, self.hit = "", "", False
-
-    def __call__(self, piece: str) -> None:
-        self.buf += piece
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._out(self.buf[:cut])
-            self.buf, self.hit = "", True
-            raise Stopped()
-        safe = len(self.buf) - self.hold
-        if safe > 0:
-            self._out(self.buf[:safe])
-            self.buf = self.buf[safe:]
-
-    def flush(self) -> None:
-        self._out(self.buf)
-        self.buf = ""
-
-    def _out(self, text: str) -> None:
-        if text:
-            self.text += text
-            self.emit(text)
-
-
-class Engine:
-    """The loaded model, its one sequence and the document stores."""
+class Engine(ParallelDecode):
+    """The loaded model, its sequences, the document stores and the requests in flight (kvcli/apps/serve_decode.py:
+    one thread calls it, the Scheduler's)."""
+    context_full = ContextFull
 
     def __init__(self, model_path, *, model_id: str, n_ctx: int | None, cache_type: str, threads: int | None,
-                 defaults: Choice, store: DocumentStore):
+                 defaults: Choice, store: DocumentStore, parallel: int = DEFAULT_PARALLEL):
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise KvcliError(f"--parallel must be 1 to {MAX_PARALLEL}, got {parallel}")
         return_freed_memory()   # a long-running process: what one request frees is not kept in the heap
         self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
         limit = self.session.n_ctx_train
-        # sequences in one cell pool (kv_unified): the answer's, SPARE_SEQ that bounded re-selection loads stored
-        # chunks through, a question's and the resident documents' (the pool is the same size as for one); one for
+        # sequences in one cell pool (kv_unified): the answers', SPARE_SEQ that bounded re-selection loads stored
+        # chunks through, the questions' and the resident documents' (the pool is the same size as for one); one for
         # a model with sliding-window layers, which neither bounded re-selection nor a resident document serves
-        # (its window cache cannot be shared up to a restore point): it restores the stored cache per request
+        # (its window cache cannot be shared up to a restore point): it restores the stored cache per request, one
+        # request at a time
         self.resident_ok = not keeps_positions(self.session.info)
-        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit),
-                                    n_seq=QUESTION_SEQS.stop if self.resident_ok else 1)
-        self.residents = Residents(self.session, RESIDENT_SEQS)
+        self.parallel = parallel if self.resident_ok else 1
+        self.question_seqs = range(QUESTION_START, QUESTION_START + len(RESIDENT_SEQS) + 2 * self.parallel)
+        self.answer_seqs = [ANSWER_SEQ, *range(self.question_seqs.stop, self.question_seqs.stop + self.parallel - 1)]
+        n_seq = max(self.question_seqs.stop, self.answer_seqs[-1] + 1) if self.resident_ok else 1
+        self.session.create_context(min(n_ctx or DEFAULT_CTX, limit), n_seq=n_seq)
+        if self.session.n_seq < n_seq:
+            raise KvcliError(f"the context holds {self.session.n_seq} sequences, --parallel {parallel} needs {n_seq}")
+        self._init_flights()
+        self.residents = ServeResidents(self.session, RESIDENT_SEQS, self.flights)
         self.model_path, self.model_id = Path(model_path), model_id
         self.defaults, self.store = defaults, store
         store.attach(self.session, self.model_path)
@@ -185,9 +166,10 @@ class Engine:
         return min(self.session.n_ctx, self.session.n_ctx_train)
 
     def check(self, c: Choice):
-        """The policy resolved for the model (one-line BadRequest when it cannot be)."""
+        """The policy resolved for the model, once per policy, budget and arguments: the request's parse and its
+        answer take the same Compression (one-line BadRequest when it cannot be)."""
         try:
-            return resolve(self.model_path, c.policy, c.budget, dict(c.policy_args))
+            return resolve_once(self.model_path, c.policy, c.budget, c.policy_args)
         except KvcliError as e:
             raise BadRequest(str(e), param="kvcli") from None
 
@@ -272,12 +254,30 @@ class Engine:
     # ------------------------------------------------------------------ one request
     def answer(self, prompt: list[int], c: Choice, on_text=None, cancelled=lambda: False) -> Answer:
         """Re-select a cache for `prompt` from the stores (reading it into a new one when none shares a prefix that
-        can be used), decode the answer; `on_text(piece)` streams it; `cancelled()` is asked between tokens."""
+        can be used), decode the answer; `on_text(piece)` streams it; `cancelled()` is asked between tokens. The
+        request begun and its flight stepped to its end (with any other flight: the Scheduler's loop, in one call)."""
+        got = self.begin(prompt, c, on_text, cancelled)
+        if not isinstance(got, Flight):
+            return got
+        while got.answer is None and got.error is None:
+            self.step()
+        if got.error is not None:
+            raise got.error
+        return got.answer
+
+    def begin(self, prompt: list[int], c: Choice, on_text=None, cancelled=lambda: False,
+              queued_s: float = 0.0) -> Flight | Answer:
+        """Begin a request: its cache re-selected and gathered, a Flight that `step` decodes with the others (which
+        frees its sequences and sets its Answer when it ends); an Answer when it was served whole (an exclusive
+        form: bounded reading, a sliding-window model). Beside flights: WaitForRoom (it does not fit now) or
+        RunAlone (it is served alone), nothing held (kvcli/apps/serve_decode.py)."""
         chunk = self.check_length(prompt, c)
         cfg = self.check(c)
+        if self.flights and (chunk is not None or not self.resident_ok):
+            raise RunAlone("served alone")
         t0 = time.perf_counter()
         n = len(prompt)
-        self._prompt = prompt   # the citations' document (Choice.cite)
+        self._prompt = prompt   # the citations' document (Choice.cite) of the forms served whole
         if chunk is not None:
             return self._answer_bounded(prompt, c, cfg, chunk, t0, on_text, cancelled)
         colsum = "colsum" in cfg.observe[0]
@@ -291,35 +291,55 @@ class Engine:
             found = None
         if not self.resident_ok:
             return self._answer_restored(prompt, c, cfg, found, same, t0, on_text, cancelled)
-        return self._answer_resident(prompt, c, cfg, found, same, t0, on_text, cancelled)
+        beside = bool(self.flights)
+        try:
+            f = self._begin_resident(prompt, c, cfg, found, same, t0, on_text, cancelled)
+        except (WaitForRoom, RunAlone, BadRequest):
+            raise
+        except KvcliError:
+            if beside:   # the room fell short beside the flights (a cell-hungry plan): alone it fits, or says why not
+                raise RunAlone("served alone") from None
+            raise
+        f.queued_s = queued_s
+        return f
 
     def _room(self, prompt: list[int], split: int, c: Choice) -> int:
         """Cells a request needs beside its resident document: the prompt after it, the selection, an answer."""
         return len(prompt) - split + (c.budget or 0) + MIN_ROOM
 
-    def _answer_resident(self, prompt: list[int], c: Choice, cfg, found, same: int, t0: float, on_text,
-                         cancelled) -> Answer:
+    def _begin_resident(self, prompt: list[int], c: Choice, cfg, found, same: int, t0: float, on_text,
+                        cancelled) -> Flight:
         """The document resident in the context (read into it, or restored into it once): the prompt shares its
-        cells up to the restore point, the rest is prefilled with observation into QUESTION_SEQ, the plan gathered
-        into ANSWER_SEQ and the answer decoded from there (kvcli/drivers/resident.py)."""
+        cells up to the restore point, the rest is prefilled with observation into a question sequence, the plan
+        gathered into an answer sequence of the request's own, from which `step` decodes the answer
+        (kvcli/drivers/resident.py). Beside flights, the room counts their reserved answers and this one's whole."""
         n, session, colsum = len(prompt), self.session, "colsum" in cfg.observe[0]
+        beside, extra = bool(self.flights), 0
+        if beside:   # a sequence of each kind free, else wait; the whole answer and the flights' reserved
+            if len(self._kept_questions()) >= len(self.question_seqs):
+                raise WaitForRoom("no question sequence is free")
+            self._answer_seq()
+            extra = self.reserved() + max(0, min(c.max_tokens, session.n_ctx_train - n) - MIN_ROOM)
         read_tokens, read_s, doc = 0, 0.0, None
         if found is not None:
             try:
-                self.residents.hold(found, self._room(prompt, min(same, found.split), c))
+                room = self._room(prompt, min(same, found.split), c) + extra
+                if beside and found in self.residents:
+                    self.residents.room_beside(room, keep=found)
+                self.residents.hold(found, room)
                 doc = self._usable(found, same, n)
             except StoreMissing:   # its file went (the document store's cap, `kvcli documents rm`): read again
                 found.close()
                 found = None
         fresh = doc is None
         stored = r = None
-        qseq = self._question_seq()
-        try:   # whatever happens, the request's sequences are left empty for the next one
+        qseq, aseq = self._question_seq(), self._answer_seq()
+        try:   # whatever fails, the request's sequences are left empty
             if fresh:   # no store shares a usable prefix: the prompt read once, into a new resident document
                 split = self._fresh_split(prompt, colsum)
-                doc = self.residents.read(prompt, split, colsum, self._room(prompt, split, c))
+                doc = self.residents.read(prompt, split, colsum, self._room(prompt, split, c) + extra)
                 read_tokens, read_s = doc.split, doc.read_s
-            r = doc.reselect(session, prompt, cfg, seq=qseq, into=ANSWER_SEQ, extend=not fresh,
+            r = doc.reselect(session, prompt, cfg, seq=qseq, into=aseq, extend=not fresh,
                              window_from=self._window_from(c, fresh))
             if fresh:
                 if n >= NEW_STORE_MIN:
@@ -337,21 +357,62 @@ class Engine:
                     self.store.add(stored, keep=found)
                 if found in self.store:
                     self.store.touch(found, keep=found)
-            st, gen, finish, t1 = self._decode_timed(c, on_text, cancelled, seq=r.seq)
+            if r.seq == qseq:
+                # nothing gathered (policy full, a prompt within the budget): the answer decodes from a sequence of
+                # its own sharing the prompt's cells, so that what frees the question's sequence beside other
+                # requests (another question's extension replacing it, a store evicted) leaves its cache whole
+                session.share(qseq, aseq, n)
+                a = session.seq(aseq)
+                a.last_logits, a.logits_index = session.logits(qseq), 0   # share() starts it without logits
+            st = session.stats(aseq)
         except BaseException:
             if fresh and doc is not None and doc not in self.store:
                 doc.close()
+            session.clear(aseq)
+            for q in {qseq, getattr(r, "dropped_seq", None)} - {None}:
+                self._free_question(q)
             raise
+        owned = {qseq}
+        if r.dropped_seq is not None and not any(r.dropped_seq in g.owned for g in self.flights.values()):
+            owned.add(r.dropped_seq)   # the extension it replaced: freed when it ends (a request alone freed it so)
+        out = StopFilter(c.stop, on_text or (lambda piece: None))
+        gone = [False]
+        f = Flight(prompt=prompt, choice=c, seq=aseq, qseq=qseq, doc=doc, r=r, st=st, t0=t0,
+                   t1=time.perf_counter(), cancelled=cancelled, out=out, gone=gone, fresh=fresh,
+                   read=(read_tokens, read_s), new_store=stored.split if stored else 0, owned=owned)
+        f.make = lambda limit: Decoding(session, limit, Sampler(c.sampling), seq=aseq,
+                                        on_text=text_callback(out, cancelled, gone), ignore_eos=c.ignore_eos)
+        self.flights[aseq] = f
+        self._unpark(f, f.make)
+        return f
+
+    def _end(self, f: Flight) -> None:
+        """A flight's answer ended: its citations while its sequence holds the answer, its sequences freed (its
+        question's kept where it is a document's extension), its Answer built."""
+        gen = f.decoding.result
+        c, session = f.choice, self.session
+        try:
+            if f.error is None:
+                if not f.out.hit and not f.gone[0]:
+                    f.out.flush()
+                gen.text = f.out.text
+                finish = "cancelled" if f.gone[0] else "stop" if gen.stopped == "eog" or f.out.hit else "length"
+                if c.cite and finish != "cancelled":
+                    self._cite(gen, f.seq, f.prompt)
         finally:
-            session.clear(ANSWER_SEQ)
-            if r is not None and r.dropped_seq is not None:
-                session.clear(r.dropped_seq)
-            if doc is None or doc.extension is None or doc.extension.seq != qseq:
-                session.clear(qseq)
-        return self._answered(c, n, gen, finish, r, st, (t0, t1, time.perf_counter()), fresh=fresh,
-                              read=(read_tokens, read_s), new_store=stored.split if stored else 0,
-                              resident_documents=len(self.residents.docs), resident_cells=self.residents.cells(),
-                              resident_freed=self.residents.freed)
+            del self.flights[f.seq]
+            self.ended += 1
+            session.clear(f.seq)
+            for q in f.owned:
+                self._free_question(q)
+        if f.error is not None:
+            return
+        more = {"queued_s": round(f.queued_s, 4),
+                "decoded_with": round(f.together / f.steps, 2) if f.steps else None}
+        f.answer = self._answered(c, len(f.prompt), gen, finish, f.r, f.st, (f.t0, f.t1, time.perf_counter()),
+                                  fresh=f.fresh, read=f.read, new_store=f.new_store,
+                                  resident_documents=len(self.residents.docs), resident_cells=self.residents.cells(),
+                                  resident_freed=self.residents.freed, **more)
 
     @staticmethod
     def _window_from(c: Choice, fresh: bool) -> str:
@@ -359,14 +420,33 @@ class Engine:
         few document tokens it reaches into cost nothing beside the read); a later request by its choice."""
         return "policy" if fresh else c.window_from
 
-    def _question_seq(self) -> int:
-        """A sequence for a request's prompt: one no resident document keeps as its extension."""
+    def _kept_questions(self) -> set[int]:
+        """Question sequences in use: documents' extensions, and those flights own."""
         kept = {d.extension.seq for d in self.residents.docs.values() if d.extension is not None}
-        for q in QUESTION_SEQS:
+        return kept.union(*(f.owned for f in self.flights.values()))
+
+    def _question_seq(self) -> int:
+        """A sequence for a request's prompt: one no resident document keeps as its extension, no flight owns."""
+        kept = self._kept_questions()
+        for q in self.question_seqs:
             if q not in kept:
                 self.session.clear(q)
                 return q
+        if self.flights:
+            raise WaitForRoom("no question sequence is free")
         raise KvcliError("no sequence is free for the request's prompt")
+
+    def _answer_seq(self) -> int:
+        """The first answer sequence no flight decodes from (ANSWER_SEQ for a request alone)."""
+        for a in self.answer_seqs:
+            if a not in self.flights:
+                return a
+        raise WaitForRoom("every answer sequence is decoding")
+
+    def _free_question(self, q: int) -> None:
+        """Free question sequence `q` unless a document keeps it as its extension or a flight still owns it."""
+        if q not in self._kept_questions():
+            self.session.clear(q)
 
     def _fresh_split(self, prompt: list[int], colsum: bool) -> int:
         """Where a new store of `prompt` ends: STORE_TAIL tokens before its end; for a column-sum policy, when the
@@ -502,25 +582,21 @@ class Engine:
         t1 = time.perf_counter()
         gen, finish = self._decode(c, on_text, cancelled, seq)
         if c.cite and finish != "cancelled":   # while `seq` still holds the answer
-            try:
-                gen.citations = cite_prompt(self.session, seq, gen.tokens, self._prompt).as_json()
-            except KvcliError as e:
-                gen.citations = []   # nothing to cite from (the reason is the log's)
-                print(f"kvcli serve: no citations: {e}", file=sys.stderr, flush=True)
+            self._cite(gen, seq, self._prompt)
         return st, gen, finish, t1
+
+    def _cite(self, gen, seq: int, prompt: list[int]) -> None:
+        """gen.citations: the passages of `prompt`'s document the answer in `seq` came from (Choice.cite)."""
+        try:
+            gen.citations = cite_prompt(self.session, seq, gen.tokens, prompt).as_json()
+        except KvcliError as e:
+            gen.citations = []   # nothing to cite from (the reason is the log's)
+            print(f"kvcli serve: no citations: {e}", file=sys.stderr, flush=True)
 
     def _decode(self, c: Choice, on_text, cancelled, seq: int = ANSWER_SEQ):
         out = StopFilter(c.stop, on_text or (lambda piece: None))
         gone = [False]
-
-        def piece(text):
-            if gone[0] or out.hit:   # generate() flushes its decoder after a stop: nothing more goes out
-                return
-            if cancelled():
-                gone[0] = True
-                raise Stopped()
-            out(text)
-
+        piece = text_callback(out, cancelled, gone)
         limit = max(1, min(c.max_tokens, self.session.n_ctx - self.session.cells_used(),
                            self.session.n_ctx_train - self.session.seq(seq).next_pos))
         gen = generate(self.session, limit, Sampler(c.sampling), seq=seq, on_text=piece, ignore_eos=c.ignore_eos)

@@ -9,10 +9,12 @@ A request may choose its compression in a body field of its own (as llama-server
 the server's flags are the defaults; "policy": "full" answers from the whole restored cache. Every answer carries
 what the request cost in "kvcli" (prefix_reused_tokens, prefilled_tokens, document_read_tokens, kv_bytes, ...).
 
-One model, one sequence: requests wait their turn on an asyncio lock and run in one worker thread, so the event
-loop keeps answering (/health, errors, other clients' streams) while a request decodes. A client that leaves stops
-its generation at the next token (streaming: the stream is cancelled, and `request.is_disconnected()` is asked
-between tokens; non-streaming: asked every quarter second while it waits). Errors are OpenAI's error bodies:
+One model, several requests in flight: each request goes to the model thread's queue (kvcli/apps/serve_decode.py,
+`Scheduler`), which admits it between decode steps while it fits and decodes up to --parallel answers together, one
+batch per token; the event loop keeps answering (/health, errors, other clients' streams) meanwhile. A client that
+leaves stops its generation at the next step and frees its sequences (streaming: the stream is cancelled, and
+`request.is_disconnected()` is asked between tokens; non-streaming: asked every quarter second while it waits); one
+that leaves while queued is never begun. Errors are OpenAI's error bodies:
 400 (malformed JSON, JSON nested deeper than MAX_DEPTH, a string holding an escaped lone surrogate, a NUL in a
 text, unknown model, a bad parameter, a prompt too long), 401 (no or a wrong key when --api-key is set), 404, 405,
 413 (a body above --max-body-bytes), 500 (a bug of ours: logged, the server goes on). Before an error answer, the
@@ -30,7 +32,6 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from starlette.applications import Starlette
@@ -41,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvcli.apps.serve import BadRequest, Choice, Engine
+from kvcli.apps.serve_decode import Scheduler
 from kvcli.drivers.reselect import WINDOW_MODES
 from kvcli.errors import KvcliError
 from kvcli.policies import parse_policy_args
@@ -255,11 +257,14 @@ class Server:
                  aliases: tuple[str, ...] = (), log=None):
         self.engine, self.api_key, self.max_body_bytes = engine, api_key, max_body_bytes
         self.names = {engine.model_id, *aliases}
-        self.lock = asyncio.Lock()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcli-model")
-        self.waiting = 0
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.scheduler = Scheduler(engine, self.log)   # the model thread
         self.started = int(time.time())
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not begun yet."""
+        return self.scheduler.waiting
 
     # ------------------------------------------------------------------ plumbing
     def _auth(self, request: Request) -> None:
@@ -306,28 +311,18 @@ class Server:
         return prompt
 
     async def _run(self, request: Request, prompt, choice: Choice, on_text=None, cancel: threading.Event = None):
-        """Wait for the model, then answer in the worker thread; a client gone stops it (`cancel`)."""
+        """Queue the request for the model thread and wait for its answer (None: its client left before its turn);
+        a client gone stops it (`cancel`) at its next decode step."""
         cancel = cancel or threading.Event()
-        loop = asyncio.get_running_loop()
-        self.waiting += 1
+        fut = asyncio.wrap_future(self.scheduler.submit(prompt, choice, on_text, cancel.is_set))
         try:
-            await self.lock.acquire()
-        finally:
-            self.waiting -= 1
-        try:
-            if await request.is_disconnected():
-                return None
-            fut = loop.run_in_executor(self.worker, lambda: self.engine.answer(prompt, choice, on_text, cancel.is_set))
-            try:
-                while not (await asyncio.wait({fut}, timeout=0.25))[0]:
-                    if await request.is_disconnected():
-                        cancel.set()
-            except BaseException:   # cancelled (the client left a stream): the worker stops at its next token (the
-                cancel.set()        # next request queues behind it in the one worker thread)
-                raise
-            return fut.result()
-        finally:
-            self.lock.release()
+            while not (await asyncio.wait({fut}, timeout=0.25))[0]:
+                if await request.is_disconnected():
+                    cancel.set()
+        except BaseException:   # cancelled (the client left a stream): it stops at its next step, or is never begun
+            cancel.set()
+            raise
+        return fut.result()
 
     def _timed(self, route: str, answer, started: float, choice: Choice) -> None:
         if answer is None:
@@ -343,7 +338,8 @@ class Server:
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request):
         return JSONResponse({"status": "ok", "model": self.engine.model_id, "requests": self.engine.requests,
-                             "waiting": self.waiting, **self.engine.store.stats()})
+                             "waiting": self.waiting, "decoding": self.scheduler.decoding,
+                             "parallel": self.engine.parallel, **self.engine.store.stats()})
 
     async def models(self, request: Request):
         self._auth(request)
@@ -409,7 +405,7 @@ class Server:
             return _sse({"id": rid, "object": obj, "created": created, "model": self.engine.model_id,
                          "choices": [item], **extra})
 
-        def on_text(piece: str) -> None:   # in the worker thread
+        def on_text(piece: str) -> None:   # in the model thread
             loop.call_soon_threadsafe(queue.put_nowait, piece)
 
         async def produce():
@@ -539,7 +535,7 @@ def create_app(server: Server) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        server.worker.shutdown(wait=False, cancel_futures=True)
+        server.scheduler.close()   # the flights end as cancelled, the queue is dropped
 
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
                      middleware=[Middleware(DrainBeforeError, max_body_bytes=server.max_body_bytes)])

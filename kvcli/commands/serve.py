@@ -56,8 +56,12 @@ def parse_size(text: str, flag: str) -> int:
                    "\"kvcli\": {\"window_from\": ...}.")
 @click.option("--max-body-bytes", default="16M", show_default=True, metavar="SIZE",
               help="Largest request body (413 above it).")
+@click.option("--parallel", type=click.IntRange(1, 64), default=4, show_default=True, metavar="N",
+              help="Requests decoded together, each from its own compressed cache (llama-server's -np): the others "
+                   "wait in a queue, as do those whose prompt, selection and answer do not fit the context beside "
+                   "the ones decoding. 1: one request at a time.")
 def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_max_bytes, window_from,
-              max_body_bytes):
+              max_body_bytes, parallel):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health), every answer
     given from a KV cache compressed by --policy to --budget for that request.
 
@@ -67,8 +71,9 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_m
     cache is compressed for this request's question and the answer decoded from it. A request may choose its own
     compression in the body: "kvcli": {"policy": "snapkv", "budget": 256, "policy_args": {"window": 32}};
     "policy": "full" answers from the whole cache. A prompt past --ctx is read in bounded chunks, as kvcli chat
-    reads a long document, and each later question re-selected from the stored chunks. Requests are served one at a
-    time, in order.
+    reads a long document, and each later question re-selected from the stored chunks. Up to --parallel requests
+    decode together in one batch per token, each from its own selection with its own sampling; the others wait their
+    turn, in order.
 
     Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C stops it.
     """
@@ -87,13 +92,14 @@ def serve_cmd(req: Request, model, host, port, api_key, ctx, store_kind, store_m
     defaults = Choice(policy=req.policy, budget=req.budget, policy_args=dict(req.policy_args),
                       max_tokens=req.max_tokens, sampling=req.sampling, window_from=window_from)
     engine = Engine(path, model_id=model_id, n_ctx=ctx, cache_type=req.cache_type,
-                    threads=req.threads, defaults=defaults,
+                    threads=req.threads, defaults=defaults, parallel=parallel,
                     store=DiskStore(store_bytes) if store_kind == "disk" else MemoryStore(store_bytes))
     try:
         server = Server(engine, api_key=api_key or None, max_body_bytes=body_bytes,
                         aliases=(path.name, path.stem))
         label = req.policy if req.budget is None else f"{req.policy} @ {req.budget}"
         click.echo(f"kvcli serve: {model_id} ({Path(path).name}), {label}, context {engine.n_ctx} cells, "
+                   f"{engine.parallel} request{'s' if engine.parallel > 1 else ''} decoded together, "
                    f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), err=True)
         if store_kind == "disk":
             from kvcli import document_store  # noqa: PLC0415
