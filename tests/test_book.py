@@ -348,6 +348,7 @@ def test_a_question_known_while_reading_is_read_in_float16_when_q8_0_is_asked(ti
     from kvcli.drivers.compress import prefill_and_compress
     from kvcli.evaluation.runner import chunked_variants
     from kvcli.native.session import NativeSession
+    from kvcli.planning.planner import resolve
     runs = {}
     for t in ("f16", "q8_0"):
         s = NativeSession(tiny_32, n_ctx=0, cache_type=t)
@@ -363,7 +364,8 @@ def test_a_question_known_while_reading_is_read_in_float16_when_q8_0_is_asked(ti
     try:
         tokens = s.tokenize(DOC)
         variants = list((pol, status, note) for pol, _, status, _, note, _ in
-                        chunked_variants(s, tokens, [("snapkv", 48)], {}, {}, chunk=128, reserve=8))
+                        chunked_variants(s, tokens, [("snapkv", 48)], {("snapkv", 48): resolve(tiny_32, "snapkv", 48)},
+                                         {}, chunk=128, reserve=8))
         assert variants == [("snapkv", "ok", read_in_float16(q8.stats["note"]))]
         assert s.cache_type == "q8_0" and s.n_ctx == 1024
         with pytest.raises(KvcliError, match="would quantise its kept keys again at every chunk: read it with "

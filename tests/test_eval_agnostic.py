@@ -37,6 +37,7 @@ def test_agnostic_compression_does_not_depend_on_the_question(tiny, monkeypatch)
     from kvcli.evaluation.runner import agnostic_split, sample_variants
     from kvcli.evaluation.tasks import _chat, ruler_sample
     from kvcli.native.session import NativeSession
+    from kvcli.planning.planner import resolve
     from kvcli.templating import GENERIC_SUFFIX
 
     s = NativeSession(tiny, n_ctx=1024)
@@ -55,7 +56,7 @@ def test_agnostic_compression_does_not_depend_on_the_question(tiny, monkeypatch)
     for name, (toks, q) in {"a": (pa, qa), "b": (pb, qb), "aware_a": (s.tokenize(a.prompt), []),
                             "aware_b": (s.tokenize(b.prompt), [])}.items():
         seen = _plans(s, monkeypatch)
-        out = list(sample_variants(s, toks, q, cfgs, {}, {}, reserve=a.max_tokens))
+        out = list(sample_variants(s, toks, q, cfgs, {c: resolve(tiny, *c) for c in cfgs}, {}, reserve=a.max_tokens))
         assert [o[2] for o in out] == ["ok"] * 3
         plans[name], firsts[name] = list(seen), [o[3] for o in out]
         stats[name] = {o[0]: o[5] for o in out}

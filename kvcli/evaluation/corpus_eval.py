@@ -40,7 +40,7 @@ def run_corpus_questions(model_path, docs, policies: list[str], budgets: list[in
     policy_args, doc_meta, formats = policy_args or {}, doc_meta or {}, formats or {}
     if TRUNCATE in policies:
         raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler")
-    unavailable = _check_policies(model_path, policies, budgets, policy_args)
+    unavailable, resolved = _check_policies(model_path, policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)
     records, t_start, where, interrupted = [], time.perf_counter(), machine(threads), False
@@ -65,7 +65,7 @@ def run_corpus_questions(model_path, docs, policies: list[str], budgets: list[in
             session = _session(model_path, need, cache_type, threads)
             done, full_summary = len(records), None
             base = {"doc": d.name, "doc_tokens": len(toks), **doc_meta.get(d.name, {})}
-            for pol, bud, status, _first, _note, stats in compressed_variants(session, toks, cfgs, policy_args,
+            for pol, bud, status, _first, _note, stats in compressed_variants(session, toks, cfgs, resolved,
                                                                               unavailable):
                 mark = session.seq(0).next_pos
                 for q, turn in zip(qs, turns):

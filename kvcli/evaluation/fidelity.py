@@ -69,7 +69,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
         raise KvcliError("--cont must be >= 1")
     if TRUNCATE in policies:
         raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
-    unavailable = _check_policies(model_path, policies, budgets, policy_args)
+    unavailable, resolved = _check_policies(model_path, policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)
     try:
@@ -105,7 +105,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
                 session, session_ctx = _session(model_path, need, cache_type, threads), need
             prefix, target = toks[:L], toks[L:L + cont]
             ref = None
-            for pol, bud, status, first, note, stats in compressed_variants(session, prefix, cfgs, policy_args,
+            for pol, bud, status, first, note, stats in compressed_variants(session, prefix, cfgs, resolved,
                                                                             unavailable):
                 rec = {**base, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None,
                        "top1": None, **stats}

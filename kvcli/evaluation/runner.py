@@ -59,28 +59,30 @@ def eval_configs(policies: list[str], budgets: list[int], long: bool = True) -> 
     return out
 
 
-def _check_policies(model_path, policies, budgets, policy_args) -> dict:
-    """Unavailable policies are reported per result; bad arguments stop the run before it starts."""
-    why = {}
-    for p in policies:
-        if p == TRUNCATE:
+def _check_policies(model_path, policies, budgets, policy_args) -> tuple[dict, dict]:
+    """(unavailable, resolved): the policies this library cannot run, reported per result, and every other
+    configuration eval_configs can make of them resolved once for the model ((policy, budget) -> Compression),
+    which every sample takes as it is; bad arguments stop the run before it starts, in resolve's one message."""
+    why, resolved = {}, {}
+    for p, b in eval_configs(policies, budgets):
+        if p == TRUNCATE or p in why:
             continue
         w = availability(p)
         if w:
             why[p] = w
         else:
-            for b in budgets:
-                resolve(model_path, p, b, policy_args.get(p, {}))
-    return why
+            resolved[(p, b)] = resolve(model_path, p, b, policy_args.get(p, {}))
+    return why, resolved
 
 
 def _session(model_path, n_ctx, cache_type, threads):
     return open_native(model_path, n_ctx=n_ctx, cache_type=cache_type, flash_attn=True, n_threads=threads)
 
 
-def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict):
-    """For each (policy, budget) of `cfgs`, leave sequence 0 of `session` holding `tokens` compressed by it,
-    and yield (policy, budget, status, first_logits, note, stats); decode from seq 0 before the next item.
+def compressed_variants(session, tokens: list[int], cfgs, resolved: dict, unavailable: dict):
+    """For each (policy, budget) of `cfgs` (`resolved`: their Compressions, from `_check_policies`), leave
+    sequence 0 of `session` holding `tokens` compressed by it, and yield (policy, budget, status, first_logits,
+    note, stats); decode from seq 0 before the next item.
     stats: the shared prefill's seconds (`prefill_s`), the configuration's planning + applying (`compress_s`,
     kvzip's reconstruction pass included), kvzip's pass alone (`reconstruct_s`) and the compressed cache's
     cells and K/V bytes held and live (`kv_cells`, `kv_bytes`, `kv_bytes_live`).
@@ -92,10 +94,9 @@ def compressed_variants(session, tokens: list[int], cfgs, policy_args: dict, una
     a prefill only between configurations that observe alike: it times each prefill.
     `truncate` at budget b is its own prefill of the b tokens `truncated` keeps, after the shared ones.
     """
-    resolved = {(pol, bud): resolve(session.model_path, pol, bud, policy_args.get(pol, {}))
-                for pol, bud in cfgs if pol not in unavailable and pol != TRUNCATE}
     session.clear()
-    shared = Shared(session, tokens, list(resolved.values()), planner="native")
+    shared = Shared(session, tokens, [resolved[c] for c in cfgs if c[0] not in unavailable and c[0] != TRUNCATE],
+                    planner="native")
     for pol, bud in sorted(cfgs, key=lambda c: c[0] == TRUNCATE):
         if pol in unavailable:
             yield pol, bud, unavailable[pol], None, "", {}
@@ -125,7 +126,7 @@ def truncated(tokens: list[int], keep: int) -> list[int]:
     return list(tokens[:TRUNCATE_HEAD]) + list(tokens[len(tokens) - (keep - TRUNCATE_HEAD):])
 
 
-def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavailable: dict, chunk: int,
+def chunked_variants(session, tokens: list[int], cfgs, resolved: dict, unavailable: dict, chunk: int,
                      reserve: int, scoring: str = "question"):
     """As `compressed_variants`, for documents read in chunks (kvcli/drivers/chunked.py): each configuration reads
     the whole prompt itself (chunked prefills cannot be shared: what is kept decides what later chunks
@@ -141,7 +142,7 @@ def chunked_variants(session, tokens: list[int], cfgs, policy_args: dict, unavai
             # a quantised cache is read in float16 as kvcli run reads it (chunked.requantises); the others as asked
             reading = asked if pol in ("full", TRUNCATE) else reading_cache_type(session.info, asked)
             _use_cache_type(session, reading, n_ctx)
-            yield _chunked_variant(session, tokens, pol, bud, policy_args, chunk, reserve, scoring, n_ctx,
+            yield _chunked_variant(session, tokens, pol, bud, resolved, chunk, reserve, scoring, n_ctx,
                                    read_in_float16_note(asked) if reading != asked else "")
     finally:
         _use_cache_type(session, asked, n_ctx)
@@ -154,7 +155,7 @@ def _use_cache_type(session, cache_type: str | None, n_ctx: int) -> None:
         session.create_context(n_ctx)
 
 
-def _chunked_variant(session, tokens, pol, bud, policy_args, chunk, reserve, scoring, n_ctx, note):
+def _chunked_variant(session, tokens, pol, bud, resolved, chunk, reserve, scoring, n_ctx, note):
     """One configuration of `chunked_variants`: (policy, budget, status, first_logits, note, stats)."""
     n = len(tokens)
     session.clear()
@@ -167,8 +168,8 @@ def _chunked_variant(session, tokens, pol, bud, policy_args, chunk, reserve, sco
             session.prefill(toks, seq=0)
             stats = {"kv_cells": len(toks), "peak_kv_cells": len(toks)}
         else:
-            rep = prefill_and_compress(session, tokens, pol, bud, dict(policy_args.get(pol, {})), seq=0,
-                                       chunk=chunk, cap=bud + chunk, scoring=scoring)
+            rep = prefill_and_compress(session, tokens, resolved[(pol, bud)], seq=0, chunk=chunk, cap=bud + chunk,
+                                       scoring=scoring)
             stats = {**held(session), **rep.as_stats()}
     except KvcliError as e:
         return pol, bud, f"error: {e}", None, note, {}
@@ -188,14 +189,14 @@ def agnostic_split(session, s) -> tuple[list[int], list[int]]:
     return session.tokenize(prefix), session.tokenize(full[len(prefix):])
 
 
-def sample_variants(session, toks, question, cfgs, policy_args, unavailable, *, reserve: int, chunk=None,
+def sample_variants(session, toks, question, cfgs, resolved, unavailable, *, reserve: int, chunk=None,
                     chunk_scoring="question"):
     """The configurations of one prompt: `toks` compressed by each (in chunks when `chunk`), and, question-agnostic,
     the `question` tokens prefilled after the compressed cache. Yields (policy, budget, status, first_logits, note,
     stats), seq 0 ready to decode from first_logits."""
-    variants = chunked_variants(session, toks, cfgs, policy_args, unavailable, chunk, reserve + len(question or ()),
+    variants = chunked_variants(session, toks, cfgs, resolved, unavailable, chunk, reserve + len(question or ()),
                                 chunk_scoring) if chunk else \
-        compressed_variants(session, toks, cfgs, policy_args, unavailable)
+        compressed_variants(session, toks, cfgs, resolved, unavailable)
     for pol, bud, status, first, note, stats in variants:
         if status == "ok" and question:
             t0 = time.perf_counter()
@@ -233,8 +234,8 @@ def reselect_in_form(store: ChunkedStore, session, prompt: list[int], cfg, step:
     return store.reselect(session, prompt, cfg, cells=cfg.budget + step if every_chunk else None)
 
 
-def stored_variants(session, head: list[int], question: list[int], cfgs, policy_args: dict, unavailable: dict, *,
-                    chunk: int | None, model_path):
+def stored_variants(session, head: list[int], question: list[int], cfgs, resolved: dict, unavailable: dict, *,
+                    chunk: int | None):
     """Stored mode (the module's docstring): per configuration, `head` read once into a bounded store, then
     `head + question` re-selected from it in each of STORED_FORMS. Yields (policy, budget, form, status,
     first_logits, note, stats), seq 0 ready to decode from first_logits; the context is left as kvcli chat sized it
@@ -248,7 +249,7 @@ def stored_variants(session, head: list[int], question: list[int], cfgs, policy_
             for form in STORED_FORMS:
                 yield pol, bud, form, why, None, "", {}
             continue
-        cfg = resolve(model_path, pol, bud, dict(policy_args.get(pol, {})))
+        cfg = resolved[(pol, bud)]
         try:
             cs, step = read_store_as_chat(session, head, cfg, chunk, cache_type=asked)
         except KvcliError as e:
@@ -312,7 +313,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             raise KvcliError(f"unknown task '{t}': choose from {', '.join(RULER_TASKS)}")
     if samples < 1:
         raise KvcliError("--samples must be >= 1")
-    unavailable = _check_policies(model_path, policies, budgets, policy_args)
+    unavailable, resolved = _check_policies(model_path, policies, budgets, policy_args)
     tok = _session(model_path, 0, cache_type, threads)  # tokenizer and templates only (no context)
     n_ctx_train = tok.n_ctx_train
     agnostic = agnostic or stored   # a store is read before its question is seen
@@ -352,12 +353,11 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
             try:
                 for s, (toks, question) in zip(built, splits):
                     if stored:
-                        variants = stored_variants(session, toks, question, cfgs, policy_args, unavailable,
-                                                   chunk=chunk_asked,
-                                                   model_path=model_path)
+                        variants = stored_variants(session, toks, question, cfgs, resolved, unavailable,
+                                                   chunk=chunk_asked)
                     else:
                         variants = ((pol, bud, None, *rest) for pol, bud, *rest in
-                                    sample_variants(session, toks, question, cfgs, policy_args, unavailable,
+                                    sample_variants(session, toks, question, cfgs, resolved, unavailable,
                                                     reserve=s.max_tokens, chunk=chunk if long else None,
                                                     chunk_scoring=chunk_scoring))
                     n_before = len(records)

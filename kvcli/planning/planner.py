@@ -9,6 +9,7 @@ batch) -> kvcli/commands.
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +104,27 @@ def resolve(model_path, policy: str, budget: int | None, policy_args: dict | Non
     else:
         spec, params = resolve_for_model(model_path, policy, args, budget, instruction)
     return Compression(policy, budget, spec, params, args, model_path, instruction)
+
+
+_RESOLVED: dict = {}   # resolve_once's Compressions, oldest first
+_RESOLVED_LOCK = threading.Lock()   # a server's request threads and its engine thread resolve alike
+RESOLVED_KEPT = 64     # distinct compressions a long-lived process keeps resolved
+
+
+def resolve_once(model_path, policy: str, budget: int | None, policy_args: dict | None = None) -> Compression:
+    """`resolve`, once per (model, policy, budget, arguments) in this process: a server resolves the compression a
+    request asks for when it parses it, and the answer takes the same Compression instead of resolving it again.
+    A mistake is not kept: each ask raises resolve's one message again."""
+    args = dict(policy_args or {})
+    key = (str(model_path), policy, budget, repr(sorted(args.items())))
+    c = _RESOLVED.get(key)
+    if c is None:
+        c = resolve(model_path, policy, budget, args)
+        with _RESOLVED_LOCK:
+            while len(_RESOLVED) >= RESOLVED_KEPT:
+                _RESOLVED.pop(next(iter(_RESOLVED)))
+            _RESOLVED[key] = c
+    return c
 
 
 def resolve_for_model(model_path, policy: str, policy_args: dict, budget: int, instruction: str | None = None):
