@@ -16,8 +16,10 @@ A sequence whose entries were re-indexed (a document read in bounded chunks: the
 again, kvcli/drivers/chunked.py) no longer knows its entries' original positions by itself. Chat's bounded form (a
 book: stored chunks streamed per question, those the block index chose) follows them through every chunk it puts
 back and every compaction (kvcli/drivers/reselect_bounded.py `Origins`), so its answers are cited as the exact form's
-are, from the entries kept of the chunks streamed for the question (a chunk not streamed cannot be cited); elsewhere
-(`kvcli run` of a document read in chunks) `cite` returns no passage and says why (`Citations.note`).
+are, from the entries kept of the chunks streamed for the question (a chunk not streamed cannot be cited); `kvcli run`
+of a document read in chunks follows them through its read the same way (kvcli/drivers/chunked.py `FollowOrigins`);
+elsewhere (a chat compressed once from a read in chunks, a .kvc file of one) `cite` returns no passage and says why
+(`Citations.note`).
 """
 from __future__ import annotations
 

@@ -9,11 +9,12 @@ and for HTML). pypdf and python-docx are imported only when a document of their 
 Every refusal is one line (KvcliError, exit 2): a scanned PDF (no text layer: how many pages), an encrypted PDF, a
 damaged file of any format, a binary file of a type kvcli does not read, an empty document.
 
-A huge document says its token count and how long its read will take before the read starts (`read_notice`, one
-line on stderr): the time estimated from a configured speed (KVCLI_READ_TOK_S), else the speed the last read of the
-same form measured on this machine (recorded per model, form, cache type and threads in
-$KVCLI_CACHE/read-speeds.json, `record_read_speed`), else a prefill of the document's first PROBE_TOKENS tokens
-timed just before (`probe_speed`: for a document of PROBE_FROM tokens or more).
+A huge document says its token count and how long its read will take before the read starts (`announce_read`, one
+line on stderr, in kvcli run, chat and compress, whatever the form of the read): the time estimated from a
+configured speed (KVCLI_READ_TOK_S), else the speed the last read of the same form measured on this machine
+(recorded per model, form, cache type and threads in $KVCLI_CACHE/read-speeds.json, `record_read_speed`), else a
+prefill of the document's first PROBE_TOKENS tokens timed just before (`probe_speed`: for a document of PROBE_FROM
+tokens or more).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import math
 import os
 import posixpath
 import re
+import sys
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -666,7 +668,7 @@ def speed_key(session, form: str) -> str:
     """What a read's speed is recorded under: the model file, the form of the read ("bounded": in chunks, stored as
     read; "prefill": one prefill), the cache type and the threads asked for ("auto": kvcli's choice)."""
     threads = (getattr(session, "_ctx_opts", None) or {}).get("n_threads") or "auto"
-    return f"{Path(session.model_path).name}|{form}|{session.cache_type}|threads {threads}"
+    return f"{Path(session.model_path).name}|{form}|{getattr(session, 'cache_type', None)}|threads {threads}"
 
 
 def _speeds() -> dict:
@@ -761,6 +763,27 @@ def read_notice(n_tokens: int, speed: tuple[float, str] | None, what: str = "rea
         return None
     return (f"this document is {n_tokens:,} tokens: {what} will take about {_duration(seconds)} (estimated at "
             f"{tok_s:,.0f} tokens/s: {how})")
+
+
+def announce_read(session, tokens: list[int], form: str, what: str = "reading it", probe_seq: int | None = None,
+                  say=None) -> str:
+    """Announce a long read before it starts: the `read_notice` line for `tokens` read in `form` ("prefill": one
+    prefill; "chunked": in chunks, each compressed; "bounded": in chunks stored as read), at the speed `read_speed`
+    knows, else at the speed of a `probe_speed` in the empty sequence `probe_seq` (none where it is None or holds
+    something); said through `say` (default: "[line]" on stderr). Returns the key the read's measured speed is to be
+    recorded under (`record_read_speed`)."""
+    key = speed_key(session, form)
+    speed = read_speed(key)
+    if speed is None and probe_seq is not None and notice_seconds() is not None \
+            and probe_seq not in getattr(session, "seqs", {}):
+        speed = probe_speed(session, tokens, probe_seq)
+    line = read_notice(len(tokens), speed, what)
+    if line is not None:
+        if say is not None:
+            say(line)
+        else:
+            print(f"[{line}]", file=sys.stderr, flush=True)
+    return key
 
 
 def _duration(seconds: float) -> str:

@@ -39,7 +39,7 @@ def test_origins_follow_chunks_cuts_and_reindexing_compactions(monkeypatch):
     assert o.of.tolist() == [[[11, 13, 15, 20, 21], [-1, 10, 14, 20, 21]]]
     # cells out of position order: the kept entries are laid out by position, not by slot
     cells = np.array([4, 0, 1, 2, 3], np.int32)
-    monkeypatch.setattr(reselect_bounded.cache, "seq_positions", lambda ctx, seq: np.append(cells, 7))
+    monkeypatch.setattr(reselect_bounded, "seq_positions", lambda session, seq: np.append(cells, 7))
 
     class S:
         ctx = None

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvcli import policies
+from kvcli import doc_formats, policies
 from kvcli.drivers.chunked import TURN_ROOM, pad_cells, plan_chunking
 from kvcli.drivers.reselect import StoredDocument
 from kvcli.errors import KvcliError
@@ -192,6 +192,13 @@ class Conversation:
             self.notify(f"[{line}]")
         else:
             print(f"kvcli: {line}", file=sys.stderr, flush=True)
+
+    def _announce(self, form: str, what: str, probe_seq: int | None) -> str:
+        """A long read of the document says its token count and estimated time before it starts
+        (doc_formats.announce_read: "[line]" on stderr, or through notify); returns the key its speed is recorded
+        under."""
+        return doc_formats.announce_read(self.session, self.prefix_tokens, form, what, probe_seq,
+                                         self._say if self.notify else None)
 
     def _cfg(self, question: str | None):
         """The policy resolved for the model: the compression the command built, passed down (resolved again for the

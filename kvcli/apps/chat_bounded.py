@@ -4,7 +4,6 @@ and a chunk; its chunks streamed for every question.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -22,8 +21,9 @@ from kvcli.planning.planner import CompressReport
 def read(conv, cfg, chunking, progress, named: bool):
     """Read conv's document in chunks and store them as read (Reselected.read_store, the bounded form): in a
     float16 working cache (store_types), with one more sequence to load the stored chunks through per question.
-    A read estimated at doc_formats.READ_NOTICE_S or longer is announced first, on stderr (`announce`); its
-    measured speed is recorded for the next estimate."""
+    A read estimated at doc_formats.READ_NOTICE_S or longer is announced first, on stderr (Conversation._announce:
+    at the speed the last bounded read of this model measured here, else at that of its first tokens prefilled now in
+    the spare sequence); its measured speed is recorded for the next estimate."""
     session = conv.session
     working, chunk_type = store_types(conv.cache_type)
     session.clear()
@@ -33,8 +33,7 @@ def read(conv, cfg, chunking, progress, named: bool):
         session.create_context(chunking.n_ctx, n_seq)
     else:
         session.resize_context(chunking.n_ctx, n_seq)
-    key = doc_formats.speed_key(session, "bounded")
-    announce(conv, key, chunking.chunk, spare=conv.seq + 1)
+    key = conv._announce("bounded", f"reading it in chunks of {chunking.chunk}", conv.seq + 1)
     t0 = time.perf_counter()
     conv.store = ChunkedStore.read(session, conv.prefix_tokens, cfg, chunking.chunk, cap=chunking.cap,
                                    seq=conv.seq, spare=conv.seq + 1, path=conv.store_path, keep=named,
@@ -46,23 +45,6 @@ def read(conv, cfg, chunking, progress, named: bool):
                                  params=cfg.params, chunk=chunking.chunk, cap=chunking.cap)
     conv.turns, conv.last_reselection, conv.prompt_len = [], None, 0
     return conv.report
-
-
-def announce(conv, key: str, chunk: int, spare: int) -> None:
-    """A huge document says its token count and the time its read will take, before the read (one line on stderr,
-    or through conv.notify), estimated at the speed doc_formats.read_speed knows (configured, or the last bounded
-    read of this model measured here), else at the prefill speed of its first tokens measured now in `spare`."""
-    tokens = conv.prefix_tokens
-    speed = doc_formats.read_speed(key)
-    if speed is None and doc_formats.notice_seconds() is not None:
-        speed = doc_formats.probe_speed(conv.session, tokens, spare)
-    line = doc_formats.read_notice(len(tokens), speed, f"reading it in chunks of {chunk}")
-    if line is None:
-        return
-    if conv.notify:
-        conv._say(line)
-    else:
-        print(f"[{line}]", file=sys.stderr, flush=True)
 
 
 def streamed(conv, st) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli import config, kvc
+from kvcli import config, doc_formats, kvc
 from kvcli.apps.chat_base import AGNOSTIC, AWARE, ContextFullError, Conversation, Turn, _jsonable, user_content
 from kvcli.drivers import compress
 from kvcli.drivers.chunked import TURN_ROOM, pad_cells, read_in_float16_note, reading_cache_type
@@ -74,11 +74,15 @@ class CompressedOnce(Conversation, kind="once"):
                              f"{self.session.n_ctx} cells")
         if self.seq in self.session.seqs:
             self.session.clear(self.seq)
+        key = self._announce("chunked" if chunking.chunk else "prefill", f"reading it in chunks of {chunking.chunk}"
+                             if chunking.chunk else "reading it in one prefill", self.seq)
+        t0 = time.perf_counter()
         # the question (aware) is the instruction task-adaptive policies classify; agnostic has none
         self.report = compress.prefill_and_compress(self.session, self.prefix_tokens, self._cfg(self.question),
                                                     seq=self.seq, progress=progress, instruction=self.question,
                                                     chunk=chunking.chunk, cap=chunking.cap, on_cache=on_cache,
                                                     scoring=self.chunk_scoring)
+        doc_formats.record_read_speed(key, len(self.prefix_tokens), time.perf_counter() - t0)
         if held != self.cache_type:
             self.report.note = "; ".join(filter(None, (self.report.note, read_in_float16_note(self.cache_type))))
         st = self._st()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvcli import kvc
+from kvcli import doc_formats, kvc
 from kvcli.apps import chat_bounded
 from kvcli.apps.chat_base import RESELECTED, ContextFullError, Conversation, Turn, user_content
 from kvcli.drivers.chunked import TURN_ROOM, pad_cells
@@ -87,6 +87,8 @@ class Reselected(Conversation, kind="reselected"):
         elif self.session.n_ctx < want or (resident and self.session.n_seq < n_seq):
             self.session.clear()
             self.session.resize_context(max(want, self.session.n_ctx), n_seq=n_seq)
+        key = self._announce("prefill", "reading it in one prefill", RESIDENT_SEQ if resident else self.seq)
+        t0 = time.perf_counter()
         self.store = StoredDocument.read(self.session, self.prefix_tokens,
                                          seq=RESIDENT_SEQ if resident else self.seq, resident=resident,
                                          colsum="colsum" in cfg.observe[0] if colsum is None else colsum,
@@ -94,6 +96,7 @@ class Reselected(Conversation, kind="reselected"):
                                          progress=progress, meta={"document": self.document, "system": self.system},
                                          # --store FILE: must be written
                                          in_memory_if_unwritable=None if named else self._say)
+        doc_formats.record_read_speed(key, n, time.perf_counter() - t0)
         self.report = CompressReport(self.policy, self.budget, n, self.store.read_s, params=cfg.params)
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
         return self.report

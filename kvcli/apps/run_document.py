@@ -5,12 +5,16 @@ The CLI commands are thin layers over `run_document`.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 
+from kvcli import doc_formats
 from kvcli.citations import Citations, cite
 from kvcli.doc_formats import Document
 from kvcli.drivers import compress
-from kvcli.drivers.chunked import plan_chunking, read_in_float16_note, reading_cache_type
+from kvcli.drivers.chunked import (FollowOrigins, keeps_positions, plan_chunking, read_in_float16_note,
+                                   reading_cache_type)
+from kvcli.drivers.reselect_bounded import Origins
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Generation, Sampler, generate
@@ -92,15 +96,17 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
                  sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
                  max_cache: int | None = None, chunk_scoring: str = "question", template: bool = True,
-                 cite_answer: bool = False, compression=None) -> RunResult:
+                 cite_answer: bool = False, compression=None, announce: bool = False) -> RunResult:
     """Prefill the templated prompt, compress it with `policy`, and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
     after each (kvcli/drivers/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks
     the
     queries that score each chunk. `cite_answer`: name the passages of the document the answer came from
-    (kvcli/citations.py; `document` may be a Document, whose pages and sections name them). `compression`: the
-    kvcli.planning.planner.Compression the command built (in place of `policy`, `budget` and `policy_args`)."""
+    (kvcli/citations.py; `document` may be a Document, whose pages and sections name them; a read in chunks follows
+    its kept entries to their prompt tokens for them, FollowOrigins). `compression`: the
+    kvcli.planning.planner.Compression the command built (in place of `policy`, `budget` and `policy_args`).
+    `announce`: a read estimated to take doc_formats.READ_NOTICE_S or longer says so first, on stderr (kvcli run)."""
     if compression is not None:
         policy, budget = compression.policy, compression.budget
     source = document
@@ -116,19 +122,29 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
         session.use_cache_type(reading)   # frees the (empty) context; made again below
     if session.ctx is None:
         session.create_context(chunking.n_ctx)
+    # a re-indexed read's kept entries lose their place in the document: followed for the citations
+    follow = FollowOrigins(session, 0, Origins.start(session.info, tokens)) \
+        if cite_answer and source is not None and chunking.chunk and not keeps_positions(session.info) else None
+    key = doc_formats.announce_read(session, tokens, "chunked" if chunking.chunk else "prefill",
+                                    f"reading it in chunks of {chunking.chunk}" if chunking.chunk else
+                                    "reading it in one prefill", probe_seq=0) if announce else None
     progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)
+    t0 = time.perf_counter()
     try:
         report = compress.prefill_and_compress(session, tokens, compression or policy, budget, policy_args or {},
                                                seq=0, progress=progress.update, instruction=instruction,
                                                chunk=chunking.chunk, cap=chunking.cap, on_cache=progress.cache,
-                                               scoring=chunk_scoring)
+                                               scoring=chunk_scoring, on_step=follow)
     finally:
         progress.close()
+    if key is not None:
+        doc_formats.record_read_speed(key, len(tokens), time.perf_counter() - t0)
+    origins = follow.done() if follow is not None else None
     gen: Generation = generate(session, max_tokens, sampler, seq=0, on_text=on_text)
     citations = None
     if cite_answer and source is not None and gen.stopped != "interrupted":
         citations = cite(session, 0, gen.tokens, prompt_text=prompt, prompt_tokens=tokens, document=source,
-                         question=instruction)
+                         question=instruction, origins=origins)
     stats = {"prompt_tokens": len(tokens), "generated_tokens": len(gen.tokens)}
     stats.update(session.stats(0))
     stats.update(report.as_stats())

@@ -7,7 +7,7 @@ import time
 
 import click
 
-from kvcli import config, policies
+from kvcli import config, doc_formats, policies
 from kvcli.apps.chat import MEMORY_STATS, Conversation
 from kvcli.commands.chat import explicit, open_conversation
 from kvcli.commands.options import Request, json_option, model_option, request_options
@@ -138,8 +138,11 @@ def store_document(ctx, req: Request, docs, out, force, model, question, system,
                 st = conv.store
             else:
                 session.create_context(min(limit, -(-(n + 1) // 256) * 256))
+                key = conv._announce("prefill", "reading it in one prefill", 0)
+                t1 = time.perf_counter()
                 st = StoredDocument.read(session, conv.prefix_tokens, colsum=colsum, path=out, keep=True,
                                          progress=progress.update, meta={"document": document, "system": system})
+                doc_formats.record_read_speed(key, n, time.perf_counter() - t1)
         finally:
             progress.close()
         total_s = time.perf_counter() - t0

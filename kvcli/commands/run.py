@@ -112,7 +112,7 @@ def run_cmd(ctx, req: Request, instruction, docs, cache_path, question_opts, que
                               max_tokens=req.max_tokens, sampler=sampler, system=system,
                               on_text=stream, show_progress=not quiet and sys.stderr.isatty(), chunk=req.chunk,
                               max_cache=req.max_cache, chunk_scoring=req.chunk_scoring, template=not no_template,
-                              cite_answer=cite or as_json)
+                              cite_answer=cite or as_json, announce=True)
         result.stats["document_reads"] = 1
     if as_json:
         click.echo(json.dumps(result.as_json(), ensure_ascii=False))

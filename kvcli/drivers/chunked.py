@@ -346,6 +346,41 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
                           reconstruct_s=recon_s)
 
 
+class FollowOrigins:
+    """The prompt token each entry of a chunked read holds, followed through the read (`kvcli run --cite` of a
+    document read in chunks): a re-indexing compaction gives the kept entries new positions, so the sequence alone no
+    longer knows their place in the document (kvcli/citations.py). `origins`: an empty reselect_bounded.Origins of the
+    prompt's tokens, which chat's bounded form follows its re-selections with. Pass this as read_in_chunks's
+    `on_step` (called before each compaction, while the sequence holds the entries kept so far and the chunks read
+    since, the observation's `positions` those of the plan's slots), then call `done()` after the read."""
+
+    def __init__(self, session: Session, seq: int, origins, on_step=None):
+        self.session, self.seq, self.origins, self.on_step = session, seq, origins, on_step
+        self.read = 0    # prompt tokens placed so far
+
+    def _place(self) -> None:
+        """The tokens read since the last call hold the positions after the kept entries, in order."""
+        width = self.origins.of.shape[2]
+        n = self.session.seq(self.seq).next_pos - width
+        if n > 0:
+            self.origins.append(width, self.read, n)
+            self.read += n
+
+    def __call__(self, step: int, obs, plan) -> None:
+        self._place()
+        self.origins.compact(np.asarray(obs.positions), plan)
+        if self.on_step is not None:
+            self.on_step(step, obs, plan)
+
+    def done(self):
+        """The origins once the whole prompt is read (refused where the positions did not add up to the prompt)."""
+        self._place()
+        if self.read != len(self.origins.tokens):
+            raise KvcliError(f"following the chunked read's entries: {self.read} positions for a prompt of "
+                             f"{len(self.origins.tokens)} tokens")
+        return self.origins
+
+
 # A question probe holds at least this many of the prompt's last tokens, of which the policy's `window` last are
 # observed. A policy's window alone (8 tokens for several policies) is the chat
 # template's closing tokens, and prefilled after a chunk without the question before them it scores the chunk for
