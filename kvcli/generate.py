@@ -5,6 +5,8 @@ llama-server use): repetition penalties, DRY, then top-k, top-p, min-p, temperat
 distribution, or greedy at temperature 0. Plain greedy decoding (temperature 0, no penalty) is
 `argmax` of the logits, in both engines: the first of equal maxima, as llama.cpp's greedy sampler.
 Penalties see the answer being generated (not the prompt), and start afresh for every answer.
+`generate()` decodes one answer to its end; `Decoding` is the same loop a token at a time, for a caller that
+decodes several sequences' tokens in one batch (kvcli serve's parallel decode).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ a sequence of its own, or restored there once): the request's question sequence 
 entries gathered into the answer's sequence (`StoredDocument.reselect(into=...)`, kvcli_gather_plan), from which the
 answer is decoded:
 
-    context cells      [ system + document (resident) ][ question 2 ][ question 2's selection + answer ]
+    context cells      [ system + document (resident) ][ question 2 ][ question 2's selection + answer ] (+ other
+                                                                         requests' questions, selections, answers)
     request 2's prompt [ system + document            ][ question 2 ]
                         shared ^^^^^^^^^^^^^^^^^^^^^^  prefilled with observation -> plan -> gathered
 
@@ -40,8 +41,15 @@ Stores live behind `DocumentStore` (best match, add, touch, evict): `DiskStore` 
 each as a `cached` entry of kvcli's document store (listed by `kvcli documents list`, capped, loaded again after a
 restart), its working set the documents resident in the context (none held in memory besides); `MemoryStore`
 (--store memory) keeps the others as in-memory snapshots; both up to
---store-max-bytes, least recently used evicted. One model: requests run one at a time (the HTTP layer queues
-them); nothing here is thread-safe by itself.
+--store-max-bytes, least recently used evicted.
+
+Several requests in flight (kvcli/apps/serve_decode.py): `begin` does a request's matching, prefill, plan and
+gather (one at a time, in the model thread) into an answer sequence of its own out of --parallel (ANSWER_SEQ first:
+one request alone decodes there, as it always did), and `step` decodes one token of every request in flight in one
+batch, each with its own sampler, stop strings and max_tokens; a request that ends frees its answer and question
+sequences at once. Requests about one document share its cells, each with its own question and selection; requests
+about other resident documents decode with them. The Scheduler's thread is the only one that calls the engine;
+nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
@@ -62,7 +70,7 @@ from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_bel
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes, return_freed_memory
 from kvcli.generate import Decoding, Sampler, Sampling, generate
-from kvcli.native.session import ContextFull, NativeSession
+from kvcli.engines import ContextFull, open_native
 from kvcli.planning.planner import resolve_once
 
 DEFAULT_CTX = 16384       # cells of the KV cache unless --ctx says (at most the model's training context)
@@ -134,7 +142,7 @@ class Engine(ParallelDecode):
         if not 1 <= parallel <= MAX_PARALLEL:
             raise KvcliError(f"--parallel must be 1 to {MAX_PARALLEL}, got {parallel}")
         return_freed_memory()   # a long-running process: what one request frees is not kept in the heap
-        self.session = NativeSession(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
+        self.session = open_native(model_path, n_ctx=0, cache_type=cache_type, n_threads=threads)
         limit = self.session.n_ctx_train
         # sequences in one cell pool (kv_unified): the answers', SPARE_SEQ that bounded re-selection loads stored
         # chunks through, the questions' and the resident documents' (the pool is the same size as for one); one for
@@ -408,7 +416,7 @@ class Engine(ParallelDecode):
         if f.error is not None:
             return
         more = {"queued_s": round(f.queued_s, 4),
-                "decoded_with": round(f.together / f.steps, 2) if f.steps else None}
+                "decoded_with": round(f.together / f.steps, 2) if f.steps else None, "decoded_with_most": f.most}
         f.answer = self._answered(c, len(f.prompt), gen, finish, f.r, f.st, (f.t0, f.t1, time.perf_counter()),
                                   fresh=f.fresh, read=f.read, new_store=f.new_store,
                                   resident_documents=len(self.residents.docs), resident_cells=self.residents.cells(),

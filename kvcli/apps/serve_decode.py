@@ -126,6 +126,7 @@ class Flight:
     limit: int = 0               # tokens it may decode
     steps: int = 0               # decode steps it took part in
     together: int = 0            # the sum of the flights decoded in those steps
+    most: int = 0                # the most flights decoded in one of them
     answer: object = None        # its Answer, once ended
     error: BaseException | None = None
     job: object = None           # the Scheduler's job it answers
@@ -251,6 +252,7 @@ class ParallelDecode:
             for f, tok in batch.values():
                 f.steps += 1
                 f.together += len(batch)
+                f.most = max(f.most, len(batch))
                 f.decoding.took(tok)
                 if f.decoding.result is not None:
                     ended.append(f)
