@@ -485,7 +485,8 @@ def test_chat_command_reselects_by_default_and_stores(run_kvcli, tiny, tmp_path,
     assert [json.loads(x)["answer"] for x in c.stdout.splitlines()] == [x["answer"] for x in rows]
     assert "loaded in" in c.stderr and "tokens read in" not in c.stderr
     # one-line refusals
-    for args, msg in ((["--cache", keep, "--policy", "snapkv"], "needs a compressing --policy and --budget"),
+    for args, msg in ((["--cache", keep, "--policy", "snapkv"], "policy 'snapkv' needs --budget N"),
+                      (["--cache", keep, "--policy", "full", "--budget", "48"], "needs a compressing --policy"),
                       (["--cache", keep, "--policy", "snapkv", "--budget", "48", "--doc", doc], "drop --doc"),
                       (["--doc", doc, "--store", keep], "--store keeps the full cache")):
         bad = run_kvcli("chat", "--model", tiny, *args, input="", env=env)

@@ -44,3 +44,18 @@ def test_eval_resolves_each_configuration_once_before_the_samples(tiny_1k, monke
     assert resolved[("snapkv", 64)].budget == 64
     with pytest.raises(KvcliError, match="window"):   # a bad argument stops the run before it starts
         runner._check_policies(tiny_1k, ["snapkv"], [48], {"snapkv": {"window": -1}})
+
+
+def test_batch_resolves_its_compression_once_for_the_worker(tiny_1k, monkeypatch):
+    from kvcli.apps import batch
+    calls = []
+    real = batch.resolve
+    monkeypatch.setattr(batch, "resolve", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    settings = batch.Settings("Summarise.", model=str(tiny_1k), policy="snapkv", budget=64, max_tokens=8)
+    checked = batch.check_settings(settings)
+    worker = batch.Worker(settings, checked)
+    try:
+        assert worker._resolved("Summarise.") is checked[1] and worker._resolved("Other?") is checked[1]
+    finally:
+        worker.close()
+    assert calls == [("snapkv", 64)]   # snapkv's parameters do not depend on the question: resolved once

@@ -43,13 +43,13 @@ from pathlib import Path
 from kvcli import policies
 from kvcli.drivers.lockstep import Lockstep
 from kvcli.drivers.chunked import plan_chunking
-from kvcli.drivers.compress import prefill_and_compress, resolve
+from kvcli.drivers.compress import prefill_and_compress
 from kvcli.documents import convert_bytes
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import read_model_info, resolve_model
 from kvcli.engines import open_native
-from kvcli.planning.planner import resolve as resolve_policy
+from kvcli.planning.planner import Compression, resolve
 from kvcli.drivers.reselect import STORE_TAIL, Reselection, StoredDocument, common_prefix
 from kvcli.templating import build_prompt
 
@@ -98,19 +98,20 @@ class Settings:
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_settings(settings: Settings) -> Path:
+def check_settings(settings: Settings) -> tuple[Path, Compression]:
     """Input errors before any document is read: the model, the policy and its arguments, the room a document
-    gets. Returns the model's path."""
+    gets. Returns the model's path and the compression resolved for it (for the first question, else the
+    instruction), which the Worker takes as it is."""
     if not settings.instruction.strip() and not settings.questions and not settings.per_document:
         raise KvcliError("the instruction is empty")
     if any(not q.strip() for q in settings.questions):
         raise KvcliError("a question is empty")
     settings.sampling.validate()
     path = resolve_model(settings.model)
-    resolve(path, settings.policy, settings.budget, settings.policy_args,
-            settings.questions[0] if settings.questions else settings.instruction or None)
+    compression = resolve(path, settings.policy, settings.budget, settings.policy_args,
+                          settings.questions[0] if settings.questions else settings.instruction or None)
     document_cells(settings, path)
-    return path
+    return path, compression
 
 
 def document_cells(settings: Settings, model_path) -> tuple[int, int]:
@@ -333,16 +334,18 @@ class _Slot:
 class Worker:
     """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, checked: tuple[Path, Compression] | None = None):
+        """`checked`: what check_settings returned for these settings in this process (else checked here)."""
         self.settings = s = settings
-        self.model_path = check_settings(settings)
+        self.model_path, first = checked or check_settings(settings)
         self.cells, self.doc_cells = document_cells(s, self.model_path)   # the whole cache, one document's share
         self.session = open_native(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
                                    cache_type=s.cache_type, n_threads=s.threads)
         self.reader = None   # the reading context, grown to the largest document read so far
         self.store = None    # several questions: the stored full cache of the document being asked
         self.store_of = None   # (path, sha256) of that document
-        self.configs = {}    # the policy resolved once per instruction (PolicySpec.resolve_instruction)
+        self.compression = first
+        self.configs = {first.instruction: first}   # the policy resolved once per instruction
 
     def close(self) -> None:
         self._drop_store()
@@ -404,11 +407,10 @@ class Worker:
         return self._resolved(job.question)
 
     def _resolved(self, instruction: str | None):
-        """The policy resolved for the model and this instruction, once (kvcli.planning.planner.Compression)."""
+        """The policy resolved for the model and this instruction, once (kvcli.planning.planner.Compression): the
+        settings' compression, resolved again only for a policy whose parameters depend on the question."""
         if instruction not in self.configs:
-            s = self.settings
-            self.configs[instruction] = resolve_policy(self.model_path, s.policy, s.budget, dict(s.policy_args),
-                                                       instruction)
+            self.configs[instruction] = self.compression.for_instruction(instruction)
         return self.configs[instruction]
 
     # -------------------------------------------------------------------------- stages of one document
@@ -530,7 +532,8 @@ class Batch:
         self.settings = settings
         self.paths = paths
         self.questions_for = questions_for or {}   # a manifest's questions of each document
-        self.fingerprint = settings.fingerprint(check_settings(settings))
+        self.checked = check_settings(settings)   # (model path, compression): the local Worker takes them
+        self.fingerprint = settings.fingerprint(self.checked[0])
         self.results = results      # set before running: opened once the settings are known to be good
         self.counts = {"answered": 0, "errors": 0, "skipped": 0, "prompt_tokens": 0, "generated_tokens": 0,
                        "document_reads": 0}
@@ -586,7 +589,7 @@ class Batch:
             self.bar.update(1)
 
     def run_local(self) -> None:
-        worker = Worker(self.settings)
+        worker = Worker(self.settings, self.checked)
         try:
             worker.run(self.jobs(), self.record)
         finally:

@@ -128,7 +128,7 @@ def chat_cmd(ctx, req: Request, question, docs, cache_path, model, question_opt,
         clash = [c for c in explicit(ctx, *FLAGS) if c not in ("policy", "budget", "policy_args")]
         if clash:
             raise KvcliError(f"--cache brings its own document: drop {FLAGS[clash[0]]}")
-        if req.policy == "full" or req.budget is None:
+        if req.policy == "full":   # a compressing policy without --budget: resolve's one message, below
             raise KvcliError("re-selecting from --cache needs a compressing --policy and --budget N")
         if store:
             raise KvcliError("--cache brings its own stored document: drop --store")
