@@ -151,7 +151,7 @@ def identity() -> dict:
             "build_flags": L.kvcli_build_flags().decode(), "state_format": int(L.kvcli_state_format())}
 
 
-ATTN_PATHS = {1: "mask", 2: "split"}  # kvcli_attn_path_kind
+ATTN_PATHS = {1: "mask", 2: "split", 3: "rows"}  # kvcli_attn_path_kind
 MOVES_PATHS = {1: "host", 2: "device"}  # kvcli_moves_path_kind: how a compaction moved the K/V rows
 
 

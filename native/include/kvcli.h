@@ -210,6 +210,10 @@ enum kvcli_attn_path_kind {
     // K/V [hd, n_kv, 1, n_head_kv], mask [n_kv, n_tokens, 1, n_head_kv] = causal mask + slot bias of
     // each KV head; every backend's flash-attention kernels take it (flash-attention contexts only)
     KVCLI_ATTN_PATH_SPLIT = 2,
+    // a ubatch of 2..63 query rows on the CPU (a question read after a resident document): the matrix-product
+    // form, KQ = K^T Q, soft_max_ext (causal mask + slot bias), V^T P, where ggml's CPU flash attention would take
+    // its per-row kernel (auto only; native/src/README.md, "What a later question costs")
+    KVCLI_ATTN_PATH_ROWS  = 3,
 };
 // The path the layers of a compacted cache take, from $KVCLI_ATTN_PATH (auto | split | mask; read when
 // a graph is built), the context's flash-attention setting and whether the cache sits on a CPU device.

@@ -100,6 +100,58 @@ ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor 
     return ggml_cont_2d(ctx0, ggml_permute(ctx0, cur, 0, 1, 3, 2), cur->ne[0] * n_head, n_tokens);
 }
 
+// A ubatch of few query rows (a question after a resident document) on the CPU: ggml's flash-attention kernel takes
+// a ubatch of under GGML_FA_TILE_Q (64) rows one row at a time, a scalar exp and two 64-wide f16 products per (row,
+// head, cell); the same arithmetic as two matrix products runs 2-3x faster at 20 rows over 5.6k cells (measured:
+// native/src/README.md, "What a later question costs"). Decoding (one row) keeps flash attention, whose one-row
+// kernel splits the cells over the threads; 64 rows and more take ggml's tiled kernel.
+constexpr int64_t FEW_ROWS_MAX = 63;
+
+// the path layer il of a graph with a compacted sequence took (kvcli_attn_path_taken)
+void record_path(kvcli_kv_ext & ext, int il, int32_t path) {
+    if (ext.attn_path.size() <= (size_t) il) {
+        ext.attn_path.resize(il + 1, 0);
+    }
+    ext.attn_path[il] = path;
+}
+
+bool few_rows(bool flash_attn, const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v,
+              const ggml_tensor * kq_b, const ggml_tensor * sinks, const ggml_tensor * kq_mask) {
+    const char * env = std::getenv("KVCLI_ATTN_PATH");
+    if (env && *env && std::strcmp(env, "auto") != 0) {
+        return false;   // a path named by $KVCLI_ATTN_PATH is taken as named
+    }
+    auto plain = [](const ggml_tensor * t) { return t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32; };
+    const int64_t n_tokens = q->ne[2];
+    return flash_attn && on_cpu(k) && n_tokens > 1 && n_tokens <= FEW_ROWS_MAX && !kq_b && !sinks &&
+           k->ne[3] == 1 && kq_mask->ne[2] == 1 && kq_mask->ne[3] == 1 && plain(k) && plain(v) &&
+           v->nb[1] <= v->nb[2] && q->ne[1] % k->ne[1] == 0 && k->ne[0] == q->ne[0];
+}
+
+// q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed), mask [n_kv, n_tokens,
+// 1 or n_head] -> [hd_v * n_head, n_tokens]. Flash attention's semantics: the soft cap applies to kq * kq_scale, the
+// mask after it. V is read as F32, transposed once per layer (the cells' rows are contiguous in the products).
+// p: the probabilities when the observation made them already (kvcli_pending::probs), else nullptr.
+ggml_tensor * rows_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * mask,
+                             ggml_tensor * p, float kq_scale, float soft_cap, int il) {
+    const int64_t n_head = q->ne[1], n_tokens = q->ne[2];
+    if (!p) {
+        ggml_tensor * kq = ggml_mul_mat(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3),      // [hd, n_kv, n_head_kv]
+                                        ggml_permute(ctx0, q, 0, 2, 1, 3));           // [hd, n_tokens, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);                                         // [n_kv, n_tokens, n_head]
+        float scale = kq_scale;
+        if (soft_cap != 0.0f) {
+            kq = ggml_scale(ctx0, ggml_tanh(ctx0, ggml_scale(ctx0, kq, kq_scale / soft_cap)), soft_cap);
+            scale = 1.0f;
+        }
+        p = ggml_soft_max_ext(ctx0, kq, mask, scale, 0.0f);
+    }
+    ggml_tensor * vt = ggml_cast(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3), GGML_TYPE_F32); // [n_kv, hd_v, n_head_kv]
+    ggml_tensor * kqv = ggml_mul_mat(ctx0, vt, p);                                // [hd_v, n_tokens, n_head]
+    ggml_format_name(kqv, "kvcli_rows_kqv-%d", il);
+    return ggml_cont_2d(ctx0, ggml_permute(ctx0, kqv, 0, 2, 1, 3), kqv->ne[0] * n_head, n_tokens);
+}
+
 } } // namespace kvcli_attention_detail
 using namespace kvcli_attention_detail;
 
@@ -113,7 +165,30 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     auto & ext = *kv->kvcli_ext;
     const auto & map_ids = kvcli_access::map_layer_ids(*kv);
     const auto it = map_ids.find(il);
-    if (ext.bias.empty() || !ext.cells.any_compressed() || it == map_ids.end()) {
+    if (it == map_ids.end()) {
+        return nullptr;
+    }
+    const bool biased = !ext.bias.empty() && ext.cells.any_compressed();
+    const auto & hp = kvcli_access::hparams(*kv);
+    const float cap = hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f;
+    // the ragged layout: kvcli_attn_hook viewed K and V from the layer's front; llama.cpp's mask follows
+    const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
+    if (ext.graph_one_seq && few_rows(flash_attn, q, k, v, kq_b, sinks, kq_mask)) {
+        ggml_tensor * mask = c0 > 0 ? ggml_cont(ctx0, kvcli_cache_detail::trim_cells(ctx0, kq_mask, 0, c0)) : kq_mask;
+        if (biased) {
+            const int64_t n_kv = k->ne[2], n_head = q->ne[1];
+            mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask, n_kv, mask->ne[1], n_head, 1),
+                            kvcli_cache_detail::bias_per_query_head(ctx0, ext.bias[it->second], c0, n_kv, n_head));
+            record_path(ext, il, KVCLI_ATTN_PATH_ROWS);
+        }
+        // the observation's probabilities of this ubatch's rows, where it made them (the same Q, K, mask and scale)
+        ggml_tensor * p = ext.obs.armed && (size_t) il < ext.obs.pending.size() ? ext.obs.pending[il].probs : nullptr;
+        if (p && (p->ne[0] != k->ne[2] || p->ne[1] != q->ne[2] || p->ne[2] != q->ne[1])) {
+            p = nullptr;
+        }
+        return rows_attention(ctx0, q, k, v, mask, p, kq_scale, cap, il);
+    }
+    if (!biased) {
         return nullptr; // no slot bias: llama.cpp's attention as it is (observation only)
     }
     const path_choice c = choose(flash_attn, on_cpu(k));
@@ -126,22 +201,15 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     const bool split = c.path == KVCLI_ATTN_PATH_SPLIT && flash_attn && !kq_b && !sinks && k->ne[3] == 1 &&
                        v->nb[1] <= v->nb[2] && kq_mask->type == GGML_TYPE_F16 && kq_mask->ne[2] == 1 &&
                        kq_mask->ne[3] == 1 && q->ne[1] % k->ne[1] == 0;
-    if (ext.attn_path.size() <= (size_t) il) {
-        ext.attn_path.resize(il + 1, 0);
-    }
-    ext.attn_path[il] = split ? KVCLI_ATTN_PATH_SPLIT : KVCLI_ATTN_PATH_MASK;
+    record_path(ext, il, split ? KVCLI_ATTN_PATH_SPLIT : KVCLI_ATTN_PATH_MASK);
     if (!split) {
         return nullptr;
     }
-    // the ragged layout: kvcli_attn_hook viewed K and V from the layer's front; llama.cpp's mask follows
-    const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
     if (c0 > 0) {
         kq_mask = kvcli_cache_detail::trim_cells(ctx0, kq_mask, 0, c0);
     }
     // soft-capping (gemma2) as build_attn_mha passes it: the slot bias, in the mask, is added after the cap
-    const auto & hp = kvcli_access::hparams(*kv);
-    return split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], c0, kq_scale,
-                           hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f, il);
+    return split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], c0, kq_scale, cap, il);
 }
 
 extern "C" {

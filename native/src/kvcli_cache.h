@@ -50,6 +50,9 @@ struct kvcli_kv_ext {
     // attention path (KVCLI_ATTN_PATH_*) each model layer took in the last graph built with a compacted
     // sequence (kvcli_attention.cpp); 0 = not built yet
     std::vector<int8_t> attn_path;
+    // the graph being built holds the rows of one sequence only (set by kvcli_attn_hook for kvcli_build_attn, whose
+    // few-rows path computes every row against every cell: rows of several sequences each see few of them)
+    bool graph_one_seq = false;
 
     // backends that run kvcli's own graphs (re-indexing's RoPE re-rotation, compaction's row moves), one per
     // device holding a layer's K/V, made on first use
@@ -172,6 +175,19 @@ inline ggml_tensor * trim_cells(ggml_context * ctx, ggml_tensor * t, int dim, in
     int64_t ne[4] = { t->ne[0], t->ne[1], t->ne[2], t->ne[3] };
     ne[dim] -= c0;
     return ggml_view_4d(ctx, t, ne[0], ne[1], ne[2], ne[3], t->nb[1], t->nb[2], t->nb[3], (size_t) c0 * t->nb[dim]);
+}
+
+// bias of layer il, cells [c0, c0 + n_kv), as [n_kv, 1, n_head, 1]: query head q uses KV head q / (n_head/n_head_kv)
+inline ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64_t c0, int64_t n_kv, int64_t n_head) {
+    const int64_t n_head_kv = bias->ne[1];
+    const int64_t g = n_head / n_head_kv;
+    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, n_head_kv, 1, bias->nb[1], bias->nb[1], bias->nb[1] * n_head_kv,
+                                   c0 * bias->nb[0]);
+    if (g > 1) {
+        b = ggml_repeat_4d(ctx0, b, n_kv, g, n_head_kv, 1);      // [n_kv, g, n_head_kv]: element (j, r, h) = bias[j, h]
+        b = ggml_reshape_4d(ctx0, b, n_kv, 1, n_head, 1);        // head q = r + g*h
+    }
+    return b;
 }
 
 // kvcli_layout.cpp: the ragged layout. A layer's rows start at its front: the leading cells that are held and

@@ -1,7 +1,7 @@
 // kvcli in the attention graph: the slot bias added to the KQ mask of a compacted cache, and
 // observation of the attention (window sums and column sums) from exactly the Q, K, mask and
 // scale that attention uses, computed with plain ggml ops so it runs on any backend. Both kinds are
-// reduced in the graph, layer by layer: only [n_windows or 1, n_kv, n_head] floats per layer and
+// reduced in the graph, layer by layer: only [n_kv, n_windows or 1, n_head] floats per layer and
 // ubatch reach the host, never the attention rows themselves.
 //
 // Soft-capped attention (gemma2): the observation caps the scores as llama.cpp does, before the mask (soft_cap).
@@ -29,7 +29,7 @@ class obs_input : public llm_graph_input_i {
 public:
     ggml_tensor *        win_idx = nullptr; // I32 [n_win]: ubatch rows that are window queries (of the longest window)
     std::vector<int32_t> win_rows;
-    ggml_tensor *        win_sel = nullptr; // F32 [n_win, n_windows]: 1 where row r belongs to window length i
+    ggml_tensor *        win_sel = nullptr; // F32 [n_windows, n_win]: 1 where row r belongs to window length i
     std::vector<float>   win_w;
     ggml_tensor *        col_sel = nullptr; // F32 [1, n_tokens]: 1 for rows of the observed sequence
     std::vector<float>   col_w;
@@ -63,19 +63,6 @@ bool row_in_seq(const llama_ubatch & ub, uint32_t i, llama_seq_id s) {
     return false;
 }
 
-// bias of layer il, cells [c0, c0 + n_kv), as [n_kv, 1, n_head, 1]: query head q uses KV head q / (n_head/n_head_kv)
-ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias, int64_t c0, int64_t n_kv, int64_t n_head) {
-    const int64_t n_head_kv = bias->ne[1];
-    const int64_t g = n_head / n_head_kv;
-    ggml_tensor * b = ggml_view_4d(ctx0, bias, n_kv, 1, n_head_kv, 1, bias->nb[1], bias->nb[1], bias->nb[1] * n_head_kv,
-                                   c0 * bias->nb[0]);
-    if (g > 1) {
-        b = ggml_repeat_4d(ctx0, b, n_kv, g, n_head_kv, 1);      // [n_kv, g, n_head_kv]: element (j, r, h) = bias[j, h]
-        b = ggml_reshape_4d(ctx0, b, n_kv, 1, n_head, 1);        // head q = r + g*h
-    }
-    return b;
-}
-
 // one ubatch's graph output on the host
 std::vector<float> host_copy(ggml_tensor * t) {
     std::vector<float> tmp(ggml_nelements(t));
@@ -95,16 +82,17 @@ std::vector<float> & layer_acc(std::vector<std::vector<float>> & acc, uint32_t i
     return a;
 }
 
-// adds one ubatch's reduced output t ([n_w, n_kv, n_head]) to acc[il] ([n_w][n_head][kv_size], cells c0..c0+n_kv-1)
+// adds one ubatch's reduced output t ([n_kv, n_w, n_head]) to acc[il] ([n_w][n_head][kv_size], cells c0..c0+n_kv-1)
 void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
                 int64_t c0, int64_t n_kv, int64_t n_head, uint32_t kv_size) {
-    const std::vector<float> tmp = host_copy(t);
+    const std::vector<float> tmp = host_copy(t);   // [n_kv, n_w, n_head]
     auto & a = layer_acc(acc, il, n_layer, (size_t) n_w * n_head * kv_size);
     for (int64_t w = 0; w < n_w; ++w) {
         for (int64_t h = 0; h < n_head; ++h) {
             float * dst = a.data() + ((size_t) w * n_head + h) * kv_size + c0;
+            const float * src = tmp.data() + ((size_t) h * n_w + w) * n_kv;
             for (int64_t c = 0; c < n_kv; ++c) {
-                dst[c] += tmp[((size_t) h * n_kv + c) * n_w + w];
+                dst[c] += src[c];
             }
         }
     }
@@ -122,6 +110,15 @@ void accumulate_max(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint
             dst[c] = std::max(dst[c], src[c]);
         }
     }
+}
+
+// The softmax rows p [n_kv, n_rows, n_head] summed with 0/1 weights sel [n_out, n_rows] (a window length's rows, the
+// observed sequence's rows): [n_kv, n_out, n_head] in float32. ggml's out_prod with p first adds whole rows of p (one
+// multiply-add of n_kv floats per (row, output, head)); a product over the rows would first transpose p, a copy of
+// every probability (measured: 10% of a 21-row observed prefill over 5.6k cells).
+ggml_tensor * row_sums(ggml_context * ctx0, ggml_tensor * p, ggml_tensor * sel) {
+    ggml_tensor * s = ggml_repeat_4d(ctx0, sel, sel->ne[0], sel->ne[1], p->ne[2], 1);   // the weights for every head
+    return ggml_out_prod(ctx0, p, s);
 }
 
 // llama.cpp's attention soft-capping of the raw scores (gemma2; build_attn_mha without flash attention):
@@ -142,13 +139,18 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
         return 0;
     }
     llama_kv_cache * kv = kvcli_access::kv(mctx);
-    if (!kv || !kv->kvcli_ext) {
+    if (!kv) {
         return 0;
+    }
+    if (!kv->kvcli_ext) {
+        return 1;   // nothing of kvcli's yet (kvcli_attn_hook makes its state)
     }
     auto & ext = *kv->kvcli_ext;
     const uint64_t bias = (!ext.bias.empty() && ext.cells.any_compressed()) ? 1 : 0;
-    // a relayout (kvcli_layout.cpp) replaced the cache's tensors: a graph built over the old ones is not reused
-    const uint64_t key = bias | ((ext.layout_gen & 0x7fffffffu) << 1);
+    // never 0: every graph goes through kvcli_attn_hook and kvcli_build_attn, so that a ubatch of few rows is attended
+    // the same way whether or not it is observed (kvcli_attention.cpp, the rows path). A relayout (kvcli_layout.cpp)
+    // replaced the cache's tensors: a graph built over the old ones is not reused
+    const uint64_t key = 1 | (bias << 1) | ((ext.layout_gen & 0x3fffffffu) << 2);
     if (ext.obs.armed) {
         // nonzero, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
         return key | ((ext.obs.key_counter + 1) << 32);
@@ -161,10 +163,11 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
                               ggml_tensor * q, ggml_tensor ** kp, ggml_tensor ** vp, ggml_tensor * kq_b,
                               ggml_tensor * kq_mask, float kq_scale, int il) {
     llama_kv_cache * kv = kvcli_access::kv(mctx);
-    if (!kv || !kv->kvcli_ext) {
+    if (!kv) {
         return kq_mask;
     }
-    auto & ext = *kv->kvcli_ext;
+    auto & ext = kvcli_ext_of(kv);
+    ext.graph_one_seq = ubatch.n_seqs_unq == 1;
     if (ext.obs.armed) {
         // the observation nodes built here hold this ubatch's rows: a later ubatch must build its own
         // graph, so the key stored with this graph (taken before this call) must not match again
@@ -187,7 +190,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     ggml_tensor * bias = nullptr;
     ggml_tensor * mask = kq_mask;
     if (!ext.bias.empty() && ext.cells.any_compressed()) {
-        bias = bias_per_query_head(ctx0, ext.bias[it->second], c0, n_kv, n_head);
+        bias = kvcli_cache_detail::bias_per_query_head(ctx0, ext.bias[it->second], c0, n_kv, n_head);
         mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, n_tps, n_head, 1), bias);
     }
     if (!ext.obs.armed) {
@@ -253,10 +256,10 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             inp->win_w.assign(n_w * n_win, 0.0f);
             for (int64_t r = 0; r < n_win; ++r) {
                 for (int64_t w = 0; w < n_w; ++w) {
-                    inp->win_w[w * n_win + r] = win_pos[r] >= ext.obs.win_pos0[w] ? 1.0f : 0.0f;
+                    inp->win_w[r * n_w + w] = win_pos[r] >= ext.obs.win_pos0[w] ? 1.0f : 0.0f;
                 }
             }
-            inp->win_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_win, n_w);
+            inp->win_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_w, n_win);
             ggml_set_input(inp->win_sel);
             q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, q->ne[0], n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, q2);                                    // [n_kv, n_win, n_head]
@@ -267,12 +270,10 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
                 mw = ggml_add(ctx0, ggml_repeat_4d(ctx0, mw, n_kv, n_win, n_head, 1), bias);
             }
             ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
-            // the window's rows summed per window length: a product over the rows (p transposed to rows first),
-            // where out_prod made one length-n_w multiply-add per (cell, row, head); measured: the same prefill
-            // time on the CPU (docs/results/serve.md), kept as the plainer form
-            ggml_tensor * pt = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 0, 2, 3));           // [n_win, n_kv, n_head]
-            ggml_tensor * ws = ggml_mul_mat(ctx0, inp->win_sel, pt);                         // [n_w, n_kv, n_head]
-            ggml_prec_set_acc(ws, GGML_PREC_F32);
+            if (n_win == (int64_t) ubatch.n_tokens) {
+                pend.probs = p;   // every row of the ubatch, in order: the attention's probabilities
+            }
+            ggml_tensor * ws = row_sums(ctx0, p, inp->win_sel);                   // [n_kv, n_w, n_head]
             ggml_format_name(ws, "kvcli_obs_winsum-%d", il);
             ggml_set_output(ws);
             ggml_build_forward_expand(gf, ws);
@@ -297,8 +298,9 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);             // [n_kv, n_tps, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             ggml_tensor * p  = ggml_soft_max_ext(ctx0, soft_cap(ctx0, kq, cap), mask, kq_scale, 0.0f);
+            pend.probs = p;       // every row of the ubatch: the attention's probabilities
             if (ext.obs.kinds & KVCLI_OBS_COLSUM) {
-                ggml_tensor * cs = ggml_out_prod(ctx0, inp->col_sel, p);   // [1, n_kv, n_head]
+                ggml_tensor * cs = row_sums(ctx0, p, inp->col_sel);        // [n_kv, 1, n_head]
                 ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
                 ggml_set_output(cs);
                 ggml_build_forward_expand(gf, cs);
@@ -349,7 +351,7 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     for (uint32_t il = 0; il < ext.obs.pending.size() && il < n_layer; ++il) {
         auto & p = ext.obs.pending[il];
         if (p.win) {
-            const int64_t n_w = p.win->ne[0], n_kv = p.win->ne[1], n_head = p.win->ne[2];
+            const int64_t n_kv = p.win->ne[0], n_w = p.win->ne[1], n_head = p.win->ne[2];
             if (!counted) {
                 for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
                     for (int64_t w = 0; w < n_w; ++w) {
@@ -361,7 +363,7 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
             accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, p.c0, n_kv, n_head, kv_size);
         }
         if (p.col) {
-            accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.c0, p.col->ne[1], p.col->ne[2], kv_size);
+            accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.c0, p.col->ne[0], p.col->ne[2], kv_size);
             ext.obs.have_colsum = true;
         }
         if (p.cmax) {

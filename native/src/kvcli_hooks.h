@@ -18,7 +18,8 @@ class llm_graph_result;
 class llama_io_write_i;
 class llama_io_read_i;
 
-// graph variant of the cache now: 0 = the stock graph; changes whenever the graph must be rebuilt.
+// graph variant of the cache now: 0 = the stock graph (no kvcli cache), nonzero for every kvcli cache (its attention
+// goes through kvcli_attn_hook and kvcli_build_attn); changes whenever the graph must be rebuilt.
 // Called by can_reuse and at graph build; reads the cache state only (no side effect).
 uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx);
 

@@ -19,6 +19,9 @@ struct kvcli_pending {
     ggml_tensor * qrows = nullptr;   // F32 [head_dim * n_head, n_win]: the window queries' Q rows
     float qscale = 1.0f;             // kq_scale x sqrt(head_dim): what the host multiplies the Q rows by
     int64_t c0 = 0;                  // the cell of column 0 (a layer of the ragged layout starts at its front)
+    // F32 [n_kv, n_tokens, n_head]: the softmax rows of every row of the ubatch, when the observation made them
+    // (the attention's own probabilities: kvcli_build_attn's rows path takes them instead of making them again)
+    ggml_tensor * probs = nullptr;
 };
 
 struct kvcli_observation {
