@@ -3,8 +3,8 @@ planner, and the native engine's capabilities beyond the Session protocol (kvcli
 and taking a session, never its llama.cpp context.
 
 Only the engine layer imports kvcli.native (tests/test_architecture.py, NATIVE_IMPORTERS): the planning
-layer, the drivers, kvcli.evaluation, the apps and the commands import this module instead (kvcli serve is
-still to move), so what they need of the native engine is the list below and nothing else.
+layer, the drivers, kvcli.evaluation, the apps and the commands import this module instead, so what they need
+of the native engine is the list below and nothing else.
 """
 from __future__ import annotations
 

@@ -170,7 +170,6 @@ NATIVE_IMPORTERS = {
     "kvcli.engines": "the one place the layers above reach the native engine through",
     "kvcli.reference.session": "the torch engine raises the native engine's ContextFull, so one except catches both",
     "kvcli.generate": "llama.cpp's sampler chain samples for both engines (load_llama_cpp, signals_deferred)",
-    "kvcli.apps.serve": "not moved yet (#65): its owner is rewriting serve's decode loop (#62)",
 }
 
 
@@ -180,6 +179,7 @@ def test_only_the_engine_layer_imports_native():
              and any(t == "kvcli.native" or t.startswith("kvcli.native.") for t in targets)}
     assert found <= set(NATIVE_IMPORTERS), ("import kvcli.native through kvcli.engines (or name the capability "
                                             "there): " + ", ".join(sorted(found - set(NATIVE_IMPORTERS))))
+    assert set(NATIVE_IMPORTERS) <= found, "no longer imports kvcli.native: drop it from NATIVE_IMPORTERS"
 
 
 # Imported only inside the functions that use them, so that `kvcli --help`, `kvcli policies` and every
