@@ -148,20 +148,14 @@ class ServeResidents(Residents):
         super().__init__(session, seqs)
         self.flights = flights
 
-    def _busy(self) -> set[int]:
-        return {id(f.doc) for f in self.flights.values()}
+    def _victims(self, keep) -> list:
+        busy = {id(f.doc) for f in self.flights.values()}   # never a document a request in flight came from
+        return [d for d in super()._victims(keep) if id(d) not in busy]
 
-    def _make_room(self, cells: int, keep=None) -> int:
+    def _no_room(self, cells: int, any_free: bool) -> Exception:
         if not self.flights:
-            return super()._make_room(cells, keep)
-        self._forget_closed()
-        s = self.session
-        while True:
-            free = [q for q in self.seqs if q not in self.docs and not s.seq(q).cells]
-            if free and s.cells_used() + cells <= s.n_ctx:
-                return free[0]
-            if not self._free_one(keep):
-                raise WaitForRoom(f"{cells} cells beside the requests in flight")
+            return super()._no_room(cells, any_free)
+        return WaitForRoom(f"{cells} cells beside the requests in flight")
 
     def room_beside(self, cells: int, keep=None) -> None:
         """Free idle documents until `cells` more fit the context (WaitForRoom when they cannot)."""
@@ -169,15 +163,6 @@ class ServeResidents(Residents):
         while self.session.cells_used() + cells > self.session.n_ctx:
             if not self._free_one(keep):
                 raise WaitForRoom(f"{cells} cells beside the requests in flight")
-
-    def _free_one(self, keep) -> bool:
-        busy = self._busy()
-        victims = [d for d in self.docs.values() if d is not keep and id(d) not in busy]
-        if not victims:
-            return False
-        self.release(victims[0])
-        self.freed += 1
-        return True
 
 
 class ParallelDecode:

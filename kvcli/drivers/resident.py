@@ -93,14 +93,27 @@ class Residents:
             free = [q for q in self.seqs if q not in self.docs and not s.seq(q).cells]
             if free and s.cells_used() + cells <= s.n_ctx:
                 return free[0]
-            victims = [d for d in self.docs.values() if d is not keep]
-            if not victims:
-                if not free:
-                    raise KvcliError("no sequence is free for another resident document")
-                raise KvcliError(f"the document needs {cells} cells with its request: {s.cells_used()} of the "
-                                 f"context's {s.n_ctx} are in use")
-            self.release(victims[0])
-            self.freed += 1
+            if not self._free_one(keep):
+                raise self._no_room(cells, bool(free))
+
+    def _victims(self, keep: StoredDocument | None) -> list[StoredDocument]:
+        """Documents that may be freed for room, least recently used first."""
+        return [d for d in self.docs.values() if d is not keep]
+
+    def _free_one(self, keep: StoredDocument | None) -> bool:
+        victims = self._victims(keep)
+        if not victims:
+            return False
+        self.release(victims[0])
+        self.freed += 1
+        return True
+
+    def _no_room(self, cells: int, any_free: bool) -> Exception:
+        s = self.session
+        if not any_free:
+            return KvcliError("no sequence is free for another resident document")
+        return KvcliError(f"the document needs {cells} cells with its request: {s.cells_used()} of the "
+                          f"context's {s.n_ctx} are in use")
 
     def close(self) -> None:
         for doc in list(self.docs.values()):
