@@ -4,8 +4,8 @@ After an answer is decoded, its tokens are prefilled again into the same (compre
 observation armed over all of them (`answer_attention`: the answer rolled back, re-decoded in one batch, so the cache
 and the last logits are as before): the engine sums, per (layer, query head, slot), the attention probability the
 answer's queries gave each cell. The slots are mapped to the original positions of the entries they hold (the
-kept entries of a compressed sequence keep theirs; `_slot_origins`), summed over heads and over the upper half of the
-layers (the lower ones attend by position and to the attention sinks, and point at the source less often:
+kept entries of a compressed sequence keep theirs; engines.slot_origins), summed over heads and over the upper half of
+the layers (the lower ones attend by position and to the attention sinks, and point at the source less often:
 docs/results/citations.md), and each position is mapped to characters of the document through the tokenizer's pieces
 (`token_offsets`), then to a passage: a line, or a sentence of a long line (`passages`). Passages are ranked by the
 attention their tokens got (the sum), and each is named by its page, chapter and section (`Document.where`), its line
@@ -24,13 +24,13 @@ elsewhere (a chat compressed once from a read in chunks, a .kvc file of one) `ci
 from __future__ import annotations
 
 import bisect
-import ctypes
 import re
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcli import engines
 from kvcli.doc_formats import Document, convert
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import MAX_WINDOWS
@@ -138,22 +138,9 @@ def quote(text: str, start: int, end: int, peak: int | None = None) -> str:
 
 # ------------------------------------------------------------------------------------------ tokens
 def token_pieces(session, tokens: list[int]) -> list[bytes] | None:
-    """Each token's bytes as the tokenizer wrote it, special tokens as their text (llama_token_to_piece with
-    special=True); None for an engine without llama.cpp's vocabulary."""
-    L, vocab = getattr(session, "L", None), getattr(session, "vocab", None)
-    if L is None or vocab is None:
-        return None
-    out = []
-    buf = ctypes.create_string_buffer(128)
-    for t in tokens:
-        n = L.llama_token_to_piece(vocab, int(t), buf, 128, 0, True)
-        if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(vocab, int(t), big, -n, 0, True)
-            out.append(big.raw[:n])
-        else:
-            out.append(buf.raw[:n])
-    return out
+    """Each token's bytes as the tokenizer wrote it, special tokens as their text (engines.token_pieces); None for
+    an engine that does not cite (engines.cites)."""
+    return engines.token_pieces(session, tokens) if engines.cites(session) else None
 
 
 def token_offsets(pieces: list[bytes], text: str) -> np.ndarray:
@@ -188,7 +175,7 @@ def token_offsets(pieces: list[bytes], text: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ attention
 def slot_origins(session, seq: int) -> list[list[np.ndarray]]:
     """Per (layer, KV head), the original position of the entry each slot of `seq` holds (-1: a dead slot)."""
-    return session._slot_origins(seq)
+    return engines.slot_origins(session, seq)
 
 
 def segments(weights: list[float], most: int) -> list[tuple[int, int, float]]:
@@ -339,7 +326,7 @@ def cite(session, seq: int, answer_tokens: list[int], *, prompt_text: str, promp
     doc = document if isinstance(document, Document) else Document(document, "text")
     if not answer_tokens:
         return Citations(note="the answer is empty")
-    if not hasattr(session, "_slot_origins"):
+    if not engines.cites(session):
         return Citations(note="the reference engine does not cite")
     if session.seq(seq).reindexed and origins is None:
         return Citations(note="the document was read in chunks whose kept entries were given new positions, so their "
@@ -387,11 +374,10 @@ def prompt_document(session, prompt_tokens: list[int]) -> tuple[str, Document, s
     pieces = token_pieces(session, prompt_tokens)
     if pieces is None:
         return None
-    is_control = getattr(session.L, "llama_vocab_is_control", None)
     text, spans, start = "", [], 0
-    for t, p in zip(prompt_tokens, pieces):
+    for control, p in zip(engines.control_tokens(session, prompt_tokens), pieces):
         piece = p.decode("utf-8", "replace")
-        if is_control is not None and is_control(session.vocab, int(t)):
+        if control:
             spans.append((start, len(text)))
             start = len(text) + len(piece)
         text += piece

@@ -667,8 +667,7 @@ def speeds_path() -> Path:
 def speed_key(session, form: str) -> str:
     """What a read's speed is recorded under: the model file, the form of the read ("bounded": in chunks, stored as
     read; "prefill": one prefill), the cache type and the threads asked for ("auto": kvcli's choice)."""
-    threads = (getattr(session, "_ctx_opts", None) or {}).get("n_threads") or "auto"
-    return f"{Path(session.model_path).name}|{form}|{getattr(session, 'cache_type', None)}|threads {threads}"
+    return f"{Path(session.model_path).name}|{form}|{session.cache_type}|threads {session.n_threads or 'auto'}"
 
 
 def _speeds() -> dict:
@@ -775,7 +774,7 @@ def announce_read(session, tokens: list[int], form: str, what: str = "reading it
     key = speed_key(session, form)
     speed = read_speed(key)
     if speed is None and probe_seq is not None and notice_seconds() is not None \
-            and probe_seq not in getattr(session, "seqs", {}):
+            and probe_seq not in session.seqs:
         speed = probe_speed(session, tokens, probe_seq)
     line = read_notice(len(tokens), speed, what)
     if line is not None:

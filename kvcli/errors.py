@@ -7,6 +7,11 @@ class KvcliError(Exception):
     exit_code = 2
 
 
+class ContextFull(KvcliError):
+    """The context has no room for the next tokens: either engine's session raises it (kvcli/session.py), so one
+    `except` catches both."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP (kvcli/cli.py): the process finishes as Ctrl-C finishes it (every `finally` and
     `except KeyboardInterrupt` cleans up, exit 130), but a chat does not stay at its prompt as it does after Ctrl-C."""

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from kvcli.errors import KvcliError
+from kvcli.errors import ContextFull, KvcliError
 from kvcli.native import load_llama_cpp, signals_deferred
-from kvcli.native.session import ContextFull
 
 DRY_BREAKERS = ("\n", ":", "\"", "*")      # llama.cpp's default DRY sequence breakers
 

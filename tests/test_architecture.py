@@ -10,8 +10,10 @@ of `kvcli.x.y` when y is a submodule (otherwise of `kvcli.x`).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import kvcli
@@ -168,7 +170,6 @@ def test_layers_import_downward_only():
 # library's identity and state format). These are the only modules outside kvcli.native that import it, and why:
 NATIVE_IMPORTERS = {
     "kvcli.engines": "the one place the layers above reach the native engine through",
-    "kvcli.reference.session": "the torch engine raises the native engine's ContextFull, so one except catches both",
     "kvcli.generate": "llama.cpp's sampler chain samples for both engines (load_llama_cpp, signals_deferred)",
 }
 
@@ -205,3 +206,75 @@ def test_a_compresskv_run_reads_its_calibration_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout.split()
     assert out == ["True", "False"], out
+
+
+# ------------------------------------------------------------------ what is particular to a policy or an engine
+# A policy's particulars hang off its PolicySpec (kvcli/policies/<name>.py, docs/development.md, "A policy: its spec
+# and its hooks"): the drivers, apps and commands name none of the policies below outside a comment (issue #65's grep).
+POLICIES_NAMED_NOWHERE = ("kvzip", "compresskv", "windowkv", "spindlekv", "d2o", "expected_attention", "keydiff",
+                          "tova")
+ABOVE_THE_POLICIES = ("drivers", "apps", "commands")
+
+
+def _code_without_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every token of the file but its comments (strings and docstrings count)."""
+    with path.open("rb") as f:
+        return [(t.start[0], t.string) for t in tokenize.tokenize(f.readline)
+                if t.type not in (tokenize.COMMENT, tokenize.ENCODING)]
+
+
+def test_no_policy_is_named_above_the_policies():
+    pattern = re.compile("|".join(POLICIES_NAMED_NOWHERE))
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text.strip()[:80]}"
+             for folder in ABOVE_THE_POLICIES for path in sorted((PACKAGE / folder).rglob("*.py"))
+             for line, text in _code_without_comments(path) if pattern.search(text)]
+    assert not found, "a policy named outside kvcli/policies (give it a PolicySpec hook):\n" + "\n".join(found)
+
+
+# An engine is told apart by a capability kvcli/engines.py names (shares_cells, saves_state, cites, ...) or by the
+# Session protocol's attributes (kvcli/session.py), never by its name or by probing a session's attributes.
+ENGINE_CLIENTS = [PACKAGE / d for d in ABOVE_THE_POLICIES] + [PACKAGE / "citations.py", PACKAGE / "doc_formats.py"]
+
+
+def _probed(node: ast.AST) -> str | None:
+    """The name a session or snapshot is written as in `node` (session, self.session, snap, ...), else None."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name if re.search(r"session|snap", name) or name == "s" else None
+
+
+def engine_probes(path: Path) -> list[str]:
+    """`x.engine == "native"`, getattr/hasattr(session, "name") and session._private in one file's source."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(isinstance(n, ast.Attribute) and n.attr == "engine"
+                                                 for n in [node.left, *node.comparators]) \
+                and any(isinstance(n, ast.Constant) and n.value in ("native", "reference")
+                        for n in [node.left, *node.comparators]):
+            out.append(f"{node.lineno}: the engine told by its name")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) >= 2 and _probed(node.args[0]) and isinstance(node.args[1], ast.Constant):
+            out.append(f"{node.lineno}: {node.func.id}({_probed(node.args[0])}, {node.args[1].value!r})")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and _probed(node.value):
+            out.append(f"{node.lineno}: {_probed(node.value)}.{node.attr}")
+    return out
+
+
+def test_engine_probes_are_found():
+    src = ('if session.engine == "native" and hasattr(snap, "state"): x = getattr(self.session, "ctx", None)\n'
+           'y = session._slot_origins(0); z = getattr(self._session, name); w = self._session.logits(0)\n')
+    path = Path(__file__).with_name("_probe_sample.py")
+    try:
+        path.write_text(src)
+        assert [p.split(": ", 1)[1] for p in engine_probes(path)] == [
+            "the engine told by its name", "hasattr(snap, 'state')", "getattr(session, 'ctx')",
+            "session._slot_origins"]
+    finally:
+        path.unlink()
+
+
+def test_no_engine_is_probed_above_the_engines():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{p}" for root in ENGINE_CLIENTS
+             for path in sorted(root.rglob("*.py") if root.is_dir() else [root]) for p in engine_probes(path)]
+    assert not found, ("ask kvcli/engines.py's named capability or the Session protocol instead:\n"
+                       + "\n".join(found))

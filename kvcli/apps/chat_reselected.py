@@ -16,7 +16,7 @@ from kvcli.drivers.reselect import STORE_TAIL, StoredDocument, common_prefix
 from kvcli.drivers.reselect_bounded import check_store_target, check_usable, exact_below_bytes, read_manifest
 from kvcli.errors import KvcliError
 from kvcli.generate import generate
-from kvcli.engines import open_native
+from kvcli.engines import open_native, shares_cells
 from kvcli.planning.planner import CompressReport
 
 # The exact form holds the document resident in the context (kvcli/drivers/resident.py): its full cache in
@@ -105,7 +105,7 @@ class Reselected(Conversation, kind="reselected"):
         """Whether the exact form holds the document resident (the native engine on a model without sliding-window
         layers, whose window cache cannot be shared up to a restore point)."""
         s = self.session
-        return s.engine == "native" and not s.info.sliding_layers and self.seq not in (RESIDENT_SEQ, *QUESTION_SEQS)
+        return shares_cells(s) and not s.info.sliding_layers and self.seq not in (RESIDENT_SEQ, *QUESTION_SEQS)
 
     def _selection_cells(self) -> int:
         """Cells a question's selection takes beside the resident document: the budget and the policy's window."""

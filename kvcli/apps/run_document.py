@@ -116,7 +116,7 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
     check_instruction(session, instruction, system, max_cache)
     chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache,
                              cell_bytes=session.bytes_per_cell())
-    asked = getattr(session, "cache_type", None)   # the native engine's (the reference engine holds float32)
+    asked = session.cache_type   # None: the reference engine holds float32
     reading = reading_cache_type(session.info, asked) if chunking.chunk else asked
     if reading != asked:
         session.use_cache_type(reading)   # frees the (empty) context; made again below

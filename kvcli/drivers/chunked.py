@@ -260,7 +260,7 @@ def read_in_chunks(session: Session, tokens: list[int], cfg: Compression, chunk:
     if scoring not in SCORINGS:
         raise KvcliError(f"unknown chunk scoring '{scoring}' (choose from {', '.join(SCORINGS)})")
     reindex = not keeps_positions(session.info)
-    held = getattr(session, "cache_type", None)
+    held = session.cache_type
     if reading_cache_type(session.info, held) != held:   # the callers switch to float16 before they read
         raise KvcliError(f"{requantises(session.cache_type)}: read it with --cache-type f16")
     first_pos = session.seqs[seq].next_pos if seq in session.seqs else 0
@@ -450,7 +450,7 @@ def read_in_float16_note(asked: str) -> str:
 def keeps_positions(info) -> bool:
     """Whether chunked reading keeps the entries' positions (no re-indexing): models with sliding-window layers,
     whose window cache llama.cpp keeps at the document's own positions (see the module doc)."""
-    return bool(getattr(info, "sliding_layers", ()))
+    return bool(info.sliding_layers)
 
 
 def _carry(colsum: np.ndarray, plan, group: int, reindexed: bool) -> np.ndarray:

@@ -38,7 +38,7 @@ from kvcli.drivers import block_index
 from kvcli.drivers.chunked import keeps_positions, probe_length, read_in_chunks, requantises
 from kvcli.drivers.reselect import STORE_TAIL, StoreMissing
 from kvcli.errors import KvcliError
-from kvcli.engines import F16, Q8_0, SeqSnapshot, cells_from, convert_chunk
+from kvcli.engines import F16, Q8_0, SeqSnapshot, cells_from, convert_chunk, shares_cells
 from kvcli.planning.planner import Compression
 
 # 3: the block index and the reading's last kept cache; 2: store.json carries its own SHA-256 and the conversation's
@@ -578,7 +578,7 @@ def store_types(cache_type: str) -> tuple[str, str]:
 def check_usable(session, cfg: Compression, spare: int | None = None) -> None:
     """Bounded re-selection's conditions, each refused in one line (`spare`: the sequence chunks are loaded
     through must exist)."""
-    if session.engine != "native":
+    if not shares_cells(session):
         raise KvcliError("bounded re-selection needs the native engine (it moves stored cells between sequences)")
     if keeps_positions(session.info):
         raise KvcliError(f"a model with sliding-window layers ({session.info.architecture}) is read without "

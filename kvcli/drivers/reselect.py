@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli import document_store, kvc
+from kvcli import document_store, engines, kvc
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import Compression, make_plan, shape_observation
 from kvcli.session import Session
@@ -163,13 +163,13 @@ class StoredDocument:
             raise KvcliError(f"cannot store {split} of {len(tokens)} tokens")
         # the native engine's store is a file: an entry of the document store (kvcli/document_store.py) from now
         # on, so that whatever ends this process, the file is listed or removed by the next kvcli
-        entry = None if session.engine != "native" else document_store.create(
+        entry = None if not engines.saves_state(session) else document_store.create(
             form="exact", model_path=session.model_path, tokens=tokens[:split], kept_path=path, key=key,
             settings={"split": split, "colsum": bool(colsum), "cache_type": session.cache_type},
             reserve=0 if keep else split * session.bytes_per_cell())
         try:
             t0 = time.perf_counter()
-            if seq in getattr(session, "seqs", {}):
+            if seq in session.seqs:
                 session.clear(seq)
             obs = session.prefill(list(tokens[:split]), seq=seq, observe=("colsum",) if colsum else (),
                                   progress=progress)
@@ -337,9 +337,9 @@ class StoredDocument:
             return
         if extension is not None:
             snap = extension.snapshot
-            if hasattr(snap, "state"):   # native: the saved state puts back its cells as they were
-                snap = type(snap)(state=snap.state, next_pos=snap.next_pos, cells=snap.cells,
-                                  prompt_tokens=snap.prompt_tokens, rope=snap.rope)
+            if engines.saved_state(snap) is not None:   # native: the saved state puts back its cells as they were
+                snap = engines.SeqSnapshot(state=snap.state, next_pos=snap.next_pos, cells=snap.cells,
+                                           prompt_tokens=snap.prompt_tokens, rope=snap.rope)
             session.restore_seq(snap, seq)
             if upto < extension.split:
                 session.truncate(seq, upto)
@@ -382,7 +382,7 @@ class StoredDocument:
     def drop_extension(self, session: Session) -> None:
         """Forget the extension; one kept as a sequence (a resident document's) frees it."""
         ext, self.extension = self.extension, None
-        if ext is not None and ext.seq is not None and getattr(session, "ctx", None) is not None:
+        if ext is not None and ext.seq is not None and session.ctx is not None:
             session.clear(ext.seq)
 
     def evict(self, session: Session) -> None:
@@ -475,7 +475,7 @@ class StoredDocument:
             colsum = None if obs is None or obs.colsum is None else np.ascontiguousarray(obs.colsum[:, :, :n],
                                                                                          np.float32)
             self.extension = Extension(tokens=list(prompt), snapshot=snap, colsum=colsum,
-                                       nbytes=len(getattr(snap, "state", b"")))
+                                       nbytes=len(engines.saved_state(snap) or b""))
             keep_s = time.perf_counter() - t2
         t3 = time.perf_counter()
         plan = None
@@ -512,7 +512,7 @@ class StoredDocument:
             size = self.write_from(session, self.resident, path, list(turns or []))
         elif self.snapshot is not None:
             snap = self.snapshot
-            if not hasattr(snap, "state"):
+            if engines.saved_state(snap) is None:
                 raise KvcliError("this stored document is held in memory by the reference engine: nothing to save")
             self.meta["turns"] = list(turns or [])
             size = kvc.write(path, self.to_kvc(session, snap.state))
@@ -526,7 +526,7 @@ class StoredDocument:
     def close(self) -> None:
         """Delete the stored file unless it is kept (a path the user named, or a file loaded with --cache); its
         document store entry is released (a temporary one removed, a kept one marked used now)."""
-        if self.resident is not None and getattr(self.session, "ctx", None) is not None:
+        if self.resident is not None and self.session.ctx is not None:
             self.drop_extension(self.session)
             self.session.clear(self.resident)   # the context's copy goes with the store
         self.resident = self.session = None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli.errors import KvcliError
+from kvcli.errors import ContextFull, KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp, pieces, signals_deferred
 from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
@@ -24,10 +24,6 @@ from kvcli.planning.rope import rope_of
 from kvcli.templating import gguf_special_token_ids, render_chat
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-
-
-class ContextFull(KvcliError):
-    """The context has no room for the next tokens."""
 
 
 @dataclass
@@ -187,6 +183,11 @@ class NativeSession:
     def rope_regime(self) -> str | None:
         """A LongRoPE model's factors in this context ("short" or "long"), else None."""
         return self.longrope.regime(self.n_ctx) if self.longrope and self.n_ctx else None
+
+    @property
+    def n_threads(self) -> int | None:
+        """The threads asked for; None: default_threads() picks them at each create_context."""
+        return self._ctx_opts["n_threads"]
 
     # ------------------------------------------------------------------ lifecycle
     def use_cache_type(self, cache_type: str) -> None:

@@ -26,9 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcli.errors import KvcliError
+from kvcli.errors import ContextFull, KvcliError
 from kvcli.models import ModelInfo, read_model_info
-from kvcli.native.session import ContextFull
 from kvcli.planning.formats import CAPTURED, Observation, Plan, check_kinds, observed_windows
 from kvcli.planning.rope import rope_of
 from kvcli.reference import compact
@@ -67,6 +66,7 @@ class RefSeq:
 
 class ReferenceSession:
     engine = "reference"
+    cache_type = None   # K/V held in float32 whatever was asked: no cache type to choose (use_cache_type)
 
     def __init__(self, model_path, *, n_ctx: int | None = None, n_seq: int = 1, n_threads: int | None = None,
                  **_ignored):
@@ -84,6 +84,7 @@ class ReferenceSession:
         self.n_ctx_train = self.info.n_ctx_train
         self.n_batch = 512          # only used for progress display by callers: prefill is one forward pass
         self.n_seq = n_seq
+        self.n_threads = n_threads   # asked for; None: torch's own choice
         if n_threads:
             torch.set_num_threads(int(n_threads))
         self.ctx = None
