@@ -24,12 +24,16 @@ chunk among those streamed.
     python benchmarks/citations_forms.py --model qwen2.5-coder-0.5b --words 2400 --facts 12 --budget 256 \
         --chunk 256 --threads 1 --seeds 0,1 -o citations-forms.jsonl
     python benchmarks/citations_forms.py --model qwen2.5-coder-0.5b --corpus corpus/ --split tune \
-        --max-doc-tokens 16384 --budget 1024 --chunk 1024 --threads 2 -o citations-corpus.jsonl
+        --docs man-hier,iso-3166-1 --budget 1024 --chunk 512 --threads 1 -o citations-corpus.jsonl
+    python benchmarks/citations_forms.py --summarize citations-corpus*.jsonl   # the counts of JSON lines written
+
+A rate is printed with its standard error, sqrt(p(1-p)/n), and the 95% Wilson interval (a small n, a rate near 1).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -70,7 +74,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("-o", "--out", default=None, help="JSON lines, one per answer, written as they come")
+    ap.add_argument("--summarize", nargs="+", default=None, metavar="FILE.jsonl",
+                    help="only print the counts of JSON lines this script wrote (runs of several documents together)")
     a = ap.parse_args()
+    if a.summarize:
+        summary(read_rows(a.summarize))
+        return
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not set(kinds) <= set(SINGLE_FACT):
         ap.error(f"--kinds: single-fact kinds only ({', '.join(SINGLE_FACT)})")
@@ -202,11 +211,44 @@ def summary(rows: list) -> None:
               f"{sorted(r['ask_s'] for r in rs)[len(rs) // 2]:.2f}")
 
 
+def read_rows(paths: list) -> list:
+    """The rows of JSON lines files this script wrote (a bad line names its file and line)."""
+    rows = []
+    for p in paths:
+        try:
+            lines = Path(p).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise SystemExit(f"{p}: {e.strerror}") from None
+        for i, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                raise SystemExit(f"{p}:{i}: not a JSON line") from None
+            if row is not None and not {"form", "kind", "right", "first", "top3"} <= set(row):
+                raise SystemExit(f"{p}:{i}: not a line of benchmarks/citations_forms.py")
+            if row is not None:
+                rows.append(row)
+    if not rows:
+        raise SystemExit("no answers in " + ", ".join(paths))
+    return rows
+
+
+def rate(k: int, n: int) -> str:
+    """'k/n (p%, s.e. x%, 95% y-z%)': the standard error sqrt(p(1-p)/n) and the Wilson interval."""
+    if n == 0:
+        return "0/0"
+    p, z = k / n, 1.96
+    d = 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (f"{k}/{n} ({p:.0%}, s.e. {math.sqrt(p * (1 - p) / n):.0%}, 95% "
+            f"{max(0.0, mid - half):.0%}-{min(1.0, mid + half):.0%})")
+
+
 def counts(rs: list) -> str:
     right = [r for r in rs if r["right"]]
     line = (f"{len(right)}/{len(rs)} right; first cited passage holds the answer in "
-            f"{sum(r['first'] for r in right)}/{len(right)} right answers ({sum(r['first'] for r in rs)}/{len(rs)} "
-            f"of all), among the three cited in {sum(r['top3'] for r in right)}/{len(right)} "
+            f"{rate(sum(r['first'] for r in right), len(right))} right answers ({sum(r['first'] for r in rs)}/"
+            f"{len(rs)} of all), among the three cited in {sum(r['top3'] for r in right)}/{len(right)} "
             f"({sum(r['top3'] for r in rs)}/{len(rs)} of all)")
     if any("fact_streamed" in r for r in rs):
         line += f"; the answer's chunk streamed for {sum(r['fact_streamed'] for r in rs)}/{len(rs)}"
