@@ -329,7 +329,8 @@ def corpus_documents(corpus_dir, split: str = "tune", genres: str | None = None,
         if g not in GENRES:
             raise KvcliError(f"--genres: unknown genre '{g}' (choose from {', '.join(GENRES)})")
     chosen = select(manifest, split, gs, ids, max_tokens=max_tokens)
-    if ids:
+    if ids:   # in the order given, so a run stopped early has the documents asked for first
+        chosen.sort(key=lambda d: ids.index(d["id"]))
         unknown = set(ids) - {d["id"] for d in chosen}
         if unknown:
             raise KvcliError(f"--docs: not in the corpus's {split} part (or filtered out): "

@@ -23,7 +23,9 @@ import numpy as np
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import machine
 from kvcli.evaluation.questions import KINDS, make_questions, score_answer, summary_scores
-from kvcli.evaluation.runner import TRUNCATE, _check_policies, _greedy, _session, compressed_variants, eval_configs
+from kvcli.drivers.bench import availability
+from kvcli.drivers.compress import resolve
+from kvcli.evaluation.runner import TRUNCATE, _greedy, _session, compressed_variants, eval_configs
 from kvcli.evaluation.tasks import prefix_text, render
 
 ANSWER_TOKENS = 32
@@ -40,7 +42,7 @@ def run_corpus_questions(model_path, docs, policies: list[str], budgets: list[in
     policy_args, doc_meta, formats = policy_args or {}, doc_meta or {}, formats or {}
     if TRUNCATE in policies:
         raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler")
-    unavailable, resolved = _check_policies(model_path, policies, budgets, policy_args)
+    unavailable, resolved = check_variants(model_path, policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)
     records, t_start, where, interrupted = [], time.perf_counter(), machine(threads), False
@@ -104,6 +106,37 @@ def run_corpus_questions(model_path, docs, policies: list[str], budgets: list[in
                          "cache_type": cache_type, "docs": [d.name for d in docs], "policy_args": policy_args,
                          "mode": "compress once (question-agnostic), each question alone after the cache"},
             "elapsed_s": time.perf_counter() - t_start, "records": records, "summary": summarise(records)}
+
+
+def split_variant(label: str) -> tuple[str, dict]:
+    """'kvzip:alloc=global' -> ('kvzip', {'alloc': 'global'}): one policy run with two settings side by side in
+    one eval, sharing its prefill and kvzip's reconstruction pass (`compressed_variants` keys by label)."""
+    name, _, rest = label.partition(":")
+    args = {}
+    for item in rest.split(":") if rest else ():
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip() or k.strip() in args:
+            raise KvcliError(f"--policies: '{label}' expects POLICY or POLICY:KEY=VALUE[:KEY=VALUE] with each key once")
+        args[k.strip()] = v.strip()
+    if not name or (args and name == "full"):
+        raise KvcliError(f"--policies: '{label}' expects POLICY or POLICY:KEY=VALUE[:KEY=VALUE] (full takes none)")
+    return name, args
+
+
+def check_variants(model_path, labels: list[str], budgets: list[int], policy_args: dict) -> tuple[dict, dict]:
+    """As runner._check_policies, for labels that may carry their own arguments (`split_variant`): those override
+    the --policy-arg POLICY.KEY=VALUE of their policy. Returns (unavailable, resolved), keyed by label."""
+    why, resolved = {}, {}
+    for label, b in eval_configs(labels, budgets):
+        if label == TRUNCATE or label in why:
+            continue
+        name, args = split_variant(label)
+        w = availability(name)
+        if w:
+            why[label] = w
+        else:
+            resolved[(label, b)] = resolve(model_path, name, b, {**policy_args.get(name, {}), **args})
+    return why, resolved
 
 
 def _mean(xs) -> str:

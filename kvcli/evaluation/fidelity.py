@@ -27,7 +27,8 @@ import numpy as np
 
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import kl, log_softmax, machine
-from kvcli.evaluation.runner import TRUNCATE, _check_policies, _session, compressed_variants, eval_configs
+from kvcli.evaluation.corpus_eval import check_variants
+from kvcli.evaluation.runner import TRUNCATE, _session, compressed_variants, eval_configs
 
 MARGIN = 16   # context cells beyond prefix + continuation
 
@@ -69,7 +70,7 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
         raise KvcliError("--cont must be >= 1")
     if TRUNCATE in policies:
         raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
-    unavailable, resolved = _check_policies(model_path, policies, budgets, policy_args)
+    unavailable, resolved = check_variants(model_path, policies, budgets, policy_args)
     cfgs = eval_configs(policies, budgets)
     tok = _session(model_path, 0, cache_type, threads)
     try:
