@@ -63,6 +63,8 @@ HELP_OVERRIDES = {
     ("eval niah", "--chunk"): "every prompt, and the truncation baseline",
     ("eval ruler", "--chunk"): "every prompt, and the truncation baseline",
     ("eval niah", "--cache-type"): "no help: the choice lists it",
+    ("eval fidelity", "--policies"): "it reads POLICY:KEY=VALUE labels (corpus_eval.split_variant)",
+    ("eval corpus ask", "--policies"): "it reads POLICY:KEY=VALUE labels (corpus_eval.split_variant)",
     ("eval ruler", "--cache-type"): "no help: the choice lists it",
     ("eval fidelity", "--cache-type"): "no help: the choice lists it",
     ("eval chat", "--cache-type"): "no help: the choice lists it",

@@ -72,3 +72,12 @@ def test_corpus_documents_keep_the_order_of_docs(tmp_path, monkeypatch):
     ids = [d["id"] for d in m["documents"] if d["split"] == "tune"]
     docs, _ = corpus.corpus_documents(tmp_path / "c", "tune", docs=",".join(reversed(ids)))
     assert [d.name for d in docs] == list(reversed(ids)) and len(ids) >= 2
+
+
+def test_the_help_names_labels_where_they_are_read(cli_runner):
+    """fidelity and corpus ask read POLICY:KEY=VALUE labels and say so; niah does not read them and does not."""
+    for argv in (["eval", "fidelity", "--help"], ["eval", "corpus", "ask", "--help"]):
+        r = cli_runner.invoke(cli, argv, terminal_width=400)
+        assert r.exit_code == 0 and "POLICY:KEY=VALUE" in r.output and "snapkv:window=" in r.output, argv
+    r = cli_runner.invoke(cli, ["eval", "niah", "--help"], terminal_width=400)
+    assert r.exit_code == 0 and "POLICY:KEY=VALUE" not in r.output

@@ -35,14 +35,20 @@ CHUNK_HELP = ("Read every prompt in chunks of N tokens, compressing after each (
               "(1024) for lengths beyond the model's context. Add 'truncate' to --policies for the plain-truncation "
               "baseline: the first 32 tokens and the last budget - 32 (and, read in chunks, the context's worth).")
 
+LABELS_HELP = ("Comma-separated policies; a policy may carry its own arguments as POLICY:KEY=VALUE[:KEY=VALUE] "
+               "(e.g. snapkv:window=16,snapkv:window=64: one policy with two settings side by side, on one "
+               "prefill), which override --policy-arg's for that label.")
 
-def shared_options(default_lengths: str, chunked: bool = True):
-    """The options of every eval command; chunked adds --chunk and --chunk-scoring."""
+
+def shared_options(default_lengths: str, chunked: bool = True, labels: bool = False):
+    """The options of every eval command; chunked adds --chunk and --chunk-scoring; labels: --policies takes
+    POLICY:KEY=VALUE labels (kvcli/evaluation/corpus_eval.py's split_variant)."""
     def deco(f):
         for opt in reversed([
             model_option,
             request_options("policies", "cache_type", "threads", *(["chunk", "penalties"] if chunked else []),
-                            cache_types=("f16", "q8_0", "q4_0"), cache_type_help=None, chunk_help=CHUNK_HELP),
+                            cache_types=("f16", "q8_0", "q4_0"), cache_type_help=None, chunk_help=CHUNK_HELP,
+                            **({"policies_help": LABELS_HELP} if labels else {})),
             click.option("--lengths", default=default_lengths, show_default=True,
                          help="Comma-separated prompt lengths in tokens (1k = 1024)."),
             click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write a PNG plot."),
@@ -138,7 +144,7 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
 
 
 @eval_group.command("fidelity")
-@shared_options("1k,2k", chunked=False)
+@shared_options("1k,2k", chunked=False, labels=True)
 @click.option("--docs", "--doc", "docs", default=None, metavar="FILES|DIR",
               help="Real text: comma-separated files or a directory. Default: the repository's examples/ texts "
               "(or, with --corpus, the corpus's documents).")
@@ -284,7 +290,7 @@ def corpus_questions_cmd(corpus_dir, split, per_kind, out_path):
 
 
 @corpus_group.command("ask")
-@shared_options("1", chunked=False)
+@shared_options("1", chunked=False, labels=True)
 @click.option("--corpus", "corpus_dir", required=True, metavar="DIR",
               help="A corpus built by `kvcli eval corpus build`.")
 @click.option("--split", type=click.Choice(["tune", "heldout", "all"]), default="tune", show_default=True)

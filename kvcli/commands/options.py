@@ -155,7 +155,7 @@ def _group_options(group: str, d: dict) -> list:
                                    "if given, must be --policy).")]
     if group == "policies":
         return [shared_option("--policies", default=d.get("policies", "full,snapkv"), show_default=True,
-                              help="Comma-separated policies."),
+                              help=d.get("policies_help", "Comma-separated policies.")),
                 shared_option("--budgets", default="128,256,512", show_default=True,
                               help="Comma-separated budgets (entries kept per layer and KV head)."),
                 shared_option("--policy-arg", "policy_args", multiple=True, metavar="POLICY.KEY=VALUE",

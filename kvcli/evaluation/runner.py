@@ -133,7 +133,7 @@ def chunked_variants(session, tokens: list[int], cfgs, resolved: dict, unavailab
     attend to). `full` runs only when the prompt fits the context; `truncate` keeps the context's worth
     (budget None) or `budget` tokens. Yields (policy, budget, status, first_logits, note, stats)."""
     n_ctx = session.n_ctx
-    asked = getattr(session, "cache_type", None)
+    asked = session.cache_type
     try:
         for pol, bud in cfgs:
             if pol in unavailable:
@@ -149,7 +149,7 @@ def chunked_variants(session, tokens: list[int], cfgs, resolved: dict, unavailab
 
 
 def _use_cache_type(session, cache_type: str | None, n_ctx: int) -> None:
-    if getattr(session, "cache_type", None) != cache_type:
+    if session.cache_type != cache_type:
         session.clear()
         session.use_cache_type(cache_type)
         session.create_context(n_ctx)
