@@ -75,3 +75,42 @@ def assert_same(a, b):
         assert (x is None) == (y is None)
         if x is not None:
             np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+
+
+def np_pool(s: np.ndarray, kernel: int, pool: str) -> np.ndarray:
+    """Centred 1-D pooling along the last axis, stride 1, padding kernel // 2 (max pads with -inf, avg counts the
+    zero pads), as F.max_pool1d / F.avg_pool1d: the policy tests' own numpy version of the engines' pooling."""
+    if kernel <= 1:
+        return s
+    h, n = kernel // 2, s.shape[-1]
+    padded = np.pad(s, [(0, 0)] * (s.ndim - 1) + [(h, h)], constant_values=-np.inf if pool == "max" else 0.0)
+    shifted = [padded[..., i:i + n] for i in range(kernel)]
+    if pool == "max":
+        return np.maximum.reduce(shifted)
+    acc = np.zeros_like(s)
+    for x in shifted:
+        acc = acc + x
+    return acc / kernel
+
+
+def np_group(per_q: np.ndarray, n_head_kv: int, gqa: str) -> np.ndarray:
+    """[n_head, ...] -> [n_head_kv, ...]: the query heads of each KV head's group added in order (mean: then / G)
+    or their maximum."""
+    G = per_q.shape[0] // n_head_kv
+    grouped = per_q.reshape((n_head_kv, G) + per_q.shape[1:])
+    out = grouped[:, 0].copy()
+    for g in range(1, G):
+        out = np.maximum(out, grouped[:, g]) if gqa == "max" else out + grouped[:, g]
+    return out / G if gqa == "mean" and G > 1 else out
+
+
+def np_snap_scores(obs, layer: int, window: int, kernel: int, pool: str, gqa: str) -> np.ndarray:
+    """SnapKV's score of the prefix slots of one layer ([n_head_kv, n - window] float64): the window queries'
+    attention summed (the observation's window sums), pooled per query head, combined per KV head."""
+    sums = obs.window_sum(window)[layer, :, : obs.n - window].astype(np.float64)
+    return np_group(np_pool(sums, kernel, pool), obs.n_head_kv, gqa)
+
+
+def np_top(scores: np.ndarray, k: int) -> list[int]:
+    """The k best indices of a 1-D score (ties to the lower index), ascending."""
+    return sorted(np.argsort(-scores, kind="stable")[:k].tolist())
