@@ -684,7 +684,7 @@ class NativeSession:
         st.logits_index, st.last_logits = -1, None
         return n
 
-    def save_seq_pieces(self, seq: int, scratch: int, piece_cells: int = 1024):
+    def save_seq_pieces(self, seq: int, scratch: int, piece_cells: int = pieces.PIECE_CELLS):
         """The state of the uncompressed `seq`, positions [p, p + piece_cells) a piece at a time, through the empty
         sequence `scratch` (kvcli/native/pieces.py): a stored document's file written without a whole copy."""
         return pieces.save_pieces(self, seq, scratch, piece_cells)

@@ -19,7 +19,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 // ---------------------------------------------------------------------------------
 // helpers
@@ -247,6 +251,30 @@ using namespace kvcli_cache_detail;
 // ---------------------------------------------------------------------------------
 // hooks called from the patched llama_kv_cache
 // ---------------------------------------------------------------------------------
+
+// What ggml_backend_buffer_clear(buf, 0) does, without making a host buffer resident: its whole pages are given
+// back to the kernel (MADV_DONTNEED on private anonymous memory reads back as zeros) and only the partial pages at
+// either end are written. llama.cpp clears the KV and output buffers when it makes them; a context of 32k cells
+// then cost RSS for all 32k from the start, whatever the document held. A buffer the kernel will not advise
+// (pinned host memory, not host memory at all) is cleared as before.
+void kvcli_clear_buffer(ggml_backend_buffer_t buf) {
+    if (buf == nullptr) {
+        return;
+    }
+    const size_t size = ggml_backend_buffer_get_size(buf);
+    if (size > 0 && ggml_backend_buffer_is_host(buf)) {
+        auto * base = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf));
+        const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+        const uintptr_t begin = reinterpret_cast<uintptr_t>(base), end = begin + size;
+        const uintptr_t lo = (begin + page - 1) & ~(page - 1), hi = end & ~(page - 1);
+        if (hi > lo && madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED) == 0) {
+            std::memset(base, 0, lo - begin);
+            std::memset(reinterpret_cast<void *>(hi), 0, end - hi);
+            return;
+        }
+    }
+    ggml_backend_buffer_clear(buf, 0);
+}
 
 void kvcli_on_cells_freed(llama_kv_cache * kv) {
     if (!kv->kvcli_ext) {

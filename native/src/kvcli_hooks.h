@@ -3,6 +3,7 @@
 // Every hook is a no-op until kvcli is used on the cache (kv->kvcli_ext stays null).
 #pragma once
 
+#include "ggml-backend.h"
 #include "llama.h"
 #include "llama-kv-cache.h"
 
@@ -33,6 +34,9 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
 
 // after a ubatch graph computed: copies observation outputs to host
 void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch);
+
+// the KV and output buffers zeroed when made or cleared, a host buffer's pages left non-resident (kvcli_cache.cpp)
+void kvcli_clear_buffer(ggml_backend_buffer_t buf);
 
 // cache consistency
 void kvcli_on_cells_freed(llama_kv_cache * kv);
