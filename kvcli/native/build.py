@@ -8,7 +8,8 @@ Steps (each cached under $KVCLI_CACHE, default ~/.cache/kvcli):
 3. a copy with every patch in native/patches/ applied in order (a patch that does not apply
    stops the build with its name);
 4. a CMake build of native/CMakeLists.txt (the `llama` target + ggml, shared, with our
-   native/src/*.cpp compiled in), keyed by the commit, the patches, our sources and the flags,
+   native/src/*.cpp compiled in; Ninja where it is on PATH), keyed by the commit, the patches, our sources, the
+   flags and the generator,
    so a second install does not rebuild. CMake builds from a mirror of native/ kept in the cache,
    so that a checkout elsewhere on disk (a CI clone) reuses the same build folder.
 The libraries are then copied into kvcli/native/lib/<variant>/ with a build_info.json.
@@ -325,7 +326,11 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
     # sources are built incrementally in it, and the stamp holds the hash of everything.
     # (and by the source folder CMake is given: it refuses a build folder made from another one)
     source = mirror_sources(variant)
-    tree_key = hashlib.sha256(f"{tree.name}{json.dumps(flags, sort_keys=True)}{extra_args}{source}".encode())
+    # Ninja where it is on PATH (it schedules the two unity-heavy targets better than make); CMake refuses another
+    # generator in a build folder, so it keys the folder
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    tree_key = hashlib.sha256(
+        f"{tree.name}{json.dumps(flags, sort_keys=True)}{extra_args}{source}{generator}".encode())
     tree_key = tree_key.hexdigest()[:12]
     key = source_hash([commit, json.dumps(flags, sort_keys=True), *extra_args])
     build_dir = cache_dir() / "build" / f"{variant}-{tree_key}"
@@ -336,7 +341,7 @@ def build(cuda: bool = False, sanitize: bool = False, force: bool = False, jobs:
                                   "CMAKE_CUDA_ARCHITECTURES"))
     if force or not done.exists() or done.read_text() != key:
         log(f"building llama.cpp {commit[:9]} + kvcli ({flag_text}); this takes a few minutes")
-        args = ["cmake", "-S", str(source), "-B", str(build_dir),
+        args = ["cmake", *generator, "-S", str(source), "-B", str(build_dir),
                 f"-DKVCLI_LLAMA_SRC={tree}", f"-DKVCLI_LLAMA_COMMIT={commit}",
                 f"-DKVCLI_VERSION={__version__}", f"-DKVCLI_BUILD_FLAGS={flag_text}",
                 f"-DCMAKE_BUILD_RPATH={rpath}", f"-DCMAKE_INSTALL_RPATH={rpath}",
