@@ -198,6 +198,9 @@ def main() -> None:
     ap.add_argument("--clients-upto", type=int, default=1 << 30,
                     help="the clients at once only for documents of at most this many words (-np N reads the "
                          "document N times first)")
+    ap.add_argument("--clients-of", default="kvcli,llama",
+                    help="the servers whose clients at once are run (llama-server -np N takes N document reads first: "
+                         "leave it out where an earlier run of the same build measured it)")
     ap.add_argument("--binary", type=Path, help="a llama-server (default: build_stock_llama.py --server's)")
     ap.add_argument("-o", "--out", default=None)
     a = ap.parse_args()
@@ -215,9 +218,9 @@ def main() -> None:
         out["documents"].append(d)
         clients = a.clients > 0 and words <= a.clients_upto
         if "kvcli" in a.servers:
-            d["results"].append(run_kvcli(a, ctx, text, facts, clients))
+            d["results"].append(run_kvcli(a, ctx, text, facts, clients and "kvcli" in a.clients_of))
         if "llama" in a.servers:
-            d["results"].append(run_llama(binary, a, ctx, text, facts, clients))
+            d["results"].append(run_llama(binary, a, ctx, text, facts, clients and "llama" in a.clients_of))
         print(table(out["documents"]), flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
