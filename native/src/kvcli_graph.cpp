@@ -15,12 +15,102 @@
 #include "llama-graph.h"
 #include "llama-impl.h"
 
+#include "ggml-backend.h"
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#if !defined(_WIN32)
+#include <sys/mman.h>
+#endif
+
+// ---------------------------------------------------------------------------------
+// kvcli_acc: a layer's sums in zero pages, seen by the graph as a tensor on the CPU
+// ---------------------------------------------------------------------------------
+
+kvcli_acc & kvcli_acc::operator=(kvcli_acc && o) noexcept {
+    if (this != &o) {
+        release();
+        std::swap(data_, o.data_);
+        std::swap(n_, o.n_);
+        std::swap(bytes_, o.bytes_);
+        std::swap(ctx_, o.ctx_);
+        std::swap(buf_, o.buf_);
+        std::swap(t_, o.t_);
+    }
+    return *this;
+}
+
+void kvcli_acc::allocate(size_t n) {
+    release();
+    bytes_ = std::max<size_t>(n, 1) * sizeof(float);
+#if !defined(_WIN32)
+    // anonymous pages read as zeros and become resident when first written: only the cells a layer uses
+    void * p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        bytes_ = 0;
+        throw std::bad_alloc();
+    }
+#else
+    void * p = std::calloc(n ? n : 1, sizeof(float));
+    if (!p) {
+        bytes_ = 0;
+        throw std::bad_alloc();
+    }
+#endif
+    data_ = static_cast<float *>(p);
+    n_ = n;
+}
+
+void kvcli_acc::release() {
+    if (buf_) {
+        ggml_backend_buffer_free(buf_);   // a buffer over our pointer: frees its own bookkeeping only
+    }
+    if (ctx_) {
+        ggml_free(ctx_);
+    }
+    if (data_) {
+#if !defined(_WIN32)
+        munmap(data_, bytes_);
+#else
+        std::free(data_);
+#endif
+    }
+    data_ = nullptr;
+    n_ = bytes_ = 0;
+    ctx_ = nullptr;
+    buf_ = nullptr;
+    t_ = nullptr;
+}
+
+ggml_tensor * kvcli_acc::tensor(int64_t ne0, int64_t ne1, int64_t ne2) {
+    if (!data_ || (size_t) (ne0 * ne1 * ne2) != n_) {
+        throw kvcli_error("kvcli_acc::tensor: shape does not match the accumulator");
+    }
+    if (t_ && t_->ne[0] == ne0 && t_->ne[1] == ne1 && t_->ne[2] == ne2) {
+        return t_;
+    }
+    if (!ctx_) {
+        ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+        ctx_ = ggml_init(ip);
+        buf_ = ggml_backend_cpu_buffer_from_ptr(data_, bytes_);
+        if (!ctx_ || !buf_) {
+            throw kvcli_error("kvcli_acc::tensor: could not wrap the accumulator");
+        }
+    } else if (t_) {
+        throw kvcli_error("kvcli_acc::tensor: the accumulator was already seen with another shape");
+    }
+    t_ = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, ne0, ne1, ne2);
+    if (ggml_backend_tensor_alloc(buf_, t_, data_) != GGML_STATUS_SUCCESS) {
+        throw kvcli_error("kvcli_acc::tensor: could not place the tensor");
+    }
+    return t_;
+}
 
 namespace kvcli_graph_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
@@ -71,19 +161,33 @@ std::vector<float> host_copy(ggml_tensor * t) {
 }
 
 // layer il's accumulator, `size` zeros when first used (0 is neutral for sums and for maxima of probabilities)
-std::vector<float> & layer_acc(std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, size_t size) {
+kvcli_acc & layer_acc(std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_layer, size_t size) {
     if (acc.size() != n_layer) {
-        acc.assign(n_layer, {});
+        acc.clear();
+        acc.resize(n_layer);
     }
     auto & a = acc[il];
     if (a.empty()) {
-        a.assign(size, 0.0f);
+        a.allocate(size);
     }
     return a;
 }
 
+// The graph adds one ubatch's reduced sums t ([n_kv, n_w, n_head]) into the host accumulator acc ([n_w][n_head]
+// [kv_size], cells c0..c0+n_kv-1) itself: t is then an intermediate the allocator reuses, where as a graph output
+// every layer's would stay allocated to the end of the graph (n_layer x n_kv x n_head floats: 21 MiB at 16k cells
+// on qwen2.5-0.5b) and then be copied once more on the host.
+void add_into_host(ggml_context * ctx0, ggml_cgraph * gf, kvcli_acc & acc, ggml_tensor * t, int64_t c0,
+                   uint32_t kv_size) {
+    const int64_t n_kv = t->ne[0], n_w = t->ne[1], n_head = t->ne[2];
+    ggml_tensor * a = acc.tensor(kv_size, n_head, n_w);
+    ggml_tensor * dst = ggml_view_3d(ctx0, a, n_kv, n_head, n_w, a->nb[1], a->nb[2], (size_t) c0 * sizeof(float));
+    ggml_tensor * sum = ggml_add(ctx0, dst, ggml_permute(ctx0, t, 0, 2, 1, 3));
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, sum, dst));
+}
+
 // adds one ubatch's reduced output t ([n_kv, n_w, n_head]) to acc[il] ([n_w][n_head][kv_size], cells c0..c0+n_kv-1)
-void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
+void accumulate(ggml_tensor * t, std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_layer, int64_t n_w,
                 int64_t c0, int64_t n_kv, int64_t n_head, uint32_t kv_size) {
     const std::vector<float> tmp = host_copy(t);   // [n_kv, n_w, n_head]
     auto & a = layer_acc(acc, il, n_layer, (size_t) n_w * n_head * kv_size);
@@ -99,7 +203,7 @@ void accumulate(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t
 }
 
 // max-combines one ubatch's column maxima t ([n_kv, 1, n_head]) into acc[il] ([n_head][kv_size], cells c0..c0+n_kv-1)
-void accumulate_max(ggml_tensor * t, std::vector<std::vector<float>> & acc, uint32_t il, uint32_t n_layer,
+void accumulate_max(ggml_tensor * t, std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_layer,
                     int64_t c0, int64_t n_kv, int64_t n_head, uint32_t kv_size) {
     const std::vector<float> tmp = host_copy(t);
     auto & a = layer_acc(acc, il, n_layer, (size_t) n_head * kv_size);
@@ -218,6 +322,9 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     auto inp = std::make_unique<obs_input>();
     kvcli_pending pend;
     pend.c0 = c0;
+    // a cache in host memory: the graph adds its sums into the host accumulators (add_into_host)
+    const bool host_sums = k->buffer && ggml_backend_buffer_is_host(k->buffer);
+    const uint32_t n_layer = hp.n_layer(), kv_size = kv->get_size();
     ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3); // [hd, n_kv, n_head_kv]
 
     // Both kinds: softmax rows [n_kv, rows, n_head] (the allocator runs the softmax in place of the
@@ -275,9 +382,15 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             }
             ggml_tensor * ws = row_sums(ctx0, p, inp->win_sel);                   // [n_kv, n_w, n_head]
             ggml_format_name(ws, "kvcli_obs_winsum-%d", il);
-            ggml_set_output(ws);
-            ggml_build_forward_expand(gf, ws);
-            pend.win = ws;
+            if (host_sums) {
+                add_into_host(ctx0, gf, layer_acc(ext.obs.winsum, il, n_layer, (size_t) n_w * n_head * kv_size),
+                              ws, c0, kv_size);
+                pend.win_added = true;
+            } else {
+                ggml_set_output(ws);
+                ggml_build_forward_expand(gf, ws);
+                pend.win = ws;
+            }
         }
     }
     if (ext.obs.kinds & (KVCLI_OBS_COLSUM | KVCLI_OBS_COLMAX)) {
@@ -302,9 +415,15 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             if (ext.obs.kinds & KVCLI_OBS_COLSUM) {
                 ggml_tensor * cs = row_sums(ctx0, p, inp->col_sel);        // [n_kv, 1, n_head]
                 ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
-                ggml_set_output(cs);
-                ggml_build_forward_expand(gf, cs);
-                pend.col = cs;
+                if (host_sums) {
+                    add_into_host(ctx0, gf, layer_acc(ext.obs.colsum, il, n_layer, (size_t) n_head * kv_size), cs, c0,
+                                  kv_size);
+                    pend.col_added = true;
+                } else {
+                    ggml_set_output(cs);
+                    ggml_build_forward_expand(gf, cs);
+                    pend.col = cs;
+                }
             }
             if (ext.obs.kinds & KVCLI_OBS_COLMAX) {
                 // rows of other sequences are zeroed (probabilities are >= 0, so they cannot raise a maximum),
@@ -337,7 +456,7 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     auto & ext = *kv->kvcli_ext;
     bool any = false;
     for (const auto & p : ext.obs.pending) {
-        any = any || p.win || p.col || p.cmax || p.qrows;
+        any = any || p.win || p.col || p.cmax || p.qrows || p.win_added || p.col_added;
     }
     if (!any) {
         return;
@@ -350,8 +469,8 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
     bool counted = false, queried = false;
     for (uint32_t il = 0; il < ext.obs.pending.size() && il < n_layer; ++il) {
         auto & p = ext.obs.pending[il];
-        if (p.win) {
-            const int64_t n_kv = p.win->ne[0], n_w = p.win->ne[1], n_head = p.win->ne[2];
+        if (p.win || p.win_added) {
+            const int64_t n_w = (int64_t) ext.obs.win_pos0.size();
             if (!counted) {
                 for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
                     for (int64_t w = 0; w < n_w; ++w) {
@@ -360,10 +479,14 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
                 }
                 counted = true;
             }
-            accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, p.c0, n_kv, n_head, kv_size);
+            if (p.win) {   // else the graph added them itself (add_into_host)
+                accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, p.c0, p.win->ne[0], p.win->ne[2], kv_size);
+            }
         }
         if (p.col) {
             accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.c0, p.col->ne[0], p.col->ne[2], kv_size);
+        }
+        if (p.col || p.col_added) {
             ext.obs.have_colsum = true;
         }
         if (p.cmax) {
@@ -548,10 +671,13 @@ int32_t kvcli_observe_release(struct llama_context * ctx, int32_t il) {
             throw kvcli_error("kvcli_observe_release: the observation is still armed (call kvcli_observe_end first)");
         }
         const int32_t lo = il < 0 ? 0 : il, hi = il < 0 ? n_layer : il + 1;
-        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum, &ext.obs.colmax, &ext.obs.queries}) {
+        for (auto * acc : {&ext.obs.winsum, &ext.obs.colsum, &ext.obs.colmax}) {
             for (int32_t l = lo; l < hi && (size_t) l < acc->size(); ++l) {
-                std::vector<float>().swap((*acc)[l]);   // clear() would keep the capacity
+                (*acc)[l].release();                    // its pages back to the OS
             }
+        }
+        for (int32_t l = lo; l < hi && (size_t) l < ext.obs.queries.size(); ++l) {
+            std::vector<float>().swap(ext.obs.queries[l]);   // clear() would keep the capacity
         }
 #if defined(__GLIBC__)
         // a layer's accumulators (n_head x kv_size floats, ~260 KB at 7k cells) sit on the heap once glibc's

@@ -7,9 +7,41 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 struct ggml_tensor;
+struct ggml_context;
+struct ggml_backend_buffer;
+
+// One layer's accumulated sums: zero pages from the OS, resident only where a sum was added (the cells the layer
+// uses, not the whole context), returned to it on release. On a CPU cache the graph adds each ubatch's sums into
+// them itself through `tensor` (a ggml tensor over these floats): no per-layer graph output held to the end of the
+// graph, no second copy on the host.
+class kvcli_acc {
+public:
+    kvcli_acc() = default;
+    ~kvcli_acc() { release(); }
+    kvcli_acc(kvcli_acc && o) noexcept { *this = std::move(o); }
+    kvcli_acc & operator=(kvcli_acc && o) noexcept;
+    kvcli_acc(const kvcli_acc &) = delete;
+    kvcli_acc & operator=(const kvcli_acc &) = delete;
+
+    void allocate(size_t n);    // n zeros (the previous floats released)
+    void release();
+    bool empty() const { return data_ == nullptr; }
+    size_t size() const { return n_; }
+    float * data() const { return data_; }
+    // F32 [ne0, ne1, ne2] over the floats (ne0 * ne1 * ne2 == size()), in a host buffer the CPU backend computes on
+    ggml_tensor * tensor(int64_t ne0, int64_t ne1, int64_t ne2);
+
+private:
+    float * data_ = nullptr;
+    size_t n_ = 0, bytes_ = 0;
+    ggml_context * ctx_ = nullptr;
+    ggml_backend_buffer * buf_ = nullptr;
+    ggml_tensor * t_ = nullptr;
+};
 
 // graph outputs of the ubatch being computed, per model layer
 struct kvcli_pending {
@@ -22,6 +54,8 @@ struct kvcli_pending {
     // F32 [n_kv, n_tokens, n_head]: the softmax rows of every row of the ubatch, when the observation made them
     // (the attention's own probabilities: kvcli_build_attn's rows path takes them instead of making them again)
     ggml_tensor * probs = nullptr;
+    bool win_added = false;          // the window sums were added into the host accumulator by the graph itself
+    bool col_added = false;          // the column sums too (kvcli_acc::tensor)
 };
 
 struct kvcli_observation {
@@ -34,10 +68,10 @@ struct kvcli_observation {
 
     std::vector<kvcli_pending>      pending;     // per model layer
     std::vector<int32_t>            win_rows;    // per window length: query rows summed so far
-    std::vector<std::vector<float>> winsum;      // per model layer: [n_windows][n_head][kv_size]
-    std::vector<std::vector<float>> colsum;      // per model layer: [n_head][kv_size]
+    std::vector<kvcli_acc>          winsum;      // per model layer: [n_windows][n_head][kv_size]
+    std::vector<kvcli_acc>          colsum;      // per model layer: [n_head][kv_size]
     bool                            have_colsum = false;
-    std::vector<std::vector<float>> colmax;      // per model layer: [n_head][kv_size], maxima over the armed rows
+    std::vector<kvcli_acc>          colmax;      // per model layer: [n_head][kv_size], maxima over the armed rows
     bool                            have_colmax = false;
     // per model layer: [n_rows][n_head][head_dim], in decode order, scaled so that attention's logit is
     // q.k / sqrt(head_dim) (llama.cpp's kq_scale folded in: phi3 scales Q before attention and uses kq_scale 1)
