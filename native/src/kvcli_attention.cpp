@@ -105,7 +105,7 @@ ggml_tensor * split_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor 
 // head, cell); the same arithmetic as two matrix products runs 2-3x faster at 20 rows over 5.6k cells (measured:
 // native/src/README.md, "What a later question costs"). Decoding (one row) keeps flash attention, whose one-row
 // kernel splits the cells over the threads; 64 rows and more take ggml's tiled kernel.
-constexpr int64_t FEW_ROWS_MAX = 63;
+constexpr int64_t FEW_ROWS_MAX = KVCLI_FEW_ROWS_MAX;
 
 // the path layer il of a graph with a compacted sequence took (kvcli_attn_path_taken)
 void record_path(kvcli_kv_ext & ext, int il, int32_t path) {
@@ -152,6 +152,32 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor *
     return ggml_cont_2d(ctx0, ggml_permute(ctx0, kqv, 0, 2, 1, 3), kqv->ne[0] * n_head, n_tokens);
 }
 
+// The rows path over a window observation left to it (kvcli_window_defer): the observation's products and the
+// attention's values a group of KV heads at a time, so that the allocator frees a group's [n_kv, rows, heads]
+// probabilities and F32 values before the next group's are made (at 16k cells and 32 rows of qwen2.5-0.5b, 27 MiB
+// of probabilities at once become 14). At most 4 groups: each adds a few nodes per layer to the graph.
+ggml_tensor * rows_attention_grouped(ggml_context * ctx0, kvcli_kv_ext & ext, ggml_cgraph * gf, ggml_tensor * q,
+                                     ggml_tensor * v, int il) {
+    const int64_t n_head = q->ne[1], n_tokens = q->ne[2], n_head_kv = v->ne[1], ratio = n_head / n_head_kv;
+    int64_t groups = std::min<int64_t>(4, n_head_kv);
+    while (n_head_kv % groups != 0) {
+        --groups;
+    }
+    const int64_t kv_step = n_head_kv / groups;
+    ggml_tensor * out = nullptr;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t g0 = g * kv_step;
+        ggml_tensor * p = kvcli_obs_window_group(ctx0, ext, il, g0 * ratio, (g0 + kv_step) * ratio); // [n_kv, rows, hg]
+        ggml_tensor * vg = ggml_view_3d(ctx0, v, v->ne[0], kv_step, v->ne[2], v->nb[1], v->nb[2], (size_t) g0 * v->nb[1]);
+        ggml_tensor * vt = ggml_cast(ctx0, ggml_permute(ctx0, vg, 1, 2, 0, 3), GGML_TYPE_F32);       // [n_kv, hd_v, gk]
+        ggml_tensor * kqv = ggml_mul_mat(ctx0, vt, p);                                                // [hd_v, rows, hg]
+        ggml_format_name(kqv, "kvcli_rows_kqv-%d-g%d", il, (int) g);
+        ggml_build_forward_expand(gf, kqv);
+        out = out ? ggml_concat(ctx0, out, kqv, 2) : kqv;
+    }
+    return ggml_cont_2d(ctx0, ggml_permute(ctx0, out, 0, 2, 1, 3), out->ne[0] * n_head, n_tokens);
+}
+
 } } // namespace kvcli_attention_detail
 using namespace kvcli_attention_detail;
 
@@ -173,7 +199,27 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     const float cap = hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f;
     // the ragged layout: kvcli_attn_hook viewed K and V from the layer's front; llama.cpp's mask follows
     const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
-    if (ext.graph_one_seq && few_rows(flash_attn, q, k, v, kq_b, sinks, kq_mask)) {
+    const bool rows = ext.graph_one_seq && few_rows(flash_attn, q, k, v, kq_b, sinks, kq_mask);
+    // a window observation kvcli_attn_hook left to this layer's attention (kvcli_window_defer)
+    kvcli_window_defer * defer = ext.obs.armed && (size_t) il < ext.obs.pending.size() &&
+                                 ext.obs.pending[il].defer.gf ? &ext.obs.pending[il].defer : nullptr;
+    if (defer) {
+        const bool matches = defer->q3->ne[2] == q->ne[2] && defer->k->ne[2] == k->ne[2] && q->ne[1] % v->ne[1] == 0;
+        ggml_tensor * out = nullptr;
+        if (rows && matches) {
+            if (biased) {
+                record_path(ext, il, KVCLI_ATTN_PATH_ROWS);
+            }
+            out = rows_attention_grouped(ctx0, ext, defer->gf, q, v, il);
+        } else {
+            kvcli_obs_window_group(ctx0, ext, il, 0, q->ne[1]);   // the observation alone, every head at once
+        }
+        defer->gf = nullptr;   // built
+        if (out) {
+            return out;
+        }
+    }
+    if (rows) {
         ggml_tensor * mask = c0 > 0 ? ggml_cont(ctx0, kvcli_cache_detail::trim_cells(ctx0, kq_mask, 0, c0)) : kq_mask;
         if (biased) {
             const int64_t n_kv = k->ne[2], n_head = q->ne[1];

@@ -73,6 +73,11 @@ struct kvcli_kv_ext {
     llama_context *       ctx = nullptr;
 };
 
+// kvcli_graph.cpp: heads [h0, h1) of layer il's deferred window observation (kvcli_window_defer), its sums added into
+// the host accumulator in the graph that deferred it; returns their probabilities [n_kv, n_rows, h1 - h0] (for the
+// attention of the same rows: kvcli_attention.cpp)
+ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, int il, int64_t h0, int64_t h1);
+
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
 struct kvcli_access {
     static llama_kv_cache * kv(const llama_kv_cache_context * mctx) { return mctx->kv; }

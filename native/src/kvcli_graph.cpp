@@ -177,11 +177,13 @@ kvcli_acc & layer_acc(std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_laye
 // [kv_size], cells c0..c0+n_kv-1) itself: t is then an intermediate the allocator reuses, where as a graph output
 // every layer's would stay allocated to the end of the graph (n_layer x n_kv x n_head floats: 21 MiB at 16k cells
 // on qwen2.5-0.5b) and then be copied once more on the host.
+// (heads h0.. of the layer's n_head: t may be one group of heads)
 void add_into_host(ggml_context * ctx0, ggml_cgraph * gf, kvcli_acc & acc, ggml_tensor * t, int64_t c0,
-                   uint32_t kv_size) {
-    const int64_t n_kv = t->ne[0], n_w = t->ne[1], n_head = t->ne[2];
+                   uint32_t kv_size, int64_t n_head, int64_t h0 = 0) {
+    const int64_t n_kv = t->ne[0], n_w = t->ne[1], n_h = t->ne[2];
     ggml_tensor * a = acc.tensor(kv_size, n_head, n_w);
-    ggml_tensor * dst = ggml_view_3d(ctx0, a, n_kv, n_head, n_w, a->nb[1], a->nb[2], (size_t) c0 * sizeof(float));
+    ggml_tensor * dst = ggml_view_3d(ctx0, a, n_kv, n_h, n_w, a->nb[1], a->nb[2],
+                                     (size_t) c0 * sizeof(float) + (size_t) h0 * a->nb[1]);
     ggml_tensor * sum = ggml_add(ctx0, dst, ggml_permute(ctx0, t, 0, 2, 1, 3));
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, sum, dst));
 }
@@ -368,28 +370,36 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             }
             inp->win_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, n_w, n_win);
             ggml_set_input(inp->win_sel);
-            q2 = ggml_permute(ctx0, ggml_reshape_3d(ctx0, q2, q->ne[0], n_head, n_win), 0, 2, 1, 3); // [hd, n_win, n_head]
-            ggml_tensor * kq = ggml_mul_mat(ctx0, kk, q2);                                    // [n_kv, n_win, n_head]
-            ggml_prec_set_acc(kq, GGML_PREC_F32);
-            kq = soft_cap(ctx0, kq, cap);
             ggml_tensor * mw = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, kq_mask, n_kv, n_tps), inp->win_idx); // F32
             if (bias) {
                 mw = ggml_add(ctx0, ggml_repeat_4d(ctx0, mw, n_kv, n_win, n_head, 1), bias);
             }
-            ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
-            if (n_win == (int64_t) ubatch.n_tokens) {
-                pend.probs = p;   // every row of the ubatch, in order: the attention's probabilities
-            }
-            ggml_tensor * ws = row_sums(ctx0, p, inp->win_sel);                   // [n_kv, n_w, n_head]
-            ggml_format_name(ws, "kvcli_obs_winsum-%d", il);
+            ggml_tensor * q3 = ggml_reshape_3d(ctx0, q2, q->ne[0], n_head, n_win);                // [hd, n_head, n_win]
             if (host_sums) {
-                add_into_host(ctx0, gf, layer_acc(ext.obs.winsum, il, n_layer, (size_t) n_w * n_head * kv_size),
-                              ws, c0, kv_size);
+                layer_acc(ext.obs.winsum, il, n_layer, (size_t) n_w * n_head * kv_size);
                 pend.win_added = true;
+            }
+            if (host_sums && n_win == (int64_t) ubatch.n_tokens && n_win <= KVCLI_FEW_ROWS_MAX) {
+                // every row of a few-rows ubatch: kvcli_build_attn builds it beside the attention, a group of
+                // heads at a time (kvcli_obs_window_group)
+                pend.defer = { gf, q3, k, mw, inp->win_sel, kq_scale, cap, c0, kv_size };
             } else {
-                ggml_set_output(ws);
-                ggml_build_forward_expand(gf, ws);
-                pend.win = ws;
+                ggml_tensor * kq = ggml_mul_mat(ctx0, kk, ggml_permute(ctx0, q3, 0, 2, 1, 3)); // [n_kv, n_win, n_head]
+                ggml_prec_set_acc(kq, GGML_PREC_F32);
+                kq = soft_cap(ctx0, kq, cap);
+                ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
+                if (n_win == (int64_t) ubatch.n_tokens) {
+                    pend.probs = p;   // every row of the ubatch, in order: the attention's probabilities
+                }
+                ggml_tensor * ws = row_sums(ctx0, p, inp->win_sel);                   // [n_kv, n_w, n_head]
+                ggml_format_name(ws, "kvcli_obs_winsum-%d", il);
+                if (host_sums) {
+                    add_into_host(ctx0, gf, ext.obs.winsum[il], ws, c0, kv_size, n_head);
+                } else {
+                    ggml_set_output(ws);
+                    ggml_build_forward_expand(gf, ws);
+                    pend.win = ws;
+                }
             }
         }
     }
@@ -417,7 +427,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
                 ggml_format_name(cs, "kvcli_obs_colsum-%d", il);
                 if (host_sums) {
                     add_into_host(ctx0, gf, layer_acc(ext.obs.colsum, il, n_layer, (size_t) n_head * kv_size), cs, c0,
-                                  kv_size);
+                                  kv_size, n_head);
                     pend.col_added = true;
                 } else {
                     ggml_set_output(cs);
@@ -442,6 +452,27 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     ext.obs.pending[il] = std::move(pend);
     res->add_input(std::move(inp));
     return mask;
+}
+
+ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, int il, int64_t h0, int64_t h1) {
+    const kvcli_window_defer & d = ext.obs.pending[il].defer;
+    const int64_t hd = d.q3->ne[0], n_head = d.q3->ne[1], n_rows = d.q3->ne[2];
+    const int64_t n_head_kv = d.k->ne[1], n_kv = d.k->ne[2], ratio = n_head / n_head_kv;
+    const int64_t g0 = h0 / ratio, g1 = h1 / ratio;   // the KV heads of query heads h0..h1-1 (GQA)
+    ggml_tensor * qg = ggml_permute(ctx0, ggml_view_3d(ctx0, d.q3, hd, h1 - h0, n_rows, d.q3->nb[1], d.q3->nb[2],
+                                                       (size_t) h0 * d.q3->nb[1]), 0, 2, 1, 3);   // [hd, rows, hg]
+    ggml_tensor * kg = ggml_permute(ctx0, ggml_view_3d(ctx0, d.k, hd, g1 - g0, n_kv, d.k->nb[1], d.k->nb[2],
+                                                       (size_t) g0 * d.k->nb[1]), 0, 2, 1, 3);    // [hd, n_kv, gk]
+    ggml_tensor * kq = ggml_mul_mat(ctx0, kg, qg);                                              // [n_kv, rows, hg]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    kq = soft_cap(ctx0, kq, d.cap);
+    ggml_tensor * mask = d.mask->ne[2] == 1 ? d.mask :
+        ggml_view_3d(ctx0, d.mask, n_kv, n_rows, h1 - h0, d.mask->nb[1], d.mask->nb[2], (size_t) h0 * d.mask->nb[2]);
+    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, mask, d.kq_scale, 0.0f);
+    ggml_tensor * ws = row_sums(ctx0, p, d.sel);                                                // [n_kv, n_w, hg]
+    ggml_format_name(ws, "kvcli_obs_winsum-%d-h%d", il, (int) h0);
+    add_into_host(ctx0, d.gf, ext.obs.winsum[il], ws, d.c0, d.kv_size, n_head, h0);
+    return p;
 }
 
 void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {

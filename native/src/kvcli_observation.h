@@ -12,6 +12,7 @@
 
 struct ggml_tensor;
 struct ggml_context;
+struct ggml_cgraph;
 struct ggml_backend_buffer;
 
 // One layer's accumulated sums: zero pages from the OS, resident only where a sum was added (the cells the layer
@@ -43,6 +44,23 @@ private:
     ggml_tensor * t_ = nullptr;
 };
 
+// A ubatch of at most this many rows takes kvcli_attention.cpp's rows path on the CPU (its FEW_ROWS_MAX)
+constexpr int64_t KVCLI_FEW_ROWS_MAX = 63;
+
+// A window observation of every row of a few-rows ubatch, on a CPU cache: kvcli_attn_hook leaves it to
+// kvcli_build_attn, which builds it a group of heads at a time beside the attention that reuses its probabilities
+// (kvcli_obs_window_group), so that one group's [n_kv, rows, heads] products are freed before the next group's.
+struct kvcli_window_defer {
+    ggml_cgraph * gf   = nullptr;
+    ggml_tensor * q3   = nullptr;    // [head_dim, n_head, n_rows]: the rows' Q
+    ggml_tensor * k    = nullptr;    // [head_dim, n_head_kv, n_kv]: the layer's K (from its front)
+    ggml_tensor * mask = nullptr;    // F32 [n_kv, n_rows, 1 or n_head]: llama.cpp's mask rows (+ the slot bias)
+    ggml_tensor * sel  = nullptr;    // F32 [n_windows, n_rows]: obs_input::win_sel
+    float kq_scale = 1.0f, cap = 0.0f;
+    int64_t c0 = 0;                  // the cell of K's column 0
+    uint32_t kv_size = 0;            // the accumulator's cells per head
+};
+
 // graph outputs of the ubatch being computed, per model layer
 struct kvcli_pending {
     ggml_tensor * win = nullptr;     // F32 [n_windows, n_kv, n_head]: window rows summed per window length
@@ -54,6 +72,7 @@ struct kvcli_pending {
     // F32 [n_kv, n_tokens, n_head]: the softmax rows of every row of the ubatch, when the observation made them
     // (the attention's own probabilities: kvcli_build_attn's rows path takes them instead of making them again)
     ggml_tensor * probs = nullptr;
+    kvcli_window_defer defer;        // defer.gf set: the window observation is kvcli_build_attn's to build
     bool win_added = false;          // the window sums were added into the host accumulator by the graph itself
     bool col_added = false;          // the column sums too (kvcli_acc::tensor)
 };
