@@ -154,6 +154,12 @@ def identity() -> dict:
 ATTN_PATHS = {1: "mask", 2: "split", 3: "rows"}  # kvcli_attn_path_kind
 MOVES_PATHS = {1: "host", 2: "device"}  # kvcli_moves_path_kind: how a compaction moved the K/V rows
 
+# Prompt tokens per ubatch on the CPU (NativeSession's default n_batch there; llama.cpp's 512 with a GPU). The compute
+# buffer's largest tensors grow with the ubatch (the FFN's activations, the n_kv x ubatch mask): a document read in
+# ubatches of 256 held 21 MiB less at 5.6k tokens and 25 MiB less at 16k than at 512 on qwen2.5-coder-0.5b, and read
+# the 5.6k faster (69.2 against 74.7 s, 2 threads, idle 2-core AMD EPYC; native/src/README.md).
+CPU_UBATCH = 256
+
 
 def attn_path(flash_attn: bool, cache_on_cpu: bool) -> tuple[str, str]:
     """The attention path of a compacted cache's layers (native/src/README.md, "CUDA") and why, from

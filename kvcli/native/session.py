@@ -18,7 +18,7 @@ import numpy as np
 from kvcli.errors import ContextFull, KvcliError
 from kvcli.models import ModelInfo, longrope, read_model_info
 from kvcli.native import cache, load_llama_cpp, pieces, signals_deferred
-from kvcli.native.lib import ATTN_PATHS, MOVES_PATHS, attn_path, lib
+from kvcli.native.lib import ATTN_PATHS, CPU_UBATCH, MOVES_PATHS, attn_path, lib
 from kvcli.planning.formats import CAPTURED, observed_windows
 from kvcli.planning.rope import rope_of
 from kvcli.templating import gguf_special_token_ids, render_chat
@@ -48,12 +48,14 @@ class NativeSession:
     engine = "native"
 
     def __init__(self, model_path, *, n_ctx: int | None = None, n_seq: int = 1, flash_attn: bool = True,
-                 cache_type: str = "f16", n_batch: int = 512, n_threads: int | None = None,
+                 cache_type: str = "f16", n_batch: int | None = None, n_threads: int | None = None,
                  n_gpu_layers: int | None = None):
         """n_gpu_layers: layers (and their KV cache) offloaded to a GPU, where the library was built with one; None is
-        llama.cpp's default (every layer), 0 keeps everything on the CPU."""
+        llama.cpp's default (every layer), 0 keeps all on the CPU. n_batch None: CPU_UBATCH on a CPU, else 512."""
         self.L = load_llama_cpp()
         L = self.L
+        if n_batch is None:
+            n_batch = CPU_UBATCH if not L.llama_supports_gpu_offload() or n_gpu_layers == 0 else 512
         self.model_path = str(model_path)
         self.info: ModelInfo = read_model_info(model_path)
         self.longrope = longrope(model_path)    # phi3's LongRoPE pair: the context's size picks the factors
