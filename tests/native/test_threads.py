@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvcli.errors import KvcliError
-from kvcli.native import session as ns
+from kvcli.native import threads as ns
 
 
 def test_default_threads_follows_affinity_quota_and_load(monkeypatch, tmp_path):
