@@ -305,8 +305,9 @@ def test_batch_reads_every_format(files):
 @pytest.mark.slow
 def test_each_format_answers_as_its_text(files, tmp_path, cache_dir):
     """`kvcli run --doc book.EXT` on the default model, greedy: the same prompt tokens and answer as the .txt of the
-    text it converts to (which, but for the PDF's paragraph breaks, is the same text for every format)."""
-    q = ["What is the locker number of the lower lake?", "-n", "12", "--json"]
+    text it converts to (which, but for the PDF's paragraph breaks, is the same text for every format); the PDF, read
+    in 5 prompt tokens fewer, answers as the .txt too, and every format cites the answer's line first."""
+    q = ["What is the locker number of the lower lake?", "-n", "16", "--json"]
     pdf_txt = tmp_path / "pdf-as-text.txt"
     pdf_txt.write_text(open_document(str(files["pdf"])).text, encoding="utf-8")
     runs = {}
@@ -320,6 +321,9 @@ def test_each_format_answers_as_its_text(files, tmp_path, cache_dir):
         assert runs[name]["stats"]["prompt_tokens"] == runs["txt"]["stats"]["prompt_tokens"], name
     assert runs["pdf"]["answer"] == runs["pdf-as-text"]["answer"]
     assert runs["pdf"]["stats"]["prompt_tokens"] == runs["pdf-as-text"]["stats"]["prompt_tokens"]
+    assert runs["pdf"]["answer"] == runs["txt"]["answer"] and "4127" in runs["txt"]["answer"]
+    for name in ("txt", "html", "epub", "docx", "pdf"):   # the one passage that holds the answer, cited first
+        assert "4127" in runs[name]["citations"][0]["quote"], (name, runs[name]["citations"])
     r = _kvcli("run", "--doc", "-", *q, data=files["pdf"].read_bytes())   # a PDF piped on standard input
     assert r.returncode == 0 and json.loads(r.stdout)["answer"] == runs["pdf"]["answer"]
     assert document_store.entries() == []
