@@ -283,11 +283,17 @@ def test_every_command_refuses_them_so(command, tmp_path, cache_dir):
     _store_is_empty(cache_dir)
 
 
-def test_standard_input_is_converted_too(files, cache_dir):
-    r = _kvcli("run", "--doc", "-", "q", data=fs.scanned_pdf_bytes(2))
+@pytest.mark.parametrize("command", [["run", "--doc", "-", "q"], ["run", "q"],
+                                     ["compress", "--doc", "-", "-o", "{}", "--policy", "snapkv", "--budget", "64"],
+                                     ["check", "--doc", "-", "--policy", "snapkv", "--budget", "64"]])
+def test_standard_input_is_converted_too(command, tmp_path, cache_dir):
+    out = tmp_path / "piped.kvc"
+    r = _kvcli(*[a.replace("{}", str(out)) for a in command], data=fs.scanned_pdf_bytes(2))
     assert r.returncode == 2 and r.stderr.decode().strip() == (
         "kvcli: error: standard input has no text layer (a scanned PDF?): none of its 2 pages holds text; run OCR on "
-        "it first (e.g. ocrmypdf)")
+        "it first (e.g. ocrmypdf)"), r.stderr.decode()
+    assert not out.exists()
+    _store_is_empty(cache_dir)
 
 
 def test_batch_reads_every_format(files):
