@@ -46,12 +46,23 @@ def test_origins_follow_the_slots_through_chunked_compactions(tiny_gguf, policy)
     assert max(len(h) for layer in got for h in layer) <= 40 and origins.consumed == len(toks)
 
 
-def test_check_chunked_on_tiny_model_tight(tiny_gguf):
+def test_check_chunked_on_tiny_model_tight(tiny_gguf, monkeypatch):
     """A document of 4 chunks: every planning step gives identical plans (L1) and the end results agree to
     float32 accuracy (L3), for a window policy (scored by the question probe, rolled back in both engines),
-    an accumulated-attention policy and a positional one."""
+    an accumulated-attention policy and a positional one. The compressions the command resolved are the ones read
+    with (issue #65): nothing resolves a policy again."""
+    from kvcli.drivers.check import resolve_policies
+    import kvcli.drivers.compress as compress_driver
+    import kvcli.planning.planner as planner
+    names = ["snapkv", "h2o", "streamingllm"]
     settings = CheckSettings(budget=48, n_tokens=8, cache_type="f32", flash_attn=False, doc_tokens=320, chunk=96)
-    r = run_check(tiny_gguf, DOC, ["snapkv", "h2o", "streamingllm"], settings, Thresholds.tight())
+    resolved = resolve_policies(tiny_gguf, names, settings.budget)
+
+    def again(*a, **kw):
+        raise AssertionError(f"a policy resolved again: {a[1:3]}")
+    monkeypatch.setattr(compress_driver, "resolve", again)
+    monkeypatch.setattr(planner, "resolve", again)
+    r = run_check(tiny_gguf, DOC, names, settings, Thresholds.tight(), resolved=resolved)
     from kvcli.commands.check import format_report
     table = format_report(r)
     assert r["l2"]["pass"] and r["l2"]["tokens"] == 96, table

@@ -146,8 +146,8 @@ def run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
                 plans_n.append(plan_n)
 
             native.clear(0)
-            rep_n = compress.prefill_and_compress(native, tokens, name, settings.budget, {}, planner="native",
-                                                  on_step=native_step, **reading)
+            rep_n = compress.prefill_and_compress(native, tokens, cfg, planner="native", on_step=native_step,
+                                                  **reading)
             entry["chunks"] = len(rep_n.steps)
             entry["steps"] = [[s.cells_before, s.cells_after] for s in rep_n.steps]
             if 1 in levels:
@@ -165,8 +165,7 @@ def run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
                     return plan
 
                 reference.clear(0)
-                rep_a = compress.prefill_and_compress(reference, tokens, name, settings.budget, {},
-                                                      planner=native_plans, **reading)
+                rep_a = compress.prefill_and_compress(reference, tokens, cfg, planner=native_plans, **reading)
                 entry["l3"] = arithmetic_verdict(native, reference, settings, th,
                                                  peak_cells=[rep_n.peak_cells, rep_a.peak_cells])
                 native.restore_seq(state_n, 0)
@@ -174,7 +173,7 @@ def run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
                 origins_r = Origins(info.n_layer, info.n_head_kv)
                 reference.clear(0)
                 rep_r = compress.prefill_and_compress(
-                    reference, tokens, name, settings.budget, {}, planner="reference",
+                    reference, tokens, cfg, planner="reference",
                     on_step=lambda step, obs, plan, o=origins_r: o.on_plan(obs.n, plan, reindexed), **reading)
                 kept_r = origins_r.kept(reference.stats(0)["kv_cells"])
                 entry["plans"] = plans_verdict(native, reference, jaccard_per_head(kept_n, kept_r), settings, th,
