@@ -483,3 +483,25 @@ def test_a_conversation_prefills_only_what_is_new_within_the_bound(tiny_2k, setu
     r = store.reselect(s, short, cfg, extend=True)
     assert r.source == "document" and r.restored == len(short) - window
     store.close()
+
+
+def test_a_policy_bounded_re_selection_cannot_serve_is_refused_when_chosen(tiny_2k):
+    """/policy on a bounded chat: a column-sum or column-maxima policy is refused at once, in bounded re-selection's
+    one message (check_usable's, the same as `kvcli chat --policy h2o --chunk N` gets), and the chat goes on with
+    the policy it had (issue #65: one message per mistake)."""
+    from kvcli.apps.chat import Conversation
+    from kvcli.drivers.reselect_bounded import check_usable
+    from kvcli.native.session import NativeSession
+    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, policy="snapkv", budget=48, reselect=True, chunk=128)
+    conv.compress()
+    assert conv.store.bounded
+    for policy, what in (("h2o", "column sums"), ("kvzip", "column maxima")):
+        with pytest.raises(KvcliError) as chosen:
+            conv.recompress(policy, 48)
+        with pytest.raises(KvcliError) as direct:
+            check_usable(conv.session, cfg_of(tiny_2k, policy))
+        assert str(chosen.value) == str(direct.value) and what in str(chosen.value)
+        assert (conv.policy, conv.budget) == ("snapkv", 48)
+    assert len(conv.ask(Q, 3).tokens) >= 1 and conv.last_reselection is not None
+    conv.close()
+    conv.session.close()

@@ -232,11 +232,12 @@ class Reselected(Conversation, kind="reselected"):
                 self.session.clear(q)
 
     def _store_colsum_for(self, cfg) -> None:
-        """A column-sum policy on a store read without the sums: read the document once more, with them (said)."""
-        if "colsum" in cfg.observe[0] and self.store.colsum is None:
-            if self.store.bounded:
-                raise KvcliError(f"policy {self.policy} scores by column sums, which bounded re-selection does not "
-                                 "replay: choose a window policy (snapkv, pyramidkv, ...)")
+        """A column-sum policy on a store read without the sums: read the document once more, with them (said). A
+        bounded store is read in chunks once: what bounded re-selection cannot serve (column sums or maxima, ...) is
+        refused in its one message (check_usable), when the policy is chosen."""
+        if self.store.bounded:
+            check_usable(self.session, cfg)
+        elif "colsum" in cfg.observe[0] and self.store.colsum is None:
             self._say(f"policy {self.policy} scores by column sums: reading the document again to store them")
             self.read_store_keeping_turns()
 
