@@ -33,3 +33,17 @@ def test_the_readme_is_a_product_page():
     dated = [f"{i}: {s.strip()[:60]}" for i, s in enumerate(lines, 1)
              if re.search(r"\b20\d\d-\d\d-\d\d\b|\b(EPYC|Xeon)\b", s)]
     assert not dated, "dates and machine names belong in docs/results/:\n" + "\n".join(dated)
+
+
+NUMBERS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                      "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
+
+
+def test_the_readme_counts_the_policies_the_registry_holds():
+    """'the N policies' says how many `kvcli policies` lists (it said twelve after keydiff and tova made fourteen)."""
+    from kvcli import policies
+    said = re.findall(r"\b(\w+) policies\b", README.read_text(encoding="utf-8"))
+    counts = [NUMBERS.get(w.lower(), int(w) if w.isdigit() else None) for w in said]
+    counts = [n for n in counts if n is not None]
+    assert counts, "README.md no longer says how many policies there are (drop this test with it)"
+    assert all(n == len(policies.available()) for n in counts), (said, policies.available())
