@@ -123,3 +123,32 @@ def test_list_params_round_trip():
 def test_parse_policy_args():
     assert parse_policy_args(["a=1", " b = x=y "]) == {"a": "1", "b": "x=y"}
     assert parse_policy_args(None) == {}
+
+
+def test_a_policy_lives_in_one_place_per_engine_with_its_test():
+    """Issue #65: each registry entry is its spec (kvcli/policies/NAME.py), its torch planner
+    (kvcli/reference/policies/NAME.py), its C++ planner (native/src/policies/NAME.cpp, registered under NAME) and its
+    test (tests/policies/test_NAME.py), and docs/usage.md's table of the policies has its row; no planner file is
+    left without a registry entry."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    usage = (root / "docs" / "usage.md").read_text(encoding="utf-8")
+    missing = []
+    for name in P.available():
+        spec = P.get(name)
+        wants = [(root / "kvcli" / "policies" / f"{name}.py", None), (root / "tests" / "policies" / f"test_{name}.py",
+                                                                     None)]
+        if spec.reference:
+            wants.append((root / "kvcli" / "reference" / "policies" / f"{name}.py", None))
+        if spec.native:
+            wants.append((root / "native" / "src" / "policies" / f"{name}.cpp", f'KVCLI_REGISTER_POLICY("{name}"'))
+        for path, text in wants:
+            if not path.is_file() or (text is not None and text not in path.read_text(encoding="utf-8")):
+                missing.append(str(path.relative_to(root)) + (f" ({text})" if text else ""))
+        if not re.search(rf"^\| `{name}` \|", usage, re.M):
+            missing.append(f"docs/usage.md: the policies table's row for {name}")
+    assert not missing, "\n".join(missing)
+    planners = {p.stem for p in (root / "native" / "src" / "policies").glob("*.cpp")} | \
+        {p.stem for p in (root / "kvcli" / "reference" / "policies").glob("*.py") if not p.stem.startswith("_")}
+    assert planners <= set(P.available()), f"planners with no registry entry: {sorted(planners - set(P.available()))}"
