@@ -277,6 +277,21 @@ def memory(ctx) -> dict:
     return {"kv_size": int(m.kv_size), "kv_bytes": int(m.kv_bytes), "bias_bytes": int(m.bias_bytes)}
 
 
+def release_compute(ctx) -> int:
+    """Give the context's host compute-buffer pages back to the kernel (kvcli_release_compute): scratch between
+    graphs, resident for the context's life once a long prefill touched them. Returns the bytes given back."""
+    L = lib()
+    n = ctypes.c_int64(0)
+    L.check(L.kvcli_release_compute(_ctx(ctx), ctypes.byref(n)), "releasing the compute buffer")
+    return int(n.value)
+
+
+def last_graph_count(ctx, prefix: str) -> int:
+    """Nodes of the last graph built over the cache named with `prefix` (which path a ubatch took; tests)."""
+    L = lib()
+    return L.check(L.kvcli_last_graph_count(_ctx(ctx), prefix.encode()), "reading the last graph")
+
+
 # ------------------------------------------------------------------------------ headers
 def set_header(ctx, seq: int, policy: str, budget: int, original_tokens: int) -> None:
     """Label a compressed sequence (saved with its state); kvcli's version is filled in."""

@@ -93,6 +93,8 @@ _SIGNATURES = {
     "kvcli_seq_get_header": (c_int32, [c_void_p, c_int32, POINTER(StateHeader)]),
     "kvcli_stats_get": (c_int32, [c_void_p, c_int32, POINTER(Stats), I32P, I32P]),
     "kvcli_memory_get": (c_int32, [c_void_p, POINTER(Memory)]),
+    "kvcli_release_compute": (c_int32, [c_void_p, POINTER(c_int64)]),
+    "kvcli_last_graph_count": (c_int32, [c_void_p, c_char_p]),
     "kvcli_model_kv_layers": (c_int32, [c_void_p, I32P]),
     "kvcli_cells_with_bias": (c_int32, [c_void_p]),
     "kvcli_attn_path_choose": (c_int32, [c_int32, c_int32, c_char_p, c_int32]),

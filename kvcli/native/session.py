@@ -350,6 +350,10 @@ class NativeSession(SavingMixin):
             for end in cuts:
                 self._append([(tokens[i], st.next_pos + (i - start), seq, i == len(tokens) - 1)
                               for i in range(start, end)])
+                if end - start > 1:
+                    # the ubatch's scratch pages given back (kvcli_release_compute): the next ubatch's graph, of
+                    # another shape, would lay its tensors over other pages, and the prefill would hold the union
+                    cache.release_compute(self.ctx)
                 if progress is not None:
                     progress(end - start)
                 start = end

@@ -192,6 +192,18 @@ struct kvcli_memory {
 };
 KVCLI_API int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out);
 
+// Gives the pages of the context's compute buffers in host memory back to the kernel (MADV_DONTNEED): what a
+// graph leaves there is scratch, which the next graph writes before it reads. A document read in ubatches of
+// hundreds of rows, or a question prefilled with observation, touches far more of the buffer than a decoded token;
+// without this those pages stay resident for the context's life. Costs the next graph its page faults only.
+// Buffers in device memory, or host memory the kernel will not advise (pinned), are left as they are.
+// released: the bytes given back (may be NULL). Returns 0 or < 0 (kvcli_last_error).
+KVCLI_API int32_t kvcli_release_compute(struct llama_context * ctx, int64_t * released);
+
+// How many nodes of the last graph built over the context's cache carry a name starting with `prefix` (kvcli names
+// its own nodes: kvcli_obs_winsum-IL[-hH], kvcli_rows_kqv-IL[-gG], ...): which path a ubatch took, for tests.
+KVCLI_API int32_t kvcli_last_graph_count(struct llama_context * ctx, const char * prefix);
+
 // The model layers whose KV cache kvcli compresses, in order: every layer of a model without sliding-window
 // layers, the global (non-SWA) layers of one with them (their cache is the base cache of llama.cpp's
 // llama_kv_cache_iswa; the SWA layers keep llama.cpp's window cache). A plan's layer i is the i-th of them.

@@ -64,6 +64,29 @@ bool on_cpu(const ggml_tensor * t) {
     return dev ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU : ggml_backend_buft_is_host(buft);
 }
 
+// How many groups of KV heads (at most `want`, dividing n_head_kv) the attention of layer il can be built in: each
+// group adds about `per_group` tensors, and llama.cpp sizes a graph's metadata and nodes for its own (8 x the model's
+// tensors on most models), so the groups must leave the layers after il what the layers so far took each.
+int64_t groups_with_room(ggml_context * ctx0, ggml_cgraph * gf, int il, int n_layer, int64_t n_head_kv, int64_t want,
+                         int64_t per_group) {
+    int64_t groups = std::min<int64_t>(want, n_head_kv);
+    while (groups > 1) {
+        const int64_t extra = (groups - 1) * per_group, after = std::max(1, n_layer - il);
+        const size_t per = ggml_tensor_overhead(), used = ggml_used_mem(ctx0);
+        const int64_t objs = (int64_t) (used / per), objs_left = (int64_t) ((ggml_get_mem_size(ctx0) - used) / per);
+        bool room = objs_left >= extra + (objs / (il + 1) + 16) * after + 64;
+        if (gf) {
+            const int64_t nodes = ggml_graph_n_nodes(gf), nodes_left = ggml_graph_size(gf) - nodes;
+            room = room && nodes_left >= extra + (nodes / (il + 1) + 16) * after + 64;
+        }
+        if (room && n_head_kv % groups == 0) {
+            break;
+        }
+        --groups;
+    }
+    return std::max<int64_t>(groups, 1);
+}
+
 // q [hd, n_head, n_tokens], k/v views of the cache [hd, n_head_kv, n_kv, 1] (V not transposed) from cell c0,
 // kq_mask [n_kv, n_tps, 1, 1] F16 from cell c0, bias [kv_size, n_head_kv] F32 -> [hd_v * n_head, n_tokens];
 // soft_cap: llama.cpp's logit_softcap of flash attention (0: none)
@@ -132,8 +155,8 @@ bool few_rows(bool flash_attn, const ggml_tensor * q, const ggml_tensor * k, con
 // 1 or n_head] -> [hd_v * n_head, n_tokens]. Flash attention's semantics: the soft cap applies to kq * kq_scale, the
 // mask after it. V is read as F32, transposed once per layer (the cells' rows are contiguous in the products).
 // p: the probabilities when the observation made them already (kvcli_pending::probs), else nullptr.
-ggml_tensor * rows_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * mask,
-                             ggml_tensor * p, float kq_scale, float soft_cap, int il) {
+ggml_tensor * rows_attention_all(ggml_context * ctx0, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * mask,
+                                 ggml_tensor * p, float kq_scale, float soft_cap, int il) {
     const int64_t n_head = q->ne[1], n_tokens = q->ne[2];
     if (!p) {
         ggml_tensor * kq = ggml_mul_mat(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3),      // [hd, n_kv, n_head_kv]
@@ -148,8 +171,42 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor *
     }
     ggml_tensor * vt = ggml_cast(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3), GGML_TYPE_F32); // [n_kv, hd_v, n_head_kv]
     ggml_tensor * kqv = ggml_mul_mat(ctx0, vt, p);                                // [hd_v, n_tokens, n_head]
-    ggml_format_name(kqv, "kvcli_rows_kqv-%d", il);
+    if (il >= 0) {
+        ggml_format_name(kqv, "kvcli_rows_kqv-%d", il);
+    }
     return ggml_cont_2d(ctx0, ggml_permute(ctx0, kqv, 0, 2, 1, 3), kqv->ne[0] * n_head, n_tokens);
+}
+
+// The same, a group of KV heads at a time where the probabilities are its own to make (at most 4 groups, as
+// rows_attention_grouped): the graph takes each group's chain whole before the next (concat's first source first),
+// so the allocator frees a group's [n_kv, rows, heads] probabilities and F32 values before the next group's exist.
+// Every head's products are the ones rows_attention_all makes, so the result is the same to the bit.
+ggml_tensor * rows_attention(ggml_context * ctx0, ggml_cgraph * gf, int n_layer, ggml_tensor * q, ggml_tensor * k,
+                             ggml_tensor * v, ggml_tensor * mask, ggml_tensor * p, float kq_scale, float soft_cap, int il) {
+    const int64_t n_head = q->ne[1], n_tokens = q->ne[2], n_head_kv = k->ne[1];
+    const bool mask_per_head = mask->ne[2] == n_head && n_head > 1;
+    const int64_t groups = !p && (mask->ne[2] == 1 || mask_per_head) ?
+        groups_with_room(ctx0, gf, il, n_layer, n_head_kv, 4, 16) : 1;
+    if (groups > 1) {
+        const int64_t kv_step = n_head_kv / groups, q_step = kv_step * (n_head / n_head_kv);
+        ggml_tensor * out = nullptr;
+        for (int64_t g = 0; g < groups; ++g) {
+            ggml_tensor * qg = ggml_view_3d(ctx0, q, q->ne[0], q_step, n_tokens, q->nb[1], q->nb[2],
+                                            (size_t) g * q_step * q->nb[1]);
+            ggml_tensor * kg = ggml_view_4d(ctx0, k, k->ne[0], kv_step, k->ne[2], 1, k->nb[1], k->nb[2], k->nb[3],
+                                            (size_t) g * kv_step * k->nb[1]);
+            ggml_tensor * vg = ggml_view_4d(ctx0, v, v->ne[0], kv_step, v->ne[2], 1, v->nb[1], v->nb[2], v->nb[3],
+                                            (size_t) g * kv_step * v->nb[1]);
+            ggml_tensor * mg = !mask_per_head ? mask : ggml_view_3d(ctx0, mask, mask->ne[0], mask->ne[1], q_step,
+                                                                  mask->nb[1], mask->nb[2], (size_t) g * q_step * mask->nb[2]);
+            ggml_tensor * o = rows_attention_all(ctx0, qg, kg, vg, mg, nullptr, kq_scale, soft_cap, -1);   // [hd_v * hg, rows]
+            o = ggml_reshape_3d(ctx0, o, v->ne[0], q_step, n_tokens);
+            out = out ? ggml_concat(ctx0, out, o, 1) : o;
+        }
+        ggml_format_name(out, "kvcli_rows_kqv-%d", il);
+        return ggml_reshape_2d(ctx0, out, out->ne[0] * n_head, n_tokens);   // concat's result is contiguous
+    }
+    return rows_attention_all(ctx0, q, k, v, mask, p, kq_scale, soft_cap, il);
 }
 
 // The rows path over a window observation left to it (kvcli_window_defer): the observation's products and the
@@ -157,13 +214,10 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_tensor * q, ggml_tensor *
 // probabilities and F32 values before the next group's are made (at 16k cells and 32 rows of qwen2.5-0.5b, 27 MiB
 // of probabilities at once become 14 by their shape; the serve peak moved 1 MiB: native/src/README.md). At most 4
 // groups: each adds a few nodes per layer to the graph.
-ggml_tensor * rows_attention_grouped(ggml_context * ctx0, kvcli_kv_ext & ext, ggml_cgraph * gf, ggml_tensor * q,
-                                     ggml_tensor * v, int il) {
+ggml_tensor * rows_attention_grouped(ggml_context * ctx0, kvcli_kv_ext & ext, ggml_cgraph * gf, int n_layer,
+                                     ggml_tensor * q, ggml_tensor * v, int il) {
     const int64_t n_head = q->ne[1], n_tokens = q->ne[2], n_head_kv = v->ne[1], ratio = n_head / n_head_kv;
-    int64_t groups = std::min<int64_t>(4, n_head_kv);
-    while (n_head_kv % groups != 0) {
-        --groups;
-    }
+    const int64_t groups = groups_with_room(ctx0, gf, il, n_layer, n_head_kv, 4, 20);
     const int64_t kv_step = n_head_kv / groups;
     ggml_tensor * out = nullptr;
     for (int64_t g = 0; g < groups; ++g) {
@@ -195,7 +249,7 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     if (it == map_ids.end()) {
         return nullptr;
     }
-    const bool biased = !ext.bias.empty() && ext.cells.any_compressed();
+    const bool biased = kvcli_bias_applies(mctx);
     const auto & hp = kvcli_access::hparams(*kv);
     const float cap = hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f;
     // the ragged layout: kvcli_attn_hook viewed K and V from the layer's front; llama.cpp's mask follows
@@ -211,7 +265,7 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
             if (biased) {
                 record_path(ext, il, KVCLI_ATTN_PATH_ROWS);
             }
-            out = rows_attention_grouped(ctx0, ext, defer->gf, q, v, il);
+            out = rows_attention_grouped(ctx0, ext, defer->gf, (int) hp.n_layer(), q, v, il);
         } else {
             kvcli_obs_window_group(ctx0, ext, il, 0, q->ne[1]);   // the observation alone, every head at once
         }
@@ -233,7 +287,7 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
         if (p && (p->ne[0] != k->ne[2] || p->ne[1] != q->ne[2] || p->ne[2] != q->ne[1])) {
             p = nullptr;
         }
-        return rows_attention(ctx0, q, k, v, mask, p, kq_scale, cap, il);
+        return rows_attention(ctx0, ext.last_gf, (int) hp.n_layer(), q, k, v, mask, p, kq_scale, cap, il);
     }
     if (!biased) {
         return nullptr; // no slot bias: llama.cpp's attention as it is (observation only)

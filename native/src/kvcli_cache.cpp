@@ -276,6 +276,34 @@ void kvcli_clear_buffer(ggml_backend_buffer_t buf) {
     ggml_backend_buffer_clear(buf, 0);
 }
 
+bool kvcli_bias_applies(const llama_kv_cache_context * mctx) {
+    llama_kv_cache * kv = kvcli_access::kv(mctx);
+    if (!kv || !kv->kvcli_ext || kv->kvcli_ext->bias.empty() || !kv->kvcli_ext->cells.any_compressed()) {
+        return false;
+    }
+    // A question prefilled over a resident document sees the document's cells only, which carry no bias, while an
+    // answer compressed beside them does: its rows would otherwise add zeros per query head, [n_kv, rows, n_head]
+    // F32 a layer (23 MB at 16k cells and 25 rows). The bias of a cell the rows cannot see is masked anyway.
+    const llama_ubatch * ub = kvcli_access::ubatch(mctx);
+    const auto & ext = *kv->kvcli_ext;
+    const auto & s2s = kvcli_access::seq_to_stream(*kv);
+    if (!ub || kvcli_access::n_stream(*kv) != 1) {
+        return true;   // a graph reserved for no ubatch in particular, or several streams: as if any could
+    }
+    const auto & cells = kvcli_access::cells(*kv)[s2s[0]];
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (!ext.cells.biased(c)) {
+            continue;
+        }
+        for (uint32_t i = 0; i < ub->n_seqs_unq; ++i) {
+            if (cells.seq_has(c, ub->seq_id_unq[i])) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 void kvcli_on_cells_freed(llama_kv_cache * kv) {
     if (!kv->kvcli_ext) {
         return;
@@ -599,6 +627,50 @@ int32_t kvcli_memory_get(struct llama_context * ctx, struct kvcli_memory * out) 
         out->kv_bytes   = kv_bytes;
         out->bias_bytes = bias_bytes;
         return 0;
+    });
+}
+
+int32_t kvcli_release_compute(struct llama_context * ctx, int64_t * released) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        int64_t total = 0;
+        ggml_cgraph * gf = kv->kvcli_ext ? kv->kvcli_ext->last_gf : nullptr;
+        std::vector<ggml_backend_buffer_t> seen;
+        const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+        for (int i = 0; gf && i < ggml_graph_n_nodes(gf); ++i) {
+            ggml_backend_buffer_t buf = ggml_graph_node(gf, i)->buffer;   // NULL until the graph is allocated
+            if (!buf || ggml_backend_buffer_get_usage(buf) != GGML_BACKEND_BUFFER_USAGE_COMPUTE ||
+                !ggml_backend_buffer_is_host(buf) || std::find(seen.begin(), seen.end(), buf) != seen.end()) {
+                continue;
+            }
+            seen.push_back(buf);
+            const uintptr_t begin = reinterpret_cast<uintptr_t>(ggml_backend_buffer_get_base(buf));
+            const uintptr_t lo = (begin + page - 1) & ~(page - 1);
+            const uintptr_t hi = (begin + ggml_backend_buffer_get_size(buf)) & ~(page - 1);
+            if (hi > lo && madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED) == 0) {
+                total += (int64_t) (hi - lo);
+            }
+        }
+        if (released) {
+            *released = total;
+        }
+        return 0;
+    });
+}
+
+int32_t kvcli_last_graph_count(struct llama_context * ctx, const char * prefix) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        if (!prefix) {
+            throw kvcli_error("prefix is NULL");
+        }
+        ggml_cgraph * gf = kv->kvcli_ext ? kv->kvcli_ext->last_gf : nullptr;
+        const size_t n = std::strlen(prefix);
+        int32_t count = 0;
+        for (int i = 0; gf && i < ggml_graph_n_nodes(gf); ++i) {
+            count += std::strncmp(ggml_graph_node(gf, i)->name, prefix, n) == 0;
+        }
+        return count;
     });
 }
 

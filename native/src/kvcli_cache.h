@@ -50,6 +50,9 @@ struct kvcli_kv_ext {
     // attention path (KVCLI_ATTN_PATH_*) each model layer took in the last graph built with a compacted
     // sequence (kvcli_attention.cpp); 0 = not built yet
     std::vector<int8_t> attn_path;
+    // the last graph built over this cache (kvcli_attn_hook): after llama_decode its nodes sit in the context's
+    // compute buffers, which kvcli_release_compute finds through them (ggml's scheduler does not expose them)
+    ggml_cgraph * last_gf = nullptr;
     // the graph being built holds the rows of one sequence only (set by kvcli_attn_hook for kvcli_build_attn, whose
     // few-rows path computes every row against every cell: rows of several sequences each see few of them)
     bool graph_one_seq = false;
@@ -81,6 +84,10 @@ ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, in
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
 struct kvcli_access {
     static llama_kv_cache * kv(const llama_kv_cache_context * mctx) { return mctx->kv; }
+    // the ubatch the context is at; nullptr for a context made to reserve graphs (no ubatches)
+    static const llama_ubatch * ubatch(const llama_kv_cache_context * mctx) {
+        return mctx->i_cur < mctx->ubatches.size() ? &mctx->ubatches[mctx->i_cur] : nullptr;
+    }
 
     static auto & layers(const llama_kv_cache & kv)        { return kv.layers; }
     static auto & layers_mut(llama_kv_cache & kv)          { return kv.layers; }
@@ -119,6 +126,9 @@ bool kvcli_is_iswa_base(const llama_kv_cache & kv);
 // the cache checks that compaction, bias and observation need (one stream, no SWA, plain attention)
 void kvcli_require_supported(llama_kv_cache * kv);
 kvcli_kv_ext & kvcli_ext_of(llama_kv_cache * kv);
+// whether the ubatch mctx is at attends with the slot bias: some cell one of its sequences sees carries a bias row
+// (kvcli_graph.cpp; the graph key, kvcli_attn_hook and kvcli_build_attn decide by it alike)
+bool kvcli_bias_applies(const llama_kv_cache_context * mctx);
 // cells of seq_id in cell order (stream of seq_id)
 std::vector<uint32_t> kvcli_seq_cells(const llama_kv_cache & kv, llama_seq_id seq_id);
 void kvcli_check_seq(const llama_kv_cache & kv, llama_seq_id seq_id);

@@ -253,7 +253,7 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
         return 1;   // nothing of kvcli's yet (kvcli_attn_hook makes its state)
     }
     auto & ext = *kv->kvcli_ext;
-    const uint64_t bias = (!ext.bias.empty() && ext.cells.any_compressed()) ? 1 : 0;
+    const uint64_t bias = kvcli_bias_applies(mctx) ? 1 : 0;
     // never 0: every graph goes through kvcli_attn_hook and kvcli_build_attn, so that a ubatch of few rows is attended
     // the same way whether or not it is observed (kvcli_attention.cpp, the rows path). A relayout (kvcli_layout.cpp)
     // replaced the cache's tensors: a graph built over the old ones is not reused
@@ -275,6 +275,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     }
     auto & ext = kvcli_ext_of(kv);
     ext.graph_one_seq = ubatch.n_seqs_unq == 1;
+    ext.last_gf = gf;
     if (ext.obs.armed) {
         // the observation nodes built here hold this ubatch's rows: a later ubatch must build its own
         // graph, so the key stored with this graph (taken before this call) must not match again
@@ -296,7 +297,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     const int64_t n_kv = k->ne[2], n_head = q->ne[1], n_tps = kq_mask->ne[1];
     ggml_tensor * bias = nullptr;
     ggml_tensor * mask = kq_mask;
-    if (!ext.bias.empty() && ext.cells.any_compressed()) {
+    if (kvcli_bias_applies(mctx)) {
         bias = kvcli_cache_detail::bias_per_query_head(ctx0, ext.bias[it->second], c0, n_kv, n_head);
         mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, kq_mask, n_kv, n_tps, n_head, 1), bias);
     }
@@ -326,7 +327,9 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     kvcli_pending pend;
     pend.c0 = c0;
     // a cache in host memory: the graph adds its sums into the host accumulators (add_into_host)
-    const bool host_sums = k->buffer && ggml_backend_buffer_is_host(k->buffer);
+    // (k is a view of the cache's tensor: a view has no buffer until the graph is allocated, its source has)
+    const ggml_tensor * k_data = k->view_src ? k->view_src : k;
+    const bool host_sums = k_data->buffer && ggml_backend_buffer_is_host(k_data->buffer);
     const uint32_t n_layer = hp.n_layer(), kv_size = kv->get_size();
     ggml_tensor * kk = ggml_permute(ctx0, k, 0, 2, 1, 3); // [hd, n_kv, n_head_kv]
 

@@ -1,0 +1,67 @@
+"""kvcli_release_compute (issue #62): the compute buffer's pages given back after a prefill are scratch, so
+nothing a later graph computes changes: a session that gives them back after every prefill (the default) and
+between decoded tokens decodes the same logits, bit for bit, as one that keeps them, including a graph llama.cpp
+reuses across the release."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcli.native.cache as cache
+
+
+def _run(session_factory, model, release_between_steps: bool, monkeypatch=None):
+    s = session_factory(model, n_ctx=1024, n_seq=2)
+    rng = np.random.default_rng(3)
+    doc = [int(t) for t in rng.integers(10, 200, 700)]
+    s.prefill(doc, seq=0, observe=("window",), window=8)   # several ubatches and an observed one
+    out = [s.logits(0).copy()]
+    s.prefill([11, 12, 13, 14, 15], seq=1)
+    out.append(s.logits(1).copy())
+    tok = int(np.argmax(out[0]))
+    for _ in range(4):   # one-row graphs of one shape: llama.cpp reuses the graph from the second step on
+        s.step({0: tok})
+        if release_between_steps:
+            assert cache.release_compute(s.ctx) > 0
+        out.append(s.logits(0).copy())
+        tok = int(np.argmax(out[-1]))
+    return out
+
+
+def test_released_pages_change_no_logits(session_factory, tiny_model, monkeypatch):
+    released = _run(session_factory, tiny_model, release_between_steps=True)
+    monkeypatch.setattr(cache, "release_compute", lambda ctx: 0)   # the pages kept, as before the release existed
+    kept = _run(session_factory, tiny_model, release_between_steps=False)
+    assert len(released) == len(kept)
+    for a, b in zip(released, kept):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_prefill_gives_its_compute_pages_back(session_factory, tiny_model, monkeypatch, flash_attn):
+    calls = []
+    real = cache.release_compute
+    monkeypatch.setattr(cache, "release_compute", lambda ctx: calls.append(real(ctx)) or calls[-1])
+    s = session_factory(tiny_model, n_ctx=1024, flash_attn=flash_attn)
+    s.prefill(list(range(10, 400)), seq=0)    # two ubatches of the session's 256
+    assert len(calls) == 2 and min(calls) > 0  # after each, the context's host compute buffer, whole pages of it
+    s.step({0: 5})
+    assert len(calls) == 2                     # a decoded token keeps its few pages
+
+
+@pytest.mark.parametrize("rows", [6, 100])
+def test_a_few_rows_question_takes_the_grouped_window_observation(session_factory, tiny_model, rows):
+    """A CPU cache's observed question of few rows has its window sums added into the host accumulators by the graph
+    and its observation built beside its attention, a group of KV heads at a time (kvcli_window_defer): the last
+    graph names the groups' nodes. (The cache's K is a view at graph build; the path was once never taken for it.)"""
+    s = session_factory(tiny_model, n_ctx=1024)
+    s.prefill(list(range(10, 300)), seq=0)
+    s.prefill(list(range(20, 20 + rows)), seq=0, observe=("window",), window=rows)
+    deferred = cache.last_graph_count(s.ctx, "kvcli_obs_winsum-0-h")
+    every_head = cache.last_graph_count(s.ctx, "kvcli_obs_winsum-0") - deferred
+    if rows == 6:   # every row of a few-rows ubatch observed: deferred, per group of KV heads (2 here)
+        assert deferred > 0 and every_head == 0
+        assert cache.last_graph_count(s.ctx, "kvcli_obs_winsum-0-h2") > 0   # the second group's (query heads 2, 3)
+        assert cache.last_graph_count(s.ctx, "kvcli_rows_kqv-0-g") == 2
+    else:           # more rows than the few-rows path takes: observed apart from the attention, every head at once
+        assert deferred == 0 and every_head > 0
