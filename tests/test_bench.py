@@ -173,3 +173,29 @@ def test_shared_prefill_measures_the_same_caches(result, tiny, docs, cli_runner)
         assert (x["kv_cells"], x["kv_bytes"]) == (y["kv_cells"], y["kv_bytes"])
         assert x["agreement"] == y["agreement"]
         assert x["kl_mean"] == pytest.approx(y["kl_mean"], abs=1e-4)
+
+
+def test_bench_says_each_documents_tokens_and_time_before_its_read(cli_runner, tiny, docs, monkeypatch, cache_dir):
+    """kvcli bench announces each document's read as kvcli run does (doc_formats.announce_read; KVCLI_READ_NOTICE_S=0
+    makes any read long enough): one line per document on stderr, with its prompt tokens, before that document's
+    first read and before the result; with --no-share-prefill the read's measured speed is kept for the next one."""
+    monkeypatch.setenv("KVCLI_READ_NOTICE_S", "0")
+    monkeypatch.setenv("KVCLI_READ_TOK_S", "50")
+    args = ["bench", "--docs", str(docs), "--model", str(tiny), "--policies", "full,snapkv", "--budgets", "32,64",
+            "--policy-arg", "snapkv.window=8", "--gen", "2", "--repeat", "1", "--json"]
+    for extra, reads in (([], "the first of its 2 reads, one per cache type and observation"),
+                         (["--no-share-prefill"], "the first of its 3 reads, one per configuration")):
+        r = cli_runner.invoke(cli, args + extra)
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        notice = [ln for ln in r.stderr.splitlines() if ln.startswith("[this document is ")]
+        assert len(notice) == 2, r.stderr
+        lines = r.stderr.splitlines()
+        for d, line in zip(out["settings"]["docs"], notice):
+            n = d["tokens"]
+            assert line == (f"[this document is {n:,} tokens: reading it in one prefill ({reads}) will take about "
+                            f"{round(n / 50)} s (estimated at 50 tokens/s: KVCLI_READ_TOK_S)]"), line
+            # after the log line that names the document, before the line of its first measured configuration
+            at = lines.index(line)
+            assert lines[at - 1].startswith(f"{d['name']} ({n} tokens): ") and lines[at + 1].startswith("  "), lines
+        assert r.output.index(notice[-1]) < r.output.index('"kind": "bench"')   # said before the result

@@ -168,6 +168,31 @@ def test_check_threads_reach_both_engines(cli_runner, tiny_model, tmp_path, monk
     assert bad.exit_code == 2
 
 
+
+def test_check_says_a_long_reads_tokens_and_time_before_it_starts(cli_runner, tiny_model, tmp_path, monkeypatch,
+                                                                   cache_dir):
+    """kvcli check's --doc read is announced as kvcli run's is (doc_formats.announce_read; KVCLI_READ_NOTICE_S=0 makes
+    any read long enough): one line on stderr, with the prompt's token count, before the report; read in chunks too."""
+    import json
+
+    from kvcli.cli import cli
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper logged the tide at dawn and the ferry at noon. " * 12)
+    monkeypatch.setenv("KVCLI_READ_NOTICE_S", "0")
+    monkeypatch.setenv("KVCLI_READ_TOK_S", "50")
+    for extra, how in (([], "in one prefill"), (["--chunk", "64"], "in chunks of 64")):
+        r = cli_runner.invoke(cli, ["check", "--model", str(tiny_model), "--policy", "streamingllm", "--budget", "32",
+                                    "--doc", str(doc), "--tokens", "2", "--levels", "1", "--threads", "1", "--json",
+                                    *extra])
+        assert r.exit_code in (0, 1), r.output
+        n = json.loads(r.stdout)["prompt_tokens"]
+        notice = [ln for ln in r.stderr.splitlines() if ln.startswith("[this document is ")]
+        assert notice == [f"[this document is {n:,} tokens: reading it {how} in the native engine (at least once per "
+                          f"policy) will take about {round(n / 50)} s (estimated at 50 tokens/s: KVCLI_READ_TOK_S)]"], \
+            r.stderr
+        assert r.output.index(notice[0]) < r.output.index('"prompt_tokens"')   # said before the report
+
+
 def _kv(seed=0, shape=(2, 2, 500, 8)):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 

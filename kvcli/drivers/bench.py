@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 import kvcli
-from kvcli import policies
+from kvcli import doc_formats, policies
 from kvcli.drivers.lockstep import Lockstep
 from kvcli.drivers.chunked import plan_chunking
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
@@ -178,6 +178,7 @@ class Bench:
         self.states: dict[tuple, dict] = {}   # (config, doc) -> saved state file + what restoring it needs
         self._state_dir = None
         self.resolved: dict[tuple, object] = {}   # (policy, budget) -> its Compression, resolved once
+        self.unread: dict[str, str] = {}   # doc name -> its reads, said before the first (`_announce`)
         for p in policies:  # a bad --policy-arg or budget is an input error, before any measuring
             if availability(p) is None:
                 for b in budgets:
@@ -210,6 +211,17 @@ class Bench:
         finally:
             s.close()
 
+    def _announce(self, session, doc: Doc, chunk: int | None) -> str:
+        """Before a document's first read: a long read says its token count and estimated time (doc_formats
+        .announce_read, one line on stderr, as kvcli run says it; a probe may be prefilled in the session's empty
+        sequence 0). Returns the key the read's measured speed is recorded under."""
+        form = "chunked" if chunk else "prefill"
+        reads = self.unread.pop(doc.name, None)
+        if reads is None:
+            return doc_formats.speed_key(session, form)
+        how = f"in chunks of {chunk}" if chunk else "in one prefill"
+        return doc_formats.announce_read(session, doc.tokens, form, f"reading it {how} ({reads})", probe_seq=0)
+
     # -------------------------------------------------------------------------- one configuration
     def measure(self, cfg: Config, doc: Doc, n_ctx_train: int) -> dict:
         row = {"doc": doc.name, "policy": cfg.policy, "budget": cfg.budget, "cache_type": cfg.cache_type,
@@ -231,9 +243,11 @@ class Bench:
             row["status"] = f"error: {e}"
             return row
         try:
+            key = self._announce(session, doc, chunking.chunk if chunking else None)
             rep = prefill_and_compress(session, doc.tokens, self.compression(cfg.policy, cfg.budget), seq=0,
                                        chunk=chunking.chunk if chunking else None,
                                        cap=chunking.cap if chunking else None, scoring=self.chunk_scoring)
+            doc_formats.record_read_speed(key, n, rep.prefill_s + rep.compress_s)   # as kvcli run records it
             first = session.logits(0)
             row.update({
                 "prefill_s": rep.prefill_s, "prefill_tok_s": n / rep.prefill_s if rep.prefill_s > 0 else None,
@@ -305,6 +319,7 @@ class Bench:
                 row["note"] = comp.fit_note(n)
             kinds, w = comp.observe if comp.compresses(n) else ((), 0)   # no observation: full's prefill
             groups.setdefault((cfg.cache_type, tuple(sorted(kinds)), w), []).append((cfg, comp))
+        self.unread[doc.name] = _reads(len(groups), "one per cache type and observation")
         for (ct, kinds, w), members in groups.items():
             self.log(f"{doc.name} ({n} tokens): prefill on {ct}" + (f", observing {'+'.join(kinds)}"
                                                                    f"{f' (window {w})' if w else ''}" if kinds else "")
@@ -321,6 +336,7 @@ class Bench:
                 rows[cfg]["status"] = f"error: {e}"
             return
         try:
+            self._announce(session, doc, None)
             shared = Shared(session, doc.tokens, [comp for _, comp in members])
             if shared.error is not None:
                 for cfg, _ in members:
@@ -447,6 +463,9 @@ class Bench:
             if self.share_prefill:
                 rows += self.measure_shared(cfgs, doc, n_ctx_train)
                 continue
+            runnable = [c for c in cfgs if not (availability(c.policy)
+                                                or cache_type_problem(c.cache_type, self.model_path))]
+            self.unread[doc.name] = _reads(len(runnable), "one per configuration")
             for cfg in cfgs:
                 self.log(f"{doc.name} ({len(doc.tokens)} tokens): {cfg.label}")
                 row = self.measure(cfg, doc, n_ctx_train)
@@ -481,6 +500,11 @@ class Bench:
                              "instruction": self.instruction, "policy_args": self.policy_args,
                              "docs": [{"name": d.name, "tokens": len(d.tokens)} for d in self.docs]},
                 "rows": rows, "batch": batch}
+
+
+def _reads(n: int, why: str) -> str:
+    """How many times bench reads a document, as its notice says it."""
+    return f"the first of its {n} reads, {why}" if n > 1 else "its one read"
 
 
 def _status(e: Exception) -> str:

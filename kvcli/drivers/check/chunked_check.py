@@ -11,7 +11,8 @@ import numpy as np
 from kvcli.drivers import chunked, compress
 from kvcli.drivers.check.allowances import l2_allowances, note_allowances
 from kvcli.drivers.check.comparators import compare_observations, jaccard_per_head
-from kvcli.drivers.check.verdicts import arithmetic_verdict, l1_verdict, observed_windows, passed, plans_verdict
+from kvcli.drivers.check.verdicts import (announce_read, arithmetic_verdict, l1_verdict, observed_windows, passed,
+                                          plans_verdict)
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
 
@@ -96,6 +97,7 @@ def run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
         raise KvcliError("chunked prefill compresses after every chunk: choose a compressing policy")
     n_ctx = max(c.n_ctx for c in sizing.values())
     native.create_context(n_ctx)
+    announce_read(native, tokens, chunk)
     log(f"{n} prompt tokens in chunks of {chunk}; loading the reference engine")
     reference = ReferenceSession(model_path, n_ctx=native.n_ctx, n_threads=settings.threads)
     info = native.info

@@ -13,8 +13,9 @@ from kvcli.drivers.check.allowances import arithmetic_allowance, l2_allowances, 
 from kvcli.drivers.check.chunked_check import run_chunked
 from kvcli.drivers.check.comparators import compare_observations, jaccard_per_head, selection_margins
 from kvcli.drivers.check.thresholds import Thresholds
-from kvcli.drivers.check.verdicts import (CheckSettings, arithmetic_verdict, build_tokens, l1_verdict, observed_windows,
-                                          passed, plan_summary, plans_verdict, policies_to_check, with_skipped)
+from kvcli.drivers.check.verdicts import (CheckSettings, announce_read, arithmetic_verdict, build_tokens, l1_verdict,
+                                          observed_windows, passed, plan_summary, plans_verdict, policies_to_check,
+                                          with_skipped)
 from kvcli.errors import KvcliError
 from kvcli.engines import open_native
 
@@ -81,6 +82,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     room = max([settings.n_tokens + 8] + [p.room(n, params) for p, params in passes])
     n_ctx = -(-(n + room) // 256) * 256
     native.create_context(min(n_ctx, native.n_ctx_train))
+    announce_read(native, tokens, None)
     # L1 compares the two planners on the native observation: it needs no reference engine
     reference = None
     if levels & {2, 3}:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcli import policies
+from kvcli import doc_formats, policies
 from kvcli.planning.planner import make_plan
 from kvcli.drivers.check.comparators import compare_plans, greedy_compare
 from kvcli.templating import build_prompt
@@ -54,6 +54,16 @@ def build_tokens(native, document: str, settings: CheckSettings) -> list[int]:
         if len(doc_toks) > settings.doc_tokens:
             document = native.detokenize(doc_toks[: settings.doc_tokens])
     return native.tokenize(build_prompt(native, document, settings.instruction))
+
+
+def announce_read(native, tokens: list[int], chunk: int | None) -> None:
+    """A long read of the document says its token count and estimated time before the first read starts
+    (doc_formats.announce_read, one line on stderr, as kvcli run says it): the time of one read in the native engine,
+    where check reads it at least once per policy (and in the reference engine too); `native` holds a context, its
+    sequence 0 empty (a probe may be prefilled there)."""
+    how = f"in chunks of {chunk}" if chunk else "in one prefill"
+    doc_formats.announce_read(native, tokens, "chunked" if chunk else "prefill",
+                              f"reading it {how} in the native engine (at least once per policy)", probe_seq=0)
 
 
 def observed_windows(specs: dict, names, l2_window: int, n: int) -> tuple[int, ...]:
