@@ -212,8 +212,8 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_cgraph * gf, int n_layer,
 // The rows path over a window observation left to it (kvcli_window_defer): the observation's products and the
 // attention's values a group of KV heads at a time, so that the allocator frees a group's [n_kv, rows, heads]
 // probabilities and F32 values before the next group's are made (at 16k cells and 32 rows of qwen2.5-0.5b, 27 MiB
-// of probabilities at once become 14 by their shape; the serve peak moved 1 MiB: native/src/README.md). At most 4
-// groups: each adds a few nodes per layer to the graph.
+// of probabilities at once become 14 by their shape). At most 4 groups, fewer where the graph has no room for their
+// nodes (groups_with_room).
 ggml_tensor * rows_attention_grouped(ggml_context * ctx0, kvcli_kv_ext & ext, ggml_cgraph * gf, int n_layer,
                                      ggml_tensor * q, ggml_tensor * v, int il) {
     const int64_t n_head = q->ne[1], n_tokens = q->ne[2], n_head_kv = v->ne[1], ratio = n_head / n_head_kv;

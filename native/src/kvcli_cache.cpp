@@ -252,6 +252,26 @@ using namespace kvcli_cache_detail;
 // hooks called from the patched llama_kv_cache
 // ---------------------------------------------------------------------------------
 
+// Gives a host buffer's whole pages back to the kernel (MADV_DONTNEED: private anonymous memory reads back as
+// zeros); returns the bytes given back, 0 where the kernel will not advise it (pinned host memory, not host memory).
+static int64_t give_back_pages(ggml_backend_buffer_t buf, uintptr_t * lo_out = nullptr, uintptr_t * hi_out = nullptr) {
+    const size_t size = ggml_backend_buffer_get_size(buf);
+    if (size == 0 || !ggml_backend_buffer_is_host(buf)) {
+        return 0;
+    }
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(ggml_backend_buffer_get_base(buf)), end = begin + size;
+    const uintptr_t lo = (begin + page - 1) & ~(page - 1), hi = end & ~(page - 1);
+    if (hi <= lo || madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED) != 0) {
+        return 0;
+    }
+    if (lo_out) {
+        *lo_out = lo;
+        *hi_out = hi;
+    }
+    return (int64_t) (hi - lo);
+}
+
 // What ggml_backend_buffer_clear(buf, 0) does, without making a host buffer resident: its whole pages are given
 // back to the kernel (MADV_DONTNEED on private anonymous memory reads back as zeros) and only the partial pages at
 // either end are written. llama.cpp clears the KV and output buffers when it makes them; a context of 32k cells
@@ -261,17 +281,13 @@ void kvcli_clear_buffer(ggml_backend_buffer_t buf) {
     if (buf == nullptr) {
         return;
     }
-    const size_t size = ggml_backend_buffer_get_size(buf);
-    if (size > 0 && ggml_backend_buffer_is_host(buf)) {
+    uintptr_t lo = 0, hi = 0;
+    if (give_back_pages(buf, &lo, &hi) > 0) {   // only the partial pages at either end are written
         auto * base = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf));
-        const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-        const uintptr_t begin = reinterpret_cast<uintptr_t>(base), end = begin + size;
-        const uintptr_t lo = (begin + page - 1) & ~(page - 1), hi = end & ~(page - 1);
-        if (hi > lo && madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED) == 0) {
-            std::memset(base, 0, lo - begin);
-            std::memset(reinterpret_cast<void *>(hi), 0, end - hi);
-            return;
-        }
+        std::memset(base, 0, lo - reinterpret_cast<uintptr_t>(base));
+        const uintptr_t end = reinterpret_cast<uintptr_t>(base) + ggml_backend_buffer_get_size(buf);
+        std::memset(reinterpret_cast<void *>(hi), 0, end - hi);
+        return;
     }
     ggml_backend_buffer_clear(buf, 0);
 }
@@ -636,20 +652,14 @@ int32_t kvcli_release_compute(struct llama_context * ctx, int64_t * released) {
         int64_t total = 0;
         ggml_cgraph * gf = kv->kvcli_ext ? kv->kvcli_ext->last_gf : nullptr;
         std::vector<ggml_backend_buffer_t> seen;
-        const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
         for (int i = 0; gf && i < ggml_graph_n_nodes(gf); ++i) {
             ggml_backend_buffer_t buf = ggml_graph_node(gf, i)->buffer;   // NULL until the graph is allocated
             if (!buf || ggml_backend_buffer_get_usage(buf) != GGML_BACKEND_BUFFER_USAGE_COMPUTE ||
-                !ggml_backend_buffer_is_host(buf) || std::find(seen.begin(), seen.end(), buf) != seen.end()) {
+                std::find(seen.begin(), seen.end(), buf) != seen.end()) {
                 continue;
             }
             seen.push_back(buf);
-            const uintptr_t begin = reinterpret_cast<uintptr_t>(ggml_backend_buffer_get_base(buf));
-            const uintptr_t lo = (begin + page - 1) & ~(page - 1);
-            const uintptr_t hi = (begin + ggml_backend_buffer_get_size(buf)) & ~(page - 1);
-            if (hi > lo && madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED) == 0) {
-                total += (int64_t) (hi - lo);
-            }
+            total += give_back_pages(buf);
         }
         if (released) {
             *released = total;

@@ -127,7 +127,7 @@ bool kvcli_is_iswa_base(const llama_kv_cache & kv);
 void kvcli_require_supported(llama_kv_cache * kv);
 kvcli_kv_ext & kvcli_ext_of(llama_kv_cache * kv);
 // whether the ubatch mctx is at attends with the slot bias: some cell one of its sequences sees carries a bias row
-// (kvcli_graph.cpp; the graph key, kvcli_attn_hook and kvcli_build_attn decide by it alike)
+// (kvcli_cache.cpp; the graph key, kvcli_attn_hook and kvcli_build_attn decide by it alike)
 bool kvcli_bias_applies(const llama_kv_cache_context * mctx);
 // cells of seq_id in cell order (stream of seq_id)
 std::vector<uint32_t> kvcli_seq_cells(const llama_kv_cache & kv, llama_seq_id seq_id);

@@ -176,8 +176,7 @@ kvcli_acc & layer_acc(std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_laye
 // The graph adds one ubatch's reduced sums t ([n_kv, n_w, n_head]) into the host accumulator acc ([n_w][n_head]
 // [kv_size], cells c0..c0+n_kv-1) itself: t is then an intermediate the allocator reuses, where as a graph output
 // every layer's would stay allocated to the end of the graph (n_layer x n_kv x n_head floats: 21 MiB at 16k cells
-// on qwen2.5-0.5b by their shape; the serve peak moved 2 MiB, those pages were the document read's already) and then
-// be copied once more on the host.
+// on qwen2.5-0.5b by their shape) and then be copied once more on the host.
 // (heads h0.. of the layer's n_head: t may be one group of heads)
 void add_into_host(ggml_context * ctx0, ggml_cgraph * gf, kvcli_acc & acc, ggml_tensor * t, int64_t c0,
                    uint32_t kv_size, int64_t n_head, int64_t h0 = 0) {

@@ -10,7 +10,7 @@ import pytest
 import kvcli.native.cache as cache
 
 
-def _run(session_factory, model, release_between_steps: bool, monkeypatch=None):
+def _run(session_factory, model, release_between_steps: bool):
     s = session_factory(model, n_ctx=1024, n_seq=2)
     rng = np.random.default_rng(3)
     doc = [int(t) for t in rng.integers(10, 200, 700)]
