@@ -26,6 +26,7 @@ from kvcli.evaluation.logbook import make_document
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
+from kvcli.planning.planner import resolve
 
 LAYERS = {"upper half": lambda n: citations.layer_weights(n), "all layers": lambda n: np.ones(n),
           "lower half": lambda n: 1.0 - citations.layer_weights(n),
@@ -125,7 +126,8 @@ def run_form(a, session, sampler, seed, doc, facts, out) -> list:
     rows = []
     for f in facts:
         session.clear()
-        r = run_document(session, doc, f["question"], policy=a.policy, budget=a.budget, max_tokens=a.max_tokens,
+        r = run_document(session, doc, f["question"], compression=resolve(session.model_path, a.policy, a.budget),
+                         max_tokens=a.max_tokens,
                          sampler=sampler, cite_answer=True)
         ranked = r.citations.passages
         emit(rows, {"form": "run", "seed": seed, "question": f["question"], "answer": r.answer,

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.drivers.check import Origins
 from kvcli.evaluation.runner import _greedy
 from kvcli.evaluation.tasks import niah_sample
@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
             sess = NativeSession(model, n_ctx=2048, n_threads=2)
             o = Origins(sess.info.n_layer, sess.info.n_head_kv)
             t0 = time.perf_counter()
-            prefill_and_compress(sess, toks, policy, BUDGET, {}, chunk=CHUNK, cap=BUDGET + CHUNK, scoring=sc,
+            prefill_and_compress(sess, toks, resolve(sess.model_path, policy, BUDGET, {}), chunk=CHUNK,
+                                 cap=BUDGET + CHUNK, scoring=sc,
                                  on_step=lambda st, obs, plan, o=o: o.on_plan(obs.n, plan))
             kept = o.kept(sess.stats(0)["kv_cells"])
             share = np.mean([np.isin(np.arange(a, b), h).mean() for layer in kept for h in layer])

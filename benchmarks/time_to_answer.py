@@ -213,10 +213,10 @@ def one_run(tool: str, a, doc: Path, question: str, spec_path: Path) -> dict:
 def kept_overlap(a, model, tokens: list[int], kvpress_kept: list) -> dict:
     """kvcli's snapkv plan (native planner, same parameters) against kvpress's kept positions."""
     import numpy as np  # noqa: PLC0415
-    from kvcli.drivers.compress import prefill_and_compress  # noqa: PLC0415
+    from kvcli.drivers.compress import prefill_and_compress, resolve  # noqa: PLC0415
     from kvcli.native.session import NativeSession  # noqa: PLC0415
     with NativeSession(model, n_ctx=len(tokens) + 16, n_threads=a.threads) as s:
-        rep = prefill_and_compress(s, tokens, "snapkv", a.budget, dict(KVPRESS_SNAPKV))
+        rep = prefill_and_compress(s, tokens, resolve(s.model_path, "snapkv", a.budget, dict(KVPRESS_SNAPKV)))
         ours = rep.plan.kept_lists()   # slots = positions: a fresh sequence
     shares = [len(np.intersect1d(ours[l][h], kvpress_kept[l][h])) / a.budget
               for l in range(len(ours)) for h in range(len(ours[l]))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.native.session import ContextFull, NativeSession, SeqSnapshot
 from kvcli.testing.tiny_gguf import write_tiny_llama
@@ -35,7 +35,7 @@ def greedy(s: NativeSession, n: int, seq: int = 0) -> tuple[list[int], list[np.n
 
 def test_rollback_repeats_a_decode_exactly_after_compression(tiny):
     with NativeSession(tiny, n_ctx=256, cache_type="f32", flash_attn=False) as s:
-        prefill_and_compress(s, prompt(1), "snapkv", 32, {"window": 8})
+        prefill_and_compress(s, prompt(1), resolve(s.model_path, "snapkv", 32, {"window": 8}))
         cells = s.measured_cells(0)
         assert cells == s.seq(0).cells == 32
         first = s.logits(0)
@@ -66,7 +66,7 @@ def test_rollback_refuses_more_than_the_sequence_holds(tiny):
 
 def test_save_and_restore_into_another_sequence_and_session(tiny):
     with NativeSession(tiny, n_ctx=256, cache_type="f32", flash_attn=False) as s:
-        prefill_and_compress(s, prompt(3), "snapkv", 40, {"window": 8})
+        prefill_and_compress(s, prompt(3), resolve(s.model_path, "snapkv", 40, {"window": 8}))
         snap = s.save_seq(0)
         assert (snap.next_pos, snap.cells, snap.prompt_tokens) == (N, 40, N)
         want, want_logits = greedy(s, 4)

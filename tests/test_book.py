@@ -353,7 +353,8 @@ def test_a_question_known_while_reading_is_read_in_float16_when_q8_0_is_asked(ti
     for t in ("f16", "q8_0"):
         s = NativeSession(tiny_32, n_ctx=0, cache_type=t)
         try:
-            runs[t] = run_document(s, DOC, Q, policy="snapkv", budget=48, max_tokens=6, chunk=128), s.cache_type
+            runs[t] = run_document(s, DOC, Q, compression=resolve(tiny_32, "snapkv", 48), max_tokens=6,
+                                   chunk=128), s.cache_type
         finally:
             s.close()
     (f16, f16_type), (q8, q8_type) = runs["f16"], runs["q8_0"]
@@ -370,7 +371,7 @@ def test_a_question_known_while_reading_is_read_in_float16_when_q8_0_is_asked(ti
         assert s.cache_type == "q8_0" and s.n_ctx == 1024
         with pytest.raises(KvcliError, match="would quantise its kept keys again at every chunk: read it with "
                                              "--cache-type f16"):
-            prefill_and_compress(s, tokens, "snapkv", 48, {}, chunk=128)
+            prefill_and_compress(s, tokens, resolve(s.model_path, "snapkv", 48, {}), chunk=128)
     finally:
         s.close()
 

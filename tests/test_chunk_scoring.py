@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.reference.session import ReferenceSession
@@ -55,7 +55,7 @@ def test_probe_observation_is_the_question_window_over_the_held_slots(tiny, engi
     s = _native(tiny) if engine == "native" else ReferenceSession(tiny, n_ctx=1024)
     toks = s.tokenize(DOC)[:400]
     seen = []
-    rep = prefill_and_compress(s, toks, "snapkv", 48, {"window": 16}, chunk=96, planner=engine,
+    rep = prefill_and_compress(s, toks, resolve(s.model_path, "snapkv", 48, {"window": 16}), chunk=96, planner=engine,
                                on_step=lambda step, obs, plan: seen.append(obs))
     assert rep.scoring == "question" and len(rep.steps) >= 4
     for step, obs in zip(rep.steps[:-1], seen[:-1]):
@@ -74,7 +74,8 @@ def test_chunk_scoring_changes_what_is_kept(tiny):
     for scoring in ("question", "chunk"):
         s = _native(tiny)
         toks = s.tokenize(DOC)[:400]
-        rep = prefill_and_compress(s, toks, "snapkv", 48, {"window": 16}, chunk=96, scoring=scoring)
+        rep = prefill_and_compress(s, toks, resolve(s.model_path, "snapkv", 48, {"window": 16}), chunk=96,
+                                   scoring=scoring)
         assert rep.scoring == scoring
         kept[scoring] = rep.plan.slots.copy()
     assert not np.array_equal(kept["question"], kept["chunk"])
@@ -85,14 +86,15 @@ def test_policies_without_a_window_are_not_probed(tiny):
     toks = s.tokenize(DOC)[:400]
     for policy in ("h2o", "streamingllm"):
         s.clear()
-        rep = prefill_and_compress(s, toks, policy, 48, {}, chunk=96)
+        rep = prefill_and_compress(s, toks, resolve(s.model_path, policy, 48, {}), chunk=96)
         assert rep.scoring == "chunk" and rep.peak_cells <= 48 + 96
 
 
 def test_unknown_scoring_is_refused(tiny):
     s = _native(tiny)
     with pytest.raises(KvcliError, match="unknown chunk scoring"):
-        prefill_and_compress(s, s.tokenize(DOC)[:400], "snapkv", 48, {}, chunk=96, scoring="both")
+        prefill_and_compress(s, s.tokenize(DOC)[:400], resolve(s.model_path, "snapkv", 48, {}), chunk=96,
+                             scoring="both")
 
 
 def test_cli_reports_the_scoring_and_refuses_a_bad_one(cli_runner, tiny, tmp_path):
@@ -118,7 +120,7 @@ def test_a_short_window_is_probed_with_the_question_before_it(tiny):
     s = _native(tiny)
     toks = s.tokenize(DOC)[:700]
     seen = []
-    rep = prefill_and_compress(s, toks, "snapkv", 48, {"window": 8}, chunk=256,
+    rep = prefill_and_compress(s, toks, resolve(s.model_path, "snapkv", 48, {"window": 8}), chunk=256,
                                on_step=lambda step, obs, plan: seen.append(obs))
     assert len(rep.steps) >= 3
     for step, obs in zip(rep.steps[:-1], seen[:-1]):

@@ -84,7 +84,6 @@ def test_explicit_chunk_on_a_prompt_that_fits_still_chunks():
     (dict(n_prompt=9000, policy="full", budget=None), "choose a compressing policy"),
     (dict(n_prompt=3000, policy="full", budget=None, chunk=512), "choose a compressing policy"),
     (dict(n_prompt=9000, policy="snapkv", budget=256, chunk=0), "drop --chunk 0"),
-    (dict(n_prompt=9000, policy="snapkv", budget=None), "needs --budget"),
     (dict(n_prompt=9000, policy="snapkv", budget=256, chunk=-1), "--chunk must be >= 0"),
     (dict(n_prompt=9000, policy="snapkv", budget=256, chunk=8), f"at least {MIN_CHUNK}"),
     (dict(n_prompt=9000, policy="snapkv", budget=4000, chunk=5000), "do not fit"),
@@ -94,6 +93,19 @@ def test_explicit_chunk_on_a_prompt_that_fits_still_chunks():
 def test_bad_chunking_inputs_say_why(args, message):
     with pytest.raises(KvcliError, match=message):
         plan_chunking(reserve=256, n_ctx_train=8192, **args, cell_bytes=CELL)
+
+
+@pytest.mark.parametrize("command", [["run", "Hi", "-n", "2"], ["chat", "--compress-once", "-n", "2"],
+                                     ["compress", "-o", "OUT"]])
+def test_a_document_to_read_in_chunks_without_a_budget_is_refused_in_one_line(tiny_1k, word_doc, run_kvcli, command,
+                                                                             tmp_path):
+    """A document longer than the context, a compressing policy and no --budget: the one message where the command
+    resolves its compression (plan_chunking, which only ever sees a resolved one, has none of its own; issue #65)."""
+    command = [str(tmp_path / "x.kvc") if a == "OUT" else a for a in command]
+    r = run_kvcli(*command, "--doc", word_doc(3000), "--model", tiny_1k, "--policy", "snapkv", input="")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "policy 'snapkv' needs --budget N" in lines[0], r.stderr
 
 
 def test_chunk_sizes_respect_the_cap_and_leave_a_whole_last_window():

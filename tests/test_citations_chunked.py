@@ -47,7 +47,8 @@ def test_a_chunked_read_follows_every_kept_entry_to_its_prompt_token(session, ti
         s.create_context(1024)
     steps = []
     follow = FollowOrigins(s, 0, Origins.start(s.info, tokens), on_step=lambda *a: steps.append(a[0]))
-    report = compress.prefill_and_compress(s, tokens, "snapkv", 48, {}, seq=0, chunk=96, on_step=follow)
+    report = compress.prefill_and_compress(s, tokens, compress.resolve(s.model_path, "snapkv", 48, {}), seq=0, chunk=96,
+                                           on_step=follow)
     o = follow.done()
     assert len(report.steps) > 3 and s.seq(0).reindexed > 0 and steps == list(range(len(steps))) and steps
     doc = o.of[o.of >= 0]
@@ -77,12 +78,13 @@ def test_run_document_in_chunks_cites_the_passages_of_its_kept_entries(session):
     from kvcli.apps.run_document import run_document
     from kvcli.citations import cite
     from kvcli.doc_formats import Document
+    from kvcli.planning.planner import resolve
     from kvcli.generate import Sampler
     text = words(3)
     s = session
     s.clear()
-    r = run_document(s, Document(text, "text"), "Which code did the river station log?", policy="snapkv",
-                     budget=48, chunk=96, max_tokens=6, sampler=Sampler(),
+    r = run_document(s, Document(text, "text"), "Which code did the river station log?",
+                     compression=resolve(s.model_path, "snapkv", 48), chunk=96, max_tokens=6, sampler=Sampler(),
                      cite_answer=True)
     assert r.stats["chunks"] > 3 and r.stats["generated_tokens"] == 6
     c = r.citations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcli.drivers.compress import Shared, compress_as, prefill_and_compress, resolve
+from kvcli.drivers.compress import Shared, compress_as, resolve
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.testing.tiny_gguf import write_tiny_llama
@@ -76,4 +76,4 @@ def test_plan_always_plans_a_prompt_within_the_budget_and_applies_nothing(tiny):
 
 def test_full_takes_no_policy_argument(tiny):
     with pytest.raises(KvcliError, match="policy 'full' takes no --policy-arg"):
-        prefill_and_compress(_session("native", tiny), prompt(), "full", None, {"window": 8})
+        resolve(tiny, "full", None, {"window": 8})

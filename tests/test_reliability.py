@@ -298,13 +298,14 @@ def test_kvc_metadata_is_checked_against_a_schema(tiny, full_kvc, tmp_path, edit
 def test_d2o_full_layers_out_of_range_is_refused_before_the_prefill(tiny, monkeypatch, tmp_path):
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
+    from kvcli.planning.planner import resolve
     from kvcli.apps.run_document import run_document
     s = NativeSession(tiny, n_ctx=0)
     prefilled = []
     monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
     with pytest.raises(KvcliError, match="full_layers item 7 is outside the model's 2 layers"):
-        run_document(s, "alpha beta gamma delta. " * 20, "Hi", policy="d2o", budget=64,
-                     policy_args={"full_layers": "7"}, max_tokens=2)
+        run_document(s, "alpha beta gamma delta. " * 20, "Hi",
+                     compression=resolve(s.model_path, "d2o", 64, {"full_layers": "7"}), max_tokens=2)
     assert not prefilled
     s.close()
 
@@ -361,11 +362,13 @@ def test_a_layer_schedule_without_room_to_read_on_is_refused_before_the_prefill(
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
     from kvcli.apps.run_document import run_document
+    from kvcli.planning.planner import resolve
     s = NativeSession(tiny, n_ctx=0)
     prefilled = []
     monkeypatch.setattr(NativeSession, "prefill", lambda self, *a, **k: prefilled.append(1))
     with pytest.raises(KvcliError, match="in its widest layer at budget .* room to read on"):
-        run_document(s, LONG_DOC, "Hi", policy=policy, budget=budget, policy_args=args, max_tokens=2, chunk=chunk)
+        run_document(s, LONG_DOC, "Hi", compression=resolve(s.model_path, policy, budget, args), max_tokens=2,
+                     chunk=chunk)
     assert not prefilled
     s.close()
 
@@ -385,7 +388,7 @@ def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget,
     """check_room replays the chunked reading on the layer schedule alone: the same chunks and cells as the real
     reading of a document, and a refusal (the same line) exactly where the real reading stops."""
     from kvcli.drivers import chunked
-    from kvcli.drivers.compress import prefill_and_compress
+    from kvcli.drivers.compress import prefill_and_compress, resolve
     from kvcli.errors import KvcliError
     from kvcli.native.session import NativeSession
     from kvcli.apps.run_document import build_prompt
@@ -403,7 +406,8 @@ def test_the_replayed_reading_is_the_real_one(tiny, monkeypatch, policy, budget,
         replayed = str(e)
     monkeypatch.setattr(chunked, "check_room", lambda *a, **k: None)   # the real reading, unchecked up front
     try:
-        rep = prefill_and_compress(s, tokens, policy, budget, args, instruction="Hi", chunk=chunk, scoring=scoring)
+        rep = prefill_and_compress(s, tokens, resolve(s.model_path, policy, budget, args), instruction="Hi",
+                                   chunk=chunk, scoring=scoring)
         real = [(st.tokens, st.cells_after) for st in rep.steps]
     except KvcliError as e:
         real = str(e)

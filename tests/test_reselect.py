@@ -273,10 +273,11 @@ def test_first_answer_is_runs_answer_and_turns_survive(tiny):
     """The first re-selected answer is what `run` answers (same prompt, same plan); a follow-up is asked after the
     earlier turn, which stays in the prompt; /reset forgets it; each re-selection restores the stored document."""
     from kvcli.apps.run_document import run_document
+    from kvcli.planning.planner import resolve
     conv = conversation(tiny)
     q1, q2 = "Which code did the river station log?", "And the stone station?"
     g1 = conv.ask(q1, 8)
-    ran = run_document(native(tiny), DOC, q1, policy="snapkv", budget=48, max_tokens=8)
+    ran = run_document(native(tiny), DOC, q1, compression=resolve(tiny, "snapkv", 48), max_tokens=8)
     assert g1.text == ran.answer
     assert conv.stats()["kv_cells"] <= 48 + 8
     conv.ask(q2, 8)

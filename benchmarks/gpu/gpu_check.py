@@ -196,8 +196,8 @@ def section_agreement(model: Path) -> dict:
             # decodes its last window apart, which moves f16 K/V by rounding) and applies that one plan
             s = NativeSession(model, n_ctx=AGREE_N + 64, n_threads=1)
             try:
-                plan = prefill_and_compress(s, toks, policy, AGREE_BUDGET, POLICY_ARGS.get(policy, {}),
-                                            instruction="Where is the key?").plan
+                cfg = resolve(s.model_path, policy, AGREE_BUDGET, POLICY_ARGS.get(policy, {}))
+                plan = prefill_and_compress(s, toks, cfg, instruction="Where is the key?").plan
             finally:
                 s.close()
             others = {}
@@ -236,7 +236,7 @@ def section_placement(model: Path, cap: LogCapture, budget: int, out_dir: Path) 
         finally:
             os.environ.pop("GGML_SCHED_DEBUG", None)
         try:
-            prefill_and_compress(s, toks, "snapkv", budget, {}, instruction="Where is the key?")
+            prefill_and_compress(s, toks, resolve(s.model_path, "snapkv", budget, {}), instruction="Where is the key?")
             cap.take()
             cap.on = True
             s.step({0: 42})

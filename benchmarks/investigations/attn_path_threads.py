@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from kvcli import models
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.native.session import NativeSession
 
 
@@ -27,7 +27,7 @@ def main() -> None:
         os.environ["KVCLI_ATTN_PATH"] = path
         s = NativeSession(model, n_ctx=max(1024, n + 64), flash_attn=fa, cache_type=ctype, n_threads=threads)
         try:
-            prefill_and_compress(s, prompt, pol, None if pol == "full" else budget, {})
+            prefill_and_compress(s, prompt, resolve(s.model_path, pol, None if pol == "full" else budget, {}))
             out = []
             for t in forced:
                 s.step({0: t})

@@ -428,7 +428,7 @@ class Worker:
         tokens = session.tokenize(build_prompt(session, job.text, job.question or s.instruction, s.system))
         # read as `kvcli run` reads (in one go, or bounded reading in chunks of DEFAULT_CHUNK), within the cells
         # one document may use: they stand for run's model context here
-        chunking = plan_chunking(len(tokens), s.max_tokens, self.doc_cells, s.policy, s.budget, s.chunk,
+        chunking = plan_chunking(len(tokens), s.max_tokens, self.doc_cells, self.compression, s.budget, s.chunk,
                                  cell_bytes=session.bytes_per_cell(),
                                  limit_name=f"the {self.doc_cells} cells a document may use (the model's context "
                                             f"or --max-cache, less --max-tokens {s.max_tokens})")

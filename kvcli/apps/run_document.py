@@ -18,6 +18,7 @@ from kvcli.drivers.reselect_bounded import Origins
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes
 from kvcli.generate import Generation, Sampler, generate
+from kvcli.planning.planner import Compression
 from kvcli.templating import build_prompt
 
 
@@ -91,30 +92,28 @@ def check_instruction(session, instruction: str, system: str | None, max_cache: 
                          "put long text in --doc")
 
 
-def run_document(session, document: str | Document | None, instruction: str, *, policy: str = "full",
-                 budget: int | None = None, policy_args: dict | None = None, max_tokens: int = 256,
-                 sampler: Sampler | None = None,
+def run_document(session, document: str | Document | None, instruction: str, *, compression: Compression,
+                 max_tokens: int = 256, sampler: Sampler | None = None,
                  system: str | None = None, on_text=None, show_progress: bool = False, chunk: int | None = None,
                  max_cache: int | None = None, chunk_scoring: str = "question", template: bool = True,
-                 cite_answer: bool = False, compression=None, announce: bool = False) -> RunResult:
-    """Prefill the templated prompt, compress it with `policy`, and generate the answer.
+                 cite_answer: bool = False, announce: bool = False) -> RunResult:
+    """Prefill the templated prompt, compress it with `compression` (the kvcli.planning.planner.Compression the
+    command resolved: policy, budget and arguments), and generate the answer.
 
     A prompt longer than the model's context (or than `max_cache` cells) is read in chunks and compressed
     after each (kvcli/drivers/chunked.py); `chunk` = 0 turns that off, N sets the chunk length; `chunk_scoring` picks
     the
     queries that score each chunk. `cite_answer`: name the passages of the document the answer came from
     (kvcli/citations.py; `document` may be a Document, whose pages and sections name them; a read in chunks follows
-    its kept entries to their prompt tokens for them, FollowOrigins). `compression`: the
-    kvcli.planning.planner.Compression the command built (in place of `policy`, `budget` and `policy_args`).
+    its kept entries to their prompt tokens for them, FollowOrigins).
     `announce`: a read estimated to take doc_formats.READ_NOTICE_S or longer says so first, on stderr (kvcli run)."""
-    if compression is not None:
-        policy, budget = compression.policy, compression.budget
+    policy, budget = compression.policy, compression.budget
     source = document
     document = document.text if isinstance(document, Document) else document
     prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)
     check_instruction(session, instruction, system, max_cache)
-    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, policy, budget, chunk, max_cache,
+    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, compression, budget, chunk, max_cache,
                              cell_bytes=session.bytes_per_cell())
     asked = session.cache_type   # None: the reference engine holds float32
     reading = reading_cache_type(session.info, asked) if chunking.chunk else asked
@@ -131,10 +130,9 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
     progress = Progress(len(tokens), show_progress and len(tokens) > session.n_batch)
     t0 = time.perf_counter()
     try:
-        report = compress.prefill_and_compress(session, tokens, compression or policy, budget, policy_args or {},
-                                               seq=0, progress=progress.update, instruction=instruction,
-                                               chunk=chunking.chunk, cap=chunking.cap, on_cache=progress.cache,
-                                               scoring=chunk_scoring, on_step=follow)
+        report = compress.prefill_and_compress(session, tokens, compression, seq=0, progress=progress.update,
+                                               instruction=instruction, chunk=chunking.chunk, cap=chunking.cap,
+                                               on_cache=progress.cache, scoring=chunk_scoring, on_step=follow)
     finally:
         progress.close()
     if key is not None:

@@ -97,7 +97,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget:
                   limit_name: str | None = None) -> Chunking:
     """Decide chunked or not, and the context size.
 
-    `policy`: its name, or a Compression (kvcli.planning.planner) resolved already.
+    `policy`: its name, or a Compression (kvcli.planning.planner) resolved already; `budget`: the budget the command
+    resolved it at (kvcli.planning.planner.resolve refuses a compressing policy without one, in its one message).
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
     `chunk`: None = automatic, 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
     `cell_bytes`: K + V bytes of one uncompressed cell (the session's bytes_per_cell()). `limit_name`: how
@@ -115,8 +116,8 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget:
             raise KvcliError(f"--max-cache must be >= 1 (got {max_cache})")
         if max_cache > n_ctx_train:
             raise KvcliError(f"--max-cache {max_cache} is larger than the model's context ({n_ctx_train} tokens)")
-    if isinstance(policy, Compression):
-        policy = policy.policy
+    spec = policy.spec if isinstance(policy, Compression) else policies.get(policy)
+    policy = spec.name
     limit = max_cache or n_ctx_train
     where = f"--max-cache ({max_cache} cells)" if max_cache else \
         limit_name or f"the model's context ({n_ctx_train} tokens)"
@@ -129,7 +130,6 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget:
         return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
     fits = n_prompt < limit   # as before chunking existed: the answer gets what room is left
     asked = reserve
-    spec = policies.get(policy)
     extra = spec.second_pass   # a second pass needs room after the prompt (its defaults: SecondPass.room)
     defaults = spec.defaults() if extra is not None else None
     if extra is not None:
@@ -137,15 +137,13 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget:
     # bounded reading by default; not for the question-agnostic policies, whose quality figures (docs/results.md)
     # are their one-prefill scores': they read in chunks when asked (--chunk N, --max-cache) or when the prompt does
     # not fit the context
-    bounded = (budget is not None and n_prompt > budget + DEFAULT_CHUNK
+    bounded = (n_prompt > budget + DEFAULT_CHUNK
                and n_prompt * cell_bytes > bounded_above_bytes() and not spec.agnostic)
     if chunk == 0 or (chunk is None and fits and not bounded):
         if not fits:
             raise KvcliError(f"the prompt is {n_prompt} tokens, more than {where}: drop --chunk 0 to read it "
                              "in chunks")
         return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
-    if budget is None:
-        raise KvcliError(f"the prompt ({n_prompt} tokens) must be read in chunks: policy '{policy}' needs --budget N")
     room = min(asked, MIN_ROOM)   # the least room left for the answer / conversation
 
     def after(c: int) -> int:   # cells after budget + chunk: the answer's, or a second pass's over the chunk (more)

@@ -23,29 +23,27 @@ from kvcli import policies
 from kvcli.drivers.chunked import read_in_chunks
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
-from kvcli.planning.planner import CompressReport, Compression, make_plan, resolve, session_cells, shape_observation
+from kvcli.planning.planner import CompressReport, Compression, make_plan, resolve, session_cells, shape_observation  # noqa: F401 - resolve: re-exported
 from kvcli.session import Session
 
 
-def prefill_and_compress(session: Session, tokens: list[int], policy: str | Compression, budget: int | None = None,
-                         policy_args: dict | None = None, seq: int = 0, progress=None, planner: str | None = None,
-                         instruction: str | None = None, chunk: int | None = None, cap: int | None = None,
-                         on_cache=None, scoring: str = "question", on_step=None) -> CompressReport:
-    """Prefill `tokens` into `seq` and compress them with `policy` to `budget` entries per layer and KV head.
-    `policy` may be the Compression a command resolved already (its budget and arguments; `budget` and `policy_args`
-    are then not given): it is taken as it is, for `instruction` (Compression.for_instruction).
+def prefill_and_compress(session: Session, tokens: list[int], cfg: Compression, *, seq: int = 0, progress=None,
+                         planner: str | None = None, instruction: str | None = None, chunk: int | None = None,
+                         cap: int | None = None, on_cache=None, scoring: str = "question",
+                         on_step=None) -> CompressReport:
+    """Prefill `tokens` into `seq` and compress them with `cfg`, the Compression the command resolved
+    (kvcli.planning.planner.resolve: policy, budget per layer and KV head, arguments), taken as it is, for
+    `instruction` (Compression.for_instruction).
 
     `instruction` is the user's question/instruction text: policies that adapt to the task
     (`PolicySpec.resolve_instruction`) classify it before planning. With `chunk`, a prompt longer than one chunk is
     read chunk by chunk, compressed after each (kvcli/drivers/chunked.py; `cap`: most cells while reading; `scoring`:
-    which queries score each chunk). The prefill time counts from this call (the policy's resolution in it)."""
+    which queries score each chunk). The prefill time counts from this call (the policy's resolution for the
+    instruction in it)."""
     t0 = time.perf_counter()
-    if isinstance(policy, Compression):
-        cfg = policy.for_instruction(instruction)
-    else:
-        cfg = resolve(session.model_path, policy, budget, policy_args, instruction)
-    return compress_as(session, tokens, cfg, seq=seq, progress=progress, planner=planner, chunk=chunk, cap=cap,
-                       on_cache=on_cache, scoring=scoring, on_step=on_step, since=t0)
+    return compress_as(session, tokens, cfg.for_instruction(instruction), seq=seq, progress=progress,
+                       planner=planner, chunk=chunk, cap=cap, on_cache=on_cache, scoring=scoring, on_step=on_step,
+                       since=t0)
 
 
 def compress_as(session: Session, tokens: list[int], cfg: Compression, *, seq: int = 0, progress=None,

@@ -10,7 +10,7 @@ import pytest
 from npref import prompt_tokens
 
 from kvcli import policies
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 
 N, BUDGET, STEPS = 160, 48, 4
@@ -28,7 +28,7 @@ def _compressed_decode(make, path, model, policy, flash_attn, cache_type, monkey
     """Logits of STEPS decode steps after `policy` compressed an N-token prompt to BUDGET, through `path`."""
     monkeypatch.setenv("KVCLI_ATTN_PATH", path)
     s = make(model, flash_attn=flash_attn, cache_type=cache_type, n_threads=n_threads)
-    rep = prefill_and_compress(s, prompt_tokens(N), policy, BUDGET, POLICY_ARGS.get(policy, {}),
+    rep = prefill_and_compress(s, prompt_tokens(N), resolve(s.model_path, policy, BUDGET, POLICY_ARGS.get(policy, {})),
                                instruction="Where is the key?")
     assert rep.plan is not None and s.stats()["kv_cells"] < N, f"{policy} did not compact the prompt"
     out = []
@@ -87,7 +87,7 @@ def test_split_path_for_a_many_token_ubatch_after_compaction(session_factory, tm
     for path in ("mask", "split"):
         monkeypatch.setenv("KVCLI_ATTN_PATH", path)
         s = session_factory(model, flash_attn=True, cache_type="f16", n_ctx=512, n_threads=n_threads)
-        prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
+        prefill_and_compress(s, prompt_tokens(N), resolve(s.model_path, "snapkv", BUDGET, {}))
         s.prefill(prompt_tokens(70, seed=3))
         first = s.logits().copy()
         s.step({0: 5})
@@ -109,7 +109,7 @@ def test_auto_takes_the_split_path_only_for_a_cache_off_the_cpu(session_factory,
     expected = "mask" if not llama_cpp.llama_supports_gpu_offload() else "split"  # CPU-only library: mask
     assert s.attn_path[0] == expected
     assert s.attn_paths_taken() == [None] * s.info.n_layer     # no graph with a compacted sequence yet
-    prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
+    prefill_and_compress(s, prompt_tokens(N), resolve(s.model_path, "snapkv", BUDGET, {}))
     s.step({0: 42})
     assert s.attn_paths_taken() == [expected] * s.info.n_layer
 
@@ -152,7 +152,7 @@ def test_two_threads_over_512_cells_the_split_path_keeps_the_one_thread_arithmet
         for n_threads in THREADS:
             monkeypatch.setenv("KVCLI_ATTN_PATH", path)
             s = session_factory(tiny_model, flash_attn=True, cache_type="f32", n_ctx=1024, n_threads=n_threads)
-            prefill_and_compress(s, prompt_tokens(n), "snapkv", budget, {})
+            prefill_and_compress(s, prompt_tokens(n), resolve(s.model_path, "snapkv", budget, {}))
             assert 256 < s.stats()["kv_cells"] <= budget
             logits = []
             for t in (42, 7, 1234, 99):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from npref import prompt_tokens
 
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 
 N, BUDGET = 160, 48
@@ -24,7 +24,8 @@ def _compacted(make, model, monkeypatch, path, policy, cache_type, plan=None, ch
     monkeypatch.setenv("KVCLI_COMPACT", path)
     s = make(model, flash_attn=True, cache_type=cache_type)
     planner = (lambda spec, params, budget, obs: plan) if plan is not None else None
-    rep = prefill_and_compress(s, prompt_tokens(N), policy, BUDGET, POLICIES.get(policy, {}), planner=planner,
+    cfg = resolve(s.model_path, policy, BUDGET, POLICIES.get(policy, {}))
+    rep = prefill_and_compress(s, prompt_tokens(N), cfg, planner=planner,
                                instruction="Where is the key?", chunk=chunk)
     assert s.compact_path_taken() == path
     state = s.save_seq(0).state
@@ -65,7 +66,7 @@ def test_auto_moves_on_the_host_for_a_cpu_cache_and_on_the_device_for_a_gpu_cach
     monkeypatch.delenv("KVCLI_COMPACT", raising=False)
     s = session_factory(tiny_model, flash_attn=True, cache_type="f16")
     assert s.compact_path_taken() is None
-    prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
+    prefill_and_compress(s, prompt_tokens(N), resolve(s.model_path, "snapkv", BUDGET, {}))
     # a library with a GPU puts every layer's cache there (llama.cpp's default, n_gpu_layers=-1)
     assert s.compact_path_taken() == ("device" if s.L.llama_supports_gpu_offload() else "host")
 
@@ -79,7 +80,7 @@ def test_forced_device_path_refuses_what_it_cannot_move_before_anything_changes(
     monkeypatch.setenv("KVCLI_COMPACT", "device")
     s = session_factory(request.getfixturevalue(model), flash_attn=flash_attn, cache_type=cache_type)
     with pytest.raises(KvcliError, match=f"KVCLI_COMPACT=device cannot move the rows of a {says}"):
-        prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
+        prefill_and_compress(s, prompt_tokens(N), resolve(s.model_path, "snapkv", BUDGET, {}))
     assert s.stats(0)["kv_cells"] == N       # the sequence was left as it was
 
 
@@ -87,4 +88,4 @@ def test_a_bad_kvcli_compact_is_refused(session_factory, tiny_model, monkeypatch
     monkeypatch.setenv("KVCLI_COMPACT", "gpu")
     s = session_factory(tiny_model, flash_attn=True, cache_type="f16")
     with pytest.raises(KvcliError, match="KVCLI_COMPACT must be auto, host or device"):
-        prefill_and_compress(s, prompt_tokens(N), "snapkv", BUDGET, {})
+        prefill_and_compress(s, prompt_tokens(N), resolve(s.model_path, "snapkv", BUDGET, {}))

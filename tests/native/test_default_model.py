@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.native import cache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ def test_2k_prompt_compressed_to_128_holds_128_cells_and_stays_fluent(session_fa
     prompt = s.apply_chat_template([{"role": "user", "content": doc[:7600] + "\n\nSummarise the log above."}])
     toks = s.tokenize(prompt)
     assert 1800 <= len(toks) <= 2600, len(toks)
-    rep = prefill_and_compress(s, toks, "snapkv", 128, {})
+    rep = prefill_and_compress(s, toks, resolve(s.model_path, "snapkv", 128, {}))
     plan = rep.plan
     assert plan is not None and plan.max_kept == 128
 

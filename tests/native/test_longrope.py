@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.native.session import NativeSession
 from kvcli.testing.tiny_gguf import write_tiny
@@ -33,7 +33,7 @@ def phi3_256(tmp_path_factory):
 
 def _compressed(session, n_tokens: int):
     tokens = session.tokenize(TEXT)[:n_tokens]
-    prefill_and_compress(session, tokens, "snapkv", 48, {})
+    prefill_and_compress(session, tokens, resolve(session.model_path, "snapkv", 48, {}))
     return session.seq(0)
 
 

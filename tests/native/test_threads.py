@@ -58,12 +58,12 @@ def test_cgroup_quota_file(tmp_path):
 def test_thread_count_changes_no_logit(tiny_model, session_factory):
     """ggml gives each output element to one thread: 1 and 2 threads produce identical logits, through an
     observed prefill, a compaction and decode steps."""
-    from kvcli.drivers.compress import prefill_and_compress
+    from kvcli.drivers.compress import prefill_and_compress, resolve
     toks = [int(t) for t in np.random.default_rng(0).integers(3, 200, 180)]
     logits = []
     for threads in (1, 2):
         s = session_factory(tiny_model, n_threads=threads, n_batch=64)
-        prefill_and_compress(s, toks, "snapkv", 48, {"window": 8})
+        prefill_and_compress(s, toks, resolve(s.model_path, "snapkv", 48, {"window": 8}))
         out = [s.logits(0)]
         for t in (5, 6, 7):
             s.step({0: t})

@@ -205,13 +205,13 @@ def compress_in_native_cache(session, policy: str, args: list, budget: int = 48,
 
     Returns (plan, stats). Slot j of (l, h) must hold the kept entry's replacement row when the plan
     has one, else the original row of the kept slot."""
-    from kvcli.drivers.compress import prefill_and_compress
+    from kvcli.drivers.compress import prefill_and_compress, resolve
     from kvcli.native import cache
     session.clear()
     toks = [int(t) for t in np.random.default_rng(n).integers(300, 5000, size=n)]
     obs = session.prefill(toks, observe=("kv",)).with_kv_arrays()
     session.clear()
-    rep = prefill_and_compress(session, toks, policy, budget, P.get(policy).validate(args))
+    rep = prefill_and_compress(session, toks, resolve(session.model_path, policy, budget, P.get(policy).validate(args)))
     plan = rep.plan
     k, v = cache.read_kv(session.ctx, 0, session.info)
     assert k.shape[2] == plan.max_kept

@@ -42,14 +42,15 @@ def test_streamingllm_short_prompt_whole_and_budget_above_sinks():
 
 
 def test_streamingllm_in_a_tiny_model_s_cache(tiny_session):
-    from kvcli.drivers.compress import prefill_and_compress
+    from kvcli.drivers.compress import prefill_and_compress, resolve
     from kvcli.native import cache
     s = tiny_session
     s.clear()
     toks = [int(t) for t in np.random.default_rng(13).integers(300, 5000, size=150)]
     whole = s.prefill(toks, observe=("kv",)).with_kv_arrays()
     s.clear()
-    rep = prefill_and_compress(s, toks, "streamingllm", 24, P.get("streamingllm").validate(["sinks=4"]))
+    rep = prefill_and_compress(s, toks, resolve(s.model_path, "streamingllm", 24,
+                                                 P.get("streamingllm").validate(["sinks=4"])))
     want = list(range(4)) + list(range(130, 150))
     assert rep.plan.kept(2, 1).tolist() == want
     k, v = cache.read_kv(s.ctx, 0, s.info)

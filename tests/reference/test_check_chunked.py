@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcli.drivers.check import CheckSettings, Origins, Thresholds, run_check
-from kvcli.drivers.compress import prefill_and_compress
+from kvcli.drivers.compress import prefill_and_compress, resolve
 from kvcli.errors import KvcliError
 from kvcli.reference.session import ReferenceSession
 
@@ -35,7 +35,8 @@ def test_origins_follow_the_slots_through_chunked_compactions(tiny_gguf, policy)
     ref = ReferenceSession(tiny_gguf)
     toks = ref.tokenize(DOC)[:300]
     origins = Origins(ref.info.n_layer, ref.info.n_head_kv)
-    rep = prefill_and_compress(_NoReindex(ref), toks, policy, 40, {}, chunk=80, planner="reference",
+    rep = prefill_and_compress(_NoReindex(ref), toks, resolve(ref.model_path, policy, 40, {}), chunk=80,
+                               planner="reference",
                                on_step=lambda step, obs, plan: origins.on_plan(obs.n, plan, reindexed=False))
     assert len(rep.steps) >= 3
     want = ref.kept_positions()
