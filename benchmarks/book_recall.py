@@ -43,8 +43,8 @@ def main() -> None:
     store = ChunkedStore.open(a.store, model)
     s = NativeSession(model, n_ctx=0, n_threads=a.threads, n_seq=2)
     s.create_context(a.budget + store.chunk + 512, 2)
-    conv = Conversation(s, store.meta["document"], policy="snapkv", budget=a.budget, reselect=True,
-                        system=store.meta.get("system"))
+    conv = Conversation(s, store.meta["document"], compression=resolve(s.model_path, "snapkv", a.budget),
+                        reselect=True, system=store.meta.get("system"))
     texts = [s.detokenize(store.tokens[c.first_token:c.first_token + c.n]) for c in store.chunks]
     select = block_index.default_select(a.budget, store.chunk)
     cfg = resolve(model, "snapkv", a.budget)

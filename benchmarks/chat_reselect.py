@@ -66,9 +66,11 @@ def compare(model, doc, questions, policy, budget, threads, max_tokens) -> dict:
     from kvcli.generate import generate
     from kvcli.native.session import NativeSession
     from kvcli.models import resolve_model
+    from kvcli.planning.planner import resolve
     before = uptime()
     session = NativeSession(resolve_model(model), n_ctx=0, n_threads=threads)
-    conv = Conversation(session, doc.read_text(), policy=policy, budget=budget, reselect=True, chunk=0)   # exact
+    conv = Conversation(session, doc.read_text(), compression=resolve(session.model_path, policy, budget),
+                        reselect=True, chunk=0)   # exact
     c0 = time.process_time()
     conv.compress()
     read_cpu = time.process_time() - c0

@@ -96,7 +96,7 @@ def one_logbook(a, session, sampler, seed: int, out) -> list:
 
 def chat_form(a, session, sampler, seed, doc, text, facts, out) -> list:
     rows = []
-    conv = Conversation(session, text, policy=a.policy, budget=a.budget, reselect=True)
+    conv = Conversation(session, text, compression=resolve(session.model_path, a.policy, a.budget), reselect=True)
     conv.store_turns = False
     t0 = time.perf_counter()
     conv.read_store()

@@ -47,6 +47,7 @@ from kvcli.evaluation.questions import found, make_questions, score_answer
 from kvcli.generate import Sampler, Sampling
 from kvcli.models import resolve_model
 from kvcli.native.session import NativeSession
+from kvcli.planning.planner import resolve
 
 
 SINGLE_FACT = ("fact", "copy")   # the corpus's questions whose answer is one stated passage
@@ -140,7 +141,7 @@ def corpus_docs(a, kinds: list) -> list:
 
 def one_form(a, session, sampler, form: str, name: str, doc: Document, items: list, out) -> list:
     session.clear()
-    conv = Conversation(session, doc.text, policy=a.policy, budget=a.budget, reselect=True,
+    conv = Conversation(session, doc.text, compression=resolve(session.model_path, a.policy, a.budget), reselect=True,
                         chunk=a.chunk if form == "bounded" else None)
     conv.source = doc
     conv.store_turns = False

@@ -18,6 +18,7 @@ from kvcli.drivers import reselect_bounded
 from kvcli.drivers.reselect_bounded import Origins
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
+from kvcli.planning.planner import resolve
 
 pytestmark = pytest.mark.usefixtures("cache_dir")
 
@@ -119,7 +120,7 @@ def test_bounded_chat_cites_from_the_entries_of_the_chunks_streamed(default_mode
     text, facts = logbook
     fact = facts[1]
     s = NativeSession(default_model, n_ctx=0, n_threads=1)
-    conv = Conversation(s, text, policy="snapkv", budget=64, reselect=True, chunk=128)
+    conv = Conversation(s, text, compression=resolve(s.model_path, "snapkv", 64), reselect=True, chunk=128)
     conv.store_turns = False
     try:
         conv.read_store()

@@ -78,7 +78,7 @@ def test_once_mode_compresses_as_compress_once_chat(tiny, tmp_path, monkeypatch)
     q = planted[0]["question"]
     s.prefill(s.tokenize(render(s, text, [], q, agnostic=True)[len(agnostic):]), seq=0)
     store.close()
-    conv = Conversation(NativeSession(tiny, n_ctx=0), text, policy="snapkv", budget=48)
+    conv = Conversation(NativeSession(tiny, n_ctx=0), text, compression=resolve(tiny, "snapkv", 48))
     conv.compress()
     plan = conv.report.plan
     assert all(np.array_equal(plan.kept(l, h), seen["plan"].kept(l, h))

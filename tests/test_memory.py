@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from kvcli.planning.planner import resolve
+
 N_LAYER, N_HEAD_KV, HEAD_DIM = 2, 2, 16
 CELL_F16 = N_LAYER * N_HEAD_KV * HEAD_DIM * 2 * 2     # K + V bytes of one cell, f16
 BIAS_CELL = N_LAYER * N_HEAD_KV * 4                   # kvcli's float32 slot bias, per cell
@@ -104,7 +106,7 @@ def test_a_fitted_conversation_answers_as_the_unfitted_one(tiny, doc, monkeypatc
         if not fit:
             monkeypatch.setattr(Conversation, "fit_context", lambda self: None)
         s = NativeSession(tiny, n_ctx=0)
-        conv = Conversation(s, text, policy="snapkv", budget=64, question="Why?", chunk=0)
+        conv = Conversation(s, text, compression=resolve(s.model_path, "snapkv", 64), question="Why?", chunk=0)
         conv.compress()
         n_ctx = s.n_ctx
         got = [conv.ask("Why?", 6).tokens, conv.ask("And then?", 6).tokens]

@@ -17,6 +17,7 @@ import pytest
 
 from kvcli.drivers.check import Thresholds, compare_observations, compare_plans
 from kvcli.errors import KvcliError
+from kvcli.planning.planner import resolve
 
 DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i, w in
                enumerate(["north", "south", "river", "stone", "light", "delta", "gamma", "alpha"] * 6))
@@ -38,7 +39,7 @@ def native(model):
 
 def conversation(model, policy="snapkv", budget=48, **kw):
     from kvcli.apps.chat import Conversation
-    conv = Conversation(native(model), DOC, policy=policy, budget=budget, reselect=True, **kw)
+    conv = Conversation(native(model), DOC, compression=resolve(model, policy, budget), reselect=True, **kw)
     conv.compress()
     return conv
 
@@ -61,7 +62,7 @@ def test_native_reselection_observes_what_run_observes(tiny, policy):
     from kvcli.apps.chat import Conversation
     from kvcli.native.session import NativeSession
     session = NativeSession(tiny, n_ctx=0, n_seq=2)
-    conv = Conversation(session, DOC, policy=policy, budget=48, reselect=True)
+    conv = Conversation(session, DOC, compression=resolve(session.model_path, policy, 48), reselect=True)
     conv.compress()
     q = "Which code did the river station log?"
     prompt = session.tokenize(conv.conversation_text(q))
@@ -157,7 +158,7 @@ def test_conversation_turns_kept_in_the_store_observe_what_run_observes(tiny, po
 
     monkeypatch.setattr(StoredDocument, "reselect", spy)
     session = NativeSession(tiny, n_ctx=0, n_seq=2)
-    conv = Conversation(session, DOC, policy=policy, budget=48, reselect=True)
+    conv = Conversation(session, DOC, compression=resolve(session.model_path, policy, 48), reselect=True)
     conv.compress()
     again = conversation(tiny, policy=policy, store_turns=False)   # every turn prefilled again at every question
     prev: list[int] = []   # the previous turn's prompt
@@ -372,26 +373,26 @@ def test_store_file_round_trip_and_refusals(tiny, other_tiny, tmp_path):
     a = conv.ask("Which code did the river station log?", 6).text
     conv.close()
     assert keep.exists()   # named: kept
-    again = Conversation.from_store(keep, policy="snapkv", budget=48, model=str(tiny))
+    again = Conversation.from_store(keep, compression=resolve(tiny, "snapkv", 48))
     assert again.mode == "re-selected" and again.store.split == conv.store.split
     assert again.ask("Which code did the river station log?", 6).text == a
     again.close()
     assert keep.exists()
     # a column-sum policy on a store read without them: one line
     with pytest.raises(KvcliError, match="no column sums"):
-        Conversation.from_store(keep, policy="h2o", budget=48, model=str(tiny))
+        Conversation.from_store(keep, compression=resolve(tiny, "h2o", 48))
     # foreign, truncated, corrupt
     with pytest.raises(KvcliError, match="was compressed for model"):
-        Conversation.from_store(keep, policy="snapkv", budget=48, model=str(other_tiny))
+        Conversation.from_store(keep, compression=resolve(other_tiny, "snapkv", 48))
     raw = keep.read_bytes()
     cut = tmp_path / "cut.kvc"
     cut.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(KvcliError, match="truncated"):
-        Conversation.from_store(cut, policy="snapkv", budget=48, model=str(tiny))
+        Conversation.from_store(cut, compression=resolve(tiny, "snapkv", 48))
     bad = tmp_path / "bad.kvc"
     bad.write_bytes(raw[:-100] + bytes(b ^ 0xFF for b in raw[-100:-50]) + raw[-50:])
     with pytest.raises(KvcliError, match="corrupted"):
-        Conversation.from_store(bad, policy="snapkv", budget=48, model=str(tiny))
+        Conversation.from_store(bad, compression=resolve(tiny, "snapkv", 48))
 
 
 def test_from_store_takes_the_commands_compression(tiny, tmp_path, monkeypatch):
@@ -417,19 +418,19 @@ def test_from_store_takes_the_commands_compression(tiny, tmp_path, monkeypatch):
     assert again.compression is compression   # the questions use it too (for_instruction: itself)
     again.close()
     monkeypatch.undo()
-    plain = Conversation.from_store(keep, policy="snapkv", budget=48, model=str(tiny))
+    plain = Conversation.from_store(keep, compression=resolve(tiny, "snapkv", 48))
     assert plain.ask(q, 6).text == a
     plain.close()
 
 
 def test_compressed_file_is_not_a_store(tiny, tmp_path):
     from kvcli.apps.chat import Conversation
-    once = Conversation(native(tiny), DOC, policy="snapkv", budget=48)
+    once = Conversation(native(tiny), DOC, compression=resolve(tiny, "snapkv", 48))
     once.compress()
     path = tmp_path / "once.kvc"
     once.save(path)
     with pytest.raises(KvcliError, match="compressed cache"):
-        Conversation.from_store(path, policy="snapkv", budget=48, model=str(tiny))
+        Conversation.from_store(path, compression=resolve(tiny, "snapkv", 48))
 
 
 def test_a_full_kvc_file_reselects_too(tiny, tmp_path):
@@ -440,7 +441,7 @@ def test_a_full_kvc_file_reselects_too(tiny, tmp_path):
     full.compress()
     path = tmp_path / "full.kvc"
     full.save(path)
-    conv = Conversation.from_store(path, policy="snapkv", budget=48, model=str(tiny))
+    conv = Conversation.from_store(path, compression=resolve(tiny, "snapkv", 48))
     fresh = conversation(tiny)
     q = "Which code did the river station log?"
     assert conv.ask(q, 6).text == fresh.ask(q, 6).text
@@ -453,7 +454,7 @@ def test_document_too_long_for_reselection_is_refused(tiny):
     column-sum policy, which bounded re-selection cannot serve, is refused in one line."""
     from kvcli.apps.chat import Conversation
     with pytest.raises(KvcliError, match="compress-once"):
-        Conversation(native(tiny), DOC * 8, policy="h2o", budget=48, reselect=True).compress()
+        Conversation(native(tiny), DOC * 8, compression=resolve(tiny, "h2o", 48), reselect=True).compress()
 
 
 # ------------------------------------------------------------------------------ the command line
@@ -527,7 +528,7 @@ def test_unwritable_store_is_said_and_kept_in_memory(tiny, monkeypatch, tmp_path
     monkeypatch.setattr(kvc, "write_pieces", real_pieces)
     out = tmp_path / "saved.kvc"
     conv.save(out)   # /save writes it from memory
-    again = Conversation.from_store(out, policy="snapkv", budget=48, model=str(tiny))
+    again = Conversation.from_store(out, compression=resolve(tiny, "snapkv", 48))
     assert len(again.turns) == 1
     again.reset()
     assert again.ask(q, 6).text == first

@@ -19,6 +19,7 @@ import pytest
 
 from kvcli.drivers.check import Thresholds, compare_observations
 from kvcli.errors import KvcliError
+from kvcli.planning.planner import resolve
 from helpers import reselection_session
 
 DOC = " ".join(f"Entry {i}: the {w} station logged code {1000 + 37 * i}." for i, w in
@@ -220,7 +221,7 @@ def test_which_documents_are_re_selected_bounded(tiny_2k, monkeypatch):
     from kvcli.native.session import NativeSession
     monkeypatch.setenv("KVCLI_BOUNDED_ABOVE_MB", "0")      # bounded reading for any document longer than budget + chunk
     s = NativeSession(tiny_2k, n_ctx=0)
-    conv = Conversation(s, DOC, policy="snapkv", budget=48, reselect=True)
+    conv = Conversation(s, DOC, compression=resolve(s.model_path, "snapkv", 48), reselect=True)
     cfg = conv._cfg(None)
     monkeypatch.setattr("kvcli.drivers.chunked.DEFAULT_CHUNK", 256)
     assert conv.chunking().chunk is not None
@@ -242,7 +243,8 @@ def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeyp
     from kvcli.apps.chat import Conversation
     from kvcli.drivers.reselect_bounded import ChunkedStore
     from kvcli.native.session import NativeSession
-    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, policy="snapkv", budget=48, reselect=True, chunk=128)
+    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, compression=resolve(tiny_2k, "snapkv", 48),
+                        reselect=True, chunk=128)
     said = []
     conv.notify = said.append
     conv.compress()
@@ -492,7 +494,8 @@ def test_a_policy_bounded_re_selection_cannot_serve_is_refused_when_chosen(tiny_
     from kvcli.apps.chat import Conversation
     from kvcli.drivers.reselect_bounded import check_usable
     from kvcli.native.session import NativeSession
-    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, policy="snapkv", budget=48, reselect=True, chunk=128)
+    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, compression=resolve(tiny_2k, "snapkv", 48),
+                        reselect=True, chunk=128)
     conv.compress()
     assert conv.store.bounded
     for policy, what in (("h2o", "column sums"), ("kvzip", "column maxima")):

@@ -99,18 +99,18 @@ class Conversation:
 
     session: object
     document: str
-    policy: str = "full"
-    budget: int | None = None
-    policy_args: dict = field(default_factory=dict)
     system: str | None = None
     question: str | None = None          # set: question-aware compression
     seq: int = 0
     chunk: int | None = None             # chunked prefill (kvcli/drivers/chunked.py): None = automatic, 0 = off
     max_cache: int | None = None         # most cells the cache may hold (document + conversation)
     chunk_scoring: str = "question"      # chunked: which queries score each chunk (kvcli/drivers/chunked.py)
-    # the compression the command built (kvcli.planning.planner.Compression): policy, budget and policy_args come
-    # from it; kept while /policy, /budget leave them as they are (`_cfg`)
+    # the compression the command built (kvcli.planning.planner.Compression; None: `full`), taken as it is: policy,
+    # budget and policy_args below come from it; /policy, /budget put another in its place (`_new_choice`)
     compression: object = None
+    policy: str = field(default="full", init=False)
+    budget: int | None = field(default=None, init=False)
+    policy_args: dict = field(default_factory=dict, init=False)
     # filled by compress() / from_kvc()
     fmt: TurnFormat | None = None
     prefix_tokens: list[int] = field(default_factory=list)
@@ -202,8 +202,9 @@ class Conversation:
 
     def _cfg(self, question: str | None):
         """The policy resolved for the model: the compression the command built, passed down (resolved again for the
-        question only where the policy resolves parameters from it: Compression.for_instruction), or, once /policy or
-        /budget changed the choice, the new one's, resolved here once."""
+        question only where the policy resolves parameters from it: Compression.for_instruction), or /policy's and
+        /budget's (`_new_choice`); resolved here only for a .kvc file's recorded policy (`from_kvc`), once, when it is
+        first needed."""
         c = self.compression
         if c is None or not c.asked(self.policy, self.budget, self.policy_args):
             c = self.compression = resolve(self.session.model_path, self.policy, self.budget, dict(self.policy_args),

@@ -64,20 +64,19 @@ def model_for(recorded, model: str | None = None) -> Path:
     return resolve_model(model or config.get("model"))
 
 
-def open_store(cls, path, *, compression=None, policy: str = "full", budget: int | None = None,
-               policy_args: dict | None = None, model: str | None = None, seq: int = 0, n_threads: int | None = None,
+def open_store(cls, path, *, compression=None, model: str | None = None, seq: int = 0, n_threads: int | None = None,
                cache_type: str | None = None):
     """A re-selected conversation (`cls`: Reselected) over a bounded store folder (kvcli chat --store DIR, kvcli
     compress --store -o DIR, /save DIR of a bounded chat): its chunks are streamed for every question as in the chat
     that read the document (kvcli/drivers/reselect_bounded.py); the document is not read again. Refused in one line when
     the folder is not a whole store of this model (ChunkedStore.open) or the policy cannot be re-selected in
     bounded chunks (a column-sum policy, no budget). `compression`: the command's, as Reselected.from_store takes it
-    (then policy, budget and policy_args are its own and its model is the one opened, unless `model` is given)."""
+    (its model is the one opened, unless `model` is given; None: `full`, refused)."""
     t0 = time.perf_counter()
     path = Path(path).expanduser()
     m = read_manifest(path)
+    policy, budget = (compression.policy, compression.budget) if compression is not None else ("full", None)
     if compression is not None:
-        policy, budget, policy_args = compression.policy, compression.budget, compression.args
         model = model or compression.model_path
     if policy == "full" or budget is None:
         raise KvcliError(f"{path} is a bounded store (the document in chunks, re-selected per question): give a "
@@ -91,12 +90,11 @@ def open_store(cls, path, *, compression=None, policy: str = "full", budget: int
     session = open_native(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
                           n_threads=n_threads)
     try:
-        conv = cls(session, store.meta["document"], compression=compression, policy=policy, budget=budget,
-                   policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True,
-                   cache_type=stored_type)
+        conv = cls(session, store.meta["document"], compression=compression, system=store.meta.get("system"), seq=seq,
+                   reselect=True, cache_type=stored_type)
         if common_prefix(conv.prefix_tokens, store.tokens) < store.split:
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
-        cfg = conv._cfg(None)   # the command's compression, else the policy resolved now, not at the first question
+        cfg = conv._cfg(None)   # the command's compression
         check_usable(session, cfg)
         store.cap = budget + store.chunk
         conv.store = store

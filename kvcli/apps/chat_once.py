@@ -236,9 +236,10 @@ class CompressedOnce(Conversation, kind="once"):
         kvc.check_model(f, model_path)
         session = open_native(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
                               n_threads=n_threads)
-        conv = cls(session, m["document"], policy=m["policy"], budget=m["budget"],
-                   policy_args=dict(m.get("policy_args") or {}), system=m.get("system"), question=m.get("question"),
-                   seq=seq, prefix_tokens=[int(t) for t in f.prefix_tokens])
+        conv = cls(session, m["document"], system=m.get("system"), question=m.get("question"), seq=seq,
+                   prefix_tokens=[int(t) for t in f.prefix_tokens])
+        # as the file records them: resolved for this model only if /policy or /budget asks for another (`_cfg`)
+        conv.policy, conv.budget, conv.policy_args = m["policy"], m["budget"], dict(m.get("policy_args") or {})
         c = m["conversation"]
         if conv.prefix_tokens != session.tokenize(conv.prefix_text()):
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")

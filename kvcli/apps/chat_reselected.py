@@ -333,8 +333,7 @@ class Reselected(Conversation, kind="reselected"):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_store(cls, path, *, compression=None, policy: str = "full", budget: int | None = None,
-                   policy_args: dict | None = None, model: str | None = None, seq: int = 0,
+    def from_store(cls, path, *, compression=None, model: str | None = None, seq: int = 0,
                    n_threads: int | None = None, cache_type: str | None = None):
         """A re-selected conversation over a stored full document cache (kvcli compress --store, /save of a
         re-selected chat, or any uncompressed .kvc file), or a bounded store folder (`from_chunked_store`): the
@@ -342,10 +341,9 @@ class Reselected(Conversation, kind="reselected"):
 
         `compression`: the compression the command built for the store's model (`store_model`), set on the
         conversation as it is (its policy, budget and arguments; its model is the one opened unless `model` is
-        given). Without it, `policy`, `budget` and `policy_args` are resolved here, once, for the store's model."""
+        given); None: `full`."""
         if Path(path).expanduser().is_dir():
-            return cls.from_chunked_store(path, compression=compression, policy=policy, budget=budget,
-                                          policy_args=policy_args, model=model, seq=seq, n_threads=n_threads,
+            return cls.from_chunked_store(path, compression=compression, model=model, seq=seq, n_threads=n_threads,
                                           cache_type=cache_type)
         if compression is not None:
             model = model or compression.model_path
@@ -367,14 +365,14 @@ class Reselected(Conversation, kind="reselected"):
                               n_threads=n_threads)
         store = StoredDocument.from_kvc(f)
         del f
-        conv = cls(session, store.meta["document"], compression=compression, policy=policy, budget=budget,
-                   policy_args=dict(policy_args or {}), system=store.meta.get("system"), seq=seq, reselect=True)
+        conv = cls(session, store.meta["document"], compression=compression, system=store.meta.get("system"), seq=seq,
+                   reselect=True)
         # a file of `compress --store` holds the document's tokens; one of `compress --policy full` holds the
         # generic instruction after them too, whose entries are cut off at every question (StoredDocument.restore)
         if common_prefix(conv.prefix_tokens, store.tokens) < min(len(conv.prefix_tokens), store.split) - STORE_TAIL:
             raise KvcliError(f"{path}: the stored prompt does not match this model's template and tokenizer")
         conv.store = store
-        cfg = conv._cfg(None)   # the command's compression, else the policy resolved now, not at the first question
+        cfg = conv._cfg(None)   # the command's compression
         if "colsum" in cfg.observe[0] and store.colsum is None:
             raise KvcliError(f"{path} holds no column sums, which policy '{conv.policy}' scores by: store it with "
                              "kvcli compress --store --policy " + conv.policy)
@@ -387,13 +385,11 @@ class Reselected(Conversation, kind="reselected"):
         return conv
 
     @classmethod
-    def from_chunked_store(cls, path, *, compression=None, policy: str = "full", budget: int | None = None,
-                           policy_args: dict | None = None, model: str | None = None, seq: int = 0,
+    def from_chunked_store(cls, path, *, compression=None, model: str | None = None, seq: int = 0,
                            n_threads: int | None = None, cache_type: str | None = None):
         """A re-selected conversation over a bounded store folder (chat_bounded.open_store); `compression` as
         `from_store` takes it."""
-        return chat_bounded.open_store(cls, path, compression=compression, policy=policy, budget=budget,
-                                       policy_args=policy_args, model=model, seq=seq, n_threads=n_threads,
+        return chat_bounded.open_store(cls, path, compression=compression, model=model, seq=seq, n_threads=n_threads,
                                        cache_type=cache_type)
 
 
