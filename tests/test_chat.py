@@ -232,6 +232,31 @@ def test_context_full_offers_reset_and_reset_restores(tiny):
     s.close()
 
 
+def test_each_mode_is_its_own_class_and_a_kvc_file_keeps_it(tiny, tmp_path):
+    """Conversation(...) is the mode's class (issue #65): a question known before the document is read makes a
+    QuestionKnown (its prefix ends with the question, its first answer comes from the prefix's logits), none a
+    CompressedOnce; a .kvc file is loaded back into the class it was saved from, answering the same."""
+    from kvcli.apps.chat import AGNOSTIC, AWARE, CompressedOnce, Conversation, QuestionKnown
+    from kvcli.errors import KvcliError
+    from kvcli.native.session import NativeSession
+    from kvcli.planning.planner import resolve
+    doc, q = "alpha beta gamma delta. " * 20, "Say something."
+    cfg = resolve(tiny, "snapkv", 48)
+    for question, cls, mode in ((q, QuestionKnown, AWARE), (None, CompressedOnce, AGNOSTIC)):
+        conv = Conversation(NativeSession(tiny, n_ctx=0), doc, compression=cfg, question=question)
+        assert type(conv) is cls and conv.mode == mode
+        conv.compress()
+        assert (conv.tail, conv.pending, conv.prefix_logits is not None) == \
+            (("assistant", True, True) if question else ("user", False, False))
+        path = tmp_path / f"{mode}.kvc"
+        conv.save(path)
+        first = conv.ask(q, 6).text
+        loaded = Conversation.from_kvc(path)
+        assert type(loaded) is cls and loaded.mode == mode and loaded.ask(q, 6).text == first
+    with pytest.raises(KvcliError, match="needs the question"):
+        QuestionKnown(NativeSession(tiny, n_ctx=0), doc, compression=cfg)
+
+
 def test_turn_format_matches_the_template(tiny):
     from kvcli.apps.chat import TurnFormat
     from kvcli.native.session import NativeSession

@@ -3,7 +3,8 @@
 `Conversation(...)` is the conversation of the mode its arguments choose, each a class of its own over a shared
 base (kvcli/apps/chat_base.py: the turn format, the fields, the cache bookkeeping, the reporting rows):
 
-    compressed once   CompressedOnce (kvcli/apps/chat_once.py): question-aware or question-agnostic
+    compressed once   CompressedOnce (kvcli/apps/chat_once.py): question-agnostic; QuestionKnown (the same file,
+                      `question` given): question-aware, compressed for the question known before the document is read
     re-selected       Reselected (kvcli/apps/chat_reselected.py, reselect=True): exact, the document's full cache
                       stored whole; bounded, stored in chunks and streamed per question (kvcli/apps/chat_bounded.py)
 
@@ -51,8 +52,8 @@ in the native engine), which the native patch keeps consistent with the slot bia
 """
 from kvcli.apps.chat_base import (AGNOSTIC, AWARE, MEMORY_STATS, RESELECTED, ContextFullError, Conversation, Turn,
                                   TurnFormat, user_content)
-from kvcli.apps.chat_once import CompressedOnce
+from kvcli.apps.chat_once import CompressedOnce, QuestionKnown
 from kvcli.apps.chat_reselected import Reselected, store_model
 
 __all__ = ["AGNOSTIC", "AWARE", "MEMORY_STATS", "RESELECTED", "CompressedOnce", "ContextFullError", "Conversation",
-           "Reselected", "Turn", "TurnFormat", "store_model", "user_content"]
+           "QuestionKnown", "Reselected", "Turn", "TurnFormat", "store_model", "user_content"]

@@ -2,9 +2,10 @@
 layouts): the turn format read off the model's chat template, a turn, and the `Conversation` base class: the fields
 every mode has, the cache bookkeeping, the context's sizing, the reporting rows the modes share.
 
-`Conversation(...)` builds the mode's class: `reselect=True` a `Reselected` (kvcli/apps/chat_reselected.py), otherwise
-a `CompressedOnce` (kvcli/apps/chat_once.py: question-aware or question-agnostic); each registers itself by its
-`kind` when its module is imported (kvcli/apps/chat.py imports both).
+`Conversation(...)` builds the mode's class: `reselect=True` a `Reselected` (kvcli/apps/chat_reselected.py), a
+`question` a `QuestionKnown` (kvcli/apps/chat_once.py: compressed once for it), otherwise a `CompressedOnce` (the same
+file: question-agnostic); each registers itself by its `kind` when its module is imported (kvcli/apps/chat.py imports
+them).
 """
 from __future__ import annotations
 
@@ -93,9 +94,9 @@ class Turn:
 @dataclass
 class Conversation:
     """One sequence of a NativeSession holding a document and the turns after it. Conversation(...) is the mode's
-    class: a Reselected with reselect=True, a CompressedOnce otherwise."""
+    class: a Reselected with reselect=True, a QuestionKnown with a question, a CompressedOnce otherwise."""
 
-    kinds: ClassVar[dict] = {}            # kind ("once", "reselected") -> the class, filled as they are defined
+    kinds: ClassVar[dict] = {}            # kind ("once", "aware", "reselected") -> the class, as they are defined
 
     session: object
     document: str
@@ -141,7 +142,7 @@ class Conversation:
 
     def __new__(cls, *args, **kw):
         if cls is Conversation:   # the mode's class (its __init__ is the dataclass's, with the same arguments)
-            kind = "reselected" if kw.get("reselect") else "once"
+            kind = "reselected" if kw.get("reselect") else "aware" if kw.get("question") else "once"
             if kind not in Conversation.kinds:
                 raise KvcliError(f"no {kind} conversation: import kvcli.apps.chat, not kvcli.apps.chat_base")
             cls = Conversation.kinds[kind]

@@ -1,11 +1,11 @@
 """A conversation compressed once (kvcli/apps/chat.py: the modes): the document is prefilled and compressed, in
 chunks when it is longer than the context allows, and every turn is appended after the compressed prefix.
 
-- question-aware (a question is known before compressing): the prefix is the whole first prompt, the question after
-  the document in the same user turn, then the assistant header; its first answer is decoded from the prefix's
-  logits (`_Primed`).
-- question-agnostic (no question yet): the prefix is the document's user turn followed by GENERIC_SUFFIX; each
-  question is a new user turn.
+- question-agnostic (`CompressedOnce`, no question yet): the prefix is the document's user turn followed by
+  GENERIC_SUFFIX; each question is a new user turn.
+- question-aware (`QuestionKnown`, a question is known before compressing): the prefix is the whole first prompt, the
+  question after the document in the same user turn, then the assistant header; its first answer is decoded from the
+  prefix's logits (`_Primed`).
 
 A .kvc file holds such a conversation (to_kvc, from_kvc).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -44,15 +45,16 @@ class _Primed:
 
 
 class CompressedOnce(Conversation, kind="once"):
-    """The document compressed once, question-aware (`question` set) or question-agnostic."""
+    """The document compressed once, question-agnostic (no question yet: GENERIC_SUFFIX after it); a question known
+    before compressing makes it a `QuestionKnown`."""
+
+    generic_suffix: ClassVar[str | None] = GENERIC_SUFFIX   # what follows the document in the prefix (.kvc metadata)
 
     @property
     def mode(self) -> str:
-        return AWARE if self.question else AGNOSTIC
+        return AGNOSTIC
 
     def prefix_text(self) -> str:
-        if self.question:
-            return self.fmt.head + user_content(self.document, self.question) + self.fmt.after_user
         return self.fmt.head + user_content(self.document, GENERIC_SUFFIX)
 
     # ------------------------------------------------------------------ compression
@@ -88,17 +90,19 @@ class CompressedOnce(Conversation, kind="once"):
         st = self._st()
         st.cells = self._measured_cells()
         self.reset_mark = (st.next_pos, st.cells)
-        self.prefix_logits = self.session.logits(self.seq) if self.question else None
+        self.prefix_logits = self._prefix_logits()
         if self.report.plan is not None:
             set_header(self.session, self.seq, self.policy, int(self.budget), len(self.prefix_tokens))
             self.fit_context()
         self._at_prefix()
         return self.report
 
+    def _prefix_logits(self):
+        """What the compressed prefix's logits are kept for: nothing here (each question is prefilled after it)."""
+        return None
+
     def _at_prefix(self) -> None:
-        self.tail = "assistant" if self.question else "user"
-        self.pending = bool(self.question)
-        self.turns = []
+        self.tail, self.pending, self.turns = "user", False, []
 
     def recompress(self, policy: str | None = None, budget: int | None = None, policy_args: dict | None = None,
                    progress=None):
@@ -202,7 +206,7 @@ class CompressedOnce(Conversation, kind="once"):
             "resolved_params": _jsonable(getattr(self.report, "params", None)) if self.report else self.resolved_params,
             "original_tokens": len(self.prefix_tokens), "mode": self.mode, "question": self.question,
             "system": self.system, "document": self.document,
-            "generic_suffix": None if self.question else GENERIC_SUFFIX,
+            "generic_suffix": self.generic_suffix,
             "compressed": is_compressed(s, self.seq),
             "conversation": {"reset_pos": self.reset_mark[0], "reset_cells": self.reset_mark[1],
                              "next_pos": st.next_pos, "cells": st.cells, "reindexed": st.reindexed,
@@ -236,8 +240,9 @@ class CompressedOnce(Conversation, kind="once"):
         kvc.check_model(f, model_path)
         session = open_native(model_path, n_ctx=0, cache_type=m["cache_type"], flash_attn=m["flash_attn"],
                               n_threads=n_threads)
-        conv = cls(session, m["document"], system=m.get("system"), question=m.get("question"), seq=seq,
-                   prefix_tokens=[int(t) for t in f.prefix_tokens])
+        # the mode's class: QuestionKnown where the file's prefix ends with its question
+        conv = Conversation(session, m["document"], system=m.get("system"), question=m.get("question"), seq=seq,
+                            prefix_tokens=[int(t) for t in f.prefix_tokens])
         # as the file records them: resolved for this model only if /policy or /budget asks for another (`_cfg`)
         conv.policy, conv.budget, conv.policy_args = m["policy"], m["budget"], dict(m.get("policy_args") or {})
         c = m["conversation"]
@@ -267,3 +272,29 @@ class CompressedOnce(Conversation, kind="once"):
         conv.turns = [Turn(**t) for t in c.get("turns", [])]
         conv.load_s = read_s + time.perf_counter() - t2  # the cache itself; the model load is model_s
         return conv
+
+
+class QuestionKnown(CompressedOnce, kind="aware"):
+    """The document compressed once for a question known before it is read (`question`): the prefix is the whole first
+    prompt, the question after the document in the same user turn, then the assistant header (as the papers do: the
+    policy's observation window covers the question); the first answer is decoded from the prefix's logits."""
+
+    generic_suffix = None
+
+    def __post_init__(self):
+        if not self.question:
+            raise KvcliError("a question-aware conversation needs the question it is compressed for")
+        super().__post_init__()
+
+    @property
+    def mode(self) -> str:
+        return AWARE
+
+    def prefix_text(self) -> str:
+        return self.fmt.head + user_content(self.document, self.question) + self.fmt.after_user
+
+    def _prefix_logits(self):
+        return self.session.logits(self.seq)   # the first answer's first token (the prefix ends with its question)
+
+    def _at_prefix(self) -> None:
+        self.tail, self.pending, self.turns = "assistant", True, []
