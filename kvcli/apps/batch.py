@@ -40,7 +40,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvcli import policies
 from kvcli.drivers.lockstep import Lockstep
 from kvcli.drivers.chunked import plan_chunking
 from kvcli.drivers.compress import prefill_and_compress
@@ -442,9 +441,9 @@ class Worker:
         read_s = None
         try:
             # a policy's second pass holds its chunk after the prompt (bounded reading: after the chunk read)
-            spec = policies.get(s.policy)
-            room = spec.room_after(ready.chunking.chunk or len(ready.tokens), self._cfg(ready.job).params) \
-                if spec.second_pass is not None else 0
+            cfg = self._cfg(ready.job)
+            room = cfg.spec.room_after(ready.chunking.chunk or len(ready.tokens), cfg.params) \
+                if cfg.spec.second_pass is not None else 0
             reader = self._reader(ready.peak + room)
             try:
                 if ready.stored:
