@@ -1,17 +1,22 @@
 """Pool `kvcli eval fidelity` JSON files (issue #63's real-text sample) into markdown tables: the pooled one
 (kvcli/evaluation/fidelity.py `summarise`: KL mean +- s.e. over positions, top-1 agreement, perplexity ratio, held
-K/V) and one per document (KL and top-1 per configuration). A document counts only where every configuration of
-its run was scored (a run stopped by Ctrl-C mid-document leaves that document out).
+K/V) and one per document (KL and top-1 per configuration, pooled over its positions). A document counts only where
+every configuration of its run was scored (a run stopped by Ctrl-C mid-document leaves that document out). Runs of
+`--form reselect` (kvcli/evaluation/fidelity_reselect.py) have several probes a document: a probe counts where every
+configuration scored it, and a table per probe kind and the paired differences between configurations follow.
 
 Usage: .venv/bin/python benchmarks/real_text_table.py A.json [B.json ...]
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
 
 from kvcli.evaluation.fidelity import summarise  # noqa: E402
 
@@ -23,7 +28,7 @@ def complete_records(paths: list[str]) -> list[dict]:
         n_cfg = len({(r["policy"], r["budget"]) for r in res["records"]})
         by_doc: dict[tuple, list] = {}
         for r in res["records"]:
-            by_doc.setdefault((r["doc"], r["length"]), []).append(r)
+            by_doc.setdefault((r["doc"], r["length"], r.get("probe")), []).append(r)
         for rs in by_doc.values():
             if len(rs) == n_cfg and all(r["status"] == "ok" for r in rs):
                 out += rs
@@ -40,20 +45,52 @@ def tables(recs: list[dict]) -> str:
     lines = [f"Pooled over {len(docs)} documents ({', '.join(docs)}):", "",
              "| policy @ budget | positions | KL to full (nats), mean +- s.e. | top-1 agreement | ppl / full | "
              "K/V held (MiB) |", "|---|---:|---|---|---:|---:|"]
-    for s in summarise(recs):
-        lines.append(f"| {name(s)} | {s['positions']} | {s['kl_mean']:.4f} +- {(s['kl_se'] or 0):.4f} | "
-                     f"{100 * s['top1']:.1f}% +- {100 * s['top1_se']:.1f} | {s['ratio_to_full']:.3f} | "
-                     f"{s['kv_bytes'] / 2 ** 20:.2f} |")
+    lines += _pooled(summarise(recs))
     lines += ["", "Per document, KL mean (top-1 agreement):", "",
               "| policy @ budget | " + " | ".join(f"{d} ({genre[d]})" for d in docs) + " |",
               "|---|" + "---|" * len(docs)]
     for cfg in dict.fromkeys(name(r) for r in recs):
         cells = []
         for d in docs:
-            r = next(x for x in recs if x["doc"] == d and name(x) == cfg)
+            r = summarise([x for x in recs if x["doc"] == d and name(x) == cfg])[0]
             cells.append(f"{r['kl_mean']:.3f} ({100 * r['top1']:.0f}%)")
         lines.append(f"| {cfg} | " + " | ".join(cells) + " |")
+    if any(r.get("probe_kind") for r in recs):
+        for kind in dict.fromkeys(r["probe_kind"] for r in recs):
+            lines += ["", f"Probe {kind} ({len({(r['doc'], r['probe']) for r in recs if r['probe_kind'] == kind})} "
+                      "probes):", "", "| policy @ budget | positions | KL to full (nats), mean +- s.e. | "
+                      "top-1 agreement | ppl / full | K/V held (MiB) |", "|---|---:|---|---|---:|---:|"]
+            lines += _pooled(summarise([r for r in recs if r["probe_kind"] == kind]))
+        lines += ["", "Paired over the same positions (A minus B: KL mean +- s.e., top-1 points +- s.e.):", ""]
+        cfgs = [c for c in dict.fromkeys(name(r) for r in recs) if c != "full"]
+        for i, a in enumerate(cfgs):
+            for b in cfgs[i + 1:]:
+                dk, dt = paired(recs, a, b)
+                lines.append(f"- {a} minus {b}: {np.mean(dk):+.3f} +- {_se(dk):.3f} nats, "
+                             f"{100 * np.mean(dt):+.1f} +- {100 * _se(dt):.1f} points ({len(dk)} positions)")
     return "\n".join(lines)
+
+
+def _pooled(rows: list[dict]) -> list[str]:
+    return [f"| {name(s)} | {s['positions']} | {s['kl_mean']:.4f} +- {(s['kl_se'] or 0):.4f} | "
+            f"{100 * s['top1']:.1f}% +- {100 * s['top1_se']:.1f} | {s['ratio_to_full']:.3f} | "
+            f"{s['kv_bytes'] / 2 ** 20:.2f} |" for s in rows]
+
+
+def paired(recs: list[dict], a: str, b: str) -> tuple[list[float], list[int]]:
+    """Per-position differences of KL and top-1 between configurations a and b on the same documents and probes."""
+    by = {(r["doc"], r["length"], r.get("probe"), name(r)): r for r in recs}
+    dk, dt = [], []
+    for (doc, length, probe, cfg), ra in by.items():
+        rb = by.get((doc, length, probe, b))
+        if cfg == a and rb is not None:
+            dk += [x - y for x, y in zip(ra["kl_positions"], rb["kl_positions"])]
+            dt += [x - y for x, y in zip(ra["top1_positions"], rb["top1_positions"])]
+    return dk, dt
+
+
+def _se(xs) -> float:
+    return float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
 
 
 if __name__ == "__main__":

@@ -253,3 +253,73 @@ def test_corpus_ask_scores_every_question_for_every_configuration(cli_runner, ti
     rows = {(x["policy"], x["kind"]): x for x in res["summary"]}
     assert rows[("full", "summary")]["full_score"] == rows[("full", "summary")]["score"]
     assert rows[("streamingllm", "questions")]["n"] == len(qs) - 1
+
+
+# ------------------------------------------------------------------------------ fidelity of re-selection
+LEASE = "\n".join(f"Clause {i}: the tenant pays {i * 37 % 101} crowns to warden {chr(65 + i % 26)}{i} by day "
+                  f"{i % 28 + 1}." for i in range(40))
+
+
+def test_quote_lead_starts_a_line_and_occurs_once():
+    from kvcli.evaluation.fidelity_reselect import LEAD_WORDS, quote_lead
+    lead, s, e = quote_lead(LEASE, 0.5)
+    assert LEASE[s - 1] == "\n" and s >= len(LEASE) // 2 and LEASE[s:e] == lead
+    assert LEASE.count(lead) == 1 and len(lead.split()) == LEAD_WORDS
+    rows = "\n".join(["the same row again and again here"] * 30)
+    assert quote_lead(rows, 0.2) is None            # no lead-in found once
+    assert quote_lead(LEASE, 0.999) is None         # too few words after the last line start
+
+
+def test_fidelity_reselect_scores_the_full_cache_of_the_prompt_exactly(cli_runner, tiny, tmp_path):
+    """The full cache's figures are those of one plain prefill of the probe's prompt fed the same continuation; a
+    budget past the prompt re-selects nothing away (KL 0, top-1 100%); a small one holds less."""
+    if native_missing("kvcli_gather_plan"):
+        pytest.fail("the native library lacks kvcli_gather_plan: rebuild it (python -m kvcli.native.build)")
+    from kvcli.engines import open_native
+    from kvcli.evaluation.fidelity import _continuation
+    from kvcli.evaluation.fidelity_reselect import make_probes
+    from kvcli.evaluation.tasks import render
+    doc = tmp_path / "lease.txt"
+    doc.write_text(LEASE)
+    res = _fid(cli_runner, "--model", str(tiny), "--doc", str(doc), "--form", "reselect", "--policies",
+               "full,snapkv,streamingllm", "--budgets", "48,4096", "--lengths", "all", "--cont", "8",
+               "--probes", "quote,summary", "--depths", "0.3,0.7")
+    assert res["settings"]["form"] == "reselect" and not res["skipped"]
+    recs = {(r["probe"], r["policy"], r["budget"]): r for r in res["records"]}
+    assert {k[0] for k in recs} == {"quote@0.3", "quote@0.7", "summary"} and len(recs) == 3 * 5
+    assert all(r["status"] == "ok" for r in recs.values())
+    s = open_native(tiny, n_ctx=2048, n_threads=1)
+    try:
+        probes, _ = make_probes(s, LEASE, ("quote",), (0.3, 0.7), 8)
+        for p in probes:
+            full = recs[(p.label, "full", None)]
+            assert full["target_tokens"] == p.target and full["kl_mean"] == 0.0 and full["top1"] == 1.0
+            s.clear()
+            s.prefill(s.tokenize(render(s, LEASE, [], p.question)), seq=0)
+            logps, _ = _continuation(s, s.logits(0), p.target)
+            assert full["nll_positions"] == pytest.approx([-float(lp[t]) for lp, t in zip(logps, p.target)],
+                                                          abs=2e-3)
+    finally:
+        s.close()
+    summ = recs[("summary", "full", None)]
+    assert 1 <= summ["cont"] <= 8 and summ["top1"] == 1.0   # its own greedy answer
+    for probe in ("quote@0.3", "quote@0.7", "summary"):
+        full = recs[(probe, "full", None)]
+        for pol in ("snapkv", "streamingllm"):
+            wide, small = recs[(probe, pol, 4096)], recs[(probe, pol, 48)]
+            assert wide["kl_mean"] == pytest.approx(0.0, abs=1e-6) and wide["top1"] == 1.0
+            assert wide["target_tokens"] == full["target_tokens"] == small["target_tokens"]
+            assert small["kl_mean"] >= 0 and 0 <= small["top1"] <= 1 and small["kv_bytes"] < full["kv_bytes"]
+    rows = {(r["policy"], r["budget"], r["probe_kind"]): r for r in res["summary_by_probe"]}
+    assert rows[("snapkv", 48, "quote")]["positions"] == 16 and rows[("full", None, "quote")]["ratio_to_full"] == 1
+
+
+def test_fidelity_reselect_bad_input_is_one_line(cli_runner, tiny, tmp_path):
+    doc = tmp_path / "lease.txt"
+    doc.write_text(LEASE)
+    for extra, msg in ((["--form", "reselect", "--probes", "poem"], "unknown probe 'poem'"),
+                       (["--depths", "0.5"], "--probes and --depths are for --form reselect"),
+                       (["--form", "reselect", "--depths", "1.5"], "must lie in [0.0, 1.0]")):
+        r = cli_runner.invoke(cli, ["eval", "fidelity", "--model", str(tiny), "--doc", str(doc), "--policies",
+                                    "full", "--lengths", "all", *extra])
+        assert r.exit_code == 2 and msg in r.output, r.output

@@ -12,6 +12,7 @@ from kvcli.errors import KvcliError
 from kvcli.evaluation.chat import DEFAULT_MODES as CHAT_MODES, chat_table, plot_chat, run_chat_eval
 from kvcli.evaluation.corpus import corpus_documents
 from kvcli.evaluation.fidelity import fidelity_table, run_fidelity
+from kvcli.evaluation.fidelity_reselect import DEFAULT_DEPTHS, PROBES, run_fidelity_reselect
 from kvcli.evaluation.measure import parse_float_list, parse_list, parse_size
 from kvcli.evaluation.questions import KINDS as QUESTION_KINDS
 from kvcli.evaluation.report import check_png, plot_niah, plot_scores, write_text
@@ -159,12 +160,23 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
               help="With --corpus: only documents of at most this many tokens (the manifest's count).")
 @click.option("--cont", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Continuation tokens scored after each prefix.")
+@click.option("--form", type=click.Choice(["once", "reselect"]), default="once", show_default=True,
+              help="once: compressed once, question-agnostic (kvcli compress), scored on the document's next tokens. "
+              "reselect: re-selected for each probe as kvcli chat re-selects (the exact form), scored on the probe's "
+              "continuation (kvcli/evaluation/fidelity_reselect.py).")
+@click.option("--probes", default=None, help="With --form reselect: comma-separated probes: quote (a lead-in of the "
+              "document at each --depths quoted, the document's text after it scored), summary (the corpus's summary "
+              "question, the full cache's greedy answer scored). Default: quote,summary.")
+@click.option("--depths", default=None, help="With --form reselect: where the quote probes' lead-ins start, as "
+              "fractions of the document. Default: 0.25,0.5,0.75.")
 def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, corpus_dir, split, genres,
-                 max_doc_tokens, cont):
+                 max_doc_tokens, cont, form, probes, depths):
     """KL divergence and top-1 agreement of a compressed cache against the full cache on a document's
     teacher-forced continuation, and its perplexity (no question needed). --lengths all: each document's whole
-    text but its last --cont tokens is the prefix."""
+    text but its last --cont tokens is the prefix (--form reselect: the whole document)."""
     whole = lengths.strip().lower() == "all"
+    if form == "once" and (probes is not None or depths is not None):
+        raise KvcliError("--probes and --depths are for --form reselect")
     path, lens = _prepare(model, "1" if whole else lengths, plot_path)
     if corpus_dir:
         documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs)
@@ -175,9 +187,15 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
         if docs is None and not ex.is_dir():
             raise KvcliError("no --docs given and no examples/ folder next to kvcli: pass --docs FILES|DIR")
         documents, meta = load_docs([ex] if docs is None else [p for p in docs.split(",") if p.strip()]), {}
-    result = run_fidelity(path, documents, req.policies, req.budgets, None if whole else lens, cont,
-                          cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
-                          log=None if quiet else log_stderr, doc_meta=meta)
+    common = dict(cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
+                  log=None if quiet else log_stderr, doc_meta=meta)
+    if form == "reselect":
+        result = run_fidelity_reselect(
+            path, documents, req.policies, req.budgets, None if whole else lens, cont,
+            probes=parse_list(probes or ",".join(PROBES), "--probes", lambda s: s.lower()),
+            depths=parse_float_list(depths, "--depths") if depths is not None else DEFAULT_DEPTHS, **common)
+    else:
+        result = run_fidelity(path, documents, req.policies, req.budgets, None if whole else lens, cont, **common)
     if result.get("interrupted") and not result["records"]:
         raise KeyboardInterrupt
     click.echo(json.dumps(result, default=_jsonable) if as_json else fidelity_table(result))

@@ -148,11 +148,11 @@ def _se(values: list[float]) -> float | None:
 
 def summarise(records: list[dict], keys=("task", "policy", "budget", "length")) -> list[dict]:
     """Pooled over documents and positions per `keys` (the module's docstring); `ratio_to_full` is the perplexity
-    against the full cache's on the same documents."""
+    against the full cache's on the same documents (and probes: fidelity_reselect.py)."""
     groups: dict[tuple, list] = {}
     for r in records:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
-    full_nll = {(r["doc"], r["length"]): r["nll_positions"] for r in records
+    full_nll = {(r["doc"], r["length"], r.get("probe")): r["nll_positions"] for r in records
                 if r["policy"] == "full" and r.get("nll_positions")}
     out = []
     for k, rs in groups.items():
@@ -164,7 +164,7 @@ def summarise(records: list[dict], keys=("task", "policy", "budget", "length")) 
             continue
         nll = [x for r in rs for x in r["nll_positions"]]
         item.update(status="ok", positions=len(nll), ppl=math.exp(float(np.mean(nll))))
-        ref = [full_nll.get((r["doc"], r["length"])) for r in rs]
+        ref = [full_nll.get((r["doc"], r["length"], r.get("probe"))) for r in rs]
         if all(x is not None for x in ref):
             item["full_ppl"] = math.exp(float(np.mean([x for xs in ref for x in xs])))
             item["ratio_to_full"] = item["ppl"] / item["full_ppl"]
@@ -183,12 +183,26 @@ def summarise(records: list[dict], keys=("task", "policy", "budget", "length")) 
 
 
 def fidelity_table(result: dict) -> str:
-    """One row per configuration and length: KL mean +- standard error, top-1 agreement, perplexity ratio, held."""
-    rows = result["summary"]
+    """One row per configuration and length: KL mean +- standard error, top-1 agreement, perplexity ratio, held;
+    re-selected (`--form reselect`), then the same per probe kind."""
+    reselect = result["settings"].get("form") == "reselect"
+    how = ("re-selected for each probe, its continuation" if reselect else "compressed once, next")
+    lines = [f"fidelity: {how} {result['settings']['cont']} tokens teacher-forced; KL(full || compressed) mean +- "
+             "s.e. over positions, top-1 agreement with the full cache"]
+    lines += _table_rows(result["summary"])
+    if reselect:
+        for kind in dict.fromkeys(r["probe_kind"] for r in result.get("summary_by_probe", [])):
+            lines += ["", f"probe {kind}:"] + _table_rows([r for r in result["summary_by_probe"]
+                                                           if r["probe_kind"] == kind])
+    for s in result.get("skipped", []):
+        lines.append(f"skipped: {s['doc']} ({s['length']}): {s['why']}")
+    return "\n".join(lines)
+
+
+def _table_rows(rows: list[dict]) -> list[str]:
     head = (f"{'policy':<22}{'length':>8}{'docs':>6}{'positions':>11}{'KL to full (nats)':>22}{'top-1 agreement':>20}"
             f"{'ppl / full':>12}{'K/V held':>12}")
-    lines = [f"fidelity: compressed once, next {result['settings']['cont']} tokens teacher-forced; KL(full || "
-             "compressed) mean +- s.e. over positions, top-1 agreement with the full cache", head, "-" * len(head)]
+    lines = [head, "-" * len(head)]
     for r in rows:
         name = r["policy"] if r["budget"] is None else f"{r['policy']}@{r['budget']}"
         if r.get("ppl") is None:
@@ -201,4 +215,4 @@ def fidelity_table(result: dict) -> str:
         held = "-" if r.get("kv_bytes") is None else f"{r['kv_bytes'] / 2 ** 20:.2f} MiB"
         lines.append(f"{name:<22}{str(r['length']):>8}{r['n_docs']:>6}{r.get('positions', 0):>11}{klc:>22}{t1:>20}"
                      f"{ratio:>12}{held:>12}")
-    return "\n".join(lines)
+    return lines
