@@ -72,8 +72,9 @@ def at_once(port: int, bodies: list[tuple[dict, dict]]) -> tuple[float, list[dic
     return time.perf_counter() - t0, out
 
 
-def session(a, port: int, text: str, facts: list[dict], extra: dict, clients: bool) -> dict:
-    """The requests one after another (six short answers, then `a.long` long ones), and the clients at once."""
+def session(a, port: int, text: str, facts: list[dict], extra: dict, clients: bool, pid: int | None = None) -> dict:
+    """The requests one after another (six short answers, then `a.long` long ones), and the clients at once (the
+    server's peak RSS read before them too, where `pid` is given: the one-after-another requests' peak)."""
     seq = []
     for i, fact in enumerate(facts, 1):
         secs, out = post(port, body(a, text, fact, a.max_tokens, extra))
@@ -86,6 +87,8 @@ def session(a, port: int, text: str, facts: list[dict], extra: dict, clients: bo
         print(json.dumps(long[-1]), flush=True)
     got = {"requests": seq, "long_requests": long, "right": sum(r["right"] for r in seq)}
     if clients:
+        if pid is not None:
+            got["peak_rss_before_clients_bytes"] = peak_rss(pid)
         wall, rows = at_once(port, [(f, body(a, text, f, a.max_tokens, extra)) for f in facts[:a.clients]])
         got.update(clients=rows, clients_wall_s=round(wall, 2))
         print(json.dumps({"clients_wall_s": wall, "right": [r["right"] for r in rows]}), flush=True)
@@ -114,7 +117,7 @@ def run_kvcli(a, ctx: int, text: str, facts: list[dict], clients: bool) -> dict:
     before, store = uptime(), tempfile.mkdtemp(prefix="kvcli-serve-lengths-")
     proc, port = start(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "KVCLI_CACHE": store})
     try:
-        got = session(a, port, text, facts, {}, clients=clients)
+        got = session(a, port, text, facts, {}, clients=clients, pid=proc.pid)
     finally:
         rss = stop(proc)
         shutil.rmtree(store, ignore_errors=True)
@@ -170,6 +173,8 @@ def table(runs: list[dict]) -> str:
             clients = (f"{r['clients_wall_s']:.1f} s ({sum(x['right'] for x in cl)} of {len(cl)} right)"
                        if cl else "-")
             rss = f"{(r['peak_rss_bytes'] or 0) / 2**20:.0f} MiB"
+            if r.get("peak_rss_before_clients_bytes"):
+                rss += f" ({r['peak_rss_before_clients_bytes'] / 2**20:.0f} before the clients)"
             if r.get("clients_peak_rss_bytes"):
                 rss += f" (-np {len(cl)}: {r['clients_peak_rss_bytes'] / 2**20:.0f} MiB)"
             lines.append(f"| {d['prompt_tokens']} tokens | {r['server']} | {r['right']} | {min(later):.2f}-"

@@ -341,6 +341,7 @@ class NativeSession(SavingMixin):
         windows = observed_windows(observe, window, len(tokens))
         t0 = time.perf_counter()
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
+        cuts = _few_rows_cuts(cuts, few_rows_cap(self.cells_used() + len(tokens), self.info.n_head))
         armed = bool(CAPTURED.intersection(observe))
         if armed:
             cache.observe_begin(self.ctx, seq, observe,
@@ -591,6 +592,36 @@ class NativeSession(SavingMixin):
         backend) or "host" (through host memory); None before the first ($KVCLI_COMPACT, native/src/README.md)."""
         L = lib()
         return MOVES_PATHS.get(L.check(L.kvcli_compact_path_taken(self.ctx), "kvcli_compact_path_taken"))
+
+
+# The attention scratch of a call of few rows: on the CPU a call of at most KVCLI_FEW_ROWS_MAX rows attends by matrix
+# products (native/src/kvcli_attention.cpp, rows_attention; its observed window rows too), whose [n_kv, rows, n_head]
+# F32 probabilities are made whole, a group of KV heads at a time; flash attention, which makes none, takes the larger
+# calls. A question over a resident 16k-token document made 36 MiB of them at 25 rows. Such a call is cut into calls
+# of at most few_rows_cap(n_kv, n_head) rows, which make at most FEW_ROWS_SCRATCH, for one more pass over the weights
+# and the cells per call (native/src/README.md, "Memory: what a question adds").
+FEW_ROWS_SCRATCH = 8 << 20
+FEW_ROWS_MAX = 63   # KVCLI_FEW_ROWS_MAX (native/src/kvcli_observation.h)
+
+
+def few_rows_cap(n_kv: int, n_head: int) -> int:
+    """The most rows a few-rows call over n_kv cells may have to make at most FEW_ROWS_SCRATCH; at least 8, as each
+    call passes over the weights and the cells once more (at 16k cells 8 calls of 4 rows took 1.8-2.5 s where 4 of
+    8 took 1.4)."""
+    return max(8, min(FEW_ROWS_MAX, FEW_ROWS_SCRATCH // max(1, n_kv * n_head * 4)))
+
+
+def _few_rows_cuts(cuts: list[int], cap: int) -> list[int]:
+    """`cuts` with every call of at most FEW_ROWS_MAX rows cut into near-equal calls of at most `cap` rows."""
+    out, start = [], 0
+    for end in cuts:
+        n = end - start
+        if cap < n <= FEW_ROWS_MAX:
+            parts = -(-n // cap)
+            out += [start + (n * i) // parts for i in range(1, parts)]
+        out.append(end)
+        start = end
+    return out
 
 
 def _batch_cuts(n: int, n_batch: int, window: int) -> list[int]:

@@ -21,96 +21,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
-#if !defined(_WIN32)
-#include <sys/mman.h>
-#endif
-
-// ---------------------------------------------------------------------------------
-// kvcli_acc: a layer's sums in zero pages, seen by the graph as a tensor on the CPU
-// ---------------------------------------------------------------------------------
-
-kvcli_acc & kvcli_acc::operator=(kvcli_acc && o) noexcept {
-    if (this != &o) {
-        release();
-        std::swap(data_, o.data_);
-        std::swap(n_, o.n_);
-        std::swap(bytes_, o.bytes_);
-        std::swap(ctx_, o.ctx_);
-        std::swap(buf_, o.buf_);
-        std::swap(t_, o.t_);
-    }
-    return *this;
-}
-
-void kvcli_acc::allocate(size_t n) {
-    release();
-    bytes_ = std::max<size_t>(n, 1) * sizeof(float);
-#if !defined(_WIN32)
-    // anonymous pages read as zeros and become resident when first written: only the cells a layer uses
-    void * p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-        bytes_ = 0;
-        throw std::bad_alloc();
-    }
-#else
-    void * p = std::calloc(n ? n : 1, sizeof(float));
-    if (!p) {
-        bytes_ = 0;
-        throw std::bad_alloc();
-    }
-#endif
-    data_ = static_cast<float *>(p);
-    n_ = n;
-}
-
-void kvcli_acc::release() {
-    if (buf_) {
-        ggml_backend_buffer_free(buf_);   // a buffer over our pointer: frees its own bookkeeping only
-    }
-    if (ctx_) {
-        ggml_free(ctx_);
-    }
-    if (data_) {
-#if !defined(_WIN32)
-        munmap(data_, bytes_);
-#else
-        std::free(data_);
-#endif
-    }
-    data_ = nullptr;
-    n_ = bytes_ = 0;
-    ctx_ = nullptr;
-    buf_ = nullptr;
-    t_ = nullptr;
-}
-
-ggml_tensor * kvcli_acc::tensor(int64_t ne0, int64_t ne1, int64_t ne2) {
-    if (!data_ || (size_t) (ne0 * ne1 * ne2) != n_) {
-        throw kvcli_error("kvcli_acc::tensor: shape does not match the accumulator");
-    }
-    if (t_ && t_->ne[0] == ne0 && t_->ne[1] == ne1 && t_->ne[2] == ne2) {
-        return t_;
-    }
-    if (!ctx_) {
-        ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
-        ctx_ = ggml_init(ip);
-        buf_ = ggml_backend_cpu_buffer_from_ptr(data_, bytes_);
-        if (!ctx_ || !buf_) {
-            throw kvcli_error("kvcli_acc::tensor: could not wrap the accumulator");
-        }
-    } else if (t_) {
-        throw kvcli_error("kvcli_acc::tensor: the accumulator was already seen with another shape");
-    }
-    t_ = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, ne0, ne1, ne2);
-    if (ggml_backend_tensor_alloc(buf_, t_, data_) != GGML_STATUS_SUCCESS) {
-        throw kvcli_error("kvcli_acc::tensor: could not place the tensor");
-    }
-    return t_;
-}
 
 namespace kvcli_graph_detail { namespace { // internal linkage; the outer name keeps unity builds apart
 
@@ -173,10 +86,30 @@ kvcli_acc & layer_acc(std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_laye
     return a;
 }
 
+// dst += b where b is not 0, in place (dst a view of a host accumulator, b the same shape, rows contiguous): a cell
+// the rows cannot see (another sequence's: its probability is exactly 0) is neither read nor written, so its page of
+// the accumulator stays untouched, never resident. Skipping an exact 0 leaves every sum as the add would, to the bit.
+void add_nonzero(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
+    GGML_UNUSED(a);
+    GGML_UNUSED(userdata);
+    const int64_t n0 = b->ne[0], n1 = b->ne[1], rows = b->ne[1] * b->ne[2] * b->ne[3];
+    for (int64_t r = ith; r < rows; r += nth) {
+        const int64_t i1 = r % n1, i2 = (r / n1) % b->ne[2], i3 = r / (n1 * b->ne[2]);
+        float * d = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+        const float * s = (const float *) ((const char *) b->data + i1 * b->nb[1] + i2 * b->nb[2] + i3 * b->nb[3]);
+        for (int64_t c = 0; c < n0; ++c) {
+            if (s[c] != 0.0f) {
+                d[c] += s[c];
+            }
+        }
+    }
+}
+
 // The graph adds one ubatch's reduced sums t ([n_kv, n_w, n_head]) into the host accumulator acc ([n_w][n_head]
 // [kv_size], cells c0..c0+n_kv-1) itself: t is then an intermediate the allocator reuses, where as a graph output
 // every layer's would stay allocated to the end of the graph (n_layer x n_kv x n_head floats: 21 MiB at 16k cells
-// on qwen2.5-0.5b by their shape) and then be copied once more on the host.
+// on qwen2.5-0.5b by their shape) and then be copied once more on the host. Only the cells the rows see are written
+// (add_nonzero): an answer's 260 cells beside a resident 16k document make the pages of 260 cells resident, not 16k.
 // (heads h0.. of the layer's n_head: t may be one group of heads)
 void add_into_host(ggml_context * ctx0, ggml_cgraph * gf, kvcli_acc & acc, ggml_tensor * t, int64_t c0,
                    uint32_t kv_size, int64_t n_head, int64_t h0 = 0) {
@@ -184,8 +117,8 @@ void add_into_host(ggml_context * ctx0, ggml_cgraph * gf, kvcli_acc & acc, ggml_
     ggml_tensor * a = acc.tensor(kv_size, n_head, n_w);
     ggml_tensor * dst = ggml_view_3d(ctx0, a, n_kv, n_h, n_w, a->nb[1], a->nb[2],
                                      (size_t) c0 * sizeof(float) + (size_t) h0 * a->nb[1]);
-    ggml_tensor * sum = ggml_add(ctx0, dst, ggml_permute(ctx0, t, 0, 2, 1, 3));
-    ggml_build_forward_expand(gf, ggml_cpy(ctx0, sum, dst));
+    ggml_tensor * src = ggml_permute(ctx0, t, 0, 2, 1, 3);   // [n_kv, n_h, n_w], rows contiguous
+    ggml_build_forward_expand(gf, ggml_map_custom2_inplace(ctx0, dst, src, add_nonzero, GGML_N_TASKS_MAX, nullptr));
 }
 
 // adds one ubatch's reduced output t ([n_kv, n_w, n_head]) to acc[il] ([n_w][n_head][kv_size], cells c0..c0+n_kv-1)

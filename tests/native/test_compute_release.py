@@ -65,3 +65,37 @@ def test_a_few_rows_question_takes_the_grouped_window_observation(session_factor
         assert cache.last_graph_count(s.ctx, "kvcli_rows_kqv-0-g") == 2
     else:           # more rows than the few-rows path takes: observed apart from the attention, every head at once
         assert deferred == 0 and every_head > 0
+
+
+def test_few_rows_calls_are_cut_to_the_scratch_cap():
+    from kvcli.native.session import FEW_ROWS_MAX, _batch_cuts, _few_rows_cuts, few_rows_cap
+    assert few_rows_cap(16_000, 14) == 9                         # qwen2.5-0.5b over a 16k document: 8 MiB / 0.9 MB
+    assert few_rows_cap(300, 4) == FEW_ROWS_MAX and few_rows_cap(10**7, 64) == 8
+    assert _few_rows_cuts(_batch_cuts(40, 256, 40), 9) == [8, 16, 24, 32, 40]
+    # a read's 256-row calls take flash attention (no probabilities made): kept; its few-rows tail and window cut
+    assert _few_rows_cuts(_batch_cuts(300, 256, 32), 9) == [256, 262, 268, 276, 284, 292, 300]
+    assert _few_rows_cuts(_batch_cuts(100, 256, 100), 9) == [100]   # above FEW_ROWS_MAX: flash attention's
+
+
+def test_a_question_cut_into_few_rows_calls_observes_and_answers_as_one(session_factory, tiny_model, monkeypatch):
+    """A question cut into calls of at most 8 rows (FEW_ROWS_SCRATCH lowered) sums the same window probabilities and ends on
+    the same logits as the question in one call, to float rounding (the rows' sums are added in another order)."""
+    import kvcli.native.session as ns
+    calls = []
+    real = ns.NativeSession._decode
+    monkeypatch.setattr(ns.NativeSession, "_decode", lambda self, e: calls.append(len(e)) or real(self, e))
+    rng = np.random.default_rng(5)
+    doc = [int(t) for t in rng.integers(10, 200, 290)]
+    question = [int(t) for t in rng.integers(10, 200, 30)]
+    out = []
+    for scratch in (1 << 40, 1):
+        monkeypatch.setattr(ns, "FEW_ROWS_SCRATCH", scratch)
+        s = session_factory(tiny_model, n_ctx=1024)
+        s.prefill(doc, seq=0)
+        calls.clear()
+        obs = s.prefill(question, seq=0, observe=("window",), window=30)
+        out.append((list(calls), obs.window_sums.copy(), s.logits(0)))
+    (whole, sums_a, logits_a), (cut, sums_b, logits_b) = out
+    assert whole == [30] and len(cut) == 4 and max(cut) == 8 and sum(cut) == 30
+    np.testing.assert_allclose(sums_b, sums_a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logits_b, logits_a, rtol=1e-4, atol=1e-4)
