@@ -78,8 +78,9 @@ def test_few_rows_calls_are_cut_to_the_scratch_cap():
 
 
 def test_a_question_cut_into_few_rows_calls_observes_and_answers_as_one(session_factory, tiny_model, monkeypatch):
-    """A question cut into calls of at most 8 rows (FEW_ROWS_SCRATCH lowered) sums the same window probabilities and ends on
-    the same logits as the question in one call, to float rounding (the rows' sums are added in another order)."""
+    """A question cut into calls of at most 8 rows (FEW_ROWS_SCRATCH lowered) sums the same window probabilities and
+    ends on the same logits as the question in one call, to float rounding (the rows' sums are added in another
+    order)."""
     import kvcli.native.session as ns
     calls = []
     real = ns.NativeSession._decode
