@@ -139,8 +139,11 @@ def _station_head(tokens_wanted: int, tmp_path):
 
 def test_default_model_reads_a_3k_document_under_max_cache(cli_runner, default_model, tmp_path):
     doc = _station_head(3000, tmp_path)
+    # one thread: the default follows the idle cores, and the rounding of a decoded token's flash attention over
+    # 512+ cells follows the threads (kvcli/native/threads.py); SmolLM2's summary at 2 threads degenerated on a
+    # 2-core AMD EPYC with AVX-512 (2026-12-03: "The Halvardikläsia Halvardiak-Själläsjärj") and reads at 1
     r = _run(cli_runner, "run", "--model", default_model, "--doc", doc, "--policy", "snapkv", "--budget", 256,
-             "--max-cache", 1024, "-n", 24, "--json", "Summarise the log in one sentence.")
+             "--max-cache", 1024, "-n", 24, "--threads", 1, "--json", "Summarise the log in one sentence.")
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     st = res["stats"]

@@ -63,8 +63,13 @@ def test_observation_state_and_removal_under_the_ragged_layout(session_factory, 
     more = prompt_tokens(12, 8)
     oc = cells.prefill(more, observe=("window", "colsum"), window=4)
     orr = ragged.prefill(more, observe=("window", "colsum"), window=4)
-    np.testing.assert_allclose(orr.colsum, oc.colsum, atol=1e-6)
-    np.testing.assert_allclose(orr.window_sums, oc.window_sums, atol=1e-6)
+    # to 1e-4 (logits below to 2e-3): on a 2-core AMD EPYC with AVX-512 (2026-12-03) the two layouts' probabilities of
+    # these rows differed by up to 5.6e-5 in the trimmed layer 2 (11 of 624 column sums; within 1e-6 on the machines
+    # before), alike with that day's changes to the path undone (the rows' cut, the host add) and with 80 rows (76 by
+    # flash attention) instead of 12: rounding that layout changes there, not a misplaced cell (that differs by a
+    # probability itself, 1e-2 and more); not traced further. Decoding stays bit for bit (the test above).
+    np.testing.assert_allclose(orr.colsum, oc.colsum, atol=1e-4)
+    np.testing.assert_allclose(orr.window_sums, oc.window_sums, atol=1e-4)
     # a saved state restores into a fresh context and is trimmed again there
     snap = ragged.save_seq(0)
     assert cache.layout_fronts(ragged.ctx) == [0, 31, 15]
@@ -74,7 +79,7 @@ def test_observation_state_and_removal_under_the_ragged_layout(session_factory, 
     assert cache.layout_fronts(t.ctx) == [0, 31, 15]
     for s in (cells, t):
         s.step({0: 77})
-    np.testing.assert_allclose(t.logits(), cells.logits(), atol=1e-5)
+    np.testing.assert_allclose(t.logits(), cells.logits(), atol=2e-3)   # the rows observed above differ by rounding
     # removing the sequence gives every layer its rows back before a new prompt can use those cells
     t.clear(0)
     assert cache.layout_fronts(t.ctx) == [0, 0, 0]
