@@ -56,8 +56,9 @@ class NativeSession(SavingMixin):
         llama.cpp's default (every layer), 0 keeps all on the CPU. n_batch None: CPU_UBATCH on a CPU, else 512."""
         self.L = load_llama_cpp()
         L = self.L
+        self.cache_on_cpu = not L.llama_supports_gpu_offload() or n_gpu_layers == 0
         if n_batch is None:
-            n_batch = CPU_UBATCH if not L.llama_supports_gpu_offload() or n_gpu_layers == 0 else 512
+            n_batch = CPU_UBATCH if self.cache_on_cpu else 512
         self.model_path = str(model_path)
         self.info: ModelInfo = read_model_info(model_path)
         self.longrope = longrope(model_path)    # phi3's LongRoPE pair: the context's size picks the factors
@@ -68,7 +69,7 @@ class NativeSession(SavingMixin):
         self.cache_type = cache_type
         self.flash_attn = flash_attn
         # attention path of compacted layers (and why): checks $KVCLI_ATTN_PATH before any model is loaded
-        self.attn_path = attn_path(flash_attn, cache_on_cpu=not L.llama_supports_gpu_offload() or n_gpu_layers == 0)
+        self.attn_path = attn_path(flash_attn, cache_on_cpu=self.cache_on_cpu)
         if os.environ.get("KVCLI_LAYOUT", "") not in ("", "ragged", "cells"):   # native/src/kvcli_layout.cpp
             raise KvcliError(f"KVCLI_LAYOUT must be ragged or cells (got {os.environ['KVCLI_LAYOUT']!r})")
         mparams = L.llama_model_default_params()
@@ -341,7 +342,8 @@ class NativeSession(SavingMixin):
         windows = observed_windows(observe, window, len(tokens))
         t0 = time.perf_counter()
         cuts = _batch_cuts(len(tokens), self.n_batch, max(windows, default=0))
-        cuts = _few_rows_cuts(cuts, few_rows_cap(self.cells_used() + len(tokens), self.info.n_head))
+        if self.cache_on_cpu:   # the probabilities the cut bounds are host memory; a GPU's would only cost passes
+            cuts = _few_rows_cuts(cuts, few_rows_cap(self.cells_used() + len(tokens), self.info.n_head))
         armed = bool(CAPTURED.intersection(observe))
         if armed:
             cache.observe_begin(self.ctx, seq, observe,
