@@ -104,7 +104,7 @@ class NativeSession(SavingMixin):
         s = object.__new__(NativeSession)
         s.__dict__.update({k: v for k, v in self.__dict__.items()
                            if k in ("L", "model_path", "info", "longrope", "cache_type", "flash_attn", "attn_path",
-                                    "model", "vocab", "n_vocab", "n_ctx_train")})
+                                    "model", "vocab", "n_vocab", "n_ctx_train", "cache_on_cpu")})
         s.ctx, s._batch, s.seqs, s._owns_model = None, None, {}, False
         s._ctx_opts = dict(self._ctx_opts, n_seq=n_seq)
         s.create_context(n_ctx)

@@ -100,3 +100,22 @@ def test_a_question_cut_into_few_rows_calls_observes_and_answers_as_one(session_
     assert whole == [30] and len(cut) == 4 and max(cut) == 8 and sum(cut) == 30
     np.testing.assert_allclose(sums_b, sums_a, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(logits_b, logits_a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sibling_session_prefills_questions_as_its_parent(session_factory, tiny_model):
+    """A sibling (kvcli batch reads documents in one) takes every model-wide setting of its parent, the few-rows
+    cut's included (a name missing from its copied list failed every batch question with an AttributeError)."""
+    rng = np.random.default_rng(7)
+    doc = [int(t) for t in rng.integers(10, 200, 200)]
+    question = [int(t) for t in rng.integers(10, 200, 20)]
+    parent = session_factory(tiny_model, n_ctx=512)
+    sib = parent.sibling(512)
+    try:
+        shared = {k for k in vars(parent) if k not in ("ctx", "_batch", "seqs", "_owns_model", "_ctx_opts")}
+        assert shared <= set(vars(sib))
+        for s in (parent, sib):
+            s.prefill(doc, seq=0)
+            s.prefill(question, seq=0, observe=("window",), window=20)
+        np.testing.assert_allclose(sib.logits(0), parent.logits(0), rtol=1e-4, atol=1e-4)
+    finally:
+        sib.close()
