@@ -160,23 +160,24 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
               help="With --corpus: only documents of at most this many tokens (the manifest's count).")
 @click.option("--cont", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Continuation tokens scored after each prefix.")
-@click.option("--form", type=click.Choice(["once", "reselect"]), default="once", show_default=True,
+@click.option("--form", type=click.Choice(["once", "reselect", "aware"]), default="once", show_default=True,
               help="once: compressed once, question-agnostic (kvcli compress), scored on the document's next tokens. "
               "reselect: re-selected for each probe as kvcli chat re-selects (the exact form), scored on the probe's "
-              "continuation (kvcli/evaluation/fidelity_reselect.py).")
-@click.option("--probes", default=None, help="With --form reselect: comma-separated probes: quote (a lead-in of the "
-              "document at each --depths quoted, the document's text after it scored), summary (the corpus's summary "
-              "question, the full cache's greedy answer scored). Default: quote,summary.")
-@click.option("--depths", default=None, help="With --form reselect: where the quote probes' lead-ins start, as "
-              "fractions of the document. Default: 0.25,0.5,0.75.")
+              "continuation (kvcli/evaluation/fidelity_reselect.py). aware: the same probes, each compressed once "
+              "with its whole prompt (question-aware, as kvcli run --question), scored on the same continuation.")
+@click.option("--probes", default=None, help="With --form reselect or aware: comma-separated probes: quote (a "
+              "lead-in of the document at each --depths quoted, the document's text after it scored), summary (the "
+              "corpus's summary question, the full cache's greedy answer scored). Default: quote,summary.")
+@click.option("--depths", default=None, help="With --form reselect or aware: where the quote probes' lead-ins "
+              "start, as fractions of the document. Default: 0.25,0.5,0.75.")
 def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, corpus_dir, split, genres,
                  max_doc_tokens, cont, form, probes, depths):
     """KL divergence and top-1 agreement of a compressed cache against the full cache on a document's
     teacher-forced continuation, and its perplexity (no question needed). --lengths all: each document's whole
-    text but its last --cont tokens is the prefix (--form reselect: the whole document)."""
+    text but its last --cont tokens is the prefix (--form reselect or aware: the whole document)."""
     whole = lengths.strip().lower() == "all"
     if form == "once" and (probes is not None or depths is not None):
-        raise KvcliError("--probes and --depths are for --form reselect")
+        raise KvcliError("--probes and --depths are for --form reselect or aware")
     path, lens = _prepare(model, "1" if whole else lengths, plot_path)
     if corpus_dir:
         documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs)
@@ -189,11 +190,11 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
         documents, meta = load_docs([ex] if docs is None else [p for p in docs.split(",") if p.strip()]), {}
     common = dict(cache_type=req.cache_type, policy_args=req.scoped_args, threads=req.threads,
                   log=None if quiet else log_stderr, doc_meta=meta)
-    if form == "reselect":
+    if form != "once":
         result = run_fidelity_reselect(
             path, documents, req.policies, req.budgets, None if whole else lens, cont,
             probes=parse_list(probes or ",".join(PROBES), "--probes", lambda s: s.lower()),
-            depths=parse_float_list(depths, "--depths") if depths is not None else DEFAULT_DEPTHS, **common)
+            depths=parse_float_list(depths, "--depths") if depths is not None else DEFAULT_DEPTHS, form=form, **common)
     else:
         result = run_fidelity(path, documents, req.policies, req.budgets, None if whole else lens, cont, **common)
     if result.get("interrupted") and not result["records"]:

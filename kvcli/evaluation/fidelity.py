@@ -185,8 +185,11 @@ def summarise(records: list[dict], keys=("task", "policy", "budget", "length")) 
 def fidelity_table(result: dict) -> str:
     """One row per configuration and length: KL mean +- standard error, top-1 agreement, perplexity ratio, held;
     re-selected (`--form reselect`), then the same per probe kind."""
-    reselect = result["settings"].get("form") == "reselect"
-    how = ("re-selected for each probe, its continuation" if reselect else "compressed once, next")
+    form = result["settings"].get("form")
+    reselect = form in ("reselect", "aware")   # probes, the same table per probe kind
+    how = {"reselect": "re-selected for each probe, its continuation",
+           "aware": "compressed once for each probe (question-aware), its continuation"}.get(
+        form, "compressed once, next")
     lines = [f"fidelity: {how} {result['settings']['cont']} tokens teacher-forced; KL(full || compressed) mean +- "
              "s.e. over positions, top-1 agreement with the full cache"]
     lines += _table_rows(result["summary"])

@@ -26,6 +26,12 @@ Probes (`probes`):
 
 Each probe is a conversation's first question (no earlier turns, nothing kept for a next one: `extend` off).
 `lengths` None (`--lengths all`): the whole document; a length L: the text of its first L tokens.
+
+`form` "aware" (`--form aware`) scores the same probes compressed once for the question instead: each probe's whole
+prompt prefilled and compressed by every configuration (question-aware, as `kvcli run --question` and `kvcli chat
+--compress-once QUESTION` compress it; one prefill shared as `kvcli eval fidelity --form once` shares a prefix:
+runner.compressed_variants), then the same continuation scored the same way against the full cache of that prefill.
+Nothing is stored: what re-selection from a stored document costs or gains against compressing once for the question.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from kvcli.evaluation.corpus_eval import check_variants
 from kvcli.evaluation.fidelity import MARGIN, _continuation, compare, summarise
 from kvcli.evaluation.measure import held, log_softmax, machine
 from kvcli.evaluation.questions import SUMMARY_QUESTION
-from kvcli.evaluation.runner import TRUNCATE, _session, eval_configs
+from kvcli.evaluation.runner import TRUNCATE, _session, compressed_variants, eval_configs
 from kvcli.evaluation.tasks import prefix_text, render
 
 PROBES = ("quote", "summary")
@@ -56,6 +62,10 @@ SELECTION_ROOM = 128   # cells beside the budget for a question's gathered selec
 LAYOUT = ("re-selected per question as kvcli chat's exact form (the document's full cache stored and resident, each "
           "probe prefilled after it with observation, planned and gathered), the probe's continuation "
           "teacher-forced one token a step")
+AWARE_LAYOUT = ("compressed once for each probe, question-aware (the probe's whole prompt prefilled and compressed, "
+                "one prefill shared by every configuration, as kvcli run --question compresses it), the probe's "
+                "continuation teacher-forced one token a step")
+FORMS = {"reselect": LAYOUT, "aware": AWARE_LAYOUT}
 _WORD = re.compile(r"\S+")
 
 
@@ -131,12 +141,15 @@ def _greedy_continuation(session, first_logits, cont: int) -> tuple[list[np.ndar
 def run_fidelity_reselect(model_path, docs, policies: list[str], budgets: list[int], lengths: list[int] | None,
                           cont: int = 64, *, probes=PROBES, depths=DEFAULT_DEPTHS, cache_type: str = "f16",
                           policy_args: dict | None = None, threads: int | None = None, log=None,
-                          doc_meta: dict | None = None) -> dict:
-    """Every document x length x probe x (policy, budget): the module's docstring. `docs`: .name and .text."""
+                          doc_meta: dict | None = None, form: str = "reselect") -> dict:
+    """Every document x length x probe x (policy, budget), re-selected (`form` "reselect") or compressed once for
+    each probe ("aware"): the module's docstring. `docs`: .name and .text."""
     log = log or (lambda m: None)
     policy_args, doc_meta = policy_args or {}, doc_meta or {}
     if cont < 1:
         raise KvcliError("--cont must be >= 1")
+    if form not in FORMS:
+        raise KvcliError(f"--form: unknown form '{form}' (choose from once, {', '.join(FORMS)})")
     for p in probes:
         if p not in PROBES:
             raise KvcliError(f"--probes: unknown probe '{p}' (choose from {', '.join(PROBES)})")
@@ -150,7 +163,7 @@ def run_fidelity_reselect(model_path, docs, policies: list[str], budgets: list[i
     tok = _session(model_path, 0, cache_type, threads)
     jobs = []   # (length label, document name, head tokens, [(probe, prompt tokens)], skipped lines)
     try:
-        resident = not tok.info.sliding_layers
+        resident = form == "reselect" and not tok.info.sliding_layers
         for L in (lengths or [None]):
             for d in docs:
                 text = d.text
@@ -164,10 +177,14 @@ def run_fidelity_reselect(model_path, docs, policies: list[str], budgets: list[i
                 head = tok.tokenize(prefix_text(tok, text, False))
                 jobs.append((L if L is not None else "all", d.name, head,
                              [(p, tok.tokenize(render(tok, text, [], p.question))) for p in ps], skipped))
-        n_ctx_train = tok.n_ctx_train
+        n_ctx_train, n_layer = tok.n_ctx_train, tok.info.n_layer
     finally:
         tok.close()
-    extra = max([resolved[k].budget or 0 for k in run_keys], default=0) + SELECTION_ROOM
+
+    def extra(n: int) -> int:   # cells a prompt of n tokens is gathered into beside the resident document
+        return 0 if form != "reselect" else max([_selection_cells(resolved[k], n_layer, n) for k in run_keys],
+                                                default=0)
+
     for label, name, _, pp, _ in jobs:
         for p, prompt in pp:
             need = len(prompt) + cont + MARGIN + max(
@@ -182,12 +199,12 @@ def run_fidelity_reselect(model_path, docs, policies: list[str], budgets: list[i
     try:
         for label, name, head, pp, skipped in jobs:
             done = len(records)
-            base = {"task": "fidelity", "form": "reselect", "doc": name, "length": label, "cont": cont,
+            base = {"task": "fidelity", "form": form, "doc": name, "length": label, "cont": cont,
                     "sample": 0, **doc_meta.get(name, {})}
             skips += [{"doc": name, "length": label, "why": why} for why in skipped]
             if not pp:
                 continue
-            need = pad_cells(max(len(q) for _, q in pp) + cont + extra + MARGIN + max(
+            need = pad_cells(max(len(q) + extra(len(q)) for _, q in pp) + cont + MARGIN + max(
                 [resolved[k].observe[1] + resolved[k].spec.room_after(len(q), resolved[k].params)
                  for k in run_keys for _, q in pp], default=0))
             if session is None or session_ctx < need or session_ctx > 2 * need:
@@ -196,9 +213,13 @@ def run_fidelity_reselect(model_path, docs, policies: list[str], budgets: list[i
                 session = open_native(model_path, n_ctx=need, cache_type=cache_type, flash_attn=True,
                                       n_threads=threads, n_seq=RESIDENT_SEQ + 1 if resident else 1)
                 session_ctx = need
-            records += _document(session, base, head, pp, cfgs, run_keys, resolved, unavailable, colsum, cont,
-                                 resident)
-            log(f"fidelity reselect {name} ({len(head)} tokens): " + ", ".join(
+            if form == "reselect":
+                records += _document(session, base, head, pp, cfgs, run_keys, resolved, unavailable, colsum, cont,
+                                     resident)
+            else:
+                records += _document_aware(session, {**base, "doc_tokens": len(head)}, pp, cfgs, resolved,
+                                           unavailable, cont)
+            log(f"fidelity {form} {name} ({len(head)} tokens): " + ", ".join(
                 f"{p}{'' if b is None else '@' + str(b)} kl="
                 + _mean([r.get("kl_mean") for r in records[done:] if (r["policy"], r["budget"]) == (p, b)])
                 for p, b in cfgs))
@@ -210,10 +231,10 @@ def run_fidelity_reselect(model_path, docs, policies: list[str], budgets: list[i
             session.close()
     return {"kind": "eval", "task": "fidelity", "model": str(model_path), "machine": where,
             "interrupted": interrupted,
-            "settings": {"form": "reselect", "policies": policies, "budgets": budgets, "lengths": lengths or "all",
+            "settings": {"form": form, "policies": policies, "budgets": budgets, "lengths": lengths or "all",
                          "cont": cont, "probes": list(probes), "depths": list(depths), "lead_words": LEAD_WORDS,
                          "quote_question": QUOTE_QUESTION, "cache_type": cache_type,
-                         "docs": [d.name for d in docs], "policy_args": policy_args, "mode": LAYOUT},
+                         "docs": [d.name for d in docs], "policy_args": policy_args, "mode": FORMS[form]},
             "elapsed_s": time.perf_counter() - t_start, "records": records, "skipped": skips,
             "summary": summarise(records),
             "summary_by_probe": summarise(records, keys=("task", "policy", "budget", "length", "probe_kind"))}
@@ -228,8 +249,7 @@ def _document(session, base, head, pp, cfgs, run_keys, resolved, unavailable, co
     recs = []
     try:
         for probe, prompt in pp:
-            pbase = {**base, "probe": probe.label, "probe_kind": probe.kind, "depth": probe.depth,
-                     "probe_offset": probe.offset, "prefix_tokens": len(prompt), "doc_tokens": len(head),
+            pbase = {**_probe_base(base, probe, prompt), "doc_tokens": len(head),
                      "store_read_s": round(store.read_s, 3)}
             recs += [{**pbase, "policy": p, "budget": b, "status": unavailable[p], "ppl": None, "kl_mean": None,
                       "top1": None} for p, b in cfgs if p in unavailable]
@@ -239,20 +259,7 @@ def _document(session, base, head, pp, cfgs, run_keys, resolved, unavailable, co
                 rec = {**pbase, "policy": key[0], "budget": key[1], "status": "ok", "ppl": None, "kl_mean": None,
                        "top1": None, **stats, **held(session)}
                 try:
-                    first = session.logits(0)
-                    if target is None and key[0] == "full":
-                        logps, target, secs = _greedy_continuation(session, first, cont)
-                    elif target is None:
-                        rec["status"] = "no continuation: the full cache's answer was not made"
-                        continue
-                    else:
-                        logps, secs = _continuation(session, first, target)
-                    if key[0] == "full":
-                        ref = logps
-                    rec.update(compare(ref, logps, target), cont=len(target), cont_s=round(secs, 3),
-                               target_tokens=list(target))
-                except KvcliError as e:
-                    rec["status"] = f"error: {e}"
+                    ref, target = _score(session, rec, session.logits(0), ref, target, cont)
                 finally:
                     recs.append(rec)
                     session.clear(0)
@@ -261,6 +268,60 @@ def _document(session, base, head, pp, cfgs, run_keys, resolved, unavailable, co
             session.clear(QUESTION_SEQ)
         store.close()
     return recs
+
+
+def _selection_cells(cfg, n_layer: int, n: int) -> int:
+    """Cells a prompt of n tokens re-selected for `cfg` is gathered into: its widest layer's entries where the
+    policy's layer schedule decides them (PolicySpec.widest: compresskv's calibrated layer budgets go past the
+    budget; 1,748 cells at budget 1024 over ~2.4k tokens on qwen2.5-coder-0.5b), else the budget, never more than
+    the prompt; and SELECTION_ROOM more."""
+    b = cfg.budget or 0
+    w = cfg.spec.widest(cfg.params, n_layer, n, b) if cfg.spec.widest is not None and cfg.compresses(n) else None
+    return min(n, b if w is None else w) + SELECTION_ROOM
+
+
+def _document_aware(session, base, pp, cfgs, resolved, unavailable, cont) -> list[dict]:
+    """One document's records compressed once for each probe: its prompt prefilled once and compressed by every
+    configuration in turn (runner.compressed_variants), the full cache first."""
+    recs = []
+    for probe, prompt in pp:
+        pbase, ref, target = _probe_base(base, probe, prompt), None, probe.target
+        for pol, bud, status, first, note, stats in compressed_variants(session, prompt, cfgs, resolved,
+                                                                        unavailable):
+            rec = {**pbase, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None,
+                   "top1": None, **stats, **({"note": note} if note else {})}
+            if status == "ok":
+                ref, target = _score(session, rec, first, ref, target, cont)
+            recs.append(rec)
+    session.clear()
+    return recs
+
+
+def _probe_base(base: dict, probe: Probe, prompt: list[int]) -> dict:
+    return {**base, "probe": probe.label, "probe_kind": probe.kind, "depth": probe.depth,
+            "probe_offset": probe.offset, "prefix_tokens": len(prompt)}
+
+
+def _score(session, rec: dict, first, ref, target, cont: int):
+    """Score sequence 0's continuation into `rec` from `first` (its logits after the prompt) against `ref` (the full
+    cache's log-probabilities): the probe's `target`, or (None, a summary) the full cache's own greedy answer when
+    `rec` is the full cache's. Returns (ref, target) as the full cache leaves them for the configurations after it."""
+    full = rec["policy"] == "full"
+    try:
+        if target is None and full:
+            logps, target, secs = _greedy_continuation(session, first, cont)
+        elif target is None:
+            rec["status"] = "no continuation: the full cache's answer was not made"
+            return ref, target
+        else:
+            logps, secs = _continuation(session, first, target)
+    except KvcliError as e:
+        rec["status"] = f"error: {e}"
+        return ref, target
+    if full:
+        ref = logps
+    rec.update(compare(ref, logps, target), cont=len(target), cont_s=round(secs, 3), target_tokens=list(target))
+    return ref, target
 
 
 def _mean(xs) -> str:
