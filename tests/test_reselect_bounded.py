@@ -259,6 +259,8 @@ def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeyp
         return real(self, c)
     kept = conv.store.extension
     assert kept is not None and kept.split == conv.prompt_len
+    # /stats says where the turns are kept (the form's own words: TurnChunks.describe; it raised AttributeError)
+    assert f"MB in {len(kept.chunks)} turn chunks)" in conv.stats_table()
     monkeypatch.setattr(ChunkedStore, "_snapshot", interrupted)
     with pytest.raises(KeyboardInterrupt):
         conv.ask("And the stone station?", 3)
@@ -270,6 +272,8 @@ def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeyp
     gen = conv.ask("And the stone station?", 3)
     assert len(gen.tokens) >= 1 and len(conv.turns) == 2
     assert any("gone" in line for line in said) and conv.store.path.exists()
+    conv.reset()   # the kept turns go (ChunkedStore.drop_extension)
+    assert conv.store.extension is None and conv.turns == []
     conv.close()
     assert not conv.store.path.exists()
     conv.session.close()

@@ -47,14 +47,6 @@ def read(conv, cfg, chunking, progress, named: bool):
     return conv.report
 
 
-def streamed(conv, st) -> str:
-    """Which stored chunks a question streams, in words (the summary line)."""
-    select = st.chunks_per_question(conv.budget)
-    if select is None or len(st.chunks) <= select + 2:
-        return "them all"
-    return f"the first, the last and the {select} its block index scores best (page bounds, then real keys)"
-
-
 def model_for(recorded, model: str | None = None) -> Path:
     """The model a stored document is opened with: `model` when given, else the one the store records (`recorded`,
     its path) when that file is here, else the default model (config, $KVCLI_MODEL, the bundled one)."""

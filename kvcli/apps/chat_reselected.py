@@ -172,11 +172,8 @@ class Reselected(Conversation, kind="reselected"):
             raise KvcliError("the question is empty")
         prompt = self.session.tokenize(self.conversation_text(question))
         before = self.prompt_len + (self.turns[-1].tokens_out if self.turns else 0)
-        resident = not self.store.bounded and self.resident_ok()
-        # exact: the whole prompt is held before its compaction (resident: beside the selection gathered from it);
-        # bounded: the kept entries, a chunk and the rest
-        held = len(prompt) - self.store.split + self.store.cap if self.store.bounded else \
-            len(prompt) + (self._selection_cells() if resident else 0)
+        resident = self.store.can_be_resident and self.resident_ok()
+        held = self.store.held_cells(len(prompt), self._selection_cells() if resident else 0)
         if held + 1 + min(max_tokens, 64) > min(self.session.n_ctx, self.session.n_ctx_train):
             raise ContextFullError(f"the conversation ({len(prompt)} tokens with the document) does not fit the "
                                    f"context ({self.session.n_ctx} cells): /reset goes back to the document alone")
@@ -190,9 +187,8 @@ class Reselected(Conversation, kind="reselected"):
             if resident:
                 self.last_reselection = self._reselect_resident(prompt, cfg)
             else:
-                exact = {} if self.store.bounded else {"window_from": self.window_from}   # bounded: its own probe
                 self.last_reselection = self.store.reselect(self.session, prompt, cfg, seq=self.seq,
-                                                            extend=self.store_turns, **exact)
+                                                            extend=self.store_turns, window_from=self.window_from)
         except BaseException:   # Ctrl-C or a failure: nothing half done stays; the turns are as they were
             self.session.clear(self.seq)
             if resident:
@@ -234,10 +230,8 @@ class Reselected(Conversation, kind="reselected"):
     def _store_colsum_for(self, cfg) -> None:
         """A column-sum policy on a store read without the sums: read the document once more, with them (said). A
         bounded store is read in chunks once: what bounded re-selection cannot serve (column sums or maxima, ...) is
-        refused in its one message (check_usable), when the policy is chosen."""
-        if self.store.bounded:
-            check_usable(self.session, cfg)
-        elif "colsum" in cfg.observe[0] and self.store.colsum is None:
+        refused in its one message (ChunkedStore.serves), when the policy is chosen."""
+        if not self.store.serves(self.session, cfg):
             self._say(f"policy {self.policy} scores by column sums: reading the document again to store them")
             self.read_store_keeping_turns()
 
@@ -264,17 +258,15 @@ class Reselected(Conversation, kind="reselected"):
     def reset(self) -> None:
         """The next question starts again from the stored document: the kept turns go."""
         self.turns, self.last_reselection, self.prompt_len = [], None, 0
-        if self.store is not None and not self.store.bounded:
+        if self.store is not None:
             self.store.drop_extension(self.session)   # one kept as a sequence frees it
-        elif self.store is not None:
-            self.store.extension = None
 
     # ------------------------------------------------------------------ reporting
     def _mode_stats(self, s: dict) -> None:
         if self.store is not None:
             ext = self.store.extension
             s.update(store_bytes=self.store.nbytes, store_path=str(self.store.path) if self.store.path else None,
-                     reselect_form="bounded" if self.store.bounded else "exact",
+                     reselect_form=self.store.form,
                      document_read_s=round(self.store.read_s, 4),
                      stored_turn_tokens=0 if ext is None else ext.split - self.store.split,
                      stored_turns_bytes=0 if ext is None else ext.nbytes)
@@ -285,9 +277,7 @@ class Reselected(Conversation, kind="reselected"):
 
     def _mode_row(self, s: dict) -> str:
         r = self.last_reselection
-        return ("mode: re-selected per question"
-                + (f" (bounded: {len(self.store.chunks)} stored chunks streamed)"
-                   if self.store.bounded else "")
+        return ("mode: re-selected per question" + self.store.streamed_note()
                 + f"; document read once in {self.store.read_s:.2f}s, "
                 f"cache stored: {self.store.nbytes / 1e6:.2f} MB "
                 f"({self.store.path or 'in memory'}); last re-selection: "
@@ -297,12 +287,7 @@ class Reselected(Conversation, kind="reselected"):
                    f"{r.prefill_s:.2f}s of {r.prefilled} tokens, plan and compaction {r.plan_s:.2f}s"
                    + (f", turns kept {r.keep_s:.2f}s" if r.keep_s else "") + ")")
                 + ("" if self.store.extension is None else
-                   f"; the conversation's turns kept in the context beside the document: {s['stored_turn_tokens']} "
-                   f"tokens ({s['stored_turns_bytes'] / 1e6:.2f} MB)" if self.store.extension.seq is not None else
-                   f"; the conversation's full cache kept in memory: {s['stored_turn_tokens']} tokens "
-                   f"after the document ({s['stored_turns_bytes'] / 1e6:.2f} MB "
-                   + (f"in {len(self.store.extension.chunks)} turn chunks)" if self.store.bounded
-                      else "with it)")))
+                   "; " + self.store.extension.describe(s["stored_turn_tokens"])))
 
     def summary_line(self) -> str:
         """One line after reading/loading: tokens, the store, how each question is answered."""
@@ -310,22 +295,12 @@ class Reselected(Conversation, kind="reselected"):
         label = self.policy if self.budget is None else f"{self.policy} @ {self.budget}"
         st = self.store
         where = f" in {st.path}" + ("" if st.keep else " (deleted at exit)") if st.path else " in memory"
-        line = (f"[{label}, re-selected per question] {n} tokens read in {st.read_s:.2f}s; full cache stored "
-                f"({st.nbytes / 1e6:.2f} MB{where}); each question is answered from {self.budget} entries per "
-                "layer and KV head chosen for it")
-        if st.bounded:
-            line = (f"[{label}, re-selected per question, bounded] {n} tokens read in chunks of {st.chunk} in "
-                    f"{st.read_s:.2f}s and stored as read ({len(st.chunks)} chunks, "
-                    f"{st.nbytes / 1e6:.2f} MB{where});"
-                    f" each question streams {chat_bounded.streamed(self, st)} through the context's "
-                    f"{self.session.n_ctx} cells and is answered from {self.budget} entries per layer and KV head "
-                    "chosen for it")
         if self.load_s is not None:
-            form = f", bounded] {n} tokens stored in {len(st.chunks)} chunks" if st.bounded else \
-                f"] {n} tokens stored"
-            line = (f"[{label}, re-selected per question{form} in {st.path} ({st.nbytes / 1e6:.2f} "
-                    f"MB; {len(self.turns)} turn(s)); loaded in {self.load_s:.2f}s (+ model {self.model_s:.2f}s)")
-        return line
+            return (f"[{label}, re-selected per question{st.tag}] {st.describe_stored(n)} in {st.path} "
+                    f"({st.nbytes / 1e6:.2f} MB; {len(self.turns)} turn(s)); loaded in {self.load_s:.2f}s "
+                    f"(+ model {self.model_s:.2f}s)")
+        return (f"[{label}, re-selected per question{st.tag}] {n} tokens "
+                + st.describe_read(where, self.budget, self.session.n_ctx))
 
     def save(self, path, force: bool = True) -> int:
         """The document's full cache and the turns: `kvcli chat --cache FILE` re-selects from it."""

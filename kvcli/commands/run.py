@@ -290,7 +290,7 @@ def run_questions(ctx, req: Request, questions, docs, cache_path, model, system,
                    "decode_tok_s": round(gen.decode_tok_s, 2) if gen.decode_tok_s else None}
             if conv.reselect and conv.last_reselection is not None:
                 row.update(conv.last_reselection.as_stats(),
-                           reselect_form="bounded" if conv.store.bounded else "exact")
+                           reselect_form=conv.store.form)
             answers.append({"question": q, "answer": gen.text, "stopped": gen.stopped, "stats": row,
                             **cited_json(cited)})
             if gen.stopped in ("interrupted", "context_full"):

@@ -122,6 +122,14 @@ class Extension:
     def split(self) -> int:
         return len(self.tokens)
 
+    def describe(self, n_tokens: int) -> str:
+        """Where the conversation's turns (`n_tokens` after the document) are kept, in words (a chat's /stats)."""
+        if self.seq is not None:
+            return (f"the conversation's turns kept in the context beside the document: {n_tokens} tokens "
+                    f"({self.nbytes / 1e6:.2f} MB)")
+        return (f"the conversation's full cache kept in memory: {n_tokens} tokens after the document "
+                f"({self.nbytes / 1e6:.2f} MB with it)")
+
 
 @dataclass
 class StoredDocument:
@@ -139,6 +147,9 @@ class StoredDocument:
     keep: bool = True
     meta: dict = field(default_factory=dict)   # what the file's .kvc header carries besides (document, system)
     bounded = False                  # the exact form (reselect_bounded.ChunkedStore: True)
+    form = "exact"                   # its name in stats and store records (ChunkedStore: "bounded")
+    can_be_resident = True           # its full cache can be held in the context, shared by every question
+    tag = ""                         # after "re-selected per question" in a chat's summary line
     extension: Extension | None = None         # the last re-selected prompt's full cache (extend=True)
     entry: object = None             # its kvcli.document_store.Entry, held while this process uses the file
     resident: int | None = None      # the session's sequence holding the full cache now (`make_resident`)
@@ -504,6 +515,33 @@ class StoredDocument:
                            source=source, resident=resident, keep_s=keep_s,
                            reconstruct_s=recon_s, seq=out, dropped_seq=dropped,
                            window=window if "window" in kinds else None)
+
+    # ------------------------------------------------------------------ the form, as a chat asks it
+    # kvcli/apps/chat_reselected.py asks its store these, whichever form it holds (reselect_bounded.ChunkedStore
+    # answers them for the bounded form); no caller tests which form it holds
+    def held_cells(self, n_prompt: int, beside: int = 0) -> int:
+        """The most cells a re-selection of a prompt of n_prompt tokens holds: the whole prompt before its
+        compaction, and `beside` (a resident document's: the selection gathered beside it)."""
+        return n_prompt + beside
+
+    def serves(self, session: Session, cfg: Compression) -> bool:
+        """Whether `cfg` is re-selected from the store as it was read: not where it scores by column sums the
+        store holds none of (its reader then reads the document again, with them)."""
+        return "colsum" not in cfg.observe[0] or self.colsum is not None
+
+    def streamed_note(self) -> str:
+        """What a question streams, in words after "re-selected per question" (/stats): nothing, it restores."""
+        return ""
+
+    def describe_read(self, where: str, budget: int | None, n_ctx: int) -> str:
+        """How the document was read and stored and how a question is answered, in words (a chat's summary line,
+        after "N tokens "); `where`: the store's place in words."""
+        return (f"read in {self.read_s:.2f}s; full cache stored ({self.nbytes / 1e6:.2f} MB{where}); each question "
+                f"is answered from {budget} entries per layer and KV head chosen for it")
+
+    def describe_stored(self, n: int) -> str:
+        """The stored document of n tokens, in words (a loaded chat's summary line)."""
+        return f"{n} tokens stored"
 
     # ------------------------------------------------------------------ lifetime
     def save_as(self, path, session, turns: list | None = None) -> int:

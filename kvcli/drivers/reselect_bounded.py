@@ -172,6 +172,11 @@ class TurnChunks:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
+    def describe(self, n_tokens: int) -> str:
+        """Where the conversation's turns (`n_tokens` after the document) are kept, in words (a chat's /stats)."""
+        return (f"the conversation's full cache kept in memory: {n_tokens} tokens after the document "
+                f"({self.nbytes / 1e6:.2f} MB in {len(self.chunks)} turn chunks)")
+
 
 @dataclass
 class ChunkedStore(BoundedStore):
@@ -180,10 +185,14 @@ class ChunkedStore(BoundedStore):
     extension: TurnChunks | None = None   # the conversation's turns, as the last re-selection computed them
     select: int | None = None        # chunks a question streams besides the first and last (None: automatic,
                                      # 0: every chunk); KVCLI_RESELECT_CHUNKS ("all" or N) overrides it
+    form = "bounded"                 # its name in stats and store records (reselect.StoredDocument: "exact")
+    can_be_resident = False          # its chunks are streamed for every question, never held whole
+    tag = ", bounded"                # after "re-selected per question" in a chat's summary line
 
     # ------------------------------------------------------------------ per question
     def reselect(self, session, prompt: list[int], cfg: Compression, *, seq: int = 0, spare: int | None = None,
-                 progress=None, on_step=None, extend: bool = False, cells: int | None = None) -> Reselection:
+                 progress=None, on_step=None, extend: bool = False, cells: int | None = None,
+                 window_from: str = "policy") -> Reselection:
         """Stream the stored chunks into `seq` beside the entries kept so far, each scored by the prompt's last
         window and compacted to the budget, then prefill the rest of `prompt` with the observation armed, plan
         and compact: `seq` then holds `prompt` compressed for its question, ready to decode. `on_step(obs, plan)`
@@ -196,7 +205,11 @@ class ChunkedStore(BoundedStore):
         question, whose prompt starts with this one, streams them after the stored chunks as more chunks and
         prefills only the last answer and its question (or the policy's window, when that is longer): no question
         prefills the earlier turns again. Where the prompt leaves the kept one (an interrupted turn dropped,
-        /reset), the kept chunks up to where they differ are used and the rest prefilled."""
+        /reset), the kept chunks up to where they differ are used and the rest prefilled.
+
+        `window_from`: taken as StoredDocument.reselect takes it; the bounded form scores by the policy's whole
+        window ("policy") whatever it says: its chunks are probed by the prompt's last tokens, and the policy's
+        window is prefilled after them."""
         spare = seq + 1 if spare is None else spare
         check_usable(session, cfg, spare)
         n = len(prompt)
@@ -275,6 +288,47 @@ class ChunkedStore(BoundedStore):
                                   source="conversation" if turns else "document", keep_s=t3 - t2,
                                   stored=len(self.chunks), index_s=index_s, origins=origins,
                                   streamed=[index[id(c)] for c in stored])
+
+    # ------------------------------------------------------------------ the form, as a chat asks it
+    # (reselect.StoredDocument answers the same for the exact form)
+    def held_cells(self, n_prompt: int, beside: int = 0) -> int:
+        """The most cells a re-selection of a prompt of n_prompt tokens holds: the kept entries and a chunk
+        (`cap`), then the rest of the prompt after the stored document; `beside`: as StoredDocument.held_cells
+        (0: never resident)."""
+        return n_prompt - self.split + self.cap + beside
+
+    def serves(self, session, cfg: Compression) -> bool:
+        """Whether `cfg` is re-selected from the store as it was read: always, or refused in check_usable's one
+        message (column sums or maxima, ...): the document is read in chunks once, never again for a policy."""
+        check_usable(session, cfg)
+        return True
+
+    def drop_extension(self, session=None) -> None:
+        """Forget the kept turns (in memory only: nothing in the context to free)."""
+        self.extension = None
+
+    def streamed_note(self) -> str:
+        """What a question streams, in words after "re-selected per question" (/stats)."""
+        return f" (bounded: {len(self.chunks)} stored chunks streamed)"
+
+    def describe_read(self, where: str, budget: int | None, n_ctx: int) -> str:
+        """How the document was read and stored and how a question is answered, in words (a chat's summary line,
+        after "N tokens "); `where`: the store's place in words."""
+        return (f"read in chunks of {self.chunk} in {self.read_s:.2f}s and stored as read ({len(self.chunks)} "
+                f"chunks, {self.nbytes / 1e6:.2f} MB{where}); each question streams {self.streamed_words(budget)} "
+                f"through the context's {n_ctx} cells and is answered from {budget} entries per layer and KV head "
+                "chosen for it")
+
+    def describe_stored(self, n: int) -> str:
+        """The stored document of n tokens, in words (a loaded chat's summary line)."""
+        return f"{n} tokens stored in {len(self.chunks)} chunks"
+
+    def streamed_words(self, budget: int) -> str:
+        """Which stored chunks a question streams at `budget`, in words."""
+        select = self.chunks_per_question(budget)
+        if select is None or len(self.chunks) <= select + 2:
+            return "them all"
+        return f"the first, the last and the {select} its block index scores best (page bounds, then real keys)"
 
     def chunks_per_question(self, budget: int) -> int | None:
         """How many stored chunks a question streams besides the first and the last, by the block index; None: every
