@@ -208,6 +208,65 @@ def test_input_errors_are_one_line_and_exit_2(tiny, corpus, tmp_path, args, mess
     assert not (tmp_path / "o.jsonl").exists()     # refused before --out is touched
 
 
+def test_batch_says_a_long_reads_tokens_and_time_before_it_starts(tiny, corpus, tmp_path):
+    """A document whose read is estimated long is announced as kvcli run's is (doc_formats.announce_read;
+    KVCLI_READ_NOTICE_S=0 makes any read long enough): one line per document on stderr, with its prompt tokens, in
+    one prefill or in chunks; with no speed given, the first read is measured and the next document's estimate
+    uses it (so its notice came before its own read); several questions: one notice per document, for its one read."""
+    from kvcli.drivers.chunked import DEFAULT_CHUNK
+    docs = [corpus / "log-00.txt", corpus / "log-19.txt", corpus / "log-01.txt"]   # log-19: ~3k tokens, in chunks
+    listing = "".join(f"{p}\n" for p in docs)
+    args = ["batch", "--docs", "-", "--model", tiny, *SNAP, "--max-cache", 2048, "--json"]
+    env = {"KVCLI_READ_NOTICE_S": "0", "KVCLI_READ_TOK_S": "500", "KVCLI_CACHE": tmp_path / "given"}
+    r = kvcli(*args, "--out", tmp_path / "given.jsonl", input=listing, env=env)
+    assert r.returncode == 0, r.stderr
+    got = {Path(x["path"]).name: x for x in lines(tmp_path / "given.jsonl")}
+    want = []
+    for p in docs:
+        n = got[p.name]["stats"]["prompt_tokens"]
+        how = f"in chunks of {DEFAULT_CHUNK}" if p.name == "log-19.txt" else "in one prefill"
+        assert ("chunks" in got[p.name]["stats"]) == (p.name == "log-19.txt")
+        want.append(f"[this document is {n:,} tokens: reading it {how} will take about {round(n / 500)} s "
+                    f"(estimated at 500 tokens/s: KVCLI_READ_TOK_S)]")
+    assert r.stderr.splitlines() == want      # in the order the documents are read, and nothing else (--json)
+
+    # no speed known: the first read (shorter than doc_formats.PROBE_FROM, no probe) says nothing and is measured,
+    # the second document's notice gives the first's measured speed
+    env = {"KVCLI_READ_NOTICE_S": "0", "KVCLI_CACHE": tmp_path / "measured"}
+    r = kvcli(*args, "--out", tmp_path / "measured.jsonl", input=listing.replace(f"{docs[1]}\n", ""), env=env)
+    assert r.returncode == 0, r.stderr
+    got = {Path(x["path"]).name: x["stats"]["prompt_tokens"] for x in lines(tmp_path / "measured.jsonl")}
+    notice = r.stderr.splitlines()
+    assert len(notice) == 1 and notice[0].startswith(
+        f"[this document is {got['log-01.txt']:,} tokens: reading it in one prefill will take about "), r.stderr
+    assert f"tokens/s: measured by the last such read here: {got['log-00.txt']:,} tokens in " in notice[0]
+    speeds = json.loads((tmp_path / "measured" / "read-speeds.json").read_text())
+    assert [v["tokens"] for k, v in speeds.items() if k.startswith(f"{Path(tiny).name}|prefill|")] == \
+        [got["log-01.txt"]]   # the last read's
+
+    # several questions: each document read once (stored) and announced once
+    env = {"KVCLI_READ_NOTICE_S": "0", "KVCLI_READ_TOK_S": "500", "KVCLI_CACHE": tmp_path / "questions"}
+    two = [a for a in args if a not in ("-i", "Summarise the log.")]
+    r = kvcli(*two, "--question", "Summarise the log.", "--question", "Who wrote it?", "--out",
+              tmp_path / "questions.jsonl", input=f"{docs[0]}\n{docs[2]}\n", env=env)
+    assert r.returncode == 0, r.stderr
+    read = [x["stats"]["prompt_tokens"] for x in lines(tmp_path / "questions.jsonl") if x["stats"]["document_reads"]]
+    notice = r.stderr.splitlines()
+    assert len(read) == len(notice) == 2, r.stderr
+    stored = [int(line.split()[3].replace(",", "")) for line in notice]   # the tokens stored: the prompt's start
+    assert notice == [f"[this document is {n:,} tokens: reading it in one prefill (once for its questions) will take "
+                      f"about {round(n / 500)} s (estimated at 500 tokens/s: KVCLI_READ_TOK_S)]" for n in stored]
+    assert all(n < whole for n, whole in zip(stored, read))
+    speeds = json.loads((tmp_path / "questions" / "read-speeds.json").read_text())
+    assert [v["tokens"] for k, v in speeds.items() if k.startswith(f"{Path(tiny).name}|prefill|")] == [stored[1]]
+
+    # a bad setting is one line before any document is read
+    r = kvcli(*args, "--out", tmp_path / "bad.jsonl", input=listing, env={"KVCLI_READ_TOK_S": "fast"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "kvcli: error: KVCLI_READ_TOK_S must be a number of tokens per second > 0 (got 'fast')"], r.stderr
+    assert not (tmp_path / "bad.jsonl").exists()
+
+
 def test_the_results_file_is_checked_and_locked(tiny, corpus, tmp_path):
     out = tmp_path / "other.jsonl"
     out.write_text('{"not": "a result"}\n')
@@ -244,12 +303,18 @@ def test_ray_workers_give_the_local_answers(tiny, corpus, tmp_path):
     done = local.read_text(encoding="utf-8").splitlines(keepends=True)[:3]
     on_ray.write_text("".join(done), encoding="utf-8")
     r = kvcli("batch", "--docs", "-", "--model", tiny, *greedy, "--out", on_ray, "--json",
-              "--ray", "local", "--ray-workers", 2, "--ray-cpus", 1, input=listing)
+              "--ray", "local", "--ray-workers", 2, "--ray-cpus", 1, input=listing,
+              env={"KVCLI_READ_NOTICE_S": "0", "KVCLI_READ_TOK_S": "500"})
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert (s["skipped"], s["answered"], s["errors"], s["ray_workers"]) == (3, 3, 0, 2)
     a = {d["key"]: d for d in lines(local)}
     b = {d["key"]: d for d in lines(on_ray)}
+    # each worker's long-read notices are said by the driver: one per document it read
+    notice = sorted(ln for ln in r.stderr.splitlines() if ln.startswith("[this document is "))
+    assert notice == sorted(f"[this document is {n:,} tokens: reading it in one prefill will take about "
+                            f"{round(n / 500)} s (estimated at 500 tokens/s: KVCLI_READ_TOK_S)]"
+                            for n in (d["stats"]["prompt_tokens"] for d in lines(on_ray)[3:])), r.stderr
     assert set(a) == set(b) and len(a) == 6       # the same keys, each document once
     assert all(a[k]["answer"] == b[k]["answer"] for k in a)   # greedy: the same answers on Ray
     assert {d["stats"]["worker"] for d in lines(on_ray)[3:]} <= {"ray-0", "ray-1"}

@@ -19,6 +19,12 @@ answer); a re-run with the same file skips the keys it holds, and drops a torn l
 A document that fails (unreadable, not text, too long for `full`, ...) gets a line with its error and
 the batch goes on. The same worker runs on every node of a Ray cluster (kvcli/apps/batch_ray.py).
 
+A long read says so first, as kvcli run's does (kvcli.doc_formats.announce_read): just before a document's read
+starts, a read estimated at KVCLI_READ_NOTICE_S or longer gets one line with its token count and the time it will
+take (`Worker.say`: "[line]" on stderr; the Batch writes it above its progress bar, a Ray worker sends it to the
+driver). Documents are tokenised one at a time as the worker asks for them, so each is announced on its own; the
+speed a read measures is kept for the next one's estimate.
+
 Several questions per document (`Settings.questions`): one job and one result line per (document, question),
 keyed by the question too. A worker reads a document once for its questions (they come one after the other):
 its full cache is stored (kvcli/drivers/reselect.py, a temporary file in kvcli's cache folder, deleted when the worker
@@ -40,6 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvcli import doc_formats
 from kvcli.drivers.lockstep import Lockstep
 from kvcli.drivers.chunked import plan_chunking
 from kvcli.drivers.compress import prefill_and_compress
@@ -106,6 +113,8 @@ def check_settings(settings: Settings) -> tuple[Path, Compression]:
     if any(not q.strip() for q in settings.questions):
         raise KvcliError("a question is empty")
     settings.sampling.validate()
+    doc_formats.notice_seconds()   # a bad KVCLI_READ_NOTICE_S or KVCLI_READ_TOK_S: refused here, not per document
+    doc_formats.read_speed("")
     path = resolve_model(settings.model)
     compression = resolve(path, settings.policy, settings.budget, settings.policy_args,
                           settings.questions[0] if settings.questions else settings.instruction or None)
@@ -333,9 +342,12 @@ class _Slot:
 class Worker:
     """One model and one KV cache of `max_cache` cells that documents share (see the module doc)."""
 
-    def __init__(self, settings: Settings, checked: tuple[Path, Compression] | None = None):
-        """`checked`: what check_settings returned for these settings in this process (else checked here)."""
+    def __init__(self, settings: Settings, checked: tuple[Path, Compression] | None = None, say=None):
+        """`checked`: what check_settings returned for these settings in this process (else checked here); `say`:
+        where a long read's notice goes (doc_formats.announce_read's `say`; None: "[line]" on stderr)."""
         self.settings = s = settings
+        self.say = say
+        self.announced = None   # (path, sha256) of the last document whose read was announced
         self.model_path, first = checked or check_settings(settings)
         self.cells, self.doc_cells = document_cells(s, self.model_path)   # the whole cache, one document's share
         self.session = open_native(self.model_path, n_ctx=self.cells, n_seq=s.parallel or MAX_PARALLEL,
@@ -398,9 +410,22 @@ class Worker:
         # tokens (where the tokenizer may merge the document's end with what follows)
         other = reader.tokenize(build_prompt(reader, job.text, "?" if job.question != "?" else "!", s.system))
         split = max(1, common_prefix(ready.tokens, other) - STORE_TAIL)
+        key = self._announce(reader, job, ready.tokens[:split], "prefill",
+                             "reading it in one prefill (once for its questions)")
         store = StoredDocument.read(reader, ready.tokens, split=split, colsum="colsum" in self._cfg(job).observe[0])
         self.store, self.store_of = store, (job.path, job.sha256)
+        doc_formats.record_read_speed(key, split, store.read_s)
         return store, store.read_s
+
+    def _announce(self, reader, job: Job, tokens: list[int], form: str, what: str) -> str:
+        """Just before a document's first read: a long one says its token count and estimated time (doc_formats
+        .announce_read, through `self.say`; with no speed known, a probe may be prefilled in the reader's empty
+        sequence 0); a document read again for its next question is not announced again. Returns the key the
+        read's measured speed is recorded under."""
+        if self.announced == (job.path, job.sha256):
+            return doc_formats.speed_key(reader, form)
+        self.announced = (job.path, job.sha256)
+        return doc_formats.announce_read(reader, tokens, form, what, probe_seq=0, say=self.say)
 
     def _cfg(self, job: Job):
         return self._resolved(job.question)
@@ -427,7 +452,7 @@ class Worker:
         tokens = session.tokenize(build_prompt(session, job.text, job.question or s.instruction, s.system))
         # read as `kvcli run` reads (in one go, or bounded reading in chunks of DEFAULT_CHUNK), within the cells
         # one document may use: they stand for run's model context here
-        chunking = plan_chunking(len(tokens), s.max_tokens, self.doc_cells, self.compression, s.budget, s.chunk,
+        chunking = plan_chunking(len(tokens), s.max_tokens, self.doc_cells, self.compression, s.chunk,
                                  cell_bytes=session.bytes_per_cell(),
                                  limit_name=f"the {self.doc_cells} cells a document may use (the model's context "
                                             f"or --max-cache, less --max-tokens {s.max_tokens})")
@@ -451,10 +476,16 @@ class Worker:
                     report = store.reselect(reader, ready.tokens, self._cfg(ready.job), seq=0)
                 else:
                     instruction = ready.job.question or s.instruction
+                    chunk = ready.chunking.chunk
+                    how = f"in chunks of {chunk}" if chunk else "in one prefill"
+                    key = self._announce(reader, ready.job, ready.tokens, "chunked" if chunk else "prefill",
+                                         f"reading it {how}" + (" (once for each of its questions)"
+                                                                if ready.job.question is not None else ""))
+                    t0 = time.perf_counter()
                     report = prefill_and_compress(reader, ready.tokens, self._resolved(instruction),
                                                   seq=0, instruction=instruction,
-                                                  chunk=ready.chunking.chunk, cap=ready.chunking.cap,
-                                                  scoring=s.chunk_scoring)
+                                                  chunk=chunk, cap=ready.chunking.cap, scoring=s.chunk_scoring)
+                    doc_formats.record_read_speed(key, len(ready.tokens), time.perf_counter() - t0)
                 session.restore_seq(reader.save_seq(0), seq)
             finally:
                 if 0 in reader.seqs:
@@ -587,8 +618,22 @@ class Batch:
                                      f"answer tok/s, {c['errors']} errors", refresh=False)
             self.bar.update(1)
 
+    def notice(self, line: str) -> None:
+        """A long read's notice (Worker.say): "[line]" on stderr, above the progress bar when there is one."""
+        if self.bar is not None:
+            self.bar.write(f"[{line}]", file=sys.stderr)
+        else:
+            print(f"[{line}]", file=sys.stderr, flush=True)
+
+    def receive(self, item: dict) -> None:
+        """What a Ray worker sent: a result line (`record`), or {"notice": line} (`notice`)."""
+        if "notice" in item:
+            self.notice(item["notice"])
+        else:
+            self.record(item)
+
     def run_local(self) -> None:
-        worker = Worker(self.settings, self.checked)
+        worker = Worker(self.settings, self.checked, say=self.notice)
         try:
             worker.run(self.jobs(), self.record)
         finally:

@@ -65,6 +65,7 @@ def _actor_class(ray):
                 if line.get("stats") is not None:
                     line["stats"]["worker"] = name
                 results.put(line)
+            self.worker.say = lambda line: results.put({"notice": line})   # the driver says it
             try:
                 self.worker.run(take(), emit)
             finally:
@@ -100,7 +101,7 @@ def run(batch, address: str, cpus: int | None = None, workers: int | None = None
                 held = None
                 ends -= item is None
             try:
-                batch.record(results.get(timeout=POLL_S))
+                batch.receive(results.get(timeout=POLL_S))
                 continue
             except Empty:
                 pass
@@ -114,7 +115,7 @@ def run(batch, address: str, cpus: int | None = None, workers: int | None = None
                                      "re-run to finish)") from None
         while True:  # what the last workers put just before they returned
             try:
-                batch.record(results.get_nowait())
+                batch.receive(results.get_nowait())
             except Empty:
                 break
         return n
