@@ -19,6 +19,15 @@ def native_missing(*names) -> list[str]:
     return out
 
 
+def compression(policy: str, budget: int | None):
+    """The Compression of `policy` at `budget` with its default arguments, checked as a command checks them
+    (kvcli.policies.choose) but completed for no model: what kvcli.drivers.chunked.plan_chunking takes, for the
+    tests of its sizing, which read no model."""
+    from kvcli import policies
+    from kvcli.planning.planner import Compression
+    return Compression(policy, budget, *policies.choose(policy, budget, {}))
+
+
 def last_json(out: str) -> dict:
     """The last line of a command's output, read as JSON (the --json report after any other line)."""
     return json.loads(out.strip().splitlines()[-1])

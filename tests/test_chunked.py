@@ -7,6 +7,7 @@ import pytest
 from kvcli.drivers.chunked import BOUNDED_ABOVE_BYTES, DEFAULT_CHUNK, MIN_CHUNK, _carry, chunk_sizes, plan_chunking
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Plan
+from helpers import compression
 
 CELL = 23_040         # K + V bytes of one f16 cell of the default model (SmolLM2-135M: 30 layers x 3 KV heads x 64)
 CELL_8B = 131_072     # the same for a Llama-3-8B-shaped model (32 layers x 8 KV heads x 128)
@@ -15,11 +16,11 @@ CELL_8B = 131_072     # the same for a Llama-3-8B-shaped model (32 layers x 8 KV
 def test_a_prompt_that_fits_is_read_in_one_go():
     # issue #19 changed the default: with a budget, a prompt longer than budget + DEFAULT_CHUNK is read in
     # bounded chunks (next test); --chunk 0 or a prompt within budget + DEFAULT_CHUNK reads in one go
-    c = plan_chunking(3000, 256, 8192, "snapkv", 256, chunk=0, cell_bytes=CELL)
+    c = plan_chunking(3000, 256, 8192, compression("snapkv", 256), chunk=0, cell_bytes=CELL)
     assert c.chunk is None and c.n_ctx == 3328 and c.cap is None
-    c = plan_chunking(256 + DEFAULT_CHUNK, 256, 8192, "snapkv", 256, cell_bytes=CELL)
+    c = plan_chunking(256 + DEFAULT_CHUNK, 256, 8192, compression("snapkv", 256), cell_bytes=CELL)
     assert c.chunk is None and c.n_ctx == 1536
-    c = plan_chunking(3000, 256, 8192, "full", None, cell_bytes=CELL)
+    c = plan_chunking(3000, 256, 8192, compression("full", None), cell_bytes=CELL)
     assert c.chunk is None and c.n_ctx == 3328
 
 
@@ -27,10 +28,10 @@ def test_a_budget_bounds_the_reading_by_default():
     """Bounded reading: the cache never holds more than budget + DEFAULT_CHUNK cells, whatever the length, and
     --max-cache stays the explicit bound (a prompt within it is read in one go)."""
     for n in (3000, 7000):
-        c = plan_chunking(n, 256, 8192, "snapkv", 256, cell_bytes=CELL)
+        c = plan_chunking(n, 256, 8192, compression("snapkv", 256), cell_bytes=CELL)
         assert c.chunk == DEFAULT_CHUNK and c.cap == 256 + DEFAULT_CHUNK and c.n_ctx == 1536
         assert "bounded" in c.why
-    c = plan_chunking(3000, 256, 8192, "snapkv", 256, max_cache=4000, cell_bytes=CELL)
+    c = plan_chunking(3000, 256, 8192, compression("snapkv", 256), max_cache=4000, cell_bytes=CELL)
     assert c.chunk is None and c.n_ctx == 3328
 
 
@@ -40,44 +41,45 @@ def test_bounded_reading_waits_for_a_cache_worth_bounding():
     bounded."""
     n = 256 + DEFAULT_CHUNK + 1
     assert n * CELL <= BOUNDED_ABOVE_BYTES < n * CELL_8B
-    assert plan_chunking(n, 256, 8192, "snapkv", 256, cell_bytes=CELL).chunk is None
-    c = plan_chunking(n, 256, 8192, "snapkv", 256, cell_bytes=CELL_8B)
+    assert plan_chunking(n, 256, 8192, compression("snapkv", 256), cell_bytes=CELL).chunk is None
+    c = plan_chunking(n, 256, 8192, compression("snapkv", 256), cell_bytes=CELL_8B)
     assert c.chunk == DEFAULT_CHUNK and "bounded" in c.why
     just_over = BOUNDED_ABOVE_BYTES // CELL + 1
-    assert plan_chunking(just_over, 256, 8192, "snapkv", 256, cell_bytes=CELL).chunk == DEFAULT_CHUNK
-    assert plan_chunking(just_over - 1, 256, 8192, "snapkv", 256, cell_bytes=CELL).chunk is None
+    assert plan_chunking(just_over, 256, 8192, compression("snapkv", 256), cell_bytes=CELL).chunk == DEFAULT_CHUNK
+    assert plan_chunking(just_over - 1, 256, 8192, compression("snapkv", 256), cell_bytes=CELL).chunk is None
 
 
 def test_the_threshold_moves_with_kvcli_bounded_above_mb(monkeypatch):
     monkeypatch.setenv("KVCLI_BOUNDED_ABOVE_MB", "0")
-    assert plan_chunking(256 + DEFAULT_CHUNK + 1, 256, 8192, "snapkv", 256, cell_bytes=CELL).chunk == DEFAULT_CHUNK
+    c = plan_chunking(256 + DEFAULT_CHUNK + 1, 256, 8192, compression("snapkv", 256), cell_bytes=CELL)
+    assert c.chunk == DEFAULT_CHUNK
     monkeypatch.setenv("KVCLI_BOUNDED_ABOVE_MB", "1000")
-    assert plan_chunking(7000, 256, 8192, "snapkv", 256, cell_bytes=CELL).chunk is None
+    assert plan_chunking(7000, 256, 8192, compression("snapkv", 256), cell_bytes=CELL).chunk is None
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv("KVCLI_BOUNDED_ABOVE_MB", bad)
         with pytest.raises(KvcliError, match="KVCLI_BOUNDED_ABOVE_MB must be"):
-            plan_chunking(7000, 256, 8192, "snapkv", 256, cell_bytes=CELL)
+            plan_chunking(7000, 256, 8192, compression("snapkv", 256), cell_bytes=CELL)
 
 
 def test_a_prompt_longer_than_the_context_is_chunked_by_itself():
-    c = plan_chunking(100_000, 256, 8192, "snapkv", 512, cell_bytes=CELL)
+    c = plan_chunking(100_000, 256, 8192, compression("snapkv", 512), cell_bytes=CELL)
     assert c.chunk == DEFAULT_CHUNK and c.cap == 512 + DEFAULT_CHUNK
     assert c.n_ctx == 1792  # budget + chunk + answer, padded: the memory the cache really allocates
 
 
 def test_max_cache_sets_the_chunk_and_the_context():
-    c = plan_chunking(5000, 128, 8192, "h2o", 256, max_cache=1024, cell_bytes=CELL)
+    c = plan_chunking(5000, 128, 8192, compression("h2o", 256), max_cache=1024, cell_bytes=CELL)
     assert (c.chunk, c.n_ctx, c.cap) == (1024 - 256 - 64, 1024, 1024 - 64)
     # an explicit chunk inside the bound is kept
-    c = plan_chunking(5000, 128, 8192, "h2o", 256, chunk=512, max_cache=1024, cell_bytes=CELL)
+    c = plan_chunking(5000, 128, 8192, compression("h2o", 256), chunk=512, max_cache=1024, cell_bytes=CELL)
     assert (c.chunk, c.n_ctx) == (512, 1024)
 
 
 def test_explicit_chunk_on_a_prompt_that_fits_still_chunks():
-    c = plan_chunking(3000, 256, 8192, "snapkv", 256, chunk=512, cell_bytes=CELL)
+    c = plan_chunking(3000, 256, 8192, compression("snapkv", 256), chunk=512, cell_bytes=CELL)
     assert c.chunk == 512 and c.cap == 768
     # one chunk: a plain prefill
-    assert plan_chunking(400, 256, 8192, "snapkv", 256, chunk=512, cell_bytes=CELL).chunk is None
+    assert plan_chunking(400, 256, 8192, compression("snapkv", 256), chunk=512, cell_bytes=CELL).chunk is None
 
 
 @pytest.mark.parametrize("args, message", [
@@ -91,8 +93,9 @@ def test_explicit_chunk_on_a_prompt_that_fits_still_chunks():
     (dict(n_prompt=9000, policy="snapkv", budget=256, max_cache=9000), "larger than the model's context"),
 ])
 def test_bad_chunking_inputs_say_why(args, message):
+    c = compression(args.pop("policy"), args.pop("budget"))
     with pytest.raises(KvcliError, match=message):
-        plan_chunking(reserve=256, n_ctx_train=8192, **args, cell_bytes=CELL)
+        plan_chunking(reserve=256, n_ctx_train=8192, compression=c, **args, cell_bytes=CELL)
 
 
 @pytest.mark.parametrize("command", [["run", "Hi", "-n", "2"], ["chat", "--compress-once", "-n", "2"],

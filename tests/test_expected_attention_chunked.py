@@ -15,6 +15,7 @@ from kvcli.drivers.compress import compress_as
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import resolve, session_cells
 from tests.conftest import EXAMPLES, tiny_session
+from helpers import compression
 
 DOC = (EXAMPLES / "solar-garden.txt").read_text()
 CELL = 12_288   # K + V bytes of one f16 cell of qwen2.5-coder-0.5b (24 layers x 2 KV heads x 64)
@@ -29,11 +30,11 @@ def test_plan_chunking_reads_it_in_chunks_when_asked_or_too_long():
     assert not bounds_by_default("expected_attention") and not bounds_by_default("kvzip")
     assert bounds_by_default("snapkv")
     # an 8k prompt whose full cache passes the bounded-reading threshold: snapkv is bounded, expected_attention not
-    assert plan_chunking(8000, 256, 32_768, "snapkv", 256, cell_bytes=CELL).chunk == DEFAULT_CHUNK
-    assert plan_chunking(8000, 256, 32_768, "expected_attention", 256, cell_bytes=CELL).chunk is None
-    c = plan_chunking(5000, 256, 32_768, "expected_attention", 1024, chunk=1024, cell_bytes=CELL)
+    assert plan_chunking(8000, 256, 32_768, compression("snapkv", 256), cell_bytes=CELL).chunk == DEFAULT_CHUNK
+    assert plan_chunking(8000, 256, 32_768, compression("expected_attention", 256), cell_bytes=CELL).chunk is None
+    c = plan_chunking(5000, 256, 32_768, compression("expected_attention", 1024), chunk=1024, cell_bytes=CELL)
     assert c.chunk == 1024 and c.cap == 1024 + 1024
-    c = plan_chunking(40_000, 256, 32_768, "expected_attention", 256, cell_bytes=CELL)
+    c = plan_chunking(40_000, 256, 32_768, compression("expected_attention", 256), cell_bytes=CELL)
     assert c.chunk == DEFAULT_CHUNK and "does not fit" in c.why
 
 

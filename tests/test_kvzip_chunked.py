@@ -16,6 +16,7 @@ from kvcli.errors import KvcliError
 from kvcli.planning.planner import resolve, session_cells
 from kvcli.policies.kvzip import REPEAT_CHUNK, REPEAT_FIRST
 from tests.conftest import EXAMPLES, tiny_session
+from helpers import compression
 
 DOC = (EXAMPLES / "solar-garden.txt").read_text()
 CELL = 12_288   # K + V bytes of one f16 cell of qwen2.5-coder-0.5b (24 layers x 2 KV heads x 64)
@@ -111,22 +112,22 @@ def test_plan_chunking_reads_kvzip_bounded():
     """kvzip reads in chunks when asked (--chunk N, --max-cache) or when the prompt is longer than the context, its
     context holding budget + chunk + one pass over a chunk; under --max-cache the chunk leaves the pass its room.
     Bounded reading does not turn on by itself for it (its quality figures are the one-prefill pass's)."""
-    c = plan_chunking(8000, 256, 32_768, "kvzip", 256, cell_bytes=CELL)
+    c = plan_chunking(8000, 256, 32_768, compression("kvzip", 256), cell_bytes=CELL)
     assert c.chunk is None and c.n_ctx >= 8000 + repeat_room(8000, REPEAT_CHUNK)
-    assert plan_chunking(8000, 256, 32_768, "snapkv", 256, cell_bytes=CELL).chunk == DEFAULT_CHUNK
-    c = plan_chunking(40_000, 256, 32_768, "kvzip", 256, cell_bytes=CELL)
+    assert plan_chunking(8000, 256, 32_768, compression("snapkv", 256), cell_bytes=CELL).chunk == DEFAULT_CHUNK
+    c = plan_chunking(40_000, 256, 32_768, compression("kvzip", 256), cell_bytes=CELL)
     assert c.chunk == DEFAULT_CHUNK and c.cap == 256 + DEFAULT_CHUNK and "does not fit" in c.why
     assert c.n_ctx >= 256 + DEFAULT_CHUNK + repeat_room(DEFAULT_CHUNK, REPEAT_CHUNK)
     assert c.n_ctx < 8000     # sized for the chunk's pass, not the prompt's
-    c = plan_chunking(5000, 256, 32_768, "kvzip", 1024, chunk=1024, cell_bytes=1 << 20)
+    c = plan_chunking(5000, 256, 32_768, compression("kvzip", 1024), chunk=1024, cell_bytes=1 << 20)
     assert c.chunk == 1024 and c.n_ctx >= 1024 + 1024 + repeat_room(1024, REPEAT_CHUNK)
-    c = plan_chunking(8000, 64, 32_768, "kvzip", 256, max_cache=1536, cell_bytes=CELL)
+    c = plan_chunking(8000, 64, 32_768, compression("kvzip", 256), max_cache=1536, cell_bytes=CELL)
     assert c.n_ctx == 1536 and 256 + c.chunk + repeat_room(c.chunk, REPEAT_CHUNK) <= 1536
     assert c.chunk >= (1536 - 256 - 64) // 2 - 1
     with pytest.raises(KvcliError, match="reconstruction pass"):
-        plan_chunking(8000, 64, 32_768, "kvzip", 256, max_cache=256 + 150, cell_bytes=CELL)
+        plan_chunking(8000, 64, 32_768, compression("kvzip", 256), max_cache=256 + 150, cell_bytes=CELL)
     # --chunk 0 and short prompts: the one-prefill pass, room for it after the prompt
-    c = plan_chunking(8000, 256, 32_768, "kvzip", 256, chunk=0, cell_bytes=CELL)
+    c = plan_chunking(8000, 256, 32_768, compression("kvzip", 256), chunk=0, cell_bytes=CELL)
     assert c.chunk is None and c.n_ctx >= 8000 + repeat_room(8000, REPEAT_CHUNK)
 
 

@@ -181,7 +181,7 @@ class Conversation:
     def chunking(self):
         """Chunked or not, and the cells to allocate: the prompt (or, read in chunks, budget + chunk) plus TURN_ROOM
         for the conversation (less when --max-cache leaves less)."""
-        return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self.policy, self.budget,
+        return plan_chunking(len(self.prefix_tokens), TURN_ROOM, self.session.n_ctx_train, self._cfg(self.question),
                              self.chunk, self.max_cache, cell_bytes=self.session.info.cell_bytes(self.cache_type))
 
     def ensure_context(self) -> None:

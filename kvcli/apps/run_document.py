@@ -113,7 +113,7 @@ def run_document(session, document: str | Document | None, instruction: str, *, 
     prompt = build_prompt(session, document, instruction, system, template)
     tokens = session.tokenize(prompt)
     check_instruction(session, instruction, system, max_cache)
-    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, compression, budget, chunk, max_cache,
+    chunking = plan_chunking(len(tokens), max_tokens, session.n_ctx_train, compression, chunk, max_cache,
                              cell_bytes=session.bytes_per_cell())
     asked = session.cache_type   # None: the reference engine holds float32
     reading = reading_cache_type(session.info, asked) if chunking.chunk else asked

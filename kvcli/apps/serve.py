@@ -243,7 +243,7 @@ class Engine(ParallelDecode):
                 raise KvcliError(f"{why}: start the server with --cache-type f16 to serve documents longer than its "
                                  "context")
             # plan_chunking's rule: a prompt it would read in one go (a question-agnostic policy) stays exact
-            chunking = plan_chunking(n, MIN_ROOM, self.n_ctx, cfg, c.budget,
+            chunking = plan_chunking(n, MIN_ROOM, self.n_ctx, cfg,
                                      cell_bytes=self.session.bytes_per_cell(),
                                      limit_name=f"this server's context ({self.n_ctx} cells)")
         except KvcliError as e:

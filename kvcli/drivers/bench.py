@@ -234,7 +234,7 @@ class Bench:
         chunking = None
         try:
             if self.chunk:
-                chunking = plan_chunking(n, self.gen + 1, n_ctx_train, cfg.policy, cfg.budget,
+                chunking = plan_chunking(n, self.gen + 1, n_ctx_train, self.compression(cfg.policy, cfg.budget),
                                          None if cfg.policy == "full" else self.chunk,
                                          cell_bytes=read_model_info(self.model_path).cell_bytes(cfg.cache_type))
             session = self._session(cfg.cache_type, chunking.n_ctx if chunking else

@@ -92,13 +92,13 @@ def pad_cells(n: int) -> int:
     return -(-n // CTX_PAD) * CTX_PAD
 
 
-def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget: int | None,
+def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, compression: Compression,
                   chunk: int | None = None, max_cache: int | None = None, *, cell_bytes: int,
                   limit_name: str | None = None) -> Chunking:
     """Decide chunked or not, and the context size.
 
-    `policy`: its name, or a Compression (kvcli.planning.planner) resolved already; `budget`: the budget the command
-    resolved it at (kvcli.planning.planner.resolve refuses a compressing policy without one, in its one message).
+    `compression`: the command's (kvcli.planning.planner.Compression), resolved already: its policy and budget
+    (kvcli.planning.planner.resolve refuses a compressing policy without a budget, in its one message).
     `reserve`: cells kept free for what follows the prompt (the answer, a conversation).
     `chunk`: None = automatic, 0 = off, N = chunks of N tokens. `max_cache`: most cells the cache may hold.
     `cell_bytes`: K + V bytes of one uncompressed cell (the session's bytes_per_cell()). `limit_name`: how
@@ -116,7 +116,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, policy, budget:
             raise KvcliError(f"--max-cache must be >= 1 (got {max_cache})")
         if max_cache > n_ctx_train:
             raise KvcliError(f"--max-cache {max_cache} is larger than the model's context ({n_ctx_train} tokens)")
-    spec = policy.spec if isinstance(policy, Compression) else policies.get(policy)
+    spec, budget = compression.spec, compression.budget
     policy = spec.name
     limit = max_cache or n_ctx_train
     where = f"--max-cache ({max_cache} cells)" if max_cache else \

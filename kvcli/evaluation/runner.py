@@ -218,7 +218,7 @@ def read_store_as_chat(session, head: list[int], cfg, chunk: int | None = None,
     chunk length). Eval chat's bounded modes and stored mode."""
     asked = cache_type or session.cache_type
     working, chunk_type = store_types(asked)
-    chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg.policy, cfg.budget, chunk,
+    chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg, chunk,
                              cell_bytes=session.info.cell_bytes(asked))
     step = chunking.chunk or chunk or default_chunk
     session.clear()

@@ -71,8 +71,9 @@ def test_kvzip_is_read_in_chunks_when_it_must_be():
     context, or --chunk N) is read in chunks, its reconstruction pass run chunk by chunk
     (tests/test_kvzip_chunked.py)."""
     from kvcli.drivers.chunked import plan_chunking
-    c = plan_chunking(20_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20)
+    from helpers import compression
+    c = plan_chunking(20_000, 256, 32_768, compression("kvzip", 1024), cell_bytes=1 << 20)
     assert c.chunk is None and c.n_ctx >= 20_000 + 2048
-    assert plan_chunking(40_000, 256, 32_768, "kvzip", 1024, cell_bytes=1 << 20).chunk == 1024
-    assert plan_chunking(5_000, 256, 32_768, "kvzip", 1024, chunk=1024, cell_bytes=1 << 20).chunk == 1024
+    assert plan_chunking(40_000, 256, 32_768, compression("kvzip", 1024), cell_bytes=1 << 20).chunk == 1024
+    assert plan_chunking(5_000, 256, 32_768, compression("kvzip", 1024), chunk=1024, cell_bytes=1 << 20).chunk == 1024
     assert "reconstruction pass runs over that chunk only" in P.explain_text("kvzip")

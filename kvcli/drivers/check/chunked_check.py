@@ -87,7 +87,7 @@ def run_chunked(native, model_path, tokens, names, specs, settings, th, log, t0)
     for name in names:   # sizes (and bad combinations) before the reference engine is loaded
         if name == "full":
             continue
-        c = chunked.plan_chunking(n, reserve, native.n_ctx_train, specs[name], settings.budget, chunk,
+        c = chunked.plan_chunking(n, reserve, native.n_ctx_train, specs[name], chunk,
                                   cell_bytes=native.bytes_per_cell())
         if c.chunk is None:
             raise KvcliError(f"the prompt ({n} tokens) fits in one chunk of {chunk}: choose a smaller --chunk "
