@@ -63,11 +63,17 @@ def test_observation_state_and_removal_under_the_ragged_layout(session_factory, 
     more = prompt_tokens(12, 8)
     oc = cells.prefill(more, observe=("window", "colsum"), window=4)
     orr = ragged.prefill(more, observe=("window", "colsum"), window=4)
-    # to 1e-4 (logits below to 2e-3): on a 2-core AMD EPYC with AVX-512 (2026-12-03) the two layouts' probabilities of
-    # these rows differed by up to 5.6e-5 in the trimmed layer 2 (11 of 624 column sums; within 1e-6 on the machines
-    # before), alike with that day's changes to the path undone (the rows' cut, the host add) and with 80 rows (76 by
-    # flash attention) instead of 12: rounding that layout changes there, not a misplaced cell (that differs by a
-    # probability itself, 1e-2 and more); not traced further. Decoding stays bit for bit (the test above).
+    # to 1e-4 (logits below to 2e-3): rounding, traced (#62). Layer 1's rows (front 31: n_kv 225, not 256) take other
+    # ggml CPU kernels than the cells layout's: llamafile's tinyBLAS needs m % 4 == 0 and k % 16 == 0 (AVX-512;
+    # sgemm.cpp, tinyBLAS::matmul), so KQ (m = n_kv) and P.V (k = n_kv) fall back to ggml_vec_dot_f16/_f32, and the
+    # softmax's 16-lane chunks and its scalar expf tail (vec.cpp, ggml_vec_soft_max_f32) start 31 cells later. Its
+    # probabilities differ by 3e-7 and its output by f32 ulps; layer 2's K/V rows of the 12 new tokens are that output
+    # rounded to f16, and on a 2-core AMD EPYC with AVX-512 (2026-12-03) 3 of their elements rounded to the
+    # neighbouring f16 (K -2.0762 vs -2.0781: one ulp), so layer 2's sums differ by up to 5.6e-5 (11 of 208) and the
+    # step that attends those rows by 1.1e-3. Whether an f16 rounding flips is chance: within 1e-6 on the machines
+    # before. A misplaced cell differs by a probability itself (1e-2 and more). Fronts that are multiples of 16 keep
+    # every kernel and lane: bit for bit (the test below). Decoding (one row: flash attention, which skips the -inf
+    # cells one at a time) stays bit for bit too (the test above).
     np.testing.assert_allclose(orr.colsum, oc.colsum, atol=1e-4)
     np.testing.assert_allclose(orr.window_sums, oc.window_sums, atol=1e-4)
     # a saved state restores into a fresh context and is trimmed again there
@@ -88,6 +94,24 @@ def test_observation_state_and_removal_under_the_ragged_layout(session_factory, 
     fresh = session_factory(tiny_model, flash_attn=True, cache_type="f16")
     fresh.prefill(toks)
     np.testing.assert_allclose(t.logits(), fresh.logits(), atol=1e-5)
+
+
+def test_observation_is_bit_identical_when_the_fronts_are_multiples_of_16(session_factory, tiny_model, monkeypatch):
+    # the rounding the test above allows comes only from n_kv and the front's offset within ggml's 16-wide kernels:
+    # with fronts of 32 and 16 (n_kv 224, 240) the few-rows path runs the same kernels on the same lanes as the cells
+    # layout, whose leading dead cells add exact zeros, so a cell placed one off would show here at any size
+    widths = [40, 8, 24]
+    cells = _compacted(session_factory, tiny_model, "cells", monkeypatch, widths)
+    ragged = _compacted(session_factory, tiny_model, "ragged", monkeypatch, widths)
+    assert cache.layout_fronts(ragged.ctx) == [0, 32, 16]
+    more = prompt_tokens(12, 8)
+    oc = cells.prefill(more, observe=("window", "colsum"), window=4)
+    orr = ragged.prefill(more, observe=("window", "colsum"), window=4)
+    np.testing.assert_array_equal(orr.colsum, oc.colsum)
+    np.testing.assert_array_equal(orr.window_sums, oc.window_sums)
+    for s in (cells, ragged):
+        s.step({0: 77})
+    np.testing.assert_array_equal(ragged.logits(), cells.logits())
 
 
 def test_a_bad_layout_value_is_a_clear_error(session_factory, tiny_model, monkeypatch):
