@@ -154,7 +154,7 @@ def one_form(a, session, sampler, form: str, name: str, doc: Document, items: li
     conv.read_store()
     read_s = time.perf_counter() - t0
     print(f"[{form}, {name}] {len(conv.prefix_tokens)} tokens read in {read_s:.1f}s"
-          + (f", {len(conv.store.chunks)} chunks of {conv.store.chunk}" if conv.store.bounded else "")
+          + (f", {len(conv.store.chunks)} chunks of {conv.store.chunk}" if conv.store.form == "bounded" else "")
           + f", {len(items)} questions", file=sys.stderr, flush=True)
     rows = []
     for f in items:
@@ -171,7 +171,7 @@ def one_form(a, session, sampler, form: str, name: str, doc: Document, items: li
                "answer": gen.text, "right": f["right"](gen.text), "first": bool(hits and hits[0]), "top3": any(hits),
                "ask_s": round(t2 - t1, 3), "cite_s": round(cite_s, 3), "note": cited.note,
                "tokens": len(conv.prefix_tokens), "cited": cited.as_json()}
-        if conv.store.bounded:
+        if conv.store.form == "bounded":
             row.update(streamed=r.streamed, stored=len(conv.store.chunks), read_s=round(read_s, 2),
                        fact_chunk=_chunk_of(conv, f["at"]) if f["at"] is not None else None)
             row["fact_streamed"] = row["fact_chunk"] in r.streamed

@@ -88,8 +88,9 @@ def row(i: int, fact: dict, secs: float, out: dict) -> dict:
         s = out["kvcli"]
         r.update({k: s[k] for k in ("document_read_tokens", "prefix_reused_tokens", "prefilled_tokens", "reselect_s",
                                     "decode_s", "kv_bytes", "kv_bytes_full", "peak_rss_bytes")})
-        r.update({k: s[k] for k in ("window", "reselect_plan_s", "reselect_prefill_s", "prompt_s", "queued_s",
-                                    "decoded_with", "decoded_with_most") if k in s})
+        r.update({k: s[k] for k in ("window", "reselect_restore_s", "reselect_plan_s", "reselect_prefill_s",
+                                    "reselect_keep_s", "prompt_s", "queued_s", "decoded_with", "decoded_with_most")
+                  if k in s})
     elif "timings" in out:
         t = out["timings"]
         r.update({"prefix_reused_tokens": t.get("cache_n"), "prefilled_tokens": t.get("prompt_n"),

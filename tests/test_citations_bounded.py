@@ -124,7 +124,7 @@ def test_bounded_chat_cites_from_the_entries_of_the_chunks_streamed(default_mode
     conv.store_turns = False
     try:
         conv.read_store()
-        assert conv.store.bounded and len(conv.store.chunks) >= 6
+        assert conv.store.form == "bounded" and len(conv.store.chunks) >= 6
         conv.store.select = 1            # the block index streams the first, the last and one chunk between
         gen = conv.ask(fact["question"], 24)
         r = conv.last_reselection

@@ -248,7 +248,7 @@ def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeyp
     said = []
     conv.notify = said.append
     conv.compress()
-    assert conv.store.bounded
+    assert conv.store.form == "bounded"
     conv.ask(Q, 3)
     real, calls = ChunkedStore._snapshot, []
 
@@ -294,7 +294,7 @@ def test_a_kept_store_opens_and_reselects_as_it_was_read(tiny_2k, setup, tmp_pat
     cfg = cfg_of(tiny_2k)
     read = kept_store(s, head, cfg, tmp_path / "store")
     opened = ChunkedStore.open(tmp_path / "store", tiny_2k)
-    assert opened.keep and opened.bounded and opened.tokens == read.tokens and opened.split == read.split
+    assert opened.keep and opened.form == "bounded" and opened.tokens == read.tokens and opened.split == read.split
     assert [vars(c) for c in opened.chunks] == [vars(c) for c in read.chunks]
     assert opened.meta["document"] == DOC and opened.meta["turns"] == []
     from kvcli.apps.chat import store_model
@@ -501,7 +501,7 @@ def test_a_policy_bounded_re_selection_cannot_serve_is_refused_when_chosen(tiny_
     conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, compression=resolve(tiny_2k, "snapkv", 48),
                         reselect=True, chunk=128)
     conv.compress()
-    assert conv.store.bounded
+    assert conv.store.form == "bounded"
     for policy, what in (("h2o", "column sums"), ("kvzip", "column maxima")):
         with pytest.raises(KvcliError) as chosen:
             conv.recompress(policy, 48)

@@ -289,7 +289,7 @@ class Engine(ParallelDecode):
         if chunk is not None:
             return self._answer_bounded(prompt, c, cfg, chunk, t0, on_text, cancelled)
         colsum = "colsum" in cfg.observe[0]
-        exact = (lambda d, k: not d.bounded)   # a bounded store is never cut back, nor restored whole here
+        exact = (lambda d, k: d.form == "exact")   # a bounded store is never cut back, nor restored whole here
         found, same = self.store.best(prompt, exact)   # the longest prefix any store shares
         reuse = found is not None and same >= min(REUSE_MIN, n - 1)
         if reuse and colsum:   # a column-sum store is restored whole or not at all (its sums are all its queries')
@@ -463,7 +463,7 @@ class Engine(ParallelDecode):
         whole."""
         n = len(prompt)
         split = min(n - 1, n - STORE_TAIL)
-        exact = (lambda d, k: not d.bounded)
+        exact = (lambda d, k: d.form == "exact")
         shared = self.store.best(prompt, exact)[1]
         if colsum and shared >= REUSE_MIN:
             split = min(self._line_start(prompt, shared), n - 1)
@@ -524,7 +524,7 @@ class Engine(ParallelDecode):
         document part (up to its question) is read into a new one first; the answer is decoded from the result."""
         n, seq, session = len(prompt), 0, self.session
         self.residents.close()   # a document past the context: the resident ones leave it the whole context
-        found, _ = self.store.best(prompt, lambda d, k: d.bounded and k >= d.split and d.split < n)
+        found, _ = self.store.best(prompt, lambda d, k: d.form == "bounded" and k >= d.split and d.split < n)
         fresh = found is None
         read_tokens, read_s = 0, 0.0
         doc = found

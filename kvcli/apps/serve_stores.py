@@ -120,7 +120,7 @@ class _OnDisk:
     key: str
     tokens: np.ndarray
     colsum: bool
-    bounded: bool = False
+    form: str = "exact"              # its record's form: "exact" (a .kvc file) or "bounded" (a store folder)
 
 
 class DiskStore(DocumentStore):
@@ -172,7 +172,7 @@ class DiskStore(DocumentStore):
         else:
             tokens = kvc.peek_tokens(r["path"])
         if tokens is not None and len(tokens):
-            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")), r["form"] == "bounded")
+            self.disk[r["key"]] = _OnDisk(r["key"], tokens, bool(st.get("colsum")), r["form"])
 
     def _key(self, doc: StoredDocument) -> str:
         return document_store.key_of(self.model_path, doc.tokens, **self._settings(doc))
@@ -193,7 +193,7 @@ class DiskStore(DocumentStore):
         for d in list(self.disk.values()):
             same = common_prefix(d.tokens, prompt)
             probe = StoredDocument(tokens=d.tokens, split=len(d.tokens), colsum=_HAS_SUMS if d.colsum else None)
-            probe.bounded = d.bounded
+            probe.form = d.form   # as the store loaded would answer: accept() asks its form
             if same > k and (accept is None or accept(probe, same)):
                 found, k = d, same
         if found is not None:
@@ -205,7 +205,7 @@ class DiskStore(DocumentStore):
         e = document_store.find(d.key)
         if e is None:   # removed meanwhile (kvcli documents rm, another process's cap)
             return
-        if d.bounded:   # its chunks stay on disk, read per request: the entry is held while it is in memory
+        if d.form == "bounded":   # its chunks stay on disk, read per request: the entry is held while it is in memory
             try:
                 doc = ChunkedStore.open(e.payload, self.model_path)
             except KvcliError as err:
@@ -236,8 +236,8 @@ class DiskStore(DocumentStore):
         self.memory.add(doc, keep)
         if doc in self.memory:   # one above the cap alone is not written
             # a bounded store was read as a cached entry of its key already (ChunkedStore.read(key=...))
-            key = self._write(doc) if not doc.bounded else doc.entry.record.get("key") if doc.entry else None
-            self.written += bool(doc.bounded and key)
+            key = self._write(doc) if doc.form == "exact" else doc.entry.record.get("key") if doc.entry else None
+            self.written += bool(doc.form == "bounded" and key)
             if key is not None:   # else kept in memory only
                 self.keys[id(doc)] = key
         self._sync()

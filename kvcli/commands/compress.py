@@ -146,20 +146,20 @@ def store_document(ctx, req: Request, docs, out, force, model, question, system,
         finally:
             progress.close()
         total_s = time.perf_counter() - t0
-        size = st.nbytes + (out / MANIFEST).stat().st_size if st.bounded else out.stat().st_size
+        size = st.nbytes + (out / MANIFEST).stat().st_size if form == "bounded" else out.stat().st_size
         if not quiet:
             what = (f"a folder of {len(st.chunks)} chunk files + {MANIFEST}: {st.split} tokens read in bounded chunks "
-                    f"of {st.chunk} with {policy} @ {budget}" if st.bounded else
+                    f"of {st.chunk} with {policy} @ {budget}" if form == "bounded" else
                     f"the full cache of {st.split} tokens{' with their column sums' if st.colsum is not None else ''}")
             click.echo(f"wrote {out} ({size / 1e6:.2f} MB): {what}, read in {st.read_s:.2f}s; "
                        f"kvcli run --cache {out} --policy P --budget N QUESTION re-selects from it", err=True)
         if as_json:
             click.echo(json.dumps({
                 "file": str(out), "file_bytes": size, "model": session.model_path, "policy": "full", "budget": None,
-                "mode": "stored", "form": "bounded" if st.bounded else "exact", "original_tokens": n,
+                "mode": "stored", "form": form, "original_tokens": n,
                 "stored_tokens": st.split, "colsum": st.colsum is not None,
                 **({"chunks": len(st.chunks), "chunk": st.chunk, "read_policy": policy, "read_budget": budget}
-                   if st.bounded else {}),
+                   if form == "bounded" else {}),
                 "stats": {"store_bytes": st.nbytes, "read_s": round(st.read_s, 4),
                           "save_s": round(total_s - st.read_s, 4), "peak_rss_bytes": peak_rss_bytes()},
             }, ensure_ascii=False))

@@ -80,7 +80,6 @@ class BoundedStore:
     read_budget: int = 0
     meta: dict = field(default_factory=dict)
     colsum = None                    # never stored: column-sum policies are refused
-    bounded = True
     entry: object = None             # its kvcli.document_store.Entry, held while this process uses the folder
     pages: list = field(default_factory=list)   # the block index: one {"file", "sha256", "nbytes"} per chunk
     page: int = 0                    # its tokens per page (0: no index)

@@ -146,7 +146,6 @@ class StoredDocument:
     read_s: float = 0.0              # the one prefill of the document
     keep: bool = True
     meta: dict = field(default_factory=dict)   # what the file's .kvc header carries besides (document, system)
-    bounded = False                  # the exact form (reselect_bounded.ChunkedStore: True)
     form = "exact"                   # its name in stats and store records (ChunkedStore: "bounded")
     can_be_resident = True           # its full cache can be held in the context, shared by every question
     tag = ""                         # after "re-selected per question" in a chat's summary line
