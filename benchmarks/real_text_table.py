@@ -4,6 +4,9 @@ K/V) and one per document (KL and top-1 per configuration, pooled over its posit
 every configuration of its run was scored (a run stopped by Ctrl-C mid-document leaves that document out). Runs of
 `--form reselect` (kvcli/evaluation/fidelity_reselect.py) have several probes a document: a probe counts where every
 configuration scored it, and a table per probe kind and the paired differences between configurations follow.
+Files of both probe forms (`--form reselect` and `--form aware`, the same documents and probes) give each form's
+tables, then re-selected minus compressed-once per configuration, paired over the same positions of the same
+continuations (a summary probe only where both forms' full caches gave the same greedy answer).
 
 Usage: .venv/bin/python benchmarks/real_text_table.py A.json [B.json ...]
 """
@@ -24,7 +27,11 @@ from kvcli.evaluation.fidelity import summarise  # noqa: E402
 def complete_records(paths: list[str]) -> list[dict]:
     out = []
     for p in paths:
-        res = json.loads(Path(p).read_text())
+        try:
+            res = json.loads(Path(p).read_text())
+            res["records"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"real_text_table: {p}: not a kvcli eval fidelity JSON ({type(e).__name__}: {e})")
         n_cfg = len({(r["policy"], r["budget"]) for r in res["records"]})
         by_doc: dict[tuple, list] = {}
         for r in res["records"]:
@@ -89,6 +96,35 @@ def paired(recs: list[dict], a: str, b: str) -> tuple[list[float], list[int]]:
     return dk, dt
 
 
+def across_forms(recs: list[dict]) -> str:
+    """Per configuration (not full): --form reselect minus --form aware, per position of the same document, probe
+    and continuation tokens."""
+    by = {(r["doc"], r["length"], r["probe"], name(r), r["form"]): r for r in recs}
+    lines = ["Re-selected minus compressed once for the probe (--form reselect minus --form aware), paired over the "
+             "same positions (KL mean +- s.e., top-1 points +- s.e.):", ""]
+    for cfg in [c for c in dict.fromkeys(name(r) for r in recs) if c != "full"]:
+        dk, dt, left = [], [], set()
+        for (doc, length, probe, c, form), ra in by.items():
+            rb = by.get((doc, length, probe, c, "aware"))
+            if c != cfg or form != "reselect" or rb is None:
+                continue
+            if ra["target_tokens"] != rb["target_tokens"]:
+                left.add((doc, probe))
+                continue
+            dk += [x - y for x, y in zip(ra["kl_positions"], rb["kl_positions"])]
+            dt += [x - y for x, y in zip(ra["top1_positions"], rb["top1_positions"])]
+        gone = f"left out, continuations differ: {', '.join(sorted(f'{d} {p}' for d, p in left))}" if left else ""
+        if dk:
+            lines.append(f"- {cfg}: {np.mean(dk):+.3f} +- {_se(dk):.3f} nats, {100 * np.mean(dt):+.1f} +- "
+                         f"{100 * _se(dt):.1f} points ({len(dk)} positions" + (f"; {gone}" if gone else "") + ")")
+        elif gone:
+            lines.append(f"- {cfg}: no probe with the same continuation in both forms ({gone})")
+        else:
+            only = sorted({f for (*_, c, f) in by if c == cfg})
+            lines.append(f"- {cfg}: only in --form {', '.join(only)}, not paired")
+    return "\n".join(lines)
+
+
 def _se(xs) -> float:
     return float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
 
@@ -96,4 +132,12 @@ def _se(xs) -> float:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    print(tables(complete_records(sys.argv[1:])))
+    records = complete_records(sys.argv[1:])
+    forms = list(dict.fromkeys(r.get("form", "once") for r in records))
+    if len(forms) == 1:
+        print(tables(records))
+    else:
+        for f in forms:
+            print(f"## --form {f}\n\n" + tables([r for r in records if r.get("form", "once") == f]) + "\n")
+        if {"reselect", "aware"} <= set(forms):
+            print(across_forms([r for r in records if r.get("form") in ("reselect", "aware")]))
