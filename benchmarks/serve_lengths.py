@@ -128,7 +128,12 @@ def run_kvcli(a, ctx: int, text: str, facts: list[dict], clients: bool) -> dict:
 def llama_cmd(binary: Path, a, ctx: int, parallel: int) -> list[str]:
     return [str(binary), "-m", str(resolve_model(a.model)), "--host", "127.0.0.1", "--port", str(free_port()),
             "-c", str(ctx * parallel), "-np", str(parallel), "-t", str(a.threads), "-tb", str(a.threads),
-            "-fa", "on", "-b", "512", "-ub", "512", "--no-warmup", *(["-kvu"] if parallel > 1 else [])]
+            "-fa", "on", "-b", "512", "-ub", "512", "--no-warmup",
+            # -np N over one unified cache; --no-cache-idle-slots: by default llama-server saves every idle slot to
+            # its host-memory prompt cache and clears it from the KV cache when a new task starts (unified KV only),
+            # so the warmed slots lost their documents and read them again (the 201.8 s and 531.7 s walls of
+            # docs/results/serve.md); off, each slot keeps its document as a stored one is held
+            *(["-kvu", "--no-cache-idle-slots"] if parallel > 1 else [])]
 
 
 def run_llama(binary: Path, a, ctx: int, text: str, facts: list[dict], clients: bool) -> dict:

@@ -110,3 +110,39 @@ def test_bounded_store_is_listed_and_survives_a_restart(default_model, tmp_path)
     assert again["document_read_tokens"] == 0 and again["store_loaded"] == 1 and again["store_written"] == 0
     assert again["prefix_reused_tokens"] >= again["prompt_tokens"] - 64
     assert [i["id"] for i in listed(cache)] == [items[0]["id"]]
+
+
+
+def test_a_prompt_within_the_context_is_exact_unless_capped(default_model, tmp_path):
+    """Within --ctx a prompt is served exact (its full cache resident, as llama-server holds it), whatever its size;
+    KVCLI_RESELECT_EXACT_MB, where set, caps the exact form as in `kvcli chat`: above it (and past bounded
+    reading's own threshold, KVCLI_BOUNDED_ABOVE_MB), bounded chunks."""
+    from kvcli.evaluation.logbook import make_document
+    doc = make_document(900, facts=2, seed=21)
+    wide = [a if a != "1024" else "4096" for a in args(default_model)]
+    env = {"KVCLI_CACHE": str(tmp_path / "kvcache"), "KVCLI_BOUNDED_ABOVE_MB": "0.001"}
+    with serving(wide, tmp_path / "exact.log", env) as (port, _):
+        exact = ask(port, default_model, doc, 0)
+    assert exact["document_read_tokens"] > 1024 + 64 and "bounded_chunks" not in exact
+    env = {**env, "KVCLI_CACHE": str(tmp_path / "kvcache2"), "KVCLI_RESELECT_EXACT_MB": "0.001"}
+    with serving(wide, tmp_path / "capped.log", env) as (port, _):
+        capped = ask(port, default_model, doc, 0)
+    assert capped["prompt_tokens"] < 4096 and capped["bounded_chunks"] >= 2
+
+
+def test_plan_form_keeps_a_fitting_prompt_exact_whatever_its_bytes(monkeypatch):
+    """Without KVCLI_RESELECT_EXACT_MB a prompt that fits the server's context is exact, however large its full
+    cache (serve once went bounded above 256 MiB, `kvcli chat`'s rule: 1.4x the time at 30k tokens)."""
+    from types import SimpleNamespace
+
+    from kvcli.apps import serve
+    from kvcli.apps.serve import Choice, Engine
+
+    def bounded(*a, **k):
+        raise AssertionError("the bounded form was considered")
+    monkeypatch.setattr(serve, "check_usable", bounded)
+    monkeypatch.delenv("KVCLI_RESELECT_EXACT_MB", raising=False)
+    huge = SimpleNamespace(bytes_per_cell=lambda: 1 << 30)   # a cell of 1 GiB: above every default threshold
+    engine = SimpleNamespace(session=huge, fits=lambda prompt, c: True, n_ctx=32768)
+    c = Choice(policy="snapkv", budget=256, policy_args={}, max_tokens=24, sampling=None)
+    assert Engine.plan_form(engine, list(range(30000)), None, c) is None

@@ -29,13 +29,14 @@ first request stores the prompt less its last STORE_TAIL tokens, which the same 
 request that shares only a prefix with a store (another question about the document) reads that prefix again into a
 store of its own, which every later question about the document restores.
 
-A prompt past the server's context (--ctx), or whose full cache would be above
-reselect_bounded.exact_below_bytes(), is served as `kvcli chat` serves such a document: its document part (the
-prompt up to the last line of its last user message, the question) is read once by bounded reading into a
-ChunkedStore (kvcli/drivers/reselect_bounded.py: the chunks' entries stored, the cache never above budget + chunk),
-which every request that starts with it re-selects by streaming the chunks (`ChunkedStore.reselect`). A bounded
-store is never cut back: a later prompt must start with all of its tokens. Policies bounded re-selection refuses
-(column sums, sliding-window models) and `full` keep the 400 `prompt too long` past the context.
+A prompt past the server's context (--ctx), or whose full cache would be above KVCLI_RESELECT_EXACT_MB where that
+is set (a prompt within the context is otherwise exact: the context is what the server was started to hold), is
+served as `kvcli chat` serves such a document: its document part (the prompt up to the last line of its last user
+message, the question) is read once by bounded reading into a ChunkedStore (kvcli/drivers/reselect_bounded.py: the
+chunks' entries stored, the cache never above budget + chunk), which every request that starts with it re-selects
+by streaming the chunks (`ChunkedStore.reselect`). A bounded store is never cut back: a later prompt must start
+with all of its tokens. Policies bounded re-selection refuses (column sums, sliding-window models) and `full` keep
+the 400 `prompt too long` past the context.
 
 Stores live behind `DocumentStore` (best match, add, touch, evict): `DiskStore` (--store disk, the default) writes
 each as a `cached` entry of kvcli's document store (listed by `kvcli documents list`, capped, loaded again after a
@@ -53,6 +54,7 @@ nothing here is thread-safe by itself.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -66,7 +68,7 @@ from kvcli.apps.serve_stores import (REUSE_MIN, DiskStore, DocumentStore, Memory
 from kvcli.apps.serve_decode import (Flight, ParallelDecode, RunAlone, ServeResidents, StopFilter,  # noqa: F401
                                      Stopped, WaitForRoom, text_callback)        # (Stopped: the filter's, here too)
 from kvcli.drivers.reselect import STORE_TAIL, StoreMissing, StoredDocument, common_prefix
-from kvcli.drivers.reselect_bounded import ChunkedStore, check_usable, exact_below_bytes
+from kvcli.drivers.reselect_bounded import EXACT_ENV, ChunkedStore, check_usable, exact_below_bytes
 from kvcli.errors import KvcliError
 from kvcli.evaluation.measure import peak_rss_bytes, return_freed_memory
 from kvcli.generate import Decoding, Sampler, Sampling, generate
@@ -226,11 +228,15 @@ class Engine(ParallelDecode):
 
     def plan_form(self, prompt: list[int], cfg, c: Choice) -> int | None:
         """How the prompt is served: None, the exact form (its full cache held: it fits the context); or the chunk
-        size of the bounded form, where the prompt is past the context or its full cache above
-        exact_below_bytes() (the rule of `kvcli chat`) and bounded re-selection can serve the policy. A prompt past
+        size of the bounded form, where the prompt is past the context (or its full cache above
+        KVCLI_RESELECT_EXACT_MB, where that is set) and bounded re-selection can serve the policy. A prompt past
         the context that it cannot serve is refused (BadRequest), with the reason."""
         n, fits = len(prompt), self.fits(prompt, c)
-        if fits and n * self.session.bytes_per_cell() <= exact_below_bytes():
+        # a prompt within the context the server was started with is served exact, its full cache resident as
+        # llama-server holds it (--ctx sized it); bounded re-selection streams every chunk per question, 1.4x the
+        # time of exact at 30k (docs/results/serve.md). KVCLI_RESELECT_EXACT_MB, set, caps it as in `kvcli chat`.
+        cap = exact_below_bytes() if EXACT_ENV in os.environ else None
+        if fits and (cap is None or n * self.session.bytes_per_cell() <= cap):
             return None
         if c.policy == "full":
             if fits:

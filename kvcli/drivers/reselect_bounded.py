@@ -57,8 +57,8 @@ from kvcli.planning.planner import Compression, make_plan, session_cells, shape_
 # the store's names, imported from here by kvcli's commands and apps
 __all__ = ["CHUNK_TYPES", "EXACT_BELOW_BYTES", "FORMAT", "MANIFEST", "READS", "SUMMARY", "BoundedReselection",
            "BoundedStore", "ChunkedStore", "Origins", "StoredChunk", "TurnChunk", "TurnChunks", "check_store_target",
-           "check_usable", "exact_below_bytes", "is_store", "read_manifest", "replace_folder", "store_types",
-           "write_manifest"]
+           "check_usable", "EXACT_ENV", "exact_below_bytes", "is_store", "read_manifest", "replace_folder",
+           "store_types", "write_manifest"]
 
 # A re-selected chat keeps the exact form (the document's full cache held while a question is re-selected) up to
 # this many bytes of full cache, though bounded reading would read the document in chunks: a bounded re-selection
@@ -67,10 +67,11 @@ __all__ = ["CHUNK_TYPES", "EXACT_BELOW_BYTES", "FORMAT", "MANIFEST", "READS", "S
 # "Bounded re-selection"), and a full cache this size is a moderate addition to the process. Above it, past the
 # model's context, or with --chunk N / --max-cache, the bounded form. KVCLI_RESELECT_EXACT_MB moves it.
 EXACT_BELOW_BYTES = 256 << 20
+EXACT_ENV = "KVCLI_RESELECT_EXACT_MB"
 
 
 def exact_below_bytes() -> int:
-    return env_bytes("KVCLI_RESELECT_EXACT_MB", EXACT_BELOW_BYTES)
+    return env_bytes(EXACT_ENV, EXACT_BELOW_BYTES)
 
 
 @dataclass
