@@ -248,8 +248,10 @@ def test_corpus_ask_scores_every_question_for_every_configuration(cli_runner, ti
     res = json.loads(r.stdout)
     qs = make_questions("demo", MAN, "man", 1)
     assert len(res["records"]) == 2 * len(qs)
+    assert res["settings"]["mode"] == "once"
     for rec in res["records"]:
         assert rec["status"] == "ok" and 0 <= rec["score"] <= 100 and rec["genre"] == "technical"
+        assert rec["mode"] == "once" and 0 <= rec["question"] < len(qs)
     rows = {(x["policy"], x["kind"]): x for x in res["summary"]}
     assert rows[("full", "summary")]["full_score"] == rows[("full", "summary")]["score"]
     assert rows[("streamingllm", "questions")]["n"] == len(qs) - 1

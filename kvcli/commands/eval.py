@@ -317,26 +317,49 @@ def corpus_questions_cmd(corpus_dir, split, per_kind, out_path):
 @click.option("--genres", default=None, help="Comma-separated genres. Default: all.")
 @click.option("--max-doc-tokens", type=click.IntRange(1), default=None,
               help="Only documents of at most this many tokens (the manifest's count).")
+@click.option("--min-doc-tokens", type=click.IntRange(1), default=None,
+              help="Only documents of at least this many tokens (the manifest's count).")
 @click.option("--per-kind", type=click.IntRange(1, 50), default=2, show_default=True,
               help="Questions of each kind per document (one summary question).")
 @click.option("--kinds", default=",".join(QUESTION_KINDS), show_default=True, help="Comma-separated question kinds.")
+@click.option("--mode", type=click.Choice(["once", "reselect", "bounded"]), default="once", show_default=True,
+              help="once: compressed once before the questions (question-agnostic), each question alone after it. "
+              "reselect: kvcli chat's exact form: the document's full cache read once and stored, each question "
+              "re-selected from it with the question known; the full cache of the same prompt is the reference. "
+              "bounded: kvcli chat's bounded form: per configuration the document read once in chunks into a store, "
+              "each question re-selected from it in each of --forms (window policies; any length). "
+              "(kvcli/evaluation/corpus_reselect.py)")
+@click.option("--forms", default=None, help="With --mode bounded: comma-separated forms: index (the block index's "
+              "chosen chunks, kvcli chat's default), all (every chunk streamed, as KVCLI_RESELECT_CHUNKS=all: the "
+              "reference), every_chunk (every chunk with a probe each). Default: index,all.")
 def corpus_ask_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, corpus_dir, split, docs, genres,
-                   max_doc_tokens, per_kind, kinds):
-    """Ask the corpus's questions of each compressed cache: compressed once before the questions (question-agnostic),
-    each question alone after it, scored automatically against the document's text; the full cache first.
+                   max_doc_tokens, min_doc_tokens, per_kind, kinds, mode, forms):
+    """Ask the corpus's questions of each compressed cache, scored automatically against the document's text, and
+    each configuration's answers against its reference's (the full cache; in the bounded form, every chunk
+    streamed). --mode once (default): compressed once before the questions (question-agnostic), each question alone
+    after it; reselect / bounded: re-selected for each question as kvcli chat answers it.
     (--lengths and --plot are not used.)"""
     from kvcli.evaluation.corpus import load_manifest
     from kvcli.evaluation.corpus_eval import questions_table, run_corpus_questions
+    from kvcli.evaluation.corpus_reselect import DEFAULT_FORMS, run_corpus_chat
     ks = parse_list(kinds, "--kinds", lambda s: s.lower())
     for k in ks:
         if k not in QUESTION_KINDS:
             raise KvcliError(f"--kinds: unknown kind '{k}' (choose from {', '.join(QUESTION_KINDS)})")
-    documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs)
+    if forms is not None and mode != "bounded":
+        raise KvcliError("--forms is for --mode bounded")
+    if min_doc_tokens and max_doc_tokens and min_doc_tokens > max_doc_tokens:
+        raise KvcliError(f"--min-doc-tokens {min_doc_tokens} is more than --max-doc-tokens {max_doc_tokens}")
+    fs = parse_list(forms, "--forms", lambda s: s.lower()) if forms is not None else list(DEFAULT_FORMS)
+    documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs, min_tokens=min_doc_tokens)
     formats = {d["id"]: d["format"] for d in load_manifest(corpus_dir)["documents"]}
-    result = run_corpus_questions(resolve_model(model), documents, req.policies, req.budgets, per_kind=per_kind,
-                                  kinds=ks, cache_type=req.cache_type, policy_args=req.scoped_args,
-                                  threads=req.threads, doc_meta=meta, formats=formats,
-                                  log=None if quiet else log_stderr)
+    common = dict(per_kind=per_kind, kinds=ks, cache_type=req.cache_type, policy_args=req.scoped_args,
+                  threads=req.threads, doc_meta=meta, formats=formats, log=None if quiet else log_stderr)
+    if mode == "once":
+        result = run_corpus_questions(resolve_model(model), documents, req.policies, req.budgets, **common)
+    else:
+        result = run_corpus_chat(resolve_model(model), documents, req.policies, req.budgets, mode=mode, forms=fs,
+                                 **common)
     if result.get("interrupted") and not result["records"]:
         raise KeyboardInterrupt
     click.echo(json.dumps(result, default=_jsonable) if as_json else questions_table(result))

@@ -318,17 +318,17 @@ class CorpusDoc:
 
 
 def corpus_documents(corpus_dir, split: str = "tune", genres: str | None = None, max_tokens: int | None = None,
-                     docs: str | None = None) -> tuple[list[CorpusDoc], dict]:
+                     docs: str | None = None, min_tokens: int | None = None) -> tuple[list[CorpusDoc], dict]:
     """The corpus's documents an eval command reads: the `split` part, filtered by comma-separated `genres`,
-    `max_tokens` and `docs` (ids), each checked against the manifest's sha256. Returns (documents, id -> the
-    manifest's genre, split and tokens)."""
+    `min_tokens`, `max_tokens` and `docs` (ids), each checked against the manifest's sha256. Returns (documents,
+    id -> the manifest's genre, split and tokens)."""
     manifest = load_manifest(corpus_dir)
     ids = [p.strip() for p in docs.split(",") if p.strip()] if docs else None
     gs = [g.strip() for g in genres.split(",") if g.strip()] if genres else None
     for g in gs or ():
         if g not in GENRES:
             raise KvcliError(f"--genres: unknown genre '{g}' (choose from {', '.join(GENRES)})")
-    chosen = select(manifest, split, gs, ids, max_tokens=max_tokens)
+    chosen = select(manifest, split, gs, ids, min_tokens=min_tokens, max_tokens=max_tokens)
     if ids:   # in the order given, so a run stopped early has the documents asked for first
         chosen.sort(key=lambda d: ids.index(d["id"]))
         unknown = set(ids) - {d["id"] for d in chosen}
