@@ -132,7 +132,7 @@ def test_a_prompt_within_the_context_is_exact_unless_capped(default_model, tmp_p
 
 def test_plan_form_keeps_a_fitting_prompt_exact_whatever_its_bytes(monkeypatch):
     """Without KVCLI_RESELECT_EXACT_MB a prompt that fits the server's context is exact, however large its full
-    cache (serve once went bounded above 256 MiB, `kvcli chat`'s rule: 1.4x the time at 30k tokens)."""
+    cache (serve once went bounded above 256 MiB, `kvcli chat`'s rule, slower than exact at 30k tokens)."""
     from types import SimpleNamespace
 
     from kvcli.apps import serve

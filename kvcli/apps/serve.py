@@ -233,8 +233,9 @@ class Engine(ParallelDecode):
         the context that it cannot serve is refused (BadRequest), with the reason."""
         n, fits = len(prompt), self.fits(prompt, c)
         # a prompt within the context the server was started with is served exact, its full cache resident as
-        # llama-server holds it (--ctx sized it); bounded re-selection streams every chunk per question, 1.4x the
-        # time of exact at 30k (docs/results/serve.md). KVCLI_RESELECT_EXACT_MB, set, caps it as in `kvcli chat`.
+        # llama-server holds it (--ctx sized it); bounded re-selection streams every chunk per question (at 30k:
+        # 1.11-1.29x llama-server's time where exact took 0.76-1.05x, two runs, docs/results/serve.md).
+        # KVCLI_RESELECT_EXACT_MB, set, caps it as in `kvcli chat`.
         cap = exact_below_bytes() if EXACT_ENV in os.environ else None
         if fits and (cap is None or n * self.session.bytes_per_cell() <= cap):
             return None

@@ -114,12 +114,18 @@ def run_corpus_questions(model_path, docs, policies: list[str], budgets: list[in
         if session is not None:
             session.close()
         tok.close()
+    return corpus_result(model_path, where, interrupted, t_start, records,
+                         {"policies": policies, "budgets": budgets, "per_kind": per_kind, "kinds": list(kinds),
+                          "cache_type": cache_type, "docs": [d.name for d in docs], "policy_args": policy_args,
+                          "mode": "once", "layout": LAYOUT})
+
+
+def corpus_result(model_path, where: dict, interrupted: bool, t_start: float, records: list[dict],
+                  settings: dict) -> dict:
+    """What `kvcli eval corpus ask` writes, in every mode: the records, their summary and the run's settings."""
     return {"kind": "eval", "task": "corpus-questions", "model": str(model_path), "machine": where,
-            "interrupted": interrupted,
-            "settings": {"policies": policies, "budgets": budgets, "per_kind": per_kind, "kinds": list(kinds),
-                         "cache_type": cache_type, "docs": [d.name for d in docs], "policy_args": policy_args,
-                         "mode": "once", "layout": LAYOUT},
-            "elapsed_s": time.perf_counter() - t_start, "records": records, "summary": summarise(records)}
+            "interrupted": interrupted, "settings": settings, "elapsed_s": time.perf_counter() - t_start,
+            "records": records, "summary": summarise(records)}
 
 
 def split_variant(label: str) -> tuple[str, dict]:

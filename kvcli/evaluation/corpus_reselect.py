@@ -35,8 +35,8 @@ from kvcli.drivers.reselect_bounded import check_usable
 from kvcli.engines import ContextFull, open_native
 from kvcli.errors import KvcliError
 from kvcli.evaluation.chat import QUESTION_SEQ, RESIDENT_SEQ, _reselections
-from kvcli.evaluation.corpus_eval import (REFERENCE_FORM, answer_tokens, check_variants, doc_line, doc_questions,
-                                          score_into, summarise)
+from kvcli.evaluation.corpus_eval import (REFERENCE_FORM, answer_tokens, check_variants, corpus_result, doc_line,
+                                          doc_questions, score_into)
 from kvcli.evaluation.fidelity import MARGIN
 from kvcli.evaluation.fidelity_reselect import _selection_cells
 from kvcli.evaluation.measure import held, machine
@@ -133,12 +133,10 @@ def run_corpus_chat(model_path, docs, policies: list[str], budgets: list[int], *
     finally:
         if session is not None:
             session.close()
-    return {"kind": "eval", "task": "corpus-questions", "model": str(model_path), "machine": where,
-            "interrupted": interrupted,
-            "settings": {"policies": policies, "budgets": budgets, "per_kind": per_kind, "kinds": list(kinds),
-                         "cache_type": cache_type, "docs": [d.name for d in docs], "policy_args": policy_args,
-                         "mode": mode, "layout": MODES[mode], **({"forms": forms} if forms else {})},
-            "elapsed_s": time.perf_counter() - t_start, "records": records, "summary": summarise(records)}
+    return corpus_result(model_path, where, interrupted, t_start, records,
+                         {"policies": policies, "budgets": budgets, "per_kind": per_kind, "kinds": list(kinds),
+                          "cache_type": cache_type, "docs": [d.name for d in docs], "policy_args": policy_args,
+                          "mode": mode, "layout": MODES[mode], **({"forms": forms} if forms else {})})
 
 
 def _cells(prompt, q, resolved, run_keys) -> int:
