@@ -252,8 +252,8 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     const bool biased = kvcli_bias_applies(mctx);
     const auto & hp = kvcli_access::hparams(*kv);
     const float cap = hp.attn_soft_cap ? hp.f_attn_logit_softcapping : 0.0f;
-    // the ragged layout: kvcli_attn_hook viewed K and V from the layer's front; llama.cpp's mask follows
-    const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
+    // kvcli_attn_hook viewed K and V from the layer's front or the ubatch's first visible cell; llama.cpp's mask follows
+    const int64_t c0 = kvcli_cache_detail::view_start(ext, it->second);
     const bool rows = ext.graph_one_seq && few_rows(flash_attn, q, k, v, kq_b, sinks, kq_mask);
     // a window observation kvcli_attn_hook left to this layer's attention (kvcli_window_defer)
     kvcli_window_defer * defer = ext.obs.armed && (size_t) il < ext.obs.pending.size() &&

@@ -69,6 +69,10 @@ struct kvcli_kv_ext {
     // so a graph built over the old tensors is never reused
     std::vector<uint32_t> front;
     uint64_t              layout_gen = 0;
+    // the first cell a sequence of the ubatch being built can see (kvcli_graph_key): every cell before it is masked
+    // for all of its rows, so its attention views start there (an answer gathered beside a resident document attends
+    // over its own cells, not the document's; view_start)
+    uint32_t              graph_first_seen = 0;
     // a state was written or read through the full layout: trim again once llama.cpp's I/O has finished (its host
     // reader and writer move the rows when they are destroyed, after state_read / state_write return)
     bool                  trim_pending = false;
@@ -210,6 +214,8 @@ inline ggml_tensor * bias_per_query_head(ggml_context * ctx0, ggml_tensor * bias
 // at the front; every path that would touch a row below it (compaction, state save, a K-shift) first returns the
 // cache to the full layout (layout_full) and re-trims after (layout_trim).
 uint32_t layer_front(const kvcli_kv_ext & ext, size_t ikv);
+// where the graph being built views layer ikv's cells from: its front, or the first cell the ubatch can see if later
+uint32_t view_start(const kvcli_kv_ext & ext, size_t ikv);
 // $KVCLI_LAYOUT: ragged (default) or cells; anything else throws
 bool ragged_wanted();
 // the fronts the cache's cells allow now (all 0 under KVCLI_LAYOUT=cells or where trimming does not apply)

@@ -170,6 +170,28 @@ ggml_tensor * soft_cap(ggml_context * ctx0, ggml_tensor * kq, float cap) {
     return ggml_scale(ctx0, ggml_tanh(ctx0, ggml_scale(ctx0, kq, 1.0f / cap)), cap);
 }
 
+// The first cell any sequence of the ubatch holds (its own rows are placed before the graph is built): every row of
+// the ubatch is masked from the cells before it. 0 with several streams (a cell index is per stream) or a transposed V
+// (its cells are not the outer dimension the views trim).
+uint32_t first_seen_cell(const llama_kv_cache & kv, const llama_ubatch & ub) {
+    if (kvcli_access::n_stream(kv) != 1 || kvcli_access::v_trans(kv)) {
+        return 0;
+    }
+    const auto & cells = kvcli_access::cells(kv)[0];
+    const uint32_t end = cells.used_max_p1();
+    for (uint32_t c = 0; c < end; ++c) {
+        if (cells.is_empty(c)) {
+            continue;
+        }
+        for (uint32_t s = 0; s < ub.n_seqs_unq; ++s) {
+            if (cells.seq_has(c, ub.seq_id_unq[s])) {
+                return c;
+            }
+        }
+    }
+    return 0;
+}
+
 } } // namespace kvcli_graph_detail
 using namespace kvcli_graph_detail;
 
@@ -186,15 +208,19 @@ uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
     }
     auto & ext = *kv->kvcli_ext;
     const uint64_t bias = kvcli_bias_applies(mctx) ? 1 : 0;
+    // the graph built next (after this call, for this ubatch) views the cells from the first one it can see
+    const llama_ubatch * ub = kvcli_access::ubatch(mctx);
+    ext.graph_first_seen = ub ? first_seen_cell(*kv, *ub) : 0;
     // never 0: every graph goes through kvcli_attn_hook and kvcli_build_attn, so that a ubatch of few rows is attended
     // the same way whether or not it is observed (kvcli_attention.cpp, the rows path). A relayout (kvcli_layout.cpp)
-    // replaced the cache's tensors: a graph built over the old ones is not reused
+    // replaced the cache's tensors: a graph built over the old ones is not reused; nor is one whose views start at
+    // another cell (bits 32-62)
     const uint64_t key = 1 | (bias << 1) | ((ext.layout_gen & 0x3fffffffu) << 2);
     if (ext.obs.armed) {
-        // nonzero, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
-        return key | ((ext.obs.key_counter + 1) << 32);
+        // bit 63, and changed by every armed graph build (kvcli_attn_hook): no graph reuse while observing
+        return key | (1ull << 63) | (((ext.obs.key_counter + 1) & 0x7fffffffu) << 32);
     }
-    return key;
+    return key | ((uint64_t) (ext.graph_first_seen & 0x7fffffffu) << 32);
 }
 
 ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_result * res,
@@ -218,8 +244,9 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
     if (it == map_ids.end() || (*kp)->ne[3] != 1 || kq_mask->ne[3] != 1) {
         return kq_mask; // one stream only (kvcli_require_supported)
     }
-    // the ragged layout: this layer stores cells [c0, kv_size) only, so K, V and the mask start at c0
-    const int64_t c0 = kvcli_cache_detail::layer_front(ext, it->second);
+    // the ragged layout: this layer stores cells [c0, kv_size) only, so K, V and the mask start at c0; and none of
+    // the ubatch's sequences sees a cell before the first it holds (view_start)
+    const int64_t c0 = kvcli_cache_detail::view_start(ext, it->second);
     if (c0 > 0) {
         *kp = kvcli_cache_detail::trim_cells(ctx0, *kp, 2, c0);
         *vp = kvcli_cache_detail::trim_cells(ctx0, *vp, 2, c0);

@@ -55,6 +55,10 @@ uint32_t layer_front(const kvcli_kv_ext & ext, size_t ikv) {
     return ikv < ext.front.size() ? ext.front[ikv] : 0;
 }
 
+uint32_t view_start(const kvcli_kv_ext & ext, size_t ikv) {
+    return std::max(layer_front(ext, ikv), ext.graph_first_seen);
+}
+
 std::vector<uint32_t> allowed_fronts(const llama_kv_cache & kv, const kvcli_kv_ext & ext) {
     const auto & layers = kvcli_access::layers(kv);
     std::vector<uint32_t> front(layers.size(), 0);
