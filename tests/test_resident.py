@@ -139,6 +139,50 @@ def test_shared_cells_are_counted_once_and_freed_with_the_question(tiny_2k):
     s.close()
 
 
+def test_an_answer_beside_a_resident_document_attends_from_its_own_cells(tiny_2k):
+    """Decoding a gathered answer views the cache from the first cell the answer holds, not from cell 0 (every
+    document cell is masked for it); the question's sequence, which sees the document, views it from cell 0. A graph
+    is reused only with the same views: two answers gathered at different cells, decoded in turns (the later one
+    first, whose graph would drop the earlier answer's cells), give each the logits it gives decoded alone."""
+    from kvcli.native import cache
+    from kvcli.planning.planner import resolve
+    s = _session(tiny_2k)
+    doc, _ = _prompts(s, "")
+    store = _store(s, "snapkv", doc)
+    store.make_resident(s, RESIDENT)
+    n_layers = len(cache.layout_fronts(s.ctx))
+    first, second = 0, OUT
+
+    def answers():
+        for seq in (first, second, WORK):
+            s.clear(seq)
+        got = []
+        for q, into in zip(QUESTIONS, (first, second)):
+            r = store.reselect(s, _prompts(s, q)[1], resolve(s.model_path, "snapkv", BUDGET, {}), seq=WORK, into=into)
+            got.append(r)
+            if into == first:
+                s.step({WORK: 5})   # the question's sequence sees the document from cell 0
+                assert cache.view_starts(s.ctx) == [0] * n_layers
+                s.clear(WORK)
+        return got
+
+    r1, _ = answers()
+    alone = {first: _decode(s, first)}
+    # the first answer's block, after the document and the question's cells
+    assert cache.view_starts(s.ctx) == [store.split + r1.prefilled] * n_layers
+    alone[second] = _decode(s, second)
+    assert cache.view_starts(s.ctx)[0] >= store.split + r1.prefilled + r1.plan.max_kept
+    answers()
+    turns = {second: [s.logits(second)], first: [s.logits(first)]}
+    for t in (11, 7, 300):
+        for seq in (second, first):
+            s.step({seq: t})
+            turns[seq].append(s.logits(seq))
+    for seq in (first, second):   # the same visible cells in the same order; masked cells between them
+        np.testing.assert_allclose(np.array(turns[seq]), alone[seq], rtol=0, atol=1e-5)
+    s.close()
+
+
 def test_a_gather_refuses_a_busy_destination_and_a_full_context(tiny_2k):
     from kvcli.planning.planner import resolve
     s = _session(tiny_2k)

@@ -338,6 +338,16 @@ def layout_fronts(ctx) -> list[int]:
     return list(out)
 
 
+def view_starts(ctx) -> list[int]:
+    """Per cache layer, the first cell the last decoded ubatch's attention viewed (its front, or the first cell its
+    sequences hold where later)."""
+    L = lib()
+    n = L.check(L.kvcli_view_starts(_ctx(ctx), None), "kvcli_view_starts")
+    out = (ctypes.c_int32 * n)()
+    L.check(L.kvcli_view_starts(_ctx(ctx), out), "kvcli_view_starts")
+    return list(out)
+
+
 # ------------------------------------------------------------------------------ state files
 def get_state(ctx, seq: int) -> bytearray:
     """llama_state_seq_get_data of `seq`: cells, K/V rows, and (our patch) slot bias + header. Written by llama.cpp

@@ -102,6 +102,7 @@ _SIGNATURES = {
     "kvcli_compact_path_taken": (c_int32, [c_void_p]),
     "kvcli_layout_trim": (c_int32, [c_void_p]),
     "kvcli_layout_fronts": (c_int32, [c_void_p, I32P]),
+    "kvcli_view_starts": (c_int32, [c_void_p, I32P]),
     "kvcli_layout_pack": (c_int32, [c_void_p]),
     "kvcli_plan_make": (c_void_p, [c_char_p, c_char_p, c_int32, POINTER(ObsView)]),
     "kvcli_plan_free": (None, [c_void_p]),

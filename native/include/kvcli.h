@@ -257,6 +257,10 @@ KVCLI_API int32_t kvcli_layout_trim(struct llama_context * ctx);
 // per cache layer (kvcli_model_kv_layers order), the first cell it stores, into out (may be NULL); returns the
 // number of cache layers, < 0 on error
 KVCLI_API int32_t kvcli_layout_fronts(struct llama_context * ctx, int32_t * out);
+// per cache layer, the first cell the attention of the last ubatch decoded viewed: the layer's front, or the first
+// cell a sequence of that ubatch holds where that is later (every cell before it is masked for all of its rows: an
+// answer gathered beside a resident document attends over its own cells). Returns the number of cache layers.
+KVCLI_API int32_t kvcli_view_starts(struct llama_context * ctx, int32_t * out);
 // Several compressed sequences in one cache (kvcli batch): reorders every used cell, each sequence keeping its
 // cells' order, so that cells dead in more cache layers come first and the used cells fill [0, n_used), then trims:
 // the dead slots of every sequence, not only of the block at the start of the cache, go unstored. Refused while a

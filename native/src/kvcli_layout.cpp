@@ -400,4 +400,15 @@ int32_t kvcli_layout_fronts(struct llama_context * ctx, int32_t * out) {
     });
 }
 
+int32_t kvcli_view_starts(struct llama_context * ctx, int32_t * out) {
+    return kvcli_guarded([&] {
+        llama_kv_cache * kv = kvcli_cache_of(ctx);
+        const auto & layers = kvcli_access::layers(*kv);
+        for (size_t i = 0; out && i < layers.size(); ++i) {
+            out[i] = kv->kvcli_ext ? (int32_t) view_start(*kv->kvcli_ext, i) : 0;
+        }
+        return (int32_t) layers.size();
+    });
+}
+
 } // extern "C"
