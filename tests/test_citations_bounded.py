@@ -1,5 +1,6 @@
 """Citations in chat's bounded form (kvcli/drivers/reselect_bounded.py `Origins`, kvcli/citations.py cite_turn) and
-the notice before a long read (kvcli/doc_formats.py read_notice, kvcli/apps/chat_bounded.py announce).
+the notice before a long read (kvcli/doc_formats.py read_notice, kvcli/apps/chat_bounded.py
+ReselectedBounded._read_document).
 
 No model: Origins follows entries through chunks put back, cuts and re-indexing compactions (the kept entries of each
 head right-aligned in the order of their positions); the notice's estimate, its sources and its threshold. On the

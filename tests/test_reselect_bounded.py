@@ -237,6 +237,44 @@ def test_which_documents_are_re_selected_bounded(tiny_2k, monkeypatch):
     s.close()
 
 
+def test_each_form_is_its_own_class(tiny_2k, monkeypatch, tmp_path):
+    """A re-selected conversation (issue #65) is a Reselected until its document is read, then its store's form's
+    class, ReselectedExact or ReselectedBounded; a read again that picks the other form (the stored cache deleted
+    after the exact form's size limit changed) changes the class with it, the turns kept; from_store opens a .kvc
+    file and a store folder each in its form, answering as before."""
+    from kvcli.apps.chat import Conversation, Reselected, ReselectedBounded, ReselectedExact
+    from kvcli.native.session import NativeSession
+    monkeypatch.setenv("KVCLI_BOUNDED_ABOVE_MB", "0")      # bounded reading for any document longer than budget + chunk
+    monkeypatch.setattr("kvcli.drivers.chunked.DEFAULT_CHUNK", 256)
+    cfg = resolve(tiny_2k, "snapkv", 48)
+    conv = Conversation(NativeSession(tiny_2k, n_ctx=0), DOC, compression=cfg, reselect=True)
+    said = []
+    conv.notify = said.append
+    assert type(conv) is Reselected
+    conv.compress()
+    assert type(conv) is ReselectedExact and conv.store.form == "exact"
+    first = conv.ask(Q, 4).text
+    conv.save(tmp_path / "exact.kvc")
+    monkeypatch.setenv("KVCLI_RESELECT_EXACT_MB", "0")    # the same document is now past the exact form's size
+    conv.store.path.unlink()
+    conv.ask("And the stone station?", 3)
+    assert any("gone" in line for line in said)
+    assert type(conv) is ReselectedBounded and conv.store.form == "bounded" and len(conv.turns) == 2
+    conv.reset()
+    bounded_first = conv.ask(Q, 4).text
+    conv.save(tmp_path / "bounded")
+    conv.close()
+    conv.session.close()
+    for path, cls, answer in ((tmp_path / "exact.kvc", ReselectedExact, first),
+                              (tmp_path / "bounded", ReselectedBounded, bounded_first)):
+        loaded = Conversation.from_store(path, compression=cfg)
+        assert type(loaded) is cls and len(loaded.turns) == 1
+        loaded.reset()
+        assert loaded.ask(Q, 4).text == answer
+        loaded.close()
+        loaded.session.close()
+
+
 def test_ctrl_c_and_a_deleted_store_leave_a_bounded_chat_usable(tiny_2k, monkeypatch):
     """Ctrl-C while the stored chunks stream in leaves the conversation as it was before the question (nothing
     held, the loading sequence free); the store deleted mid-chat is read again, said in one line."""

@@ -5,8 +5,9 @@ base (kvcli/apps/chat_base.py: the turn format, the fields, the cache bookkeepin
 
     compressed once   CompressedOnce (kvcli/apps/chat_once.py): question-agnostic; QuestionKnown (the same file,
                       `question` given): question-aware, compressed for the question known before the document is read
-    re-selected       Reselected (kvcli/apps/chat_reselected.py, reselect=True): exact, the document's full cache
-                      stored whole; bounded, stored in chunks and streamed per question (kvcli/apps/chat_bounded.py)
+    re-selected       Reselected (kvcli/apps/chat_reselected.py, reselect=True), its form's class once the document
+                      is read: ReselectedExact (the same file), the document's full cache stored whole;
+                      ReselectedBounded (kvcli/apps/chat_bounded.py), stored in chunks and streamed per question
 
 `Conversation.from_kvc` loads a compressed-once .kvc file, `Conversation.from_store` a stored full cache or a bounded
 store folder, with the compression the command built for the model `store_model` names.
@@ -53,7 +54,9 @@ in the native engine), which the native patch keeps consistent with the slot bia
 from kvcli.apps.chat_base import (AGNOSTIC, AWARE, MEMORY_STATS, RESELECTED, ContextFullError, Conversation, Turn,
                                   TurnFormat, user_content)
 from kvcli.apps.chat_once import CompressedOnce, QuestionKnown
-from kvcli.apps.chat_reselected import Reselected, store_model
+from kvcli.apps.chat_reselected import Reselected, ReselectedExact, store_model
+from kvcli.apps.chat_bounded import ReselectedBounded
 
 __all__ = ["AGNOSTIC", "AWARE", "MEMORY_STATS", "RESELECTED", "CompressedOnce", "ContextFullError", "Conversation",
-           "QuestionKnown", "Reselected", "Turn", "TurnFormat", "store_model", "user_content"]
+           "QuestionKnown", "Reselected", "ReselectedBounded", "ReselectedExact", "Turn", "TurnFormat", "store_model",
+           "user_content"]

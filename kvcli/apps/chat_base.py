@@ -2,10 +2,11 @@
 layouts): the turn format read off the model's chat template, a turn, and the `Conversation` base class: the fields
 every mode has, the cache bookkeeping, the context's sizing, the reporting rows the modes share.
 
-`Conversation(...)` builds the mode's class: `reselect=True` a `Reselected` (kvcli/apps/chat_reselected.py), a
-`question` a `QuestionKnown` (kvcli/apps/chat_once.py: compressed once for it), otherwise a `CompressedOnce` (the same
-file: question-agnostic); each registers itself by its `kind` when its module is imported (kvcli/apps/chat.py imports
-them).
+`Conversation(...)` builds the mode's class: `reselect=True` a `Reselected` (kvcli/apps/chat_reselected.py), which
+becomes a `ReselectedExact` (the same file) or a `ReselectedBounded` (kvcli/apps/chat_bounded.py) when its document is
+read, in the store's form; a `question` a `QuestionKnown` (kvcli/apps/chat_once.py: compressed once for it), otherwise
+a `CompressedOnce` (the same file: question-agnostic). Each registers itself by its `kind` when its module is imported
+(kvcli/apps/chat.py imports them).
 """
 from __future__ import annotations
 
@@ -94,9 +95,11 @@ class Turn:
 @dataclass
 class Conversation:
     """One sequence of a NativeSession holding a document and the turns after it. Conversation(...) is the mode's
-    class: a Reselected with reselect=True, a QuestionKnown with a question, a CompressedOnce otherwise."""
+    class: a Reselected with reselect=True (its form's class, ReselectedExact or ReselectedBounded, once the document
+    is read), a QuestionKnown with a question, a CompressedOnce otherwise."""
 
-    kinds: ClassVar[dict] = {}            # kind ("once", "aware", "reselected") -> the class, as they are defined
+    # kind ("once", "aware", "reselected"; a re-selected store's form: "exact", "bounded") -> the class, as defined
+    kinds: ClassVar[dict] = {}
 
     session: object
     document: str
@@ -298,10 +301,11 @@ class Conversation:
 
     @classmethod
     def from_store(cls, path, **kw):
-        """A re-selected conversation over a stored full document cache or a bounded store (Reselected.from_store)."""
+        """A re-selected conversation over a stored full document cache (a ReselectedExact) or a bounded store folder
+        (a ReselectedBounded): Reselected.from_store."""
         return Conversation.kinds["reselected"].from_store(path, **kw)
 
     @classmethod
     def from_chunked_store(cls, path, **kw):
-        """A re-selected conversation over a bounded store folder (Reselected.from_chunked_store)."""
-        return Conversation.kinds["reselected"].from_chunked_store(path, **kw)
+        """A re-selected conversation over a bounded store folder (ReselectedBounded.open_store)."""
+        return Conversation.kinds["bounded"].open_store(path, **kw)

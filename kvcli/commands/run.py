@@ -237,7 +237,7 @@ def open_questions_conversation(ctx, req: Request, docs, cache_path, model, syst
     document = open_documents(list(docs))
     session = open_session(engine, path, n_ctx=0, cache_type=req.cache_type, n_threads=req.threads)
     try:
-        # the store's form is chat's (Conversation.store_form): the full cache kept whole, or, for a document
+        # the store's form is chat's (Reselected.store_form): the full cache kept whole, or, for a document
         # whose full cache is large, longer than the context or --max-cache, or with --chunk N, stored chunk by
         # chunk as bounded reading reads it and streamed for every question
         conv = Conversation(session, document.text, compression=compression, system=system, reselect=True,
