@@ -159,9 +159,9 @@ ggml_tensor * rows_attention_all(ggml_context * ctx0, ggml_tensor * q, ggml_tens
                                  ggml_tensor * p, float kq_scale, float soft_cap, int il) {
     const int64_t n_head = q->ne[1], n_tokens = q->ne[2];
     if (!p) {
-        ggml_tensor * kq = ggml_mul_mat(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3),      // [hd, n_kv, n_head_kv]
-                                        ggml_permute(ctx0, q, 0, 2, 1, 3));           // [hd, n_tokens, n_head]
-        ggml_prec_set_acc(kq, GGML_PREC_F32);                                         // [n_kv, n_tokens, n_head]
+        ggml_tensor * kq = kvcli_mul_mat_gqa(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3), // [hd, n_kv, n_head_kv]
+                                             ggml_permute(ctx0, q, 0, 2, 1, 3),      // [hd, n_tokens, n_head]
+                                             true);                                  // [n_kv, n_tokens, n_head]
         float scale = kq_scale;
         if (soft_cap != 0.0f) {
             kq = ggml_scale(ctx0, ggml_tanh(ctx0, ggml_scale(ctx0, kq, kq_scale / soft_cap)), soft_cap);
@@ -170,7 +170,7 @@ ggml_tensor * rows_attention_all(ggml_context * ctx0, ggml_tensor * q, ggml_tens
         p = ggml_soft_max_ext(ctx0, kq, mask, scale, 0.0f);
     }
     ggml_tensor * vt = ggml_cast(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3), GGML_TYPE_F32); // [n_kv, hd_v, n_head_kv]
-    ggml_tensor * kqv = ggml_mul_mat(ctx0, vt, p);                                // [hd_v, n_tokens, n_head]
+    ggml_tensor * kqv = kvcli_mul_mat_gqa(ctx0, vt, p, false);                    // [hd_v, n_tokens, n_head]
     if (il >= 0) {
         ggml_format_name(kqv, "kvcli_rows_kqv-%d", il);
     }
@@ -186,7 +186,7 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_cgraph * gf, int n_layer,
     const int64_t n_head = q->ne[1], n_tokens = q->ne[2], n_head_kv = k->ne[1];
     const bool mask_per_head = mask->ne[2] == n_head && n_head > 1;
     const int64_t groups = !p && (mask->ne[2] == 1 || mask_per_head) ?
-        groups_with_room(ctx0, gf, il, n_layer, n_head_kv, 4, 16) : 1;
+        groups_with_room(ctx0, gf, il, n_layer, n_head_kv, 4, 21) : 1;
     if (groups > 1) {
         const int64_t kv_step = n_head_kv / groups, q_step = kv_step * (n_head / n_head_kv);
         ggml_tensor * out = nullptr;
@@ -217,7 +217,7 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_cgraph * gf, int n_layer,
 ggml_tensor * rows_attention_grouped(ggml_context * ctx0, kvcli_kv_ext & ext, ggml_cgraph * gf, int n_layer,
                                      ggml_tensor * q, ggml_tensor * v, int il) {
     const int64_t n_head = q->ne[1], n_tokens = q->ne[2], n_head_kv = v->ne[1], ratio = n_head / n_head_kv;
-    const int64_t groups = groups_with_room(ctx0, gf, il, n_layer, n_head_kv, 4, 20);
+    const int64_t groups = groups_with_room(ctx0, gf, il, n_layer, n_head_kv, 4, 25);
     const int64_t kv_step = n_head_kv / groups;
     ggml_tensor * out = nullptr;
     for (int64_t g = 0; g < groups; ++g) {
@@ -225,7 +225,7 @@ ggml_tensor * rows_attention_grouped(ggml_context * ctx0, kvcli_kv_ext & ext, gg
         ggml_tensor * p = kvcli_obs_window_group(ctx0, ext, il, g0 * ratio, (g0 + kv_step) * ratio); // [n_kv, rows, hg]
         ggml_tensor * vg = ggml_view_3d(ctx0, v, v->ne[0], kv_step, v->ne[2], v->nb[1], v->nb[2], (size_t) g0 * v->nb[1]);
         ggml_tensor * vt = ggml_cast(ctx0, ggml_permute(ctx0, vg, 1, 2, 0, 3), GGML_TYPE_F32);       // [n_kv, hd_v, gk]
-        ggml_tensor * kqv = ggml_mul_mat(ctx0, vt, p);                                                // [hd_v, rows, hg]
+        ggml_tensor * kqv = kvcli_mul_mat_gqa(ctx0, vt, p, false);                                    // [hd_v, rows, hg]
         ggml_format_name(kqv, "kvcli_rows_kqv-%d-g%d", il, (int) g);
         ggml_build_forward_expand(gf, kqv);
         out = out ? ggml_concat(ctx0, out, kqv, 2) : kqv;

@@ -85,6 +85,12 @@ struct kvcli_kv_ext {
 // attention of the same rows: kvcli_attention.cpp)
 ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, int il, int64_t h0, int64_t h1);
 
+// ggml_mul_mat(a, b) for a [K, M, n_head_kv] shared by each KV head's query heads in b [K, N, n_head] (GQA), the
+// result [M, N, n_head] laid out as ggml_mul_mat's: as one product per KV head over its query heads' columns side by
+// side, so that `a` (a layer's K, or its V transposed) is read once per KV head rather than once per query head
+// (kvcli_graph.cpp). f32_acc: GGML_PREC_F32 on the product (a KQ's).
+ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tensor * b, bool f32_acc);
+
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
 struct kvcli_access {
     static llama_kv_cache * kv(const llama_kv_cache_context * mctx) { return mctx->kv; }

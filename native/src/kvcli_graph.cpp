@@ -195,6 +195,28 @@ uint32_t first_seen_cell(const llama_kv_cache & kv, const llama_ubatch & ub) {
 } } // namespace kvcli_graph_detail
 using namespace kvcli_graph_detail;
 
+ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tensor * b, bool f32_acc) {
+    const int64_t ratio = a->ne[2] > 0 ? b->ne[2] / a->ne[2] : 0;
+    if (ratio <= 1 || b->ne[2] != ratio * a->ne[2] || a->ne[3] != 1 || b->ne[3] != 1) {
+        ggml_tensor * r = ggml_mul_mat(ctx0, a, b);
+        if (f32_acc) {
+            ggml_prec_set_acc(r, GGML_PREC_F32);
+        }
+        return r;
+    }
+    // ggml's CPU product broadcasts `a` over b's planes one plane (query head) at a time: at 30k cells and 8 rows that
+    // streams a KV head's K and V 7 times a layer. Query head h = kv * ratio + j's columns lie, in a contiguous b, at
+    // [j * N, (j + 1) * N) of KV head kv's plane of [K, N * ratio, n_head_kv]: the same dot products, one plane per KV head.
+    if (!ggml_is_contiguous(b)) {
+        b = ggml_cont(ctx0, b);
+    }
+    ggml_tensor * r = ggml_mul_mat(ctx0, a, ggml_reshape_3d(ctx0, b, b->ne[0], b->ne[1] * ratio, a->ne[2]));
+    if (f32_acc) {
+        ggml_prec_set_acc(r, GGML_PREC_F32);
+    }
+    return ggml_reshape_3d(ctx0, r, r->ne[0], b->ne[1], b->ne[2]);
+}
+
 uint64_t kvcli_graph_key(const llama_kv_cache_context * mctx) {
     if (!mctx) {
         return 0;
@@ -426,8 +448,7 @@ ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, in
                                                        (size_t) h0 * d.q3->nb[1]), 0, 2, 1, 3);   // [hd, rows, hg]
     ggml_tensor * kg = ggml_permute(ctx0, ggml_view_3d(ctx0, d.k, hd, g1 - g0, n_kv, d.k->nb[1], d.k->nb[2],
                                                        (size_t) g0 * d.k->nb[1]), 0, 2, 1, 3);    // [hd, n_kv, gk]
-    ggml_tensor * kq = ggml_mul_mat(ctx0, kg, qg);                                              // [n_kv, rows, hg]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    ggml_tensor * kq = kvcli_mul_mat_gqa(ctx0, kg, qg, true);                                   // [n_kv, rows, hg]
     kq = soft_cap(ctx0, kq, d.cap);
     ggml_tensor * mask = d.mask->ne[2] == 1 ? d.mask :
         ggml_view_3d(ctx0, d.mask, n_kv, n_rows, h1 - h0, d.mask->nb[1], d.mask->nb[2], (size_t) h0 * d.mask->nb[2]);
