@@ -8,7 +8,11 @@ Files of both probe forms (`--form reselect` and `--form aware`, the same docume
 tables, then re-selected minus compressed-once per configuration, paired over the same positions of the same
 continuations (a summary probe only where both forms' full caches gave the same greedy answer).
 
-Usage: .venv/bin/python benchmarks/real_text_table.py A.json [B.json ...]
+`--plot PNG` draws the pooled table as README's figure: top-1 agreement and KL against the K/V MiB held, a line per
+policy through its budgets, the full cache as the reference (docs/score-vs-bytes-real-text.png from
+benchmarks/results/real-text-fidelity-256.json, which holds budgets 256 and 1024).
+
+Usage: .venv/bin/python benchmarks/real_text_table.py A.json [B.json ...] [--plot PNG]
 """
 from __future__ import annotations
 
@@ -129,10 +133,53 @@ def _se(xs) -> float:
     return float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
 
 
+def plot(recs: list[dict], path: str) -> None:
+    """The pooled rows as two panels against the K/V MiB held (log): top-1 agreement and KL to the full cache."""
+    from kvcli.evaluation.report import pyplot, save_png  # noqa: PLC0415
+    plt = pyplot()
+    rows = summarise(recs)
+    docs = list(dict.fromkeys(r["doc"] for r in recs))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    policies = [p for p in dict.fromkeys(s["policy"] for s in rows) if p != "full"]
+    for i, pol in enumerate(policies):
+        pts = sorted((s["budget"], s) for s in rows if s["policy"] == pol)
+        xs = [s["kv_bytes"] / 2 ** 20 for _, s in pts]
+        for ax, key, se, scale in ((axes[0], "top1", "top1_se", 100), (axes[1], "kl_mean", "kl_se", 1)):
+            ax.errorbar(xs, [scale * s[key] for _, s in pts], yerr=[scale * (s[se] or 0) for _, s in pts], fmt="o-",
+                        color=colors[i % len(colors)], capsize=3, label=pol)
+            for x, (b, s) in zip(xs, pts):
+                ax.annotate(str(b), (x, scale * s[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    full = next((s for s in rows if s["policy"] == "full"), None)
+    for ax, label in ((axes[0], "top-1 agreement with the full cache (%)"), (axes[1], "KL to the full cache (nats)")):
+        if full:
+            ax.axvline(full["kv_bytes"] / 2 ** 20, color="gray", ls="--", lw=1, label="full cache's K/V")
+        ax.set(xscale="log", xlabel="K/V MiB held", ylabel=label)
+        ticks = [3, 6, 12, 30]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"qwen2.5-coder-0.5b on real documents ({', '.join(docs)}), compressed once at budgets 256 and "
+                 "1024:\nnext-token agreement with the full cache against the memory held", fontsize=10)
+    save_png(fig, path)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    png = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        if i + 1 >= len(args):
+            sys.exit("real_text_table: --plot needs a PNG path")
+        png = args[i + 1]
+        del args[i:i + 2]
+    if not args:
         sys.exit(__doc__)
-    records = complete_records(sys.argv[1:])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    records = complete_records(args)
+    if png:
+        plot(records, png)
     forms = list(dict.fromkeys(r.get("form", "once") for r in records))
     if len(forms) == 1:
         print(tables(records))
