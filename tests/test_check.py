@@ -145,6 +145,32 @@ def test_check_command_bad_input_is_one_line(cli_runner, args, msg, tiny_model):
     assert msg in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_chunk_under_the_least_is_one_message_wherever_it_is_caught(cli_runner, tiny_model):
+    """--chunk 16 (under MIN_CHUNK) is refused in the same words by kvcli check, run_check, plan_chunking and kvcli
+    eval's runner (chunked.check_chunk), where each wrote its own copy and eval its own wording ('--chunk must be at
+    least 64')."""
+    from helpers import compression
+
+    from kvcli.cli import cli
+    from kvcli.drivers.check import CheckSettings, run_check
+    from kvcli.drivers.chunked import MIN_CHUNK, plan_chunking
+    from kvcli.evaluation.runner import run_generation_eval
+    want = f"--chunk must be at least {MIN_CHUNK} tokens (got 16)"
+    r = cli_runner.invoke(cli, ["check", "--model", str(tiny_model), "--policy", "snapkv", "--chunk", "16"])
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2 and want in err and len(err.strip().splitlines()) == 1, r.output
+    caught = []
+    doc = "The lighthouse keeper logged the tide at dawn and the ferry at noon. " * 12
+    for refuse in (lambda: run_check(tiny_model, doc, ["snapkv"], CheckSettings(budget=48, chunk=16)),
+                   lambda: plan_chunking(3000, 256, 8192, compression("snapkv", 256), chunk=16, cell_bytes=1024),
+                   lambda: run_generation_eval(tiny_model, "niah", ["niah"], ["snapkv"], [48], [256], [0.5], 1,
+                                               chunk=16)):
+        with pytest.raises(KvcliError) as e:
+            refuse()
+        caught.append(str(e.value))
+    assert caught == [want] * 3
+
+
 def test_check_threads_reach_both_engines(cli_runner, tiny_model, tmp_path, monkeypatch):
     """--threads N goes to the native context and to torch (the report's settings say so)."""
     import json

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvcli.drivers.check import CheckSettings, Thresholds, policies_to_check, resolve_policies, run_check
-from kvcli.drivers.chunked import MIN_CHUNK
+from kvcli.drivers.chunked import check_chunk
 from kvcli.commands.options import Request, json_option, model_option, request_options
 from kvcli.documents import read_document
 from kvcli.errors import KvcliError
@@ -228,8 +228,7 @@ def check_cmd(req: Request, policy_names, budget, doc, doc_tokens, model, n_toke
     names = policies_to_check(policy_names)
     chunk = req.chunk
     if chunk is not None:
-        if chunk < MIN_CHUNK:
-            raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
+        check_chunk(chunk)
         if not policy_names:   # every policy but full: chunked prefill compresses after every chunk
             names = [n for n in names if n != "full"]
     if doc is None:

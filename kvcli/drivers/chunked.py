@@ -77,6 +77,13 @@ TURN_ROOM = 2048         # cells (and positions) a chat keeps free for the conve
 SCORINGS = ("question", "chunk")
 
 
+def check_chunk(chunk: int) -> None:
+    """An asked chunk of fewer than MIN_CHUNK tokens refused, in its one message (plan_chunking, kvcli check and
+    kvcli eval alike; plan_chunking's --chunk 0, chunked prefill off, is taken before)."""
+    if chunk < MIN_CHUNK:
+        raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
+
+
 @dataclass(frozen=True)
 class Chunking:
     """How a prompt will be prefilled: in chunks of `chunk` tokens (None: in one go) into `n_ctx` cells."""
@@ -156,8 +163,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, compression: Co
             raise KvcliError(f"{where} leaves {max(chunk, 0)} cells to read the document through "
                              f"(budget {budget} + {after(max(chunk, 0))} for the answer"
                              f"{f' and the {extra.name}' if extra is not None else ''}): lower --budget")
-    if chunk < MIN_CHUNK:
-        raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
+    check_chunk(chunk)
     if budget + chunk + after(chunk) > limit:
         raise KvcliError(f"budget {budget} + chunk {chunk} + {after(chunk)} cells for the answer"
                          f"{f' and the {extra.name} over a chunk' if extra is not None else ''} do not fit {where}")

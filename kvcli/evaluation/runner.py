@@ -28,8 +28,8 @@ import time
 import numpy as np
 
 from kvcli.drivers.bench import availability
-from kvcli.drivers.chunked import (DEFAULT_CHUNK, MIN_CHUNK, TURN_ROOM, pad_cells, plan_chunking, read_in_float16_note,
-                                   reading_cache_type)
+from kvcli.drivers.chunked import (DEFAULT_CHUNK, TURN_ROOM, check_chunk, pad_cells, plan_chunking,
+                                   read_in_float16_note, reading_cache_type)
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
 from kvcli.engines import ContextFull, open_native
@@ -325,8 +325,7 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
         cfgs = [c for c in cfgs if c[0] != "full"]
     if long:
         chunk = chunk or DEFAULT_CHUNK
-        if chunk < MIN_CHUNK:
-            raise KvcliError(f"--chunk must be at least {MIN_CHUNK}")
+        check_chunk(chunk)
         for b in budgets:
             if b + chunk + 64 > n_ctx_train:
                 raise KvcliError(f"budget {b} + chunk {chunk} do not fit the model's context ({n_ctx_train})")

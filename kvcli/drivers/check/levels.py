@@ -8,7 +8,7 @@ from dataclasses import asdict
 from kvcli import policies
 from kvcli.drivers import compress
 from kvcli.planning.planner import make_plan, model_refusal
-from kvcli.drivers.chunked import MIN_CHUNK
+from kvcli.drivers.chunked import check_chunk
 from kvcli.drivers.check.allowances import arithmetic_allowance, l2_allowances, note_allowances
 from kvcli.drivers.check.chunked_check import run_chunked
 from kvcli.drivers.check.comparators import compare_observations, jaccard_per_head, selection_margins
@@ -50,8 +50,7 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     if not document or not document.strip():
         raise KvcliError("the document is empty")
     if settings.chunk is not None:
-        if settings.chunk < MIN_CHUNK:
-            raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {settings.chunk})")
+        check_chunk(settings.chunk)
     specs, unfit = resolved or resolve_policies(model_path, names, settings.budget)
     names = [name for name in names if name in specs]
 
