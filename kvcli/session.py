@@ -5,12 +5,13 @@ docs/internals.md, "Engine sessions", describes each method.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from kvcli.models import ModelInfo
-from kvcli.planning.formats import Observation, Plan
+from kvcli.planning.formats import Kind, Observation, Plan
 
 
 class SeqView(Protocol):
@@ -58,7 +59,7 @@ class Session(Protocol):
     def close(self) -> None: ...
 
     # reading, decoding, compressing
-    def prefill(self, tokens: list[int], seq: int = 0, observe=(), window=0,
+    def prefill(self, tokens: list[int], seq: int = 0, observe: Iterable[Kind] = (), window=0,
                 progress=None) -> Observation | None: ...
     def step(self, tokens: dict[int, int]) -> None: ...
     def logits(self, seq: int = 0) -> np.ndarray: ...
