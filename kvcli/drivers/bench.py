@@ -137,10 +137,11 @@ def cache_type_problem(cache_type: str, model_path) -> str | None:
     return None
 
 
-def context_cells(n_prompt: int, gen: int, n_ctx_train: int, policies_=()) -> int:
-    """Cells for a prompt and its `gen` tokens; with a policy of `policies_` that has a second pass after the prompt
-    (`PolicySpec.room_after`, with its defaults), room for that pass instead when that is more."""
-    gen = max([gen] + [policies.get(p).room_after(n_prompt) for p in policies_])
+def context_cells(n_prompt: int, gen: int, n_ctx_train: int, compressions=()) -> int:
+    """Cells for a prompt and its `gen` tokens; with one of `compressions` (the configurations' resolved
+    Compressions) whose policy has a second pass after the prompt (`PolicySpec.room_after`, with its defaults), room
+    for that pass instead when that is more."""
+    gen = max([gen] + [c.spec.room_after(n_prompt) for c in compressions])
     need = n_prompt + gen + 1
     return min(-(-need // CTX_PAD) * CTX_PAD, max(n_ctx_train, need))
 
@@ -233,18 +234,19 @@ class Bench:
         n = len(doc.tokens)
         chunking = None
         try:
+            comp = self.compression(cfg.policy, cfg.budget)
             if self.chunk:
-                chunking = plan_chunking(n, self.gen + 1, n_ctx_train, self.compression(cfg.policy, cfg.budget),
+                chunking = plan_chunking(n, self.gen + 1, n_ctx_train, comp,
                                          None if cfg.policy == "full" else self.chunk,
                                          cell_bytes=read_model_info(self.model_path).cell_bytes(cfg.cache_type))
             session = self._session(cfg.cache_type, chunking.n_ctx if chunking else
-                                    context_cells(n, self.gen, n_ctx_train, (cfg.policy,)))
+                                    context_cells(n, self.gen, n_ctx_train, (comp,)))
         except KvcliError as e:
             row["status"] = f"error: {e}"
             return row
         try:
             key = self._announce(session, doc, chunking.chunk if chunking else None)
-            rep = prefill_and_compress(session, doc.tokens, self.compression(cfg.policy, cfg.budget), seq=0,
+            rep = prefill_and_compress(session, doc.tokens, comp, seq=0,
                                        chunk=chunking.chunk if chunking else None,
                                        cap=chunking.cap if chunking else None, scoring=self.chunk_scoring)
             doc_formats.record_read_speed(key, n, rep.prefill_s + rep.compress_s)   # as kvcli run records it
@@ -330,7 +332,7 @@ class Bench:
     def _run_group(self, members, doc, n_ctx_train, ct, rows) -> None:
         n = len(doc.tokens)
         try:
-            session = self._session(ct, context_cells(n, self.gen, n_ctx_train, [c.policy for c, _ in members]))
+            session = self._session(ct, context_cells(n, self.gen, n_ctx_train, [comp for _, comp in members]))
         except KvcliError as e:
             for cfg, _ in members:
                 rows[cfg]["status"] = f"error: {e}"
