@@ -133,7 +133,9 @@ def tiny_model(tmp_path_factory):
     (["--threshold", "bogus=1"], "unknown threshold"),
     (["--levels", "4"], "--levels"),
     (["--policy", "nosuch"], "unknown policy"),
-    (["--budget", "0", "--policy", "snapkv"], "budget"),
+    # a budget under 1: the same words whichever policy is checked (snapkv's was "policy 'snapkv': budget ...")
+    (["--budget", "0", "--policy", "snapkv"], "error: budget must be >= 1 (got 0)"),
+    (["--budget", "0", "--policy", "full"], "error: budget must be >= 1 (got 0)"),
     (["--doc", "/nonexistent/doc.txt"], "document not found"),
     (["--chunk", "16", "--policy", "snapkv"], "--chunk must be at least"),
 ])

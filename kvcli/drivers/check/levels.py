@@ -24,7 +24,11 @@ def resolve_policies(model_path, names, budget: int) -> tuple[dict, dict]:
     """({name: Compression} resolved for the model, {name: why} of those it cannot run): checking several policies,
     one the model cannot run (planner.model_refusal) is skipped, said why; every bad parameter or budget is an error,
     before any model is loaded (with the arguments a policy's model_args hook completes for the model, as
-    run/bench/eval plan it). kvcli check resolves them once where it reads its options and hands them to run_check."""
+    run/bench/eval plan it). kvcli check resolves them once where it reads its options and hands them to run_check.
+    A budget under 1 is refused here first, in one message whichever policies are checked (resolve names the policy
+    in its own, and lets full pass)."""
+    if budget < 1:
+        raise KvcliError(f"budget must be >= 1 (got {budget})")
     unfit = {name: model_refusal(policies.get(name), model_path) for name in names} if len(names) > 1 else {}
     unfit = {k: v for k, v in unfit.items() if v}
     return {name: compress.resolve(model_path, name, budget) for name in names if name not in unfit}, unfit
@@ -43,8 +47,6 @@ def run_check(model_path, document: str, policy_names=None, settings: CheckSetti
     levels = set(settings.levels)
     if not levels or not levels <= {1, 2, 3}:
         raise KvcliError("levels must be a subset of 1,2,3")
-    if settings.budget < 1:
-        raise KvcliError(f"budget must be >= 1 (got {settings.budget})")
     if settings.n_tokens < 1:
         raise KvcliError("the number of greedy tokens must be >= 1")
     if not document or not document.strip():
