@@ -84,6 +84,15 @@ def check_chunk(chunk: int) -> None:
         raise KvcliError(f"--chunk must be at least {MIN_CHUNK} tokens (got {chunk})")
 
 
+def check_fits(budget: int, chunk: int, after: int, limit: int, where: str, extra_name: str | None = None) -> None:
+    """The budget, one chunk and the `after` cells that follow it (the answer's, or a second pass's over the chunk)
+    refused where they exceed `limit` cells (`where` names them), in their one message (plan_chunking and kvcli eval
+    alike)."""
+    if budget + chunk + after > limit:
+        raise KvcliError(f"budget {budget} + chunk {chunk} + {after} cells for the answer"
+                         f"{f' and the {extra_name} over a chunk' if extra_name else ''} do not fit {where}")
+
+
 @dataclass(frozen=True)
 class Chunking:
     """How a prompt will be prefilled: in chunks of `chunk` tokens (None: in one go) into `n_ctx` cells."""
@@ -164,9 +173,7 @@ def plan_chunking(n_prompt: int, reserve: int, n_ctx_train: int, compression: Co
                              f"(budget {budget} + {after(max(chunk, 0))} for the answer"
                              f"{f' and the {extra.name}' if extra is not None else ''}): lower --budget")
     check_chunk(chunk)
-    if budget + chunk + after(chunk) > limit:
-        raise KvcliError(f"budget {budget} + chunk {chunk} + {after(chunk)} cells for the answer"
-                         f"{f' and the {extra.name} over a chunk' if extra is not None else ''} do not fit {where}")
+    check_fits(budget, chunk, after(chunk), limit, where, extra.name if extra is not None else None)
     if chunk >= n_prompt:  # one chunk: the plain prefill, in a context sized for it
         return Chunking(None, min(pad_cells(n_prompt + reserve), limit))
     if extra is not None:   # the pass runs over one chunk, not the prompt: the context holds budget + chunk + it

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from kvcli.drivers.bench import availability
-from kvcli.drivers.chunked import (DEFAULT_CHUNK, TURN_ROOM, check_chunk, pad_cells, plan_chunking,
+from kvcli.drivers.chunked import (DEFAULT_CHUNK, TURN_ROOM, check_chunk, check_fits, pad_cells, plan_chunking,
                                    read_in_float16_note, reading_cache_type)
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
 from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
@@ -326,9 +326,8 @@ def run_generation_eval(model_path, kind: str, tasks: list[str], policies: list[
     if long:
         chunk = chunk or DEFAULT_CHUNK
         check_chunk(chunk)
-        for b in budgets:
-            if b + chunk + 64 > n_ctx_train:
-                raise KvcliError(f"budget {b} + chunk {chunk} do not fit the model's context ({n_ctx_train})")
+        for b in budgets:   # and the 64 cells kept for the answer, as `long` keeps them above
+            check_fits(b, chunk, 64, n_ctx_train, f"the model's context ({n_ctx_train} cells)")
     records, t_start, where = [], time.perf_counter(), machine(threads)
     interrupted = False
     try:
