@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from kvcli.drivers.chunked import DEFAULT_CHUNK, bounds_by_default, plan_chunking, read_in_chunks
+from kvcli.drivers.chunked import DEFAULT_CHUNK, plan_chunking, read_in_chunks
 from kvcli.drivers.compress import compress_as
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import resolve, session_cells
@@ -27,8 +27,6 @@ def tiny(tiny_1k):
 
 
 def test_plan_chunking_reads_it_in_chunks_when_asked_or_too_long():
-    assert not bounds_by_default("expected_attention") and not bounds_by_default("kvzip")
-    assert bounds_by_default("snapkv")
     # an 8k prompt whose full cache passes the bounded-reading threshold: snapkv is bounded, expected_attention not
     assert plan_chunking(8000, 256, 32_768, compression("snapkv", 256), cell_bytes=CELL).chunk == DEFAULT_CHUNK
     assert plan_chunking(8000, 256, 32_768, compression("expected_attention", 256), cell_bytes=CELL).chunk is None

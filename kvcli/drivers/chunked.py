@@ -53,7 +53,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcli import policies
 from kvcli.config import env_bytes
 from kvcli.errors import KvcliError
 from kvcli.planning.planner import CompressReport, Compression, make_plan, session_cells, shape_observation
@@ -191,12 +190,6 @@ def _fit_chunk(space: int, after) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if mid + after(mid) <= space else (lo, mid - 1)
     return lo if lo + after(lo) <= space else space - after(0)
-
-
-def bounds_by_default(policy: str) -> bool:
-    """Whether bounded reading turns on by itself above BOUNDED_ABOVE_BYTES: not for the question-agnostic
-    policies (`PolicySpec.agnostic`), whose measured quality is their one-prefill scores'."""
-    return not policies.get(policy).agnostic
 
 
 @dataclass

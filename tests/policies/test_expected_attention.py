@@ -12,7 +12,6 @@ import pytest
 from policy_obs import assert_same
 
 import kvcli.policies as P
-from kvcli.drivers.chunked import bounds_by_default
 from kvcli.errors import KvcliError
 from kvcli.planning.formats import Observation
 from kvcli.native.lib import native_plan
@@ -132,7 +131,6 @@ def test_registry_checks_and_refusals():
         P.prepare("expected_attention", [], 12)
     with pytest.raises(KvcliError, match="must be one of"):
         P.prepare("expected_attention", ["covariance=maybe"], 64)
-    assert not bounds_by_default("expected_attention")
     text = P.explain_text("expected_attention")
     assert "Expected Attention" in text and "n_future = 512" in text and "kvpress" in text
 
