@@ -321,8 +321,9 @@ def chat_lines(server) -> list[str]:
 
 def test_disconnect_without_streaming_stops_it(server, document):
     """A client that leaves mid-answer stops the generation at a token. A client that left before its request's
-    turn (a loaded machine: tokenizing, waiting for the model), or an answer done before the client left (a fast
-    one), tests nothing: tried again, leaving sooner or later."""
+    turn (a loaded machine: tokenizing, waiting for the model), or an answer done before the server saw the client
+    leave (a fast one, or one whose room in the module's shared context ran out first), tests nothing: tried again,
+    leaving sooner or later."""
     # ignore_eos: the answer runs to the context's end unless stopped
     body = json.dumps({"model": server["model"], "messages": messages(document, "Write a long story, please."),
                        "max_tokens": 4000, "ignore_eos": True}).encode()
@@ -346,6 +347,8 @@ def test_disconnect_without_streaming_stops_it(server, document):
             generated = int(line.split(" generated")[0].rsplit(" ", 1)[1])
             assert generated < CTX - int(line.split(" prompt tokens")[0].rsplit(" ", 1)[1]) - 1, line
             break
+        if line.endswith((", length", ", stop")):
+            continue   # the answer was done before the server saw the client leave (its room in the context ran out)
         assert "client left before its turn" in line, line
     else:
         pytest.fail(f"never left mid-answer: {seen}")
