@@ -1,6 +1,7 @@
 """Pool `kvcli eval fidelity` JSON files (issue #63's real-text sample) into markdown tables: the pooled one
 (kvcli/evaluation/fidelity.py `summarise`: KL mean +- s.e. over positions, top-1 agreement, perplexity ratio, held
-K/V) and one per document (KL and top-1 per configuration, pooled over its positions). A document counts only where
+K/V), the same pooled per genre where the documents have several, and one per document (KL and top-1 per
+configuration, pooled over its positions). A document counts only where
 every configuration of its run was scored (a run stopped by Ctrl-C mid-document leaves that document out). Runs of
 `--form reselect` (kvcli/evaluation/fidelity_reselect.py) have several probes a document: a probe counts where every
 configuration scored it, and a table per probe kind and the paired differences between configurations follow.
@@ -57,6 +58,15 @@ def tables(recs: list[dict]) -> str:
              "| policy @ budget | positions | KL to full (nats), mean +- s.e. | top-1 agreement | ppl / full | "
              "K/V held (MiB) |", "|---|---:|---|---|---:|---:|"]
     lines += _pooled(summarise(recs))
+    genres = list(dict.fromkeys(genre[d] for d in docs))
+    if len(genres) > 1:   # the issue's "per genre": each genre's documents pooled apart
+        for g in genres:
+            gd = [d for d in docs if genre[d] == g]
+            many = "s" * (len(gd) != 1)
+            lines += ["", f"Genre {g or '(none)'}, pooled over {len(gd)} document{many} ({', '.join(gd)}):", "",
+                      "| policy @ budget | positions | KL to full (nats), mean +- s.e. | top-1 agreement | "
+                      "ppl / full | K/V held (MiB) |", "|---|---:|---|---|---:|---:|"]
+            lines += _pooled(summarise([r for r in recs if genre[r["doc"]] == g]))
     lines += ["", "Per document, KL mean (top-1 agreement):", "",
               "| policy @ budget | " + " | ".join(f"{d} ({genre[d]})" for d in docs) + " |",
               "|---|" + "---|" * len(docs)]
