@@ -600,9 +600,12 @@ class NativeSession(SavingMixin):
 # products (native/src/kvcli_attention.cpp, rows_attention; its observed window rows too), whose [n_kv, rows, n_head]
 # F32 probabilities are made whole, a group of KV heads at a time; flash attention, which makes none, takes the larger
 # calls. A question over a resident 16k-token document made 36 MiB of them at 25 rows. Such a call is cut into calls
-# of at most few_rows_cap(n_kv, n_head) rows, which make at most FEW_ROWS_SCRATCH, for one more pass over the weights
-# and the cells per call (native/src/README.md, "Memory: what a question adds").
-FEW_ROWS_SCRATCH = 8 << 20
+# of at most few_rows_cap(n_kv, n_head) rows, whose probabilities make at most FEW_ROWS_SCRATCH by their shape, for
+# one more pass over the weights and the cells per call (native/src/README.md, "Memory: what a question adds"). 16 MiB
+# since every layer is built by groups and the softmax is made in place (2026-12-05): a 16k question's call then
+# touches about half that, and its 15-18 rows go in one call (qwen2.5-0.5b: 0.73 against 0.80 s, +36 against +29 MiB
+# at 16k in process; 42.9 MiB in two calls before).
+FEW_ROWS_SCRATCH = 16 << 20
 FEW_ROWS_MAX = 63   # KVCLI_FEW_ROWS_MAX (native/src/kvcli_observation.h)
 
 

@@ -66,23 +66,40 @@ bool on_cpu(const ggml_tensor * t) {
 
 // How many groups of KV heads (at most `want`, dividing n_head_kv) the attention of layer il can be built in: each
 // group adds about `per_group` tensors, and llama.cpp sizes a graph's metadata and nodes for its own (8 x the model's
-// tensors on most models), so the groups must leave the layers after il what the layers so far took each.
+// tensors on most models). Greedy: a layer gets its groups when, after them, the graph still has room for every later
+// layer at what the layers built so far in this graph took on average (from the first layer that asked: the prelude
+// is not a layer's), and each later layer decides again. The graph's own arrays, which live in the same context, are
+// not counted as tensors (they once made the first layers look many times their size, and refused them groups).
 int64_t groups_with_room(ggml_context * ctx0, ggml_cgraph * gf, int il, int n_layer, int64_t n_head_kv, int64_t want,
                          int64_t per_group) {
+    struct track {
+        const ggml_cgraph * gf = nullptr;
+        int il0 = 0, il = -1;
+        int64_t nodes0 = 0, objs0 = 0;   // at the first layer that asked
+    };
+    static thread_local track t;
+    const size_t per = ggml_tensor_overhead(), mem_used = ggml_used_mem(ctx0);
+    const size_t own = gf ? ggml_graph_overhead_custom(ggml_graph_size(gf), false) : 0;
+    const int64_t objs = (int64_t) ((mem_used - std::min(mem_used, own)) / per);
+    const int64_t objs_left = (int64_t) ((ggml_get_mem_size(ctx0) - mem_used) / per);
+    const int64_t nodes = gf ? ggml_graph_n_nodes(gf) : 0, nodes_left = gf ? ggml_graph_size(gf) - nodes : 0;
+    if (t.gf != gf || il <= t.il) {   // a new graph (llama.cpp rebuilds into the same one)
+        t = { gf, il, il, nodes, objs };
+    }
+    t.il = il;
+    const int64_t done = il - t.il0, after = std::max(0, n_layer - il - 1);
+    // a layer's tensors, those of the groups granted so far included (more than a layer without groups takes: the
+    // estimate errs towards room); before any layer is done, what the prelude and this layer's start took, + 16
+    const int64_t layer_objs  = done > 0 ? (objs - t.objs0) / done + 4 : objs + 16;
+    const int64_t layer_nodes = done > 0 ? (nodes - t.nodes0) / done + 4 : nodes + 16;
     int64_t groups = std::min<int64_t>(want, n_head_kv);
-    while (groups > 1) {
-        const int64_t extra = (groups - 1) * per_group, after = std::max(1, n_layer - il);
-        const size_t per = ggml_tensor_overhead(), used = ggml_used_mem(ctx0);
-        const int64_t objs = (int64_t) (used / per), objs_left = (int64_t) ((ggml_get_mem_size(ctx0) - used) / per);
-        bool room = objs_left >= extra + (objs / (il + 1) + 16) * after + 64;
-        if (gf) {
-            const int64_t nodes = ggml_graph_n_nodes(gf), nodes_left = ggml_graph_size(gf) - nodes;
-            room = room && nodes_left >= extra + (nodes / (il + 1) + 16) * after + 64;
-        }
+    for (; groups > 1; --groups) {
+        const int64_t extra = (groups - 1) * per_group;
+        const bool room = objs_left >= extra + layer_objs * after + 64 &&
+                          (!gf || nodes_left >= extra + layer_nodes * after + 64);
         if (room && n_head_kv % groups == 0) {
             break;
         }
-        --groups;
     }
     return std::max<int64_t>(groups, 1);
 }
@@ -167,7 +184,9 @@ ggml_tensor * rows_attention_all(ggml_context * ctx0, ggml_tensor * q, ggml_tens
             kq = ggml_scale(ctx0, ggml_tanh(ctx0, ggml_scale(ctx0, kq, kq_scale / soft_cap)), soft_cap);
             scale = 1.0f;
         }
-        p = ggml_soft_max_ext(ctx0, kq, mask, scale, 0.0f);
+        // in place: kq is a reshape of the product (kvcli_mul_mat_gqa), which ggml's allocator does not reuse for
+        // the result by itself, and the CPU kernel reads each row before writing it
+        p = ggml_soft_max_ext_inplace(ctx0, kq, mask, scale, 0.0f);
     }
     ggml_tensor * vt = ggml_cast(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3), GGML_TYPE_F32); // [n_kv, hd_v, n_head_kv]
     ggml_tensor * kqv = kvcli_mul_mat_gqa(ctx0, vt, p, false);                    // [hd_v, n_tokens, n_head]
@@ -201,6 +220,7 @@ ggml_tensor * rows_attention(ggml_context * ctx0, ggml_cgraph * gf, int n_layer,
                                                                   mask->nb[1], mask->nb[2], (size_t) g * q_step * mask->nb[2]);
             ggml_tensor * o = rows_attention_all(ctx0, qg, kg, vg, mg, nullptr, kq_scale, soft_cap, -1);   // [hd_v * hg, rows]
             o = ggml_reshape_3d(ctx0, o, v->ne[0], q_step, n_tokens);
+            ggml_format_name(o, "kvcli_rows_kqv-%d-g%d", il, (int) g);
             out = out ? ggml_concat(ctx0, out, o, 1) : o;
         }
         ggml_format_name(out, "kvcli_rows_kqv-%d", il);

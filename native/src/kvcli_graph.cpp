@@ -452,7 +452,7 @@ ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, in
     kq = soft_cap(ctx0, kq, d.cap);
     ggml_tensor * mask = d.mask->ne[2] == 1 ? d.mask :
         ggml_view_3d(ctx0, d.mask, n_kv, n_rows, h1 - h0, d.mask->nb[1], d.mask->nb[2], (size_t) h0 * d.mask->nb[2]);
-    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, mask, d.kq_scale, 0.0f);
+    ggml_tensor * p = ggml_soft_max_ext_inplace(ctx0, kq, mask, d.kq_scale, 0.0f);   // as rows_attention_all
     ggml_tensor * ws = row_sums(ctx0, p, d.sel);                                                // [n_kv, n_w, hg]
     ggml_format_name(ws, "kvcli_obs_winsum-%d-h%d", il, (int) h0);
     add_into_host(ctx0, d.gf, ext.obs.winsum[il], ws, d.c0, d.kv_size, n_head, h0);

@@ -67,9 +67,23 @@ def test_a_few_rows_question_takes_the_grouped_window_observation(session_factor
         assert deferred == 0 and every_head > 0
 
 
+@pytest.mark.parametrize("observed", [True, False])
+def test_every_layer_of_a_deep_model_attends_a_few_rows_question_by_groups(session_factory, tmp_path, observed):
+    """qwen2.5-0.5b's shape of heads and layers (24 layers, 14 query heads over 2 KV heads): every layer's few-rows
+    attention is built a KV-head group at a time. The room check once counted the graph's own arrays as the first
+    layers' tensors and refused them groups (their [n_kv, rows, 14] products doubled a 16k question's scratch)."""
+    from kvcli.testing.tiny_gguf import write_tiny_llama
+    n_layer = 24
+    model = write_tiny_llama(tmp_path / "deep.gguf", n_layer=n_layer, n_head=14, n_head_kv=2, head_dim=16, seed=4)
+    s = session_factory(model, n_ctx=1024)
+    s.prefill(list(range(10, 300)), seq=0)
+    s.prefill(list(range(20, 28)), seq=0, observe=("window",) if observed else (), window=8 if observed else 0)
+    assert [cache.last_graph_count(s.ctx, f"kvcli_rows_kqv-{il}-g") for il in range(n_layer)] == [2] * n_layer
+
+
 def test_few_rows_calls_are_cut_to_the_scratch_cap():
     from kvcli.native.session import FEW_ROWS_MAX, _batch_cuts, _few_rows_cuts, few_rows_cap
-    assert few_rows_cap(16_000, 14) == 9                         # qwen2.5-0.5b over a 16k document: 8 MiB / 0.9 MB
+    assert few_rows_cap(16_000, 14) == 18                        # qwen2.5-0.5b over a 16k document: 16 MiB / 0.9 MB
     assert few_rows_cap(300, 4) == FEW_ROWS_MAX and few_rows_cap(10**7, 64) == 8
     assert _few_rows_cuts(_batch_cuts(40, 256, 40), 9) == [8, 16, 24, 32, 40]
     # a read's 256-row calls take flash attention (no probabilities made): kept; its few-rows tail and window cut
