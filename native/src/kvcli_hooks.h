@@ -38,6 +38,11 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch);
 // the KV and output buffers zeroed when made or cleared, a host buffer's pages left non-resident (kvcli_cache.cpp)
 void kvcli_clear_buffer(ggml_backend_buffer_t buf);
 
+// A weight llama.cpp copied out of the model's mapping into a buffer of its own (the CPU's repacked layout, a GPU):
+// the mapping's whole pages inside [data, data + size) are given back to the kernel (MADV_DONTNEED; a file mapping
+// reads them from the file again if anything ever does). Called by the model loader (0006-kvcli-release-copied-weights).
+void kvcli_release_mapped_pages(const void * data, size_t size);
+
 // cache consistency
 void kvcli_on_cells_freed(llama_kv_cache * kv);
 void kvcli_on_seq_cp(llama_kv_cache * kv, llama_seq_id src, llama_seq_id dst);
