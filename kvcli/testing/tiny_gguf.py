@@ -78,8 +78,9 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
                      rope_tensors: dict | None = None) -> Path:
     """Write a random GGUF of architecture `arch` (one of ARCHITECTURES) to `path` and return it.
 
-    n_embd is n_head * head_dim. `dtype` is "f32" or "f16" for the matrices (norm weights
-    stay f32, as llama.cpp expects). `tied`: no output.weight, the output projection is the
+    n_embd is n_head * head_dim. `dtype` is "f32", "f16" or "q4_0" for the matrices (norm weights
+    stay f32, as llama.cpp expects; q4_0 quantizes the layers' matrices only, whose input widths must then be
+    multiples of 32: llama.cpp repacks such weights for the CPU). `tied`: no output.weight, the output projection is the
     token embedding (like SmolLM2). `qk_scale` multiplies the Q/K projections so attention is
     peaked rather than uniform, which makes token selection by attention meaningful.
     `chat_template` replaces the copied tokenizer.chat_template ("" leaves the model without one).
@@ -99,19 +100,26 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
         raise ValueError("head_dim must be even (RoPE rotates pairs)")
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, not {arch!r}")
-    if dtype not in ("f32", "f16"):
-        raise ValueError(f"dtype must be f32 or f16, not {dtype!r}")
+    if dtype not in ("f32", "f16", "q4_0"):
+        raise ValueError(f"dtype must be f32, f16 or q4_0, not {dtype!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fields, n_vocab = _tokenizer_fields(str(tokenizer_from or _default_tokenizer_source()))
     n_embd = n_head * head_dim
     rng = np.random.default_rng(seed)
-    mat_dtype = np.float32 if dtype == "f32" else np.float16
+    mat_dtype = np.float16 if dtype == "f16" else np.float32
 
     def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
         # numpy [rows, cols] is GGUF ne = [cols, rows]: rows are output features, as in torch Linear.
         # std 1/sqrt(fan_in) keeps activations of order one through the residual stream.
         return (rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))).astype(mat_dtype)
+
+    def add_mat(name: str, m: np.ndarray) -> None:
+        if dtype == "q4_0":
+            q4 = gguf.GGMLQuantizationType.Q4_0
+            w.add_tensor(name, gguf.quants.quantize(m, q4), raw_dtype=q4)
+        else:
+            w.add_tensor(name, m)
 
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -143,7 +151,8 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
         add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
         add(f"{arch}.rope.scaling.{key}", value)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype])
     for key, value, vtype, sub in fields:
         if key == "tokenizer.chat_template" and chat_template is not None:
             continue
@@ -161,11 +170,11 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
         k = mat(n_head_kv * head_dim, n_embd, qk_scale)
         v = mat(n_head_kv * head_dim, n_embd)
         if arch == "phi3":      # fused QKV and gate/up, as Phi-3's checkpoints are
-            w.add_tensor(p + "attn_qkv.weight", np.concatenate([q, k, v]))
+            add_mat(p + "attn_qkv.weight", np.concatenate([q, k, v]))
         else:
-            w.add_tensor(p + "attn_q.weight", q)
-            w.add_tensor(p + "attn_k.weight", k)
-            w.add_tensor(p + "attn_v.weight", v)
+            add_mat(p + "attn_q.weight", q)
+            add_mat(p + "attn_k.weight", k)
+            add_mat(p + "attn_v.weight", v)
         if arch == "qwen2":     # Q/K/V projection biases (not an attention-score bias)
             w.add_tensor(p + "attn_q.bias", vec(n_head * head_dim, 0.5))
             w.add_tensor(p + "attn_k.bias", vec(n_head_kv * head_dim, 0.5))
@@ -173,17 +182,17 @@ def write_tiny(path, arch: str = "llama", *, n_layer: int = 3, n_head: int = 4, 
         if arch in ("qwen3", "gemma3"):     # RMS norms of each head's Q and K rows, before RoPE
             w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
             w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
-        w.add_tensor(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
+        add_mat(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
         if arch in SLIDING:     # norms of the attention and FFN outputs, before the residual add
             w.add_tensor(p + "post_attention_norm.weight", norm(n_embd))
             w.add_tensor(p + "post_ffw_norm.weight", norm(n_embd))
         w.add_tensor(p + "ffn_norm.weight", norm(n_embd))
         if arch == "phi3":
-            w.add_tensor(p + "ffn_up.weight", np.concatenate([mat(n_ff, n_embd), mat(n_ff, n_embd)]))
+            add_mat(p + "ffn_up.weight", np.concatenate([mat(n_ff, n_embd), mat(n_ff, n_embd)]))
         else:
-            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
-            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
-        w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+            add_mat(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            add_mat(p + "ffn_up.weight", mat(n_ff, n_embd))
+        add_mat(p + "ffn_down.weight", mat(n_embd, n_ff))
     for name, factors in (rope_tensors or {}).items():
         w.add_tensor(f"{name}.weight", np.asarray(factors, dtype=np.float32))
     w.add_tensor("output_norm.weight", norm(n_embd))
