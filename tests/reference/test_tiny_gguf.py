@@ -74,5 +74,5 @@ def test_tiny_gguf_f16_untied_other_shape(tmp_path):
 def test_tiny_gguf_rejects_bad_shapes(tmp_path):
     with pytest.raises(ValueError, match="multiple"):
         write_tiny_llama(tmp_path / "x.gguf", n_head=3, n_head_kv=2)
-    with pytest.raises(ValueError, match="f32 or f16"):
+    with pytest.raises(ValueError, match="f32, f16 or q4_0"):
         write_tiny_llama(tmp_path / "x.gguf", dtype="q4")
