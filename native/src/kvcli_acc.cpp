@@ -19,6 +19,7 @@ kvcli_acc & kvcli_acc::operator=(kvcli_acc && o) noexcept {
         std::swap(data_, o.data_);
         std::swap(n_, o.n_);
         std::swap(bytes_, o.bytes_);
+        std::swap(written_, o.written_);
         std::swap(ctx_, o.ctx_);
         std::swap(buf_, o.buf_);
         std::swap(t_, o.t_);
@@ -45,6 +46,7 @@ void kvcli_acc::allocate(size_t n) {
 #endif
     data_ = static_cast<float *>(p);
     n_ = n;
+    written_ = false;
 }
 
 void kvcli_acc::release() {
@@ -63,6 +65,7 @@ void kvcli_acc::release() {
     }
     data_ = nullptr;
     n_ = bytes_ = 0;
+    written_ = false;
     ctx_ = nullptr;
     buf_ = nullptr;
     t_ = nullptr;

@@ -89,9 +89,13 @@ kvcli_acc & layer_acc(std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_laye
 // dst += b where b is not 0, in place (dst a view of a host accumulator, b the same shape, rows contiguous): a cell
 // the rows cannot see (another sequence's: its probability is exactly 0) is neither read nor written, so its page of
 // the accumulator stays untouched, never resident. Skipping an exact 0 leaves every sum as the add would, to the bit.
+// Until a computed graph has added into the accumulator (userdata, kvcli_acc::written) its floats are all 0 and the
+// values are written, not added (0 + b == b): a page is first touched by a write, which maps it once, where a read
+// maps the zero page and the write after it copies that page and flushes the TLB of every thread's CPU (6% of a 16k
+// question's time under perf, in the kernel).
 void add_nonzero(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     GGML_UNUSED(a);
-    GGML_UNUSED(userdata);
+    const bool add = static_cast<const kvcli_acc *>(userdata)->written();
     const int64_t n0 = b->ne[0], n1 = b->ne[1], rows = b->ne[1] * b->ne[2] * b->ne[3];
     for (int64_t r = ith; r < rows; r += nth) {
         const int64_t i1 = r % n1, i2 = (r / n1) % b->ne[2], i3 = r / (n1 * b->ne[2]);
@@ -99,7 +103,7 @@ void add_nonzero(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b
         const float * s = (const float *) ((const char *) b->data + i1 * b->nb[1] + i2 * b->nb[2] + i3 * b->nb[3]);
         for (int64_t c = 0; c < n0; ++c) {
             if (s[c] != 0.0f) {
-                d[c] += s[c];
+                d[c] = add ? d[c] + s[c] : s[c];
             }
         }
     }
@@ -118,7 +122,7 @@ void add_into_host(ggml_context * ctx0, ggml_cgraph * gf, kvcli_acc & acc, ggml_
     ggml_tensor * dst = ggml_view_3d(ctx0, a, n_kv, n_h, n_w, a->nb[1], a->nb[2],
                                      (size_t) c0 * sizeof(float) + (size_t) h0 * a->nb[1]);
     ggml_tensor * src = ggml_permute(ctx0, t, 0, 2, 1, 3);   // [n_kv, n_h, n_w], rows contiguous
-    ggml_build_forward_expand(gf, ggml_map_custom2_inplace(ctx0, dst, src, add_nonzero, GGML_N_TASKS_MAX, nullptr));
+    ggml_build_forward_expand(gf, ggml_map_custom2_inplace(ctx0, dst, src, add_nonzero, GGML_N_TASKS_MAX, &acc));
 }
 
 // adds one ubatch's reduced output t ([n_kv, n_w, n_head]) to acc[il] ([n_w][n_head][kv_size], cells c0..c0+n_kv-1)
@@ -496,7 +500,12 @@ void kvcli_after_compute(llama_context * lctx, const llama_ubatch & ubatch) {
             }
             if (p.win) {   // else the graph added them itself (add_into_host)
                 accumulate(p.win, ext.obs.winsum, il, n_layer, n_w, p.c0, p.win->ne[0], p.win->ne[2], kv_size);
+            } else {
+                ext.obs.winsum[il].mark_written();
             }
+        }
+        if (p.col_added) {
+            ext.obs.colsum[il].mark_written();
         }
         if (p.col) {
             accumulate(p.col, ext.obs.colsum, il, n_layer, 1, p.c0, p.col->ne[0], p.col->ne[2], kv_size);

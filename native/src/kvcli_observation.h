@@ -33,12 +33,18 @@ public:
     bool empty() const { return data_ == nullptr; }
     size_t size() const { return n_; }
     float * data() const { return data_; }
+    // whether a computed graph has added into the floats since allocate(): until then the graph's adds write their
+    // values instead (add_nonzero), so a page's first touch is a write, not a read of the zero page and a copy on
+    // write (a TLB flush on every thread's CPU) after it
+    bool written() const { return written_; }
+    void mark_written() { written_ = data_ != nullptr; }
     // F32 [ne0, ne1, ne2] over the floats (ne0 * ne1 * ne2 == size()), in a host buffer the CPU backend computes on
     ggml_tensor * tensor(int64_t ne0, int64_t ne1, int64_t ne2);
 
 private:
     float * data_ = nullptr;
     size_t n_ = 0, bytes_ = 0;
+    bool written_ = false;
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer * buf_ = nullptr;
     ggml_tensor * t_ = nullptr;
