@@ -146,3 +146,20 @@ def test_plan_form_keeps_a_fitting_prompt_exact_whatever_its_bytes(monkeypatch):
     engine = SimpleNamespace(session=huge, fits=lambda prompt, c: True, n_ctx=32768)
     c = Choice(policy="snapkv", budget=256, policy_args={}, max_tokens=24, sampling=None)
     assert Engine.plan_form(engine, list(range(30000)), None, c) is None
+
+
+def test_a_stored_document_sharing_only_the_head_leaves_the_prompt_read_alone(default_model, tmp_path):
+    """Another version of a document (the same first paragraphs, another rest) whose whole stored cache, held
+    resident beside the new rest, would not fit the context: the prompt is read alone and answered (it was a 400
+    'the document needs N cells', for a prompt that fits the context by itself)."""
+    from kvcli.evaluation.logbook import make_document
+    first, planted = make_document(430, facts=1, seed=11)
+    other, other_planted = make_document(330, facts=1, seed=12)
+    head = first[: len(first) // 2]
+    with serving(args(default_model, "--store", "memory"), tmp_path / "serve.log", {}) as (port, _):
+        a = ask(port, default_model, (first, planted), 0)
+        b = ask(port, default_model, (head + other, other_planted), 0)
+    b_tokens = b["document_read_tokens"] + b["prefilled_tokens"]
+    assert a["document_read_tokens"] > 500 and b_tokens < 1024
+    assert a["document_read_tokens"] + b_tokens // 2 > 1024   # held beside A, B's rest would not have fitted
+    assert b["document_read_tokens"] > 600 and b["prefix_reused_tokens"] == 0
