@@ -336,14 +336,14 @@ class Engine(ParallelDecode):
             self._answer_seq()
             extra = self.reserved() + max(0, min(c.max_tokens, session.n_ctx_train - n) - MIN_ROOM)
         read_tokens, read_s, doc = 0, 0.0, None
-        if found is not None and not beside and found.split + self._room(prompt, min(same, found.split), c) > \
-                session.n_ctx:
+        room = self._room(prompt, min(same, found.split), c) if found is not None else 0
+        if found is not None and not beside and found.split + room > session.n_ctx:
             # held whole, the stored document that shares the prompt's head would leave the rest no room in the
             # context (another version of a long document): the prompt is read alone, as if none shared it
             found = None
         if found is not None:
             try:
-                room = self._room(prompt, min(same, found.split), c) + extra
+                room += extra
                 if beside and found in self.residents:
                     self.residents.room_beside(room, keep=found)
                 self.residents.hold(found, room)

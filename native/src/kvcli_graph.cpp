@@ -91,8 +91,8 @@ kvcli_acc & layer_acc(std::vector<kvcli_acc> & acc, uint32_t il, uint32_t n_laye
 // the accumulator stays untouched, never resident. Skipping an exact 0 leaves every sum as the add would, to the bit.
 // Until a computed graph has added into the accumulator (userdata, kvcli_acc::written) its floats are all 0 and the
 // values are written, not added (0 + b == b): a page is first touched by a write, which maps it once, where a read
-// maps the zero page and the write after it copies that page and flushes the TLB of every thread's CPU (6% of a 16k
-// question's time under perf, in the kernel).
+// maps the zero page and the write after it copies that page and flushes the TLB of every thread's CPU (under perf
+// the kernel's share of a served 16k question fell from 10.7% to 2.9%).
 void add_nonzero(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     GGML_UNUSED(a);
     const bool add = static_cast<const kvcli_acc *>(userdata)->written();
