@@ -52,18 +52,6 @@ path_choice choose(bool flash_attn, bool cache_on_cpu) {
                                     "shared by all heads, so one problem per KV head" };
 }
 
-// whether the tensor's memory belongs to a CPU device (ggml's plain CPU buffer type names no device:
-// then host memory counts as the CPU's)
-bool on_cpu(const ggml_tensor * t) {
-    const ggml_tensor * src = t->view_src ? t->view_src : t;
-    if (!src->buffer) {
-        return false;
-    }
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(src->buffer);
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    return dev ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU : ggml_backend_buft_is_host(buft);
-}
-
 // How many groups of KV heads (at most `want`, dividing n_head_kv) the attention of layer il can be built in: each
 // group adds about `per_group` tensors, and llama.cpp sizes a graph's metadata and nodes for its own (8 x the model's
 // tensors on most models). Greedy: a layer gets its groups when, after them, the graph still has room for every later
@@ -163,7 +151,7 @@ bool few_rows(bool flash_attn, const ggml_tensor * q, const ggml_tensor * k, con
     }
     auto plain = [](const ggml_tensor * t) { return t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32; };
     const int64_t n_tokens = q->ne[2];
-    return flash_attn && on_cpu(k) && n_tokens > 1 && n_tokens <= FEW_ROWS_MAX && !kq_b && !sinks &&
+    return flash_attn && kvcli_on_cpu(k) && n_tokens > 1 && n_tokens <= FEW_ROWS_MAX && !kq_b && !sinks &&
            k->ne[3] == 1 && kq_mask->ne[2] == 1 && kq_mask->ne[3] == 1 && plain(k) && plain(v) &&
            v->nb[1] <= v->nb[2] && q->ne[1] % k->ne[1] == 0 && k->ne[0] == q->ne[0];
 }
@@ -312,7 +300,7 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     if (!biased) {
         return nullptr; // no slot bias: llama.cpp's attention as it is (observation only)
     }
-    const path_choice c = choose(flash_attn, on_cpu(k));
+    const path_choice c = choose(flash_attn, kvcli_on_cpu(k));
     if (c.path < 0) {
         // kvcli's Python side refuses a bad value before any context exists; a C caller gets the log line
         LLAMA_LOG_ERROR("kvcli: %s (got '%s'); layer %d takes the mask path\n", c.why, std::getenv("KVCLI_ATTN_PATH"), il);
@@ -331,6 +319,18 @@ ggml_tensor * kvcli_build_attn(ggml_context * ctx0, const llama_kv_cache_context
     }
     // soft-capping (gemma2) as build_attn_mha passes it: the slot bias, in the mask, is added after the cap
     return split_attention(ctx0, q, k, v, kq_mask, ext.bias[it->second], c0, kq_scale, cap, il);
+}
+
+// whether the tensor's memory belongs to a CPU device (ggml's plain CPU buffer type names no device:
+// then host memory counts as the CPU's)
+bool kvcli_on_cpu(const ggml_tensor * t) {
+    const ggml_tensor * src = t->view_src ? t->view_src : t;
+    if (!src->buffer) {
+        return false;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(src->buffer);
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    return dev ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU : ggml_backend_buft_is_host(buft);
 }
 
 extern "C" {

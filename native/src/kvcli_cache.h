@@ -91,6 +91,14 @@ ggml_tensor * kvcli_obs_window_group(ggml_context * ctx0, kvcli_kv_ext & ext, in
 // (kvcli_graph.cpp). f32_acc: GGML_PREC_F32 on the product (a KQ's).
 ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tensor * b, bool f32_acc);
 
+// whether t (or the tensor it views) lives in a CPU buffer (kvcli_attention.cpp)
+bool kvcli_on_cpu(const ggml_tensor * t);
+
+// kvcli_kq.cpp: K^T Q, k [hd, n_kv, g] (F16 or F32) against q [hd, m, g] (F32) -> [n_kv, m, g] F32 as ggml_mul_mat's,
+// by a kernel for a head's short dot products; nullptr where it does not run (not x86-64 with AVX2 or AVX-512, a
+// layout it does not take, KVCLI_KQ=ggml): the caller then takes ggml_mul_mat
+ggml_tensor * kvcli_kq_product(ggml_context * ctx0, ggml_tensor * k, ggml_tensor * q);
+
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)
 struct kvcli_access {
     static llama_kv_cache * kv(const llama_kv_cache_context * mctx) { return mctx->kv; }

@@ -164,6 +164,19 @@ ggml_tensor * row_sums(ggml_context * ctx0, ggml_tensor * p, ggml_tensor * sel) 
     return ggml_out_prod(ctx0, p, s);
 }
 
+// The observation's raw scores K^T Q [n_kv, rows, n_head] of kk [hd, n_kv, n_head_kv] and qq [hd, rows, n_head]: on a
+// CPU cache the product the attention's few-rows path makes (kvcli_mul_mat_gqa, whose kernel is kvcli_kq_product's),
+// so that the probabilities it hands to that path (kvcli_pending::probs) are the ones it would make itself; elsewhere
+// ggml's product, broadcast over the query heads.
+ggml_tensor * scores(ggml_context * ctx0, ggml_tensor * kk, ggml_tensor * qq) {
+    if (kvcli_on_cpu(kk)) {
+        return kvcli_mul_mat_gqa(ctx0, kk, qq, true);
+    }
+    ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    return kq;
+}
+
 // llama.cpp's attention soft-capping of the raw scores (gemma2; build_attn_mha without flash attention):
 // cap * tanh(kq / cap), before soft_max_ext adds the mask (+ the slot bias) and applies kq_scale. Flash attention
 // caps kq * kq_scale instead: the two agree when kq_scale is 1 (kvcli_attn_hook refuses to observe otherwise).
@@ -200,13 +213,20 @@ uint32_t first_seen_cell(const llama_kv_cache & kv, const llama_ubatch & ub) {
 using namespace kvcli_graph_detail;
 
 ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tensor * b, bool f32_acc) {
-    const int64_t ratio = a->ne[2] > 0 ? b->ne[2] / a->ne[2] : 0;
-    if (ratio <= 1 || b->ne[2] != ratio * a->ne[2] || a->ne[3] != 1 || b->ne[3] != 1) {
-        ggml_tensor * r = ggml_mul_mat(ctx0, a, b);
-        if (f32_acc) {
-            ggml_prec_set_acc(r, GGML_PREC_F32);
+    // a KQ's product (f32_acc) by kvcli_kq_product where it runs, else ggml's
+    auto product = [&](ggml_tensor * x, ggml_tensor * y) {
+        ggml_tensor * r = f32_acc ? kvcli_kq_product(ctx0, x, y) : nullptr;
+        if (!r) {
+            r = ggml_mul_mat(ctx0, x, y);
+            if (f32_acc) {
+                ggml_prec_set_acc(r, GGML_PREC_F32);
+            }
         }
         return r;
+    };
+    const int64_t ratio = a->ne[2] > 0 ? b->ne[2] / a->ne[2] : 0;
+    if (ratio <= 1 || b->ne[2] != ratio * a->ne[2] || a->ne[3] != 1 || b->ne[3] != 1) {
+        return product(a, b);
     }
     // ggml's CPU product broadcasts `a` over b's planes one plane (query head) at a time: at 30k cells and 8 rows that
     // streams a KV head's K and V 7 times a layer. Query head h = kv * ratio + j's columns lie, in a contiguous b, at
@@ -214,10 +234,7 @@ ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tenso
     if (!ggml_is_contiguous(b)) {
         b = ggml_cont(ctx0, b);
     }
-    ggml_tensor * r = ggml_mul_mat(ctx0, a, ggml_reshape_3d(ctx0, b, b->ne[0], b->ne[1] * ratio, a->ne[2]));
-    if (f32_acc) {
-        ggml_prec_set_acc(r, GGML_PREC_F32);
-    }
+    ggml_tensor * r = product(a, ggml_reshape_3d(ctx0, b, b->ne[0], b->ne[1] * ratio, a->ne[2]));
     return ggml_reshape_3d(ctx0, r, r->ne[0], b->ne[1], b->ne[2]);
 }
 
@@ -373,8 +390,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
                 // heads at a time (kvcli_obs_window_group)
                 pend.defer = { gf, q3, k, mw, inp->win_sel, kq_scale, cap, c0, kv_size };
             } else {
-                ggml_tensor * kq = ggml_mul_mat(ctx0, kk, ggml_permute(ctx0, q3, 0, 2, 1, 3)); // [n_kv, n_win, n_head]
-                ggml_prec_set_acc(kq, GGML_PREC_F32);
+                ggml_tensor * kq = scores(ctx0, kk, ggml_permute(ctx0, q3, 0, 2, 1, 3));       // [n_kv, n_win, n_head]
                 kq = soft_cap(ctx0, kq, cap);
                 ggml_tensor * p  = ggml_soft_max_ext(ctx0, kq, mw, kq_scale, 0.0f);
                 if (n_win == (int64_t) ubatch.n_tokens) {
@@ -407,8 +423,7 @@ ggml_tensor * kvcli_attn_hook(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_r
             inp->col_sel = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, ubatch.n_tokens);
             ggml_set_input(inp->col_sel);
             ggml_tensor * qq = ggml_permute(ctx0, q, 0, 2, 1, 3);       // [hd, n_tps, n_head]
-            ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);             // [n_kv, n_tps, n_head]
-            ggml_prec_set_acc(kq, GGML_PREC_F32);
+            ggml_tensor * kq = scores(ctx0, kk, qq);                   // [n_kv, n_tps, n_head]
             ggml_tensor * p  = ggml_soft_max_ext(ctx0, soft_cap(ctx0, kq, cap), mask, kq_scale, 0.0f);
             pend.probs = p;       // every row of the ubatch: the attention's probabilities
             if (ext.obs.kinds & KVCLI_OBS_COLSUM) {
