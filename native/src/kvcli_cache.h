@@ -94,9 +94,10 @@ ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tenso
 // whether t (or the tensor it views) lives in a CPU buffer (kvcli_attention.cpp)
 bool kvcli_on_cpu(const ggml_tensor * t);
 
-// kvcli_kq.cpp: K^T Q, k [hd, n_kv, g] (F16 or F32) against q [hd, m, g] (F32) -> [n_kv, m, g] F32 as ggml_mul_mat's,
-// by a kernel for a head's short dot products; nullptr where it does not run (not x86-64 with AVX2 or AVX-512, a
-// layout it does not take, KVCLI_KQ=ggml): the caller then takes ggml_mul_mat
+// kvcli_kq.cpp: K^T Q of k [hd, n_kv, n_head_kv] (F16 or F32) and q [hd, rows, n_head] (F32, rows and heads at any
+// stride; query head h against KV head h / (n_head / n_head_kv)) -> [n_kv, rows, n_head] F32, ggml_mul_mat's products
+// by a kernel for a head's short dot products; nullptr where it does not run (not x86-64 with AVX2 or AVX-512 built
+// by GCC, K not on the CPU, a layout it does not take, KVCLI_KQ=ggml): the caller then takes ggml's product
 ggml_tensor * kvcli_kq_product(ggml_context * ctx0, ggml_tensor * k, ggml_tensor * q);
 
 // reaches the private parts of llama_kv_cache (our patch declares it a friend)

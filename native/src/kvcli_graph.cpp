@@ -164,13 +164,12 @@ ggml_tensor * row_sums(ggml_context * ctx0, ggml_tensor * p, ggml_tensor * sel) 
     return ggml_out_prod(ctx0, p, s);
 }
 
-// The observation's raw scores K^T Q [n_kv, rows, n_head] of kk [hd, n_kv, n_head_kv] and qq [hd, rows, n_head]: on a
-// CPU cache the product the attention's few-rows path makes (kvcli_mul_mat_gqa, whose kernel is kvcli_kq_product's),
-// so that the probabilities it hands to that path (kvcli_pending::probs) are the ones it would make itself; elsewhere
-// ggml's product, broadcast over the query heads.
+// The observation's raw scores K^T Q [n_kv, rows, n_head] of kk [hd, n_kv, n_head_kv] and qq [hd, rows, n_head]: the
+// product the attention's few-rows path makes (kvcli_kq_product) where it runs, so that the probabilities handed to
+// that path (kvcli_pending::probs) are the ones it would make itself; else ggml's, broadcast over the query heads.
 ggml_tensor * scores(ggml_context * ctx0, ggml_tensor * kk, ggml_tensor * qq) {
-    if (kvcli_on_cpu(kk)) {
-        return kvcli_mul_mat_gqa(ctx0, kk, qq, true);
+    if (ggml_tensor * kq = kvcli_kq_product(ctx0, kk, qq)) {
+        return kq;
     }
     ggml_tensor * kq = ggml_mul_mat(ctx0, kk, qq);
     ggml_prec_set_acc(kq, GGML_PREC_F32);
@@ -213,20 +212,18 @@ uint32_t first_seen_cell(const llama_kv_cache & kv, const llama_ubatch & ub) {
 using namespace kvcli_graph_detail;
 
 ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tensor * b, bool f32_acc) {
-    // a KQ's product (f32_acc) by kvcli_kq_product where it runs, else ggml's
-    auto product = [&](ggml_tensor * x, ggml_tensor * y) {
-        ggml_tensor * r = f32_acc ? kvcli_kq_product(ctx0, x, y) : nullptr;
-        if (!r) {
-            r = ggml_mul_mat(ctx0, x, y);
-            if (f32_acc) {
-                ggml_prec_set_acc(r, GGML_PREC_F32);
-            }
+    if (f32_acc) {   // a KQ's product: kvcli's kernel where it runs
+        if (ggml_tensor * r = kvcli_kq_product(ctx0, a, b)) {
+            return r;
         }
-        return r;
-    };
+    }
     const int64_t ratio = a->ne[2] > 0 ? b->ne[2] / a->ne[2] : 0;
     if (ratio <= 1 || b->ne[2] != ratio * a->ne[2] || a->ne[3] != 1 || b->ne[3] != 1) {
-        return product(a, b);
+        ggml_tensor * r = ggml_mul_mat(ctx0, a, b);
+        if (f32_acc) {
+            ggml_prec_set_acc(r, GGML_PREC_F32);
+        }
+        return r;
     }
     // ggml's CPU product broadcasts `a` over b's planes one plane (query head) at a time: at 30k cells and 8 rows that
     // streams a KV head's K and V 7 times a layer. Query head h = kv * ratio + j's columns lie, in a contiguous b, at
@@ -234,7 +231,10 @@ ggml_tensor * kvcli_mul_mat_gqa(ggml_context * ctx0, ggml_tensor * a, ggml_tenso
     if (!ggml_is_contiguous(b)) {
         b = ggml_cont(ctx0, b);
     }
-    ggml_tensor * r = product(a, ggml_reshape_3d(ctx0, b, b->ne[0], b->ne[1] * ratio, a->ne[2]));
+    ggml_tensor * r = ggml_mul_mat(ctx0, a, ggml_reshape_3d(ctx0, b, b->ne[0], b->ne[1] * ratio, a->ne[2]));
+    if (f32_acc) {
+        ggml_prec_set_acc(r, GGML_PREC_F32);
+    }
     return ggml_reshape_3d(ctx0, r, r->ne[0], b->ne[1], b->ne[2]);
 }
 
