@@ -44,6 +44,9 @@ def complete_records(paths: list[str]) -> list[dict]:
         for rs in by_doc.values():
             if len(rs) == n_cfg and all(r["status"] == "ok" for r in rs):
                 out += rs
+    if len({r.get("reference", "full") for r in out}) > 1:   # two references' KL would be pooled as one
+        sys.exit("real_text_table: the records mix documents within the context (against the full cache) and past "
+                 "it (against the full cache of what fits): table them apart")
     return out
 
 

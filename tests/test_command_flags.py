@@ -62,6 +62,7 @@ HELP_OVERRIDES = {
     ("bench", "--chunk"): "every document, and it implies --no-share-prefill",
     ("eval niah", "--chunk"): "every prompt, and the truncation baseline",
     ("eval ruler", "--chunk"): "every prompt, and the truncation baseline",
+    ("eval fidelity", "--chunk"): "only prefixes past the context (--max-context) are read in chunks",
     ("eval niah", "--cache-type"): "no help: the choice lists it",
     ("eval fidelity", "--policies"): "it reads POLICY:KEY=VALUE labels (corpus_eval.split_variant)",
     ("eval corpus ask", "--policies"): "it reads POLICY:KEY=VALUE labels (corpus_eval.split_variant)",

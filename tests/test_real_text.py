@@ -234,6 +234,55 @@ def test_fidelity_interrupted_keeps_the_documents_scored_whole(cli_runner, tiny,
     assert len(res["records"]) == 2 and all(x["status"] == "ok" for x in res["records"])
 
 
+def test_fidelity_past_the_context_reads_in_chunks_against_the_full_cache_of_what_fits(cli_runner, tiny, tmp_path):
+    """A prefix longer than --max-context: the reference ('full') is one plain prefill of the prefix's first
+    TRUNCATE_HEAD and last max-context - cont - MARGIN - TRUNCATE_HEAD tokens fed the same continuation; the
+    compressed caches read the whole prefix in chunks and are scored on the same positions."""
+    if native_missing("kvcli_apply_plan"):
+        pytest.fail("the native library lacks kvcli_apply_plan: rebuild it (python -m kvcli.native.build)")
+    from kvcli.engines import open_native
+    from kvcli.evaluation.fidelity import MARGIN, _continuation
+    from kvcli.evaluation.runner import truncated
+    doc = tmp_path / "ledger.txt"
+    doc.write_text(" ".join(f"Ledger line {i}: the mill sold {i * 41 % 97} sacks to farm {i % 13}." for i in range(60)))
+    res = _fid(cli_runner, "--model", str(tiny), "--doc", str(doc), "--policies", "full,snapkv,streamingllm",
+               "--budgets", "48", "--lengths", "all", "--cont", "8", "--max-context", "256", "--chunk", "64")
+    recs = {(r["policy"], r["budget"]): r for r in res["records"]}
+    full, keep = recs[("full", None)], 256 - 8 - MARGIN
+    assert full["status"] == "ok" and full["past_context"] and full["reference"] == "context"
+    assert full["full_tokens"] == keep < full["prefix_tokens"] and full["kl_mean"] == 0.0 and full["top1"] == 1.0
+    s = open_native(tiny, n_ctx=256, n_threads=1)
+    try:
+        toks = s.tokenize(doc.read_text())
+        prefix, target = toks[:full["prefix_tokens"]], toks[full["prefix_tokens"]:full["prefix_tokens"] + 8]
+        s.prefill(truncated(prefix, keep), seq=0)
+        logps, _ = _continuation(s, s.logits(0), target)
+    finally:
+        s.close()
+    assert full["nll_positions"] == pytest.approx([-float(lp[t]) for lp, t in zip(logps, target)], abs=1e-4)
+    for pol in ("snapkv", "streamingllm"):
+        r = recs[(pol, 48)]
+        assert r["status"] == "ok" and r["chunks"] >= full["prefix_tokens"] // 64 and r["kl_mean"] >= 0
+        assert len(r["kl_positions"]) == 8 and r["kv_bytes"] < full["kv_bytes"]
+    rows = {(r["policy"], r["budget"]): r for r in res["summary"]}
+    assert rows[("snapkv", 48)]["reference"] == "context" and rows[("snapkv", 48)]["positions"] == 8
+    # within the context, truncate at a budget measures that reference against the full cache: past the prefix it
+    # keeps everything (KL 0); at the reference's size it is the past-context run's reference, same figures
+    res = _fid(cli_runner, "--model", str(tiny), "--doc", str(doc), "--policies", "full,truncate",
+               "--budgets", f"{keep},4096", "--lengths", "all", "--cont", "8")
+    within = {(r["policy"], r["budget"]): r for r in res["records"]}
+    assert within[("truncate", 4096)]["kl_mean"] == pytest.approx(0.0, abs=1e-6)
+    cut = within[("truncate", keep)]
+    assert cut["status"] == "ok" and cut["kl_mean"] > 0 and cut["kv_bytes"] < within[("full", None)]["kv_bytes"]
+    assert cut["nll_positions"] == pytest.approx(full["nll_positions"], abs=1e-4)
+    r = cli_runner.invoke(cli, ["eval", "fidelity", "--model", str(tiny), "--doc", str(doc), "--policies", "full",
+                                "--lengths", "all", "--max-context", "4096"])
+    assert r.exit_code == 2 and "more than the model's context (2048)" in r.output
+    r = cli_runner.invoke(cli, ["eval", "fidelity", "--model", str(tiny), "--doc", str(doc), "--form", "reselect",
+                                "--policies", "full", "--lengths", "all", "--chunk", "64"])
+    assert r.exit_code == 2 and "--max-context and --chunk are for --form once" in r.output
+
+
 def test_corpus_ask_scores_every_question_for_every_configuration(cli_runner, tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "package_version", lambda p: "1")
     f = tmp_path / "demo.txt"

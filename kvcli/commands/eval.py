@@ -41,14 +41,21 @@ LABELS_HELP = ("Comma-separated policies; a policy may carry its own arguments a
                "prefill), which override --policy-arg's for that label.")
 
 
-def shared_options(default_lengths: str, chunked: bool = True, labels: bool = False):
-    """The options of every eval command; chunked adds --chunk and --chunk-scoring; labels: --policies takes
+FIDELITY_CHUNK_HELP = ("Read a prefix past the context (--max-context) in chunks of N tokens, compressing after each "
+                       "(kvcli/drivers/chunked.py). Default: 1024.")
+
+
+def shared_options(default_lengths: str, chunked: bool | str = True, labels: bool = False,
+                   chunk_help: str = CHUNK_HELP):
+    """The options of every eval command; chunked adds --chunk and --chunk-scoring (and the penalties: True; without
+    them: "chunk", for a command that decodes nothing of its own); labels: --policies takes
     POLICY:KEY=VALUE labels (kvcli/evaluation/corpus_eval.py's split_variant)."""
     def deco(f):
         for opt in reversed([
             model_option,
-            request_options("policies", "cache_type", "threads", *(["chunk", "penalties"] if chunked else []),
-                            cache_types=("f16", "q8_0", "q4_0"), cache_type_help=None, chunk_help=CHUNK_HELP,
+            request_options("policies", "cache_type", "threads",
+                            *({True: ["chunk", "penalties"], "chunk": ["chunk"]}.get(chunked, [])),
+                            cache_types=("f16", "q8_0", "q4_0"), cache_type_help=None, chunk_help=chunk_help,
                             **({"policies_help": LABELS_HELP} if labels else {})),
             click.option("--lengths", default=default_lengths, show_default=True,
                          help="Comma-separated prompt lengths in tokens (1k = 1024)."),
@@ -145,7 +152,7 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
 
 
 @eval_group.command("fidelity")
-@shared_options("1k,2k", chunked=False, labels=True)
+@shared_options("1k,2k", chunked="chunk", labels=True, chunk_help=FIDELITY_CHUNK_HELP)
 @click.option("--docs", "--doc", "docs", default=None, metavar="FILES|DIR",
               help="Real text: comma-separated files or a directory. Default: the repository's examples/ texts "
               "(or, with --corpus, the corpus's documents).")
@@ -170,14 +177,20 @@ def ruler_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json
               "corpus's summary question, the full cache's greedy answer scored). Default: quote,summary.")
 @click.option("--depths", default=None, help="With --form reselect or aware: where the quote probes' lead-ins "
               "start, as fractions of the document. Default: 0.25,0.5,0.75.")
+@click.option("--max-context", type=click.IntRange(64), default=None, metavar="N",
+              help="With --form once: the most tokens a full cache may hold (default: the model's context). A prefix "
+              "and continuation longer than that is past the context: the reference is the full cache of its first "
+              "32 and last N - --cont - 48 tokens, and the compressed caches read the whole prefix in chunks.")
 def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, docs, corpus_dir, split, genres,
-                 max_doc_tokens, cont, form, probes, depths):
+                 max_doc_tokens, cont, form, probes, depths, max_context):
     """KL divergence and top-1 agreement of a compressed cache against the full cache on a document's
     teacher-forced continuation, and its perplexity (no question needed). --lengths all: each document's whole
     text but its last --cont tokens is the prefix (--form reselect or aware: the whole document)."""
     whole = lengths.strip().lower() == "all"
     if form == "once" and (probes is not None or depths is not None):
         raise KvcliError("--probes and --depths are for --form reselect or aware")
+    if form != "once" and (max_context is not None or req.chunk is not None):
+        raise KvcliError("--max-context and --chunk are for --form once (a probe's full cache must fit the context)")
     path, lens = _prepare(model, "1" if whole else lengths, plot_path)
     if corpus_dir:
         documents, meta = corpus_documents(corpus_dir, split, genres, max_doc_tokens, docs)
@@ -196,7 +209,8 @@ def fidelity_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_j
             probes=parse_list(probes or ",".join(PROBES), "--probes", lambda s: s.lower()),
             depths=parse_float_list(depths, "--depths") if depths is not None else DEFAULT_DEPTHS, form=form, **common)
     else:
-        result = run_fidelity(path, documents, req.policies, req.budgets, None if whole else lens, cont, **common)
+        result = run_fidelity(path, documents, req.policies, req.budgets, None if whole else lens, cont,
+                              chunk=req.chunk, chunk_scoring=req.chunk_scoring, max_context=max_context, **common)
     if result.get("interrupted") and not result["records"]:
         raise KeyboardInterrupt
     click.echo(json.dumps(result, default=_jsonable) if as_json else fidelity_table(result))

@@ -17,6 +17,16 @@ Positions of one document are not independent, so these standard errors are the 
 bound on the spread between documents; `per_doc` gives each document's own figures.
 
 `lengths` None (`--lengths all`): each document's whole text but its last `cont` tokens is the prefix.
+
+Past the context (a prefix + continuation longer than `max_context`, by default the model's trained context): the
+full cache of the prefix cannot be held, so the reference is **the full cache of what fits**: the prefix's first
+TRUNCATE_HEAD tokens and its last `max_context` - `cont` - MARGIN - TRUNCATE_HEAD (full attention over the most
+recent context, as llama.cpp's `--keep` truncation keeps it), recorded as `full` with `past_context` and
+`full_tokens`. The compressed caches read the whole prefix in chunks of `chunk`, compressed after each (bounded
+reading, `kvcli run --chunk`: kvcli/drivers/chunked.py), and are scored on the same continuation. KL and top-1 then
+say how far the compressed cache is from full attention over the last context's worth, not from an unbounded one;
+the perplexity of the document's own continuation (`ppl`, `ratio_to_full`) says which of the two predicts the
+document better.
 """
 from __future__ import annotations
 
@@ -26,9 +36,11 @@ import time
 import numpy as np
 
 from kvcli.errors import KvcliError
-from kvcli.evaluation.measure import kl, log_softmax, machine
+from kvcli.evaluation.measure import held, kl, log_softmax, machine
 from kvcli.evaluation.corpus_eval import check_variants
-from kvcli.evaluation.runner import TRUNCATE, _session, compressed_variants, eval_configs
+from kvcli.drivers.chunked import DEFAULT_CHUNK
+from kvcli.evaluation.runner import (TRUNCATE, TRUNCATE_HEAD, _session, chunked_variants, compressed_variants,
+                                    eval_configs)
 
 MARGIN = 16   # context cells beyond prefix + continuation
 
@@ -60,18 +72,22 @@ def compare(ref: list[np.ndarray] | None, logps: list[np.ndarray], target: list[
 
 def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], lengths: list[int] | None,
                  cont: int = 64, *, cache_type: str = "f16", policy_args: dict | None = None,
-                 threads: int | None = None, log=None, doc_meta: dict | None = None) -> dict:
+                 threads: int | None = None, log=None, doc_meta: dict | None = None, chunk: int | None = None,
+                 chunk_scoring: str = "question", max_context: int | None = None) -> dict:
     """Every document x length x (policy, budget): the module's docstring. `docs`: objects with .name and .text;
-    `doc_meta`: name -> fields copied into its records (a corpus manifest's genre, split, tokens)."""
+    `doc_meta`: name -> fields copied into its records (a corpus manifest's genre, split, tokens); `chunk`,
+    `chunk_scoring`: the bounded reading's past the context (chunk None: DEFAULT_CHUNK); `max_context`: the context
+    a full cache may take (the model's trained context; less to try the bounded reference where the whole cache
+    would fit)."""
     log = log or (lambda m: None)
     policy_args = policy_args or {}
     doc_meta = doc_meta or {}
     if cont < 1:
         raise KvcliError("--cont must be >= 1")
-    if TRUNCATE in policies:
-        raise KvcliError("policy 'truncate' is for kvcli eval niah/ruler on documents read in chunks")
     unavailable, resolved = check_variants(model_path, policies, budgets, policy_args)
-    cfgs = eval_configs(policies, budgets)
+    # `truncate` at budget b: full attention over the prefix's first TRUNCATE_HEAD and last b - TRUNCATE_HEAD tokens
+    # (within the context: how far the reference past it is from the full cache)
+    cfgs = eval_configs(policies, budgets, long=False)
     tok = _session(model_path, 0, cache_type, threads)
     try:
         doc_tokens = [(d.name, tok.tokenize(d.text)) for d in docs]
@@ -84,30 +100,47 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
     for L in (lengths or [None]):
         for name, toks in doc_tokens:
             jobs.append((L if L is not None else "all", L if L is not None else len(toks) - cont, name, toks))
-    for _label, L, _, _ in jobs:
-        if L + cont > n_ctx_train:
-            raise KvcliError(f"length {L} + {cont} continuation tokens exceed the model's context ({n_ctx_train})"
-                             + ("" if lengths else ": choose shorter documents"))
+    limit = max_context or n_ctx_train
+    if limit > n_ctx_train:
+        raise KvcliError(f"--max-context {limit} is more than the model's context ({n_ctx_train})")
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    past_keep = limit - cont - MARGIN   # the reference's tokens past the context
+    if any(L + cont + MARGIN > limit for _, L, _, _ in jobs):
+        if past_keep < 2 * TRUNCATE_HEAD:
+            raise KvcliError(f"--cont {cont} leaves the context of {limit} no room for a reference past it")
+        if chunk == 0:
+            raise KvcliError(f"--chunk 0: a prefix past the context ({limit} tokens) can only be read in chunks")
     session, session_ctx, done = None, 0, 0
     try:
         for label, L, name, toks in jobs:
             done = len(records)
             base = {"task": "fidelity", "doc": name, "length": label, "prefix_tokens": L, "cont": cont,
-                    "depth": None, "sample": 0, **doc_meta.get(name, {})}
+                    "depth": None, "sample": 0, "reference": "full", **doc_meta.get(name, {})}
             if L < 1 or len(toks) < L + cont:
                 records += [{**base, "policy": p, "budget": b, "ppl": None, "kl_mean": None, "top1": None,
                              "status": f"document too short: {len(toks)} tokens < {max(L, 1)} + {cont}"}
                             for p, b in cfgs]
                 continue
-            need = L + cont + MARGIN
+            past = L + cont + MARGIN > limit
+            need = limit if past else L + cont + MARGIN
             if session is None or session_ctx < need or session_ctx > 2 * need:
                 if session is not None:
                     session.close()
                 session, session_ctx = _session(model_path, need, cache_type, threads), need
             prefix, target = toks[:L], toks[L:L + cont]
             ref = None
-            for pol, bud, status, first, note, stats in compressed_variants(session, prefix, cfgs, resolved,
-                                                                            unavailable):
+            if past:   # the reference: the full cache of what fits (the module's docstring); the rest read in chunks
+                base.update(reference="context", past_context=True, chunk=chunk)
+                variants = chunked_variants(session, prefix, [(TRUNCATE, past_keep) if c == ("full", None) else c
+                                                              for c in cfgs], resolved, unavailable, chunk,
+                                            cont + MARGIN, chunk_scoring)
+            else:
+                variants = compressed_variants(session, prefix, cfgs, resolved, unavailable)
+            for i, (pol, bud, status, first, note, stats) in enumerate(variants):
+                if past and i == 0:   # cfgs[0], the reference
+                    pol, bud, stats = "full", None, {**stats, **held(session), "full_tokens": past_keep}
+                elif pol == TRUNCATE and status == "ok":
+                    stats = {**stats, **held(session)}
                 rec = {**base, "policy": pol, "budget": bud, "status": status, "ppl": None, "kl_mean": None,
                        "top1": None, **stats}
                 if note:
@@ -137,9 +170,12 @@ def run_fidelity(model_path, docs, policies: list[str], budgets: list[int], leng
             "interrupted": interrupted,
             "settings": {"policies": policies, "budgets": budgets, "lengths": lengths or "all", "cont": cont,
                          "cache_type": cache_type, "docs": [n for n, _ in doc_tokens], "policy_args": policy_args,
-                         "mode": "compress once (question-agnostic), continuation teacher-forced one token a step"},
+                         "mode": "compress once (question-agnostic), continuation teacher-forced one token a step",
+                         "max_context": limit, "chunk": chunk, "chunk_scoring": chunk_scoring,
+                         "past_context_reference": f"the full cache of the first {TRUNCATE_HEAD} and last "
+                                                   f"{past_keep - TRUNCATE_HEAD} tokens of the prefix"},
             "elapsed_s": time.perf_counter() - t_start, "records": records,
-            "summary": summarise(records)}
+            "summary": summarise(records, keys=("task", "policy", "budget", "length", "reference"))}
 
 
 def _se(values: list[float]) -> float | None:
@@ -152,6 +188,8 @@ def summarise(records: list[dict], keys=("task", "policy", "budget", "length")) 
     groups: dict[tuple, list] = {}
     for r in records:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    # the reference a record is paired with: the full cache of its document, length and probe (past the context:
+    # the full cache of what fits, `reference` "context")
     full_nll = {(r["doc"], r["length"], r.get("probe")): r["nll_positions"] for r in records
                 if r["policy"] == "full" and r.get("nll_positions")}
     out = []
@@ -199,6 +237,11 @@ def fidelity_table(result: dict) -> str:
                                                            if r["probe_kind"] == kind])
     for s in result.get("skipped", []):
         lines.append(f"skipped: {s['doc']} ({s['length']}): {s['why']}")
+    st = result["settings"]
+    if any(r.get("reference") == "context" for r in result["summary"]):
+        lines.append(f"past the context ({st['max_context']} tokens, rows marked 'past'): 'full' is "
+                     f"{st['past_context_reference']}; the compressed caches read the prefix in chunks of "
+                     f"{st['chunk']}")
     return "\n".join(lines)
 
 
@@ -208,6 +251,7 @@ def _table_rows(rows: list[dict]) -> list[str]:
     lines = [head, "-" * len(head)]
     for r in rows:
         name = r["policy"] if r["budget"] is None else f"{r['policy']}@{r['budget']}"
+        name += " (past)" if r.get("reference") == "context" else ""
         if r.get("ppl") is None:
             lines.append(f"{name:<22}{str(r['length']):>8}{r['n_docs']:>6}  {str(r.get('status'))[:80]}")
             continue
