@@ -120,7 +120,9 @@ def main() -> None:
 
                 def base_keys(cands, qa=qa, store=store, key_cache=key_cache):
                     missing = [c for c in cands if c not in key_cache]
-                    if missing:   # the agnostic probe's key scores, over the chunks asked so far: shares renormalised
+                    # the agnostic probe's real-key scores, cached per chunk: each is a softmax share over the
+                    # candidates of the question that first asked for it, not over this question's (approximate)
+                    if missing:
                         key_cache.update(zip(missing, store.key_scores(qa, s.info, missing)))
                     return np.array([key_cache[c] for c in cands])
 
@@ -135,6 +137,10 @@ def main() -> None:
                     for form in FORMS:
                         chosen, ranked = choose(store, s.info, qq, select,
                                                 *((base_pages, base_keys) if form == "contrast" else ()))
+                        if form == "index" and chosen != [store.chunks.index(c)
+                                                          for c in store._choose(s, 0, prompt, cfg)[0]]:
+                            sys.exit(f"index_recall: {d.name} question {i}: the replayed index differs from "
+                                     "ChunkedStore._choose's choice")
                         row[form] = {"streamed": chosen, "hit": all(c in chosen for c in where),
                                      "ranks": [0 if c in (0, len(store.chunks) - 1) else
                                                (ranked.index(c) + 1 if c in ranked else None) for c in where]}
