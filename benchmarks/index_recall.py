@@ -6,10 +6,11 @@ Each document of the corpus part is read once by bounded reading as `kvcli chat`
 the summary) the chunks holding the evidence are found (the question's `depth`, or a combine question's two
 `depths`, as characters of the document, mapped through the chunks' own text) and the index's choice is recorded:
 
-    index     what kvcli chat streams (reselect_bounded.ChunkedStore._choose: the page bounds' best CANDIDATES x
-              select, the real keys' best `select` of them, with the first and the last chunk);
-    contrast  the same two steps with each chunk's score less the score a question-agnostic probe (the corpus's
-              summary question) gives it: the attention the question adds, not the attention every question gives.
+    index     what kvcli chat streams (reselect_bounded.ChunkedStore._choose, kvcli/drivers/block_index.py: the
+              question's queries, the middle half of the layers, each chunk scored by how far it stands out);
+    first     the index as it was first made, replayed here on the same read: the prompt's last 32 tokens as the
+              probe, every layer, each chunk scored by its summed softmax share, the page bounds' best 4 x select
+              chunks rescored by their real keys.
 
 Recorded per question: the evidence chunks, their rank by each scoring's final step, whether every evidence chunk
 was streamed; pooled per form with its binomial standard error. No answer is generated: this measures the index's
@@ -33,7 +34,8 @@ from bench_common import ROOT, machine, uptime
 sys.path.insert(0, str(ROOT))
 
 from kvcli.drivers import block_index  # noqa: E402
-from kvcli.drivers.chunked import DEFAULT_CHUNK, pad_cells  # noqa: E402
+from kvcli.drivers.chunked import DEFAULT_CHUNK, pad_cells, question_probe  # noqa: E402
+from kvcli.drivers.chunked_store import _snapshot_of  # noqa: E402
 from kvcli.drivers.compress import resolve  # noqa: E402
 from kvcli.drivers.reselect_bounded import ChunkedStore  # noqa: E402
 from kvcli.evaluation.corpus import corpus_documents, load_manifest  # noqa: E402
@@ -43,8 +45,9 @@ from kvcli.evaluation.runner import TURN_ROOM, read_store_as_chat  # noqa: E402
 from kvcli.evaluation.tasks import prefix_text, render  # noqa: E402
 from kvcli.models import resolve_model  # noqa: E402
 from kvcli.native.session import NativeSession  # noqa: E402
+from kvcli.native.state import chunk_keys  # noqa: E402
 
-FORMS = ("index", "contrast")
+FORMS = ("index", "first")
 
 
 def evidence_chunks(q, text: str, head_chars: int, bounds: list[int]) -> list[int]:
@@ -59,19 +62,40 @@ def evidence_chunks(q, text: str, head_chars: int, bounds: list[int]) -> list[in
     return sorted(set(out))
 
 
-def choose(store, info, q, select: int, base_pages=None, base_keys=None) -> tuple[list[int], list[int]]:
+def first_choice(store, session, prompt: list[int], select: int) -> tuple[list[int], list[int]]:
     """(chunks streamed, indices among all chunks, ascending; the final step's ranking of the inner chunks, best
-    first) by the index's two steps, each score less the agnostic probe's (`base_*`) where given."""
-    pages = store._page_scores(q, info)          # the index's own first step (a benchmark may reach inside)
-    if base_pages is not None:
-        pages = pages - base_pages
-    cands = block_index.choose(pages, block_index.CANDIDATES * select)
-    keys = store.key_scores(q, info, cands)
-    if base_keys is not None:
-        keys = keys - base_keys(cands)
+    first) by the index as it was first made (kvcli 2026-12-06, before the question's queries and z scores)."""
+    def shares(maxima):
+        m = np.stack(maxima)
+        p = np.exp(m - m.max(axis=0, keepdims=True))
+        return (p / p.sum(axis=0, keepdims=True)).reshape(len(maxima), -1).sum(axis=1)
+
+    session.restore_seq(_snapshot_of(store.summary, store._read_file(store.summary)), 0)
+    try:
+        q = block_index.question_queries(session, 0, question_probe(prompt, 1, store.chunk), at=store.cap)
+    finally:
+        session.clear(0)
+    info = session.info
+    pages = shares([block_index.chunk_maxima(q, *block_index.load_pages(store._read_file(f), info))
+                    for f in store.pages[1:-1]])
+    cands = block_index.choose(pages, 4 * select)
+    keys = shares([block_index.key_maxima(q, chunk_keys(store._read_chunk(store.chunks[1 + i]), info.n_head_kv)[0])
+                   for i in cands])
     ranked = [cands[j] + 1 for j in (-keys).argsort(kind="stable")]
     best = sorted(cands[j] for j in block_index.choose(keys, select))
     return [0] + [1 + i for i in best] + [len(store.chunks) - 1], ranked
+
+
+def index_choice(store, session, prompt: list[int], select: int, cfg) -> tuple[list[int], list[int]]:
+    """(chunks streamed, the final step's ranking of the inner chunks) by kvcli chat's index."""
+    q = store.question_queries(session, 0, prompt)
+    cands = block_index.choose(store._page_scores(q, session.info), block_index.CANDIDATES * select)
+    keys = store.key_scores(q, session.info, cands)
+    ranked = [cands[j] + 1 for j in (-keys).argsort(kind="stable")]
+    chosen = [store.chunks.index(c) for c in store._choose(session, 0, prompt, cfg)[0]]
+    if chosen[1:-1] != sorted(cands[j] + 1 for j in block_index.choose(keys, select)):
+        sys.exit("index_recall: the replayed ranking differs from ChunkedStore._choose's choice")
+    return chosen, ranked
 
 
 def main() -> None:
@@ -113,34 +137,16 @@ def main() -> None:
                 bounds = [sum(len(t) for t in texts[:i + 1]) for i in range(len(texts))]
                 head_chars = head_text.index(d.text.strip()[:200])
                 select = store.chunks_per_question(cfg.budget)
-                agnostic = next(q for q in qs if q.kind == "summary")
-                qa = store.question_queries(s, 0, s.tokenize(render(s, d.text, [], agnostic.question)))
-                base_pages = store._page_scores(qa, s.info)
-                key_cache: dict[int, float] = {}
-
-                def base_keys(cands, qa=qa, store=store, key_cache=key_cache):
-                    missing = [c for c in cands if c not in key_cache]
-                    # the agnostic probe's real-key scores, cached per chunk: each is a softmax share over the
-                    # candidates of the question that first asked for it, not over this question's (approximate)
-                    if missing:
-                        key_cache.update(zip(missing, store.key_scores(qa, s.info, missing)))
-                    return np.array([key_cache[c] for c in cands])
-
                 for i, q in enumerate(qs):
                     if q.kind == "summary":
                         continue
                     where = evidence_chunks(q, d.text, head_chars, bounds)
                     prompt = s.tokenize(render(s, d.text, [], q.question))
-                    qq = store.question_queries(s, 0, prompt)
                     row = {"doc": d.name, "genre": meta.get(d.name, {}).get("genre"), "question": i, "kind": q.kind,
                            "evidence_chunks": where, "chunks": len(store.chunks), "select": select}
                     for form in FORMS:
-                        chosen, ranked = choose(store, s.info, qq, select,
-                                                *((base_pages, base_keys) if form == "contrast" else ()))
-                        if form == "index" and chosen != [store.chunks.index(c)
-                                                          for c in store._choose(s, 0, prompt, cfg)[0]]:
-                            sys.exit(f"index_recall: {d.name} question {i}: the replayed index differs from "
-                                     "ChunkedStore._choose's choice")
+                        chosen, ranked = (index_choice(store, s, prompt, select, cfg) if form == "index" else
+                                          first_choice(store, s, prompt, select))
                         row[form] = {"streamed": chosen, "hit": all(c in chosen for c in where),
                                      "ranks": [0 if c in (0, len(store.chunks) - 1) else
                                                (ranked.index(c) + 1 if c in ranked else None) for c in where]}

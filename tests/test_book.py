@@ -131,6 +131,48 @@ def test_page_bounds_hold_every_logit(tiny_2k, setup):
     s.clear()
 
 
+def test_the_question_rows_queries_are_the_whole_probes_last_rows(tiny_2k, setup):
+    """question_queries(rows=k) gives the last k rows of the whole probe's queries, turned to the same positions, and
+    question_tokens takes the prompt after the stored document (at most QUESTION_TOKENS, PROBE_ROWS at least)."""
+    from kvcli.drivers import block_index
+    s, head, prompt = setup
+    s.clear()
+    s.prefill(head[:100], seq=0)
+    probe = s.tokenize(" Which code did the river station log? Answer with the code only.")
+    every = block_index.question_queries(s, 0, probe, at=500)
+    last = block_index.question_queries(s, 0, probe, at=500, rows=5)
+    assert s.seq(0).next_pos == 100 and last.shape[2] == 5
+    np.testing.assert_allclose(last, every[:, :, -5:], rtol=1e-4, atol=1e-4)
+    s.clear()
+    split = len(head)
+    assert block_index.question_tokens(prompt, split) == list(prompt[-block_index.PROBE_ROWS:])
+    long = list(head) + [head[0]] * 300
+    assert block_index.question_tokens(long, split) == long[-block_index.QUESTION_TOKENS:]
+    mid = list(head) + [head[0]] * 100
+    assert block_index.question_tokens(mid, split) == mid[split:]
+
+
+def test_a_chunk_scores_by_how_far_it_stands_out_not_by_its_summed_share():
+    """chunk_scores: a chunk that a few rows find far better than every other chunk (the passage a question quotes)
+    outranks one that every row finds a little better (a chunk every question attends to), and a chunk that stands out
+    in no row (never 3 standard deviations past the others) scores 0 but for a tie-break. Summed softmax shares ranked
+    them the other way. With few chunks, where none can stand out 3 standard deviations, the cut comes down."""
+    from kvcli.drivers import block_index
+    rng = np.random.default_rng(0)
+    m = rng.normal(0.0, 1.0, size=(60, 2, 4, 50))        # [chunks, layers, heads, queries]
+    m[3] += 1.5                                          # a little better in every row
+    m[11, 1, 2, :6] += 9.0                               # far better in six rows
+    scores = block_index.chunk_scores(list(m))
+    assert np.argmax(scores) == 11 and scores[11] > 1.5 * scores[3]
+    flat = m.reshape(60, -1)
+    assert np.all(np.abs(scores[(flat - flat.mean(axis=0)).max(axis=1) < 2.5]) < 1e-5)   # a tie-break, no more
+    shares = np.exp(flat - flat.max(axis=0))
+    assert np.argmax((shares / shares.sum(axis=0)).sum(axis=1)) == 3
+    few = rng.normal(0.0, 1.0, size=(5, 2, 4, 50))
+    few[2, 0, 1, :6] += 9.0
+    assert block_index.z_cut(5) < 1.8 and np.argmax(block_index.chunk_scores(list(few))) == 2
+
+
 def test_a_stored_chunks_keys_are_read_from_its_file(tiny_2k, setup, tmp_path):
     """chunk_keys reads a stored chunk file's K rows (float16, and q8_0 within its error) as the cache holds them
     after a restore, and key_maxima's logits are the real ones, under chunk_maxima's bound."""

@@ -9,18 +9,26 @@ probes at 128k tokens). The index makes a question's cost close to independent o
         key bounds), float16, one small file per chunk (6% of the chunk's state on qwen2.5-coder-0.5b at 16 tokens a
         page). The reading's last kept cache (the whole document read with each chunk scored by its own last window:
         a question-agnostic summary) is stored too.
-    per question: the summary is restored and the question's probe (the prompt's last tokens) prefilled after it
-        with its queries observed (post-RoPE; `query` observation), then rolled back: the question's queries, computed
-        once, attending to a summary of the whole document. Every page's upper bound on a query's logit
-        (sum over dimensions of max(q_d min_d, q_d max_d): no key of the page scores more) is computed from the index
-        alone, the chunk's best page per (layer, query head, query) taken, a softmax over the chunks for each of those
-        rows, and a chunk's score is the sum of its shares: the attention mass the question would give it.
+    per question: the summary is restored and the question (the prompt's tokens after the stored document, at most
+        QUESTION_TOKENS of them) prefilled after it with the queries of its last PROBE_ROWS tokens observed (post-RoPE;
+        `query` observation), then rolled back: the question's queries, computed once, attending to a summary of the
+        whole document and to the whole question (a probe of the prompt's last 32 tokens alone held the chat
+        template's end and the question's last words, and its queries never saw the question's start). Only the
+        middle half of the layers is scored (`layers`): on the corpus's tuning part their keys found a question's
+        chunk where every layer's did no better and the last quarter's did worse (docs/results/real-text.md).
+        Every page's upper bound on a query's logit (sum over dimensions of max(q_d min_d, q_d max_d): no key of the
+        page scores more) is computed from the index alone and the chunk's best page per (layer, query head, query)
+        taken; a chunk's score is how far it stands out in those rows (`chunk_scores`: each row's maxima
+        standardised over the chunks, the excess over Z_CUT standard deviations summed), not its softmax share
+        of them: rows that attend alike whatever the question (the template's tokens, the sink-like keys of
+        some chunks) gave the same few chunks to every question.
     then (the second step): the page bounds' best CANDIDATES x `select` chunks have their real keys read from their
         files, one at a time, and are scored the same way with each row's largest real logit in place of its bound
         (`key_maxima`); their `select` best, with the first (the attention sink, the document's start) and the last
         (the document's end, joined to the prompt), are streamed, in document order, and re-selected exactly. The
         bounds alone ranked a planted fact's chunk as low as 19th of 131 at 131k tokens (budget 256), where its real
-        keys ranked it 1st (benchmarks/book_select.py; docs/long-documents.md).
+        keys ranked it 1st (benchmarks/book_select.py; docs/long-documents.md); on real text they miss more
+        (benchmarks/index_recall.py), hence twice the candidates of the first form.
 
 The queries are turned (RoPE) to the position `cap` + their offset, past every stored key (the stored chunks sit at
 the positions bounded reading gave them, below budget + chunk), as they would be after a chunk in a re-selection.
@@ -38,7 +46,10 @@ from kvcli.engines import read_kv_layer, seq_positions
 from kvcli.planning import rope as ropes
 
 PAGE = 16          # tokens per page (Quest's page size)
-CANDIDATES = 4     # chunks scored by their real keys per chunk streamed: the page bounds' best CANDIDATES x select
+CANDIDATES = 8     # chunks scored by their real keys per chunk streamed: the page bounds' best CANDIDATES x select
+QUESTION_TOKENS = 256   # the most tokens of the question prefilled to compute its queries
+PROBE_ROWS = 64    # the question's last tokens whose queries score the chunks
+Z_CUT = 3.0        # a row counts for a chunk by how many standard deviations past this its logit stands out
 
 
 def usable(info) -> str | None:
@@ -88,13 +99,26 @@ def load_pages(data: bytes, info) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def question_queries(session, seq: int, probe: list[int], at: int) -> np.ndarray:
-    """The probe's queries, prefilled after what `seq` holds and rolled back: [n_layer, n_head, len(probe), head_dim]
-    float32, turned by RoPE so that the first sits at position `at` (past every stored key)."""
-    obs = session.prefill(probe, seq=seq, observe=("query",), window=len(probe))
+def layers(n_layer: int) -> slice:
+    """The layers whose keys the index scores: the middle half."""
+    return slice(n_layer // 4, n_layer - n_layer // 4)
+
+
+def question_tokens(prompt: list[int], split: int) -> list[int]:
+    """The tokens of `prompt` after the stored document's `split` (the question, the chat template's end, in a
+    conversation the turns before it), at most QUESTION_TOKENS, and PROBE_ROWS at least: what the index prefills."""
+    return list(prompt[-max(min(len(prompt) - split, QUESTION_TOKENS), PROBE_ROWS):])
+
+
+def question_queries(session, seq: int, probe: list[int], at: int, rows: int | None = None) -> np.ndarray:
+    """The queries of the probe's last `rows` tokens (all by default), the probe prefilled after what `seq` holds and
+    rolled back: [n_layer, n_head, rows, head_dim] float32, turned by RoPE so that the probe's first token sits at
+    position `at` (past every stored key)."""
+    rows = len(probe) if rows is None else min(rows, len(probe))
+    obs = session.prefill(probe, seq=seq, observe=("query",), window=rows)
     session.rollback(seq, len(probe))
     q = np.asarray(obs.queries, np.float64)
-    delta = float(at - int(np.min(obs.query_positions)))
+    delta = float(at + len(probe) - rows - int(np.min(obs.query_positions)))
     ang = delta * obs.rope.freqs                                  # [d/2]: the same turn for every query
     return obs.rope.turn(q, np.cos(ang), np.sin(ang)).astype(np.float32)
 
@@ -126,13 +150,21 @@ def key_maxima(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def chunk_scores(maxima: list[np.ndarray]) -> np.ndarray:
-    """[chunks]: each chunk's share of the question's attention, summed over (layer, query head, query) rows, each
-    row a softmax over the chunks of their best page's bound."""
-    m = np.stack(maxima)                                          # [chunks, L, H, w]
-    m = m - m.max(axis=0, keepdims=True)
-    p = np.exp(m)
-    p /= p.sum(axis=0, keepdims=True)
-    return p.reshape(len(maxima), -1).sum(axis=1)
+    """[chunks]: how far each chunk stands out in the question's (layer, query head, query) rows: each row's
+    maxima standardised over the chunks (z), the excess of z over `z_cut` summed. A chunk that every row finds about
+    as well as the others scores (next to) 0; one that a few rows find far better than the rest (the passage the
+    question quotes or names) scores high. A softmax share summed over the rows (the index's first scoring) let rows
+    that attend alike whatever the question choose the same chunks for every question (benchmarks/index_recall.py).
+    Ties (no chunk standing out) go to the chunk whose rows are the higher on average."""
+    m = np.stack(maxima).reshape(len(maxima), -1).astype(np.float64)      # [chunks, rows]
+    z = (m - m.mean(axis=0)) / (m.std(axis=0) + 1e-6)
+    return np.maximum(z - z_cut(len(maxima)), 0.0).sum(axis=1) + 1e-6 * z.mean(axis=1)
+
+
+def z_cut(chunks: int) -> float:
+    """Z_CUT, or where fewer chunks are compared than let one stand out that far (among n values none is more than
+    (n - 1) / sqrt(n) standard deviations above their mean: 1.8 among 5), 0.6 of that most."""
+    return min(Z_CUT, 0.6 * (chunks - 1) / math.sqrt(max(chunks, 1)))
 
 
 def choose(scores: np.ndarray, select: int) -> list[int]:

@@ -372,19 +372,25 @@ class ChunkedStore(BoundedStore):
         """The chunks `inner` (indices among those between the first and the last) scored as the page bounds score
         them, with their real keys' largest logits: the index's second step. One chunk file at a time (the chosen
         ones are read again to be restored): a question holds no more memory than streaming a chunk does."""
-        return block_index.chunk_scores([block_index.key_maxima(q, chunk_keys(self._read_chunk(self.chunks[1 + i]),
-                                                                              info.n_head_kv)[0]) for i in inner])
+        lay = block_index.layers(info.n_layer)
+        return block_index.chunk_scores([block_index.key_maxima(q[lay], chunk_keys(self._read_chunk(self.chunks[1 + i]),
+                                                                                   info.n_head_kv)[0][lay])
+                                         for i in inner])
 
     def _page_scores(self, q: np.ndarray, info) -> np.ndarray:
-        return block_index.chunk_scores([block_index.chunk_maxima(q, *block_index.load_pages(self._read_file(f), info))
-                                         for f in self.pages[1:-1]])
+        lay = block_index.layers(info.n_layer)
+        return block_index.chunk_scores([block_index.chunk_maxima(q[lay], *(b[lay] for b in block_index.load_pages(
+            self._read_file(f), info))) for f in self.pages[1:-1]])
 
     def question_queries(self, session, seq: int, prompt: list[int]) -> np.ndarray:
         """The queries of the question that ends `prompt`, prefilled after the stored summary (in `seq`, empty
         before and after) and turned to the position past every stored key (block_index.question_queries)."""
         session.restore_seq(_snapshot_of(self.summary, self._read_file(self.summary)), seq)
         try:
-            return block_index.question_queries(session, seq, question_probe(prompt, 1, self.chunk), at=self.cap)
+            probe = block_index.question_tokens(prompt, self.split)
+            free = session.n_ctx - session.cells_used()     # a context sized for a chunk holds the question
+            return block_index.question_queries(session, seq, probe[max(len(probe) - free, 0):],
+                                                at=self.cap, rows=block_index.PROBE_ROWS)
         finally:
             session.clear(seq)
 
