@@ -6,8 +6,9 @@ Each document of the corpus part is read once by bounded reading as `kvcli chat`
 the summary) the chunks holding the evidence are found (the question's `depth`, or a combine question's two
 `depths`, as characters of the document, mapped through the chunks' own text) and the index's choice is recorded:
 
-    index     what kvcli chat streams (reselect_bounded.ChunkedStore._choose, kvcli/drivers/block_index.py: the
-              question's queries, the middle half of the layers, each chunk scored by how far it stands out);
+    index     what kvcli chat streams (reselect_bounded.ChunkedStore.ranked, whose best _choose streams;
+              kvcli/drivers/block_index.py: the question's queries, the middle half of the layers, each chunk scored
+              by how far it stands out);
     first     the index as it was first made, replayed here on the same read: the prompt's last 32 tokens as the
               probe, every layer, each chunk scored by its summed softmax share, the page bounds' best 4 x select
               chunks rescored by their real keys.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import ROOT, machine, uptime
+from index_scoring import score
 
 sys.path.insert(0, str(ROOT))
 
@@ -66,9 +68,7 @@ def first_choice(store, session, prompt: list[int], select: int) -> tuple[list[i
     """(chunks streamed, indices among all chunks, ascending; the final step's ranking of the inner chunks, best
     first) by the index as it was first made (kvcli 2026-12-06, before the question's queries and z scores)."""
     def shares(maxima):
-        m = np.stack(maxima)
-        p = np.exp(m - m.max(axis=0, keepdims=True))
-        return (p / p.sum(axis=0, keepdims=True)).reshape(len(maxima), -1).sum(axis=1)
+        return score(np.stack(maxima), "share")
 
     session.restore_seq(_snapshot_of(store.summary, store._read_file(store.summary)), 0)
     try:
@@ -86,16 +86,13 @@ def first_choice(store, session, prompt: list[int], select: int) -> tuple[list[i
     return [0] + [1 + i for i in best] + [len(store.chunks) - 1], ranked
 
 
-def index_choice(store, session, prompt: list[int], select: int, cfg) -> tuple[list[int], list[int]]:
-    """(chunks streamed, the final step's ranking of the inner chunks) by kvcli chat's index."""
-    q = store.question_queries(session, 0, prompt)
-    cands = block_index.choose(store._page_scores(q, session.info), block_index.CANDIDATES * select)
-    keys = store.key_scores(q, session.info, cands)
+def index_choice(store, session, prompt: list[int], select: int) -> tuple[list[int], list[int]]:
+    """(chunks streamed, the final step's ranking of the inner chunks) by kvcli chat's index (ChunkedStore.ranked,
+    the two steps ChunkedStore._choose streams the best of)."""
+    cands, keys = store.ranked(session, 0, prompt, select)
     ranked = [cands[j] + 1 for j in (-keys).argsort(kind="stable")]
-    chosen = [store.chunks.index(c) for c in store._choose(session, 0, prompt, cfg)[0]]
-    if chosen[1:-1] != sorted(cands[j] + 1 for j in block_index.choose(keys, select)):
-        sys.exit("index_recall: the replayed ranking differs from ChunkedStore._choose's choice")
-    return chosen, ranked
+    best = sorted(cands[j] for j in block_index.choose(keys, select))
+    return [0] + [1 + i for i in best] + [len(store.chunks) - 1], ranked
 
 
 def main() -> None:
@@ -145,7 +142,7 @@ def main() -> None:
                     row = {"doc": d.name, "genre": meta.get(d.name, {}).get("genre"), "question": i, "kind": q.kind,
                            "evidence_chunks": where, "chunks": len(store.chunks), "select": select}
                     for form in FORMS:
-                        chosen, ranked = (index_choice(store, s, prompt, select, cfg) if form == "index" else
+                        chosen, ranked = (index_choice(store, s, prompt, select) if form == "index" else
                                           first_choice(store, s, prompt, select))
                         row[form] = {"streamed": chosen, "hit": all(c in chosen for c in where),
                                      "ranks": [0 if c in (0, len(store.chunks) - 1) else

@@ -35,8 +35,9 @@ from bench_common import ROOT
 
 sys.path.insert(0, str(ROOT))
 
+from kvcli.drivers.reselect import STORE_TAIL  # noqa: E402  the document's last tokens a store leaves to the prompt
+
 ROWS = 192
-STORE_TAIL = 8     # the document's last tokens a store leaves to the prompt (kvcli/drivers/reselect.py STORE_TAIL)
 
 
 def dump(a) -> None:

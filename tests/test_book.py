@@ -190,6 +190,7 @@ def test_a_stored_chunks_keys_are_read_from_its_file(tiny_2k, setup, tmp_path):
     want, _ = read_kv(s.ctx, 0, s.info)
     s.clear(0)
     np.testing.assert_array_equal(keys, want)
+    np.testing.assert_array_equal(chunk_keys(store._read_chunk(c), s.info.n_head_kv, slice(1, 3))[0], keys[1:3])
     q8, _ = chunk_keys(convert_chunk(store._read_chunk(c), Q8_0), s.info.n_head_kv)
     assert np.linalg.norm(q8 - keys) <= 0.02 * np.linalg.norm(keys)
     q = store.question_queries(s, 0, prompt)

@@ -15,7 +15,7 @@ probes at 128k tokens). The index makes a question's cost close to independent o
         whole document and to the whole question (a probe of the prompt's last 32 tokens alone held the chat
         template's end and the question's last words, and its queries never saw the question's start). Only the
         middle half of the layers is scored (`layers`): on the corpus's tuning part their keys found a question's
-        chunk where every layer's did no better and the last quarter's did worse (docs/results/real-text.md).
+        chunk more often than every layer's, and the second half's less (docs/results/real-text.md).
         Every page's upper bound on a query's logit (sum over dimensions of max(q_d min_d, q_d max_d): no key of the
         page scores more) is computed from the index alone and the chunk's best page per (layer, query head, query)
         taken; a chunk's score is how far it stands out in those rows (`chunk_scores`: each row's maxima

@@ -356,11 +356,17 @@ class ChunkedStore(BoundedStore):
         if select is None or len(self.chunks) <= select + 2 or not self.pages or self.summary is None:
             return list(self.chunks), 0.0
         t0 = time.perf_counter()
-        q = self.question_queries(session, seq, prompt)
-        candidates = block_index.choose(self._page_scores(q, session.info), block_index.CANDIDATES * select)
-        best = sorted(candidates[j] for j in block_index.choose(self.key_scores(q, session.info, candidates), select))
+        candidates, keys = self.ranked(session, seq, prompt, select)
+        best = sorted(candidates[j] for j in block_index.choose(keys, select))
         chosen = [self.chunks[0]] + [self.chunks[1 + i] for i in best] + [self.chunks[-1]]
         return chosen, time.perf_counter() - t0
+
+    def ranked(self, session, seq: int, prompt: list[int], select: int) -> tuple[list[int], np.ndarray]:
+        """The index's two steps for the question that ends `prompt`: the page bounds' best CANDIDATES x `select`
+        chunks (indices among those between the first and the last, ascending) and their real keys' scores."""
+        q = self.question_queries(session, seq, prompt)
+        candidates = block_index.choose(self._page_scores(q, session.info), block_index.CANDIDATES * select)
+        return candidates, self.key_scores(q, session.info, candidates)
 
     def index_scores(self, session, seq: int, prompt: list[int]) -> np.ndarray:
         """The block index's page-bound score of every chunk between the first and the last for the question that
@@ -374,7 +380,7 @@ class ChunkedStore(BoundedStore):
         ones are read again to be restored): a question holds no more memory than streaming a chunk does."""
         lay = block_index.layers(info.n_layer)
         return block_index.chunk_scores([block_index.key_maxima(q[lay], chunk_keys(self._read_chunk(self.chunks[1 + i]),
-                                                                                   info.n_head_kv)[0][lay])
+                                                                                   info.n_head_kv, lay)[0])
                                          for i in inner])
 
     def _page_scores(self, q: np.ndarray, info) -> np.ndarray:

@@ -105,9 +105,10 @@ def _cells_from(r: Reader, state: bytes, first_pos: int) -> tuple[bytes, int, in
     return b"".join(out), int(keep.size), int(pos[keep].max()) + 1
 
 
-def chunk_keys(state: bytes, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
+def chunk_keys(state: bytes, n_head_kv: int, layers: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
     """A stored chunk's K rows and positions (a state as cells_from writes it, float16 or q8_0 rows):
-    ([n_layer, n_head_kv, cells, head_dim] float32, [cells] positions). The V rows are not read."""
+    ([layers, n_head_kv, cells, head_dim] float32, [cells] positions). The V rows, and the K rows of the layers
+    not asked for, are not converted."""
     try:
         r = Reader(state)
         _, _, headers, pos, _ = _opening(r)
@@ -115,6 +116,7 @@ def chunk_keys(state: bytes, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
             raise KvcliError("only a stored chunk's state (uncompressed) has its keys read")
         n = pos.size
         _, n_layer = r.u("<I"), r.u("<I")
+        wanted = range(n_layer)[layers]
         out = None
         for il in range(n_layer):
             t, row = r.u("<i"), r.u("<Q")
@@ -125,10 +127,12 @@ def chunk_keys(state: bytes, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
             if width % n_head_kv:
                 raise KvcliError(f"a chunk's K rows of {width} values are not {n_head_kv} heads' keys")
             data = r.take(n * row)
+            if il not in wanted:
+                continue
             rows = np.frombuffer(data, "<f2").reshape(n, width) if t == F16 else _from_q8_0(data, n, width)
             if out is None:
-                out = np.empty((n_layer, n_head_kv, n, width // n_head_kv), np.float32)
-            out[il] = rows.reshape(n, n_head_kv, -1).transpose(1, 0, 2)
+                out = np.empty((len(wanted), n_head_kv, n, width // n_head_kv), np.float32)
+            out[wanted.index(il)] = rows.reshape(n, n_head_kv, -1).transpose(1, 0, 2)
         return out, pos
     except ValueError as e:
         raise KvcliError(f"the chunk state is cut short: {e}") from None
