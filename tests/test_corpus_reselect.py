@@ -10,7 +10,7 @@ import pytest
 from helpers import native_missing
 
 from kvcli.cli import cli
-from kvcli.evaluation import corpus
+from kvcli.evaluation import corpus, runner
 from kvcli.evaluation.corpus_eval import agreement, questions_table, summarise
 from kvcli.testing.tiny_gguf import write_tiny_llama
 
@@ -112,6 +112,8 @@ def test_bounded_index_and_every_chunk_from_one_read(cli_runner, tiny, book, mon
     assert len({x["read_s"] for x in ok}) == 1 and ok[0]["store_bytes"] > 0 and ok[0]["chunk"] == 128
     for x in ok:
         assert x["kv_cells"] <= 48 + 12 and x["stored_chunks"] > 8
+        assert (x["answer_kept"] is None) == (x["kind"] == "summary")
+        assert x["kind"] == "summary" or 0 <= x["answer_kept"] <= 1
         if x["form"] == "all":
             assert x["reselect_chunks"] == x["stored_chunks"] and x["chunks_per_question"] is None
         else:
@@ -122,7 +124,39 @@ def test_bounded_index_and_every_chunk_from_one_read(cli_runner, tiny, book, mon
     assert index["reference"] == "snapkv@48 all" and index["ref_score"] == rows[("snapkv", "all", "questions")]["score"]
     assert "full_score" not in index
     assert not any((book[0].parent / "cache" / "documents").iterdir())
-    assert "bounded form" in questions_table(res)
+    assert "bounded form" in questions_table(res) and "answer kept" in questions_table(res)
+    assert rows[("snapkv", "all", "questions")]["answer_kept_n"] == sum(x["kind"] != "summary" for x in ok) // 2
+
+
+def test_bounded_stores_keeps_the_reads_and_the_second_run_reuses_them(cli_runner, tiny, book, monkeypatch, tmp_path):
+    """--stores DIR: the first run saves each configuration's read as DIR/DOC-POLICY-BUDGET, the second opens it
+    instead of reading (the same read_s, the store's) and answers every question the same; a store of other read
+    settings under that name is refused in one line."""
+    monkeypatch.setattr("kvcli.evaluation.corpus_reselect.DEFAULT_CHUNK", 128)
+    stores = tmp_path / "reads"
+    args = ("--mode", "bounded", "--policies", "snapkv", "--budgets", "48", "--stores", str(stores), "--json")
+    r = _ask(cli_runner, tiny, book, *args)
+    assert r.exit_code == 0, r.output
+    first = json.loads(r.stdout)
+    kept = stores / "demo-snapkv-48"
+    assert (kept / "store.json").exists()
+    opened, reads, orig_open, orig_read = [], [], runner.ChunkedStore.open, runner.ChunkedStore.read
+    monkeypatch.setattr(runner.ChunkedStore, "open", lambda *a, **k: opened.append(a) or orig_open(*a, **k))
+    monkeypatch.setattr(runner.ChunkedStore, "read", lambda *a, **k: reads.append(a) or orig_read(*a, **k))
+    second = json.loads(_ask(cli_runner, tiny, book, *args).stdout)
+    assert len(opened) == 1 and not reads
+    key = [(x["question"], x["form"], x["prediction"], x["read_s"]) for x in first["records"]]
+    assert key == [(x["question"], x["form"], x["prediction"], x["read_s"]) for x in second["records"]]
+    r = _ask(cli_runner, tiny, book, "--mode", "bounded", "--policies", "snapkv", "--budgets", "64", "--stores",
+             str(stores))
+    assert r.exit_code == 0, r.output       # another budget: its own folder
+    (stores / "demo-snapkv-48").rename(stores / "demo-snapkv-40")
+    r = _ask(cli_runner, tiny, book, "--mode", "bounded", "--policies", "snapkv", "--budgets", "40", "--stores",
+             str(stores))
+    assert r.exit_code == 2 and "a store of other tokens or settings (read snapkv@48" in r.output
+    assert "Traceback" not in r.output
+    r = _ask(cli_runner, tiny, book, "--mode", "reselect", "--stores", str(stores))
+    assert r.exit_code == 2 and "--stores is for --mode bounded" in r.output
 
 
 def test_corpus_ask_bad_input_is_one_line(cli_runner, tiny, book, monkeypatch, tmp_path):

@@ -380,3 +380,27 @@ def test_fidelity_reselect_bad_input_is_one_line(cli_runner, tiny, tmp_path):
         r = cli_runner.invoke(cli, ["eval", "fidelity", "--model", str(tiny), "--doc", str(doc), "--policies",
                                     "full", "--lengths", "all", *extra])
         assert r.exit_code == 2 and msg in r.output, r.output
+
+
+def test_answer_kept_places_each_answer_where_the_document_writes_it():
+    """evaluation/evidence.py: a fact's number, a combine question's two numbers and a structure question's heading
+    are found at their evidence (not at an earlier occurrence of the same string), and kept_share is the share of
+    the answer's tokens each head holds, averaged over heads and answers."""
+    import numpy as np
+    from kvcli.evaluation.evidence import answer_chars, kept_share
+    from kvcli.evaluation.questions import Question
+    text = "INTRO\nThe 42 pages.\n\nLIMITS\nKeep 42 records, not 17 more.\n\nEND\nAt 9 we stop.\n"
+    at = text.index("Keep 42")
+    fact = Question("fact", "d", "q", ["42"], at / len(text))
+    assert answer_chars(fact, text) == [(at + 5, at + 7)]
+    combine = Question("combine", "d", "q", ["17", "9"], at / len(text),
+                       {"depths": [at / len(text), text.index("At 9") / len(text)]})
+    assert [text[a:b] for a, b in answer_chars(combine, text)] == ["17", "9"]
+    structure = Question("structure", "d", "q", ["LIMITS"], at / len(text), {"heading": "LIMITS"})
+    assert answer_chars(structure, text) == [(text.index("LIMITS"), text.index("LIMITS") + 6)]
+    assert answer_chars(Question("summary", "d", "q", []), text) == []
+    origins = [[np.array([0, 5, 6]), np.array([7, -1])], [np.array([5]), np.array([], np.int64)]]
+    spans = [np.array([5, 6]), np.array([7])]
+    # span 1: heads hold 2/2, 0/2, 1/2, 0/2 -> 0.375; span 2: 0, 1, 0, 0 -> 0.25
+    assert kept_share(origins, spans) == (0.375 + 0.25) / 2
+    assert kept_share(origins, []) is None

@@ -346,8 +346,11 @@ def corpus_questions_cmd(corpus_dir, split, per_kind, out_path):
 @click.option("--forms", default=None, help="With --mode bounded: comma-separated forms: index (the block index's "
               "chosen chunks, kvcli chat's default), all (every chunk streamed, as KVCLI_RESELECT_CHUNKS=all: the "
               "reference), every_chunk (every chunk with a probe each). Default: index,all.")
+@click.option("--stores", "stores", default=None, metavar="DIR", help="With --mode bounded: keep each document's "
+              "read in DIR (DOC-POLICY-BUDGET, a chunk store) and reuse it when it is there: a second run skips the "
+              "reads.")
 def corpus_ask_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as_json, corpus_dir, split, docs, genres,
-                   max_doc_tokens, min_doc_tokens, per_kind, kinds, mode, forms):
+                   max_doc_tokens, min_doc_tokens, per_kind, kinds, mode, forms, stores):
     """Ask the corpus's questions of each compressed cache, scored automatically against the document's text, and
     each configuration's answers against its reference's (the full cache; in the bounded form, every chunk
     streamed). --mode once (default): compressed once before the questions (question-agnostic), each question alone
@@ -362,6 +365,8 @@ def corpus_ask_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as
             raise KvcliError(f"--kinds: unknown kind '{k}' (choose from {', '.join(QUESTION_KINDS)})")
     if forms is not None and mode != "bounded":
         raise KvcliError("--forms is for --mode bounded")
+    if stores is not None and mode != "bounded":
+        raise KvcliError("--stores is for --mode bounded")
     if min_doc_tokens and max_doc_tokens and min_doc_tokens > max_doc_tokens:
         raise KvcliError(f"--min-doc-tokens {min_doc_tokens} is more than --max-doc-tokens {max_doc_tokens}")
     fs = parse_list(forms, "--forms", lambda s: s.lower()) if forms is not None else list(DEFAULT_FORMS)
@@ -373,7 +378,7 @@ def corpus_ask_cmd(req: Request, model, lengths, plot_path, json_path, quiet, as
         result = run_corpus_questions(resolve_model(model), documents, req.policies, req.budgets, **common)
     else:
         result = run_corpus_chat(resolve_model(model), documents, req.policies, req.budgets, mode=mode, forms=fs,
-                                 **common)
+                                 stores=stores, **common)
     if result.get("interrupted") and not result["records"]:
         raise KeyboardInterrupt
     click.echo(json.dumps(result, default=_jsonable) if as_json else questions_table(result))

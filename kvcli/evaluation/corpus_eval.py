@@ -234,6 +234,11 @@ def summarise(records: list[dict]) -> list[dict]:
                     item["full_score"] = item["ref_score"]
                 if kind != "summary" and ref_key != key:
                     item.update(agreement(list(zip(xs, ref))))
+            kept = [r["answer_kept"] for r in rs if r.get("answer_kept") is not None]
+            if kept:   # the bounded form: the share of heads holding the answer's tokens (evaluation/evidence.py)
+                item.update(answer_kept=float(np.mean(kept)), answer_kept_n=len(kept),
+                            answer_kept_se=float(np.std(kept, ddof=1) / math.sqrt(len(kept))) if len(kept) > 1
+                            else None)
             if kind == "summary":
                 f1 = [r["agreement_f1"] for r in rs if r.get("agreement_f1") is not None]
                 item["agreement_f1"] = float(np.mean(f1)) if f1 else None
@@ -281,4 +286,11 @@ def questions_table(result: dict) -> str:
             + f" (of {q['agree_n']})")
         label = (f"{key[0]} " if len(modes) > 1 else "") + config_label(key)
         lines.append(f"{label:<{width}}" + "".join(f"{c:>18}" for c in cells) + f"{agree:>22}")
+    kept = [(config_label(config_key(r)), r) for r in rows if r["kind"] == "questions" and "answer_kept" in r]
+    if kept:
+        lines.append("answer kept (the share of the answer's tokens, where the document writes them, that a layer x "
+                     "KV-head cache holds; mean +- s.e. over questions): "
+                     + "; ".join(f"{label} {100 * r['answer_kept']:.0f}"
+                                 + ("" if r["answer_kept_se"] is None else f" +- {100 * r['answer_kept_se']:.0f}")
+                                 + f"% ({r['answer_kept_n']})" for label, r in kept))
     return "\n".join(lines + [f"{label}: {status}" for label, status in why.items()])

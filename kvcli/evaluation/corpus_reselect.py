@@ -27,7 +27,9 @@ before the answer is decoded.
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
 
 from kvcli.drivers.chunked import DEFAULT_CHUNK, pad_cells
 from kvcli.drivers.reselect import StoredDocument
@@ -37,6 +39,7 @@ from kvcli.errors import KvcliError
 from kvcli.evaluation.chat import QUESTION_SEQ, RESIDENT_SEQ, _reselections
 from kvcli.evaluation.corpus_eval import (REFERENCE_FORM, answer_tokens, check_variants, corpus_result, doc_line,
                                           doc_questions, score_into)
+from kvcli.evaluation.evidence import answer_kept
 from kvcli.evaluation.fidelity import MARGIN
 from kvcli.evaluation.fidelity_reselect import _selection_cells
 from kvcli.evaluation.measure import held, machine
@@ -56,9 +59,10 @@ DEFAULT_FORMS = ("index", "all")
 def run_corpus_chat(model_path, docs, policies: list[str], budgets: list[int], *, mode: str = "reselect",
                     forms=DEFAULT_FORMS, per_kind: int = 2, kinds=None, cache_type: str = "f16",
                     policy_args: dict | None = None, threads: int | None = None, doc_meta: dict | None = None,
-                    formats: dict | None = None, log=None) -> dict:
+                    formats: dict | None = None, log=None, stores=None) -> dict:
     """Every document x question x (policy, budget) [x form], re-selected (the module's docstring); the result as
-    corpus_eval.run_corpus_questions gives it (records, summary, settings with the mode)."""
+    corpus_eval.run_corpus_questions gives it (records, summary, settings with the mode). `stores` (a folder, bounded
+    mode): each configuration's read kept in it as <doc>-<policy>-<budget> and reused by the next run."""
     log = log or (lambda m: None)
     kinds = KINDS if kinds is None else kinds
     policy_args, doc_meta, formats = policy_args or {}, doc_meta or {}, formats or {}
@@ -70,6 +74,8 @@ def run_corpus_chat(model_path, docs, policies: list[str], budgets: list[int], *
     for f in forms:
         if f not in FORMS:
             raise KvcliError(f"--forms: unknown form '{f}' (choose from {', '.join(FORMS)})")
+    if stores is not None and mode != "bounded":
+        raise KvcliError("--stores is for --mode bounded (the reads it keeps are chunk stores)")
     if mode == "bounded" and not forms:
         raise KvcliError("--forms: name at least one form")
     if mode == "bounded" and os.environ.get("KVCLI_RESELECT_CHUNKS", "").strip():
@@ -113,7 +119,7 @@ def run_corpus_chat(model_path, docs, policies: list[str], budgets: list[int], *
             base = {"mode": mode, "doc": d.name, "doc_tokens": len(head), **doc_meta.get(d.name, {})}
             if mode == "bounded":
                 records += _bounded_document(session, base, d.text, qs, head, prompts, cfgs, resolved, unavailable,
-                                             forms)
+                                             forms, stores)
             else:
                 need = pad_cells(max(_cells(p, q, resolved, run_keys) + (
                     _selection_cells_of(resolved, run_keys, n_layer, len(p)) if resident else 0)
@@ -201,10 +207,11 @@ def _reselect_form(cs, session, prompt, cfg, step: int, form: str):
     return reselect_in_form(cs, session, prompt, cfg, step, form == "every_chunk")
 
 
-def _bounded_document(session, base, text, qs, head, prompts, cfgs, resolved, unavailable, forms) -> list[dict]:
-    """One document in the bounded form: per configuration one read into a chunk store, then every question in
-    every form from it (the reference form first: the others' summaries are scored against its). The context is
-    put back as it was after."""
+def _bounded_document(session, base, text, qs, head, prompts, cfgs, resolved, unavailable, forms,
+                      stores=None) -> list[dict]:
+    """One document in the bounded form: per configuration one read into a chunk store (or the one kept in
+    `stores` by an earlier run), then every question in every form from it (the reference form first: the others'
+    summaries are scored against its). The context is put back as it was after."""
     n_ctx0, asked, recs = session.n_ctx, session.cache_type, []
     order = sorted(forms, key=lambda f: f != REFERENCE_FORM)
     try:
@@ -221,7 +228,8 @@ def _bounded_document(session, base, text, qs, head, prompts, cfgs, resolved, un
                          for f in forms]
                 continue
             cfg = resolved[(pol, bud)]
-            cs, step = read_store_as_chat(session, head, cfg, default_chunk=DEFAULT_CHUNK, cache_type=asked)
+            kept = None if stores is None else Path(stores) / re.sub(r"[^\w.-]", "_", f"{base['doc']}-{pol}-{bud}")
+            cs, step = read_store_as_chat(session, head, cfg, default_chunk=DEFAULT_CHUNK, cache_type=asked, kept=kept)
             read = {"read_s": round(cs.read_s, 3), "read_resumed_tokens": cs.resumed_tokens,
                     "store_bytes": cs.nbytes, "chunk": step, "chunk_type": cs.chunk_type, "n_ctx": session.n_ctx}
             try:
@@ -237,6 +245,8 @@ def _bounded_document(session, base, text, qs, head, prompts, cfgs, resolved, un
                         stats = {"reselect_s": round(r.total_s, 4), "reselect_chunks": r.chunks,
                                  "stored_chunks": r.stored, "index_s": round(r.index_s, 4),
                                  "streamed": r.streamed, "chunks_per_question": cs.chunks_per_question(bud),
+                                 "answer_kept": answer_kept(session, q, text, render(session, text, [], q.question),
+                                                            prompt, r.origins),
                                  **held(session)}
                         t0 = time.perf_counter()
                         pred = _greedy(session, session.logits(0), answer_tokens(q))

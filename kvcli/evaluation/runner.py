@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import codecs
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from kvcli.drivers.bench import availability
 from kvcli.drivers.chunked import (DEFAULT_CHUNK, TURN_ROOM, check_chunk, check_fits, pad_cells, plan_chunking,
                                    read_in_float16_note, reading_cache_type)
 from kvcli.drivers.compress import Shared, prefill_and_compress, resolve
+from kvcli.drivers.reselect import STORE_TAIL
 from kvcli.drivers.reselect_bounded import ChunkedStore, store_types
 from kvcli.engines import ContextFull, open_native
 from kvcli.errors import KvcliError
@@ -211,11 +213,14 @@ def sample_variants(session, toks, question, cfgs, resolved, unavailable, *, res
 
 
 def read_store_as_chat(session, head: list[int], cfg, chunk: int | None = None,
-                       default_chunk: int = DEFAULT_CHUNK, cache_type: str | None = None) -> tuple[ChunkedStore, int]:
+                       default_chunk: int = DEFAULT_CHUNK, cache_type: str | None = None,
+                       kept=None) -> tuple[ChunkedStore, int]:
     """`head` read by bounded reading into a store, in the context `kvcli chat` gives cfg's policy and budget (the
     session resized to it, two sequences, and of the cache type kvcli chat reads `cache_type` in: float16 for
     q8_0 chunk files, store_types); `chunk` None: as chunking decides, else `default_chunk`. Returns (store,
-    chunk length). Eval chat's bounded modes and stored mode."""
+    chunk length). Eval chat's bounded modes and stored mode. `kept` (a folder): the read saved there, or, where
+    it exists, opened from there instead of read (checked: the same model, tokens and read settings), so that a
+    second run over the same documents skips the reads (a 64k read takes 5-15 minutes on 2 cores)."""
     asked = cache_type or session.cache_type
     working, chunk_type = store_types(asked)
     chunking = plan_chunking(len(head), TURN_ROOM, session.n_ctx_train, cfg, chunk,
@@ -224,7 +229,20 @@ def read_store_as_chat(session, head: list[int], cfg, chunk: int | None = None,
     session.clear()
     session.use_cache_type(working)
     session.resize_context(chunking.n_ctx if chunking.chunk else pad_cells(cfg.budget + step + TURN_ROOM), 2)
-    return ChunkedStore.read(session, head, cfg, step, cap=chunking.cap, chunk_type=chunk_type), step
+    if kept is not None and Path(kept).exists():
+        store = ChunkedStore.open(kept, session.model_path)
+        split = max(1, len(head) - STORE_TAIL)
+        if (store.tokens != list(head[:split]) or store.chunk != step or store.read_policy != cfg.policy
+                or store.read_budget != cfg.budget or store.chunk_type != chunk_type):
+            store.close()
+            raise KvcliError(f"{kept}: a store of other tokens or settings (read {store.read_policy}@"
+                             f"{store.read_budget}, chunk {store.chunk}); remove it to read again")
+        return store, step
+    store = ChunkedStore.read(session, head, cfg, step, cap=chunking.cap, chunk_type=chunk_type)
+    if kept is not None:
+        Path(kept).parent.mkdir(parents=True, exist_ok=True)
+        store.save_as(kept, session)
+    return store, step
 
 
 def reselect_in_form(store: ChunkedStore, session, prompt: list[int], cfg, step: int, every_chunk: bool):
