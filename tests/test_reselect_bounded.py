@@ -111,6 +111,32 @@ def test_streamed_chunks_stay_within_kept_plus_chunk(tiny_2k, setup, cache_dir):
     assert not store.path.exists()
 
 
+def test_the_held_cells_are_probed_by_the_whole_question(tiny_2k, monkeypatch):
+    """Between chunks the held cells are scored by the question prefilled after them (the prompt after the stored
+    document, up to block_index.QUESTION_TOKENS), not by the prompt's last `window` tokens alone: a question that
+    quotes a passage and ends with an instruction has the passage's tokens in its probe."""
+    from kvcli.drivers import block_index, reselect_bounded
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    quote = " ".join(f"the {w} station logged code ___ at dawn;" for w in ["north", "river", "delta"] * 3)
+    question = f'The document holds this passage: "{quote}". What is the missing number? Answer with it only.'
+    s, head, prompt = reselection_session(tiny_2k, DOC, question)
+    try:
+        cfg = cfg_of(tiny_2k)
+        _, window = cfg.observe
+        store = ChunkedStore.read(s, head, cfg, chunk=128)
+        after = len(prompt) - store.split
+        assert window < after <= block_index.QUESTION_TOKENS
+        probes, real = [], reselect_bounded.probe_window
+        monkeypatch.setattr(reselect_bounded, "probe_window", lambda sess, seq, probe, obs, w:
+                            probes.append((list(probe), w)) or real(sess, seq, probe, obs, w))
+        store.reselect(s, prompt, cfg, cells=cfg.budget + 128)
+        assert probes and all(p == prompt[store.split:] and w == window for p, w in probes)
+        assert s.stats(0)["kv_cells"] <= cfg.budget
+        store.close()
+    finally:
+        s.close()
+
+
 def test_a_moved_chunk_is_attended_to_as_before(tiny_2k, setup):
     """The same chunk at its stored positions and moved 48 positions back (append_saved: llama.cpp's K-shift):
     a probe after it attends to it alike, since RoPE attention depends on relative positions only."""

@@ -14,10 +14,10 @@ peak is the full cache. Here the cache never holds more than the entries kept so
         the document (every chunk where there is no index: KVCLI_RESELECT_CHUNKS=all, a format 2 store).
     per question: the chosen stored chunks are put back one after the other beside the entries kept so far (moved to
         the positions that follow them: llama.cpp's K-shift) while they fit the context's free cells; when the next
-        would not fit, the held ones are scored by the question's last `window` tokens prefilled as a probe and
-        rolled back (FINCH, as bounded reading scores its chunks), planned to the budget and compacted with
-        re-indexing; then the rest of the prompt (the document's last tokens, the conversation,
-        the question) is prefilled with the observation armed, planned and compacted like any last chunk.
+        would not fit, the held ones are scored by the question prefilled as a probe (its last `window` queries
+        observed) and rolled back (FINCH, as bounded reading scores its chunks), planned to the budget and compacted
+        with re-indexing; then the rest of the prompt (the document's last tokens, the conversation, the question)
+        is prefilled with the observation armed, planned and compacted like any last chunk.
     a conversation's turns: before that last compaction, the cells of the prompt's tokens after the document are
         saved (in memory, `TurnChunks`: one chunk per question, its answer before it and the question); the next
         question streams them after the stored chunks like more stored chunks (probed, compacted) and prefills only
@@ -45,7 +45,7 @@ import numpy as np
 
 from kvcli.config import env_bytes
 from kvcli.drivers import block_index
-from kvcli.drivers.chunked import probe_window, question_probe
+from kvcli.drivers.chunked import probe_window
 from kvcli.drivers.chunked_store import (CHUNK_TYPES, FORMAT, MANIFEST, READS, SUMMARY, BoundedStore, StoredChunk,
                                          _snapshot_of, check_store_target, check_usable, is_store, read_manifest,
                                          replace_folder, store_types, write_manifest)
@@ -221,7 +221,7 @@ class ChunkedStore(BoundedStore):
         turns, end, anchor = self._turns_for(prompt, reach)
         # the question's window must lie in what is prefilled now: the last chunk gives back what it lacks
         base = min(end, n - reach) if reach else end
-        probe = question_probe(prompt, window, self.chunk) if "window" in kinds else []
+        probe = self.question_probe(prompt, base) if "window" in kinds else []
         if seq in session.seqs:
             session.clear(seq)
         stored, index_s = self._choose(session, seq, prompt, cfg)
@@ -399,6 +399,18 @@ class ChunkedStore(BoundedStore):
                                                 at=self.cap, rows=block_index.PROBE_ROWS)
         finally:
             session.clear(seq)
+
+    @staticmethod
+    def question_probe(prompt: list[int], base: int) -> list[int]:
+        """What is prefilled after the held cells to score them: what this question prefills after the streamed
+        chunks (prompt[base:]: the question, after a conversation's kept turns the last answer too), its last
+        block_index.QUESTION_TOKENS at most and PROBE_ROWS at least, as the index prefills the question
+        (block_index.question_tokens). The window's queries then have seen the whole question: the prompt's last
+        `window` tokens alone hold its instruction and the chat template's end, not the passage it asks about (a
+        corpus question quotes 40-150 tokens and ends "Answer with the number only."; docs/results/real-text.md,
+        "The bounded form's probe"). It is no longer than the rest of the prompt, which the last step holds beside
+        the same cells, unless that rest is shorter than PROBE_ROWS."""
+        return block_index.question_tokens(prompt, base)
 
     def _turns_for(self, prompt: list[int], reach: int) -> tuple[list[TurnChunk], int, int]:
         """The kept turn chunks that `prompt` starts with, how far they reach into it exactly, and where the chunk

@@ -1,0 +1,31 @@
+#!/usr/bin/env python3
+"""`kvcli eval corpus ask` with the bounded form's probe as it was until 2026-12-07: the prompt's last
+chunked.probe_length tokens (32 for a window of 32 and a 1,024-token chunk) instead of the whole question
+(reselect_bounded.ChunkedStore.question_probe). Everything else is kvcli's; the arguments are `kvcli`'s:
+
+    python benchmarks/ask_last_probe.py eval corpus ask --model qwen2.5-coder-0.5b --corpus corpus/ --split heldout \
+        --min-doc-tokens 28000 --mode bounded --forms index,all --policies snapkv --budgets 1024 \
+        --stores /tmp/kept --json-out last-probe.json
+
+docs/results/real-text.md, "The bounded form's probe", compares the two on the same kept reads.
+"""
+from __future__ import annotations
+
+import sys
+
+from bench_common import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from kvcli.cli import main  # noqa: E402
+from kvcli.drivers import reselect_bounded  # noqa: E402
+from kvcli.drivers.chunked import question_probe  # noqa: E402
+
+
+def last_tokens_probe(store, prompt: list[int], window: int) -> list[int]:
+    return question_probe(prompt, window, store.chunk)
+
+
+if __name__ == "__main__":
+    reselect_bounded.ChunkedStore.question_probe = last_tokens_probe
+    sys.exit(main())
