@@ -142,7 +142,7 @@ LAYERS = [
     ("planning", ["kvcli.planning"]),
     ("drivers", ["kvcli.drivers", "kvcli.evaluation.runner", "kvcli.evaluation.tasks", "kvcli.evaluation.chat",
                  "kvcli.evaluation.fidelity", "kvcli.evaluation.fidelity_reselect", "kvcli.evaluation.corpus_eval",
-                 "kvcli.evaluation.corpus_reselect"]),
+                 "kvcli.evaluation.corpus_reselect", "kvcli.evaluation.evidence"]),
     ("app", ["kvcli.apps"]),
     # the fuzzer drives the command line; a calibration's commands take the shared flags
     ("commands", ["kvcli.commands", "kvcli.cli", "kvcli.testing.fuzz", "kvcli.calibration.command"]),
