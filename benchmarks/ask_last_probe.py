@@ -22,10 +22,23 @@ from kvcli.drivers import reselect_bounded  # noqa: E402
 from kvcli.drivers.chunked import question_probe  # noqa: E402
 
 
-def last_tokens_probe(store, prompt: list[int], window: int) -> list[int]:
-    return question_probe(prompt, window, store.chunk)
+def use_last_tokens_probe() -> None:
+    """Make ChunkedStore probe by the prompt's last probe_length tokens, as before 2026-12-07 (the policy's window
+    is taken from the configuration each re-selection is called with)."""
+    store_class = reselect_bounded.ChunkedStore
+    reselect = store_class.reselect
+
+    def reselect_noting_window(self, session, prompt, cfg, **kw):
+        self.probe_window = cfg.observe[1]
+        return reselect(self, session, prompt, cfg, **kw)
+
+    def last_tokens_probe(self, prompt: list[int], base: int) -> list[int]:
+        return question_probe(prompt, self.probe_window, self.chunk)
+
+    store_class.reselect = reselect_noting_window
+    store_class.question_probe = last_tokens_probe
 
 
 if __name__ == "__main__":
-    reselect_bounded.ChunkedStore.question_probe = last_tokens_probe
+    use_last_tokens_probe()
     sys.exit(main())
