@@ -22,21 +22,21 @@ from kvcli.drivers import reselect_bounded  # noqa: E402
 from kvcli.drivers.chunked import question_probe  # noqa: E402
 
 
+def last_tokens_probe(prompt: list[int], base: int, window: int) -> list[int]:
+    return question_probe(prompt, window, reselect_bounded.ChunkedStore.chunk_for_probe)
+
+
 def use_last_tokens_probe() -> None:
-    """Make ChunkedStore probe by the prompt's last probe_length tokens, as before 2026-12-07 (the policy's window
-    is taken from the configuration each re-selection is called with)."""
+    """Make ChunkedStore probe by the prompt's last probe_length tokens, as before 2026-12-07."""
     store_class = reselect_bounded.ChunkedStore
     reselect = store_class.reselect
 
-    def reselect_noting_window(self, session, prompt, cfg, **kw):
-        self.probe_window = cfg.observe[1]
+    def reselect_noting_chunk(self, session, prompt, cfg, **kw):
+        store_class.chunk_for_probe = self.chunk
         return reselect(self, session, prompt, cfg, **kw)
 
-    def last_tokens_probe(self, prompt: list[int], base: int) -> list[int]:
-        return question_probe(prompt, self.probe_window, self.chunk)
-
-    store_class.reselect = reselect_noting_window
-    store_class.question_probe = last_tokens_probe
+    store_class.reselect = reselect_noting_chunk
+    store_class.question_probe = staticmethod(last_tokens_probe)
 
 
 if __name__ == "__main__":

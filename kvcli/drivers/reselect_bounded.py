@@ -221,7 +221,7 @@ class ChunkedStore(BoundedStore):
         turns, end, anchor = self._turns_for(prompt, reach)
         # the question's window must lie in what is prefilled now: the last chunk gives back what it lacks
         base = min(end, n - reach) if reach else end
-        probe = self.question_probe(prompt, base) if "window" in kinds else []
+        probe = self.question_probe(prompt, base, window) if "window" in kinds else []
         if seq in session.seqs:
             session.clear(seq)
         stored, index_s = self._choose(session, seq, prompt, cfg)
@@ -401,16 +401,16 @@ class ChunkedStore(BoundedStore):
             session.clear(seq)
 
     @staticmethod
-    def question_probe(prompt: list[int], base: int) -> list[int]:
+    def question_probe(prompt: list[int], base: int, window: int) -> list[int]:
         """What is prefilled after the held cells to score them: what this question prefills after the streamed
         chunks (prompt[base:]: the question, after a conversation's kept turns the last answer too), its last
-        block_index.QUESTION_TOKENS at most and PROBE_ROWS at least, as the index prefills the question
-        (block_index.question_tokens). The window's queries then have seen the whole question: the prompt's last
-        `window` tokens alone hold its instruction and the chat template's end, not the passage it asks about (a
-        corpus question quotes 40-150 tokens and ends "Answer with the number only."; docs/results/real-text.md,
-        "The bounded form's probe"). It is no longer than the rest of the prompt, which the last step holds beside
-        the same cells, unless that rest is shorter than PROBE_ROWS."""
-        return block_index.question_tokens(prompt, base)
+        block_index.QUESTION_TOKENS at most and the policy's `window` at least. The window's queries then have seen
+        the whole question: the prompt's last `window` tokens alone hold its instruction and the chat template's end,
+        not the passage it asks about (a corpus question quotes 40-150 tokens and ends "Answer with the number
+        only."; docs/results/real-text.md, "The bounded form's probe"). A question shorter than the window is probed
+        as before, at no more cost; the probe is never longer than the rest of the prompt, which the last step holds
+        beside the same cells, so it does not raise the re-selection's peak."""
+        return list(prompt[-max(min(len(prompt) - base, block_index.QUESTION_TOKENS), window):])
 
     def _turns_for(self, prompt: list[int], reach: int) -> tuple[list[TurnChunk], int, int]:
         """The kept turn chunks that `prompt` starts with, how far they reach into it exactly, and where the chunk
