@@ -39,7 +39,7 @@ from kvcli.errors import KvcliError
 from kvcli.evaluation.chat import QUESTION_SEQ, RESIDENT_SEQ, _reselections
 from kvcli.evaluation.corpus_eval import (REFERENCE_FORM, answer_tokens, check_variants, corpus_result, doc_line,
                                           doc_questions, score_into)
-from kvcli.evaluation.evidence import answer_kept
+from kvcli.evaluation.evidence import answer_spans, kept_share
 from kvcli.evaluation.fidelity import MARGIN
 from kvcli.evaluation.fidelity_reselect import _selection_cells
 from kvcli.evaluation.measure import held, machine
@@ -234,7 +234,7 @@ def _bounded_document(session, base, text, qs, head, prompts, cfgs, resolved, un
                     "store_bytes": cs.nbytes, "chunk": step, "chunk_type": cs.chunk_type, "n_ctx": session.n_ctx}
             try:
                 for i, (q, prompt) in enumerate(zip(qs, prompts)):
-                    answers = {}
+                    answers, spans = {}, answer_spans(session, q, text, prompt)
                     for form in order:
                         try:
                             r = _reselect_form(cs, session, prompt, cfg, step, form)
@@ -245,8 +245,8 @@ def _bounded_document(session, base, text, qs, head, prompts, cfgs, resolved, un
                         stats = {"reselect_s": round(r.total_s, 4), "reselect_chunks": r.chunks,
                                  "stored_chunks": r.stored, "index_s": round(r.index_s, 4),
                                  "streamed": r.streamed, "chunks_per_question": cs.chunks_per_question(bud),
-                                 "answer_kept": answer_kept(session, q, text, render(session, text, [], q.question),
-                                                            prompt, r.origins),
+                                 "answer_kept": None if spans is None else kept_share(
+                                     r.origins.slot_origins(session, 0), spans),
                                  **held(session)}
                         t0 = time.perf_counter()
                         pred = _greedy(session, session.logits(0), answer_tokens(q))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcli.citations import token_offsets, token_pieces
+from kvcli.evaluation.tasks import render
 
 
 def answer_chars(q, text: str) -> list[tuple[int, int]]:
@@ -69,10 +70,13 @@ def kept_share(origins: list[list[np.ndarray]], spans: list[np.ndarray]) -> floa
     return float(np.mean([np.mean([np.isin(s, o).mean() for o in heads]) for s in spans]))
 
 
-def answer_kept(session, q, text: str, prompt_text: str, prompt: list[int], origins) -> float | None:
-    """`kept_share` of the question's answers in the re-selected sequence 0 (its `origins`, reselect_bounded);
-    None for a summary, or an engine that cannot place its tokens in the text."""
+def answer_spans(session, q, text: str, prompt: list[int]) -> list[np.ndarray] | None:
+    """`answer_tokens` of the question whose prompt is `prompt` (rendered as eval's `render` lays it out: the document
+    and the question in one user turn), once per question, for `kept_share` of every form's cache; [] for a summary,
+    None for an engine that cannot place its tokens in the text."""
+    if q.kind == "summary":
+        return []
     pieces = token_pieces(session, prompt)
     if pieces is None:
         return None
-    return kept_share(origins.slot_origins(session, 0), answer_tokens(q, text, prompt_text, pieces))
+    return answer_tokens(q, text, render(session, text, [], q.question), pieces)
