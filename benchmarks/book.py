@@ -10,6 +10,10 @@ Every mode runs `kvcli chat --model M --doc D --policy snapkv --budget B --threa
 with its own empty document store (KVCLI_CACHE), the planted facts' questions piped one per line, and stamps the
 moment each answer's JSON row arrives: the time to the first answer (model load, the read, the first question) and
 each later question's seconds (the gap between rows: tokenizing, re-selection, answer). Peak RSS by /usr/bin/time.
+`stored`, `last` and `rest`: the index mode's command with the read kept (--store PATH by the first of them, which
+reads; the others open it with --cache PATH: their first answer is the model's load and the first question), with
+the bounded form's probe as it is and as it was before (benchmarks/ask_last_probe.py --probe last|rest), to compare
+a conversation's questions by the probe alone. A mode named twice is recorded twice (`stored`, `stored-2`).
 `resume`: the same command, sent SIGTERM once the document store records half the document's tokens read, then
 started again: its time to the first answer against the uninterrupted `index` run's, and its answers.
 The document is examples/make_docs.py's station logbook. The machine may be shared: `uptime` is recorded, and the
@@ -28,18 +32,26 @@ import threading
 import time
 from pathlib import Path
 
+from ask_last_probe import PROBES
 from bench_common import ROOT, machine, uptime
 
 
-def chat_cmd(a, doc: Path) -> list[str]:
-    return [sys.executable, "-m", "kvcli.cli", "chat", "--model", a.model, "--doc", str(doc), "--policy", a.policy,
+def chat_cmd(a, doc: Path, probe: str | None = None, store: Path | None = None) -> list[str]:
+    """`store`: the read kept there (--store) or, once it is, the chat opened on it (--cache); `probe`: the bounded
+    form's probe as it was before (benchmarks/ask_last_probe.py's PROBES)."""
+    entry = ([str(ROOT / "benchmarks" / "ask_last_probe.py"), "--probe", probe] if probe else ["-m", "kvcli.cli"])
+    source = (["--doc", str(doc)] if store is None else ["--cache", str(store)] if store.exists()
+              else ["--doc", str(doc), "--store", str(store)])
+    return [sys.executable, *entry, "chat", "--model", a.model, *source, "--policy", a.policy,
             "--budget", str(a.budget), "--threads", str(a.threads), "-n", str(a.max_tokens), "--json"]
 
 
-def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None = None) -> dict:
-    """One chat process; `stop_at`: SIGTERM it once the document store records that many tokens read."""
+def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None = None,
+             probe: str | None = None, store: Path | None = None) -> dict:
+    """One chat process; `stop_at`: SIGTERM it once the document store records that many tokens read; `probe`, `store`:
+    as chat_cmd."""
     timing = None if stop_at else tempfile.NamedTemporaryFile(suffix=".time", delete=False).name
-    cmd = chat_cmd(a, doc)
+    cmd = chat_cmd(a, doc, probe, store)
     full = (["/usr/bin/time", "-f", "%M", "-o", timing] if timing else []) + cmd
     before = uptime()
     t0 = time.perf_counter()
@@ -64,7 +76,8 @@ def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None 
                 break
             time.sleep(0.2)
         p.wait()
-        return {"command": " ".join(["kvcli", *cmd[3:]]), "stopped_after_s": round(time.perf_counter() - t0, 2),
+        return {"command": " ".join(["kvcli", *cmd[cmd.index("chat"):]]),
+                "stopped_after_s": round(time.perf_counter() - t0, 2),
                 "tokens_read_when_stopped": done, "exit": p.returncode, "uptime": [before, uptime()]}
     for line in p.stdout:
         stamps.append(time.perf_counter() - t0)
@@ -77,7 +90,8 @@ def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None 
     summary = next((x.strip() for x in err if "re-selected per question" in x), None)
     gaps = [round(b - a_, 2) for a_, b in zip(stamps, stamps[1:])]
     first = stamps[0]
-    return {"command": " ".join(["kvcli", *cmd[3:]]) + " < questions", "uptime": [before, uptime()],
+    name = " ".join(cmd[1:4]) if probe else "kvcli"
+    return {"command": " ".join([name, *cmd[cmd.index("chat"):]]) + " < questions", "uptime": [before, uptime()],
             "summary_line": summary, "said": [x.strip() for x in err if "resuming" in x or "partial" in x],
             "first_answer_s": round(first, 2), "later_question_s": gaps,
             "later_share_of_first": [round(g / first, 4) for g in gaps],
@@ -97,10 +111,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-n", "--max-tokens", type=int, default=24)
-    ap.add_argument("--modes", default="index,all,resume", help="comma-separated: index, all, resume")
+    ap.add_argument("--modes", default="index,all,resume",
+                    help="comma-separated: index, all, resume; stored, last, rest: the index on a read kept by the "
+                         "first of them (--store, then --cache), with the probe as it is and as it was before")
+    ap.add_argument("--work", type=Path, help="the folder of the document and its kept read (default: a new one): "
+                                              "a second run with the same arguments reads nothing")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="book-"))
+    work = a.work or Path(tempfile.mkdtemp(prefix="book-"))
+    work.mkdir(parents=True, exist_ok=True)
     doc, facts = work / "doc.txt", work / "facts.json"
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_docs.py"), "--tokens", str(a.tokens), "--facts",
                     str(a.facts), "--seed", str(a.seed), "-o", str(doc), "--facts-json", str(facts)], check=True)
@@ -124,10 +143,14 @@ def main() -> None:
             stopped = run_chat(a, doc, questions, env, stop_at=a.tokens // 2)
             r = run_chat(a, doc, questions, env)
             r["stopped"] = stopped
+        elif mode in ("stored", *PROBES):
+            r = run_chat(a, doc, questions, env_for("kept"), probe=None if mode == "stored" else mode,
+                         store=work / "kept")
         else:
             r = run_chat(a, doc, questions, env_for(mode, {"KVCLI_RESELECT_CHUNKS": "all"} if mode == "all" else None))
         r["correct"] = [e in (x["answer"] or "") for e, x in zip(expected, r["answers"])]
-        out["runs"][mode] = r
+        name = mode if mode not in out["runs"] else f"{mode}-{sum(k.split('-')[0] == mode for k in out['runs']) + 1}"
+        out["runs"][name] = r
         save()
         print(f"  right {sum(r['correct'])}/{len(expected)}, first answer {r['first_answer_s']} s, later "
               f"{r['later_question_s']} s ({[f'{x:.1%}' for x in r['later_share_of_first']]})", file=sys.stderr)

@@ -137,6 +137,35 @@ def test_the_held_cells_are_probed_by_the_whole_question(tiny_2k, monkeypatch):
         s.close()
 
 
+def test_a_conversation_probes_by_its_last_question_not_its_last_answer(tiny_2k, monkeypatch):
+    """A later question of a conversation prefills the answer before it and itself; its probe is the question alone,
+    from the start of its turn (after the end-of-turn token that closes the answer): the answer's tokens would score
+    the cells that answered the last question."""
+    from kvcli.drivers import reselect_bounded
+    from kvcli.drivers.reselect_bounded import ChunkedStore
+    s, head, p1 = reselection_session(tiny_2k, DOC, "Which code did the river station log?")
+    try:
+        cfg = cfg_of(tiny_2k)
+        _, window = cfg.observe
+        store = ChunkedStore.read(s, head, cfg, chunk=128)
+        store.reselect(s, p1, cfg, extend=True, cells=cfg.budget + 128)
+        answer = "The river station logged code 1074 on its third entry, as the log of that morning says. " * 2
+        quote = " ".join(f"the {w} station logged code ___ at dawn;" for w in ["north", "stone", "delta"] * 2)
+        new = turn(s, answer, f'The document holds this passage: "{quote}". What is the missing number?')
+        question = new[next(i for i, t in enumerate(new) if s.is_eog(t)) + 1:]
+        assert len(question) > window and len(new) - len(question) > len(s.tokenize(answer))
+        probes, real = [], reselect_bounded.probe_window
+        monkeypatch.setattr(reselect_bounded, "probe_window", lambda sess, seq, probe, obs, w:
+                            probes.append(list(probe)) or real(sess, seq, probe, obs, w))
+        r = store.reselect(s, p1 + new, cfg, extend=True, cells=cfg.budget + 128)
+        assert r.source == "conversation" and r.prefilled == len(new)
+        assert probes and all(p == question for p in probes)
+        assert s.stats(0)["kv_cells"] <= cfg.budget
+        store.close()
+    finally:
+        s.close()
+
+
 def test_a_moved_chunk_is_attended_to_as_before(tiny_2k, setup):
     """The same chunk at its stored positions and moved 48 positions back (append_saved: llama.cpp's K-shift):
     a probe after it attends to it alike, since RoPE attention depends on relative positions only."""
