@@ -10,10 +10,11 @@ Every mode runs `kvcli chat --model M --doc D --policy snapkv --budget B --threa
 with its own empty document store (KVCLI_CACHE), the planted facts' questions piped one per line, and stamps the
 moment each answer's JSON row arrives: the time to the first answer (model load, the read, the first question) and
 each later question's seconds (the gap between rows: tokenizing, re-selection, answer). Peak RSS by /usr/bin/time.
-`stored`, `last` and `rest`: the index mode's command with the read kept (--store PATH by the first of them, which
+`stored`, `last` and `turn`: the index mode's command with the read kept (--store PATH by the first of them, which
 reads; the others open it with --cache PATH: their first answer is the model's load and the first question), with
-the bounded form's probe as it is and as it was before (benchmarks/ask_last_probe.py --probe last|rest), to compare
-a conversation's questions by the probe alone. A mode named twice is recorded twice (`stored`, `stored-2`).
+the bounded form's probe as it is and two others (benchmarks/ask_last_probe.py --probe last|turn), to compare a
+conversation's questions by the probe alone; `keptall`: every chunk streamed from that read. `--prose FILE` sets the
+facts into a real text instead of the logbook. A mode named twice is recorded twice (`stored`, `stored-2`).
 `resume`: the same command, sent SIGTERM once the document store records half the document's tokens read, then
 started again: its time to the first answer against the uninterrupted `index` run's, and its answers.
 The document is examples/make_docs.py's station logbook. The machine may be shared: `uptime` is recorded, and the
@@ -37,8 +38,8 @@ from bench_common import ROOT, machine, uptime
 
 
 def chat_cmd(a, doc: Path, probe: str | None = None, store: Path | None = None) -> list[str]:
-    """`store`: the read kept there (--store) or, once it is, the chat opened on it (--cache); `probe`: the bounded
-    form's probe as it was before (benchmarks/ask_last_probe.py's PROBES)."""
+    """`store`: the read kept there (--store) or, once it is, the chat opened on it (--cache); `probe`: another
+    probe for the bounded form than kvcli's (benchmarks/ask_last_probe.py's PROBES)."""
     entry = ([str(ROOT / "benchmarks" / "ask_last_probe.py"), "--probe", probe] if probe else ["-m", "kvcli.cli"])
     source = (["--doc", str(doc)] if store is None else ["--cache", str(store)] if store.exists()
               else ["--doc", str(doc), "--store", str(store)])
@@ -101,6 +102,17 @@ def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None 
                         for r in rows]}
 
 
+def set_into(text: str, planted: list[dict]) -> str:
+    """`text` with each planted fact's sentence on a line of its own before the first line at or after its depth
+    that starts a paragraph or an indented line (a verse, a list item)."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line[:1].isspace() or (i and not lines[i - 1].strip())]
+    for f in sorted(planted, key=lambda f: -f["depth"]):
+        at = next((i for i in starts if i >= f["depth"] * len(lines)), len(lines))
+        lines.insert(at, f["sentence"])
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -112,8 +124,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-n", "--max-tokens", type=int, default=24)
     ap.add_argument("--modes", default="index,all,resume",
-                    help="comma-separated: index, all, resume; stored, last, rest: the index on a read kept by the "
-                         "first of them (--store, then --cache), with the probe as it is and as it was before")
+                    help="comma-separated: index, all, resume; stored, last, turn: the index on a read kept by the "
+                         "first of them (--store, then --cache), with kvcli's probe and two others; keptall: every "
+                         "chunk streamed from that read")
+    ap.add_argument("--prose", type=Path, help="a real text to set the facts into, each on its own line at its "
+                                               "depth, instead of the logbook (the facts' sentences come from "
+                                               "make_docs.py all the same)")
     ap.add_argument("--work", type=Path, help="the folder of the document and its kept read (default: a new one): "
                                               "a second run with the same arguments reads nothing")
     ap.add_argument("-o", "--out", required=True)
@@ -124,10 +140,13 @@ def main() -> None:
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_docs.py"), "--tokens", str(a.tokens), "--facts",
                     str(a.facts), "--seed", str(a.seed), "-o", str(doc), "--facts-json", str(facts)], check=True)
     planted = json.loads(facts.read_text())
+    if a.prose:
+        doc.write_text(set_into(a.prose.read_text(), planted))
     questions = [f["question"] for f in planted]
     expected = [str(f["answer"]) for f in planted]
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(a.threads),
-           "document": f"python examples/make_docs.py --tokens {a.tokens} --facts {a.facts} --seed {a.seed}",
+           "document": f"python examples/make_docs.py --tokens {a.tokens} --facts {a.facts} --seed {a.seed}"
+                       + (f", its facts set into {a.prose}" if a.prose else ""),
            "expected": expected, "runs": {}}
 
     def env_for(name: str, extra: dict | None = None) -> dict:
@@ -143,9 +162,10 @@ def main() -> None:
             stopped = run_chat(a, doc, questions, env, stop_at=a.tokens // 2)
             r = run_chat(a, doc, questions, env)
             r["stopped"] = stopped
-        elif mode in ("stored", *PROBES):
-            r = run_chat(a, doc, questions, env_for("kept"), probe=None if mode == "stored" else mode,
-                         store=work / "kept")
+        elif mode in ("stored", "keptall", *PROBES):
+            r = run_chat(a, doc, questions, env_for("kept", {"KVCLI_RESELECT_CHUNKS": "all"} if mode == "keptall"
+                                                    else None),
+                         probe=mode if mode in PROBES else None, store=work / "kept")
         else:
             r = run_chat(a, doc, questions, env_for(mode, {"KVCLI_RESELECT_CHUNKS": "all"} if mode == "all" else None))
         r["correct"] = [e in (x["answer"] or "") for e, x in zip(expected, r["answers"])]
