@@ -134,6 +134,8 @@ def main() -> None:
                                               "a second run with the same arguments reads nothing")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
+    if a.prose and "resume" in a.modes.split(","):   # its stop point is counted in the logbook's --tokens
+        ap.error("the resume mode stops a read at half of --tokens: not with --prose")
     work = a.work or Path(tempfile.mkdtemp(prefix="book-"))
     work.mkdir(parents=True, exist_ok=True)
     doc, facts = work / "doc.txt", work / "facts.json"
