@@ -44,7 +44,8 @@ def chat_cmd(a, doc: Path, probe: str | None = None, store: Path | None = None) 
     source = (["--doc", str(doc)] if store is None else ["--cache", str(store)] if store.exists()
               else ["--doc", str(doc), "--store", str(store)])
     return [sys.executable, *entry, "chat", "--model", a.model, *source, "--policy", a.policy,
-            "--budget", str(a.budget), "--threads", str(a.threads), "-n", str(a.max_tokens), "--json"]
+            "--budget", str(a.budget), "--threads", str(a.threads), "-n", str(a.max_tokens), "--json",
+            *(["--chunk", str(a.chunk)] if a.chunk else [])]
 
 
 def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None = None,
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-n", "--max-tokens", type=int, default=24)
+    ap.add_argument("--chunk", type=int, help="kvcli chat --chunk N: the bounded form's chunk (default: kvcli's)")
     ap.add_argument("--modes", default="index,all,resume",
                     help="comma-separated: index, all, resume; stored, last, turn: the index on a read kept by the "
                          "first of them (--store, then --cache), with kvcli's probe and two others; keptall: every "
