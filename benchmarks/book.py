@@ -45,7 +45,7 @@ def chat_cmd(a, doc: Path, probe: str | None = None, store: Path | None = None) 
               else ["--doc", str(doc), "--store", str(store)])
     return [sys.executable, *entry, "chat", "--model", a.model, *source, "--policy", a.policy,
             "--budget", str(a.budget), "--threads", str(a.threads), "-n", str(a.max_tokens), "--json",
-            *(["--chunk", str(a.chunk)] if a.chunk else [])]
+            *(["--chunk", str(a.chunk)] if a.chunk is not None else [])]
 
 
 def run_chat(a, doc: Path, questions: list[str], env: dict, stop_at: int | None = None,
